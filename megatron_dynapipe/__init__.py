@@ -1,0 +1,3 @@
+"""megatron-dynapipe: dynamic micro-batching and pipeline schedules for Megatron-LM."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The planning core: pure Python and numpy, imports neither torch nor Megatron."""
