@@ -1,0 +1,674 @@
+"""What a GPT layer costs: time per micro-batch, activation memory, parameter memory.
+
+Two sources answer the same questions (see docs/cost_model.md):
+
+* :class:`ProfiledCostModel` reads a measured table (JSON) and interpolates it;
+* :class:`AnalyticalCostModel` derives the costs from FLOP counts and the activation-memory
+  formulas of Korthikanti et al. (2022).
+
+Both answer per *layer* and per *micro-batch*; :class:`StageCosts` turns that into what one
+pipeline stage costs, which is what the planner asks. Every query is vectorised: ``mbs`` and
+``seqlen`` may be scalars or broadcastable arrays, and ``np.inf`` marks a micro-batch shape that
+cannot run at all. Scalar queries take a pure-Python path because the planner issues many of them.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import os
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import RecomputeType
+
+__all__ = [
+    "AnalyticalCostModel",
+    "CostModel",
+    "CostModelError",
+    "ProfiledCostModel",
+    "StageCosts",
+    "load_cost_model",
+]
+
+MB = 2**20  # bytes in the "MB" every cost model speaks (the unit of the profile files)
+LAYERS = ("encoder", "postprocess")
+PHASES = ("forward", "backward")
+KINDS = ("stored", "peak")
+PARAM_LAYERS = ("embedding", "encoder")
+FORMAT_HINT = "see docs/cost_model.md for the format"
+
+_INF = math.inf
+_SCALARS = (int, float, np.integer, np.floating)
+
+
+class CostModelError(ValueError):
+    """A cost model file cannot be used; the message says what to fix."""
+
+
+def _recompute(value) -> RecomputeType:
+    return value if isinstance(value, RecomputeType) else RecomputeType.parse(value)
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, _SCALARS) or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices)}")
+
+
+def _full_inf(mbs, seqlen):
+    if _is_scalar(mbs) and _is_scalar(seqlen):
+        return _INF
+    return np.full(np.broadcast_shapes(np.shape(mbs), np.shape(seqlen)), _INF)
+
+
+class CostModel(abc.ABC):
+    """Per-layer costs of one model at one tensor-parallel size.
+
+    ``layer_ms`` and ``activation_mb`` return a ``float`` when both ``mbs`` and ``seqlen`` are
+    scalars and a float ``np.ndarray`` of their broadcast shape otherwise.
+    """
+
+    tp: int
+    hidden_size: int  # activation width: p2p messages are mbs * seqlen * hidden_size elements
+    name: str = ""
+
+    @abc.abstractmethod
+    def layer_ms(self, layer: str, phase: str, recompute: RecomputeType, mbs, seqlen):
+        """Milliseconds of one ``layer`` ("encoder" | "postprocess") in ``phase``
+        ("forward" | "backward") for one micro-batch; backward includes recomputation."""
+
+    @abc.abstractmethod
+    def activation_mb(self, kind: str, recompute: RecomputeType, mbs, seqlen):
+        """MB of one encoder layer: ``kind`` "stored" is kept from its forward until its
+        backward, "peak" is the transient extra while the layer runs."""
+
+    @abc.abstractmethod
+    def param_mb(self, layer: str) -> float:
+        """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiled costs
+
+
+class _Grid:
+    """One measured quantity on a (seqlen x mbs) grid, interpolated bilinearly.
+
+    Rows are profiled sequence lengths, columns the union of profiled micro-batch sizes. A row
+    need not cover every column: gaps inside a row are filled by linear interpolation within the
+    row, columns before its first point take its first value, and columns past its last point
+    (``max_mbs``) hold a finite filler that feasibility masks always exclude (so a zero
+    interpolation weight never meets an inf or NaN).
+    """
+
+    __slots__ = ("S", "M", "V", "max_mbs", "_S", "_M", "_V", "_maxm", "_dS", "_dM", "_Sl", "_Ml",
+                 "_Vl", "_maxl")
+
+    def __init__(self, points: dict[tuple[int, int], float]):
+        seqlens = sorted({s for s, _ in points})
+        mbs = sorted({m for _, m in points})
+        self.S = np.array(seqlens, dtype=float)
+        self.M = np.array(mbs, dtype=float)
+        self.V = np.empty((len(seqlens), len(mbs)))
+        self.max_mbs = np.empty(len(seqlens))
+        for i, s in enumerate(seqlens):
+            row = sorted((m, v) for (ss, m), v in points.items() if ss == s)
+            xs = np.array([m for m, _ in row], dtype=float)
+            self.V[i] = np.interp(self.M, xs, [v for _, v in row])
+            self.max_mbs[i] = xs[-1]
+        # Padded copies so that one row or one column still has a segment [k, k + 1].
+        self._S, self._V, self._maxm = self.S, self.V, self.max_mbs
+        if len(seqlens) == 1:
+            self._S = np.repeat(self.S, 2)
+            self._V = np.repeat(self.V, 2, axis=0)
+            self._maxm = np.repeat(self.max_mbs, 2)
+        self._M = self.M
+        if len(mbs) == 1:
+            self._M = np.repeat(self.M, 2)
+            self._V = np.repeat(self._V, 2, axis=1)
+        self._dS = np.diff(self._S)
+        self._dS[self._dS == 0] = 1.0
+        self._dM = np.diff(self._M)
+        self._dM[self._dM == 0] = 1.0
+        self._Sl = self._S.tolist()
+        self._Ml = self._M.tolist()
+        self._Vl = self._V.tolist()
+        self._maxl = self._maxm.tolist()
+
+    # -- scalar path: plain Python, a few microseconds ------------------------------------------
+    def _row(self, i: int, m: float) -> float:
+        M, row = self._Ml, self._Vl[i]
+        if m <= M[0]:
+            return row[0]
+        j = bisect_left(M, m) - 1  # M[j] < m <= M[j + 1]
+        hi = M[j + 1]
+        if m == hi:
+            return row[j + 1]
+        w = (m - M[j]) / (hi - M[j])
+        return (1.0 - w) * row[j] + w * row[j + 1]
+
+    def _seq_segment(self, s: float) -> tuple[int, float]:
+        """(i, w): seqlen s sits at weight w between rows i and i + 1 (w == 0: row i alone)."""
+        S = self._Sl
+        if s <= S[0]:
+            return 0, 0.0
+        i = bisect_left(S, s) - 1  # S[i] < s <= S[i + 1]
+        if s == S[i + 1]:
+            return i + 1, 0.0
+        return i, (s - S[i]) / (S[i + 1] - S[i])
+
+    def scalar(self, m: float, s: float) -> float:
+        if not s <= self._Sl[-1]:
+            return _INF
+        i, w = self._seq_segment(s)
+        if not m <= self._maxl[i]:
+            return _INF
+        a = self._row(i, m)
+        if w == 0.0:
+            return a
+        if not m <= self._maxl[i + 1]:
+            return _INF
+        return (1.0 - w) * a + w * self._row(i + 1, m)
+
+    # -- array paths ----------------------------------------------------------------------------
+    def at_seqlen(self, m: np.ndarray, s: float) -> np.ndarray:
+        """Many micro-batch sizes at one sequence length: one np.interp over a blended row."""
+        if not s <= self._Sl[-1]:
+            return np.full(m.shape, _INF)
+        i, w = self._seq_segment(s)
+        if w == 0.0:
+            row, limit = self._V[i], self._maxl[i]
+        else:
+            row = (1.0 - w) * self._V[i] + w * self._V[i + 1]
+            limit = min(self._maxl[i], self._maxl[i + 1])
+        out = np.interp(m, self._M, row)
+        np.copyto(out, _INF, where=~(m <= limit))
+        return out
+
+    def general(self, m: np.ndarray, s: np.ndarray) -> np.ndarray:
+        m, s = np.broadcast_arrays(m, s)
+        S, M, V, maxm = self._S, self._M, self._V, self._maxm
+        sc = np.maximum(s, S[0])
+        i = np.clip(np.searchsorted(S, sc, side="left") - 1, 0, len(S) - 2)
+        ws = (sc - S[i]) / self._dS[i]
+        mc = np.maximum(m, M[0])
+        j = np.clip(np.searchsorted(M, mc, side="left") - 1, 0, len(M) - 2)
+        wm = (mc - M[j]) / self._dM[j]
+        lo = (1.0 - wm) * V[i, j] + wm * V[i, j + 1]
+        hi = (1.0 - wm) * V[i + 1, j] + wm * V[i + 1, j + 1]
+        out = (1.0 - ws) * lo + ws * hi
+        ok = (s <= S[-1]) & ((ws >= 1.0) | (m <= maxm[i])) & ((ws <= 0.0) | (m <= maxm[i + 1]))
+        np.copyto(out, _INF, where=~ok)
+        return out
+
+    def __call__(self, mbs, seqlen):
+        if _is_scalar(seqlen):
+            if _is_scalar(mbs):
+                return self.scalar(float(mbs), float(seqlen))
+            return self.at_seqlen(np.asarray(mbs, dtype=float), float(seqlen))
+        return self.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
+
+
+class ProfiledCostModel(CostModel):
+    """Costs interpolated from a profile (docs/cost_model.md).
+
+    Within a profiled sequence length, cost is linear in the micro-batch size between profiled
+    sizes; between two profiled sequence lengths it is linear in the sequence length. Shorter
+    sequences than the shortest profiled cost as much as the shortest; longer sequences than the
+    longest profiled, and micro-batches larger than a bracketing row profiled, are ``inf``.
+    A recompute type absent from the profile is ``inf`` everywhere.
+    """
+
+    def __init__(
+        self,
+        *,
+        tp: int,
+        hidden_size: int,
+        times: dict[tuple[str, str, RecomputeType], _Grid],
+        memory: dict[tuple[str, RecomputeType], _Grid],
+        params_mb: dict[str, float],
+        name: str = "",
+    ):
+        self.tp = int(tp)
+        self.hidden_size = int(hidden_size)
+        self.name = name
+        self._times = dict(times)
+        self._memory = dict(memory)
+        self._params = dict(params_mb)
+        self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(rc.label for rc in self.recompute_types)
+        return f"ProfiledCostModel({self.name!r}, tp={self.tp}, recompute: {kinds})"
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        rc = _recompute(recompute)
+        grid = self._times.get((layer, phase, rc))
+        if grid is None:
+            _check_choice("layer", layer, LAYERS)
+            _check_choice("phase", phase, PHASES)
+            return _full_inf(mbs, seqlen)
+        return grid(mbs, seqlen)
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        rc = _recompute(recompute)
+        grid = self._memory.get((kind, rc))
+        if grid is None:
+            _check_choice("activation kind", kind, KINDS)
+            return _full_inf(mbs, seqlen)
+        return grid(mbs, seqlen)
+
+    def param_mb(self, layer):
+        try:
+            return self._params[layer]
+        except KeyError:
+            _check_choice("parameter layer", layer, PARAM_LAYERS)
+            raise
+
+    @classmethod
+    def from_json(cls, path, tp: int, *, hidden_size: int | None = None) -> "ProfiledCostModel":
+        """Load the profile of tensor-parallel size ``tp`` from a JSON file.
+
+        ``hidden_size`` (for p2p message sizes) comes from this argument, else from the file's
+        optional ``hidden_size`` key, else it is estimated from the encoder parameter memory.
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise CostModelError(
+                f"cost model file {path} not found: pass --cost-model PATH to a JSON file in the "
+                "format of docs/cost_model.md"
+            )
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CostModelError(
+                f"cost model file {path} is not valid JSON ({e.msg} at line {e.lineno} column "
+                f"{e.colno}): {FORMAT_HINT}"
+            ) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CostModelError(f"cost model file {path} cannot be read ({e}): {FORMAT_HINT}") from None
+        return cls._from_document(doc, tp, source=path, hidden_size=hidden_size)
+
+    @classmethod
+    def _from_document(cls, doc, tp: int, *, source: str, hidden_size: int | None = None):
+        reader = _ProfileReader(doc, source)
+        tp = int(tp)
+        available = reader.tps()
+        if tp not in available:
+            listed = ", ".join(str(t) for t in sorted(available)) or "none"
+            raise CostModelError(
+                f"cost model {source} has no profile for tp={tp} (profiled: {listed}): choose one "
+                "of those tensor-parallel sizes or profile this one"
+            )
+        times, memory, params = reader.tables(tp)
+        if hidden_size is None:
+            hidden_size = reader.hidden_size()
+        if hidden_size is None:
+            hidden_size = _estimate_hidden_size(params["encoder"], tp)
+        return cls(
+            tp=tp,
+            hidden_size=hidden_size,
+            times={k: _Grid(v) for k, v in times.items()},
+            memory={k: _Grid(v) for k, v in memory.items()},
+            params_mb=params,
+            name=str(doc.get("name", os.path.basename(source))),
+        )
+
+
+def _estimate_hidden_size(encoder_param_mb: float, tp: int) -> int:
+    """Hidden size of a GPT layer with a 4h FFN (about 12 h^2 parameters) from its 16-bit
+    parameter MB at ``tp``, rounded to a multiple of 256."""
+    params = encoder_param_mb * MB / 2 * tp
+    return max(256, int(round(math.sqrt(params / 12) / 256)) * 256)
+
+
+class _ProfileReader:
+    """Validates a profile document and cuts out the tables of one tensor-parallel size."""
+
+    FIELDS = {
+        "layer_time": (("tp", "recompute", "layer", "phase", "seqlen", "mbs"), "ms"),
+        "activation_memory": (("tp", "recompute", "layer", "kind", "seqlen", "mbs"), "mb"),
+        "model_state_memory": (("tp", "recompute", "layer"), "mb"),
+    }
+    CHOICES = {
+        ("layer_time", "layer"): LAYERS,
+        ("layer_time", "phase"): PHASES,
+        ("activation_memory", "layer"): ("encoder",),
+        ("activation_memory", "kind"): KINDS,
+        ("model_state_memory", "layer"): PARAM_LAYERS,
+    }
+
+    def __init__(self, doc, source: str):
+        self.source = source
+        if not isinstance(doc, dict):
+            self.fail(f"holds a JSON {type(doc).__name__}, not an object")
+        self.doc = doc
+        self.records = {}
+        for table in self.FIELDS:
+            if table not in doc:
+                self.fail(f"lacks the key {table!r}")
+            if not isinstance(doc[table], list):
+                self.fail(f"key {table!r} is not a list of records")
+            self.records[table] = [self.record(table, n, r) for n, r in enumerate(doc[table])]
+
+    def fail(self, what: str):
+        raise CostModelError(f"cost model file {self.source} {what}: {FORMAT_HINT}")
+
+    def record(self, table: str, n: int, rec) -> tuple:
+        where = f"{table} record {n}"
+        if not isinstance(rec, dict):
+            self.fail(f"has a {where} that is not an object")
+        keys, value_key = self.FIELDS[table]
+        out = []
+        for key in (*keys, value_key):
+            if key not in rec:
+                self.fail(f"has a {where} without {key!r}")
+            v = rec[key]
+            if key == "recompute":
+                if not isinstance(v, str):
+                    self.fail(f"has a {where} whose 'recompute' is not a string")
+                try:
+                    v = RecomputeType.parse(v)
+                except ValueError:
+                    self.fail(f"has a {where} with unknown recompute {v!r} (use none, selective, full)")
+            elif key in ("layer", "phase", "kind"):
+                choices = self.CHOICES[(table, key)]
+                if v not in choices:
+                    self.fail(f"has a {where} with {key} {v!r} (use {', '.join(choices)})")
+            elif key in ("tp", "seqlen", "mbs"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+                    self.fail(f"has a {where} whose {key!r} is not a positive integer")
+                v = int(v)
+            else:  # the measured value
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    self.fail(f"has a {where} whose {key!r} is not a finite number >= 0")
+                v = float(v)
+            out.append(v)
+        return tuple(out)
+
+    def tps(self) -> set[int]:
+        return {r[0] for r in self.records["layer_time"]}
+
+    def hidden_size(self) -> int | None:
+        h = self.doc.get("hidden_size")
+        if h is None:
+            return None
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            self.fail("has a 'hidden_size' that is not a positive integer")
+        return h
+
+    def tables(self, tp: int):
+        times: dict = {}
+        for t, rc, layer, phase, s, m, v in self.records["layer_time"]:
+            if t == tp:
+                self.put(times.setdefault((layer, phase, rc), {}), (s, m), v, "layer_time")
+        memory: dict = {}
+        for t, rc, _layer, kind, s, m, v in self.records["activation_memory"]:
+            if t == tp:
+                self.put(memory.setdefault((kind, rc), {}), (s, m), v, "activation_memory")
+        params: dict[str, float] = {}
+        for t, _rc, layer, v in self.records["model_state_memory"]:
+            if t == tp:  # one value per recompute type, equal up to noise: keep the largest
+                params[layer] = max(params.get(layer, 0.0), v)
+        for rc in sorted({rc for _, _, rc in times}):
+            for layer in LAYERS:
+                for phase in PHASES:
+                    if (layer, phase, rc) not in times:
+                        self.fail(f"has no {layer} {phase} times for tp={tp} recompute={rc.label}")
+            for kind in KINDS:
+                if (kind, rc) not in memory:
+                    self.fail(f"has no {kind} activation memory for tp={tp} recompute={rc.label}")
+        for layer in PARAM_LAYERS:
+            if layer not in params:
+                self.fail(f"has no model_state_memory of the {layer} for tp={tp}")
+        return times, memory, params
+
+    def put(self, grid: dict, point: tuple[int, int], value: float, table: str) -> None:
+        if point in grid and grid[point] != value:
+            self.fail(
+                f"has conflicting {table} records for seqlen={point[0]} mbs={point[1]} "
+                f"({grid[point]} and {value})"
+            )
+        grid[point] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytical costs
+
+
+class AnalyticalCostModel(CostModel):
+    """GPT layer costs from FLOP counts and activation-memory formulas (docs/cost_model.md).
+
+    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase. Memory is
+    16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
+    single encoder layer (its stored and peak activations plus the 16-byte-per-parameter model
+    state of that layer) exceeds ``device_memory_mb`` is infeasible (``inf``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 4096,
+        num_heads: int = 32,
+        ffn_hidden_size: int | None = None,
+        vocab_size: int = 50257,
+        tp: int = 1,
+        peak_tflops: float = 312.0,
+        mfu: float = 0.5,
+        device_memory_mb: float = 40960,
+        overhead_ms: float = 0.0,
+    ):
+        ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                        ("ffn_hidden_size", ffn), ("vocab_size", vocab_size), ("tp", tp)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        if num_heads % tp:
+            raise ValueError(f"num_heads {num_heads} is not divisible by tp {tp}")
+        if not (peak_tflops > 0 and 0 < mfu <= 1 and device_memory_mb > 0 and overhead_ms >= 0):
+            raise ValueError("need peak_tflops > 0, 0 < mfu <= 1, device_memory_mb > 0, overhead_ms >= 0")
+        self.hidden_size = int(hidden_size)
+        self.num_heads = int(num_heads)
+        self.ffn_hidden_size = int(ffn)
+        self.vocab_size = int(vocab_size)
+        self.tp = int(tp)
+        self.peak_tflops = float(peak_tflops)
+        self.mfu = float(mfu)
+        self.device_memory_mb = float(device_memory_mb)
+        self.overhead_ms = float(overhead_ms)
+        self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
+        self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
+        h, t = self.hidden_size, self.tp
+        self._matmul_flop_per_token = 2.0 * (4 * h * h + 2 * h * self.ffn_hidden_size) / t
+        self._attention_flop = 4.0 * h / t  # times b * s^2
+        self._head_flop_per_token = 2.0 * h * self.vocab_size / t
+        self._encoder_state_mb = 8.0 * self.param_mb("encoder")
+
+    def __repr__(self) -> str:
+        return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
+                f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, "
+                f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms})")
+
+    # -- FLOPs -----------------------------------------------------------------------------------
+    def encoder_flops(self, phase: str, recompute, mbs, seqlen):
+        """FLOPs of one encoder layer on one TP rank (MAC = 2 FLOPs)."""
+        _check_choice("phase", phase, PHASES)
+        rc = _recompute(recompute)
+        b, s = _as_float(mbs), _as_float(seqlen)
+        attention = self._attention_flop * b * s * s
+        forward = self._matmul_flop_per_token * b * s + attention
+        if phase == "forward":
+            return forward
+        if rc == RecomputeType.NONE:
+            return 2.0 * forward
+        if rc == RecomputeType.SELECTIVE:
+            return 2.0 * forward + attention
+        return 3.0 * forward
+
+    def postprocess_flops(self, phase: str, mbs, seqlen):
+        """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
+        _check_choice("phase", phase, PHASES)
+        forward = self._head_flop_per_token * _as_float(mbs) * _as_float(seqlen)
+        return forward if phase == "forward" else 2.0 * forward
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        _check_choice("layer", layer, LAYERS)
+        if layer == "encoder":
+            flops = self.encoder_flops(phase, recompute, mbs, seqlen)
+        else:
+            flops = self.postprocess_flops(phase, mbs, seqlen)
+        return self._mask(flops / self._flop_per_ms + self.overhead_ms, mbs, seqlen)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def _activation_bytes(self, rc: RecomputeType, b, s):
+        h, a, t = self.hidden_size, self.num_heads, self.tp
+        sbh = s * b * h
+        if rc == RecomputeType.NONE:
+            return sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t))
+        if rc == RecomputeType.SELECTIVE:
+            return sbh * (10.0 + 24.0 / t)
+        return 2.0 * sbh
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        _check_choice("activation kind", kind, KINDS)
+        rc = _recompute(recompute)
+        b, s = _as_float(mbs), _as_float(seqlen)
+        stored = self._activation_bytes(rc, b, s)
+        if kind == "stored":
+            value = stored
+        else:  # backward materialises the whole layer plus as much again in gradients
+            value = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) - stored
+        return self._mask(value / MB, mbs, seqlen)
+
+    def param_mb(self, layer):
+        _check_choice("parameter layer", layer, PARAM_LAYERS)
+        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        if layer == "embedding":
+            params = self.vocab_size * h / t
+        else:  # TP-split QKV, projection, FFN weights and split biases; replicated biases + 2 LNs
+            params = (4 * h * h + 2 * h * f + 3 * h + f) / t + 6 * h
+        return 2.0 * params / MB
+
+    def fits(self, mbs, seqlen):
+        """Whether one micro-batch can run one encoder layer on the device at all."""
+        b, s = _as_float(mbs), _as_float(seqlen)
+        need = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) / MB + self._encoder_state_mb
+        return need <= self.device_memory_mb
+
+    def _mask(self, value, mbs, seqlen):
+        ok = self.fits(mbs, seqlen)
+        if isinstance(value, np.ndarray) or isinstance(ok, np.ndarray):
+            return np.where(ok, value, _INF)
+        return float(value) if ok else _INF
+
+
+def _as_float(x):
+    return float(x) if _is_scalar(x) else np.asarray(x, dtype=float)
+
+
+# ---------------------------------------------------------------------------------------------
+# One pipeline layout
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A :class:`CostModel` seen from one pipeline layout: what each stage costs.
+
+    Layers are split as evenly as possible, earlier stages taking the remainder. Stage 0 also
+    holds the embedding, the last stage the LM head (its time is ``postprocess``) and, when
+    ``pp > 1``, a tied copy of the embedding.
+    """
+
+    model: CostModel
+    num_layers: int
+    pp: int
+    dp: int = 1
+    zero_stage: int = 0  # 0..3; Megatron's distributed optimizer is ZeRO-1
+    p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
+
+    def __post_init__(self):
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"pp and dp must be >= 1, got pp={self.pp} dp={self.dp}")
+        if self.num_layers < self.pp:
+            raise ValueError(
+                f"{self.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= num_layers"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if not self.p2p_gbps > 0:
+            raise ValueError(f"p2p_gbps must be > 0, got {self.p2p_gbps}")
+
+    def layers_on(self, stage: int) -> int:
+        if not 0 <= stage < self.pp:
+            raise ValueError(f"stage {stage} is outside 0..{self.pp - 1}")
+        base, extra = divmod(self.num_layers, self.pp)
+        return base + (stage < extra)
+
+    def _time(self, phase: str, stage: int, mbs, seqlen, recompute):
+        ms = self.layers_on(stage) * self.model.layer_ms("encoder", phase, recompute, mbs, seqlen)
+        if stage == self.pp - 1:
+            ms = ms + self.model.layer_ms("postprocess", phase, recompute, mbs, seqlen)
+        return ms
+
+    def forward_ms(self, stage: int, mbs, seqlen, recompute):
+        """Forward of one micro-batch through the stage's layers (+ LM head on the last)."""
+        return self._time("forward", stage, mbs, seqlen, recompute)
+
+    def backward_ms(self, stage: int, mbs, seqlen, recompute):
+        """Backward (including recomputation) of one micro-batch through the stage."""
+        return self._time("backward", stage, mbs, seqlen, recompute)
+
+    def stored_mb(self, stage: int, mbs, seqlen, recompute):
+        """Activations one micro-batch keeps on the stage from its forward to its backward."""
+        return self.layers_on(stage) * self.model.activation_mb("stored", recompute, mbs, seqlen)
+
+    def peak_mb(self, stage: int, mbs, seqlen, recompute):
+        """Transient memory on top of the stored activations while one of its layers runs."""
+        self.layers_on(stage)  # validates the stage
+        return self.model.activation_mb("peak", recompute, mbs, seqlen)
+
+    def param_mb(self, stage: int) -> float:
+        """16-bit parameter MB on one rank of the stage."""
+        mb = self.layers_on(stage) * self.model.param_mb("encoder")
+        embeddings = (stage == 0) + (stage == self.pp - 1 and self.pp > 1)
+        return mb + embeddings * self.model.param_mb("embedding")
+
+    def model_state_mb(self, stage: int) -> float:
+        """Parameters, gradients and Adam states of one rank of the stage.
+
+        Per parameter: 2 B 16-bit weight, 2 B gradient, 12 B fp32 master weight + two moments.
+        ZeRO-1 shards the 12 B over dp, ZeRO-2 also the gradient, ZeRO-3 all 16 B.
+        """
+        p, dp = self.param_mb(stage), self.dp  # p MB holds 2 B per parameter
+        if self.zero_stage == 0:
+            return 8.0 * p
+        if self.zero_stage == 1:
+            return p * (2.0 + 6.0 / dp)
+        if self.zero_stage == 2:
+            return p * (1.0 + 7.0 / dp)
+        return 8.0 * p / dp
+
+    def p2p_ms(self, mbs, seqlen):
+        """Time to send one micro-batch's 16-bit activation (or its gradient) to the next stage."""
+        nbytes = 2.0 * _as_float(mbs) * _as_float(seqlen) * self.model.hidden_size
+        return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
+
+
+def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs) -> CostModel:
+    """The profiled model in ``path``, or the analytical model when ``path`` is None.
+
+    With a path, only ``hidden_size`` among the keyword arguments is used (for p2p sizes).
+    """
+    if path is None:
+        return AnalyticalCostModel(tp=tp, **analytical_kwargs)
+    return ProfiledCostModel.from_json(path, tp, hidden_size=analytical_kwargs.get("hidden_size"))

@@ -1,0 +1,533 @@
+"""Cost models: expected values come from the profile file itself or from hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dynapipe.planning.cost_model import (
+    AnalyticalCostModel,
+    CostModel,
+    CostModelError,
+    ProfiledCostModel,
+    StageCosts,
+    load_cost_model,
+)
+from megatron_dynapipe.planning.types import RecomputeType as R
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = (ROOT / ".." / "shared" / "cost_models" / "gpt-6.7b-a100.json").resolve()
+SEQLENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144, 8192]
+
+
+@pytest.fixture(scope="module")
+def profile() -> Path:
+    if not PROFILE.is_file():
+        pytest.skip(f"reference profile {PROFILE} not present")
+    return PROFILE
+
+
+@pytest.fixture(scope="module")
+def raw(profile):
+    """The profile as plain dictionaries, read independently of the code under test."""
+    doc = json.loads(profile.read_text())
+    times = {
+        (r["tp"], r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]): r["ms"]
+        for r in doc["layer_time"]
+    }
+    memory = {
+        (r["tp"], r["recompute"], r["kind"], r["seqlen"], r["mbs"]): r["mb"]
+        for r in doc["activation_memory"]
+    }
+    return doc, times, memory
+
+
+@pytest.fixture(scope="module")
+def models(profile):
+    return {tp: ProfiledCostModel.from_json(profile, tp) for tp in (1, 2, 4, 8)}
+
+
+# --- profiled: exact points, interpolation, range ------------------------------------------------
+
+
+def test_every_profiled_time_is_reproduced_exactly(raw, models):
+    _, times, _ = raw
+    for (tp, rc, layer, phase, s, m), ms in times.items():
+        assert models[tp].layer_ms(layer, phase, R.parse(rc), m, s) == ms
+
+
+def test_every_profiled_activation_is_reproduced_exactly(raw, models):
+    _, _, memory = raw
+    for (tp, rc, kind, s, m), mb in memory.items():
+        assert models[tp].activation_mb(kind, R.parse(rc), m, s) == mb
+
+
+def test_array_paths_reproduce_the_table(raw, models):
+    _, times, _ = raw
+    m = np.array([1, 2, 4, 8])
+    expected = np.array([times[(1, "none", "encoder", "backward", 2048, k)] for k in m])
+    got = models[1].layer_ms("encoder", "backward", R.NONE, m, 2048)
+    np.testing.assert_array_equal(got, expected)
+    got2 = models[1].layer_ms("encoder", "backward", R.NONE, m, np.full(4, 2048))
+    np.testing.assert_array_equal(got2, expected)
+    s = np.array(SEQLENS)
+    expected = np.array([times[(2, "full", "postprocess", "forward", k, 1)] for k in s])
+    np.testing.assert_array_equal(models[2].layer_ms("postprocess", "forward", "full", 1, s), expected)
+
+
+def test_midpoint_in_mbs_is_linear(raw, models):
+    _, times, _ = raw
+    lo = times[(1, "none", "encoder", "forward", 2048, 2)]
+    hi = times[(1, "none", "encoder", "forward", 2048, 4)]
+    got = models[1].layer_ms("encoder", "forward", R.NONE, 3, 2048)
+    assert min(lo, hi) < got < max(lo, hi)
+    assert got == pytest.approx((lo + hi) / 2, rel=1e-12)
+    # a quarter of the way from 8 to 16 at seqlen 512
+    lo = times[(4, "selective", "encoder", "backward", 512, 8)]
+    hi = times[(4, "selective", "encoder", "backward", 512, 16)]
+    got = models[4].layer_ms("encoder", "backward", R.SELECTIVE, np.array([10]), 512)[0]
+    assert got == pytest.approx(0.75 * lo + 0.25 * hi, rel=1e-12)
+
+
+def test_midpoint_in_seqlen_is_linear(raw, models):
+    _, times, memory = raw
+    lo = times[(1, "none", "encoder", "forward", 2048, 1)]
+    hi = times[(1, "none", "encoder", "forward", 4096, 1)]
+    got = models[1].layer_ms("encoder", "forward", R.NONE, 1, 3072)
+    assert lo < got < hi
+    assert got == pytest.approx((lo + hi) / 2, rel=1e-12)
+    lo = memory[(8, "full", "stored", 4096, 2)]
+    hi = memory[(8, "full", "stored", 6144, 2)]
+    got = models[8].activation_mb("stored", R.FULL, 2, 4608)  # 1/4 of the way
+    assert got == pytest.approx(0.75 * lo + 0.25 * hi, rel=1e-12)
+
+
+def test_bilinear_point_matches_hand_computation(raw, models):
+    _, times, _ = raw
+
+    def t(s, m):
+        return times[(2, "selective", "encoder", "backward", s, m)]
+
+    # seqlen 1280 is 1/4 from 1024 to 2048; mbs 3 is halfway from 2 to 4
+    row_1024 = (t(1024, 2) + t(1024, 4)) / 2
+    row_2048 = (t(2048, 2) + t(2048, 4)) / 2
+    expected = 0.75 * row_1024 + 0.25 * row_2048
+    cm = models[2]
+    assert cm.layer_ms("encoder", "backward", R.SELECTIVE, 3, 1280) == pytest.approx(expected, rel=1e-12)
+    vec = cm.layer_ms("encoder", "backward", R.SELECTIVE, np.array([3, 3]), np.array([1280, 1280]))
+    np.testing.assert_allclose(vec, expected, rtol=1e-12)
+
+
+def test_seqlen_below_profiled_costs_as_much_as_the_shortest(raw, models):
+    _, times, _ = raw
+    for s in (1, 8, 15, 16):
+        assert models[1].layer_ms("encoder", "forward", R.NONE, 4, s) == times[
+            (1, "none", "encoder", "forward", 16, 4)
+        ]
+    got = models[1].layer_ms("encoder", "forward", R.NONE, np.array([4, 4]), np.array([3, 16]))
+    np.testing.assert_array_equal(got, times[(1, "none", "encoder", "forward", 16, 4)])
+
+
+def test_out_of_range_is_infinite(raw, models):
+    _, times, _ = raw
+    cm = models[1]
+    # longer than the longest profiled sequence
+    for s in (8193, 10_000):
+        assert cm.layer_ms("encoder", "forward", R.NONE, 1, s) == math.inf
+        assert cm.activation_mb("stored", R.FULL, 1, s) == math.inf
+    assert np.all(np.isinf(cm.layer_ms("encoder", "forward", R.NONE, np.array([1, 2]), 9000)))
+    # 2048 tokens profiled up to mbs 8 without recompute, 16 with full recompute
+    assert (1, "none", "encoder", "forward", 2048, 16) not in times
+    assert cm.layer_ms("encoder", "forward", R.NONE, 9, 2048) == math.inf
+    full_16 = times[(1, "full", "encoder", "forward", 2048, 16)]
+    assert cm.layer_ms("encoder", "forward", R.FULL, 16, 2048) == full_16
+    # between 2048 (mbs <= 8) and 4096 (mbs <= 4): mbs 5 is beyond what the 4096 row profiled
+    assert (1, "none", "encoder", "forward", 4096, 5) not in times
+    assert cm.layer_ms("encoder", "forward", R.NONE, 5, 3000) == math.inf
+    assert math.isfinite(cm.layer_ms("encoder", "forward", R.NONE, 4, 3000))
+    got = cm.layer_ms("encoder", "forward", R.NONE, np.arange(1, 10), 3000)
+    np.testing.assert_array_equal(np.isinf(got), np.arange(1, 10) > 4)
+    got = cm.layer_ms("encoder", "forward", R.NONE, np.arange(1, 10), np.full(9, 3000))
+    np.testing.assert_array_equal(np.isinf(got), np.arange(1, 10) > 4)
+    # but exactly at 2048 only the 2048 row counts
+    assert math.isfinite(cm.layer_ms("encoder", "forward", R.NONE, 8, 2048))
+    # beyond every profiled micro-batch size
+    assert cm.layer_ms("encoder", "forward", R.NONE, 4096, 16) == math.inf
+
+
+def test_interpolation_stays_between_neighbours(models):
+    """Between consecutive profiled points the interpolant is monotone and bounded by them."""
+    cm = models[4]
+    for rc in R:
+        for layer, phase in [("encoder", "forward"), ("encoder", "backward"), ("postprocess", "backward")]:
+            for s in SEQLENS:
+                m = np.linspace(1, 2048, 4000)
+                v = cm.layer_ms(layer, phase, rc, m, s)
+                grid = cm.layer_ms(layer, phase, rc, 2.0 ** np.arange(12), s)
+                for k in range(11):
+                    if not np.isfinite(grid[k + 1]):
+                        break
+                    seg = v[(m >= 2**k) & (m <= 2 ** (k + 1))]
+                    lo, hi = sorted((grid[k], grid[k + 1]))
+                    assert np.all(seg >= lo - 1e-9) and np.all(seg <= hi + 1e-9)
+                    assert np.all(np.diff(seg) * np.sign(grid[k + 1] - grid[k]) >= -1e-9)
+        s = np.linspace(16, 8192, 3000)
+        v = cm.activation_mb("stored", rc, 1, s)
+        assert np.all(np.diff(v) >= 0)
+
+
+def test_monotone_along_the_grid(raw, models):
+    """Stored activations grow with mbs and seqlen everywhere; time does wherever the profile
+    itself is monotone (micro-batches of at least 4096 tokens; below that it is timing noise)."""
+    _, times, memory = raw
+    for tp, cm in models.items():
+        for rc in R:
+            for s in SEQLENS:
+                m = 2 ** np.arange(12)
+                stored = cm.activation_mb("stored", rc, m, s)
+                finite = stored[np.isfinite(stored)]
+                assert len(finite) >= 1 and np.all(np.diff(finite) > 0)
+            for m in (1, 2, 4):
+                stored = cm.activation_mb("stored", rc, m, np.array(SEQLENS))
+                finite = stored[np.isfinite(stored)]
+                assert np.all(np.diff(finite) > 0)
+    for (tp, rc, layer, phase, s, m), ms in times.items():
+        if s * m < 4096:
+            continue
+        cm = models[tp]
+        bigger_mbs = cm.layer_ms(layer, phase, rc, 2 * m, s)
+        assert bigger_mbs >= ms
+        nxt = SEQLENS.index(s) + 1
+        if nxt < len(SEQLENS):
+            assert cm.layer_ms(layer, phase, rc, m, SEQLENS[nxt]) >= ms
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mbs=st.floats(min_value=0.5, max_value=3000, allow_nan=False),
+    seqlen=st.floats(min_value=1, max_value=9000, allow_nan=False),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    rc=st.sampled_from(list(R)),
+)
+def test_scalar_and_array_paths_agree(models, mbs, seqlen, tp, rc):
+    cm = models[tp]
+    scalar = cm.layer_ms("encoder", "backward", rc, mbs, seqlen)
+    row = cm.layer_ms("encoder", "backward", rc, np.array([mbs]), seqlen)[0]
+    both = cm.layer_ms("encoder", "backward", rc, np.array([mbs]), np.array([seqlen]))[0]
+    assert isinstance(scalar, float)
+    if math.isinf(scalar):
+        assert math.isinf(row) and math.isinf(both)
+    else:
+        assert row == pytest.approx(scalar, rel=1e-12) and both == pytest.approx(scalar, rel=1e-12)
+
+
+def test_param_mb_comes_from_the_file(raw, models):
+    doc, _, _ = raw
+    for tp, cm in models.items():
+        for layer in ("embedding", "encoder"):
+            values = [r["mb"] for r in doc["model_state_memory"] if r["tp"] == tp and r["layer"] == layer]
+            assert cm.param_mb(layer) == max(values)
+
+
+def test_hidden_size_defaults_from_parameters_and_can_be_given(profile):
+    assert ProfiledCostModel.from_json(profile, 2).hidden_size == 4096
+    assert ProfiledCostModel.from_json(profile, 2, hidden_size=1234).hidden_size == 1234
+
+
+def test_bad_arguments_are_rejected(models):
+    with pytest.raises(ValueError, match="unknown layer"):
+        models[1].layer_ms("decoder", "forward", R.NONE, 1, 16)
+    with pytest.raises(ValueError, match="unknown phase"):
+        models[1].layer_ms("encoder", "sideways", R.NONE, 1, 16)
+    with pytest.raises(ValueError, match="unknown recompute"):
+        models[1].layer_ms("encoder", "forward", "partial", 1, 16)
+    with pytest.raises(ValueError, match="unknown activation kind"):
+        models[1].activation_mb("kept", R.NONE, 1, 16)
+
+
+# --- profiled: errors ----------------------------------------------------------------------------
+
+
+def test_unknown_tp_names_the_profiled_ones(profile):
+    with pytest.raises(CostModelError) as e:
+        ProfiledCostModel.from_json(profile, 3)
+    msg = str(e.value)
+    assert "tp=3" in msg and "profiled: 1, 2, 4, 8" in msg and str(profile) in msg
+    assert "\n" not in msg
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(CostModelError, match="not found: pass --cost-model PATH") as e:
+        ProfiledCostModel.from_json(missing, 1)
+    assert str(missing) in str(e.value) and "docs/cost_model.md" in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def _record(**kw):
+    base = {"tp": 1, "recompute": "none", "layer": "encoder", "phase": "forward", "seqlen": 16,
+            "mbs": 1, "ms": 1.0}
+    base.update(kw)
+    return base
+
+
+def _minimal_doc():
+    times = [_record(layer=layer, phase=phase, seqlen=s, mbs=m, ms=float(s * m))
+             for layer in ("encoder", "postprocess") for phase in ("forward", "backward")
+             for s in (16, 32) for m in (1, 2)]
+    memory = [{"tp": 1, "recompute": "none", "layer": "encoder", "kind": kind, "seqlen": s,
+               "mbs": m, "mb": float(s * m)}
+              for kind in ("stored", "peak") for s in (16, 32) for m in (1, 2)]
+    states = [{"tp": 1, "recompute": "none", "layer": layer, "mb": 10.0}
+              for layer in ("embedding", "encoder")]
+    return {"name": "tiny", "layer_time": times, "activation_memory": memory,
+            "model_state_memory": states}
+
+
+def _write(tmp_path, doc) -> Path:
+    p = tmp_path / "cm.json"
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return p
+
+
+def test_minimal_file_loads_and_absent_recompute_is_infeasible(tmp_path):
+    cm = ProfiledCostModel.from_json(_write(tmp_path, _minimal_doc()), 1, hidden_size=64)
+    assert cm.layer_ms("encoder", "forward", R.NONE, 2, 24) == pytest.approx((32 + 64) / 2)
+    assert cm.layer_ms("encoder", "forward", R.FULL, 1, 16) == math.inf
+    assert np.all(np.isinf(cm.activation_mb("stored", R.SELECTIVE, np.array([1, 2]), 16)))
+    assert isinstance(cm, CostModel) and cm.hidden_size == 64
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda d: "{not json", "is not valid JSON"),
+        (lambda d: [], "not an object"),
+        (lambda d: {k: v for k, v in d.items() if k != "activation_memory"},
+         "lacks the key 'activation_memory'"),
+        (lambda d: {**d, "layer_time": {}}, "'layer_time' is not a list"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [{"tp": 1}]}, "without 'recompute'"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(recompute="some")]}, "unknown recompute"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(phase="up")]}, "phase 'up'"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(ms="fast")]},
+         "'ms' is not a finite number"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(mbs=0)]},
+         "'mbs' is not a positive integer"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(ms=99.0)]}, "conflicting layer_time"),
+        (lambda d: {**d, "layer_time": [r for r in d["layer_time"] if r["layer"] != "postprocess"]},
+         "no postprocess forward times"),
+        (lambda d: {**d, "activation_memory": [r for r in d["activation_memory"] if r["kind"] != "peak"]},
+         "no peak activation memory"),
+        (lambda d: {**d, "model_state_memory": d["model_state_memory"][:1]},
+         "no model_state_memory of the encoder"),
+    ],
+)
+def test_malformed_files_give_one_line_errors(tmp_path, mutate, fragment):
+    path = _write(tmp_path, mutate(_minimal_doc()))
+    with pytest.raises(CostModelError) as e:
+        ProfiledCostModel.from_json(path, 1)
+    msg = str(e.value)
+    assert fragment in msg and str(path) in msg and "docs/cost_model.md" in msg
+    assert "\n" not in msg
+
+
+def test_load_cost_model_picks_the_source(profile):
+    assert isinstance(load_cost_model(None, 2), AnalyticalCostModel)
+    assert load_cost_model(None, 2, hidden_size=1024, num_heads=16).tp == 2
+    cm = load_cost_model(str(profile), 4)
+    assert isinstance(cm, ProfiledCostModel) and cm.tp == 4
+
+
+# --- StageCosts ----------------------------------------------------------------------------------
+
+
+class _Fixed(CostModel):
+    """Costs chosen so that stage arithmetic can be checked by hand."""
+
+    tp = 1
+    hidden_size = 1000
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        return {"encoder": 10.0, "postprocess": 3.0}[layer] * (2 if phase == "backward" else 1) * mbs
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        return {"stored": 5.0, "peak": 7.0}[kind] * mbs
+
+    def param_mb(self, layer):
+        return {"embedding": 50.0, "encoder": 100.0}[layer]
+
+
+@pytest.mark.parametrize(
+    "num_layers, pp, split",
+    [(32, 4, [8, 8, 8, 8]), (10, 4, [3, 3, 2, 2]), (5, 5, [1] * 5), (7, 1, [7]), (30, 8, [4] * 6 + [3] * 2)],
+)
+def test_layers_on(num_layers, pp, split):
+    sc = StageCosts(_Fixed(), num_layers, pp)
+    assert [sc.layers_on(i) for i in range(pp)] == split
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="cannot fill"):
+        StageCosts(_Fixed(), 3, 4)
+    with pytest.raises(ValueError, match="zero_stage"):
+        StageCosts(_Fixed(), 8, 2, zero_stage=4)
+    with pytest.raises(ValueError, match="outside"):
+        StageCosts(_Fixed(), 8, 2).layers_on(2)
+
+
+def test_stage_time_and_memory():
+    sc = StageCosts(_Fixed(), 10, 4)  # layers 3, 3, 2, 2
+    assert sc.forward_ms(0, 2, 64, R.NONE) == 3 * 10 * 2
+    assert sc.forward_ms(3, 2, 64, R.NONE) == 2 * 10 * 2 + 3 * 2  # + LM head
+    assert sc.backward_ms(3, 1, 64, R.FULL) == 2 * 20 + 6
+    assert sc.stored_mb(1, 4, 64, R.NONE) == 3 * 5 * 4
+    assert sc.peak_mb(1, 4, 64, R.NONE) == 7 * 4  # one layer at a time
+
+
+def test_stage_costs_on_the_profile(raw, models):
+    _, times, memory = raw
+    sc = StageCosts(models[2], num_layers=32, pp=4)
+    enc = times[(2, "selective", "encoder", "forward", 1024, 4)]
+    post = times[(2, "selective", "postprocess", "forward", 1024, 4)]
+    assert sc.forward_ms(0, 4, 1024, R.SELECTIVE) == pytest.approx(8 * enc)
+    assert sc.forward_ms(3, 4, 1024, R.SELECTIVE) == pytest.approx(8 * enc + post)
+    got = sc.backward_ms(3, np.array([4, 4096]), 1024, R.SELECTIVE)
+    bwd = 8 * times[(2, "selective", "encoder", "backward", 1024, 4)] + times[
+        (2, "selective", "postprocess", "backward", 1024, 4)]
+    assert got[0] == pytest.approx(bwd) and got[1] == math.inf
+    stored = memory[(2, "selective", "stored", 1024, 4)]
+    assert sc.stored_mb(2, 4, 1024, R.SELECTIVE) == pytest.approx(8 * stored)
+    assert sc.peak_mb(2, 4, 1024, R.SELECTIVE) == memory[(2, "selective", "peak", 1024, 4)]
+
+
+@pytest.mark.parametrize(
+    "zero, dp, bytes_per_param",
+    [
+        (0, 1, 16), (0, 8, 16),
+        (1, 1, 16), (1, 4, 2 + 2 + 12 / 4),
+        (2, 4, 2 + (2 + 12) / 4),
+        (3, 4, 16 / 4), (3, 1, 16),
+    ],
+)
+def test_model_state_per_zero_stage(zero, dp, bytes_per_param):
+    sc = StageCosts(_Fixed(), 10, 4, dp=dp, zero_stage=zero)  # layers 3, 3, 2, 2
+    # parameter MB at 2 bytes each: stage 0 = 3 layers + embedding, last = 2 layers + tied embedding
+    params_mb = {0: 3 * 100 + 50, 1: 300, 2: 200, 3: 2 * 100 + 50}
+    for stage, p in params_mb.items():
+        assert sc.model_state_mb(stage) == pytest.approx(p / 2 * bytes_per_param)
+
+
+def test_single_stage_holds_the_embedding_once():
+    sc = StageCosts(_Fixed(), 10, 1)
+    assert sc.model_state_mb(0) == pytest.approx((10 * 100 + 50) * 8)
+
+
+def test_p2p_time():
+    sc = StageCosts(_Fixed(), 4, 2, p2p_gbps=50.0)
+    # 2 bytes * 4 * 2048 * 1000 = 16.384 MB over 50 GB/s = 0.32768 ms
+    assert sc.p2p_ms(4, 2048) == pytest.approx(0.32768)
+    np.testing.assert_allclose(sc.p2p_ms(np.array([1, 4]), 2048), [0.08192, 0.32768])
+
+
+# --- analytical ----------------------------------------------------------------------------------
+
+
+def test_analytical_flops_by_hand():
+    cm = AnalyticalCostModel()  # h 4096, 32 heads, ffn 16384, V 50257, tp 1, 312 TFLOPs, mfu 0.5
+    b, s, h = 2, 1024, 4096
+    fwd = 24 * b * s * h * h + 4 * b * s * s * h
+    assert cm.encoder_flops("forward", R.NONE, b, s) == fwd
+    assert cm.layer_ms("encoder", "forward", R.NONE, b, s) == pytest.approx(fwd / 156e12 * 1e3)
+    head = 2 * b * s * h * 50257
+    assert cm.layer_ms("postprocess", "forward", R.NONE, b, s) == pytest.approx(head / 156e12 * 1e3)
+    assert cm.layer_ms("postprocess", "backward", R.FULL, b, s) == pytest.approx(2 * head / 156e12 * 1e3)
+    tp4 = AnalyticalCostModel(tp=4)
+    assert tp4.layer_ms("encoder", "forward", R.NONE, b, s) == pytest.approx(fwd / 4 / 156e12 * 1e3)
+
+
+def test_analytical_ratios():
+    cm = AnalyticalCostModel()
+    f = lambda rc, phase, s: cm.layer_ms("encoder", phase, rc, 1, s)  # noqa: E731
+    # attention part = F(s) - linear part; doubling s quadruples it, so F(2s) > 2 F(s)
+    linear = 24 * 4096 * 4096 / 156e9
+    att_1k, att_2k = f(R.NONE, "forward", 1024) - 1024 * linear, f(R.NONE, "forward", 2048) - 2048 * linear
+    assert att_2k == pytest.approx(4 * att_1k) and att_2k > 2 * att_1k
+    assert f(R.NONE, "forward", 2048) > 2 * f(R.NONE, "forward", 1024)
+    for s in (128, 2048, 8192):
+        fwd = f(R.NONE, "forward", s)
+        assert f(R.FULL, "forward", s) == fwd == f(R.SELECTIVE, "forward", s)
+        assert f(R.NONE, "backward", s) == pytest.approx(2 * fwd)
+        assert f(R.FULL, "backward", s) == pytest.approx(3 * fwd)
+        assert 2 * fwd < f(R.SELECTIVE, "backward", s) < 3 * fwd
+
+
+def test_analytical_activation_by_hand():
+    cm = AnalyticalCostModel()
+    # s b h (10 + 24 + 5 a s / h) = 2048 * 4096 * (34 + 80) bytes = 912 MiB
+    assert cm.activation_mb("stored", R.NONE, 1, 2048) == pytest.approx(2048 * 4096 * 114 / 2**20)
+    assert cm.activation_mb("stored", R.NONE, 1, 2048) == pytest.approx(912.0)
+    assert cm.activation_mb("stored", R.SELECTIVE, 1, 2048) == pytest.approx(272.0)
+    assert cm.activation_mb("stored", R.FULL, 1, 2048) == pytest.approx(16.0)
+    # tp 8: 10 + 3 + 10 = 23 per s b h
+    assert AnalyticalCostModel(tp=8).activation_mb("stored", R.NONE, 1, 2048) == pytest.approx(184.0)
+    # stored + peak = all of the layer's activations plus as much again in gradients
+    for rc in R:
+        total = cm.activation_mb("stored", rc, 3, 512) + cm.activation_mb("peak", rc, 3, 512)
+        assert total == pytest.approx(2 * 3 * 512 * 4096 * (34 + 5 * 32 * 512 / 4096) / 2**20)
+
+
+def test_analytical_params_by_hand():
+    cm = AnalyticalCostModel()
+    assert cm.param_mb("encoder") == pytest.approx((12 * 4096**2 + 13 * 4096) * 2 / 2**20)
+    assert cm.param_mb("embedding") == pytest.approx(50257 * 4096 * 2 / 2**20)
+
+
+def test_analytical_infeasible_when_one_layer_does_not_fit():
+    cm = AnalyticalCostModel()
+    # one layer at s=2048 needs 2 * 912 MiB per sample + 8 * its 16-bit params (12h^2 + 13h)
+    state = 8 * (12 * 4096**2 + 13 * 4096) * 2 / 2**20
+    fit = int((40960 - state) // (2 * 912))
+    assert fit == 20
+    assert math.isfinite(cm.layer_ms("encoder", "forward", R.NONE, fit, 2048))
+    assert cm.layer_ms("encoder", "forward", R.NONE, fit + 1, 2048) == math.inf
+    got = cm.activation_mb("stored", R.FULL, np.array([fit, fit + 1]), 2048)
+    assert np.isfinite(got[0]) and got[1] == math.inf
+    small = AnalyticalCostModel(device_memory_mb=1000)  # less than one layer's model state
+    assert small.layer_ms("encoder", "forward", R.NONE, 1, 16) == math.inf
+
+
+def test_analytical_is_within_3x_of_the_a100_profile(raw):
+    _, times, memory = raw
+    cm = AnalyticalCostModel(tp=1, mfu=0.5)
+    for rc in ("none", "selective", "full"):
+        for layer in ("encoder", "postprocess"):
+            for phase in ("forward", "backward"):
+                measured = times[(1, rc, layer, phase, 2048, 1)]
+                ratio = cm.layer_ms(layer, phase, rc, 1, 2048) / measured
+                assert 1 / 3 < ratio < 3, (rc, layer, phase, ratio)
+        ratio = cm.activation_mb("stored", rc, 1, 2048) / memory[(1, rc, "stored", 2048, 1)]
+        assert 1 / 3 < ratio < 3, (rc, ratio)
+
+
+def test_analytical_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        AnalyticalCostModel(num_heads=32, tp=3)
+    with pytest.raises(ValueError, match="unknown layer"):
+        AnalyticalCostModel().layer_ms("embedding", "forward", R.NONE, 1, 16)
+
+
+def test_cost_model_imports_neither_torch_nor_megatron():
+    code = (
+        "import sys, megatron_dynapipe.planning.cost_model\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'scipy')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
