@@ -1,0 +1,234 @@
+"""Cutting a global batch into micro-batches.
+
+`split_across_dp` balances samples over data-parallel ranks by predicted cost; each rank's
+samples are then cut into consecutive runs of the length-sorted order, either by dynamic
+programming that minimises the predicted pipeline iteration time (`partition_dp`) or by the
+simple `token_based` / `uniform` rules. `pack_fixed_length` is the Megatron-style baseline:
+concatenate samples into sequences of one fixed length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .cost_model import StageCosts
+from .types import MicroBatch, RecomputeType
+
+DP_THRESHOLDS = 32  # candidate caps on the largest micro-batch time tried by partition_dp
+
+
+class MicroBatchingError(ValueError):
+    """The samples cannot be cut into micro-batches that fit."""
+
+
+def round_up(value, multiple: int):
+    return -(-np.asarray(value) // multiple) * multiple
+
+
+def microbatch_times(costs: StageCosts, mbs, seqlen, recompute: RecomputeType) -> np.ndarray:
+    """Bottleneck-stage forward + backward time (ms) of micro-batches; inf when infeasible."""
+    return np.max(
+        [costs.forward_ms(s, mbs, seqlen, recompute) + costs.backward_ms(s, mbs, seqlen, recompute)
+         for s in range(costs.pp)],
+        axis=0,
+    )
+
+
+def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float) -> np.ndarray:
+    """Whether stage s can hold the (pp - s) micro-batches of 1F1B's steady state of this shape."""
+    fits = True
+    for s in range(costs.pp):
+        in_flight = costs.pp - s
+        need = (costs.model_state_mb(s) + in_flight * costs.stored_mb(s, mbs, seqlen, recompute)
+                + costs.peak_mb(s, mbs, seqlen, recompute))
+        fits = fits & (need <= memory_limit_mb)
+    return np.asarray(fits)
+
+
+def split_across_dp(lengths: Sequence[int], dp: int, costs: StageCosts, round_to: int = 8) -> list[list[int]]:
+    """Sample indices per data-parallel rank, balanced by predicted cost (longest first, greedy)."""
+    if dp == 1:
+        return [list(range(len(lengths)))]
+    if len(lengths) < dp:
+        raise MicroBatchingError(
+            f"a global batch of {len(lengths)} samples cannot feed {dp} data-parallel ranks: "
+            f"use a global batch of at least {dp} samples"
+        )
+    padded = round_up(np.asarray(lengths), round_to)
+    per_sample = microbatch_times(costs, 1, padded, RecomputeType.NONE)
+    per_sample = np.where(np.isfinite(per_sample), per_sample, padded)  # order only; fit is checked later
+    load = np.zeros(dp)
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    for index in np.argsort(-per_sample, kind="stable"):
+        # Fewest samples first among equally loaded ranks so that no rank is left empty.
+        target = min(range(dp), key=lambda r: (load[r], len(ranks[r])))
+        ranks[target].append(int(index))
+        load[target] += per_sample[index]
+    return [sorted(r) for r in ranks]
+
+
+def _sorted_samples(lengths: Sequence[int], indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    indices = np.asarray(indices, dtype=np.int64)
+    order = np.argsort(np.asarray(lengths)[indices], kind="stable")
+    return indices[order], np.asarray(lengths)[indices[order]]
+
+
+def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
+    """Cost (ms) of a micro-batch of k = 1..max_mbs samples padded to each distinct length.
+
+    Feasibility shrinks as k grows, so powers of two first bound the feasible width of each
+    length and only the (length, k) pairs below that bound are evaluated.
+    """
+    seqs = np.unique(padded_seqs)
+    powers = np.unique(np.minimum(2 ** np.arange(int(np.log2(max_mbs)) + 2), max_mbs + 1))
+    feasible = _evaluate(costs, powers[None, :], seqs[:, None], recompute, memory_limit_mb) < np.inf
+    first_bad = np.where(feasible.all(axis=1), max_mbs + 1, powers[np.argmin(feasible, axis=1)])
+    width = np.minimum(first_bad - 1, max_mbs)  # no k >= first_bad fits
+    table = np.full((len(seqs), max(1, int(width.max()))), np.inf)
+    rows = np.repeat(np.arange(len(seqs)), width)
+    ks = np.concatenate([np.arange(1, w + 1) for w in width]) if rows.size else np.zeros(0, int)
+    table[rows, ks - 1] = _evaluate(costs, ks, seqs[rows], recompute, memory_limit_mb)
+    return seqs, table
+
+
+def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
+    """Micro-batch time where it fits the memory limit, inf elsewhere; with several recompute
+    types, the time of the cheapest that fits."""
+    best = np.inf
+    for rc in _types(recompute):
+        times = microbatch_times(costs, mbs, seqlen, rc)
+        best = np.minimum(best, np.where(microbatch_fits(costs, mbs, seqlen, rc, memory_limit_mb), times, np.inf))
+    return best
+
+
+def _types(recompute) -> tuple[RecomputeType, ...]:
+    return (recompute,) if isinstance(recompute, RecomputeType) else tuple(recompute)
+
+
+def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], allowed,
+                       memory_limit_mb: float) -> list[RecomputeType]:
+    """Per micro-batch, the fastest allowed recompute whose 1F1B steady state fits memory
+    (the most memory-saving allowed one when none fits)."""
+    mbs = np.array([mb.size for mb in microbatches])
+    seq = np.array([mb.seq_len for mb in microbatches])
+    types = _types(allowed)
+    times = np.array([np.where(microbatch_fits(costs, mbs, seq, rc, memory_limit_mb),
+                               microbatch_times(costs, mbs, seq, rc), np.inf) for rc in types])
+    best = np.argmin(times, axis=0)
+    fallback = types.index(max(types))
+    return [types[b] if np.isfinite(times[b, i]) else types[fallback] for i, b in enumerate(best)]
+
+
+def partition_dp(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    costs: StageCosts,
+    memory_limit_mb: float,
+    recompute: RecomputeType | Sequence[RecomputeType] = RecomputeType.NONE,
+    round_to: int = 8,
+    num_thresholds: int = DP_THRESHOLDS,
+) -> list[MicroBatch]:
+    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t).
+
+    With several recompute types each micro-batch is costed with the cheapest one that fits
+    (see `cheapest_recompute`).
+
+    t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain.
+    The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
+    programme, and all caps are solved together as rows of one numpy array.
+    """
+    order, sorted_lengths = _sorted_samples(lengths, indices)
+    n = len(order)
+    if n == 0:
+        return []
+    padded = round_up(sorted_lengths, round_to)
+    if not np.isfinite(_evaluate(costs, 1, padded[-1], recompute, memory_limit_mb)):
+        raise MicroBatchingError(
+            f"a sample of {int(sorted_lengths[-1])} tokens fits no micro-batch with recompute "
+            f"{'/'.join(rc.label for rc in _types(recompute))} under {memory_limit_mb:.0f} MB: raise the memory limit, use more "
+            f"tensor/pipeline parallelism, or truncate long samples"
+        )
+    seqs, table = _cost_table(costs, padded, n, recompute, memory_limit_mb)
+    seq_row = np.searchsorted(seqs, padded)
+    caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
+    widest = table.shape[1]  # no larger micro-batch fits
+    best = np.full((len(caps), n + 1), np.inf)
+    best[:, 0] = 0.0
+    choice = np.zeros((len(caps), n + 1), dtype=np.int64)
+    rows = np.arange(len(caps))
+    for j in range(1, n + 1):
+        width = min(j, widest)
+        cost = table[seq_row[j - 1], :width]  # cost[k-1]: micro-batch of the k samples ending at j
+        allowed = np.where(cost[None, :] <= caps[:, None], cost[None, :], np.inf)
+        total = best[:, j - 1::-1][:, :width] + allowed
+        k = np.argmin(total, axis=1)
+        best[:, j] = total[rows, k]
+        choice[:, j] = k + 1
+    objective = best[:, n] + (costs.pp - 1) * caps
+    row = int(np.argmin(objective))
+    if not np.isfinite(objective[row]):
+        raise MicroBatchingError(f"no micro-batching fits {memory_limit_mb:.0f} MB: raise the memory limit")
+    bounds = []
+    j = n
+    while j > 0:
+        k = int(choice[row, j])
+        bounds.append((j - k, j))
+        j -= k
+    return [_microbatch(order, padded, lo, hi) for lo, hi in reversed(bounds)]
+
+
+def _candidate_caps(per_end_costs: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:
+    """Caps between the unavoidable and the largest feasible time: every distinct time when
+    there are at most `count`, else `count` geometrically spaced ones."""
+    finite = per_end_costs[np.isfinite(per_end_costs) & (per_end_costs >= smallest_cap)]
+    distinct = np.unique(np.append(finite, smallest_cap))
+    if len(distinct) <= count:  # few enough to try every one: the result is exactly optimal
+        return distinct
+    return np.geomspace(smallest_cap, distinct[-1], count)
+
+
+def _microbatch(order, padded, lo, hi) -> MicroBatch:
+    return MicroBatch(samples=tuple(int(i) for i in order[lo:hi]), seq_len=int(padded[hi - 1]))
+
+
+def partition_token_based(lengths, indices, tokens_per_microbatch: int, round_to: int = 8) -> list[MicroBatch]:
+    """Greedy runs of the sorted samples with at most `tokens_per_microbatch` padded tokens."""
+    order, sorted_lengths = _sorted_samples(lengths, indices)
+    padded = round_up(sorted_lengths, round_to)
+    out, lo = [], 0
+    for hi in range(1, len(order) + 1):
+        if hi < len(order) and (hi + 1 - lo) * padded[hi] > tokens_per_microbatch:
+            out.append(_microbatch(order, padded, lo, hi))
+            lo = hi
+    if lo < len(order):
+        out.append(_microbatch(order, padded, lo, len(order)))
+    return out
+
+
+def partition_uniform(lengths, indices, microbatch_size: int, round_to: int = 8) -> list[MicroBatch]:
+    """Runs of `microbatch_size` sorted samples (the last may be shorter)."""
+    order, sorted_lengths = _sorted_samples(lengths, indices)
+    padded = round_up(sorted_lengths, round_to)
+    return [_microbatch(order, padded, lo, min(lo + microbatch_size, len(order)))
+            for lo in range(0, len(order), microbatch_size)]
+
+
+def pack_fixed_length(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Megatron-style packing: first-fit decreasing of samples into sequences of `seq_len` tokens."""
+    too_long = [n for n in lengths if n > seq_len]
+    if too_long:
+        raise MicroBatchingError(f"a sample of {max(too_long)} tokens exceeds the packed length {seq_len}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[index] <= free:
+                bins[b].append(index)
+                room[b] -= lengths[index]
+                break
+        else:
+            bins.append([index])
+            room.append(seq_len - lengths[index])
+    return bins

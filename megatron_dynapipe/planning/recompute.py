@@ -1,0 +1,77 @@
+"""Recompute-plan adjustment: raise recomputation where a schedule exceeds memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .cost_model import StageCosts
+from .schedules import simulate_schedule
+from .simulator import Order, SimulationResult, WorkTable
+from .types import MicroBatch, RecomputeType
+
+FAST_MODE_ROUNDS = 3
+FAST_MODE_MICROBATCHES_PER_ROUND = 2
+
+@dataclass
+class RecomputePlan:
+    recompute: np.ndarray  # [pp, n] RecomputeType values
+    orders: list[Order]
+    simulation: SimulationResult
+    rounds: int
+
+
+def adjust_rc_plan(
+    microbatches: Sequence[MicroBatch],
+    recompute: np.ndarray,
+    costs: StageCosts,
+    schedule: str,
+    memory_limit_mb: float,
+    fast_mode: bool = False,
+    work_table: WorkTable | None = None,
+) -> RecomputePlan | None:
+    """Raise recompute (none -> selective -> full) of chosen micro-batches on the stages whose
+    simulated peak exceeds the limit, re-simulating after each round, until the plan fits.
+
+    On an over-limit stage the micro-batches held at its peak are raised, largest memory saving
+    first, until the saving covers the excess. Fast mode stops after 3 rounds of at most 2
+    micro-batches. Returns None when the plan cannot be made to fit. `work_table` (of these
+    micro-batches, in this order) saves evaluating the cost model again.
+    """
+    table = work_table or WorkTable(costs, microbatches)
+    recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
+    max_rounds = FAST_MODE_ROUNDS if fast_mode else costs.pp * len(microbatches) * len(RecomputeType)
+    per_round = FAST_MODE_MICROBATCHES_PER_ROUND if fast_mode else None
+    rounds = 0
+    while True:
+        work = table.work(recompute)
+        if not np.all(np.isfinite(work.forward + work.backward)):
+            return None
+        result = simulate_schedule(schedule, work, memory_limit_mb)
+        if result.fits(memory_limit_mb):
+            return RecomputePlan(recompute, result.orders, result, rounds)
+        if rounds == max_rounds or not _raise_recompute(recompute, table, result, memory_limit_mb, per_round):
+            return None
+        rounds += 1
+
+
+def _raise_recompute(recompute, table: WorkTable, result, memory_limit_mb, per_round) -> bool:
+    budget = per_round
+    changed = False
+    stored = table.tables["stored"]  # [recompute, pp, n]
+    for s in np.argsort(-result.peak_memory):  # worst stage first
+        excess = result.peak_memory[s] - memory_limit_mb
+        if excess <= 1e-6:
+            break
+        held = [m for m in result.peak_microbatches[s] if recompute[s, m] < RecomputeType.FULL]
+        saving = {m: stored[recompute[s, m], s, m] - stored[recompute[s, m] + 1, s, m] for m in held}
+        for m in sorted(held, key=lambda m: -saving[m]):  # largest memory saving first
+            if budget == 0 or excess <= 0:
+                break
+            excess -= saving[m]
+            recompute[s, m] += 1
+            changed = True
+            budget = None if budget is None else budget - 1
+    return changed

@@ -1,0 +1,105 @@
+"""Micro-batching: the dynamic programme against brute force, and the simple partitions."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_dynapipe.planning.microbatching import (
+    MicroBatchingError,
+    microbatch_fits,
+    microbatch_times,
+    pack_fixed_length,
+    partition_dp,
+    partition_token_based,
+    partition_uniform,
+    split_across_dp,
+)
+from megatron_dynapipe.planning.types import RecomputeType
+
+LIMIT = 36_000.0
+
+
+def compositions(n):
+    """Every way to cut 0..n into consecutive non-empty runs."""
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        yield list(zip(bounds, bounds[1:]))
+
+
+def objective(costs, runs, sorted_lengths, rc):
+    times = []
+    for lo, hi in runs:
+        seq = -(-sorted_lengths[hi - 1] // 8) * 8
+        if not microbatch_fits(costs, hi - lo, seq, rc, LIMIT):
+            return np.inf
+        times.append(float(microbatch_times(costs, hi - lo, seq, rc)))
+    return sum(times) + (costs.pp - 1) * max(times)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rc", [RecomputeType.SELECTIVE, RecomputeType.FULL])
+def test_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed, rc):
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(20, 1000, size=9)]
+    found = partition_dp(lengths, range(len(lengths)), costs_pp4, LIMIT, rc, num_thresholds=10_000)
+    sorted_lengths = sorted(lengths)
+    best = min(objective(costs_pp4, runs, sorted_lengths, rc) for runs in compositions(len(lengths)))
+    times = [float(microbatch_times(costs_pp4, mb.size, mb.seq_len, rc)) for mb in found]
+    assert sum(times) + 3 * max(times) == pytest.approx(best)
+
+
+def test_microbatches_are_consecutive_runs_of_sorted_samples(costs_pp4):
+    rng = np.random.default_rng(7)
+    lengths = [int(x) for x in rng.integers(8, 2048, size=200)]
+    mbs = partition_dp(lengths, range(200), costs_pp4, LIMIT, RecomputeType.FULL)
+    placed = [i for mb in mbs for i in mb.samples]
+    assert sorted(placed) == list(range(200))
+    assert [lengths[i] for i in placed] == sorted(lengths)
+    for mb in mbs:
+        assert mb.seq_len % 8 == 0 and mb.seq_len - 8 < max(lengths[i] for i in mb.samples) <= mb.seq_len
+
+
+def test_a_sample_no_microbatch_can_hold_is_a_clear_error(costs_pp4):
+    # 8192 tokens without recompute: one sample's activations exceed what 36 GB leaves.
+    with pytest.raises(MicroBatchingError, match="fits no micro-batch.*raise the memory limit"):
+        partition_dp([100, 8192], range(2), costs_pp4, LIMIT, RecomputeType.NONE)
+    # Beyond the profiled range (8192) nothing is feasible, whatever the recompute.
+    with pytest.raises(MicroBatchingError, match="9000 tokens"):
+        partition_dp([9000], range(1), costs_pp4, LIMIT, RecomputeType.FULL)
+
+
+def test_data_parallel_split_places_every_sample_and_balances_cost(costs_pp4):
+    rng = np.random.default_rng(3)
+    lengths = [int(x) for x in rng.integers(8, 2048, size=101)]
+    ranks = split_across_dp(lengths, 4, costs_pp4)
+    assert sorted(i for r in ranks for i in r) == list(range(101))
+    cost = lambda i: float(microbatch_times(costs_pp4, 1, -(-lengths[i] // 8) * 8, RecomputeType.NONE))  # noqa: E731
+    loads = [sum(cost(i) for i in r) for r in ranks]
+    # Greedy longest-first: the spread is at most the largest single sample.
+    assert max(loads) - min(loads) <= max(cost(i) for i in range(101)) + 1e-9
+
+
+def test_too_few_samples_for_the_data_parallel_ranks(costs_pp4):
+    with pytest.raises(MicroBatchingError, match="at least 4 samples"):
+        split_across_dp([10, 20], 4, costs_pp4)
+
+
+def test_token_based_and_uniform_partitions():
+    lengths = [100, 30, 500, 260, 70, 64, 1000]
+    token = partition_token_based(lengths, range(7), tokens_per_microbatch=600)
+    assert sorted(i for mb in token for i in mb.samples) == list(range(7))
+    assert all(mb.tokens <= 600 or mb.size == 1 for mb in token)
+    uniform = partition_uniform(lengths, range(7), microbatch_size=3)
+    assert [mb.size for mb in uniform] == [3, 3, 1]
+    assert [mb.seq_len for mb in uniform] == [72, 504, 1000]  # sorted: 30 64 70 | 100 260 500 | 1000
+
+
+def test_packing_fills_fixed_length_sequences():
+    lengths = [3000, 1200, 900, 800, 4096, 100]
+    bins = pack_fixed_length(lengths, 4096)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(lengths[i] for i in b) <= 4096 for b in bins)
+    assert len(bins) == 3  # 4096 | 3000+900+100 | 1200+800
+    with pytest.raises(MicroBatchingError, match="exceeds the packed length"):
+        pack_fixed_length([5000], 4096)
