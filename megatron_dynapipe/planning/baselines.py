@@ -1,0 +1,91 @@
+"""Yardsticks for a plan: Megatron-style packing + 1F1B, a lower bound, the ideal gain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .microbatching import pack_fixed_length, round_up
+from .cost_model import StageCosts
+from .schedules import one_f_one_b
+from .simulator import SimulationResult, simulate, stage_work
+from .types import MicroBatch, RecomputeType
+
+PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class PackingBaseline:
+    seq_len: int
+    microbatch_size: int
+    recompute: RecomputeType
+    num_sequences: int
+    makespan_ms: float
+
+
+def default_pack_length(lengths: Sequence[int]) -> int:
+    """The longest sample rounded up to a power of two, as profiled tables are laid out."""
+    return int(2 ** np.ceil(np.log2(max(16, max(lengths)))))
+
+
+def packing_baseline(
+    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None
+) -> PackingBaseline | None:
+    """Pack samples into sequences of `seq_len` tokens, split them evenly over data-parallel
+    ranks, run 1F1B with the micro-batch size and uniform recompute that give the fastest
+    iteration within the memory limit. None when nothing fits."""
+    seq_len = seq_len or default_pack_length(lengths)
+    sequences = len(pack_fixed_length(lengths, seq_len))
+    per_rank = -(-sequences // costs.dp)  # the busiest rank sets the iteration time
+    best = None
+    for mbs in PACKING_MICROBATCH_SIZES:
+        if mbs > per_rank and mbs > 1:
+            break
+        microbatches = [MicroBatch(tuple(range(i, min(i + mbs, per_rank))), seq_len)
+                        for i in range(0, per_rank, mbs)]
+        for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
+            result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
+            if result is not None:
+                if best is None or result.makespan < best.makespan_ms:
+                    best = PackingBaseline(seq_len, mbs, rc, sequences, result.makespan)
+                break
+    return best
+
+
+def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> SimulationResult | None:
+    work = stage_work(costs, microbatches, np.full((costs.pp, len(microbatches)), int(rc)))
+    if not np.all(np.isfinite(work.forward + work.backward + work.stored + work.peak)):
+        return None
+    result = simulate(one_f_one_b(work, memory_limit_mb), work)
+    return result if result.fits(memory_limit_mb) else None
+
+
+def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> float:
+    """No schedule of these micro-batches is faster: for each stage, its total work plus the
+    cheapest forward pass through the stages before it (fill) and the cheapest backward pass
+    back through them (drain); the bound is the largest over stages."""
+    work = stage_work(costs, microbatches, recompute)
+    fill = np.concatenate([[0.0], np.cumsum(work.forward, axis=0)[:-1].min(axis=1)])
+    drain = np.concatenate([[0.0], np.cumsum(work.backward, axis=0)[:-1].min(axis=1)])
+    busy = (work.forward + work.backward).sum(axis=1)
+    return float(np.max(busy + fill + drain))
+
+
+def ideal_gain(lengths: Sequence[int], costs: StageCosts, seq_len: int, round_to: int = 8) -> float:
+    """Compute-only speed-up of exact-length micro-batches over packing to `seq_len`:
+    sum(tokens) x per-token cost at seq_len / sum(padded length x per-token cost at that length),
+    each per-token cost taken at its best micro-batch size."""
+    padded = round_up(np.asarray(lengths), round_to)
+    packed = float(np.sum(lengths)) * _per_token_ms(costs, seq_len)
+    exact = sum(count * n * _per_token_ms(costs, n)
+                for n, count in zip(*np.unique(padded, return_counts=True)))
+    return packed / exact
+
+
+def _per_token_ms(costs: StageCosts, seq_len: int) -> float:
+    mbs = np.arange(1, 2049)
+    time = costs.model.layer_ms("encoder", "forward", RecomputeType.NONE, mbs, seq_len) + \
+        costs.model.layer_ms("encoder", "backward", RecomputeType.NONE, mbs, seq_len)
+    return float(np.min(time / (mbs * seq_len)))

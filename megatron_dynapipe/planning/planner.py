@@ -1,0 +1,294 @@
+"""The planner: micro-batching, candidate schedules, simulation, recompute, execution plans.
+
+`generate_execution_plan` is the entry point; `optimize_schedule`, `build_candidates` and
+`adjust_rc_plan` are the steps it is made of, exposed for users who drive them directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .cost_model import CostModel, StageCosts, load_cost_model
+from .microbatching import (
+    DP_THRESHOLDS,
+    MicroBatchingError,
+    cheapest_recompute,
+    microbatch_times,
+    partition_dp,
+    partition_token_based,
+    partition_uniform,
+    split_across_dp,
+)
+from .plan import ExecutionPlan, lower_to_instructions
+from .recompute import RecomputePlan, adjust_rc_plan
+from .schedules import SCHEDULES
+from .simulator import SimulationResult, WorkTable, simulate, stage_work
+from .spec import FastMode, TrainingSpec, resolve_fast_mode
+from .types import MicroBatch, RecomputeType
+
+PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
+FAST_MODE_CANDIDATES = 1  # micro-batchings fast mode schedules (best predicted first)
+FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries
+
+
+class PlanningError(ValueError):
+    """The batch cannot be planned under the given layout and memory limit."""
+
+
+@dataclass(frozen=True)
+class Microbatching:
+    """Micro-batches of one rank and the recompute each was sized for."""
+
+    label: str  # the recompute types the partition assumed, e.g. "full" or "mixed"
+    microbatches: tuple[MicroBatch, ...]
+    recompute: tuple[RecomputeType, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: a schedule over micro-batches in a given order."""
+
+    schedule: str
+    microbatching: str
+    order: tuple[int, ...]  # entry order, as indices into the micro-batching
+    microbatches: tuple[MicroBatch, ...]  # in pipeline entry order
+    recompute: tuple[RecomputeType, ...]  # per micro-batch; adjust_rc_plan raises it where needed
+
+
+@dataclass
+class ScheduleChoice:
+    """The best candidate of one data-parallel rank after simulation and recompute adjustment."""
+
+    candidate: Candidate
+    recompute: np.ndarray  # [pp, n]
+    orders: list
+    simulation: SimulationResult
+    candidates_tried: int
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.simulation.makespan
+
+    @property
+    def microbatches(self) -> tuple[MicroBatch, ...]:
+        return self.candidate.microbatches
+
+
+@dataclass
+class PlanResult:
+    """Execution plans of one global batch: plans[dp_rank][stage]."""
+
+    plans: list[list[ExecutionPlan]]
+    choices: list[ScheduleChoice]
+    fast_mode: bool
+    planning_seconds: float
+    costs: StageCosts = field(repr=False)
+
+    @property
+    def makespan_ms(self) -> float:
+        """Predicted iteration time: the slowest data-parallel rank."""
+        return max(c.makespan_ms for c in self.choices)
+
+    @property
+    def peak_memory_mb(self) -> np.ndarray:
+        return np.max([c.simulation.peak_memory for c in self.choices], axis=0)
+
+
+def generate_execution_plan(
+    lengths: Sequence[int],
+    spec: TrainingSpec,
+    cost_model: CostModel | StageCosts | str | None = None,
+    fast_mode: FastMode = None,
+) -> PlanResult:
+    """Plan one global batch of samples with the given token lengths.
+
+    fast_mode: True/False/"auto"; None takes `spec.fast_mode`, then `DYNAPIPE_FAST_MODE`.
+    """
+    started = time.perf_counter()
+    lengths = _check_lengths(lengths)
+    fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
+    costs = _stage_costs(cost_model, spec)
+    _check_memory(costs, spec.memory_limit_mb)
+    choices = []
+    for samples in split_across_dp(lengths, spec.dp, costs, spec.seqlen_round):
+        microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
+        choices.append(optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
+                                         schedules=spec.schedules, seed=spec.seed,
+                                         max_permutations=spec.max_permutations))
+    plans = [execution_plans(choice) for choice in choices]
+    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs)
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        raise PlanningError("the global batch is empty: give at least one sample")
+    if min(lengths) < 1:
+        raise PlanningError(f"sample lengths must be positive, got {min(lengths)}: drop empty samples")
+    return lengths
+
+
+def _stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
+    if isinstance(cost_model, StageCosts):
+        return cost_model
+    if cost_model is None or isinstance(cost_model, str):
+        cost_model = load_cost_model(cost_model, tp=spec.tp)
+    return StageCosts(cost_model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp,
+                      zero_stage=spec.zero_stage)
+
+
+def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
+    state = max(costs.model_state_mb(s) for s in range(costs.pp))
+    if state >= memory_limit_mb:
+        raise PlanningError(
+            f"the model state alone needs {state:.0f} MB per GPU, above the {memory_limit_mb:.0f} MB "
+            f"limit: raise the memory limit, add pipeline/tensor parallelism or a higher ZeRO stage"
+        )
+
+
+def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Microbatching]:
+    """Micro-batchings to schedule, best predicted first: one per uniform recompute type and a
+    "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode: only
+    the mixed one, which the others rarely beat)."""
+    limit = spec.memory_limit_mb
+    if spec.partition in ("token_based", "uniform"):
+        mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)
+               if spec.partition == "token_based"
+               else partition_uniform(lengths, samples, spec.microbatch_size, spec.seqlen_round))
+        return [Microbatching(spec.partition, tuple(mbs),
+                              tuple(cheapest_recompute(costs, mbs, spec.recompute_types, limit)))]
+    options = [(rc.label, (rc,)) for rc in spec.recompute_types]
+    if len(spec.recompute_types) > 1:
+        options = [("mixed", spec.recompute_types)] + ([] if fast_mode else options)
+    found, errors = [], []
+    for label, types in options:
+        try:
+            mbs = partition_dp(lengths, samples, costs, limit, types, spec.seqlen_round,
+                               FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS)
+        except MicroBatchingError as error:
+            errors.append(error)
+            continue
+        found.append(Microbatching(label, tuple(mbs), tuple(cheapest_recompute(costs, mbs, types, limit))))
+    if not found:
+        raise PlanningError(str(errors[-1]))
+    return sorted(found, key=lambda m: predicted_iteration_ms(costs, m))
+
+
+def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> float:
+    """The micro-batching objective: sum of bottleneck times plus (pp - 1) times the largest."""
+    times = _times(costs, microbatching.microbatches, microbatching.recompute)
+    return float(times.sum() + (costs.pp - 1) * times.max())
+
+
+def _times(costs, microbatches, recompute) -> np.ndarray:
+    """Bottleneck-stage time of each micro-batch under its own recompute type."""
+    mbs = np.array([mb.size for mb in microbatches])
+    seq = np.array([mb.seq_len for mb in microbatches])
+    recompute = np.array([int(rc) for rc in recompute])
+    times = np.zeros(len(microbatches))
+    for rc in np.unique(recompute):
+        cols = recompute == rc
+        times[cols] = microbatch_times(costs, mbs[cols], seq[cols], RecomputeType(int(rc)))
+    return times
+
+
+def build_candidates(
+    microbatchings: Sequence[Microbatching],
+    costs: StageCosts,
+    fast_mode: bool = False,
+    schedules: Sequence[str] = tuple(SCHEDULES),
+    seed: int = 0,
+    max_permutations: int = 8,
+) -> list[Candidate]:
+    """Schedule x micro-batching x order. Fast mode keeps the orders but schedules only the
+    best predicted micro-batchings, with wait-free-cyclic when it is among the allowed ones."""
+    if fast_mode:
+        schedules = ["wait-free-cyclic" if "wait-free-cyclic" in schedules else schedules[0]]
+        microbatchings = microbatchings[:FAST_MODE_CANDIDATES]
+    out = []
+    for option in microbatchings:
+        for order in microbatch_orders(option, costs, seed, max_permutations):
+            out += [Candidate(name, option.label, order, tuple(option.microbatches[i] for i in order),
+                              tuple(option.recompute[i] for i in order)) for name in schedules]
+    return out
+
+
+def microbatch_orders(option: Microbatching, costs: StageCosts, seed: int, max_permutations: int
+                      ) -> list[tuple[int, ...]]:
+    """Bounded, deterministic set of entry orders (as index tuples into the micro-batching).
+
+    First the "mountain" order (cost rising to the middle, then falling); then micro-batches are
+    split by predicted time into up to three groups of consecutive cost and every order of the
+    groups is a candidate (cheapest-first, most-expensive-first, ...); when more orders are
+    allowed than that, seeded shuffles fill up.
+    """
+    by_time = np.argsort(_times(costs, option.microbatches, option.recompute), kind="stable")
+    groups = [g for g in np.array_split(by_time, PERMUTATION_GROUPS) if len(g)]
+    # Mountain first: cheap micro-batches at both ends shorten the pipeline's fill and drain.
+    orders: list[tuple[int, ...]] = [tuple(int(i) for i in np.concatenate([by_time[::2], by_time[1::2][::-1]]))]
+    for perm in itertools.permutations(range(len(groups))):
+        order = tuple(int(i) for g in perm for i in groups[g])
+        if order not in orders:
+            orders.append(order)
+    rng = np.random.default_rng(seed)
+    for _ in range(2 * max(0, max_permutations - len(orders))):
+        if len(orders) >= max_permutations:
+            break
+        order = tuple(int(i) for i in rng.permutation(by_time))
+        if order not in orders:
+            orders.append(order)
+    return orders[:max_permutations]
+
+
+def optimize_schedule(
+    microbatchings: Sequence[Microbatching],
+    costs: StageCosts,
+    memory_limit_mb: float,
+    fast_mode: bool = False,
+    schedules: Sequence[str] = tuple(SCHEDULES),
+    seed: int = 0,
+    max_permutations: int = 8,
+) -> ScheduleChoice:
+    """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest."""
+    candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
+    tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
+              if any(c.microbatching == m.label for c in candidates)}
+    best: tuple[Candidate, RecomputePlan] | None = None
+    for candidate in candidates:
+        recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
+        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, memory_limit_mb,
+                                fast_mode, tables[candidate.microbatching].reordered(candidate.order))
+        if fitted and (best is None or fitted.simulation.makespan < best[1].simulation.makespan):
+            best = (candidate, fitted)
+    if best is None:
+        raise PlanningError(
+            f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB even with full recompute: raise the memory limit"
+            " or add pipeline/tensor parallelism"
+        )
+    candidate, fitted = best
+    return ScheduleChoice(candidate, fitted.recompute, fitted.orders, fitted.simulation, len(candidates))
+
+
+def execution_plans(choice: ScheduleChoice) -> list[ExecutionPlan]:
+    """One ExecutionPlan per stage for the chosen schedule."""
+    pp = len(choice.orders)
+    plans = []
+    for s in range(pp):
+        rc = [RecomputeType(int(r)) for r in choice.recompute[s]]
+        plans.append(ExecutionPlan(
+            stage=s, num_stages=pp, schedule=choice.candidate.schedule,
+            microbatches=list(choice.microbatches), recompute=rc,
+            instructions=lower_to_instructions(choice.orders[s], s, pp, rc),
+            predicted_makespan_ms=choice.makespan_ms,
+        ))
+    return plans
+
+
+def resimulate(choice: ScheduleChoice, costs: StageCosts) -> SimulationResult:
+    """The chosen plan's timeline with every event recorded (for traces and pictures)."""
+    return simulate(choice.orders, stage_work(costs, choice.microbatches, choice.recompute), record=True)

@@ -1,0 +1,82 @@
+"""The numbers a user reads off a plan, as one JSON-ready dictionary."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from .baselines import default_pack_length, ideal_gain, lower_bound_ms, packing_baseline
+from .planner import PlanResult
+from .spec import TrainingSpec
+from .types import RecomputeType
+
+
+def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
+              pack_length: int | None = None, with_baseline: bool = True) -> dict:
+    costs = result.costs
+    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in result.choices)
+    summary = {
+        "num_samples": len(lengths),
+        "tokens": int(sum(lengths)),
+        "pp": spec.pp, "dp": spec.dp, "tp": spec.tp, "num_layers": spec.num_layers,
+        "memory_limit_mb": spec.memory_limit_mb,
+        "fast_mode": result.fast_mode,
+        "planning_seconds": result.planning_seconds,
+        "schedule": sorted({c.candidate.schedule for c in result.choices}),
+        "makespan_ms": result.makespan_ms,
+        "lower_bound_ms": bound,
+        "makespan_over_lower_bound": result.makespan_ms / bound,
+        "peak_memory_mb": [round(float(m), 1) for m in result.peak_memory_mb],
+        "dp_ranks": [_rank_summary(c) for c in result.choices],
+    }
+    if with_baseline:
+        pack_length = pack_length or default_pack_length(lengths)
+        baseline = packing_baseline(lengths, costs, spec.memory_limit_mb, pack_length)
+        summary["baseline"] = None if baseline is None else {
+            "method": "packing + 1f1b", "seq_len": baseline.seq_len,
+            "microbatch_size": baseline.microbatch_size, "recompute": baseline.recompute.label,
+            "num_sequences": baseline.num_sequences, "makespan_ms": baseline.makespan_ms,
+        }
+        summary["speedup_vs_packing"] = None if baseline is None else baseline.makespan_ms / result.makespan_ms
+        summary["ideal_gain_vs_packing"] = ideal_gain(lengths, costs, pack_length, spec.seqlen_round)
+    return summary
+
+
+def _rank_summary(choice) -> dict:
+    counts = Counter(RecomputeType(int(r)).label for r in choice.recompute.ravel())
+    return {
+        "schedule": choice.candidate.schedule,
+        "makespan_ms": choice.makespan_ms,
+        "candidates_tried": choice.candidates_tried,
+        "recompute_ops": dict(counts),  # (stage, micro-batch) pairs per recompute type
+        "microbatches": [{"size": mb.size, "seq_len": mb.seq_len, "samples": list(mb.samples)}
+                         for mb in choice.microbatches],
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [
+        f"global batch: {summary['num_samples']} samples, {summary['tokens']} tokens; "
+        f"PP={summary['pp']} DP={summary['dp']} TP={summary['tp']}, limit {summary['memory_limit_mb']:.0f} MB",
+        f"fast mode: {'on' if summary['fast_mode'] else 'off'}; planning took {summary['planning_seconds']:.3f} s",
+    ]
+    for r, rank in enumerate(summary["dp_ranks"]):
+        shapes = ", ".join(f"{m['size']}x{m['seq_len']}" for m in rank["microbatches"])
+        lines += [
+            f"dp rank {r}: {rank['schedule']}, {len(rank['microbatches'])} micro-batches "
+            f"(size x padded length, in pipeline order): {shapes}",
+            f"  recompute per (stage, micro-batch): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(rank["recompute_ops"].items())),
+            f"  predicted {rank['makespan_ms']:.1f} ms after {rank['candidates_tried']} candidates",
+        ]
+    lines.append(f"predicted iteration: {summary['makespan_ms']:.1f} ms "
+                 f"(lower bound {summary['lower_bound_ms']:.1f} ms, ratio {summary['makespan_over_lower_bound']:.3f})")
+    lines.append("peak memory per stage (MB): " + ", ".join(f"{m:.0f}" for m in summary["peak_memory_mb"]))
+    base = summary.get("baseline")
+    if base:
+        lines.append(f"packing to {base['seq_len']} + 1F1B (micro-batch {base['microbatch_size']}, "
+                     f"recompute {base['recompute']}): {base['makespan_ms']:.1f} ms -> speed-up "
+                     f"{summary['speedup_vs_packing']:.2f}x (compute-only ideal {summary['ideal_gain_vs_packing']:.2f}x)")
+    elif "baseline" in summary:
+        lines.append("packing + 1F1B: no micro-batch size fits the memory limit")
+    return "\n".join(lines)

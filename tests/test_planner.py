@@ -1,0 +1,155 @@
+"""The planner end to end: properties over random batches, fast mode, clear errors."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts
+from megatron_dynapipe.planning.plan import ExecutionPlan, check_deadlock_free
+from megatron_dynapipe.planning.planner import (
+    PlanningError,
+    adjust_rc_plan,
+    build_candidates,
+    generate_execution_plan,
+)
+from megatron_dynapipe.planning.recompute import FAST_MODE_MICROBATCHES_PER_ROUND, FAST_MODE_ROUNDS
+from megatron_dynapipe.planning.samples import synthetic_lengths
+from megatron_dynapipe.planning.simulator import simulate, stage_work
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+
+# A small GPT (hidden 1024, 8 layers) on a 16 GB device keeps each example fast while the
+# memory limit still binds for long samples.
+SMALL = AnalyticalCostModel(hidden_size=1024, num_heads=16, vocab_size=32000, device_memory_mb=16384)
+
+
+def plan_and_check(lengths, spec, model=SMALL):
+    result = generate_execution_plan(lengths, spec, model)
+    placed = sorted(i for choice in result.choices for mb in choice.microbatches for i in mb.samples)
+    assert placed == list(range(len(lengths))), "every sample is placed exactly once"
+    for choice, plans in zip(result.choices, result.plans):
+        assert len(plans) == spec.pp
+        check_deadlock_free(plans)
+        assert np.all(choice.simulation.peak_memory <= spec.memory_limit_mb + 1e-6)
+        for mb in choice.microbatches:
+            assert mb.seq_len >= max(lengths[i] for i in mb.samples)
+        # The executed orders reproduce the predicted makespan when simulated from scratch.
+        again = simulate(choice.orders, stage_work(result.costs, choice.microbatches, choice.recompute))
+        assert again.makespan == pytest.approx(choice.makespan_ms)
+    return result
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=48),
+    pp=st.integers(1, 4),
+    dp=st.integers(1, 3),
+    limit=st.sampled_from([6_000.0, 9_000.0, 16_000.0]),
+    fast=st.booleans(),
+)
+def test_random_batches_plan_to_valid_deadlock_free_plans_within_memory(lengths, pp, dp, limit, fast):
+    if len(lengths) < dp:
+        lengths = lengths * dp
+    spec = TrainingSpec(num_layers=8, pp=pp, dp=dp, memory_limit_mb=limit, fast_mode=fast)
+    plan_and_check(lengths, spec)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_same_input_and_seed_give_the_same_plan(fast):
+    lengths = synthetic_lengths(40, seed=5)
+    spec = TrainingSpec(num_layers=8, pp=4, dp=2, memory_limit_mb=9_000, fast_mode=fast, seed=3)
+    first = generate_execution_plan(lengths, spec, SMALL)
+    second = generate_execution_plan(lengths, spec, SMALL)
+    for a, b in zip(first.plans, second.plans):
+        assert [p.to_bytes() for p in a] == [p.to_bytes() for p in b]
+
+
+def test_plans_round_trip_through_bytes(costs_pp4):
+    result = plan_and_check(synthetic_lengths(32, seed=1), TrainingSpec(), costs_pp4)
+    for plan in result.plans[0]:
+        again = ExecutionPlan.from_bytes(plan.to_bytes())
+        assert again.instructions == plan.instructions and again.microbatches == plan.microbatches
+
+
+def test_profiled_plan_beats_packing_and_respects_the_limit(costs_pp4):
+    from megatron_dynapipe.planning.baselines import packing_baseline
+
+    lengths = synthetic_lengths(64, seed=0, mix="lognormal")
+    result = plan_and_check(lengths, TrainingSpec(), costs_pp4)
+    baseline = packing_baseline(lengths, costs_pp4, 36_000, 4096)
+    assert result.makespan_ms < baseline.makespan_ms
+
+
+def test_fast_mode_searches_wait_free_cyclic_over_the_best_microbatching(costs_pp4):
+    from megatron_dynapipe.planning.planner import _microbatchings
+
+    lengths = synthetic_lengths(64, seed=0, mix="lognormal")
+    spec = TrainingSpec()
+    normal = build_candidates(_microbatchings(lengths, range(64), costs_pp4, spec, False), costs_pp4, False)
+    fast = build_candidates(_microbatchings(lengths, range(64), costs_pp4, spec, True), costs_pp4, True)
+    assert {c.schedule for c in fast} == {"wait-free-cyclic"}
+    assert len({c.microbatching for c in fast}) == 1
+    assert {c.schedule for c in normal} == {"1f1b", "cyclic", "wait-free-cyclic"}
+    # Fast mode keeps the micro-batch orders: the same permutations of its micro-batching.
+    kept = {c.order for c in normal if c.microbatching == fast[0].microbatching}
+    assert {c.order for c in fast} == kept
+    assert len(fast) * 3 <= len(normal)
+
+
+def test_fast_mode_caps_recompute_adjustment(costs_pp4):
+    # 12 micro-batches of 2 x 1024 tokens under 1F1B need recompute on many of them.
+    mbs = [MicroBatch((2 * i, 2 * i + 1), 1024) for i in range(12)]
+    none = np.zeros((4, 12), dtype=np.int64)
+    normal = adjust_rc_plan(mbs, none, costs_pp4, "1f1b", 36_000, fast_mode=False)
+    assert normal is not None and normal.simulation.fits(36_000)
+    raised_normal = int((normal.recompute > 0).sum())
+    assert raised_normal > FAST_MODE_ROUNDS * FAST_MODE_MICROBATCHES_PER_ROUND
+    fast = adjust_rc_plan(mbs, none, costs_pp4, "1f1b", 36_000, fast_mode=True)
+    # Fast mode raises at most 3 rounds x 2 micro-batches, which is not enough here.
+    assert fast is None
+
+
+def test_adjust_rc_plan_raises_only_over_limit_stages(costs_pp4):
+    mbs = [MicroBatch((i,), 2048) for i in range(8)]
+    plan = adjust_rc_plan(mbs, np.zeros((4, 8), dtype=np.int64), costs_pp4, "1f1b", 36_000)
+    assert plan is not None and plan.simulation.fits(36_000)
+    # The last stage holds one micro-batch in 1F1B and needs less recompute than the first.
+    assert plan.recompute[3].sum() < plan.recompute[0].sum()
+
+
+def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
+    lengths = synthetic_lengths(24, seed=2)
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "yes")
+    assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4).fast_mode is True
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "0")
+    assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4).fast_mode is False
+    # An explicit argument wins over the environment; "auto" is fast above 16 samples.
+    assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=True).fast_mode is True
+    assert generate_execution_plan(lengths, TrainingSpec(fast_mode="auto"), costs_pp4).fast_mode is True
+    assert generate_execution_plan(lengths[:16], TrainingSpec(fast_mode="auto"), costs_pp4).fast_mode is False
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "maybe")
+    with pytest.raises(ValueError, match="DYNAPIPE_FAST_MODE='maybe'.*true, false or auto"):
+        generate_execution_plan(lengths, TrainingSpec(), costs_pp4)
+
+
+def test_clear_errors(costs_pp4):
+    with pytest.raises(PlanningError, match="empty"):
+        generate_execution_plan([], TrainingSpec(), costs_pp4)
+    with pytest.raises(PlanningError, match="9000 tokens fits no micro-batch"):
+        generate_execution_plan([100, 9000], TrainingSpec(), costs_pp4)
+    with pytest.raises(PlanningError, match="model state alone needs .* raise the memory limit"):
+        generate_execution_plan([100], TrainingSpec(memory_limit_mb=20_000), costs_pp4)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        TrainingSpec(schedules=("gpipe",))
+    with pytest.raises(ValueError, match="layers cannot fill"):
+        TrainingSpec(num_layers=2, pp=4)
+
+
+def test_uniform_and_token_based_partitions_plan(costs_pp4):
+    lengths = synthetic_lengths(32, seed=4)
+    plan_and_check(lengths, TrainingSpec(partition="uniform", microbatch_size=2), costs_pp4)
+    plan_and_check(lengths, TrainingSpec(partition="token_based", tokens_per_microbatch=4096), costs_pp4)
+    # Eight 2048-token samples per micro-batch cannot fit, whatever is recomputed.
+    with pytest.raises(PlanningError, match="even with full recompute"):
+        generate_execution_plan([2048] * 32, TrainingSpec(partition="uniform", microbatch_size=8), costs_pp4)
