@@ -1,0 +1,1 @@
+"""Benchmarks runnable from the CLI (`megatron-dynapipe bench ...`) and from benchmarks/."""

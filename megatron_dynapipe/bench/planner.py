@@ -1,0 +1,103 @@
+"""Planner benchmark: planning time and plan quality, normal vs fast mode.
+
+GPT-6.7B on A100 (profiled cost model), PP=4, 36 000 MB, lognormal(5.3, 0.9) lengths clipped
+to 2048 by default; for each global batch size, medians over seeds of planning seconds and
+predicted makespan in both modes, plus the packing + 1F1B baseline and the lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+DEFAULT_COST_MODEL = Path("../shared/cost_models/gpt-6.7b-a100.json")
+SIZES = (8, 16, 32, 64, 256, 1024)
+# The DynaPipe reference planner's normal mode on this machine class (micro-batching +
+# scheduling, seconds) for lognormal(5.3, 0.9) batches; the targets are 5x faster than these.
+REFERENCE_SECONDS = {64: 5.2, 256: 4.3, 1024: 14.8}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), metavar="FILE")
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    p.add_argument("--seeds", type=int, default=3, help="seeds per size (medians are reported)")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB")
+    p.add_argument("--mix", default="lognormal", choices=("lognormal", "multitask"))
+    p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
+    p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row")
+
+
+def run(args) -> int:
+    if not args.all_cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
+    from ..planning.baselines import ideal_gain, lower_bound_ms, packing_baseline
+    from ..planning.cost_model import StageCosts, load_cost_model
+    from ..planning.planner import generate_execution_plan
+    from ..planning.samples import synthetic_lengths
+    from ..planning.spec import TrainingSpec
+
+    if not Path(args.cost_model).is_file():
+        raise ValueError(f"cost model {args.cost_model} not found: run from the project root beside ../shared "
+                         f"or pass --cost-model FILE")
+    spec = TrainingSpec(pp=args.pp, memory_limit_mb=args.memory_limit)
+    costs = StageCosts(load_cost_model(args.cost_model, tp=1), num_layers=spec.num_layers, pp=spec.pp)
+    generate_execution_plan([64] * 8, spec, costs)  # warm caches and imports outside the timings
+    rows = []
+    for size in args.sizes:
+        runs = []
+        for seed in range(args.seeds):
+            lengths = synthetic_lengths(size, seed, args.mix)
+            normal = generate_execution_plan(lengths, spec, costs, fast_mode=False)
+            fast = generate_execution_plan(lengths, spec, costs, fast_mode=True)
+            base = packing_baseline(lengths, costs, spec.memory_limit_mb, args.pack_length)
+            bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in normal.choices)
+            runs.append({
+                "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
+                "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
+                "packing_ms": base.makespan_ms if base else float("nan"),
+                "ideal": ideal_gain(lengths, costs, args.pack_length), "bound_ms": bound,
+            })
+        rows.append(_row(size, runs))
+        if args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    if not args.json:
+        print(format_table(rows, args))
+    return 0
+
+
+def _row(size: int, runs: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    speedup = statistics.median(r["packing_ms"] / r["normal_ms"] for r in runs)
+    ideal = med["ideal"]
+    row = {
+        "samples": size, "seeds": len(runs),
+        "normal_plan_s": med["normal_s"], "fast_plan_s": med["fast_s"],
+        "fast_planning_speedup": statistics.median(r["normal_s"] / r["fast_s"] for r in runs),
+        "normal_makespan_ms": med["normal_ms"], "fast_makespan_ms": med["fast_ms"],
+        "fast_over_normal_makespan": statistics.median(r["fast_ms"] / r["normal_ms"] for r in runs),
+        "speedup_vs_packing": speedup, "ideal_gain": ideal, "share_of_ideal": speedup / ideal,
+        "makespan_over_lower_bound": statistics.median(r["normal_ms"] / r["bound_ms"] for r in runs),
+    }
+    if size in REFERENCE_SECONDS:
+        row["reference_s"] = REFERENCE_SECONDS[size]
+        row["normal_vs_reference_speedup"] = REFERENCE_SECONDS[size] / med["normal_s"]
+    return row
+
+
+def format_table(rows: list[dict], args) -> str:
+    head = (f"planner benchmark: {args.mix} lengths, PP={args.pp}, {args.memory_limit:.0f} MB, "
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, packing to {args.pack_length}\n")
+    cols = ["samples", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
+            "ideal", "share", "/bound", "vs reference"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        ref = f"{r['normal_vs_reference_speedup']:.0f}x" if "reference_s" in r else "-"
+        lines.append(
+            f"| {r['samples']} | {r['normal_plan_s']:.3f} | {r['fast_plan_s']:.3f} | {r['fast_planning_speedup']:.1f}x "
+            f"| {r['normal_makespan_ms']:.0f} | {r['fast_over_normal_makespan']:.3f} | {r['speedup_vs_packing']:.2f}x "
+            f"| {r['ideal_gain']:.2f}x | {r['share_of_ideal']:.0%} | {r['makespan_over_lower_bound']:.3f} | {ref} |")
+    return head + "\n".join(lines)
