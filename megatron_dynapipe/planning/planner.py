@@ -283,7 +283,7 @@ def execution_plans(choice: ScheduleChoice) -> list[ExecutionPlan]:
         plans.append(ExecutionPlan(
             stage=s, num_stages=pp, schedule=choice.candidate.schedule,
             microbatches=list(choice.microbatches), recompute=rc,
-            instructions=lower_to_instructions(choice.orders[s], s, pp, rc),
+            instructions=lower_to_instructions(choice.orders[s], s, pp, rc, orders=choice.orders),
             predicted_makespan_ms=choice.makespan_ms,
         ))
     return plans
