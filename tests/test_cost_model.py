@@ -531,3 +531,14 @@ def test_cost_model_imports_neither_torch_nor_megatron():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_analytical_small_microbatches_cost_as_much_as_saturating_ones():
+    # Below saturation_tokens a layer takes as long as at saturation: 1x64 and 16x64 tokens both
+    # cost what 1024 tokens cost; above it time grows linearly with the batch (same seqlen).
+    model = AnalyticalCostModel(saturation_tokens=1024)
+    t = lambda b: model.layer_ms("encoder", "forward", R.NONE, b, 64)  # noqa: E731
+    assert t(1) == pytest.approx(t(16))
+    assert t(32) == pytest.approx(2 * t(16))
+    assert AnalyticalCostModel(saturation_tokens=0).layer_ms("encoder", "forward", R.NONE, 1, 64) \
+        == pytest.approx(t(16) / 16)

@@ -447,7 +447,9 @@ class _ProfileReader:
 class AnalyticalCostModel(CostModel):
     """GPT layer costs from FLOP counts and activation-memory formulas (docs/cost_model.md).
 
-    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase. Memory is
+    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase; a layer on
+    fewer than ``saturation_tokens`` tokens takes as long as on that many, because small kernels
+    leave the GPU under-used (the A100 profile flattens below about 1k tokens per layer). Memory is
     16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
     single encoder layer (its stored and peak activations plus the 16-byte-per-parameter model
     state of that layer) exceeds ``device_memory_mb`` is infeasible (``inf``).
@@ -464,6 +466,7 @@ class AnalyticalCostModel(CostModel):
         mfu: float = 0.5,
         device_memory_mb: float = 40960,
         overhead_ms: float = 0.0,
+        saturation_tokens: int = 1024,
     ):
         ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
@@ -474,8 +477,10 @@ class AnalyticalCostModel(CostModel):
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
         if num_heads % tp:
             raise ValueError(f"num_heads {num_heads} is not divisible by tp {tp}")
-        if not (peak_tflops > 0 and 0 < mfu <= 1 and device_memory_mb > 0 and overhead_ms >= 0):
-            raise ValueError("need peak_tflops > 0, 0 < mfu <= 1, device_memory_mb > 0, overhead_ms >= 0")
+        if not (peak_tflops > 0 and 0 < mfu <= 1 and device_memory_mb > 0 and overhead_ms >= 0
+                and saturation_tokens >= 0):
+            raise ValueError("need peak_tflops > 0, 0 < mfu <= 1, device_memory_mb > 0, overhead_ms >= 0, "
+                             "saturation_tokens >= 0")
         self.hidden_size = int(hidden_size)
         self.num_heads = int(num_heads)
         self.ffn_hidden_size = int(ffn)
@@ -485,6 +490,7 @@ class AnalyticalCostModel(CostModel):
         self.mfu = float(mfu)
         self.device_memory_mb = float(device_memory_mb)
         self.overhead_ms = float(overhead_ms)
+        self.saturation_tokens = int(saturation_tokens)
         self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
         self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
         h, t = self.hidden_size, self.tp
@@ -497,7 +503,8 @@ class AnalyticalCostModel(CostModel):
         return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
                 f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
                 f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, "
-                f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms})")
+                f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms}, "
+                f"saturation_tokens={self.saturation_tokens})")
 
     # -- FLOPs -----------------------------------------------------------------------------------
     def encoder_flops(self, phase: str, recompute, mbs, seqlen):
@@ -527,7 +534,9 @@ class AnalyticalCostModel(CostModel):
             flops = self.encoder_flops(phase, recompute, mbs, seqlen)
         else:
             flops = self.postprocess_flops(phase, mbs, seqlen)
-        return self._mask(flops / self._flop_per_ms + self.overhead_ms, mbs, seqlen)
+        tokens = _as_float(mbs) * _as_float(seqlen)
+        under_used = np.maximum(1.0, self.saturation_tokens / tokens)
+        return self._mask(flops * under_used / self._flop_per_ms + self.overhead_ms, mbs, seqlen)
 
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
