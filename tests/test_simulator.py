@@ -53,14 +53,18 @@ def test_wait_free_cyclic_equals_1f1b_on_uniform_work_with_room(pp, n):
     assert simulate(wait_free_cyclic(work, 1e9), work).makespan == pytest.approx((n + pp - 1) * 3.0)
 
 
-def test_wait_free_cyclic_respects_a_tight_memory_limit():
-    # Room for two micro-batches on every stage: state 100 + 2 x 10 stored + 1 transient.
-    pp, n = 4, 8
+def test_wait_free_cyclic_runs_ahead_only_while_memory_lasts():
+    # A slow micro-batch 0 holds up backwards; with unlimited memory stage 0 runs ahead of
+    # 1F1B's pp in flight, with room for exactly pp (state 100 + 4 x 10 + 1) it must not.
+    pp, n = 4, 10
     work = uniform_work(pp, n)
-    orders = wait_free_cyclic(work, 121.0)
-    result = simulate(orders, work)
-    assert result.peak_memory.max() <= 121.0
-    assert result.makespan > (n + pp - 1) * 3.0  # 1F1B would need 4 in flight on stage 0
+    work.forward[:, 0], work.backward[:, 0] = 6.0, 12.0
+    limit = 100.0 + pp * 10.0 + 1.0
+    bounded = simulate(wait_free_cyclic(work, limit), work)
+    assert bounded.peak_memory.max() <= limit
+    unbounded = simulate(wait_free_cyclic(work, 1e9), work)
+    assert unbounded.peak_memory[0] > limit  # it did run ahead when allowed to
+    assert unbounded.makespan <= bounded.makespan
 
 
 def test_wait_free_cyclic_fills_idle_time_with_variable_microbatches():

@@ -11,8 +11,6 @@ import heapq
 from collections import deque
 from typing import Callable
 
-import numpy as np
-
 from .simulator import Order, SimulationResult, StageWork, _Timeline, simulate
 
 
@@ -30,44 +28,12 @@ def one_f_one_b(work: StageWork, memory_limit_mb: float) -> list[Order]:
     return orders
 
 
-def cyclic(work: StageWork, memory_limit_mb: float) -> list[Order]:
-    """1F1B with memory-sized warm-up: stage s runs as many leading forwards as its memory holds
-    (more than 1F1B's pp - s - 1 when micro-batches are small, fewer when they are large), then
-    strictly alternates. Warm-ups never grow down the pipeline, which keeps the orders free of
-    deadlock (a stage always has sent what the next one waits for)."""
-    pp, n = work.pp, work.n
-    warmups, previous = [], n
-    for s in range(pp):
-        warmup = 0 if s == pp - 1 else min(_memory_warmup(work, s, memory_limit_mb), previous)
-        warmups.append(warmup)
-        previous = warmup
-    orders = []
-    for s, warmup in enumerate(warmups):
-        order: Order = [("F", m) for m in range(warmup)]
-        for m in range(n - warmup):
-            order += [("F", m + warmup), ("B", m)]
-        order += [("B", m) for m in range(n - warmup, n)]
-        orders.append(order)
-    return orders
-
-
-def _memory_warmup(work: StageWork, s: int, memory_limit_mb: float) -> int:
-    """Largest warm-up w < n such that every w + 1 consecutive micro-batches fit stage s."""
-    stored, peak, n = work.stored[s], work.peak[s], work.n
-    prefix = np.concatenate([[0.0], np.cumsum(stored)])
-    for w in range(n - 1, 0, -1):
-        held = prefix[w + 1:] - prefix[:n - w]  # windows of w + 1 micro-batches
-        window_peak = np.lib.stride_tricks.sliding_window_view(peak, w + 1).max(axis=1)
-        if np.all(work.state[s] + held + window_peak <= memory_limit_mb):
-            return w
-    return 0
-
-
 def wait_free_cyclic(work: StageWork, memory_limit_mb: float) -> list[Order]:
-    """A stage never idles while it has a runnable op: backwards first, then the next forward
-    if its activations fit the memory limit. The orders come from simulating that policy on the
-    cost model (event by event, earliest stage first), so each stage admits as many
-    micro-batches as its memory holds instead of 1F1B's fixed pp - s.
+    """A stage never idles while it has a runnable op. It fills up to 1F1B's pp - s micro-batches
+    in flight (adjust_rc_plan makes those fit by recompute, which beats idling), otherwise runs a
+    due backward, otherwise admits one more forward if its activations fit the memory limit.
+    The orders come from simulating that policy on the cost model (event by event, earliest
+    stage first), so a stage runs ahead of 1F1B whenever a slow micro-batch holds up backwards.
     """
     return _WaitFree(work, memory_limit_mb).run().orders
 
@@ -113,19 +79,27 @@ class _WaitFree:
         return ready is not None and ready <= now
 
     def _pick(self, s: int, now: float):
-        t, work = self.t, self.work
+        """Keep 1F1B's pp - s micro-batches in flight first (a starved pipeline idles
+        downstream), then backwards, then extra forwards while memory lasts."""
+        t = self.t
+        m = self.next_forward[s]
+        forward_due = m < self.work.n and self._due(s, "F", m, now)
+        under_filled = len(t.held[s]) < self.work.pp - s
+        if forward_due and under_filled:
+            return self._forward(s)
         if self.backlog[s] and self._due(s, "B", self.backlog[s][0], now):
             return "B", self.backlog[s].popleft()
-        m = self.next_forward[s]
-        if m < work.n and self._due(s, "F", m, now):
+        if forward_due:
             # Admit m only if every op until the next free still fits: m's forward, and the
             # backward of any held micro-batch, which then runs with m's activations held too.
             transient = max([t.peak_of[s][m]] + [t.peak_of[s][h] for h in t.held[s]])
-            need = t.state[s] + t.held_total[s] + t.stored[s][m] + transient
-            if need <= self.limit or not t.held[s]:
-                self.next_forward[s] += 1
-                return "F", m
+            if t.state[s] + t.held_total[s] + t.stored[s][m] + transient <= self.limit:
+                return self._forward(s)
         return None
+
+    def _forward(self, s: int):
+        self.next_forward[s] += 1
+        return "F", self.next_forward[s] - 1
 
     def _sleep(self, s: int, now: float) -> None:
         """Wake s when an input it knows of is due; otherwise a neighbour's op will wake it."""
@@ -150,7 +124,6 @@ class _WaitFree:
 
 SCHEDULES: dict[str, Callable[[StageWork, float], list[Order]]] = {
     "1f1b": one_f_one_b,
-    "cyclic": cyclic,
     "wait-free-cyclic": wait_free_cyclic,
 }
 

@@ -46,7 +46,7 @@ def resolve_fast_mode(fast_mode: FastMode, num_samples: int) -> bool:
     return bool(fast_mode)
 
 
-SCHEDULES = ("1f1b", "cyclic", "wait-free-cyclic")
+SCHEDULES = ("1f1b", "wait-free-cyclic")
 PARTITION_METHODS = ("dp", "token_based", "uniform")
 
 
