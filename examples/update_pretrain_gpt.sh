@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# GPT pre-training at full scale, traced with fake ranks: a batch of parallel layouts, one run.
+#
+#   examples/update_pretrain_gpt.sh                          # BATCH_CONFIGS below, on this CPU machine
+#   examples/update_pretrain_gpt.sh "8192 16 8" "4096 16 4"  # these configs instead
+#   MODEL_SIZE=175 examples/update_pretrain_gpt.sh "8192 16 8"
+#   MEGATRON_LM_DIR=~/Megatron-LM examples/update_pretrain_gpt.sh
+#
+# Configs are "WORLD_SIZE PP TP [CP [EP]] [key=value ...]" (keys: cp ep mbs nmb gbs seq experts
+# model); with none, the one default config is 8192 ranks, PP 2, TP 2.  MODEL_SIZE names a row
+# of the package's model table (hidden/heads/layers):
+#   tiny 128/8/4, 6.7 4096/32/32, 13 5120/32/40, 30 7680/48/40, 40 9216/72/40, 70 8192/64/80,
+#   175 12288/96/96, 485 20480/160/96, 1T 25600/160/128, 2T 25600/160/256
+# (`python -m megatron_dynapipe.tracer.cli --list-models` prints it from the package).
+#
+# Two ways to run
+# ---------------
+# * Default (MEGATRON_LM_DIR unset): `megatron-dynapipe trace` on this machine.  Each
+#   representative rank (one per pipeline stage; x EP for MoE) is traced in a forked process
+#   pretending to be that rank of the full job; models too big for this machine's memory are
+#   traced shapes-only.  The default (tiny, 8192/2/2) takes well under a minute on 2 CPU cores.
+# * MEGATRON_LM_DIR set: Megatron-LM's own pretrain_gpt.py runs once per representative rank,
+#   under torchrun with one local process, with the fake-rank flags
+#       --is-scaling-mode --fake-world-size W --fake-pp P --fake-tp T --fake-current-rank-id R
+#   (Megatron-LM must know them: install megatron-dynapipe's Megatron arguments into it).  CP
+#   and EP go through Megatron's --context-parallel-size / --expert-model-parallel-size.  The
+#   ranks, the folder names and the model flags come from the package
+#   (`trace --print-ranks`, `trace --print-model-args`), never from arithmetic in this script.
+#   Each rank's output goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when
+#   the rank ends).  DRY_RUN=1 prints the torchrun commands instead of running them.
+#
+# Environment
+#   MODEL_SIZE        model name (default tiny)
+#   OUTPUT_DIR        where the per-config folders go (default ./traces)
+#   MICRO_BATCH_SIZE  default 1
+#   GLOBAL_BATCH_SIZE default: micro-batch size x PP x DP (one micro-batch per stage)
+#   SEQ_LENGTH        default: the model's (tiny 256, others 2048)
+#   WARMUP_ITERS, TRACE_ITERS   default 1 and 1
+#   PYTHON            default: the checkout's .venv, else python3
+#   TRACE_ARGS        extra `trace` options (e.g. "--shapes-only --json")
+#   MEGATRON_LM_DIR   a Megatron-LM checkout: run its pretrain_gpt.py (see above)
+#   MEGATRON_ARGS     extra pretrain_gpt.py flags;  TORCHRUN (default torchrun);  MASTER_PORT (29500)
+#   DRY_RUN=1         with MEGATRON_LM_DIR: print the commands only
+# Exit status: 0 when every valid config traced, 1 when one failed (or none was valid).
+
+set -euo pipefail
+
+# "WORLD_SIZE PP TP [CP [EP]]"; leave empty for the default config (8192 2 2).
+BATCH_CONFIGS=(
+    # "8192 16 8"
+    # "4096 16 4"
+    # "1024 4 2 2"
+)
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+MODEL_SIZE="${MODEL_SIZE:-tiny}"
+OUTPUT_DIR="${OUTPUT_DIR:-$PWD/traces}"
+MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
+GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-}"
+SEQ_LENGTH="${SEQ_LENGTH:-}"
+WARMUP_ITERS="${WARMUP_ITERS:-1}"
+TRACE_ITERS="${TRACE_ITERS:-1}"
+
+if [[ $# -gt 0 ]]; then BATCH_CONFIGS=("$@"); fi
+if [[ ${#BATCH_CONFIGS[@]} -eq 0 ]]; then BATCH_CONFIGS=("8192 2 2"); fi
+
+trace() { "$PYTHON" -m megatron_dynapipe.tracer.cli "$@"; }  # = megatron-dynapipe trace
+
+args=(--model "$MODEL_SIZE" --micro-batch-size "$MICRO_BATCH_SIZE")
+[[ -n "$GLOBAL_BATCH_SIZE" ]] && args+=(--global-batch-size "$GLOBAL_BATCH_SIZE")
+[[ -n "$SEQ_LENGTH" ]] && args+=(--seq-length "$SEQ_LENGTH")
+for config in "${BATCH_CONFIGS[@]}"; do args+=(--config "$config"); done
+
+# ---------------------------------------------------------------------------------------------
+if [[ -z "${MEGATRON_LM_DIR:-}" ]]; then
+    # shellcheck disable=SC2086
+    exec "$PYTHON" -m megatron_dynapipe.tracer.cli "${args[@]}" --output-dir "$OUTPUT_DIR" \
+        --warmup-iters "$WARMUP_ITERS" --trace-iters "$TRACE_ITERS" ${TRACE_ARGS:-}
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM: one pretrain_gpt.py run per representative rank.
+if [[ "${DRY_RUN:-0}" != 1 && ! -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]]; then
+    echo "MEGATRON_LM_DIR=$MEGATRON_LM_DIR has no pretrain_gpt.py" >&2
+    exit 2
+fi
+TORCHRUN="${TORCHRUN:-torchrun}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+
+ranks="$(trace "${args[@]}" --print-ranks)" || {
+    status=$?
+    [[ -z "$(grep -v '^#' <<<"$ranks")" ]] && exit "$status"  # nothing valid (reasons on stderr)
+}
+
+failed=0
+total=0
+declare -A model_args_of=()
+while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_rank model experts folder; do
+    key="$model $experts $seq"
+    if [[ -z "${model_args_of[$key]:-}" ]]; then
+        extra=()
+        [[ "$experts" -gt 0 ]] && extra=(--num-experts "$experts")
+        model_args_of[$key]="$(trace --model "$model" --seq-length "$seq" "${extra[@]}" --print-model-args)"
+    fi
+    read -r -a model_args <<<"${model_args_of[$key]}"
+
+    cmd=("$TORCHRUN" --nproc_per_node 1 --nnodes 1 --master_addr 127.0.0.1 --master_port "$MASTER_PORT"
+        "$MEGATRON_LM_DIR/pretrain_gpt.py" "${model_args[@]}"
+        --micro-batch-size "$mbs" --global-batch-size "$gbs"
+        --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp")
+    [[ "$cp" -gt 1 ]] && cmd+=(--context-parallel-size "$cp")
+    [[ "$ep" -gt 1 ]] && cmd+=(--expert-model-parallel-size "$ep")
+    cmd+=(--train-iters $((WARMUP_ITERS + TRACE_ITERS)) --lr 1.5e-4 --eval-iters 0 --log-interval 1
+        --mock-data --tokenizer-type NullTokenizer
+        --is-scaling-mode --fake-world-size "$world" --fake-pp "$pp" --fake-tp "$tp"
+        --fake-current-rank-id "$rank")
+    # shellcheck disable=SC2206
+    cmd+=(${MEGATRON_ARGS:-})
+
+    total=$((total + 1))
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        printf '%q ' "${cmd[@]}"
+        printf '\n'
+        continue
+    fi
+    mkdir -p "$OUTPUT_DIR/$folder"
+    log="$OUTPUT_DIR/$folder/fake_rank_$rank.log"
+    echo "[$total] $folder rank $rank" >&2
+    if "${cmd[@]}" >"$log.partial" 2>&1; then
+        mv -f "$log.partial" "$log"
+    else
+        status=$?
+        echo "# exit status $status" >>"$log.partial"
+        mv -f "$log.partial" "$log"
+        echo "    failed with exit status $status; see $log" >&2
+        failed=$((failed + 1))
+    fi
+done < <(grep -v '^#' <<<"$ranks")
+
+if [[ "${DRY_RUN:-0}" != 1 ]]; then
+    echo "$((total - failed)) of $total ranks ran; outputs under $OUTPUT_DIR" >&2
+fi
+[[ $failed -eq 0 ]]

@@ -1,0 +1,300 @@
+"""`megatron-dynapipe trace`: trace many parallel layouts of one model with fake ranks.
+
+    megatron-dynapipe trace --config "8192 16 8" --config "4096 16 4" --model 6.7
+    megatron-dynapipe trace --configs configs.txt --output-dir traces --json
+    megatron-dynapipe trace --config "8192 2 2" --print-ranks
+
+``python -m megatron_dynapipe.tracer.cli ARGS`` is the same command without the ``trace`` word.
+Exit status: 0 when every valid config traced, 1 when a config failed or none was valid (or,
+with ``--strict``, one was invalid), 2 for a usage error such as an unreadable configs file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .batch_config import (
+    INVALID,
+    OK,
+    ConfigResult,
+    TraceConfig,
+    batch_summary,
+    exit_code,
+    parse_configs,
+    read_config_file,
+    validate,
+)
+from .models import MODELS, get_model
+
+__all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
+
+#: The config traced when none is given.
+DEFAULT_CONFIG = "8192 2 2"
+
+_HELP = "trace the representative ranks of one or more parallel layouts with fake ranks"
+_EPILOG = (
+    "A config is 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (keys: cp ep mbs nmb gbs seq experts "
+    "model); a configs file holds one a line, '#' starts a comment. Models: "
+    + ", ".join(f"{n} ({m.hidden}/{m.heads}/{m.layers})" for n, m in MODELS.items())
+    + " (hidden/heads/layers). Without --config/--configs the config is '" + DEFAULT_CONFIG + "'."
+)
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the ``trace`` command, on any parser."""
+    src = p.add_argument_group("configs")
+    src.add_argument("--config", action="append", default=[], metavar="'W PP TP[ CP EP]'",
+                     help="a config line (repeatable)")
+    src.add_argument("--configs", "--config-file", dest="config_files", action="append", default=[],
+                     metavar="FILE", help="a file of config lines (repeatable)")
+    src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
+
+    model = p.add_argument_group("model and batch (defaults for every config)")
+    model.add_argument("--model", default="tiny", metavar="NAME",
+                       help=f"model size: {'|'.join(MODELS)} (default tiny)")
+    model.add_argument("--num-experts", type=int, metavar="N", help="make the model mixture-of-experts with N experts")
+    model.add_argument("--micro-batch-size", type=int, default=1, metavar="M", help="default 1")
+    model.add_argument("--num-microbatches", type=int, metavar="N",
+                       help="micro-batches per iteration (default: from --global-batch-size, else PP)")
+    model.add_argument("--global-batch-size", type=int, metavar="G",
+                       help="global batch; must be divisible by micro-batch size x DP")
+    model.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
+
+    run = p.add_argument_group("tracing")
+    run.add_argument("--output-dir", default="traces", metavar="DIR", help="one folder per config under DIR (default traces)")
+    run.add_argument("--warmup-iters", type=int, default=1, metavar="N", help="default 1")
+    run.add_argument("--trace-iters", type=int, default=1, metavar="N", help="default 1")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--shapes-only", dest="shapes_only", action="store_const", const=True, default=None,
+                      help="record op shapes without computing (default for models that do not fit in memory)")
+    mode.add_argument("--real-compute", dest="shapes_only", action="store_const", const=False,
+                      help="really compute every op, even when the estimate says it does not fit")
+    run.add_argument("--cost-model", metavar="FILE", help="profiled cost model JSON for op durations")
+    run.add_argument("--isolation", choices=("process", "inline"), default="process",
+                     help="run each rank in a forked process (default) or in this one")
+    run.add_argument("--rank-timeout", type=float, metavar="SECONDS", help="fail a rank that runs longer")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
+    out.add_argument("--print-ranks", action="store_true",
+                     help="list each valid config's representative ranks, one a line, and trace nothing")
+    out.add_argument("--print-model-args", action="store_true",
+                     help="print the Megatron-LM flags that build --model and exit")
+    out.add_argument("--list-models", action="store_true", help="list the model sizes and exit")
+    p.set_defaults(func=run_trace)
+
+
+def add_trace_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``trace`` on the ``add_subparsers()`` object of the main parser."""
+    p = subparsers.add_parser("trace", help=_HELP, description=_HELP, epilog=_EPILOG)
+    add_trace_arguments(p)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def load_configs(args) -> list[TraceConfig]:
+    """The configs named on the command line, in order (``--config`` lines, then files)."""
+    defaults: dict[str, Any] = dict(
+        model=get_model(args.model), num_experts=args.num_experts,
+        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+    )
+    configs: list[TraceConfig] = []
+    lines = args.config or ([] if args.config_files else [DEFAULT_CONFIG])
+    for n, line in enumerate(lines):
+        source = f"--config #{n + 1}" if len(lines) > 1 else "--config"
+        configs += parse_configs([line], source=source, start_index=len(configs), **defaults)
+    for path in args.config_files:
+        configs += read_config_file(path, start_index=len(configs), **defaults)
+    if not configs:
+        raise ValueError("no configs: the configs files hold only comments; add lines like '8192 2 2'")
+    return configs
+
+
+def _cost_model_factory(path: str):
+    from ..planning.cost_model import load_cost_model
+
+    cache: dict[int, Any] = {}
+
+    def for_config(config: TraceConfig):
+        if config.tp not in cache:
+            cache[config.tp] = load_cost_model(path, tp=config.tp)
+        return cache[config.tp]
+
+    return for_config
+
+
+def run_trace(args) -> int:
+    if args.list_models:
+        for name, m in MODELS.items():
+            print(f"{name:>5}  hidden {m.hidden:>5}  heads {m.heads:>3}  layers {m.layers:>3}  "
+                  f"{m.total_params() / 1e9:9.3f} B parameters")
+        return 0
+    if args.print_model_args:
+        shape = get_model(args.model)
+        if args.num_experts:
+            shape = shape.with_experts(args.num_experts)
+        print(" ".join(shape.megatron_args(args.seq_length)))
+        return 0
+    for name in ("warmup_iters", "trace_iters"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.trace_iters < 1:
+        raise ValueError("--trace-iters must be >= 1")
+    configs = load_configs(args)
+    if args.print_ranks:
+        return _print_ranks(configs, args)
+
+    from .batch_config import run_batch
+
+    results = run_batch(
+        configs, args.output_dir,
+        warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
+        cost_model=_cost_model_factory(args.cost_model) if args.cost_model else None,
+        isolation=args.isolation, rank_timeout=args.rank_timeout, progress=not args.no_progress,
+    )
+    code = exit_code(results, strict=args.strict)
+    if args.json:
+        summary = batch_summary(results, model=get_model(args.model).label, output_dir=args.output_dir)
+        summary["exit_code"] = code
+        print(json.dumps(summary))
+    else:
+        print_summary(results)
+    return code
+
+
+# --------------------------------------------------------------------------------------------
+# printing
+
+_RANK_COLUMNS = ("config", "world_size", "pp", "tp", "cp", "ep", "dp", "micro_batch_size",
+                 "num_microbatches", "global_batch_size", "seq_length", "rank", "stage", "ep_rank", "model",
+                 "experts", "folder")
+
+
+def _print_ranks(configs: Sequence[TraceConfig], args) -> int:
+    """One line per representative rank (columns: :data:`_RANK_COLUMNS`), ``#`` header first."""
+    results, rows = [], []
+    for config in configs:
+        reasons = validate(config)
+        if reasons:
+            print(f"config {config.index} ({config.line}) is invalid: {'; '.join(reasons)}", file=sys.stderr)
+            results.append(ConfigResult(config, INVALID, reasons=reasons))
+            continue
+        reps = config.representatives()
+        results.append(ConfigResult(config, OK, ranks_traced=len(reps)))
+        for rep in reps:
+            rows.append({
+                "config": config.index, "world_size": config.world_size, "pp": config.pp, "tp": config.tp,
+                "cp": config.cp, "ep": config.ep, "dp": config.dp,
+                "micro_batch_size": config.micro_batch_size, "num_microbatches": config.microbatches,
+                "global_batch_size": config.global_batch, "seq_length": config.seq,
+                "rank": rep.global_rank, "stage": rep.stage, "ep_rank": rep.ep_rank,
+                "model": config.model.label, "experts": config.model.num_experts,
+                "folder": config.folder_name(),
+            })
+    if args.json:
+        print(json.dumps({"ranks": rows, "invalid": [r.to_dict() for r in results if r.status == INVALID]}))
+    else:
+        print("# " + " ".join(_RANK_COLUMNS))
+        for row in rows:
+            print(" ".join(str(row[c]) for c in _RANK_COLUMNS))
+    return exit_code(results, strict=args.strict)
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}%"
+
+
+def summary_rows(results: Sequence[ConfigResult]) -> list[list[str]]:
+    """One row per config: the cells of :data:`_HEADERS` (the folder by its name only)."""
+    rows = []
+    for r in results:
+        c = r.config
+        if r.status == INVALID:
+            where = "skipped: " + "; ".join(r.reasons)
+        else:
+            where = r.folder.name if r.folder else "-"
+            if r.error:
+                where += f"  ({r.error})"
+        rows.append([
+            str(c.index), c.line, c.model.label, str(c.world_size), str(r.ranks_traced or "-"),
+            _fmt_pct(r.reduction_pct), r.status, f"{r.seconds:.1f}s" if r.status != INVALID else "-", where,
+        ])
+    return rows
+
+
+_HEADERS = ["#", "config", "model", "ranks", "traced", "reduction", "status", "time", "folder"]
+_RIGHT = {"#", "ranks", "traced", "reduction", "time"}
+
+
+def _footer(results: Sequence[ConfigResult]) -> str:
+    counts = {s: sum(r.status == s for r in results) for s in (OK, "failed", INVALID)}
+    text = f"{counts[OK]} traced, {counts['failed']} failed, {counts[INVALID]} invalid"
+    parents = {str(r.folder.parent) for r in results if r.folder is not None}
+    if len(parents) == 1:
+        text += f"; folders in {parents.pop()}"
+    return text
+
+
+def print_summary(results: Sequence[ConfigResult], file=None) -> None:
+    """The batch as a table: rich when ``file`` (stdout) is a terminal, plain text otherwise.
+
+    "config" is ``W PP TP[ CP EP]``, "ranks" is the size of the job, "traced" how many ranks stand for it, "reduction" how many
+    fewer that is (``1 - traced / ranks``).
+    """
+    file = sys.stdout if file is None else file
+    rows = summary_rows(results)
+    footer = _footer(results)
+    isatty = getattr(file, "isatty", None)
+    if callable(isatty) and isatty():
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(title="fake-rank traces", caption=footer, caption_justify="left")
+        for h in _HEADERS:
+            table.add_column(h, overflow="fold", justify="right" if h in _RIGHT else "left",
+                             no_wrap=h in _RIGHT or h in ("status", "config", "model"))
+        colour = {OK: "green", "failed": "bold red", INVALID: "yellow"}
+        for row in rows:
+            cells = [escape(v) for v in row]
+            cells[6] = f"[{colour.get(row[6], 'default')}]{cells[6]}[/]"
+            table.add_row(*cells)
+        Console(file=file).print(table)
+        return
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(_HEADERS[:-1])]
+    just = [str.rjust if h in _RIGHT else str.ljust for h in _HEADERS]
+    print("  ".join(j(h, w) for j, h, w in zip(just, _HEADERS, widths)) + "  " + _HEADERS[-1], file=file)
+    for row in rows:
+        print("  ".join(j(v, w) for j, v, w in zip(just, row, widths)) + "  " + row[-1], file=file)
+    print(footer, file=file)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_dynapipe.tracer.cli", description=_HELP,
+                                     epilog=_EPILOG)
+    add_trace_arguments(parser)
+    return parser
+
+
+def main(argv=None) -> int:
+    """``megatron-dynapipe trace`` as a module of its own (the examples call it this way)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as error:
+        print(f"megatron-dynapipe trace: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,644 @@
+"""Batch configurations of the fake-rank tracer: parsing, validation, folders, the batch runner,
+`megatron-dynapipe trace` and the example scripts.
+
+The batch-runner tests inject a small stand-in tracer (below) so they run in a second and can
+fail on purpose; the example scripts and the end-to-end tests use the real fake-rank tracer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_dynapipe.tracer import batch_config as bc
+from megatron_dynapipe.tracer import cli as trace_cli
+from megatron_dynapipe.tracer.batch_config import (
+    ConfigParseError,
+    TraceConfig,
+    decide_shapes_only,
+    exit_code,
+    parse_config_line,
+    parse_configs,
+    read_config_file,
+    run_batch,
+    validate,
+)
+from megatron_dynapipe.tracer.models import MODELS, GPTShape, get_model
+from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+HAVE_REAL_TRACER = (ROOT / "megatron_dynapipe" / "tracer" / "fake_rank.py").is_file()
+needs_real_tracer = pytest.mark.skipif(not HAVE_REAL_TRACER, reason="megatron_dynapipe.tracer.fake_rank not there yet")
+
+TINY = get_model("tiny")
+
+
+def cfg(line: str, **kw) -> TraceConfig:
+    config = parse_config_line(line, **kw)
+    assert config is not None
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# the stand-in tracer: same call and `write` contract as trace_fake_rank
+
+
+def stand_in_trace(layout, rank, model, options) -> RankTrace:
+    """A three-op trace in the real trace format (what trace_fake_rank returns)."""
+    ops = [TraceOp(seq=i, iteration=0, stage=0, cat="compute", kind="forward", microbatch=i,
+                   start_us=10.0 * i, dur_us=5.0) for i in range(3)]
+    return RankTrace(rank=rank, stage=0, layout={"world_size": layout.world_size}, coords={}, groups={},
+                     model={"name": model.label}, iteration=dict(options, cost_model=None),
+                     mode="shapes_only" if options["shapes_only"] else "real", ops=ops)
+
+
+class UnreadableTrace:
+    def __init__(self, rank):
+        self.rank = rank
+
+    def write(self, directory):
+        (Path(directory) / f"rank_{self.rank}.trace.jsonl").write_text("not a trace\n")
+
+
+class SilentTrace:
+    def write(self, directory):
+        pass
+
+
+CALLS: list[dict] = []
+
+
+def stand_in_tracer(layout, rank, model, **options):
+    print(f"stand-in tracing rank {rank}")
+    CALLS.append({"world_size": layout.world_size, "rank": rank, "model": model.label, **options})
+    return stand_in_trace(layout, rank, model, options)
+
+
+def failing_on(world_size=None, rank=None, how="raise"):
+    """A stand-in that fails for one world size (whole config) or one rank."""
+
+    def tracer(layout, r, model, **options):
+        if (world_size is None or layout.world_size == world_size) and (rank is None or r == rank):
+            if how == "raise":
+                raise RuntimeError(f"boom on W={layout.world_size} rank {r}")
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "sleep":
+                time.sleep(60)
+            if how == "unreadable":
+                return UnreadableTrace(r)
+            if how == "silent":
+                return SilentTrace()
+        return stand_in_tracer(layout, r, model, **options)
+
+    return tracer
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def test_model_table_matches_the_issue():
+    table = {"tiny": (128, 8, 4), "6.7B": (4096, 32, 32), "13B": (5120, 32, 40), "30B": (7680, 48, 40),
+             "40B": (9216, 72, 40), "70B": (8192, 64, 80), "175B": (12288, 96, 96),
+             "485B": (20480, 160, 96), "1T": (25600, 160, 128), "2T": (25600, 160, 256)}
+    assert {n: (m.hidden, m.heads, m.layers) for n, m in MODELS.items()} == table
+    assert all(m.ffn == 4 * m.hidden for m in MODELS.values())
+
+
+@pytest.mark.parametrize("name", ["6.7", "6.7b", "6.7B", "gpt-6.7b", " GPT-6.7B "])
+def test_model_aliases(name):
+    assert get_model(name) is MODELS["6.7B"]
+
+
+def test_unknown_model_lists_the_valid_names():
+    with pytest.raises(ValueError) as e:
+        get_model("7b")
+    for name in MODELS:
+        assert name in str(e.value)
+
+
+def test_model_sizes_are_plausible():
+    assert abs(get_model("6.7").total_params() / 6.7e9 - 1) < 0.02
+    assert abs(get_model("175").total_params() / 175e9 - 1) < 0.02
+    m = get_model("6.7")
+    assert m.stage_params(pp=2, tp=2, stage=0) < m.total_params() / 3
+    assert get_model("tiny").training_bytes(2, 2) < 2**30 < m.training_bytes(2, 2)
+
+
+def test_megatron_args_of_a_model():
+    args = get_model("13").megatron_args(4096)
+    assert args[args.index("--hidden-size") + 1] == "5120"
+    assert args[args.index("--num-layers") + 1] == "40"
+    assert args[args.index("--seq-length") + 1] == "4096"
+
+
+# --------------------------------------------------------------------------------------------
+# parsing
+
+
+def test_parse_a_plain_line():
+    c = cfg("8192 16 8", model="175")
+    assert (c.world_size, c.pp, c.tp, c.cp, c.ep) == (8192, 16, 8, 1, 1)
+    assert c.model is MODELS["175B"] and c.dp == 64 and c.microbatches == 16
+
+
+def test_parse_cp_ep_commas_comments_and_overrides():
+    c = cfg("1024, 4, 2, 2, 8   mbs=2 gbs=512 experts=16 seq=1024 model=6.7  # a comment")
+    assert (c.world_size, c.pp, c.tp, c.cp, c.ep) == (1024, 4, 2, 2, 8)
+    assert (c.micro_batch_size, c.global_batch_size, c.seq) == (2, 512, 1024)
+    assert c.model.name == "6.7B" and c.model.num_experts == 16 and c.moe
+    assert c.dp == 64 and c.microbatches == 4  # 512 / (2 * 64)
+
+
+def test_line_overrides_win_over_defaults():
+    c = cfg("64 2 2 cp=2", micro_batch_size=4, seq_length=512)
+    assert c.cp == 2 and c.micro_batch_size == 4 and c.seq == 512
+    c = cfg("64 2 2 mbs=1", micro_batch_size=4)
+    assert c.micro_batch_size == 1
+
+
+@pytest.mark.parametrize("line", ["", "   ", "# only a comment", "  # indented"])
+def test_blank_and_comment_lines_are_skipped(line):
+    assert parse_config_line(line) is None
+
+
+@pytest.mark.parametrize("line, message", [
+    ("8192 16", "expected 3 to 5 numbers"),
+    ("8192 16 8 1 1 1", "expected 3 to 5 numbers"),
+    ("8192 sixteen 8", "PP must be an integer"),
+    ("8192 16 8 foo=1", "unknown key 'foo'"),
+    ("8192 16 8 mbs=2 4", "after key=value"),
+    ("8192 16 8 2 cp=4", "cp given twice"),
+    ("8192 16 8 model=7b", "unknown model"),
+    ("8192 16 8 mbs=two", "mbs must be an integer"),
+])
+def test_parse_errors_say_what_is_wrong(line, message):
+    with pytest.raises(ConfigParseError, match=message) as e:
+        parse_config_line(line, source="cfg.txt:3")
+    assert "cfg.txt:3" in str(e.value)
+
+
+def test_config_file_numbering_and_sources(tmp_path):
+    path = tmp_path / "configs.txt"
+    path.write_text("# world pp tp\n8192 16 8\n\n4096 16 4  # half\n2048 8 8 2\n")
+    configs = read_config_file(path, start_index=2, model="175")
+    assert [c.index for c in configs] == [2, 3, 4]
+    assert [c.source for c in configs] == [f"{path}:2", f"{path}:4", f"{path}:5"]
+    assert [c.line for c in configs] == ["8192 16 8", "4096 16 4", "2048 8 8 2"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("8192 16 8\n8192 x 8\n")
+    with pytest.raises(ConfigParseError, match=f"{bad}:2"):
+        read_config_file(bad)
+    with pytest.raises(ConfigParseError, match="cannot read"):
+        read_config_file(tmp_path / "missing.txt")
+
+
+def test_parse_configs_from_lines():
+    configs = parse_configs(["16 2 2", "# x", "8 4 1"])
+    assert [(c.index, c.world_size) for c in configs] == [(0, 16), (1, 8)]
+
+
+# --------------------------------------------------------------------------------------------
+# validation: one test per rule, each reason with its numbers
+
+
+def test_valid_configs_have_no_reasons():
+    assert validate(cfg("8192 16 8", model="175")) == []
+    assert validate(cfg("8192 2 2")) == []
+    assert validate(cfg("64 2 2 1 4 experts=8")) == []
+    assert validate(cfg("64 2 2 2 gbs=64")) == []
+
+
+def test_rule_positive_sizes():
+    reasons = validate(TraceConfig(0, 2, 2))
+    assert reasons == ["world size must be a positive integer, got 0"]
+    assert "micro-batch size must be a positive integer, got -1" in validate(TraceConfig(8, 2, 2, micro_batch_size=-1))
+    assert "PP must be a positive integer, got 1.5" in validate(TraceConfig(8, 1.5, 2))  # type: ignore[arg-type]
+
+
+def test_rule_dp_positive():
+    assert validate(cfg("8 4 4")) == ["DP would be 0: PP·TP·CP = 4·4·1 = 16 exceeds world size 8"]
+
+
+def test_rule_world_divisible_by_pp_tp_cp():
+    assert validate(cfg("100 2 4 2")) == ["world size 100 is not divisible by PP·TP·CP = 2·4·2 = 16"]
+
+
+def test_rule_global_batch_divisible_by_micro_batch_times_dp():
+    # dp = 16 / (2*2) = 4, mbs 2 -> 8
+    assert validate(cfg("16 2 2 mbs=2 gbs=20")) == [
+        "global batch 20 is not divisible by micro-batch × DP = 2×4 = 8"]
+    assert validate(cfg("16 2 2 mbs=2 gbs=24 nmb=2")) == [
+        "global batch 24 != micro-batch × micro-batches × DP = 2×2×4 = 16"]
+    assert validate(cfg("16 2 2 mbs=2 gbs=24")) == []
+
+
+def test_rule_layers_divisible_by_pp():
+    assert validate(cfg("24 3 1")) == ["4 layers of model tiny are not divisible by PP = 3"]
+
+
+def test_rule_heads_divisible_by_tp():
+    assert validate(cfg("48 1 16")) == ["8 attention heads of model tiny are not divisible by TP = 16"]
+
+
+def test_rule_ffn_divisible_by_tp():
+    odd = GPTShape(hidden=64, heads=4, layers=2, ffn=30, name="odd")
+    assert validate(cfg("8 1 4", model=odd)) == ["FFN width 30 of model odd is not divisible by TP = 4"]
+
+
+def test_rule_experts_divisible_by_ep():
+    assert validate(cfg("64 2 2 1 4")) == [
+        "EP = 4 needs a mixture-of-experts model: give a number of experts divisible by 4 "
+        "(experts=N on the line or --num-experts N)"]
+    assert validate(cfg("64 2 2 1 4 experts=6")) == ["6 experts are not divisible by EP = 4"]
+
+
+def test_rule_world_divisible_by_tp_ep_pp():
+    # dense: 48 / (2*2) ok; expert: 48 / (2*8*2) not
+    assert validate(cfg("48 2 2 1 8 experts=8")) == [
+        "world size 48 is not divisible by TP·EP·PP = 2·8·2 = 32"]
+
+
+def test_rule_sequence_divisible_by_two_cp():
+    assert validate(cfg("64 2 2 2 seq=250")) == ["sequence length 250 is not divisible by 2·CP = 4"]
+
+
+def test_all_reasons_are_listed_together():
+    reasons = validate(cfg("40 3 16"))
+    assert len(reasons) == 3
+    assert any("DP would be 0" in r for r in reasons)
+    assert any("layers" in r for r in reasons) and any("heads" in r for r in reasons)
+
+
+# --------------------------------------------------------------------------------------------
+# folders
+
+
+def test_folder_name():
+    c = cfg("8192 16 8", model="175", index=3, global_batch_size=1024)
+    assert c.folder_name() == ("SIM_GPT_175B_Config3_WS8192_PP16_TP8_DP64_nMICROB16_MICROB_SIZE1"
+                               "_GLOBAL_BATCH1024")
+    c = cfg("8192 2 2")
+    assert c.folder_name() == "SIM_GPT_tiny_Config0_WS8192_PP2_TP2_DP2048_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH4096"
+    c = cfg("1024 4 2 2 8 experts=8 mbs=2 nmb=8", model="6.7", index=1)
+    assert c.folder_name() == ("SIM_GPT_6.7B_Config1_WS1024_PP4_TP2_CP2_EP8_DP64_nMICROB8_MICROB_SIZE2"
+                               "_GLOBAL_BATCH1024")
+
+
+def test_default_microbatches_fill_the_pipeline():
+    c = cfg("64 4 2")
+    assert c.microbatches == 4 and c.global_batch == 4 * 8
+
+
+# --------------------------------------------------------------------------------------------
+# shapes-only by estimated bytes
+
+
+def test_shapes_only_by_estimated_bytes():
+    assert decide_shapes_only(cfg("8192 2 2"), budget=2**30)[0] is False
+    only, why = decide_shapes_only(cfg("8192 2 2", model="6.7"), budget=16 * 2**30)
+    assert only and "GiB" in why
+    assert decide_shapes_only(cfg("8192 2 2", model="6.7"), budget=2**50)[0] is False
+
+
+# --------------------------------------------------------------------------------------------
+# run_batch with the stand-in
+
+
+def _summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_run_batch_writes_a_folder_per_config(tmp_path, isolation):
+    CALLS.clear()
+    configs = parse_configs(["16 2 2", "12 2 4", "8 4 1"])
+    results = run_batch(configs, tmp_path, tracer=stand_in_tracer, isolation=isolation, progress=False)
+    assert [r.status for r in results] == ["ok", "invalid", "ok"]
+    assert results[1].folder is None and "not divisible" in results[1].reasons[0]
+    assert exit_code(results) == 0
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders == sorted([configs[0].folder_name(), configs[2].folder_name()])
+    for result, ranks in ((results[0], [0, 8]), (results[2], [0, 2, 4, 6])):
+        names = {p.name for p in result.folder.iterdir()}
+        for r in ranks:
+            assert {f"fake_rank_{r}.log", f"rank_{r}.trace.jsonl"} <= names
+            log = (result.folder / f"fake_rank_{r}.log").read_text()
+            assert f"stand-in tracing rank {r}" in log and "status ok" in log
+        assert not [n for n in names if n.startswith(".")], "temporary files left behind"
+        summary = _summary(result.folder)
+        assert summary["complete"] and summary["status"] == "ok" and summary["timeline"] == "timeline.json"
+        timeline = json.loads((result.folder / "timeline.json").read_text())
+        spans = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
+        assert sorted({e["pid"] for e in spans}) == ranks and len(spans) == 3 * len(ranks)
+        assert [x["rank"] for x in summary["ranks"]] == ranks
+        assert summary["ranks_traced"] == len(ranks)
+        assert summary["reduction_pct"] == pytest.approx(100 * (1 - len(ranks) / result.config.world_size))
+        rank0 = summary["ranks"][0]
+        assert rank0["files"] == ["rank_0.trace.jsonl"]
+        assert rank0["stats"]["ops"] == 3 and rank0["stats"]["rank"] == 0
+    if isolation == "inline":
+        assert [c["rank"] for c in CALLS] == [0, 8, 0, 2, 4, 6]
+        assert CALLS[0]["num_microbatches"] == 2 and CALLS[0]["micro_batch_size"] == 1
+        assert CALLS[0]["seq_length"] == 256 and CALLS[0]["shapes_only"] is False
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_a_failing_config_does_not_take_the_others_down(tmp_path, isolation):
+    configs = parse_configs(["16 2 2", "32 2 2", "8 4 1"])
+    results = run_batch(configs, tmp_path, tracer=failing_on(world_size=32), isolation=isolation,
+                        progress=False)
+    assert [r.status for r in results] == ["ok", "failed", "ok"]
+    assert exit_code(results) == 1
+    failed = results[1]
+    assert "boom on W=32 rank 0" in failed.error
+    assert [r.status for r in failed.ranks] == ["failed", "failed"]
+    summary = _summary(failed.folder)
+    assert summary["status"] == "failed" and "boom on W=32" in summary["error"]
+    assert "RuntimeError: boom on W=32 rank 0" in summary["ranks"][0]["error"]
+    log = (failed.folder / "fake_rank_0.log").read_text()
+    assert "Traceback" in log and "boom on W=32 rank 0" in log and "status failed" in log
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_a_failing_rank_does_not_stop_the_next_rank(tmp_path, isolation):
+    results = run_batch(parse_configs(["8 4 1"]), tmp_path, tracer=failing_on(rank=2), isolation=isolation,
+                        progress=False)
+    assert [r.status for r in results[0].ranks] == ["ok", "failed", "ok", "ok"]
+    assert results[0].status == "failed" and results[0].error.startswith("rank 2:")
+    assert (results[0].folder / "rank_4.trace.jsonl").is_file()
+
+
+@pytest.mark.parametrize("how, message", [("unreadable", "unreadable rank_2.trace.jsonl"),
+                                          ("silent", "the tracer wrote no rank_2.trace.jsonl")])
+def test_a_rank_without_a_readable_trace_fails(tmp_path, how, message):
+    results = run_batch(parse_configs(["8 4 1"]), tmp_path, tracer=failing_on(rank=2, how=how), isolation="inline",
+                        progress=False)
+    assert [r.status for r in results[0].ranks] == ["ok", "failed", "ok", "ok"]
+    assert message in results[0].ranks[1].error and results[0].status == "failed"
+    spans = [e for e in json.loads((results[0].folder / "timeline.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in spans}) == [0, 4, 6]
+
+
+def test_a_crashing_rank_process_is_contained(tmp_path):
+    results = run_batch(parse_configs(["16 2 2", "8 4 1"]), tmp_path, tracer=failing_on(world_size=16, rank=8, how="kill"),
+                        isolation="process", progress=False)
+    assert [r.status for r in results] == ["failed", "ok"]
+    assert "SIGKILL" in results[0].ranks[1].error
+    assert (results[0].folder / "fake_rank_8.log").is_file()
+
+
+def test_a_hanging_rank_times_out(tmp_path):
+    start = time.perf_counter()
+    results = run_batch(parse_configs(["8 4 1"]), tmp_path, tracer=failing_on(rank=4, how="sleep"),
+                        isolation="process", rank_timeout=2, progress=False)
+    assert time.perf_counter() - start < 30
+    assert [r.status for r in results[0].ranks] == ["ok", "ok", "failed", "ok"]
+    assert "timed out after 2 s" in results[0].ranks[2].error
+
+
+def test_shapes_only_choice_reaches_the_tracer(tmp_path):
+    CALLS.clear()
+    run_batch(parse_configs(["16 2 2"]), tmp_path, tracer=stand_in_tracer, isolation="inline", progress=False,
+              shapes_only=True, warmup_iters=2, trace_iters=3)
+    assert {c["shapes_only"] for c in CALLS} == {True}
+    assert {(c["warmup_iters"], c["trace_iters"]) for c in CALLS} == {(2, 3)}
+    CALLS.clear()
+    results = run_batch(parse_configs(["16 2 2"], model="6.7"), tmp_path, tracer=stand_in_tracer,
+                        isolation="inline", progress=False)
+    assert results[0].shapes_only is True and CALLS[0]["shapes_only"] is True  # 6.7B cannot fit here
+
+
+def test_cost_model_factory_is_called_per_config(tmp_path):
+    CALLS.clear()
+    seen = []
+    run_batch(parse_configs(["16 2 2", "16 2 4"]), tmp_path, tracer=stand_in_tracer, isolation="inline",
+              progress=False, cost_model=lambda c: seen.append(c.tp) or f"cost-tp{c.tp}")
+    assert seen == [2, 4]
+    assert [c["cost_model"] for c in CALLS] == ["cost-tp2", "cost-tp2", "cost-tp4", "cost-tp4"]
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_only_on_a_terminal(tmp_path):
+    assert bc.progress_enabled(True, FakeTTY()) is True
+    assert bc.progress_enabled(True, io.StringIO()) is False
+    assert bc.progress_enabled(False, FakeTTY()) is False
+    plain = io.StringIO()
+    run_batch(parse_configs(["16 2 2"]), tmp_path, tracer=stand_in_tracer, isolation="inline",
+              progress=True, progress_stream=plain)
+    assert plain.getvalue() == ""
+    tty = FakeTTY()
+    run_batch(parse_configs(["16 2 2"]), tmp_path, tracer=stand_in_tracer, isolation="inline",
+              progress=True, progress_stream=tty)
+    assert "configs" in tty.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# the trace command, in this process with the stand-in
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(bc, "_default_tracer", lambda: failing_on(world_size=32))
+
+
+def test_trace_json_summary(tmp_path, stand_in, capsys):
+    code = trace_cli.main(["--config", "16 2 2", "--config", "32 2 2", "--config", "12 2 4",
+                           "--output-dir", str(tmp_path), "--json", "--isolation", "inline"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    summary = json.loads(out)
+    assert [c["status"] for c in summary["configs"]] == ["ok", "failed", "invalid"]
+    assert (summary["ok"], summary["failed"], summary["invalid"], summary["exit_code"]) == (1, 1, 1, 1)
+    ok, failed, invalid = summary["configs"]
+    assert ok["folder"] == str(tmp_path / ok_folder("16 2 2", 0)) and ok["ranks_in_job"] == 16
+    assert ok["ranks_traced"] == 2 and ok["reduction_pct"] == 87.5
+    assert "boom on W=32" in failed["error"] and failed["ranks"][0]["status"] == "failed"
+    assert invalid["folder"] is None and "not divisible" in invalid["reasons"][0]
+    assert "\x1b[" not in err and "configs" not in err  # stderr is not a terminal: no progress bar
+
+
+def ok_folder(line, index):
+    return cfg(line, index=index).folder_name()
+
+
+def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
+    code = trace_cli.main(["--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["#", "config", "model", "ranks", "traced", "reduction", "status", "time", "folder"]
+    assert "ok" in lines[1].split() and "87.50%" in lines[1] and ok_folder("16 2 2", 0) in lines[1]
+    assert "invalid" in lines[2] and "skipped: 4 layers of model tiny are not divisible by PP = 3" in lines[2]
+    assert lines[-1] == f"1 traced, 0 failed, 1 invalid; folders in {tmp_path}"
+    assert "\x1b[" not in out + err
+
+
+def test_trace_strict_and_nothing_valid(tmp_path, stand_in, capsys):
+    assert trace_cli.main(["--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path),
+                           "--strict"]) == 1
+    assert trace_cli.main(["--config", "24 3 1", "--output-dir", str(tmp_path)]) == 1
+
+
+def test_rich_table_on_a_terminal(tmp_path):
+    results = run_batch(parse_configs(["16 2 2", "24 3 1"]), tmp_path, tracer=stand_in_tracer,
+                        isolation="inline", progress=False)
+    tty = FakeTTY()
+    trace_cli.print_summary(results, file=tty)
+    text = tty.getvalue()
+    assert "fake-rank traces" in text and "87.50%" in text and ("┃" in text or "│" in text)
+
+
+def test_trace_usage_errors_exit_2(tmp_path, capsys):
+    assert trace_cli.main(["--configs", str(tmp_path / "nope.txt")]) == 2
+    assert trace_cli.main(["--config", "16 2"]) == 2
+    assert trace_cli.main(["--config", "16 2 2", "--model", "7b"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read config file" in err and "expected 3 to 5 numbers" in err and "unknown model '7b'" in err
+
+
+def test_print_ranks(capsys):
+    code = trace_cli.main(["--config", "8192 16 8", "--config", "100 3 2", "--model", "175", "--print-ranks"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [int(r[11]) for r in rows] == [512 * s for s in range(16)]
+    assert {(r[14], r[15], r[16]) for r in rows} == {("175B", "0", cfg("8192 16 8", model="175").folder_name())}
+    assert "config 1 (100 3 2) is invalid" in err
+    trace_cli.main(["--config", "64 2 2 1 4", "--num-experts", "8", "--print-ranks", "--json"])
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert [(r["rank"], r["stage"], r["ep_rank"]) for r in ranks] == [
+        (0, 0, 0), (2, 0, 1), (4, 0, 2), (6, 0, 3), (32, 1, 0), (34, 1, 1), (36, 1, 2), (38, 1, 3)]
+
+
+def test_default_config_is_8192_2_2(capsys):
+    assert trace_cli.main(["--print-ranks"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[1], r[2], r[3], r[11]) for r in rows] == [("8192", "2", "2", "0"), ("8192", "2", "2", "4096")]
+
+
+def test_add_trace_parser_registers_a_subcommand():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="megatron-dynapipe")
+    trace_cli.add_trace_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["trace", "--config", "8 2 2", "--shapes-only", "--json"])
+    assert args.func is trace_cli.run_trace and args.shapes_only is True and args.json
+    assert parser.parse_args(["trace", "--real-compute"]).shapes_only is False
+    assert parser.parse_args(["trace"]).shapes_only is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["trace", "--real-compute", "--shapes-only"])
+
+
+# --------------------------------------------------------------------------------------------
+# example scripts (subprocesses, like a user runs them)
+
+
+def run_script(name, *args, env=None, timeout=600):
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", str(EXAMPLES / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def test_rank_mapping_script_passes():
+    out = run_script("test_rank_mapping.sh")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout and "all" in out.stdout.splitlines()[-1]
+
+
+def test_rank_mapping_script_fails_on_a_wrong_expectation(tmp_path):
+    wrong = tmp_path / "expect.txt"
+    wrong.write_text("8192 2 2 : 0 4096\n16 4 1 : 0 4 8 13   # 13 is wrong\n")
+    out = run_script("test_rank_mapping.sh", str(wrong))
+    assert out.returncode != 0
+    assert "FAIL 16 4 1" in out.stdout and "PASS 8192 2 2" in out.stdout
+
+
+@needs_real_tracer
+def test_batch_config_script_passes(tmp_path):
+    out = run_script("test_batch_config.sh", env={"WORK_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout
+
+
+@needs_real_tracer
+def test_batch_config_script_fails_on_a_wrong_expectation(tmp_path):
+    wrong = tmp_path / "expect.txt"
+    wrong.write_text("16 2 2 : ok SIM_GPT_tiny_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8\n"
+                     "12 2 4 : ok SIM_GPT_tiny_Config1_WS12  # it is invalid\n")
+    out = run_script("test_batch_config.sh", str(wrong), env={"WORK_DIR": str(tmp_path / "w")})
+    assert out.returncode != 0
+    assert "FAIL" in out.stdout
+
+
+def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
+    out = run_script("update_pretrain_gpt.sh", "8192 2 2", "4096 16 4",
+                     env={"MEGATRON_LM_DIR": str(tmp_path / "Megatron-LM"), "DRY_RUN": "1",
+                          "MODEL_SIZE": "175", "OUTPUT_DIR": str(tmp_path / "out")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    commands = [line for line in out.stdout.splitlines() if line.startswith("torchrun")]
+    assert len(commands) == 2 + 16
+    first = commands[0]
+    for flag in ("--is-scaling-mode", "--fake-world-size 8192", "--fake-pp 2", "--fake-tp 2",
+                 "--fake-current-rank-id 0", "--hidden-size 12288", "--num-layers 96",
+                 "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+                 str(tmp_path / "Megatron-LM" / "pretrain_gpt.py")):
+        assert flag in first, flag
+    assert "--fake-current-rank-id 4096" in commands[1]
+    assert [c.split("--fake-current-rank-id ")[1].split()[0] for c in commands[2:]] == [
+        str(256 * s) for s in range(16)]
+
+
+@needs_real_tracer
+def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
+    start = time.perf_counter()
+    out = run_script("update_pretrain_gpt.sh", env={"OUTPUT_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert time.perf_counter() - start < 600
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("SIM_GPT_") and "_WS8192_PP2_TP2_" in folder.name
+    assert {"fake_rank_0.log", "fake_rank_4096.log", "rank_0.trace.jsonl", "rank_4096.trace.jsonl",
+            "summary.json"} <= {p.name for p in folder.iterdir()}
+
+
+# --------------------------------------------------------------------------------------------
+# with the real tracer
+
+
+@needs_real_tracer
+def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
+    """One config whose trace raises (a rank outside the job) amid real traces."""
+    from megatron_dynapipe.tracer import fake_rank
+
+    real = fake_rank.trace_fake_rank
+
+    def sometimes_broken(layout, rank, model, **kw):
+        if layout.world_size == 32:
+            raise RuntimeError("injected failure")
+        return real(layout, rank, model, **kw)
+
+    monkeypatch.setattr(bc, "_default_tracer", lambda: sometimes_broken)
+    code = trace_cli.main(["--config", "16 2 2", "--config", "32 2 2", "--config", "8 4 1",
+                           "--output-dir", str(tmp_path), "--json", "--shapes-only"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [c["status"] for c in summary["configs"]] == ["ok", "failed", "ok"]
+    assert "injected failure" in summary["configs"][1]["error"]
+    for c in (summary["configs"][0], summary["configs"][2]):
+        for r in c["ranks"]:
+            assert (Path(c["folder"]) / f"rank_{r['rank']}.trace.jsonl").stat().st_size > 0
