@@ -1,0 +1,42 @@
+"""The shipped example and the planner benchmark run as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import GPT_6_7B_A100, ROOT
+
+
+def test_fast_mode_example_shows_all_three_switches():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "fast_mode_usage.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "fast=False" in lines[0]
+    assert all("fast=True" in line for line in lines[1:4])
+    assert "fast=False" in lines[4]  # "auto" stays off on 16 samples
+
+
+def test_planning_core_imports_neither_torch_nor_megatron():
+    code = ("import sys, megatron_dynapipe.planning, megatron_dynapipe.planning.report;"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_planner_benchmark_rows(tmp_path):
+    if not GPT_6_7B_A100.is_file():
+        pytest.skip(f"reference cost model {GPT_6_7B_A100} is not beside the project checkout")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "8", "16",
+                          "--seeds", "1", "--json", "--cost-model", str(GPT_6_7B_A100), "--all-cores"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["samples"] for r in rows] == [8, 16]
+    for r in rows:
+        assert r["normal_plan_s"] > 0 and r["fast_plan_s"] > 0
+        assert r["makespan_over_lower_bound"] >= 1.0  # a lower bound is never beaten
+        assert r["speedup_vs_packing"] > 0 and r["ideal_gain"] > 1.0
