@@ -41,7 +41,7 @@ def wait_free_cyclic(work: StageWork, memory_limit_mb: float) -> list[Order]:
 class _WaitFree:
     def __init__(self, work: StageWork, memory_limit_mb: float):
         self.t = _Timeline(work, record=False)
-        self.work = work
+        self.pp, self.n = work.pp, work.n
         self.limit = memory_limit_mb
         self.next_forward = [0] * work.pp
         self.backlog = [deque() for _ in range(work.pp)]  # micro-batches whose gradient is due, FIFO
@@ -49,71 +49,74 @@ class _WaitFree:
         self.heap = [(0.0, s) for s in range(work.pp)]
 
     def run(self) -> SimulationResult:
-        done, total = 0, 2 * self.work.pp * self.work.n
+        t, heap, wake = self.t, self.heap, self.wake
+        done, total = 0, 2 * self.pp * self.n
         while done < total:
-            if not self.heap:
+            if not heap:
                 raise RuntimeError("wait-free-cyclic found no runnable op: a micro-batch fits no stage alone")
-            now, s = heapq.heappop(self.heap)
-            if self.wake[s] != now:
+            now, s = heapq.heappop(heap)
+            if wake[s] != now:
                 continue  # superseded by an earlier wake-up
-            self.wake[s] = None
+            wake[s] = None
             op = self._pick(s, now)
             if op is None:
                 self._sleep(s, now)
                 continue
             kind, m = op
-            end = self.t.run(s, kind, m, now)
+            end = t.run(s, kind, m, now)
             done += 1
             self._notify(s, kind, m)
             self._schedule(s, end)
-        return self.t.result()
+        return t.result()
 
     def _schedule(self, s: int, time: float) -> None:
-        time = max(time, self.t.stage_free[s])
-        if self.wake[s] is None or time < self.wake[s]:
+        free = self.t.stage_free[s]
+        if time < free:
+            time = free
+        current = self.wake[s]
+        if current is None or time < current:
             self.wake[s] = time
             heapq.heappush(self.heap, (time, s))
-
-    def _due(self, s: int, kind: str, m: int, now: float) -> bool:
-        ready = self.t.input_ready(s, kind, m)
-        return ready is not None and ready <= now
 
     def _pick(self, s: int, now: float):
         """Keep 1F1B's pp - s micro-batches in flight first (a starved pipeline idles
         downstream), then backwards, then extra forwards while memory lasts."""
         t = self.t
         m = self.next_forward[s]
-        forward_due = m < self.work.n and self._due(s, "F", m, now)
-        under_filled = len(t.held[s]) < self.work.pp - s
-        if forward_due and under_filled:
-            return self._forward(s)
-        if self.backlog[s] and self._due(s, "B", self.backlog[s][0], now):
-            return "B", self.backlog[s].popleft()
+        ready = t.input_ready(s, "F", m) if m < self.n else None
+        forward_due = ready is not None and ready <= now
+        held = t.held[s]
+        if forward_due and len(held) < self.pp - s:
+            self.next_forward[s] += 1
+            return "F", m
+        backlog = self.backlog[s]
+        if backlog:
+            ready = t.input_ready(s, "B", backlog[0])
+            if ready is not None and ready <= now:
+                return "B", backlog.popleft()
         if forward_due:
             # Admit m only if every op until the next free still fits: m's forward, and the
             # backward of any held micro-batch, which then runs with m's activations held too.
-            transient = max([t.peak_of[s][m]] + [t.peak_of[s][h] for h in t.held[s]])
+            peak = t.peak_of[s]
+            transient = max(peak[m], max(peak[h] for h in held)) if held else peak[m]
             if t.state[s] + t.held_total[s] + t.stored[s][m] + transient <= self.limit:
-                return self._forward(s)
+                self.next_forward[s] += 1
+                return "F", m
         return None
-
-    def _forward(self, s: int):
-        self.next_forward[s] += 1
-        return "F", self.next_forward[s] - 1
 
     def _sleep(self, s: int, now: float) -> None:
         """Wake s when an input it knows of is due; otherwise a neighbour's op will wake it."""
-        due = [self.t.input_ready(s, "B", self.backlog[s][0])] if self.backlog[s] else []
-        if self.next_forward[s] < self.work.n:
-            due.append(self.t.input_ready(s, "F", self.next_forward[s]))
+        t = self.t
+        due = [t.input_ready(s, "B", self.backlog[s][0])] if self.backlog[s] else []
+        if self.next_forward[s] < self.n:
+            due.append(t.input_ready(s, "F", self.next_forward[s]))
         future = [d for d in due if d is not None and d > now]
         if future:
             self._schedule(s, min(future))
 
     def _notify(self, s: int, kind: str, m: int) -> None:
         """Queue what the op makes runnable and wake the stage that runs it."""
-        last = self.work.pp - 1
-        if kind == "F" and s < last:
+        if kind == "F" and s < self.pp - 1:
             self._schedule(s + 1, self.t.act_arrival[s + 1][m])
         elif kind == "F":
             self.backlog[s].append(m)  # the last stage turns straight to its own backward
