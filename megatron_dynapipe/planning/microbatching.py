@@ -29,22 +29,23 @@ def round_up(value, multiple: int):
 
 def microbatch_times(costs: StageCosts, mbs, seqlen, recompute: RecomputeType) -> np.ndarray:
     """Bottleneck-stage forward + backward time (ms) of micro-batches; inf when infeasible."""
-    return np.max(
-        [costs.forward_ms(s, mbs, seqlen, recompute) + costs.backward_ms(s, mbs, seqlen, recompute)
-         for s in range(costs.pp)],
-        axis=0,
-    )
+    stages = costs.all_stages(mbs, seqlen, recompute)
+    return np.max(stages["forward"] + stages["backward"], axis=0)
 
 
 def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float) -> np.ndarray:
     """Whether stage s can hold the (pp - s) micro-batches of 1F1B's steady state of this shape."""
-    fits = True
-    for s in range(costs.pp):
-        in_flight = costs.pp - s
-        need = (costs.model_state_mb(s) + in_flight * costs.stored_mb(s, mbs, seqlen, recompute)
-                + costs.peak_mb(s, mbs, seqlen, recompute))
-        fits = fits & (need <= memory_limit_mb)
-    return np.asarray(fits)
+    return _times_where_fit(costs, mbs, seqlen, recompute, memory_limit_mb) < np.inf
+
+
+def _times_where_fit(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float):
+    stages = costs.all_stages(mbs, seqlen, recompute)
+    column = (costs.pp,) + (1,) * (stages["stored"].ndim - 1)
+    in_flight = (costs.pp - np.arange(costs.pp)).reshape(column)
+    state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(column)
+    need = state + in_flight * stages["stored"] + stages["peak"]
+    times = np.max(stages["forward"] + stages["backward"], axis=0)
+    return np.where(np.all(need <= memory_limit_mb, axis=0), times, np.inf)
 
 
 def split_across_dp(lengths: Sequence[int], dp: int, costs: StageCosts, round_to: int = 8) -> list[list[int]]:
@@ -98,8 +99,7 @@ def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
     types, the time of the cheapest that fits."""
     best = np.inf
     for rc in _types(recompute):
-        times = microbatch_times(costs, mbs, seqlen, rc)
-        best = np.minimum(best, np.where(microbatch_fits(costs, mbs, seqlen, rc, memory_limit_mb), times, np.inf))
+        best = np.minimum(best, _times_where_fit(costs, mbs, seqlen, rc, memory_limit_mb))
     return best
 
 
@@ -114,8 +114,7 @@ def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], al
     mbs = np.array([mb.size for mb in microbatches])
     seq = np.array([mb.seq_len for mb in microbatches])
     types = _types(allowed)
-    times = np.array([np.where(microbatch_fits(costs, mbs, seq, rc, memory_limit_mb),
-                               microbatch_times(costs, mbs, seq, rc), np.inf) for rc in types])
+    times = np.array([_times_where_fit(costs, mbs, seq, rc, memory_limit_mb) for rc in types])
     best = np.argmin(times, axis=0)
     fallback = types.index(max(types))
     return [types[b] if np.isfinite(times[b, i]) else types[fallback] for i, b in enumerate(best)]

@@ -47,11 +47,10 @@ class WorkTable:
     def __init__(self, costs: StageCosts, microbatches: Sequence[MicroBatch]):
         mbs = np.array([mb.size for mb in microbatches])
         seq = np.array([mb.seq_len for mb in microbatches])
-        methods = (costs.forward_ms, costs.backward_ms, costs.stored_mb, costs.peak_mb)
-        self.tables = {
-            name: np.array([[np.broadcast_to(method(s, mbs, seq, rc), mbs.shape) for s in range(costs.pp)]
-                            for rc in RecomputeType], dtype=float)  # [recompute, pp, n]
-            for name, method in zip(self.FIELDS, methods)
+        per_rc = [costs.all_stages(mbs, seq, rc) for rc in RecomputeType]
+        self.tables = {  # [recompute, pp, n]
+            name: np.array([stages[key] for stages in per_rc], dtype=float)
+            for name, key in zip(self.FIELDS, ("forward", "backward", "stored", "peak"))
         }
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])
         self.comm = np.broadcast_to(np.asarray(costs.p2p_ms(mbs, seq), dtype=float), mbs.shape).copy()
