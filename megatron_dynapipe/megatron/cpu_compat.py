@@ -1,0 +1,553 @@
+"""Run megatron-core on CPU over gloo.
+
+megatron-core 0.16 assumes CUDA in a handful of places: buffers allocated with
+``device=torch.cuda.current_device()`` or ``device="cuda"``, ``torch.cuda.synchronize()``
+after p2p exchanges, ``tensor.cuda()``, and an RNG tracker that keeps CUDA generator states.
+:func:`enable_cpu_mode` redirects exactly those spots and nothing else; :func:`disable_cpu_mode`
+puts the originals back. Both are idempotent; :func:`cpu_mode` is the context-manager form.
+
+Two kinds of redirection are used, narrowest first:
+
+* **scope** -- the megatron function is kept as it is and only *called* inside
+  :func:`cuda_as_cpu`, a scope in which ``device="cuda"`` / ``device=<int>`` arguments of torch
+  functions become ``"cpu"``, ``Tensor.cuda()`` returns the tensor itself, and
+  ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` answer for the CPU, and
+  ``Tensor.type()`` of a CPU tensor reads ``torch.cuda.FloatTensor`` & co. (megatron asserts
+  it). The device rewrite is a per-thread torch function mode; the two ``torch.cuda`` functions
+  are swapped process-wide, but only while such a call runs.
+* **replace** -- where the CUDA use cannot be reached by a device argument (the RNG state
+  tracker reads and writes CUDA generator states), a short CPU stand-in takes its place; each
+  says why in its docstring.
+
+Every spot names the source fragments it relies on. Before anything is patched, each spot is
+checked against the installed megatron-core (the attribute exists, and ``inspect.getsource``
+still contains those fragments); if not, :class:`CpuCompatError` names the spot and the
+megatron-core version, so an upstream change fails loudly instead of silently running CUDA
+code paths or stale patches.
+
+A module-level function is also re-bound in every loaded ``megatron.*`` module that imported it
+by name (e.g. ``clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm``), since patching
+only the defining module would miss those bindings.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import sys
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "CpuCompatError",
+    "Spot",
+    "SPOTS",
+    "check_spot",
+    "cpu_mode",
+    "cuda_as_cpu",
+    "describe",
+    "disable_cpu_mode",
+    "enable_cpu_mode",
+    "is_enabled",
+]
+
+
+class CpuCompatError(RuntimeError):
+    """An upstream megatron-core spot no longer looks like what the CPU redirection expects."""
+
+
+def megatron_core_version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return package_info.__version__
+    except Exception:  # pragma: no cover - megatron-core without package_info
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# The "CUDA as CPU" scope
+# --------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # a bare index means a CUDA ordinal
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch functions to CPU; ``Tensor.cuda()`` is a no-op and
+    ``Tensor.type()`` names a CPU tensor's CUDA type (megatron asserts
+    ``grad.type() == 'torch.cuda.FloatTensor'``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return (
+                name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+            )
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """CPU ops are synchronous; gloo requests are waited on by megatron itself."""
+
+
+_scope_lock = threading.RLock()
+_scope_depth = 0
+_scope_saved: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """Scope in which megatron's CUDA device requests land on the CPU (re-entrant).
+
+    Torch functions see the device rewrite through a :class:`~torch.overrides.TorchFunctionMode`
+    pushed by every scope: torch pops a mode while it handles a call, so a spot reached from
+    inside a handled call (e.g. activation recompute inside ``torch.autograd.backward``) needs its
+    own. ``torch.cuda.current_device`` / ``torch.cuda.synchronize`` are swapped while the
+    outermost scope is open.
+    """
+    global _scope_depth
+    with _scope_lock:
+        if _scope_depth == 0:
+            _scope_saved["current_device"] = torch.cuda.current_device
+            _scope_saved["synchronize"] = torch.cuda.synchronize
+            torch.cuda.current_device = _cpu_current_device
+            torch.cuda.synchronize = _cpu_synchronize
+        _scope_depth += 1
+    try:
+        with _CudaAsCpuMode():
+            yield
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0:
+                torch.cuda.current_device = _scope_saved.pop("current_device")
+                torch.cuda.synchronize = _scope_saved.pop("synchronize")
+
+
+# label -> how often the redirected spot was entered since CPU mode was last enabled
+_CALLS: collections.Counter = collections.Counter()
+
+
+def _scoped(original: Callable, label: str) -> Callable:
+    @functools.wraps(original)
+    def run_on_cpu(*args, **kwargs):
+        _CALLS[label] += 1
+        with cuda_as_cpu():
+            return original(*args, **kwargs)
+
+    return run_on_cpu
+
+
+def _counted(replacement: Callable, label: str) -> Callable:
+    @functools.wraps(replacement)
+    def run_replacement(*args, **kwargs):
+        _CALLS[label] += 1
+        return replacement(*args, **kwargs)
+
+    return run_replacement
+
+
+# --------------------------------------------------------------------------------------------
+# CPU stand-ins for the RNG tracker (kind "replace")
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    """Replaces ``random._get_cuda_rng_state``: reads the CUDA generator, which does not exist on
+    CPU; there the CPU generator is the one dropout and recompute draw from."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+    """Replaces ``random._set_cuda_rng_state`` (see :func:`_cpu_get_rng_state`)."""
+    torch.set_rng_state(new_state)
+
+
+_TRACKER_CLASS_CACHE: dict[type, type] = {}
+
+
+def _cpu_tracker_class(cuda_tracker_cls: type) -> type:
+    """Return a subclass of megatron's ``CudaRNGStatesTracker`` whose named states are states of
+    the CPU generator.
+
+    Upstream ``add`` seeds through ``torch.cuda.manual_seed`` and ``fork`` warns whenever the CPU
+    generator moves inside a fork, which on CPU is exactly what a fork is for; so both are
+    re-stated here (bookkeeping kept identical: unique seeds, unique names, ``get_states`` /
+    ``set_states`` inherited)."""
+    if cuda_tracker_cls in _TRACKER_CLASS_CACHE:
+        return _TRACKER_CLASS_CACHE[cuda_tracker_cls]
+    default_fork_name = inspect.signature(cuda_tracker_cls.fork).parameters["name"].default
+
+    class CpuRNGStatesTracker(cuda_tracker_cls):
+        def __init__(self, *args, **kwargs):
+            _CALLS[getattr(type(self), "__cpu_compat_spot__", "")] += 1
+            super().__init__(*args, **kwargs)
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=default_fork_name):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    CpuRNGStatesTracker.__qualname__ = CpuRNGStatesTracker.__name__
+    CpuRNGStatesTracker.__module__ = __name__
+    _TRACKER_CLASS_CACHE[cuda_tracker_cls] = CpuRNGStatesTracker
+    return CpuRNGStatesTracker
+
+
+def _reset_rng_tracker() -> None:
+    """Rebuild megatron's tracker with the class now in effect (a CUDA tracker cannot work on
+    CPU; a CPU one must not outlive CPU mode). Seeded states are dropped: re-seed afterwards."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spot:
+    """One CUDA-only place in megatron-core and how CPU mode redirects it.
+
+    ``module``/``qualname`` locate it, ``expects`` are source fragments that must still be
+    present for the redirect to be correct, ``kind`` is ``"scope"`` or ``"replace"``;
+    ``replacement`` builds the stand-in from the original for ``"replace"``.
+    """
+
+    module: str
+    qualname: str
+    expects: tuple[str, ...]
+    why: str
+    kind: str = "scope"
+    replacement: Optional[Callable[[Any], Any]] = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.module.replace('.', '/')}.py:{self.qualname}"
+
+
+SPOTS: tuple[Spot, ...] = (
+    Spot(
+        "megatron.core.utils",
+        "GlobalMemoryBuffer.get_tensor",
+        ("device=torch.cuda.current_device()",),
+        "allocates the shared scratch buffer on the current CUDA device",
+    ),
+    Spot(
+        "megatron.core.utils",
+        "local_multi_tensor_l2_norm",
+        ('device="cuda"',),
+        "returns the grad norm as a CUDA tensor (bound as clip_grads.l2_norm_impl)",
+    ),
+    Spot(
+        "megatron.core.transformer.utils",
+        "get_default_causal_mask",
+        ('device="cuda"',),
+        "builds the causal mask on CUDA when the caller passes attention_mask=None",
+    ),
+    Spot(
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+        ("weight.data.cuda()",),
+        "moves the tied output weight to CUDA before the embedding-group all-reduce (PP>1)",
+    ),
+    Spot(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_no_pipelining",
+        ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
+        "counts tokens in a CUDA tensor",
+    ),
+    Spot(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_without_interleaving",
+        ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
+        "counts tokens in a CUDA tensor (1F1B)",
+    ),
+    Spot(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_with_interleaving",
+        ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
+        "counts tokens in a CUDA tensor (interleaved 1F1B)",
+    ),
+    Spot(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2PCommunicator._communicate",
+        ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
+        "allocates receive buffers on CUDA; synchronizes CUDA after batched isend/irecv",
+    ),
+    Spot(
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "P2PCommunicator._communicate_shapes",
+        ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
+        "exchanges shapes (variable_seq_lengths) in CUDA tensors; synchronizes CUDA",
+    ),
+    Spot(
+        "megatron.core.tensor_parallel.random",
+        "_get_cuda_rng_state",
+        ("torch.cuda.random.get_rng_state",),
+        "reads the CUDA generator (RNG tracker forks, activation recompute)",
+        kind="replace",
+        replacement=lambda original: _cpu_get_rng_state,
+    ),
+    Spot(
+        "megatron.core.tensor_parallel.random",
+        "_set_cuda_rng_state",
+        ("_cuda_setRNGState",),
+        "writes the CUDA generator (RNG tracker forks, activation recompute)",
+        kind="replace",
+        replacement=lambda original: _cpu_set_rng_state,
+    ),
+    Spot(
+        "megatron.core.tensor_parallel.random",
+        "CudaRNGStatesTracker",
+        ("torch.cuda.manual_seed(seed)", "base_tracker = CudaRNGStatesTracker"),
+        "tracker seeds CUDA generators; initialize_rng_tracker instantiates this name",
+        kind="replace",
+        replacement=_cpu_tracker_class,
+    ),
+    Spot(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBuffer.__init__",
+        ("device=torch.cuda.current_device()",),
+        "DDP grad (and param) buffers are allocated on the current CUDA device",
+    ),
+    Spot(
+        "megatron.core.optimizer.optimizer",
+        "FP32Optimizer.__init__",
+        ("device='cuda'",),
+        "the constant loss scale is a CUDA tensor",
+    ),
+    Spot(
+        "megatron.core.optimizer.clip_grads",
+        "get_grad_norm_fp32",
+        ("device='cuda'",),
+        "grad-norm accumulators are CUDA tensors (clip_grad > 0, grad-norm logging)",
+    ),
+    Spot(
+        "megatron.core.optimizer.clip_grads",
+        "clip_grad_by_total_norm_fp32",
+        ("param.grad.type() == 'torch.cuda.FloatTensor'", "device='cuda'"),
+        "asserts grads are CUDA tensors; the multi-tensor-scale flag is a CUDA tensor",
+    ),
+    Spot(
+        "megatron.core.optimizer.clip_grads",
+        "count_zeros_fp32",
+        ("device='cuda'",),
+        "zero counter is a CUDA tensor (log_num_zeros_in_grad)",
+    ),
+)
+
+# Extra source a spot depends on besides its own (e.g. the code that instantiates it).
+_EXTRA_SOURCE = {
+    "CudaRNGStatesTracker": ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
+}
+
+
+def _resolve(spot: Spot) -> tuple[Any, str, Any]:
+    """Return (owner, attribute name, original object) or raise CpuCompatError."""
+    try:
+        owner: Any = importlib.import_module(spot.module)
+    except ImportError as exc:
+        raise _error(spot, f"module {spot.module} cannot be imported ({exc})") from exc
+    *path, name = spot.qualname.split(".")
+    for part in path:
+        owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+        if owner is None:
+            raise _error(spot, f"{part!r} no longer exists in {spot.module}")
+    if name not in vars(owner):
+        raise _error(spot, f"{spot.qualname!r} no longer exists in {spot.module}")
+    return owner, name, vars(owner)[name]
+
+
+def _error(spot: Spot, what: str) -> CpuCompatError:
+    return CpuCompatError(
+        f"cpu_compat spot {spot.label}: {what} (megatron-core {megatron_core_version()}); "
+        "upstream changed, review this redirection in megatron_dynapipe/megatron/cpu_compat.py"
+    )
+
+
+def check_spot(spot: Spot) -> Any:
+    """Check that ``spot`` still looks as expected upstream; return the original object.
+
+    Raises :class:`CpuCompatError` naming the spot and the megatron-core version otherwise.
+    """
+    _owner, _name, original = _resolve(spot)
+    original = _ORIGINALS.get(spot.label, original)  # when enabled, check what upstream had
+    source_of = [original]
+    if spot.qualname in _EXTRA_SOURCE:
+        module, attr = _EXTRA_SOURCE[spot.qualname]
+        source_of.append(getattr(importlib.import_module(module), attr))
+    try:
+        source = "\n".join(inspect.getsource(obj) for obj in source_of)
+    except (OSError, TypeError) as exc:
+        raise _error(spot, f"source is not available ({exc})") from exc
+    for fragment in spot.expects:
+        if fragment not in source:
+            raise _error(spot, f"expected {fragment!r} in its source, it is no longer there")
+    return original
+
+
+# label -> original object; (owner, attr, original, replacement) for every binding patched
+_ORIGINALS: dict[str, Any] = {}
+_APPLIED: list[tuple[Any, str, Any, Any]] = []
+_state_lock = threading.RLock()
+
+
+def is_enabled() -> bool:
+    return bool(_APPLIED)
+
+
+def _other_bindings(original: Any, owner: Any, name: str) -> list[tuple[Any, str]]:
+    """Every loaded megatron module attribute that is the same object as ``original``."""
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not mod_name.startswith("megatron."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original and not (module is owner and attr == name):
+                found.append((module, attr))
+    return found
+
+
+def enable_cpu_mode() -> None:
+    """Redirect megatron-core's CUDA-only spots to the CPU (idempotent).
+
+    All spots are checked before any is patched, so a failed check leaves nothing half-applied.
+    """
+    with _state_lock:
+        if _APPLIED:
+            return
+        # Load the modules that bind spot functions by name, so those bindings are patched too.
+        for module in (
+            "megatron.core.optimizer",
+            "megatron.core.pipeline_parallel",
+            "megatron.core.fusions.fused_softmax",
+        ):
+            importlib.import_module(module)
+        resolved = [(spot, *_resolve(spot), check_spot(spot)) for spot in SPOTS]
+        for spot, owner, name, original, _checked in resolved:
+            if spot.kind == "scope":
+                new = _scoped(original, spot.label)
+            else:
+                new = spot.replacement(original)
+                if inspect.isfunction(new):
+                    new = _counted(new, spot.label)
+            new.__cpu_compat_spot__ = spot.label
+            bindings = [(owner, name)]
+            if inspect.ismodule(owner):
+                bindings += _other_bindings(original, owner, name)
+            _ORIGINALS[spot.label] = original
+            for bind_owner, bind_name in bindings:
+                setattr(bind_owner, bind_name, new)
+                _APPLIED.append((bind_owner, bind_name, original, new))
+        _CALLS.clear()
+        _reset_rng_tracker()
+
+
+def disable_cpu_mode() -> None:
+    """Put every original back (idempotent)."""
+    with _state_lock:
+        if not _APPLIED:
+            return
+        while _APPLIED:
+            owner, name, original, new = _APPLIED.pop()
+            if vars(owner).get(name) is new:
+                setattr(owner, name, original)
+        # Modules imported while CPU mode was on may have bound a stand-in by name.
+        for label, original in _ORIGINALS.items():
+            for module_name, module in list(sys.modules.items()):
+                if module is None or not module_name.startswith("megatron."):
+                    continue
+                for attr, value in list(vars(module).items()):
+                    if _spot_label_of(value) == label:
+                        setattr(module, attr, original)
+        _ORIGINALS.clear()
+        _reset_rng_tracker()
+
+
+def _spot_label_of(value: Any) -> Optional[str]:
+    if inspect.isfunction(value) or inspect.isclass(value):
+        return vars(value).get("__cpu_compat_spot__")
+    return None
+
+
+@contextlib.contextmanager
+def cpu_mode() -> Iterator[None]:
+    """Context manager form; leaves CPU mode as it found it."""
+    was_enabled = is_enabled()
+    enable_cpu_mode()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable_cpu_mode()
+
+
+def describe() -> list[dict[str, Any]]:
+    """The registry: one entry per spot with its label (``file:qualname``), kind, reason, whether
+    it is active, how often it was entered since CPU mode was enabled (for the tracker class: how
+    many trackers were built) and every binding patched for it."""
+    with _state_lock:
+        return [
+            {
+                "spot": spot.label,
+                "kind": spot.kind,
+                "why": spot.why,
+                "active": spot.label in _ORIGINALS,
+                "calls": _CALLS[spot.label],
+                "bindings": sorted(
+                    f"{getattr(owner, '__name__', owner)}.{name}"
+                    for owner, name, original, _new in _APPLIED
+                    if original is _ORIGINALS.get(spot.label)
+                ),
+            }
+            for spot in SPOTS
+        ]

@@ -1,0 +1,234 @@
+"""A tiny megatron-core GPT for CPU tests, with weights that do not depend on the parallel layout.
+
+Weight equality across layouts
+------------------------------
+With ``use_cpu_initialization=True`` megatron-core draws every weight in full from the CPU
+generator and keeps this rank's tensor-parallel slice, so TP changes nothing about the values.
+Pipeline parallelism does: a later stage skips the draws of the layers it does not hold. So each
+transformer layer is built right after seeding the CPU generator with ``seed + global layer
+number`` (a :class:`~megatron.core.transformer.transformer_layer.TransformerLayer` subclass put
+into the local layer spec, the extension point megatron-core provides). The embedding is drawn
+first from ``seed`` on the first stage, exactly as in a single-process model; the output layer is
+drawn after the last layer, from the generator state that layer's seed leaves behind, which is
+the same on the last stage as in a single-process model (with tied embeddings megatron-core then
+overwrites it with the first stage's word embedding anyway). So every stage of any (TP, PP,
+virtual PP) layout holds exactly the corresponding slices of the single-process model's weights,
+bit for bit, with no reference model or weight copying needed; :func:`reference_name` and
+:func:`reference_shard` line a stage's parameters up with the single-process ones.
+
+Process groups
+--------------
+:func:`init_model_parallel` runs megatron-core's ``initialize_model_parallel`` on an
+already-initialised (gloo) default process group; :func:`destroy_model_parallel` tears it down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+
+from megatron_dynapipe.megatron import cpu_compat
+
+__all__ = [
+    "TinyGPTConfig",
+    "build_tiny_gpt",
+    "destroy_model_parallel",
+    "init_model_parallel",
+    "make_transformer_config",
+    "reference_name",
+    "reference_shard",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyGPTConfig:
+    """Shape and seed of the tiny GPT; fp32, no dropout (see :func:`make_transformer_config`).
+    Word embedding and output layer are tied, as in Megatron-LM's default GPT, which also
+    exercises the first/last-stage embedding group at PP>1."""
+
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_layers: int = 4
+    vocab_size: int = 128
+    max_sequence_length: int = 64
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    share_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    seed: int = 1234
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def make_transformer_config(cfg: TinyGPTConfig, **overrides: Any) -> TransformerConfig:
+    """A CPU-friendly fp32 ``TransformerConfig`` for ``cfg`` at the current TP/PP sizes.
+
+    No dropout, no fused kernels (they need CUDA / apex), no gradient-accumulation fusion, no
+    sequence parallelism (it needs transformer-engine). ``overrides`` go to TransformerConfig.
+    """
+    fields: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+class _SeededTransformerLayer(TransformerLayer):
+    """A TransformerLayer whose weights are drawn right after seeding the CPU generator with
+    ``layer_seed + global layer number`` (1-based), independent of the pipeline stage."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, layer_seed: int, **kwargs):
+        vp_stage = kwargs.get("vp_stage")
+        pg_collection = kwargs.get("pg_collection")
+        pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        torch.manual_seed(layer_seed + layer_number + offset)
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def build_tiny_gpt(
+    cfg: TinyGPTConfig = TinyGPTConfig(),
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    *,
+    vp_stage: Optional[int] = None,
+    **config_overrides: Any,
+) -> GPTModel:
+    """Build this rank's stage of the tiny GPT (megatron-core ``GPTModel``, local layer spec).
+
+    Needs :func:`init_model_parallel` first and, without CUDA, CPU mode
+    (:func:`megatron_dynapipe.megatron.cpu_compat.enable_cpu_mode`). ``pre_process`` /
+    ``post_process`` default to whether this rank (virtual stage ``vp_stage`` when interleaving)
+    is the first / last pipeline stage. Seeds the CPU generator and megatron's RNG tracker with
+    ``cfg.seed`` (so each call gives the same weights, in any order of chunks or stages).
+    """
+    if not torch.cuda.is_available() and not cpu_compat.is_enabled():
+        raise RuntimeError("build_tiny_gpt without CUDA needs cpu_compat.enable_cpu_mode() first")
+    virtual = vp_stage is not None
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(not virtual, vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(not virtual, vp_stage)
+    config = make_transformer_config(cfg, **config_overrides)
+
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    spec = get_gpt_layer_local_spec()
+    spec = dataclasses.replace(
+        spec, module=_SeededTransformerLayer, params={**spec.params, "layer_seed": cfg.seed}
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Lining stage parameters up with the single-process model
+# --------------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+
+
+def reference_name(model: GPTModel, name: str) -> str:
+    """The name that stage parameter ``name`` (from ``model.named_parameters()``) has in the
+    single-process model: local layer indices become global ones, and a tied output weight on a
+    later stage is the word embedding."""
+    name = name.removeprefix("module.")
+    match = _LAYER.search(name)
+    if match:
+        layer = model.decoder.layers[int(match.group(1))]
+        global_index = layer.layer_number - 1
+        name = name[: match.start(1)] + str(global_index) + name[match.end(1) :]
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        name = "embedding.word_embeddings.weight"
+    return name
+
+
+def reference_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's slice of the single-process tensor ``full`` for ``param``,
+    as megatron-core splits it (``partition_dim``, contiguous chunks; stride 1 only)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    if getattr(param, "partition_stride", 1) != 1:
+        raise NotImplementedError("strided tensor-parallel partitions are not supported")
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------
+
+
+def init_model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    virtual_pp: Optional[int] = None,
+    timeout: timedelta = timedelta(seconds=60),
+    **kwargs: Any,
+) -> None:
+    """Run megatron-core ``initialize_model_parallel(tp, pp, ...)`` on the already-initialised
+    default process group (gloo on CPU); ``kwargs`` go to megatron-core."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("init_model_parallel needs torch.distributed initialised (gloo on CPU)")
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("model parallel is already initialised; call destroy_model_parallel()")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pp,
+        distributed_timeout_minutes=max(1, int(round(timeout.total_seconds() / 60))),
+        **kwargs,
+    )
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron-core's model-parallel state (process groups and buffers); the next
+    :func:`build_tiny_gpt` re-seeds the RNG tracker."""
+    parallel_state.destroy_model_parallel()
