@@ -26,7 +26,9 @@ out of the dataset's index (``len`` does not count them), counted in ``num_empty
 Dataset index ``i`` therefore means "the i-th non-empty sample".
 
 Datasets pickle as their paths and options (the data itself is not pickled), so the
-preprocessing workers reopen them; ``lengths`` is computed once, when the dataset is built.
+preprocessing workers reopen them; ``lengths`` is computed once, when the dataset is built. A
+dataset may define ``warm_up()``: the poller calls it once before it forks the workers, to import
+what reading needs (megatron-core, for :class:`IndexedTokenDataset`) once for all of them.
 """
 
 from __future__ import annotations
@@ -178,6 +180,10 @@ class IndexedTokenDataset(_TokenDataset):
 
             self._dataset = IndexedDataset(self.path_prefix, mmap=self.mmap)
         return self._dataset
+
+    def warm_up(self) -> None:
+        """Import megatron-core's reader (the poller calls this once before forking workers)."""
+        import megatron.core.datasets.indexed_dataset  # noqa: F401
 
     def _read(self, raw_index: int) -> np.ndarray:
         dataset = self._open()
