@@ -1,0 +1,529 @@
+"""Preprocessing: global batch of sample ids -> execution plans + micro-batches in the KV store.
+
+Processes (all on rank 0's machine, started by :class:`~megatron_dynapipe.data.loader.DataPipelineHost`):
+
+* the **poller** (``python -c "...preprocess import poller_main; poller_main()"``, see
+  :func:`run_poller`) reads the pipeline's settings from the store, owns a process pool of
+  preprocessing workers and keeps at most ``lookahead`` iterations produced but not yet taken by
+  every rank; it deletes an iteration's keys once all ranks acknowledged it, beats a heartbeat
+  counter (from a thread, so a busy loop never looks dead) and stops on the shutdown key, on the
+  first error, when its parent (rank 0) is gone or when every iteration has been consumed.
+* **workers** (``concurrent.futures.ProcessPoolExecutor``) are initialised by
+  :func:`worker_init` *from the store*: dataset, TrainingSpec, cost model and fast-mode setting
+  (:attr:`KVStoreMetaKeys.FAST_MODE`) all come from there. Each task (:func:`preprocess_iteration`)
+  reads one global batch, plans it with ``generate_execution_plan`` and publishes one plan per
+  (DP rank, stage) and one micro-batch blob per DP rank (:func:`build_iteration`).
+
+Failures: a worker that raises publishes its traceback under the error key before re-raising; a
+worker that dies without a word (killed, out of memory, ``os._exit``) breaks the pool and the
+poller publishes that, with the worker's exit code. Every training rank raises the error key's
+message as :class:`DataPipelineError` from its next wait.
+
+Micro-batch wire format (:func:`encode_microbatches`, little-endian): header ``b"DPMB"``, u16
+version, u16 flags = 0, u32 iteration, u32 DP rank, u32 micro-batch count, i64 pad token id, u8
+token byte width (4 or 8); per micro-batch u32 size and u32 padded length; u32 token count of
+every sample in turn; the samples' tokens, concatenated; CRC-32 of everything before it. Only the
+real tokens travel (4 bytes a token instead of about 28 for the four padded tensors); every rank
+rebuilds the identical tensors with :func:`gpt_microbatch`.
+
+GPT micro-batch semantics (:func:`gpt_microbatch`), for a sample of ``L`` tokens ``t`` padded to
+``S``: ``tokens[j] = t[j]`` (``pad_token_id`` for ``j >= L``); ``labels[j] = t[j + 1]`` for
+``j < L - 1``, ``pad_token_id`` after; ``loss_mask[j] = 1.0`` for ``j < L - 1`` and 0 on the last
+real token (its next token is not in the sample) and on padding; ``position_ids[j] = j`` for
+every ``j < S``. Padding sits at the right, so causal attention keeps real tokens from seeing it
+and no attention mask is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import pickle
+import struct
+import sys
+import threading
+import time
+import traceback
+import zlib
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..planning.cost_model import StageCosts, load_cost_model
+from ..planning.planner import generate_execution_plan
+from ..planning.spec import TrainingSpec
+from .kv_store import KVStoreClient, KVStoreMetaKeys
+
+__all__ = [
+    "DecodedMicrobatches",
+    "PipelineSettings",
+    "build_iteration",
+    "decode_microbatches",
+    "encode_microbatches",
+    "gpt_microbatch",
+    "poller_main",
+    "preprocess_iteration",
+    "run_poller",
+    "sample_ids",
+    "worker_init",
+]
+
+WORKER_START_METHODS = ("fork", "forkserver", "spawn")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and sampling
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What rank 0 publishes under :attr:`KVStoreMetaKeys.SETTINGS` (JSON)."""
+
+    num_samples: int
+    global_batch_size: int
+    start_iteration: int
+    num_iterations: int
+    shuffle: bool
+    seed: int
+    pad_token_id: int
+    dp: int
+    pp: int
+    tp: int
+    lookahead: int = 2
+    num_workers: int = 2
+    worker_start_method: str = "fork"
+    heartbeat_interval_s: float = 0.5
+    store_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "dp", "pp", "tp", "lookahead", "num_workers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.start_iteration < 0 or self.num_iterations < 0:
+            raise ValueError("start_iteration and num_iterations must be >= 0")
+        if self.num_samples < self.global_batch_size:
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch_size}"
+            )
+        if self.global_batch_size < self.dp:
+            raise ValueError(f"a global batch of {self.global_batch_size} samples cannot feed {self.dp} "
+                             "data-parallel ranks")
+        if self.worker_start_method not in WORKER_START_METHODS:
+            raise ValueError(f"worker_start_method must be one of {', '.join(WORKER_START_METHODS)}, "
+                             f"got {self.worker_start_method!r}")
+
+    @property
+    def num_consumers(self) -> int:
+        """Ranks that take every iteration: one per (DP rank, stage, TP rank)."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def iterations_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    @property
+    def end_iteration(self) -> int:
+        return self.start_iteration + self.num_iterations
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PipelineSettings":
+        return cls(**data)
+
+
+def sample_ids(iteration: int, num_samples: int, global_batch_size: int, shuffle: bool = True,
+               seed: int = 0) -> np.ndarray:
+    """Dataset indices of the global batch of ``iteration``.
+
+    Iteration ``i`` is batch ``i % E`` of epoch ``i // E`` (``E = num_samples //
+    global_batch_size``). Each epoch visits the samples in one order (a fresh permutation per
+    epoch seeded by ``(seed, epoch)`` when ``shuffle``, else 0, 1, 2, ...) and leaves out the
+    ``num_samples % global_batch_size`` samples at the end of that order (drop-last).
+    """
+    per_epoch = num_samples // global_batch_size
+    if per_epoch < 1:
+        raise ValueError(f"{num_samples} samples make no global batch of {global_batch_size}")
+    epoch, position = divmod(int(iteration), per_epoch)
+    begin = position * global_batch_size
+    if not shuffle:
+        return np.arange(begin, begin + global_batch_size, dtype=np.int64)
+    order = np.random.default_rng([int(seed), epoch]).permutation(num_samples)
+    return order[begin: begin + global_batch_size].astype(np.int64)
+
+
+class _Sampler:
+    """sample_ids with the epoch's permutation cached."""
+
+    def __init__(self, settings: PipelineSettings):
+        self.s = settings
+        self._epoch, self._order = None, None
+
+    def __call__(self, iteration: int) -> np.ndarray:
+        s = self.s
+        if not s.shuffle:
+            return sample_ids(iteration, s.num_samples, s.global_batch_size, False, s.seed)
+        epoch, position = divmod(iteration, s.iterations_per_epoch)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([int(s.seed), epoch]).permutation(s.num_samples)
+        begin = position * s.global_batch_size
+        return self._order[begin: begin + s.global_batch_size].astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batches: tensors and wire format
+# ---------------------------------------------------------------------------------------------
+
+
+def gpt_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: int = 0) -> dict[str, np.ndarray]:
+    """The four GPT arrays of one micro-batch (module docstring: semantics), each
+    ``[len(samples), seq_len]``: int64 tokens, labels and position ids, float32 loss mask."""
+    n = len(samples)
+    tokens = np.full((n, seq_len), pad_token_id, dtype=np.int64)
+    labels = np.full((n, seq_len), pad_token_id, dtype=np.int64)
+    loss_mask = np.zeros((n, seq_len), dtype=np.float32)
+    for row, sample in enumerate(samples):
+        length = len(sample)
+        if length > seq_len:
+            raise ValueError(f"a sample of {length} tokens does not fit a micro-batch padded to {seq_len}")
+        tokens[row, :length] = sample
+        labels[row, : length - 1] = sample[1:]
+        loss_mask[row, : length - 1] = 1.0
+    position_ids = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (n, seq_len)).copy()
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+
+
+_MB_MAGIC = b"DPMB"
+_MB_VERSION = 1
+_MB_HEADER = struct.Struct("<4sHHIIIqB")
+_CRC = struct.Struct("<I")
+
+
+def encode_microbatches(iteration: int, dp_rank: int, shapes: Sequence[tuple[int, int]],
+                        samples: Sequence[np.ndarray], pad_token_id: int = 0) -> bytes:
+    """Wire format of one DP rank's micro-batches (module docstring). ``shapes[m]`` is
+    ``(size, padded length)``; ``samples`` holds the token arrays of all micro-batches in turn."""
+    if sum(size for size, _ in shapes) != len(samples):
+        raise ValueError(f"micro-batch sizes sum to {sum(s for s, _ in shapes)}, got {len(samples)} samples")
+    lengths = np.array([len(s) for s in samples], dtype="<u4")
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in samples]) if samples else np.zeros(0, np.int64)
+    if tokens.size and (tokens.min() < 0):
+        raise ValueError("token ids must be non-negative")
+    width = 4 if not tokens.size or tokens.max() < 2**31 else 8
+    body = b"".join([
+        _MB_HEADER.pack(_MB_MAGIC, _MB_VERSION, 0, int(iteration), int(dp_rank), len(shapes),
+                        int(pad_token_id), width),
+        np.asarray(shapes, dtype="<u4").reshape(-1).tobytes(),
+        lengths.tobytes(),
+        tokens.astype("<i4" if width == 4 else "<i8").tobytes(),
+    ])
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+@dataclass
+class DecodedMicrobatches:
+    iteration: int
+    dp_rank: int
+    pad_token_id: int
+    shapes: list[tuple[int, int]]
+    samples: list[list[np.ndarray]]  # per micro-batch, the real tokens of each sample
+
+    def arrays(self) -> list[dict[str, np.ndarray]]:
+        """The GPT arrays of every micro-batch (:func:`gpt_microbatch`)."""
+        return [gpt_microbatch(s, seq_len, self.pad_token_id) for s, (_, seq_len) in zip(self.samples, self.shapes)]
+
+
+def decode_microbatches(blob: "bytes | memoryview") -> DecodedMicrobatches:
+    """Parse :func:`encode_microbatches` output; ValueError on anything malformed."""
+    data = bytes(blob)
+    if len(data) < _MB_HEADER.size + _CRC.size or data[:4] != _MB_MAGIC:
+        raise ValueError("not a micro-batch blob (bad magic or truncated header)")
+    (_, version, flags, iteration, dp_rank, n, pad, width) = _MB_HEADER.unpack_from(data, 0)
+    if version != _MB_VERSION or flags:
+        raise ValueError(f"unsupported micro-batch blob version {version} (flags {flags:#x})")
+    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    if zlib.crc32(memoryview(data)[: len(data) - _CRC.size]) != crc:
+        raise ValueError("corrupted micro-batch blob: checksum mismatch")
+    pos = _MB_HEADER.size
+    shapes = np.frombuffer(data, "<u4", 2 * n, pos).reshape(n, 2).tolist()
+    pos += 8 * n
+    total = int(sum(size for size, _ in shapes))
+    lengths = np.frombuffer(data, "<u4", total, pos).astype(np.int64)
+    pos += 4 * total
+    count = int(lengths.sum())
+    if pos + width * count + _CRC.size != len(data):
+        raise ValueError("malformed micro-batch blob: sizes disagree with its length")
+    tokens = np.frombuffer(data, "<i4" if width == 4 else "<i8", count, pos).astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    flat = [tokens[bounds[i]: bounds[i + 1]] for i in range(total)]
+    per_mb, at = [], 0
+    for size, _ in shapes:
+        per_mb.append(flat[at: at + size])
+        at += size
+    return DecodedMicrobatches(iteration, dp_rank, pad, [tuple(s) for s in shapes], per_mb)
+
+
+# ---------------------------------------------------------------------------------------------
+# One iteration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IterationBlobs:
+    """What one iteration publishes: plans[(dp, stage)] and microbatches[dp], as bytes."""
+
+    plans: dict[tuple[int, int], bytes]
+    microbatches: dict[int, bytes]
+    planning_seconds: float
+
+
+def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
+    """The per-stage costs the planner needs, built once per worker (a profile path is read once)."""
+    if isinstance(cost_model, StageCosts):
+        return cost_model
+    if cost_model is None or isinstance(cost_model, (str, os.PathLike)):
+        cost_model = load_cost_model(None if cost_model is None else os.fspath(cost_model), tp=spec.tp)
+    return StageCosts(cost_model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp, zero_stage=spec.zero_stage)
+
+
+def build_iteration(dataset, spec: TrainingSpec, cost_model, fast_mode, iteration: int,
+                    ids: Sequence[int], pad_token_id: int = 0) -> IterationBlobs:
+    """Read the global batch ``ids`` of ``dataset``, plan it and serialise one plan per
+    (DP rank, stage) and one micro-batch blob per DP rank. Pure: no store involved."""
+    tokens = [np.asarray(dataset[int(i)]) for i in ids]
+    lengths = [len(t) for t in tokens]
+    result = generate_execution_plan(lengths, spec, cost_model, fast_mode=fast_mode)
+    plans, microbatches = {}, {}
+    for dp_rank, stage_plans in enumerate(result.plans):
+        for stage, plan in enumerate(stage_plans):
+            plans[dp_rank, stage] = plan.to_bytes()
+        mbs = stage_plans[0].microbatches
+        microbatches[dp_rank] = encode_microbatches(
+            iteration, dp_rank, [(mb.size, mb.seq_len) for mb in mbs],
+            [tokens[i] for mb in mbs for i in mb.samples], pad_token_id)
+    return IterationBlobs(plans, microbatches, result.planning_seconds)
+
+
+def parse_fast_mode(value: "bytes | str"):
+    text = value.decode() if isinstance(value, bytes) else value
+    return {"true": True, "false": False, "auto": "auto"}[text]
+
+
+def format_fast_mode(value) -> str:
+    if isinstance(value, str):
+        if value.strip().lower() != "auto":
+            raise ValueError(f"fast_mode={value!r} is not understood: use True, False or 'auto'")
+        return "auto"
+    return "true" if value else "false"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------
+
+
+class _WorkerState:
+    client: KVStoreClient
+    dataset: object
+    spec: TrainingSpec
+    costs: StageCosts
+    fast_mode: object
+    settings: PipelineSettings
+
+
+_STATE: "_WorkerState | None" = None
+
+
+def _watch_parent(parent: int, every_s: float = 1.0) -> None:
+    """Exit this process once its parent is gone (orphans never outlive the pipeline)."""
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="dynapipe-parent-watch", daemon=True).start()
+
+
+def worker_init(host: str, port: int, namespace: str, timeout_s: float) -> None:
+    """Process-pool initializer: connect to the store and read every setting from it."""
+    global _STATE
+    _watch_parent(os.getppid())
+    client = KVStoreClient.connect(host, port, namespace, timeout_s)
+    try:
+        state = _WorkerState()
+        state.client = client
+        state.settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
+        state.fast_mode = parse_fast_mode(client.get_meta(KVStoreMetaKeys.FAST_MODE))
+        state.spec = pickle.loads(client.get_meta(KVStoreMetaKeys.SPEC))
+        state.dataset = pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET))
+        state.costs = stage_costs(pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL)), state.spec)
+    except BaseException:
+        client.set_error(f"preprocessing worker (pid {os.getpid()}) failed to initialise:\n{traceback.format_exc()}")
+        raise
+    _STATE = state
+
+
+def preprocess_iteration(iteration: int, ids: Sequence[int]) -> float:
+    """Worker task: build and publish one iteration; returns its planning time in seconds."""
+    state = _STATE
+    if state is None:
+        raise RuntimeError("preprocess_iteration runs in a worker set up by worker_init")
+    try:
+        blobs = build_iteration(state.dataset, state.spec, state.costs, state.fast_mode, iteration, ids,
+                                state.settings.pad_token_id)
+    except BaseException as error:
+        shown = ", ".join(str(int(i)) for i in list(ids)[:16]) + (", ..." if len(ids) > 16 else "")
+        state.client.set_error(
+            f"preprocessing worker (pid {os.getpid()}) failed on iteration {iteration} "
+            f"(global batch of samples [{shown}]): {type(error).__name__}: {error}\n{traceback.format_exc()}"
+        )
+        raise
+    client = state.client
+    items = {client.microbatch_key(iteration, d): blob for d, blob in blobs.microbatches.items()}
+    items.update({client.plan_key(iteration, d, s): blob for (d, s), blob in blobs.plans.items()})
+    client.put_many(items)
+    return blobs.planning_seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# Poller
+# ---------------------------------------------------------------------------------------------
+
+
+def _heartbeat(host: str, port: int, namespace: str, timeout_s: float, every_s: float,
+               stop: threading.Event) -> None:
+    try:
+        client = KVStoreClient.connect(host, port, namespace, timeout_s)
+        key = client.meta_key(KVStoreMetaKeys.HEARTBEAT)
+        while not stop.is_set():
+            client.add(key, 1)
+            stop.wait(every_s)
+    except Exception:  # the store is gone: the main loop notices and stops too
+        pass
+
+
+def _exit_note(processes: dict) -> str:
+    codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
+    if not codes:
+        return "its exit status is unknown"
+    return "; ".join(
+        f"worker pid {pid} {'was killed by signal ' + str(-code) if code < 0 else 'exited with code ' + str(code)}"
+        for pid, code in codes.items()
+    )
+
+
+def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = None,
+               timeout_s: float = 60.0, poll_s: float = 0.01) -> int:
+    """The poller's loop (module docstring). Returns 0 when every iteration was consumed or
+    rank 0 asked it to stop, 1 after an error (published under the error key)."""
+    import multiprocessing
+
+    client = KVStoreClient.connect(host, port, namespace, timeout_s)
+    stop = threading.Event()
+    pool = None
+    try:
+        s = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
+        ctx = multiprocessing.get_context(s.worker_start_method)
+        if s.worker_start_method == "forkserver":
+            ctx.set_forkserver_preload([__name__])
+        elif s.worker_start_method == "fork":
+            # Import what the dataset and cost model need once, here, for every forked worker to
+            # inherit (megatron-core alone takes seconds). The objects themselves are dropped:
+            # each worker still reads its settings from the store in worker_init.
+            pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL))
+            warm_up = getattr(pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET)), "warm_up", None)
+            if callable(warm_up):
+                warm_up()
+        pool = cf.ProcessPoolExecutor(s.num_workers, mp_context=ctx, initializer=worker_init,
+                                      initargs=(host, port, namespace, timeout_s))
+        sampler = _Sampler(s)
+        if s.worker_start_method == "fork":
+            # fork the workers now, while this process runs a single thread (no heartbeat yet)
+            pool.submit(int).result(timeout=timeout_s)
+        beat = threading.Thread(target=_heartbeat, name="dynapipe-heartbeat", daemon=True,
+                                args=(host, port, namespace, timeout_s, s.heartbeat_interval_s, stop))
+        beat.start()
+        if parent_pid is not None:
+            _watch_parent(parent_pid)  # exits even while the loop below waits on the store
+        shutdown_key = client.meta_key(KVStoreMetaKeys.SHUTDOWN)
+        error_key = client.meta_key(KVStoreMetaKeys.ERROR)
+        next_submit = next_done = s.start_iteration
+        futures: dict[int, cf.Future] = {}
+        workers: dict = {}
+        progress = None
+        while True:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                return 0  # rank 0 is gone, and with it the store
+            if client.exists(shutdown_key) or client.exists(error_key):
+                return 0
+            workers.update(getattr(pool, "_processes", None) or {})
+            for it in [it for it, f in futures.items() if f.done()]:
+                future = futures.pop(it)
+                try:
+                    future.result()
+                except BrokenProcessPool:
+                    client.set_error(
+                        f"a preprocessing worker process died without reporting an error (killed, out of "
+                        f"memory, or os._exit) while iteration {it} was being prepared; {_exit_note(workers)}. "
+                        "The data pipeline cannot continue."
+                    )
+                    return 1
+                except BaseException as error:  # the worker published the traceback already
+                    client.set_error(f"preprocessing of iteration {it} failed: {type(error).__name__}: {error}")
+                    return 1
+            while (next_done < next_submit and next_done not in futures
+                   and client.acknowledged(next_done) >= s.num_consumers):
+                client.delete_iteration(next_done, s.dp, s.pp)
+                next_done += 1
+            while next_submit < s.end_iteration and next_submit - next_done < s.lookahead:
+                futures[next_submit] = pool.submit(preprocess_iteration, next_submit,
+                                                   sampler(next_submit).tolist())
+                next_submit += 1
+            if (next_submit, next_done, len(futures)) != progress:
+                progress = (next_submit, next_done, len(futures))
+                client.put_json(KVStoreMetaKeys.PROGRESS, {
+                    "submitted_up_to": next_submit, "consumed_up_to": next_done,
+                    "end": s.end_iteration, "being_prepared": sorted(futures)})
+            if next_done >= s.end_iteration:
+                return 0  # every rank has taken every iteration
+            time.sleep(poll_s)
+    except BaseException:
+        try:  # fails in turn when the store itself is gone: then there is nobody to tell
+            client.set_error(f"the data pipeline's poller (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+        except Exception:
+            pass
+        return 1
+    finally:
+        stop.set()
+        if pool is not None:
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in processes:  # do not wait for an iteration nobody will read
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in processes:
+                proc.join(timeout=5)
+
+
+def poller_main(argv: "Sequence[str] | None" = None) -> None:
+    """Entry point of the poller process (started by DataPipelineHost)."""
+    parser = argparse.ArgumentParser(description="megatron-dynapipe data pipeline poller")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sys.exit(run_poller(args.host, args.port, args.namespace, args.parent_pid, args.timeout))
+
+
+if __name__ == "__main__":  # pragma: no cover - the host starts it with -c (see DataPipelineHost)
+    poller_main()
