@@ -1,0 +1,419 @@
+"""Megatron command-line arguments of DynaPipe and of the fake-rank tracer.
+
+    from megatron_dynapipe import add_arguments
+    pretrain(..., extra_args_provider=add_arguments)                    # nothing else to chain
+    pretrain(..., extra_args_provider=chain_providers(add_modelopt_args, add_arguments))
+
+:func:`add_arguments` adds two argument groups to any ``argparse`` parser (Megatron-LM's
+``extra_args_provider`` contract: take the parser, return it):
+
+* ``dynapipe`` -- ``--dynapipe`` switches the planned schedules on; the rest describes the
+  planning (memory limit, cost model, schedules, micro-batching, fast mode) and everything needed
+  to reproduce a plan (seed, sequence-length rounding, permutations, recompute choices), plus the
+  data pipeline's KV store and preprocessing workers and the executor's communication timeout.
+* ``fake-rank tracer`` -- run one rank of a much larger job (``--is-scaling-mode`` with the
+  ``--fake-*`` layout) and trace iterations (``--do-trace`` ...).
+
+:func:`validate_dynapipe_args` runs after Megatron's own ``validate_args``: it checks the
+combination (each error is one line that names the fix), resolves fast mode (the flag, else
+``DYNAPIPE_FAST_MODE``, else off) and derived values (``--fake-dp``), and sets what Megatron
+forces off but planned schedules need (``variable_seq_lengths``). :func:`training_spec_from_args`
+turns validated arguments into the planner's :class:`~megatron_dynapipe.planning.spec.TrainingSpec`.
+
+Nothing here imports torch or megatron: argument handling stays cheap and testable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..planning.spec import (
+    FAST_MODE_ENV,
+    PARTITION_METHODS,
+    SCHEDULES,
+    TrainingSpec,
+    fast_mode_from_env,
+)
+from ..planning.types import RecomputeType
+
+__all__ = [
+    "DynapipeArgumentError",
+    "add_arguments",
+    "add_dynapipe_arguments",
+    "add_tracer_arguments",
+    "chain_providers",
+    "validate_dynapipe_args",
+    "training_spec_from_args",
+    "DYNAPIPE_GROUP",
+    "TRACER_GROUP",
+]
+
+DYNAPIPE_GROUP = "dynapipe"
+TRACER_GROUP = "fake-rank tracer"
+DEFAULT_KV_PORT = 29600
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class DynapipeArgumentError(ValueError):
+    """An invalid DynaPipe or tracer argument; the message is one line that names the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers
+# --------------------------------------------------------------------------------------------
+
+
+def _fast_mode(text: str) -> "bool | str":
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    if value == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(f"{text!r} is not a fast mode: use true, false or auto")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _recompute(text: str) -> RecomputeType:
+    try:
+        return RecomputeType.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rank_order(text: str) -> str:
+    """``tp,cp,ep,dp,pp`` (or Megatron's ``tp-cp-ep-dp-pp``) as Megatron's dash form."""
+    parts = [p.strip().lower() for p in text.replace("-", ",").split(",") if p.strip()]
+    return "-".join(parts)
+
+
+def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``dynapipe`` argument group to ``parser``; return the parser."""
+    g = parser.add_argument_group(title=DYNAPIPE_GROUP)
+    g.add_argument("--dynapipe", action="store_true",
+                   help="run DynaPipe's planned micro-batches and pipeline schedules in train_step")
+    g.add_argument("--dynapipe-fast-mode", nargs="?", const=True, default=None, type=_fast_mode,
+                   metavar="{true,false,auto}",
+                   help=f"trim the planner's search (bare flag: true); without the flag "
+                        f"{FAST_MODE_ENV} applies, else off")
+    g.add_argument("--dynapipe-cost-model", metavar="PATH", default=None,
+                   help="profiled cost model JSON (docs/cost_model.md); default: the analytical GPT "
+                        "cost model")
+    g.add_argument("--dynapipe-memory-limit", type=float, metavar="MB", default=None,
+                   help="memory per GPU the planned schedule may use, in MB (required with --dynapipe)")
+    g.add_argument("--dynapipe-schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                   metavar="NAME", help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} "
+                                        f"(default: all)")
+    g.add_argument("--dynapipe-partition", choices=PARTITION_METHODS, default="dp",
+                   help="micro-batching: dynamic programming (dp, default), token_based or uniform")
+    g.add_argument("--dynapipe-recompute", nargs="+", type=_recompute,
+                   default=list(RecomputeType), metavar="{none,selective,full}",
+                   help="recompute choices the planner may give a micro-batch (default: all)")
+    g.add_argument("--dynapipe-seed", type=int, default=0,
+                   help="seed of the planner's micro-batch order search (default 0)")
+    g.add_argument("--dynapipe-seqlen-round", type=_positive_int, default=8, metavar="N",
+                   help="pad each micro-batch's sequence length to a multiple of N (default 8)")
+    g.add_argument("--dynapipe-max-permutations", type=_positive_int, default=8, metavar="N",
+                   help="micro-batch orders the planner tries per candidate (default 8)")
+    g.add_argument("--dynapipe-tokens-per-microbatch", type=_positive_int, default=8192, metavar="N",
+                   help="token budget of a micro-batch with --dynapipe-partition token_based "
+                        "(default 8192)")
+    g.add_argument("--dynapipe-preprocess-workers", type=int, default=2, metavar="N",
+                   help="planning/preprocessing worker processes per node (default 2)")
+    g.add_argument("--dynapipe-kv-host", default=None, metavar="HOST",
+                   help="host of the KV store that ships plans to the ranks (default: MASTER_ADDR, "
+                        "else 127.0.0.1)")
+    g.add_argument("--dynapipe-kv-port", type=int, default=DEFAULT_KV_PORT, metavar="PORT",
+                   help=f"port of that KV store (default {DEFAULT_KV_PORT})")
+    g.add_argument("--dynapipe-comm-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail a pipeline send/receive that waits longer (default: the process "
+                        "group's timeout)")
+    return parser
+
+
+def add_tracer_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``fake-rank tracer`` argument group to ``parser``; return the parser."""
+    g = parser.add_argument_group(title=TRACER_GROUP)
+    g.add_argument("--is-scaling-mode", action="store_true",
+                   help="pretend to be one rank (--fake-current-rank-id) of a --fake-world-size job")
+    g.add_argument("--fake-world-size", type=_positive_int, default=None, metavar="N")
+    g.add_argument("--fake-pp", type=_positive_int, default=None, metavar="N",
+                   help="pipeline-parallel size of the pretended job")
+    g.add_argument("--fake-tp", type=_positive_int, default=None, metavar="N",
+                   help="tensor-parallel size of the pretended job")
+    g.add_argument("--fake-dp", type=_positive_int, default=None, metavar="N",
+                   help="data-parallel size (default: world / (tp*pp*cp); checked when given)")
+    g.add_argument("--fake-ep", "--fake-exp", dest="fake_ep", type=_positive_int, default=1,
+                   metavar="N", help="expert-parallel size (default 1)")
+    g.add_argument("--fake-num-experts", type=_positive_int, default=None, metavar="N",
+                   help="experts per MoE layer (needed with --fake-ep > 1)")
+    g.add_argument("--fake-cp", type=_positive_int, default=1, metavar="N",
+                   help="context-parallel size (default 1)")
+    g.add_argument("--fake-gpus-per-node", type=_positive_int, default=8, metavar="N",
+                   help="GPUs per node of the pretended job (default 8)")
+    g.add_argument("--fake-current-rank-id", type=int, default=0, metavar="RANK",
+                   help="the global rank this process pretends to be (default 0)")
+    g.add_argument("--fake-rank-order", type=_rank_order, default="tp-cp-ep-dp-pp",
+                   metavar="LIST", help="Megatron rank order, comma list (default tp,cp,ep,dp,pp)")
+    g.add_argument("--do-trace", action=argparse.BooleanOptionalAction, default=False,
+                   help="record the compute and communication ops of some iterations")
+    g.add_argument("--trace-start", type=int, default=1, metavar="N",
+                   help="iterations to run before tracing starts (warm-up, default 1)")
+    g.add_argument("--trace-iters", type=_positive_int, default=1, metavar="N",
+                   help="iterations to trace (default 1)")
+    g.add_argument("--trace-dir", default="traces", metavar="DIR",
+                   help="where trace files go (default ./traces)")
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add the ``dynapipe`` and ``fake-rank tracer`` groups."""
+    add_dynapipe_arguments(parser)
+    add_tracer_arguments(parser)
+    return parser
+
+
+def chain_providers(*providers: "Optional[Callable[[Any], Any]]") -> Callable[[Any], Any]:
+    """One ``extra_args_provider`` that runs ``providers`` in turn (``None`` entries skipped).
+
+    ``pretrain_gpt.py`` passes ModelOpt's provider when ModelOpt is installed, else None; keep it:
+    ``chain_providers(add_modelopt_args if has_nvidia_modelopt else None, add_arguments)``.
+    A provider that returns None (some only mutate the parser) keeps the parser it was given.
+    """
+    chain = [p for p in providers if p is not None]
+    for p in chain:
+        if not callable(p):
+            raise TypeError(f"argument provider {p!r} is not callable")
+
+    def provider(parser):
+        for p in chain:
+            result = p(parser)
+            if result is not None:
+                parser = result
+        return parser
+
+    provider.__name__ = "chained_" + "_".join(getattr(p, "__name__", "provider") for p in chain)
+    provider.providers = tuple(chain)  # type: ignore[attr-defined]
+    return provider
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def validate_dynapipe_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Check and complete DynaPipe and tracer arguments after Megatron's ``validate_args``.
+
+    Works on a plain ``argparse`` namespace too (Megatron's own attributes are then taken at
+    their defaults). Raises :class:`DynapipeArgumentError` (one line naming the fix); returns
+    ``args`` with ``dynapipe_fast_mode`` resolved (True/False/"auto") and its source in
+    ``dynapipe_fast_mode_source`` ("flag", "env" or "default"), ``dynapipe_kv_host`` filled in,
+    ``fake_dp`` derived, and, with ``--dynapipe``, ``variable_seq_lengths = True``.
+    """
+    _validate_tracer(args)
+    if not getattr(args, "dynapipe", False):
+        return args
+    _resolve_fast_mode(args)
+
+    limit = getattr(args, "dynapipe_memory_limit", None)
+    if limit is None:
+        raise DynapipeArgumentError(
+            "--dynapipe needs --dynapipe-memory-limit MB: the memory per GPU the planned schedule may use"
+        )
+    if not limit > 0:
+        raise DynapipeArgumentError(f"--dynapipe-memory-limit must be positive, got {limit}: pass the per-GPU MB")
+    cost_model = getattr(args, "dynapipe_cost_model", None)
+    if cost_model is not None and not Path(cost_model).is_file():
+        raise DynapipeArgumentError(
+            f"--dynapipe-cost-model {cost_model}: no such file; pass a profiled cost model JSON "
+            "(docs/cost_model.md) or drop the flag for the analytical model"
+        )
+    workers = _get(args, "dynapipe_preprocess_workers", 2)
+    if workers < 1:
+        raise DynapipeArgumentError(
+            f"--dynapipe-preprocess-workers must be at least 1, got {workers}: pass e.g. --dynapipe-preprocess-workers 2"
+        )
+    port = _get(args, "dynapipe_kv_port", DEFAULT_KV_PORT)
+    if not 0 < port < 65536:
+        raise DynapipeArgumentError(f"--dynapipe-kv-port {port} is not a TCP port: pass one in 1..65535")
+    if getattr(args, "dynapipe_kv_host", None) is None:
+        args.dynapipe_kv_host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    timeout = getattr(args, "dynapipe_comm_timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise DynapipeArgumentError(
+            f"--dynapipe-comm-timeout must be positive, got {timeout}: drop it to use the process group's timeout"
+        )
+
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+        raise DynapipeArgumentError(
+            "--dynapipe runs one model chunk per pipeline stage: drop --num-layers-per-virtual-pipeline-stage "
+            "/ --virtual-pipeline-model-parallel-size"
+        )
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is not None:
+        raise DynapipeArgumentError(
+            f"--recompute-granularity {granularity} conflicts with --dynapipe, which picks recompute per "
+            f"micro-batch: drop it (restrict the choices with --dynapipe-recompute {granularity})"
+        )
+    if getattr(args, "num_experts", None) and _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
+        raise DynapipeArgumentError(
+            "--dynapipe's variable-length micro-batches need --moe-token-dispatcher-type alltoall "
+            "(the allgather dispatcher assumes one sequence length)"
+        )
+    if getattr(args, "cuda_graph_impl", "none") == "local" or getattr(args, "enable_cuda_graph", False):
+        raise DynapipeArgumentError(
+            "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
+        )
+    seqlen_round = _get(args, "dynapipe_seqlen_round", 8)
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    cp = _get(args, "context_parallel_size", 1)
+    if getattr(args, "sequence_parallel", False) and tp > 1 and seqlen_round % tp:
+        raise DynapipeArgumentError(
+            f"--sequence-parallel splits sequences over TP={tp}: pass --dynapipe-seqlen-round as a multiple "
+            f"of {tp} (got {seqlen_round})"
+        )
+    if cp > 1 and seqlen_round % (2 * cp):
+        raise DynapipeArgumentError(
+            f"context parallelism splits sequences into 2*CP={2 * cp} chunks: pass --dynapipe-seqlen-round as "
+            f"a multiple of {2 * cp} (got {seqlen_round})"
+        )
+    try:
+        training_spec_from_args(args)
+    except ValueError as exc:
+        raise DynapipeArgumentError(f"--dynapipe: {exc}") from None
+
+    # Megatron's validate_args forces this off; planned micro-batches vary in sequence length.
+    # (The executor takes shapes from the plan; megatron-core's own schedules, used for batches
+    # that are not planned, then exchange shapes before each transfer.)
+    args.variable_seq_lengths = True
+    if not getattr(args, "calculate_per_token_loss", False):
+        warnings.warn(
+            "--dynapipe micro-batches differ in size: --calculate-per-token-loss weights every token "
+            "equally; without it each micro-batch's mean loss counts the same",
+            stacklevel=2,
+        )
+    return args
+
+
+def _resolve_fast_mode(args: argparse.Namespace) -> None:
+    flag = getattr(args, "dynapipe_fast_mode", None)
+    if flag is not None:
+        args.dynapipe_fast_mode_source = "flag"
+        return
+    try:
+        env = fast_mode_from_env()
+    except ValueError as exc:
+        raise DynapipeArgumentError(f"{exc}, or pass --dynapipe-fast-mode") from None
+    args.dynapipe_fast_mode = False if env is None else env
+    args.dynapipe_fast_mode_source = "default" if env is None else "env"
+
+
+def _validate_tracer(args: argparse.Namespace) -> None:
+    if getattr(args, "do_trace", False):
+        start = _get(args, "trace_start", 1)
+        if start < 0:
+            raise DynapipeArgumentError(f"--trace-start must be >= 0 (warm-up iterations), got {start}")
+        if not getattr(args, "trace_dir", None):
+            raise DynapipeArgumentError("--do-trace needs --trace-dir DIR for the trace files")
+    if not getattr(args, "is_scaling_mode", False):
+        return
+    world, pp, tp = (getattr(args, n, None) for n in ("fake_world_size", "fake_pp", "fake_tp"))
+    missing = [flag for flag, v in (("--fake-world-size N", world), ("--fake-pp N", pp), ("--fake-tp N", tp))
+               if v is None]
+    if missing:
+        raise DynapipeArgumentError(f"--is-scaling-mode needs {', '.join(missing)}")
+    cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
+    order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
+
+    from ..tracer.topology import ORDERS, ParallelLayout
+
+    if order not in ORDERS:
+        raise DynapipeArgumentError(
+            f"--fake-rank-order {order.replace('-', ',')} is not a Megatron rank order: use one of "
+            + " or ".join(o.replace("-", ",") for o in ORDERS)
+        )
+    model = tp * pp * cp
+    if world % model:
+        raise DynapipeArgumentError(
+            f"--fake-world-size {world} is not divisible by tp*pp*cp = {model}: make it a multiple of {model} "
+            "or change --fake-tp/--fake-pp/--fake-cp"
+        )
+    dp = world // model
+    given = getattr(args, "fake_dp", None)
+    if given is not None and given != dp:
+        raise DynapipeArgumentError(
+            f"--fake-dp {given} does not match world/(tp*pp*cp) = {world}/{model} = {dp}: pass --fake-dp {dp} "
+            "or omit it"
+        )
+    try:
+        layout = ParallelLayout(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
+    except ValueError as exc:
+        raise DynapipeArgumentError(f"fake-rank layout: {exc}") from None
+    experts = getattr(args, "fake_num_experts", None)
+    if ep > 1 and experts is None:
+        raise DynapipeArgumentError(f"--fake-ep {ep} needs --fake-num-experts N (a multiple of {ep})")
+    if experts is not None and experts % ep:
+        raise DynapipeArgumentError(
+            f"--fake-num-experts {experts} is not divisible by --fake-ep {ep}: use a multiple of {ep}"
+        )
+    rank = _get(args, "fake_current_rank_id", 0)
+    if not 0 <= rank < world:
+        raise DynapipeArgumentError(
+            f"--fake-current-rank-id {rank} is outside the job: pass a rank in 0..{world - 1}"
+        )
+    args.fake_dp = layout.dp
+
+
+def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
+    """The planner's :class:`TrainingSpec` for these (Megatron + DynaPipe) arguments.
+
+    Layout from Megatron's ``--num-layers``, ``--tensor/pipeline-model-parallel-size`` and the
+    data-parallel size Megatron derived (``args.data_parallel_size``; else world / (tp*pp*cp));
+    ZeRO stage 1 with ``--use-distributed-optimizer``; ``--micro-batch-size`` is the size of a
+    uniform partition. Fast mode is the validated setting (None if not validated yet).
+    """
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    pp = _get(args, "pipeline_model_parallel_size", 1)
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None:
+        world = _get(args, "world_size", tp * pp)
+        dp = max(1, world // (tp * pp * _get(args, "context_parallel_size", 1)))
+    return TrainingSpec(
+        num_layers=_get(args, "num_layers", pp),
+        pp=pp,
+        tp=tp,
+        dp=dp,
+        zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
+        memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
+        fast_mode=getattr(args, "dynapipe_fast_mode", None),
+        schedules=tuple(_get(args, "dynapipe_schedule", SCHEDULES)),
+        recompute_types=tuple(_get(args, "dynapipe_recompute", tuple(RecomputeType))),
+        partition=_get(args, "dynapipe_partition", "dp"),
+        seqlen_round=_get(args, "dynapipe_seqlen_round", 8),
+        tokens_per_microbatch=_get(args, "dynapipe_tokens_per_microbatch", 8192),
+        microbatch_size=_get(args, "micro_batch_size", 8),
+        max_permutations=_get(args, "dynapipe_max_permutations", 8),
+        seed=_get(args, "dynapipe_seed", 0),
+    )

@@ -1,0 +1,229 @@
+"""Megatron arguments of DynaPipe and of the fake-rank tracer, on plain argparse parsers."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dynapipe import add_arguments, chain_providers, validate_dynapipe_args
+from megatron_dynapipe.megatron.arguments import (
+    DYNAPIPE_GROUP,
+    TRACER_GROUP,
+    DynapipeArgumentError,
+    training_spec_from_args,
+)
+from megatron_dynapipe.planning.spec import FAST_MODE_ENV
+from megatron_dynapipe.planning.types import RecomputeType
+
+
+def parse(*argv: str, **megatron) -> argparse.Namespace:
+    args = add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    for name, value in megatron.items():  # what Megatron's own parser and validate_args set
+        setattr(args, name, value)
+    return args
+
+
+def validated(*argv: str, **megatron) -> argparse.Namespace:
+    megatron.setdefault("calculate_per_token_loss", True)
+    return validate_dynapipe_args(parse(*argv, **megatron))
+
+
+ON = ("--dynapipe", "--dynapipe-memory-limit", "30000")
+
+
+@pytest.fixture(autouse=True)
+def no_env_fast_mode(monkeypatch):
+    monkeypatch.delenv(FAST_MODE_ENV, raising=False)
+
+
+def test_groups_and_defaults():
+    parser = add_arguments(argparse.ArgumentParser())
+    titles = [g.title for g in parser._action_groups]
+    assert DYNAPIPE_GROUP in titles and TRACER_GROUP in titles
+    args = parser.parse_args([])
+    assert args.dynapipe is False and args.dynapipe_fast_mode is None
+    assert args.dynapipe_schedule == ["1f1b", "wait-free-cyclic"]
+    assert args.dynapipe_recompute == list(RecomputeType)
+    assert (args.dynapipe_seed, args.dynapipe_seqlen_round, args.dynapipe_partition) == (0, 8, "dp")
+    assert args.is_scaling_mode is False and args.do_trace is False and args.fake_ep == 1
+    assert args.fake_rank_order == "tp-cp-ep-dp-pp"
+    assert validate_dynapipe_args(args) is args  # off: nothing to check, nothing changed
+    assert not hasattr(args, "variable_seq_lengths")
+
+
+def test_dynapipe_flags_parse():
+    args = validated(*ON, "--dynapipe-cost-model", __file__, "--dynapipe-schedule", "1f1b",
+                     "--dynapipe-partition", "token_based", "--dynapipe-recompute", "none", "full",
+                     "--dynapipe-preprocess-workers", "4", "--dynapipe-kv-host", "10.0.0.1",
+                     "--dynapipe-kv-port", "4242", "--dynapipe-seed", "7", "--dynapipe-seqlen-round", "64",
+                     "--dynapipe-comm-timeout", "120")
+    assert args.dynapipe_memory_limit == 30000.0 and args.dynapipe_cost_model == __file__
+    assert args.dynapipe_schedule == ["1f1b"] and args.dynapipe_partition == "token_based"
+    assert args.dynapipe_recompute == [RecomputeType.NONE, RecomputeType.FULL]
+    assert (args.dynapipe_preprocess_workers, args.dynapipe_kv_host, args.dynapipe_kv_port) == (4, "10.0.0.1", 4242)
+    assert (args.dynapipe_seed, args.dynapipe_seqlen_round, args.dynapipe_comm_timeout) == (7, 64, 120.0)
+    assert args.variable_seq_lengths is True  # Megatron forces it off; planned batches need it
+
+
+def test_kv_host_defaults_to_master_addr(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "node-0")
+    assert validated(*ON).dynapipe_kv_host == "node-0"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert validated(*ON).dynapipe_kv_host == "127.0.0.1"
+
+
+def test_chained_with_another_provider():
+    def modelopt_like(parser):
+        parser.add_argument_group("modelopt").add_argument("--export-te-mcore-model", action="store_true")
+        return parser
+
+    def mutates_only(parser):
+        parser.add_argument("--other", type=int, default=3)  # returns None
+
+    provider = chain_providers(None, modelopt_like, mutates_only, add_arguments)
+    parser = argparse.ArgumentParser()
+    assert provider(parser) is parser
+    args = parser.parse_args(["--export-te-mcore-model", "--dynapipe", "--other", "5"])
+    assert args.export_te_mcore_model and args.dynapipe and args.other == 5
+    with pytest.raises(TypeError, match="not callable"):
+        chain_providers("add_arguments")
+
+
+@pytest.mark.parametrize("env, argv, expected, source", [
+    ("true", (), True, "env"),
+    ("auto", (), "auto", "env"),
+    ("0", (), False, "env"),
+    (None, (), False, "default"),
+    ("true", ("--dynapipe-fast-mode", "false"), False, "flag"),
+    (None, ("--dynapipe-fast-mode",), True, "flag"),
+    ("false", ("--dynapipe-fast-mode", "auto"), "auto", "flag"),
+])
+def test_fast_mode_flag_else_environment(monkeypatch, env, argv, expected, source):
+    if env is not None:
+        monkeypatch.setenv(FAST_MODE_ENV, env)
+    args = validated(*ON, *argv)
+    assert args.dynapipe_fast_mode == expected and args.dynapipe_fast_mode_source == source
+    assert training_spec_from_args(args).fast_mode == expected
+
+
+def test_bad_fast_mode_values(monkeypatch, capsys):
+    monkeypatch.setenv(FAST_MODE_ENV, "sometimes")
+    with pytest.raises(DynapipeArgumentError, match=r"DYNAPIPE_FAST_MODE='sometimes'.*or pass --dynapipe-fast-mode"):
+        validated(*ON)
+    with pytest.raises(SystemExit):
+        parse("--dynapipe-fast-mode", "maybe")
+    assert "use true, false or auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, megatron, fix", [
+    (("--dynapipe",), {}, "--dynapipe needs --dynapipe-memory-limit MB"),
+    (("--dynapipe", "--dynapipe-memory-limit", "-5"), {}, "must be positive"),
+    (ON + ("--dynapipe-cost-model", "/nonexistent.json"), {}, "or drop the flag for the analytical model"),
+    (ON + ("--dynapipe-preprocess-workers", "0"), {}, "pass e.g. --dynapipe-preprocess-workers 2"),
+    (ON + ("--dynapipe-kv-port", "70000"), {}, "pass one in 1..65535"),
+    (ON + ("--dynapipe-comm-timeout", "0"), {}, "drop it to use the process group's timeout"),
+    (ON, {"virtual_pipeline_model_parallel_size": 2}, "drop --num-layers-per-virtual-pipeline-stage"),
+    (ON, {"recompute_granularity": "full"}, "drop it (restrict the choices with --dynapipe-recompute full)"),
+    (ON, {"num_experts": 8, "moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall"),
+    (ON, {"enable_cuda_graph": True}, "drop --enable-cuda-graph"),
+    (ON, {"sequence_parallel": True, "tensor_model_parallel_size": 16},
+     "pass --dynapipe-seqlen-round as a multiple of 16 (got 8)"),
+    (ON, {"context_parallel_size": 8}, "pass --dynapipe-seqlen-round as a multiple of 16"),
+    (ON, {"num_layers": 2, "pipeline_model_parallel_size": 4}, "lower pp or raise num_layers"),
+])
+def test_validation_errors_name_the_fix(argv, megatron, fix):
+    with pytest.raises(DynapipeArgumentError) as info:
+        validated(*argv, **megatron)
+    message = str(info.value)
+    assert fix in message and "\n" not in message
+
+
+def test_per_token_loss_recommended():
+    with pytest.warns(UserWarning, match="--calculate-per-token-loss"):
+        validated(*ON, calculate_per_token_loss=False)
+
+
+def test_training_spec_from_megatron_args():
+    args = validated(*ON, "--dynapipe-schedule", "wait-free-cyclic", "--dynapipe-recompute", "selective",
+                     num_layers=24, tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                     data_parallel_size=8, use_distributed_optimizer=True, micro_batch_size=4)
+    spec = training_spec_from_args(args)
+    assert (spec.num_layers, spec.tp, spec.pp, spec.dp, spec.zero_stage) == (24, 2, 4, 8, 1)
+    assert spec.memory_limit_mb == 30000.0 and spec.schedules == ("wait-free-cyclic",)
+    assert spec.recompute_types == (RecomputeType.SELECTIVE,) and spec.microbatch_size == 4
+
+
+# --------------------------------------------------------------------------------------------
+# fake-rank tracer
+# --------------------------------------------------------------------------------------------
+
+SCALING = ("--is-scaling-mode", "--fake-world-size", "64", "--fake-pp", "4", "--fake-tp", "2")
+
+
+def test_do_trace_is_a_real_on_off_flag():
+    assert parse("--do-trace").do_trace is True
+    assert parse("--do-trace", "--no-do-trace").do_trace is False
+    args = validated("--do-trace", "--trace-start", "3", "--trace-iters", "2", "--trace-dir", "out")
+    assert (args.trace_start, args.trace_iters, args.trace_dir) == (3, 2, "out")
+    with pytest.raises(DynapipeArgumentError, match="--trace-start must be >= 0"):
+        validated("--do-trace", "--trace-start", "-1")
+
+
+def test_fake_exp_is_an_alias_of_fake_ep():
+    assert parse("--fake-exp", "4").fake_ep == 4
+    assert parse("--fake-ep", "2").fake_ep == 2
+    args = validated(*SCALING, "--fake-exp", "4", "--fake-num-experts", "16")
+    assert args.fake_ep == 4 and args.fake_num_experts == 16
+
+
+def test_fake_dp_derived_when_omitted_and_checked_when_given():
+    assert validated(*SCALING).fake_dp == 8
+    assert validated(*SCALING, "--fake-cp", "2").fake_dp == 4
+    assert validated(*SCALING, "--fake-dp", "8").fake_dp == 8
+    with pytest.raises(DynapipeArgumentError, match=r"--fake-dp 4 does not match .* = 8: pass --fake-dp 8 or omit it"):
+        validated(*SCALING, "--fake-dp", "4")
+
+
+def test_fake_layout_parses_and_keeps_its_values():
+    args = validated(*SCALING, "--fake-gpus-per-node", "4", "--fake-current-rank-id", "63",
+                     "--fake-rank-order", "tp,cp,ep,pp,dp")
+    assert (args.fake_world_size, args.fake_pp, args.fake_tp, args.fake_cp) == (64, 4, 2, 1)
+    assert (args.fake_gpus_per_node, args.fake_current_rank_id) == (4, 63)
+    assert args.fake_rank_order == "tp-cp-ep-pp-dp"
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (("--is-scaling-mode", "--fake-pp", "2"), "--is-scaling-mode needs --fake-world-size N, --fake-tp N"),
+    (("--is-scaling-mode", "--fake-world-size", "10", "--fake-pp", "4", "--fake-tp", "1"),
+     "make it a multiple of 4 or change --fake-tp/--fake-pp/--fake-cp"),
+    (SCALING + ("--fake-ep", "4"), "--fake-ep 4 needs --fake-num-experts N (a multiple of 4)"),
+    (SCALING + ("--fake-ep", "4", "--fake-num-experts", "6"), "use a multiple of 4"),
+    (SCALING + ("--fake-current-rank-id", "64"), "pass a rank in 0..63"),
+    (SCALING + ("--fake-rank-order", "pp,dp,tp"), "use one of tp,cp,ep,dp,pp or tp,cp,ep,pp,dp"),
+    (SCALING + ("--fake-ep", "3", "--fake-num-experts", "3"), "fake-rank layout: world_size 64 is not divisible"),
+])
+def test_fake_layout_errors_name_the_fix(argv, fix):
+    with pytest.raises(DynapipeArgumentError) as info:
+        validated(*argv)
+    assert fix in str(info.value) and "\n" not in str(info.value)
+
+
+def test_fake_flags_reject_nonsense_at_parse_time(capsys):
+    with pytest.raises(SystemExit):
+        parse("--fake-pp", "0")
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+def test_arguments_stay_light():
+    """Parsing and validating pulls in neither torch nor megatron."""
+    code = ("import sys, argparse, megatron_dynapipe as m;"
+            "a = m.add_arguments(argparse.ArgumentParser()).parse_args(['--dynapipe', '--dynapipe-memory-limit', '1',"
+            " '--is-scaling-mode', '--fake-world-size', '8', '--fake-pp', '2', '--fake-tp', '2']);"
+            "m.validate_dynapipe_args(a); m.chain_providers(None, m.add_arguments);"
+            "bad = [n for n in sys.modules if n.split('.')[0] in ('torch', 'megatron')]; print(bad);"
+            "sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
