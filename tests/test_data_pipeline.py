@@ -232,6 +232,7 @@ def _wait_until(predicate, timeout_s, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_pp2_dp2_tp2_ranks_get_their_stage_plan_and_dp_samples(tmp_path):
     """Eight consumer processes (DP=2 x PP=2 x TP=2) read three iterations from the store, out of
@@ -335,6 +336,7 @@ class _BrokenOnUnpickle(TokenListDataset):
         raise RuntimeError("shard directory /data/shard-7 is not mounted here")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_settings_that_cannot_be_loaded_fail_every_rank():
     with DataPipelineHost(_BrokenOnUnpickle(_samples(8), MAX_SEQ_LEN), _spec(pp=1, dp=1), COST_MODEL, 4, port=0,
@@ -344,6 +346,7 @@ def test_settings_that_cannot_be_loaded_fail_every_rank():
             next(loader)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_worker_exception_surfaces_on_every_rank_with_its_message(tmp_path):
     gbs = 4
@@ -360,6 +363,7 @@ def test_worker_exception_surfaces_on_every_rank_with_its_message(tmp_path):
         assert body.startswith("DataPipelineError") and f"corrupt record {bad} in shard 7" in body
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_killed_worker_surfaces_as_a_clear_error(monkeypatch):
     monkeypatch.setenv("DYNAPIPE_FAST_MODE", "auto")
@@ -381,8 +385,9 @@ def test_killed_worker_surfaces_as_a_clear_error(monkeypatch):
     assert waited < TIMEOUT_S / 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_dead_poller_is_noticed_by_every_rank():
+def test_waits_time_out_and_a_dead_poller_is_noticed_by_every_rank():
     spec = _spec(pp=2, dp=1)
     dataset = TokenListDataset(_samples(40), MAX_SEQ_LEN)
     host_loader = DynaPipeDataLoader(dataset, spec, COST_MODEL, 4, dp_rank=0, stage=0, port=0,
@@ -392,7 +397,14 @@ def test_dead_poller_is_noticed_by_every_rank():
         assert host_loader.host is not None and len(host_loader) == 10
         other = DynaPipeDataLoader(dp_rank=0, stage=1, port=host_loader.host.port, timeout_s=TIMEOUT_S,
                                    heartbeat_timeout_s=3)
-        assert next(host_loader).iteration == 0 and next(other).iteration == 0
+        assert next(host_loader).iteration == 0
+        # look-ahead 1: iteration 1 waits until stage 1 has taken iteration 0; a wait never hangs
+        host_loader.timeout_s = 1.0
+        with pytest.raises(DataPipelineTimeout, match=r"waited 1s for iteration 1 .*consumed_up_to\": 0"):
+            next(host_loader)
+        host_loader.timeout_s = TIMEOUT_S
+        assert next(other).iteration == 0
+        assert next(host_loader).iteration == 1 and next(other).iteration == 1
         host_loader.host.proc.kill()
         started = time.monotonic()
         with pytest.raises(DataPipelineError, match="poller on rank 0 stopped beating"):
@@ -406,3 +418,28 @@ def test_dead_poller_is_noticed_by_every_rank():
     finally:
         host_loader.close()
     assert host_loader.host.proc.poll() is not None
+
+
+def test_layout_from_megatron_parallel_state(monkeypatch):
+    from megatron.core import parallel_state as ps
+
+    from megatron_dynapipe.data import RankLayout, from_parallel_state
+
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        from_parallel_state()
+    for name, value in [("model_parallel_is_initialized", True), ("get_context_parallel_world_size", 1),
+                        ("get_data_parallel_rank", 1), ("get_pipeline_model_parallel_rank", 3),
+                        ("get_tensor_model_parallel_rank", 1), ("get_data_parallel_world_size", 2),
+                        ("get_pipeline_model_parallel_world_size", 4),
+                        ("get_tensor_model_parallel_world_size", 2)]:
+        monkeypatch.setattr(ps, name, lambda value=value: value)
+    layout = from_parallel_state()
+    assert layout == RankLayout(dp_rank=1, stage=3, tp_rank=1) and not layout.is_first
+    with pytest.raises(ValueError, match="differs from megatron's parallel state"):
+        DynaPipeDataLoader.from_parallel_state(None, _spec(pp=2, dp=2, tp=2), port=1)
+    with pytest.raises(ValueError, match="stage=3 is outside"):
+        layout.check(dp=2, pp=2, tp=2)
+    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        from_parallel_state()
