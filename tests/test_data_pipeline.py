@@ -171,7 +171,7 @@ def test_kv_client_keys_errors_waits_and_cleanup():
 
 def _context():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron_dynapipe.data"])
+    ctx.set_forkserver_preload(["megatron_dynapipe.data.loader"])
     return ctx
 
 

@@ -11,6 +11,10 @@ iterates a :class:`DynaPipeDataLoader` of :class:`PlannedBatch`.
 * :mod:`.loader`: :class:`DataPipelineHost` (rank 0) and :class:`DynaPipeDataLoader` (every rank).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from ..planning.spec import TrainingSpec
 from .batch import MICROBATCH_KEYS, PlannedBatch
 from .datasets import (
@@ -21,28 +25,41 @@ from .datasets import (
     VariableLengthDataset,
     open_dataset,
 )
-from .kv_store import DataPipelineError, DataPipelineTimeout, KVStoreClient, KVStoreMetaKeys
-from .loader import DataPipelineHost, DynaPipeDataLoader, RankLayout, from_parallel_state
-from .preprocess import gpt_microbatch, sample_ids
+
+# The store, workers and loader need torch: imported on first use, so that importing
+# ``megatron_dynapipe.data.batch`` or the datasets stays torch-free.
+_LAZY = {
+    "DataPipelineError": "kv_store",
+    "DataPipelineTimeout": "kv_store",
+    "KVStoreClient": "kv_store",
+    "KVStoreMetaKeys": "kv_store",
+    "DataPipelineHost": "loader",
+    "DynaPipeDataLoader": "loader",
+    "RankLayout": "loader",
+    "from_parallel_state": "loader",
+    "gpt_microbatch": "preprocess",
+    "sample_ids": "preprocess",
+}
 
 __all__ = [
     "MICROBATCH_KEYS",
-    "DataPipelineError",
-    "DataPipelineHost",
-    "DataPipelineTimeout",
-    "DynaPipeDataLoader",
     "IndexedTokenDataset",
     "JsonlTokenDataset",
-    "KVStoreClient",
-    "KVStoreMetaKeys",
     "PlannedBatch",
-    "RankLayout",
     "SampleTooLongError",
     "TokenListDataset",
     "TrainingSpec",
     "VariableLengthDataset",
-    "from_parallel_state",
-    "gpt_microbatch",
     "open_dataset",
-    "sample_ids",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
