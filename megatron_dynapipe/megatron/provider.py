@@ -1,0 +1,241 @@
+"""The schedule provider: DynaPipe's forward-backward function in place of Megatron's.
+
+* :func:`get_forward_backward_func` -- drop-in for megatron-core's function of the same name:
+  DynaPipe's :func:`forward_backward_dynapipe` when DynaPipe is on (``install(args)`` with
+  ``--dynapipe``, ``configure(enabled=True)``, or ``dynapipe=True``), megatron-core's own schedule
+  otherwise.
+* :func:`install` -- Megatron-LM's ``train_step`` and ``evaluate`` call
+  ``megatron.training.training.get_forward_backward_func``, a name bound when that module is
+  imported; ``install`` re-binds it (and any other ``megatron.training`` module's binding of
+  megatron-core's function) to :func:`get_forward_backward_func`. Without Megatron-LM (only
+  megatron-core installed) it patches nothing and says so; call :func:`get_forward_backward_func`
+  in your loop instead. :func:`uninstall` puts the originals back.
+
+:func:`forward_backward_dynapipe` takes megatron-core's keyword arguments. Its data iterator
+yields :class:`~megatron_dynapipe.data.batch.PlannedBatch` objects (one per call: this rank's
+stage plan and micro-batches); an item that is not a PlannedBatch -- e.g. an evaluation iterator
+of plain fixed-shape batches -- is run by megatron-core's own schedule, unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .executor import ExecutorOptions
+
+__all__ = [
+    "InstallReport",
+    "configure",
+    "forward_backward_dynapipe",
+    "get_forward_backward_func",
+    "install",
+    "is_enabled",
+    "uninstall",
+]
+
+logger = logging.getLogger("megatron_dynapipe")
+
+_NAME = "get_forward_backward_func"
+_TRAINING_MODULE = "megatron.training.training"
+
+
+@dataclass
+class _State:
+    enabled: bool = False
+    options: ExecutorOptions = field(default_factory=ExecutorOptions)
+    patched: list = field(default_factory=list)  # (module, attribute, original)
+
+
+_state = _State()
+
+
+def configure(enabled: bool = True, *, comm_timeout_s: Optional[float] = None,
+              validate_plans: bool = True) -> None:
+    """Switch DynaPipe's schedule on or off for :func:`get_forward_backward_func` (megatron-core
+    users who do not go through :func:`install`) and set the executor's options."""
+    _state.enabled = bool(enabled)
+    _state.options = ExecutorOptions(comm_timeout_s=comm_timeout_s, validate_plans=validate_plans)
+
+
+def is_enabled() -> bool:
+    return _state.enabled
+
+
+def _core_get_forward_backward_func():
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules.get_forward_backward_func
+
+
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None, *,
+                              dynapipe: Optional[bool] = None) -> Callable:
+    """DynaPipe's forward-backward function when DynaPipe is on (``dynapipe`` overrides the
+    configured state), megatron-core's ``get_forward_backward_func(pp_size, vp_size)`` otherwise."""
+    enabled = _state.enabled if dynapipe is None else dynapipe
+    if not enabled:
+        return _core_get_forward_backward_func()(pp_size, vp_size)
+    if vp_size is None and pp_size is None:
+        from megatron.core import parallel_state
+
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vp_size is not None:
+        raise ValueError(
+            f"DynaPipe runs one model chunk per pipeline stage, but the virtual pipeline size is {vp_size}: "
+            "drop --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage"
+        )
+    return forward_backward_dynapipe
+
+
+def forward_backward_dynapipe(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+):
+    """megatron-core's forward-backward signature, running the planned schedule.
+
+    Takes one item from ``data_iterator``: a PlannedBatch runs its plan (``num_microbatches``,
+    ``seq_length`` and ``micro_batch_size`` are then ignored: the plan has the micro-batches and
+    their shapes); anything else goes, with the rest of the iterator, to megatron-core's schedule.
+    Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
+    """
+    from ..data.batch import PlannedBatch
+    from .executor import run_plan
+
+    wrapped = isinstance(data_iterator, list)
+    if wrapped:
+        if len(data_iterator) != 1:
+            raise ValueError(f"DynaPipe runs one model chunk per stage, got {len(data_iterator)} data iterators")
+        data_iterator = data_iterator[0]
+    if data_iterator is None:
+        from megatron.core import parallel_state
+
+        raise ValueError(
+            f"DynaPipe: global rank {_global_rank()} (pipeline stage "
+            f"{parallel_state.get_pipeline_model_parallel_rank()}) got data_iterator=None; every rank needs "
+            "an iterator of PlannedBatch (its stage's plan), also middle stages and tensor-parallel ranks > 0"
+        )
+    item = next(data_iterator)
+    if not isinstance(item, PlannedBatch):
+        rest = itertools.chain([item], data_iterator)
+        kwargs: dict[str, Any] = dict(
+            forward_step_func=forward_step_func, data_iterator=[rest] if wrapped else rest, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, force_all_reduce=force_all_reduce)
+        if p2p_communicator is not None:
+            kwargs["p2p_communicator"] = p2p_communicator
+        if pg_collection is not None:
+            kwargs["pg_collection"] = pg_collection
+        return _core_get_forward_backward_func()()(**kwargs)
+    return run_plan(
+        forward_step_func=forward_step_func, batch=item, model=model, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, force_all_reduce=bool(force_all_reduce),
+        options=_state.options, pg_collection=pg_collection,
+    )
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------------------------
+# install / uninstall
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InstallReport:
+    """What :func:`install` did: ``enabled``, the ``module.attribute`` bindings it replaced, and
+    a one-paragraph ``message`` (also logged)."""
+
+    enabled: bool
+    patched: list[str]
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def install(args: Any = None) -> InstallReport:
+    """Make Megatron-LM's ``train_step`` and ``evaluate`` run DynaPipe's schedule.
+
+    ``args``: Megatron's (validated) arguments; DynaPipe is on with ``args.dynapipe`` (``None``:
+    on). Re-binds ``megatron.training.training.get_forward_backward_func`` and every other loaded
+    ``megatron.training`` module's binding of megatron-core's function to
+    :func:`get_forward_backward_func` (idempotent). When ``megatron.training`` cannot be imported
+    (megatron-core only), patches nothing, warns, and says so in the report.
+    """
+    enabled = True if args is None else bool(getattr(args, "dynapipe", False))
+    timeout = None if args is None else getattr(args, "dynapipe_comm_timeout", None)
+    configure(enabled, comm_timeout_s=timeout)
+    if not enabled:
+        return _report(False, [], "DynaPipe is off (no --dynapipe): Megatron's own schedule stays in place; "
+                                  "nothing patched")
+    try:
+        import importlib
+
+        training = importlib.import_module(_TRAINING_MODULE)
+    except ImportError as exc:
+        message = (f"DynaPipe is on, but {_TRAINING_MODULE} cannot be imported ({exc}): nothing patched. "
+                   "With megatron-core alone, call megatron_dynapipe.megatron.get_forward_backward_func() "
+                   "where your training loop calls megatron-core's")
+        warnings.warn(message, stacklevel=2)
+        return _report(True, [], message)
+    if not hasattr(training, _NAME):
+        raise RuntimeError(
+            f"{_TRAINING_MODULE} has no {_NAME}: this Megatron-LM binds its schedule differently; "
+            "call megatron_dynapipe.megatron.get_forward_backward_func() from its train_step instead"
+        )
+    core = _core_get_forward_backward_func()
+    originals = {id(core), id(getattr(training, _NAME))}
+    patched = []
+    for name, module in sorted(sys.modules.items()):
+        if module is None or not (name == "megatron.training" or name.startswith("megatron.training.")):
+            continue
+        current = vars(module).get(_NAME)
+        if current is get_forward_backward_func:
+            patched.append(f"{name}.{_NAME}")  # already installed
+            continue
+        if current is not None and id(current) in originals:
+            setattr(module, _NAME, get_forward_backward_func)
+            _state.patched.append((module, _NAME, current))
+            patched.append(f"{name}.{_NAME}")
+    message = (f"DynaPipe is on: {', '.join(patched)} now run{'s' if len(patched) == 1 else ''} the planned "
+               "schedule in train_step and evaluate (batches that are not PlannedBatch still run "
+               "megatron-core's schedule)")
+    return _report(True, patched, message)
+
+
+def uninstall() -> None:
+    """Put back every binding :func:`install` replaced and switch DynaPipe off."""
+    while _state.patched:
+        module, name, original = _state.patched.pop()
+        if vars(module).get(name) is get_forward_backward_func:
+            setattr(module, name, original)
+    configure(False)
+
+
+def _report(enabled: bool, patched: list[str], message: str) -> InstallReport:
+    logger.info(message)
+    return InstallReport(enabled, patched, message)
