@@ -395,8 +395,13 @@ def test_waits_time_out_and_a_dead_poller_is_noticed_by_every_rank():
                                      lookahead=1, num_workers=1)
     try:
         assert host_loader.host is not None and len(host_loader) == 10
-        other = DynaPipeDataLoader(dp_rank=0, stage=1, port=host_loader.host.port, timeout_s=TIMEOUT_S,
-                                   heartbeat_timeout_s=3)
+        # the same call on every rank: the other ranks check their options against rank 0's
+        other = DynaPipeDataLoader(dataset, spec, COST_MODEL, 4, dp_rank=0, stage=1, port=host_loader.host.port,
+                                   timeout_s=TIMEOUT_S, heartbeat_timeout_s=3, lookahead=1, num_workers=1)
+        with pytest.raises(ValueError, match="global_batch_size=8 here, 4 on rank 0, seed=5 here, 0 on rank 0"):
+            DynaPipeDataLoader(None, spec, None, 8, dp_rank=0, stage=1, port=host_loader.host.port, seed=5)
+        with pytest.raises(ValueError, match="differs from the pipeline host's"):
+            DynaPipeDataLoader(dp_rank=0, stage=1, spec=_spec(pp=4, dp=1), port=host_loader.host.port)
         assert next(host_loader).iteration == 0
         # look-ahead 1: iteration 1 waits until stage 1 has taken iteration 0; a wait never hangs
         host_loader.timeout_s = 1.0

@@ -25,8 +25,10 @@ Empty samples (documents without tokens, empty lists) carry nothing to train on:
 out of the dataset's index (``len`` does not count them), counted in ``num_empty`` and logged.
 Dataset index ``i`` therefore means "the i-th non-empty sample".
 
-Datasets pickle as their paths and options (the data itself is not pickled), so the
-preprocessing workers reopen them; ``lengths`` is computed once, when the dataset is built. A
+Datasets pickle without their data, so the preprocessing workers reopen them: an
+:class:`IndexedTokenDataset` as its path and options (the receiver memory-maps the index again
+and checks it still holds as many samples), a :class:`JsonlTokenDataset` with its per-line
+offsets and lengths (24 bytes a line, so the file is not scanned again). A
 dataset may define ``warm_up()``: the poller calls it once before it forks the workers, to import
 what reading needs (megatron-core, for :class:`IndexedTokenDataset`) once for all of them.
 """
@@ -84,7 +86,7 @@ class _TokenDataset:
     num_empty: int
 
     def _init_limits(self, raw_lengths: np.ndarray, max_seq_len: int, truncate: bool, source: str,
-                     describe=None) -> None:
+                     describe=None, quiet: bool = False) -> None:
         if isinstance(max_seq_len, bool) or int(max_seq_len) != max_seq_len or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.max_seq_len = int(max_seq_len)
@@ -95,7 +97,7 @@ class _TokenDataset:
         kept = raw[self._ids]
         too_long = np.flatnonzero(kept > self.max_seq_len)
         self.num_truncated = int(len(too_long))
-        if self.num_empty:
+        if self.num_empty and not quiet:
             logger.warning("%s: left out %d empty sample(s)", source, self.num_empty)
         if len(too_long) and not self.truncate:
             first = int(too_long[0])
@@ -106,7 +108,7 @@ class _TokenDataset:
                 f"the longest has {int(kept.max())} tokens). Pass truncate=True to keep the first "
                 f"{self.max_seq_len} tokens of each, raise max_seq_len, or filter the data."
             )
-        if len(too_long):
+        if len(too_long) and not quiet:
             logger.warning(
                 "%s: truncating %d of %d samples to their first max_seq_len=%d tokens (truncate=True)",
                 source, len(too_long), len(kept), self.max_seq_len,
@@ -160,10 +162,13 @@ class IndexedTokenDataset(_TokenDataset):
                     f"no Megatron indexed dataset at {self.path_prefix!r}: {self.path_prefix + suffix} is "
                     "missing (give the path prefix, without .bin/.idx)"
                 )
+        self._load(max_seq_len, truncate, quiet=False)
+
+    def _load(self, max_seq_len: int, truncate: bool, quiet: bool) -> None:
         self._dataset = None
         index = self._open()
         seq_lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
-        if unit == "sequence":
+        if self.unit == "sequence":
             raw = seq_lengths
             self._doc_bounds = None
         else:
@@ -171,8 +176,9 @@ class IndexedTokenDataset(_TokenDataset):
             starts = np.concatenate([[0], np.cumsum(seq_lengths)])
             raw = starts[bounds[1:]] - starts[bounds[:-1]]
             self._doc_bounds = bounds
+        unit = self.unit
         self._init_limits(raw, max_seq_len, truncate, f"indexed dataset {self.path_prefix!r}",
-                          describe=lambda r: f"{unit} {r}")
+                          describe=lambda r: f"{unit} {r}", quiet=quiet)
 
     def _open(self):
         if self._dataset is None:
@@ -196,9 +202,17 @@ class IndexedTokenDataset(_TokenDataset):
         return np.concatenate(dataset[first:last])
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_dataset"] = None  # reopened (memory-mapped again) where it is used
-        return state
+        # Only the path and options travel (the index of a large corpus is big); the receiver
+        # memory-maps the files again and rebuilds the lengths from them.
+        return {"path_prefix": self.path_prefix, "unit": self.unit, "mmap": self.mmap,
+                "max_seq_len": self.max_seq_len, "truncate": self.truncate, "num_samples": len(self)}
+
+    def __setstate__(self, state) -> None:
+        self.path_prefix, self.unit, self.mmap = state["path_prefix"], state["unit"], state["mmap"]
+        self._load(state["max_seq_len"], state["truncate"], quiet=True)
+        if len(self) != state["num_samples"]:
+            raise RuntimeError(f"the indexed dataset at {self.path_prefix!r} has {len(self)} samples here but had "
+                               f"{state['num_samples']} where it was opened: it changed, or another copy is read")
 
     def __repr__(self) -> str:
         return (f"IndexedTokenDataset({self.path_prefix!r}, max_seq_len={self.max_seq_len}, "

@@ -139,12 +139,12 @@ class DataPipelineHost:
                  fast_mode=None, num_workers: int = 2, lookahead: int = 2,
                  worker_start_method: str = "fork", heartbeat_interval_s: float = 0.5,
                  store_timeout_s: float = 60.0):
-        if dataset is None or spec is None:
-            raise ValueError("rank 0 hosts the data pipeline: it needs the dataset and the TrainingSpec")
+        if dataset is None or spec is None or global_batch_size is None:
+            raise ValueError("the hosting rank (rank 0) needs the dataset, the TrainingSpec and the global batch size")
         if not hasattr(dataset, "lengths") or getattr(dataset, "max_seq_len", None) is None:
             raise TypeError(f"{type(dataset).__name__} is not a VariableLengthDataset (needs max_seq_len, "
                             "lengths, __len__ and __getitem__); see megatron_dynapipe.data.datasets")
-        per_epoch = len(dataset) // int(global_batch_size) if global_batch_size else 0
+        per_epoch = len(dataset) // max(1, int(global_batch_size))
         self.settings = PipelineSettings(
             num_samples=len(dataset), global_batch_size=int(global_batch_size),
             start_iteration=int(start_iteration),
@@ -234,6 +234,10 @@ class DataPipelineHost:
         self.close()
 
 
+_HOST_OPTIONS = {"num_iterations", "start_iteration", "shuffle", "seed", "pad_token_id", "fast_mode",
+                 "num_workers", "lookahead", "worker_start_method", "heartbeat_interval_s"}
+
+
 class DynaPipeDataLoader:
     """Iterator of :class:`PlannedBatch` for one rank (module docstring: semantics).
 
@@ -252,6 +256,8 @@ class DynaPipeDataLoader:
     * everything else (``num_iterations``, ``start_iteration``, ``shuffle``, ``seed``,
       ``pad_token_id``, ``fast_mode``, ``num_workers``, ``lookahead``, ``worker_start_method``,
       ``namespace``) goes to :class:`DataPipelineHost`; ``namespace`` must match on all ranks.
+      Other ranks read these settings from the store, so the same call works on every rank;
+      an option given there that contradicts rank 0's raises ValueError.
     """
 
     def __init__(self, dataset=None, spec: "TrainingSpec | None" = None, cost_model=None,
@@ -273,20 +279,36 @@ class DynaPipeDataLoader:
                                          namespace=namespace, store_timeout_s=connect_timeout_s, **host_options)
             self.client = KVStoreClient.connect("127.0.0.1", self.host.port, namespace, connect_timeout_s)
         else:
-            if host_options:
-                raise TypeError(f"only the hosting rank takes {', '.join(sorted(host_options))}")
+            unknown = set(host_options) - _HOST_OPTIONS
+            if unknown:
+                raise TypeError(f"unexpected keyword argument(s) {', '.join(sorted(unknown))}")
             addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
             self.client = KVStoreClient.connect(addr, _default_port() if port is None else port, namespace,
                                                 connect_timeout_s)
-        self._heartbeat = HeartbeatWatch(self.client, heartbeat_timeout_s,
-                                         startup_timeout_s=max(heartbeat_timeout_s, connect_timeout_s))
-        self.settings = PipelineSettings.from_json(
-            self.client.get_json(KVStoreMetaKeys.SETTINGS, timeout_s=connect_timeout_s))
-        s = self.settings
-        if spec is not None and (spec.dp, spec.pp, spec.tp) != (s.dp, s.pp, s.tp):
-            raise ValueError(f"this rank's spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}) differs from the "
-                             f"pipeline host's (dp={s.dp}, pp={s.pp}, tp={s.tp})")
-        self.layout.check(s.dp, s.pp, s.tp)
+        try:
+            self._heartbeat = HeartbeatWatch(self.client, heartbeat_timeout_s,
+                                             startup_timeout_s=max(heartbeat_timeout_s, connect_timeout_s))
+            self.settings = PipelineSettings.from_json(
+                self.client.get_json(KVStoreMetaKeys.SETTINGS, timeout_s=connect_timeout_s))
+            s = self.settings
+            if spec is not None and (spec.dp, spec.pp, spec.tp) != (s.dp, s.pp, s.tp):
+                raise ValueError(f"this rank's spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}) differs from the "
+                                 f"pipeline host's (dp={s.dp}, pp={s.pp}, tp={s.tp})")
+            self.layout.check(s.dp, s.pp, s.tp)
+            if self.host is None:  # the host's settings rule; a rank that says otherwise is misconfigured
+                settings = s.to_json()
+                given = dict(host_options, global_batch_size=global_batch_size)
+                differ = {k: (v, settings[k]) for k, v in given.items()
+                          if k in settings and v is not None and v != settings[k]}
+                if differ:
+                    raise ValueError("this rank's data pipeline options differ from the host's: " + ", ".join(
+                        f"{k}={mine!r} here, {theirs!r} on rank 0" for k, (mine, theirs) in sorted(differ.items())))
+        except BaseException:
+            if self.host is not None:
+                self.host.client.set_error(f"rank (dp {dp_rank}, stage {stage}, tp {tp_rank}) could not join "
+                                           "the data pipeline")
+                self.host.close(wait_for_ranks=False)
+            raise
         self._next = s.start_iteration
 
     @classmethod
