@@ -8,12 +8,14 @@
 #
 #   WORLD_SIZE PP TP [CP [EP]] [key=value ...] : ok FOLDER     (traced into FOLDER)
 #   WORLD_SIZE PP TP ...                       : invalid       (skipped with a reason)
+#   WORLD_SIZE PP TP ...                       : failed        (valid, but its trace fails)
 #
 # The whole batch runs as one `trace --configs FILE --json` call (real fake-rank tracing on
 # this machine); then, per config, the status and folder name must match and an "ok" folder
 # must hold summary.json (complete, status ok) plus fake_rank_<r>.log and rank_<r>.trace.jsonl
 # for every rank the summary lists; an invalid one must have no folder and a reason.  The exit
-# status of `trace` must be 0.  Prints PASS/FAIL per config; exits 1 on any mismatch.
+# status of `trace` must be 1 if a config is expected to fail, else 0.  Prints PASS/FAIL per
+# config; exits 1 on any mismatch.
 #
 # Environment: PYTHON (default: the checkout's .venv, else python3), WORK_DIR (default: a
 # temporary folder, removed at the end), TRACE_ARGS (extra `trace` options).
@@ -29,12 +31,12 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 read -r -d '' BUILT_IN <<'EOF'
 # tiny model: 4 layers, 8 heads, sequence 256
-16  2  2     : ok SIM_GPT_tiny_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8
-12  2  4     : invalid
-8   4  1     : ok SIM_GPT_tiny_Config2_WS8_PP4_TP1_DP2_nMICROB4_MICROB_SIZE1_GLOBAL_BATCH8
-32  2  2  2  : ok SIM_GPT_tiny_Config3_WS32_PP2_TP2_CP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8
-64  1  16    : invalid
-16  2  2 gbs=10 : invalid
+16  2  2             : ok SIM_GPT_tiny_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8
+12  2  4             : invalid
+8   2  1 mbs=2 nmb=3 : ok SIM_GPT_tiny_Config2_WS8_PP2_TP1_DP4_nMICROB3_MICROB_SIZE2_GLOBAL_BATCH24
+64  1  16            : invalid
+16  2  2 gbs=10      : invalid
+24  3  1             : invalid
 EOF
 
 if [[ $# -gt 1 ]]; then echo "usage: $0 [EXPECTATIONS_FILE]" >&2; exit 2; fi
@@ -98,8 +100,10 @@ PY
 
 passed=0
 failed=0
-if [[ $trace_status -ne 0 ]]; then
-    echo "FAIL trace exited $trace_status: $(tail -n 5 "$WORK_DIR/trace.err")"
+want_trace_status=0
+grep -q '^failed' "$expected" && want_trace_status=1
+if [[ $trace_status -ne $want_trace_status ]]; then
+    echo "FAIL trace exited $trace_status, expected $want_trace_status: $(tail -n 5 "$WORK_DIR/trace.err")"
     failed=$((failed + 1))
 fi
 if [[ "$report" == ERROR* ]]; then
@@ -132,7 +136,10 @@ while IFS= read -r config <&3 && IFS= read -r want <&4; do
         echo "FAIL $config : $problem"
         failed=$((failed + 1))
     else
-        echo "PASS $config : $status${folder:+ $folder}${why:+ ($why)}"
+        detail=""
+        [[ "$folder" != - ]] && detail+=" $folder"
+        [[ -n "$why" && "$why" != - ]] && detail+=" ($why)"
+        echo "PASS $config : $status$detail"
         passed=$((passed + 1))
     fi
     index=$((index + 1))

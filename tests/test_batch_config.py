@@ -307,8 +307,16 @@ def test_default_microbatches_fill_the_pipeline():
 def test_shapes_only_by_estimated_bytes():
     assert decide_shapes_only(cfg("8192 2 2"), budget=2**30)[0] is False
     only, why = decide_shapes_only(cfg("8192 2 2", model="6.7"), budget=16 * 2**30)
-    assert only and "GiB" in why
-    assert decide_shapes_only(cfg("8192 2 2", model="6.7"), budget=2**50)[0] is False
+    assert only and "GiB per rank > memory budget 16.0 GiB" in why
+    assert decide_shapes_only(cfg("8192 2 2", model="6.7"), budget=2**50, time_budget_s=1e9)[0] is False
+
+
+def test_shapes_only_when_real_compute_would_take_too_long():
+    # 6.7B at PP=16, TP=8 fits in memory but 16 micro-batches of 2048 tokens take minutes on a CPU
+    only, why = decide_shapes_only(cfg("8192 16 8", model="6.7"), budget=2**40)
+    assert only and "real compute would take about" in why
+    assert decide_shapes_only(cfg("8192 16 8", model="6.7"), budget=2**40, time_budget_s=1e9)[0] is False
+    assert bc.estimated_compute_seconds(cfg("8192 2 2")) < 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,6 +577,7 @@ def test_rank_mapping_script_fails_on_a_wrong_expectation(tmp_path):
     assert "FAIL 16 4 1" in out.stdout and "PASS 8192 2 2" in out.stdout
 
 
+@pytest.mark.slow
 @needs_real_tracer
 def test_batch_config_script_passes(tmp_path):
     out = run_script("test_batch_config.sh", env={"WORK_DIR": str(tmp_path)})
@@ -578,12 +587,11 @@ def test_batch_config_script_passes(tmp_path):
 
 @needs_real_tracer
 def test_batch_config_script_fails_on_a_wrong_expectation(tmp_path):
-    wrong = tmp_path / "expect.txt"
-    wrong.write_text("16 2 2 : ok SIM_GPT_tiny_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8\n"
-                     "12 2 4 : ok SIM_GPT_tiny_Config1_WS12  # it is invalid\n")
+    wrong = tmp_path / "expect.txt"  # nothing valid to trace: fast
+    wrong.write_text("12 2 4 : ok SIM_GPT_tiny_Config0_WS12  # it is invalid\n24 3 1 : invalid\n")
     out = run_script("test_batch_config.sh", str(wrong), env={"WORK_DIR": str(tmp_path / "w")})
-    assert out.returncode != 0
-    assert "FAIL" in out.stdout
+    assert out.returncode == 1
+    assert "FAIL 12 2 4 : status invalid, expected ok" in out.stdout and "PASS 24 3 1" in out.stdout
 
 
 def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
@@ -604,6 +612,7 @@ def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
         str(256 * s) for s in range(16)]
 
 
+@pytest.mark.slow
 @needs_real_tracer
 def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
     start = time.perf_counter()
@@ -620,6 +629,7 @@ def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
 # with the real tracer
 
 
+@pytest.mark.slow
 @needs_real_tracer
 def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
     """One config whose trace raises (a rank outside the job) amid real traces."""

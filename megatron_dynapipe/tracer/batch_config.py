@@ -52,7 +52,11 @@ __all__ = [
     "read_config_file",
     "validate",
     "memory_budget_bytes",
+    "estimated_bytes",
+    "estimated_compute_seconds",
     "decide_shapes_only",
+    "preload_tracer_modules",
+    "progress_enabled",
     "run_batch",
     "batch_summary",
     "exit_code",
@@ -396,6 +400,12 @@ def validate(config: TraceConfig) -> list[str]:
 # real compute or shapes only
 
 
+#: Floating-point operations per second assumed for real compute on a CPU (fp32, a few cores).
+CPU_FLOPS = 5e10
+#: Longest real-compute trace of one rank the default accepts before it goes shapes-only.
+REAL_COMPUTE_BUDGET_S = 60.0
+
+
 def memory_budget_bytes() -> int:
     """Bytes a real-compute trace may use: half of the memory available now."""
     try:
@@ -420,14 +430,39 @@ def estimated_bytes(config: TraceConfig) -> int:
     )
 
 
-def decide_shapes_only(config: TraceConfig, budget: int | None = None) -> tuple[bool, str]:
-    """Whether ``config`` is traced shapes-only by default, and why (estimated bytes vs budget)."""
+def estimated_compute_seconds(config: TraceConfig, iterations: int = 2) -> float:
+    """Seconds of real compute for the busiest rank over ``iterations`` steps at :data:`CPU_FLOPS`."""
+    flops = config.model.training_flops(
+        config.pp, config.tp, config.ep, micro_batch_size=config.micro_batch_size,
+        seq_length=config.seq, cp=config.cp,
+    )
+    return flops * max(config.microbatches, 1) * iterations / CPU_FLOPS
+
+
+def decide_shapes_only(
+    config: TraceConfig,
+    budget: int | None = None,
+    *,
+    iterations: int = 2,
+    time_budget_s: float = REAL_COMPUTE_BUDGET_S,
+) -> tuple[bool, str]:
+    """Whether ``config`` is traced shapes-only by default, and why.
+
+    Shapes-only when the estimated bytes of the busiest rank exceed ``budget`` (default: half the
+    available memory) -- the model cannot run here -- or when its real compute over
+    ``iterations`` steps would take longer than ``time_budget_s`` on this CPU.
+    """
     need = estimated_bytes(config)
     budget = memory_budget_bytes() if budget is None else budget
     gib = 2**30
     if need > budget:
-        return True, f"estimated {need / gib:.1f} GiB per rank > budget {budget / gib:.1f} GiB"
-    return False, f"estimated {need / gib:.2f} GiB per rank fits budget {budget / gib:.1f} GiB"
+        return True, f"estimated {need / gib:.1f} GiB per rank > memory budget {budget / gib:.1f} GiB"
+    seconds = estimated_compute_seconds(config, iterations)
+    if seconds > time_budget_s:
+        return True, (f"fits in memory ({need / gib:.1f} GiB) but real compute would take about "
+                      f"{seconds:.0f} s per rank > {time_budget_s:.0f} s")
+    return False, (f"estimated {need / gib:.2f} GiB per rank fits budget {budget / gib:.1f} GiB, "
+                   f"about {seconds:.1f} s of compute")
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,6 +575,43 @@ def _write_summary(result: ConfigResult, complete: bool) -> None:
 # tracing one rank
 
 Tracer = Callable[..., Any]
+
+
+#: Modules the fake-rank tracer imports lazily; imported once in the parent before any rank is
+#: forked, so that no child pays seconds for them again (their import warnings stay out of the
+#: rank logs too).  A missing one is skipped: this is a warm-up, not a dependency list.
+PRELOAD_MODULES = (
+    "torch.testing._internal.distributed.fake_pg",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "megatron.core.transformer.module",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron_dynapipe.megatron.cpu_compat",
+)
+
+
+def preload_tracer_modules() -> float:
+    """Import :data:`PRELOAD_MODULES` now (quietly); returns the seconds it took."""
+    import importlib
+    import warnings
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # optional warm-up: the tracer reports real problems
+                log.debug("not preloaded %s: %s", name, error)
+    return time.perf_counter() - start
 
 
 def _default_tracer() -> Tracer:
@@ -743,7 +815,7 @@ def run_batch(
     warmup_iters: int = 1,
     trace_iters: int = 1,
     shapes_only: bool | None = None,
-    cost_model: CostModel | Callable[[TraceConfig], CostModel] | None = None,
+    cost_model: Any = None,
     isolation: str = "process",
     rank_timeout: float | None = None,
     progress: bool = True,
@@ -759,9 +831,11 @@ def run_batch(
     ``rank_<r>.trace.jsonl`` (default tracer: :func:`~.fake_rank.trace_fake_rank`).  Every trace
     is read back before it is merged into the timeline; a missing or unreadable one fails its rank.
 
-    ``cost_model`` is passed to the tracer as is, or, if it is a function, called with each
-    config for that config's model (say, one per TP size).
-    ``shapes_only=None`` decides per config from the estimated bytes (:func:`decide_shapes_only`).
+    ``cost_model`` (a cost model, a profile's path, ``None`` for the tracer's analytical one) is
+    passed to the tracer as is, or, if it is a function, called with each config for that
+    config's cost model.
+    ``shapes_only=None`` decides per config from the estimated bytes and compute time
+    (:func:`decide_shapes_only`).
     ``isolation="process"`` runs each rank in a forked child (a crash, an out-of-memory kill or a
     ``rank_timeout`` fails only that rank); ``"inline"`` runs it in this process and isolates
     Python exceptions only.  A progress bar over configs and ranks is drawn on
@@ -778,6 +852,7 @@ def run_batch(
     valid = [config for config, reasons in checked if not reasons]
     if valid and tracer is None:
         tracer = _default_tracer()  # import torch/megatron once, before any fork
+        preload_tracer_modules()
     with _progress(progress_enabled(progress, stream), stream) as bar:
         configs_task = bar.add_task("configs", total=len(valid))
         for config, reasons in checked:
@@ -801,12 +876,13 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         reps = config.representatives()
         result.ranks_traced = len(reps)
         if opts["shapes_only"] is None:
-            result.shapes_only, result.shapes_only_reason = decide_shapes_only(config)
+            result.shapes_only, result.shapes_only_reason = decide_shapes_only(
+                config, iterations=opts["warmup_iters"] + opts["trace_iters"])
         else:
             result.shapes_only = bool(opts["shapes_only"])
             result.shapes_only_reason = "forced " + ("shapes-only" if result.shapes_only else "real compute")
         cost_model = opts["cost_model"]
-        if cost_model is not None and not isinstance(cost_model, CostModel):
+        if callable(cost_model) and not isinstance(cost_model, CostModel):
             cost_model = cost_model(config)  # a factory: one cost model per config (e.g. per TP)
         options = dict(warmup_iters=opts["warmup_iters"], trace_iters=opts["trace_iters"],
                        shapes_only=result.shapes_only, cost_model=cost_model)

@@ -72,7 +72,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                       help="record op shapes without computing (default for models that do not fit in memory)")
     mode.add_argument("--real-compute", dest="shapes_only", action="store_const", const=False,
                       help="really compute every op, even when the estimate says it does not fit")
-    run.add_argument("--cost-model", metavar="FILE", help="profiled cost model JSON for op durations")
+    run.add_argument("--cost-model", metavar="FILE",
+                     help="profiled cost model JSON for shapes-only op durations (default: analytical)")
     run.add_argument("--isolation", choices=("process", "inline"), default="process",
                      help="run each rank in a forked process (default) or in this one")
     run.add_argument("--rank-timeout", type=float, metavar="SECONDS", help="fail a rank that runs longer")
@@ -117,19 +118,6 @@ def load_configs(args) -> list[TraceConfig]:
     return configs
 
 
-def _cost_model_factory(path: str):
-    from ..planning.cost_model import load_cost_model
-
-    cache: dict[int, Any] = {}
-
-    def for_config(config: TraceConfig):
-        if config.tp not in cache:
-            cache[config.tp] = load_cost_model(path, tp=config.tp)
-        return cache[config.tp]
-
-    return for_config
-
-
 def run_trace(args) -> int:
     if args.list_models:
         for name, m in MODELS.items():
@@ -156,7 +144,7 @@ def run_trace(args) -> int:
     results = run_batch(
         configs, args.output_dir,
         warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-        cost_model=_cost_model_factory(args.cost_model) if args.cost_model else None,
+        cost_model=args.cost_model,
         isolation=args.isolation, rank_timeout=args.rank_timeout, progress=not args.no_progress,
     )
     code = exit_code(results, strict=args.strict)

@@ -151,6 +151,31 @@ class GPTShape:
         logits = b * s * self.vocab // tp * ACTIVATION_BYTES * 3  # logits, softmax, its gradient
         return params * TRAIN_BYTES_PER_PARAM + activations + logits
 
+    def training_flops(
+        self,
+        pp: int,
+        tp: int = 1,
+        ep: int = 1,
+        *,
+        micro_batch_size: int = 1,
+        seq_length: int | None = None,
+        cp: int = 1,
+    ) -> int:
+        """Floating-point operations of one micro-batch's forward and backward on the busiest
+        rank: ``6 * parameters * tokens`` for the layers (MoE: the ``top-2`` experts a token
+        visits, at most all), the causal attention scores, and the output layer on the last stage.
+        """
+        seq = (seq_length or self.seq_length) // cp or 1
+        tokens = micro_batch_size * seq
+        layers = -(-self.layers // pp)
+        h, f = self.hidden, self.ffn
+        dense_params = 4 * h * h + 2 * h * f
+        if self.num_experts:
+            dense_params = 4 * h * h + 2 * h * f * min(2, self.num_experts)
+        layer = 2 * dense_params * tokens // tp + 2 * micro_batch_size * seq * seq * h // tp
+        logits = 2 * tokens * h * self.vocab // tp  # the last stage's; counted for the busiest rank
+        return 3 * (layers * layer + logits)
+
     # ---- Megatron ----------------------------------------------------------------------------
 
     def megatron_args(self, seq_length: int | None = None) -> list[str]:
