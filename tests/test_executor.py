@@ -548,3 +548,22 @@ def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
         ("megatron.core.transformer.attention", "Attention.forward", "self.checkpoint_core_attention_v2"),))
     with pytest.raises(RuntimeError, match=r"Attention\.forward reading .*review megatron_dynapipe/megatron/executor\.py"):
         executor._check_recompute_reads()
+
+
+def test_executor_benchmark_summary():
+    from megatron_dynapipe.bench.executor import SCHEDULES, format_table, summarize
+
+    core, ours = SCHEDULES
+    settings = dict(pp=2, microbatches=8, micro_batch_size=2, seq_length=64, hidden_size=64, num_layers=4,
+                    steps=5, warmup=1)
+    per_rank = [  # seconds per step; the slowest rank's step counts
+        {core: [0.10, 0.20, 0.10, 0.10, 0.10], ours: [0.11, 0.20, 0.10, 0.10, 0.10], "losses_match": True},
+        {core: [0.10, 0.10, 0.12, 0.10, 0.10], ours: [0.10, 0.10, 0.12, 0.11, 0.10], "losses_match": True},
+    ]
+    row = summarize(per_rank, settings)
+    assert row[core]["steps_ms"] == pytest.approx([100, 200, 120, 100, 100])
+    assert row[ours]["steps_ms"] == pytest.approx([110, 200, 120, 110, 100])
+    assert row["paired_ratio"] == pytest.approx(1.0) and row["overhead_pct"] == pytest.approx(0.0)
+    assert row["ratio"] == pytest.approx(110 / 100) and row["losses_match"]
+    text = format_table(row)
+    assert "| megatron-core 1F1B | 100.0 | 100.0 |" in text and "overhead +0.0% (target <= 5%)" in text

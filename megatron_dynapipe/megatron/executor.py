@@ -130,6 +130,9 @@ class RecomputeSwitch:
                 if hasattr(module, "checkpoint_core_attention"):
                     self.attention.append(module)
         self.configs = list(configs.values())
+        # the model as built already runs without recompute: NONE then needs no switching
+        self._rests_at_none = (all(c.recompute_granularity is None for c in self.configs)
+                               and not any(m.checkpoint_core_attention for m in self.attention))
 
     def _settings(self, rc: RecomputeType) -> tuple[list[tuple[Any, str, Any]], bool]:
         attrs = []
@@ -147,6 +150,9 @@ class RecomputeSwitch:
     @contextlib.contextmanager
     def __call__(self, rc: RecomputeType):
         rc = RecomputeType(rc)
+        if rc == RecomputeType.NONE and self._rests_at_none:
+            yield
+            return
         if rc != RecomputeType.NONE:
             _check_recompute_reads()
         attrs, core_attention = self._settings(rc)
@@ -186,6 +192,18 @@ def _pg_collection():
     pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
                                                        partial_data_parallel=False)
     return pgs
+
+
+_CHANNELS: dict = {}
+
+
+def _channels(pp_group, device: torch.device, timeout: Optional[float]) -> PipelineChannels:
+    """One PipelineChannels per (pipeline group, device, timeout), kept across iterations."""
+    key = (id(pp_group), str(device), timeout)
+    cached = _CHANNELS.get(key)
+    if cached is None or cached.pp_group is not pp_group:
+        cached = _CHANNELS[key] = PipelineChannels(pp_group, device=device, timeout=timeout)
+    return cached
 
 
 def _check_batch(batch: PlannedBatch, channels: PipelineChannels) -> ExecutionPlan:
@@ -245,7 +263,7 @@ def run_plan(
         pg_collection = _pg_collection()
     params = next(model.parameters(), None)
     device = params.device if params is not None else torch.device("cpu")
-    channels = PipelineChannels(pg_collection.pp, device=device, timeout=options.comm_timeout_s)
+    channels = _channels(pg_collection.pp, device, options.comm_timeout_s)
     plan = _check_batch(batch, channels)
     if options.validate_plans:
         plan.validate()

@@ -1,0 +1,250 @@
+"""Executor benchmark: DynaPipe's plan executor against megatron-core's own 1F1B.
+
+Both run the same fixed-shape micro-batches through the same tiny megatron-core GPT (CPU, gloo,
+PP ranks as local processes, DDP, ``deallocate_pipeline_outputs`` and ``finalize_model_grads`` as
+in Megatron-LM training): megatron-core's ``forward_backward_pipelining_without_interleaving``
+with its p2p communicator, and DynaPipe's ``forward_backward_dynapipe`` running a 1F1B
+ExecutionPlan of the same micro-batches. A step is one forward-backward call, timed on every rank
+between barriers (the slowest rank counts). The two schedules alternate step by step (which goes
+first alternates too), so machine noise hits both alike; the overhead is the median of the
+step-by-step ratios. On CPU, megatron-core's schedule only runs inside cpu_compat's CUDA-as-CPU
+scope (a torch function mode every torch call inside passes through); the DynaPipe step runs
+inside the same scope so that both pay that per-op cost alike.
+
+Reported: median and minimum step time of each after warm-up, the ratios DynaPipe /
+megatron-core (target: at most 1.05) and whether both gave the same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any
+
+SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages = local processes (default 2)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default 2)")
+    p.add_argument("--seq-length", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--hidden-size", type=int, default=64, help="tiny GPT hidden size (default 64)")
+    p.add_argument("--num-layers", type=int, default=4, help="tiny GPT layers, split over the stages (default 4)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per schedule (default 20, at least 5)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per schedule first (default 3)")
+    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default 600)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    if args.steps < 5:
+        raise ValueError(f"--steps {args.steps}: medians need at least 5 timed steps")
+    if args.pp < 2:
+        raise ValueError(f"--pp {args.pp}: the benchmark compares pipeline schedules, use --pp 2 or more")
+    if args.num_layers < args.pp:
+        raise ValueError(f"--num-layers {args.num_layers} cannot fill {args.pp} stages")
+    settings = {k: getattr(args, k) for k in ("pp", "microbatches", "micro_batch_size", "seq_length",
+                                               "hidden_size", "num_layers", "steps", "warmup")}
+    per_rank = _launch(_bench_rank, args.pp, settings, timeout=args.timeout)
+    row = summarize(per_rank, settings)
+    print(json.dumps(row) if args.json else format_table(row))
+    return 0
+
+
+def summarize(per_rank: list[dict], settings: dict) -> dict:
+    """Step time of a schedule = the slowest rank's time of that step; medians over steps."""
+    row: dict[str, Any] = {"settings": settings}
+    for name in SCHEDULES:
+        steps = [max(rank[name][i] for rank in per_rank) for i in range(settings["steps"])]
+        row[name] = {"median_ms": statistics.median(steps) * 1e3, "min_ms": min(steps) * 1e3,
+                     "steps_ms": [round(s * 1e3, 3) for s in steps]}
+    core, ours = (row[name]["median_ms"] for name in SCHEDULES)
+    row["ratio"] = ours / core
+    # the two schedules' i-th steps ran back to back: their ratio is immune to slow drifts in load
+    row["paired_ratio"] = statistics.median(
+        b / a for a, b in zip(row[SCHEDULES[0]]["steps_ms"], row[SCHEDULES[1]]["steps_ms"]))
+    row["overhead_pct"] = (row["paired_ratio"] - 1) * 100
+    row["ratio_of_minima"] = row[SCHEDULES[1]]["min_ms"] / row[SCHEDULES[0]]["min_ms"]
+    row["losses_match"] = all(rank["losses_match"] for rank in per_rank)
+    return row
+
+
+def format_table(row: dict) -> str:
+    s = row["settings"]
+    lines = [
+        f"executor benchmark: tiny GPT (hidden {s['hidden_size']}, {s['num_layers']} layers) on CPU, "
+        f"PP={s['pp']}, {s['microbatches']} micro-batches of {s['micro_batch_size']} x {s['seq_length']} tokens, "
+        f"{s['steps']} timed steps after {s['warmup']} warm-up",
+        "| schedule | median ms | min ms |",
+        "|---|---|---|",
+    ]
+    for name in SCHEDULES:
+        lines.append(f"| {name} | {row[name]['median_ms']:.1f} | {row[name]['min_ms']:.1f} |")
+    lines.append(f"DynaPipe / megatron-core: {row['paired_ratio']:.3f} (median of step-by-step ratios), "
+                 f"{row['ratio']:.3f} (ratio of medians), {row['ratio_of_minima']:.3f} (ratio of minima)")
+    lines.append(f"overhead {row['overhead_pct']:+.1f}% (target <= 5%); same losses: {row['losses_match']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _launch(fn, world_size: int, *args, timeout: float) -> list:
+    """Run ``fn(rank, world_size, *args)`` on local gloo ranks; results in rank order."""
+    import pickle
+    import queue
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, store.port, args, results), daemon=True)
+             for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        while len(out) < world_size:
+            try:
+                rank, ok, body = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"benchmark ranks {dead or 'all'} died or timed out") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"benchmark rank {rank} failed:\n{body}")
+            out[rank] = pickle.loads(body)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        del store
+    return [out[r] for r in range(world_size)]
+
+
+def _child(fn, rank, world_size, port, args, results) -> None:
+    import pickle
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
+    import time
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import schedules
+
+    from ..data.batch import PlannedBatch
+    from ..megatron import cpu_compat
+    from ..megatron.provider import forward_backward_dynapipe
+    from ..megatron.tiny_gpt import TinyGPTConfig, build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from ..planning.plan import build_execution_plans
+    from ..planning.types import MicroBatch
+
+    cpu_compat.enable_cpu_mode()
+    init_model_parallel(1, world_size)
+    try:
+        cfg = TinyGPTConfig(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
+                            num_attention_heads=max(1, s["hidden_size"] // 16),
+                            max_sequence_length=s["seq_length"])
+        model = build_tiny_gpt(cfg)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.no_sync_func = ddp.no_sync
+        model.config.deallocate_pipeline_outputs = True  # as Megatron-LM runs
+
+        n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, cfg.vocab_size, (n, b, seq + 1), generator=g)
+        batches = [{"tokens": d[:, :-1].contiguous(), "labels": d[:, 1:].contiguous(),
+                    "loss_mask": torch.ones(b, seq), "position_ids": torch.arange(seq).expand(b, seq).contiguous()}
+                   for d in data]
+        pp = world_size
+        orders = []
+        for stage in range(pp):  # Megatron's 1F1B order of the same micro-batches
+            warm = min(pp - stage - 1, n)
+            order = [("F", m) for m in range(warm)]
+            for m in range(n - warm):
+                order += [("F", m + warm), ("B", m)]
+            orders.append(order + [("B", m) for m in range(n - warm, n)])
+        plans = build_execution_plans(orders, [MicroBatch(tuple(range(i * b, (i + 1) * b)), seq) for i in range(n)],
+                                      "none", "1f1b")
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+            def loss_func(per_token_loss):
+                loss = per_token_loss.float().mean()
+                return loss, {"lm loss": loss.detach().clone()}
+
+            return output, loss_func
+
+        def core_step():  # CPU mode runs it inside cpu_compat's CUDA-as-CPU scope
+            return schedules.forward_backward_pipelining_without_interleaving(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=n,
+                seq_length=seq, micro_batch_size=b)
+
+        def dynapipe_step():  # in the same scope, so that both pay its per-op cost alike
+            with cpu_compat.cuda_as_cpu():
+                return forward_backward_dynapipe(
+                    forward_step_func=forward_step, data_iterator=iter([PlannedBatch(0, plans[stage], batches)]),
+                    model=[ddp], num_microbatches=n, seq_length=seq, micro_batch_size=b)
+
+        steps = {SCHEDULES[0]: core_step, SCHEDULES[1]: dynapipe_step}
+        times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+        losses: dict[str, list[float]] = {}
+        for i in range(s["warmup"] + s["steps"]):
+            names = SCHEDULES if i % 2 == 0 else SCHEDULES[::-1]
+            for name in names:
+                ddp.zero_grad_buffer()
+                dist.barrier()
+                started = time.perf_counter()
+                result = steps[name]()
+                dist.barrier()
+                elapsed = time.perf_counter() - started
+                if i >= s["warmup"]:
+                    times[name].append(elapsed)
+                losses[name] = [float(d["lm loss"]) for d in result]
+        same = losses[SCHEDULES[0]] == losses[SCHEDULES[1]]
+        return {**times, "losses_match": same}
+    finally:
+        destroy_model_parallel()
+        cpu_compat.disable_cpu_mode()
