@@ -69,6 +69,11 @@ def _bench_parser(sub) -> None:
 
     planner_bench.add_arguments(planner)
     planner.set_defaults(func=planner_bench.run)
+    executor = which.add_parser("executor", help="planned-schedule executor vs megatron-core 1F1B (CPU, PP=2)")
+    from .bench import executor as executor_bench
+
+    executor_bench.add_arguments(executor)
+    executor.set_defaults(func=executor_bench.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
