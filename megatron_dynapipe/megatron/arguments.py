@@ -37,6 +37,7 @@ from ..planning.spec import (
     SCHEDULES,
     TrainingSpec,
     fast_mode_from_env,
+    parse_fast_mode,
 )
 from ..planning.types import RecomputeType
 
@@ -55,8 +56,6 @@ __all__ = [
 DYNAPIPE_GROUP = "dynapipe"
 TRACER_GROUP = "fake-rank tracer"
 DEFAULT_KV_PORT = 29600
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 class DynapipeArgumentError(ValueError):
@@ -69,14 +68,10 @@ class DynapipeArgumentError(ValueError):
 
 
 def _fast_mode(text: str) -> "bool | str":
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    if value == "auto":
-        return "auto"
-    raise argparse.ArgumentTypeError(f"{text!r} is not a fast mode: use true, false or auto")
+    try:
+        return parse_fast_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:

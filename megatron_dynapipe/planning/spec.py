@@ -16,19 +16,27 @@ _FALSE = {"0", "false", "no", "off", ""}
 FastMode = Union[bool, str, None]  # True / False / "auto" / None (= environment, else off)
 
 
-def fast_mode_from_env(environ: Mapping[str, str] = os.environ) -> "bool | str | None":
-    """`DYNAPIPE_FAST_MODE` as True/False/"auto", or None when unset."""
-    raw = environ.get(FAST_MODE_ENV)
-    if raw is None:
-        return None
-    value = raw.strip().lower()
+def parse_fast_mode(text: str) -> "bool | str":
+    """"true|1|yes|on" -> True, "false|0|no|off" -> False, "auto" -> "auto"; else ValueError."""
+    value = text.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
     if value == "auto":
         return "auto"
-    raise ValueError(f"{FAST_MODE_ENV}={raw!r} is not understood: use true, false or auto")
+    raise ValueError(f"{text!r} is not a fast mode: use true, false or auto")
+
+
+def fast_mode_from_env(environ: Mapping[str, str] = os.environ) -> "bool | str | None":
+    """`DYNAPIPE_FAST_MODE` as True/False/"auto", or None when unset."""
+    raw = environ.get(FAST_MODE_ENV)
+    if raw is None:
+        return None
+    try:
+        return parse_fast_mode(raw)
+    except ValueError:
+        raise ValueError(f"{FAST_MODE_ENV}={raw!r} is not understood: use true, false or auto") from None
 
 
 def resolve_fast_mode(fast_mode: FastMode, num_samples: int) -> bool:
