@@ -178,7 +178,6 @@ WRAPPED_COLLECTIVES: dict[str, _Spec] = {
     "batch_isend_irecv": _Spec("batch_isend_irecv", "batch"),
 }
 
-_COMPUTE_FUNCTIONS = ("forward_step", "backward_step", "forward_step_calc_loss")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,37 +315,41 @@ class Recorder:
         with self._lock:
             if self._applied:
                 return self
+            wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, wrapper)
             for name, spec in WRAPPED_COLLECTIVES.items():
                 original = getattr(c10d, name, None)
-                if original is None:
-                    continue
-                self._bind_everywhere(original, self._wrap_collective(name, spec, original), c10d)
+                if original is not None:
+                    wrappers[id(original)] = (original, self._wrap_collective(name, spec, original))
             original = c10d._coalescing_manager
-            self._bind_everywhere(original, self._wrap_coalescing(original), c10d)
-            if not self.hook_schedules:
-                return self
-            import megatron.core.pipeline_parallel.schedules as schedules
-            wrappers = {
-                "forward_step": self._wrap_forward_step,
-                "backward_step": self._wrap_backward_step,
-                "forward_step_calc_loss": self._wrap_loss,
-            }
-            for name in _COMPUTE_FUNCTIONS:
-                original = getattr(schedules, name)
-                self._bind_everywhere(original, wrappers[name](original), schedules)
+            wrappers[id(original)] = (original, self._wrap_coalescing(original))
+            if self.hook_schedules:
+                import megatron.core.pipeline_parallel.schedules as schedules
+
+                for name, wrap in (("forward_step", self._wrap_forward_step),
+                                   ("backward_step", self._wrap_backward_step),
+                                   ("forward_step_calc_loss", self._wrap_loss)):
+                    original = getattr(schedules, name)
+                    wrappers[id(original)] = (original, wrap(original))
+            self._bind_everywhere(wrappers)
         return self
 
-    def _bind_everywhere(self, original, wrapper, home) -> None:
-        wrapper.__recorder_original__ = original
+    def _bind_everywhere(self, wrappers: dict[int, tuple[Any, Any]]) -> None:
+        """Replace every binding of each original in torch.distributed, its c10d module and
+        the loaded ``megatron.*`` modules (one pass over their namespaces)."""
+        for original, wrapper in wrappers.values():
+            wrapper.__recorder_original__ = original
         targets = []
         for module_name, module in list(sys.modules.items()):
-            if module is None:
+            if module is None or not (
+                module_name in ("torch.distributed", c10d.__name__)
+                or module_name.startswith("megatron.")
+            ):
                 continue
-            if module is home or module_name == "torch.distributed" or module_name.startswith("megatron."):
-                for attr, value in list(vars(module).items()):
-                    if value is original:
-                        targets.append((module, attr))
-        for module, attr in targets:
+            for attr, value in list(vars(module).items()):
+                entry = wrappers.get(id(value))
+                if entry is not None and entry[0] is value:
+                    targets.append((module, attr, value, entry[1]))
+        for module, attr, original, wrapper in targets:
             setattr(module, attr, wrapper)
             self._applied.append((module, attr, original, wrapper))
 

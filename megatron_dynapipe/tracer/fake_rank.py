@@ -1,0 +1,953 @@
+"""Pretend to be one rank of a full-size Megatron job, run its pipeline stage, trace it.
+
+::
+
+    layout = ParallelLayout(world_size=1024, tp=8, pp=4)
+    trace = trace_fake_rank(layout, 256, "6.7B", micro_batch_size=1, num_microbatches=8,
+                            seq_length=2048, warmup_iters=1, trace_iters=1, shapes_only=True)
+    trace.write("traces/6.7B-w1024")          # traces/6.7B-w1024/rank_256.trace.jsonl
+
+For each rank, in this one process (importing megatron takes seconds; a process per rank would
+pay that every time): ``torch.distributed.init_process_group("fake", store=FakeStore(), rank=r,
+world_size=W)``, megatron-core ``initialize_model_parallel`` at the layout's TP/PP/CP/EP, the
+rank's ``GPTModel`` stage with its real TP-sharded shapes (local layer spec with
+``use_cpu_initialization`` on CPU, transformer-engine spec on CUDA when it imports), megatron DDP
+and optimizer, ``warmup_iters`` untraced and ``trace_iters`` traced training steps through
+megatron-core's own ``get_forward_backward_func()`` (1F1B when PP > 1), then teardown
+(``destroy_model_parallel`` + ``destroy_process_group``) so the next rank can start.
+
+The fake backend's collectives return at once and receives leave garbage; the recorder fills
+them with the values a job of identical peers would see (:mod:`.recorder`, ``fill=True``), so
+forward passes stay finite and MoE routing counts stay consistent.  Shapes decide every traced
+byte; values never do (except MoE routing, which the fill keeps deterministic).
+
+Shapes-only mode
+----------------
+For models that do not fit this machine (``shapes_only=True``) the same code runs with every
+tensor on PyTorch's ``meta`` device: a :class:`~torch.overrides.TorchFunctionMode` sends every
+factory call and device move to ``meta`` (0-dim scalars, e.g. Adam's step counter, stay real on
+the CPU), the recorder does not call the backend (``execute=False``: it cannot take meta
+tensors), and compute durations come from a cost model (:mod:`megatron_dynapipe.planning.cost_model`,
+the analytical model of this GPT unless one is given).  So megatron-core's real schedule, p2p
+communicator, tensor-parallel layers, DDP buckets and optimizer still issue every op with the
+real shapes, and nothing allocates: GPT-6.7B at TP=8/PP=4 traces in about a second per rank.
+Where megatron reads a value back from a meta tensor (``.item()`` of a grad norm, an inf check)
+the mode answers 0 (no clipping, no overflow): a real step would see numbers, but the ops it
+issues do not depend on them.  Memory figures in this mode are the model state megatron allocated
+(on meta) plus the activation high-water mark autograd saved, both exact sizes.
+
+Representative ranks
+--------------------
+:func:`trace_representatives` traces the ranks :func:`~.topology.representative_ranks` picks
+(dense: one per pipeline stage; MoE: one per stage x EP rank) and writes one file per rank;
+:func:`trace_ranks` traces any list of ranks.  :func:`trace_initialized_rank` is the same run on
+an already-initialised process group (e.g. a real gloo job): the fidelity test compares the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from .recorder import Recorder, storage_key
+from .topology import (
+    ParallelLayout,
+    dense_coords,
+    expert_coords,
+    rank_groups,
+    representative_ranks,
+)
+from .trace_format import RankTrace
+
+__all__ = [
+    "ModelSpec",
+    "RankTrace",
+    "trace_fake_rank",
+    "trace_initialized_rank",
+    "trace_ranks",
+    "trace_representatives",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The GPT the tracer builds; :meth:`from_any` accepts a :class:`~.models.GPTShape`, a
+    registry name (``"6.7B"``), a ``TinyGPTConfig``, a mapping or a ``ModelSpec``."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_sequence_length: int
+    ffn_hidden_size: Optional[int] = None
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    #: tokens per expert = capacity factor x fair share; with padding, every all-to-all has a
+    #: fixed size (Megatron's drop-and-pad), otherwise sizes follow the routing (dropless: None)
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    share_embeddings_and_output_weights: bool = True
+    name: str = ""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> "ModelSpec":
+        if isinstance(cfg, ModelSpec):
+            return cfg
+        if isinstance(cfg, str):
+            from .models import get_model
+
+            cfg = get_model(cfg)
+        if isinstance(cfg, Mapping):
+            return cls(**cfg)
+        if hasattr(cfg, "heads") and hasattr(cfg, "layers"):  # tracer.models.GPTShape
+            return cls(
+                num_layers=cfg.layers,
+                hidden_size=cfg.hidden,
+                num_attention_heads=cfg.heads,
+                vocab_size=cfg.vocab,
+                max_sequence_length=cfg.seq_length,
+                ffn_hidden_size=cfg.ffn,
+                num_experts=cfg.num_experts,
+                name=cfg.name,
+            )
+        if hasattr(cfg, "num_attention_heads"):  # megatron.tiny_gpt.TinyGPTConfig and alikes
+            return cls(
+                num_layers=cfg.num_layers,
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                vocab_size=cfg.vocab_size,
+                max_sequence_length=cfg.max_sequence_length,
+                ffn_hidden_size=getattr(cfg, "ffn_hidden_size", None),
+                num_experts=getattr(cfg, "num_experts", 0) or 0,
+                share_embeddings_and_output_weights=getattr(
+                    cfg, "share_embeddings_and_output_weights", True
+                ),
+                name=getattr(cfg, "name", ""),
+            )
+        raise TypeError(
+            f"cannot build a model from {type(cfg).__name__}; pass a GPTShape, a model name, "
+            "a TinyGPTConfig, a mapping of ModelSpec fields or a ModelSpec"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["ffn_hidden_size"] = self.ffn
+        return out
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _use_te() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _transformer_config(spec: ModelSpec, layout: ParallelLayout, dtype: torch.dtype, *,
+                        shapes_only: bool, on_gpu: bool, use_te: bool):
+    from megatron.core.transformer import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=not shapes_only,
+        sequence_parallel=use_te and layout.tp > 1,
+    )
+    if not use_te:  # fused kernels need CUDA + apex/TE; torch LayerNorm refuses SP
+        fields.update(
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
+    else:
+        fields.update(gradient_accumulation_fusion=False)
+    if spec.num_experts:
+        fields.update(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=min(spec.moe_router_topk, spec.num_experts),
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn,
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_aux_loss_coeff=1e-2,
+            moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=spec.moe_pad_expert_input_to_capacity,
+        )
+    return TransformerConfig(**fields)
+
+
+def _build_stage(spec: ModelSpec, layout: ParallelLayout, config, vocab_size: int, use_te: bool):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    experts = spec.num_experts or None
+    if use_te:
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes-only: everything on the meta device
+
+
+_FACTORIES = {
+    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint,
+    torch.randperm, torch.arange, torch.linspace, torch.eye, torch.tensor, torch.as_tensor,
+    torch.empty_strided, torch.scalar_tensor,
+}
+#: integer tensors these build from Python values are routing/split metadata (e.g. the MoE
+#: dispatcher's per-expert capacities): they keep their values, on the CPU
+_VALUE_FACTORIES = {torch.full, torch.tensor, torch.as_tensor}
+_MAX_HOST_METADATA = 1 << 16
+_ITEM_METHODS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+                 torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+class MetaMode(TorchFunctionMode):
+    """Every tensor a factory creates or a device move produces lands on ``meta``; 0-dim
+    factory results stay on the CPU (scalars such as Adam's step count keep real values), and so
+    do small integer tensors built from Python values (``torch.full``/``torch.tensor``: split
+    sizes and capacities, which must keep their values);
+    reading a value back from a meta tensor (``.item()``, ``.tolist()``, ``bool()``) answers 0;
+    boolean-mask assignment on a meta tensor becomes ``masked_fill_`` (same shape, no data)."""
+
+    #: torch.distributed helpers that pickle Python objects into real byte tensors: they run
+    #: with the mode suspended (megatron's optimizer compares parameter-group keys this way).
+    OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
+                          "scatter_object_list", "send_object_list", "recv_object_list")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._suspended = 0
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self):
+        import torch.distributed.distributed_c10d as c10d
+
+        for name in self.OBJECT_COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapper = self._suspending(original)
+            for owner in (c10d, dist):
+                if getattr(owner, name, None) is original:
+                    setattr(owner, name, wrapper)
+                    self._patched.append((owner, name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            while self._patched:
+                owner, name, original = self._patched.pop()
+                setattr(owner, name, original)
+
+    def _suspending(self, original):
+        def run_unsuspended(*args, **kwargs):
+            self._suspended += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._suspended -= 1
+
+        return run_unsuspended
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._suspended:
+            return func(*args, **kwargs)
+        if func in _FACTORIES:
+            result = func(*args, **dict(kwargs, device="meta"))
+            if result.dim() == 0 or (
+                func in _VALUE_FACTORIES
+                and not result.is_floating_point()
+                and result.numel() <= _MAX_HOST_METADATA
+            ):
+                return func(*args, **dict(kwargs, device="cpu"))
+            return result
+        if func in _MOVES:
+            if func is torch.Tensor.to:
+                args = tuple("meta" if _is_device(a) else a for a in args)
+                if "device" in kwargs:
+                    kwargs = dict(kwargs, device="meta")
+                if args[0].dim() == 0 and args[0].device.type == "cpu":
+                    args = tuple("cpu" if a == "meta" else a for a in args)
+                    kwargs = dict(kwargs, device="cpu") if "device" in kwargs else kwargs
+                return func(*args, **kwargs)
+            return args[0] if _is_meta(args[0]) or args[0].dim() == 0 else args[0].to("meta")
+        if func in _ITEM_METHODS and _is_meta(args[0]):
+            t = args[0]
+            if func is torch.Tensor.tolist:
+                return torch.zeros(t.shape, dtype=t.dtype, device="cpu").tolist()
+            if func is torch.Tensor.__bool__:
+                return False
+            return 0.0 if t.is_floating_point() and func is not torch.Tensor.__index__ else 0
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and _is_meta(args[0]):
+            # megatron asserts grads are 'torch.cuda.FloatTensor': meta stands in for the device
+            cpu_name = torch.empty(0, dtype=args[0].dtype, device="cpu").type()
+            return cpu_name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.__setitem__ and _is_meta(args[0]):
+            index = args[1]
+            if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+                value = args[2]
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    return None  # a data-dependent number of values: nothing to write on meta
+                args[0].masked_fill_(index.to("meta"), value)
+                return None
+        return func(*args, **kwargs)
+
+
+def _is_device(x: Any) -> bool:
+    if isinstance(x, torch.device):
+        return True
+    if isinstance(x, str):
+        return x.split(":")[0] in ("cpu", "cuda", "meta")
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE on CPU
+
+
+@contextlib.contextmanager
+def _moe_cpu_shims() -> Iterator[None]:
+    """What megatron-core 0.16 MoE needs on a machine without CUDA and transformer-engine,
+    beyond :mod:`megatron_dynapipe.megatron.cpu_compat` (put back on exit):
+
+    * ``moe_utils.router_gating_linear`` tests ``te_general_gemm is not None``, a name that is
+      only defined when transformer-engine imports (NameError otherwise): it is defined as None;
+    * the all-to-all dispatcher creates a ``torch.cuda.Stream()`` and records/waits events on it
+      to overlap device-to-host copies of the routing counts: on CPU those copies are
+      synchronous, so a stream that does nothing stands in;
+    * the dispatcher turns its all-to-all split sizes into numpy arrays only for CUDA tensors
+      (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` checks ``tensor.is_cuda``); on CPU they
+      stay tensors, which ``all_to_all_single`` refuses: CPU tensors are converted too;
+    * the router moves its weights with ``.to(device=torch.cuda.current_device())`` and the aux
+      loss tracker allocates on ``device="cuda"``: the caller builds the model and runs the
+      forward/backward passes inside ``cpu_compat.cuda_as_cpu()`` (not the optimizer step:
+      nested scopes would rename a grad's type twice, ``torch.cuda.cuda.FloatTensor``).
+    """
+    import sys
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def put(owner, name, value):
+        saved.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    if "te_general_gemm" not in vars(moe_utils):
+        put(moe_utils, "te_general_gemm", None)
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None and vars(module).get(
+            "maybe_move_tensor_to_cpu"
+        ) is move:
+            put(module, "maybe_move_tensor_to_cpu", move_to_cpu)
+    put(torch.cuda, "Stream", _CpuStream)
+    put(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
+    put(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+class _CpuStream:
+    """A CUDA stream stand-in for CPU work, which is synchronous: every wait is already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+
+def _check_groups(layout: ParallelLayout, rank: int) -> dict[str, list[int]]:
+    """The rank's groups from :mod:`.topology`, checked against the ones megatron built."""
+    from megatron.core import parallel_state as ps
+
+    groups = rank_groups(layout, rank)
+    built = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+        "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "cp": ps.get_context_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(),
+        "expert-dp": ps.get_expert_data_parallel_group(),
+    }
+    for kind, group in built.items():
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        if ranks != groups[kind]:
+            raise RuntimeError(
+                f"rank {rank}: megatron's {kind} group {ranks} differs from the topology's "
+                f"{groups[kind]} for {layout.describe()}"
+            )
+    return {kind: list(r) for kind, r in groups.items()}
+
+
+def _model_state(models, ddp_models, optimizer) -> dict[str, int]:
+    """Bytes of parameters, DDP gradient/parameter buffers and optimizer state (distinct
+    storages; works on meta tensors)."""
+    seen: set[int] = set()
+
+    def total(tensors) -> int:
+        n = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key not in seen:
+                    seen.add(key)
+                    n += t.untyped_storage().nbytes()
+        return n
+
+    out = {"params": total(p for m in models for p in m.parameters())}
+    buffers = []
+    for m in ddp_models:
+        for buf in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", [])):
+            buffers += [buf.grad_data, getattr(buf, "param_data", None)]
+    out["grad_buffers"] = total(buffers)
+    state = []
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            state += group["params"]
+        for values in opt.state.values():
+            state += [v for v in values.values() if isinstance(v, torch.Tensor)]
+    out["optimizer"] = total(state)
+    return out
+
+
+def _torch_optimizers(optimizer) -> list:
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for c in optimizer.chained_optimizers for o in _torch_optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if inner is not None else []
+
+
+def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int):
+    from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, load_cost_model
+
+    if cost_model is None:
+        cost_model = load_cost_model(
+            None, layout.tp, hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+            ffn_hidden_size=spec.ffn, vocab_size=spec.vocab_size,
+        )
+    elif isinstance(cost_model, (str, os.PathLike)):
+        cost_model = load_cost_model(cost_model, layout.tp, hidden_size=spec.hidden_size)
+    if isinstance(cost_model, StageCosts):
+        costs = cost_model
+    elif isinstance(cost_model, CostModel):
+        costs = StageCosts(cost_model, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp)
+    else:
+        raise TypeError(f"cost_model must be a CostModel, StageCosts, path or None, got {cost_model!r}")
+    seq_local = max(1, seq // layout.cp)
+    table = {
+        "forward": float(costs.forward_ms(stage, mbs, seq_local, "none")),
+        "backward": float(costs.backward_ms(stage, mbs, seq_local, "none")),
+    }
+    for kind, ms in table.items():
+        if not math.isfinite(ms):
+            raise ValueError(
+                f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
+                f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
+                "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
+                "cost model"
+            )
+
+    def cost(kind: str, microbatch: Optional[int]) -> float:
+        return table.get(kind, 0.0)
+
+    return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
+
+
+def _forward_step(data_iterator, model):
+    """Megatron-LM's ``pretrain_gpt`` forward step, minus the data loader: tokens, labels and
+    positions of one micro-batch, the causal mask from megatron (``attention_mask=None``), a
+    per-token loss masked and summed, and the token count (the 3-tuple loss convention)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(per_token_loss):
+        losses = per_token_loss.float().view(-1)
+        loss = torch.sum(losses * loss_mask.view(-1))
+        num_tokens = loss_mask.sum().to(torch.int)
+        report = torch.cat([loss.detach().view(1), num_tokens.detach().view(1).float()])
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, loss_func
+
+
+def _batches(spec: ModelSpec, vocab: int, mbs: int, seq: int, count: int, seed: int, device):
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.arange(seq, device=device).expand(mbs, seq)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, spec.vocab_size, (mbs, seq + 1), generator=g).to(device)
+        out.append({
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": positions,
+            "loss_mask": torch.ones(mbs, seq, device=device),
+        })
+    return out
+
+
+def trace_initialized_rank(
+    layout: ParallelLayout,
+    model_cfg: Any,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seq_length: int,
+    warmup_iters: int = 1,
+    trace_iters: int = 1,
+    shapes_only: bool = False,
+    cost_model: Any = None,
+    dtype: Optional[str] = None,
+    optimizer: str = "adam",
+    clip_grad: float = 1.0,
+    ddp_overrides: Optional[Mapping[str, Any]] = None,
+    fill: bool = False,
+    seed: int = 1234,
+) -> RankTrace:
+    """Build this process's stage of the job on the already-initialised default process group
+    (world size ``layout.world_size``; gloo, NCCL or fake), run ``warmup_iters`` + ``trace_iters``
+    training steps with the recorder installed and return the trace of the traced ones.
+
+    One step is what Megatron-LM's ``train_step`` does: zero the gradient buffers, megatron-core's
+    ``get_forward_backward_func()`` (its ``finalize_model_grads`` reduces gradients over DP,
+    the tied embedding over the embedding group), ``optimizer.step()`` (grad-norm all-reduce with
+    ``clip_grad > 0``), and on the last stage the all-reduce of the reported loss over DP x CP.
+    ``fill`` makes collectives deliver symmetric values (for fake process groups).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_dynapipe.megatron import cpu_compat
+
+    started = time.perf_counter()
+    for name, value in (("micro_batch_size", micro_batch_size), ("num_microbatches", num_microbatches),
+                        ("seq_length", seq_length), ("trace_iters", trace_iters)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(warmup_iters, int) or warmup_iters < 0:
+        raise ValueError(f"warmup_iters must be an int >= 0, got {warmup_iters!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("trace_initialized_rank needs torch.distributed initialised; "
+                           "use trace_fake_rank to pretend to be a rank")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
+                         f"{layout.describe()} needs {layout.world_size}")
+    spec = ModelSpec.from_any(model_cfg)
+    if spec.num_experts and layout.ep > 1 and spec.num_experts % layout.ep:
+        raise ValueError(f"{spec.num_experts} experts cannot be split over EP={layout.ep}")
+    if layout.is_moe and not spec.num_experts:
+        raise ValueError(f"layout {layout.describe()} has expert parallelism but the model has "
+                         "no experts; give the model num_experts")
+    if shapes_only and spec.num_experts and not (
+        spec.moe_expert_capacity_factor and spec.moe_pad_expert_input_to_capacity
+    ):
+        raise ValueError(
+            "shapes-only MoE needs fixed all-to-all sizes: meta tensors carry no routing, and "
+            "dropless routing decides how many tokens go to each expert; give the model "
+            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True "
+            "(drop-and-pad), or trace it for real"
+        )
+    if seq_length > spec.max_sequence_length:
+        spec = dataclasses.replace(spec, max_sequence_length=seq_length)
+    rank = dist.get_rank()
+    on_gpu = torch.cuda.is_available()
+    use_te = _use_te() and not shapes_only
+    dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}")
+    torch_dtype = _DTYPES[dtype_name]
+    vocab = padded_vocab_size(spec.vocab_size, layout.tp)
+    coords = dense_coords(layout, rank)
+    stage = coords.pp
+
+    cpu_was_enabled = cpu_compat.is_enabled()
+    if not on_gpu:
+        cpu_compat.enable_cpu_mode()
+    with contextlib.ExitStack() as stack:
+        moe_on_cpu = not on_gpu and bool(spec.num_experts)
+        if moe_on_cpu:
+            stack.enter_context(_moe_cpu_shims())
+
+        def device_scope():
+            return cpu_compat.cuda_as_cpu() if moe_on_cpu else contextlib.nullcontext()
+        if shapes_only:
+            stack.enter_context(MetaMode())
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+            order=layout.order,
+            create_gloo_process_groups=False,
+        )
+        stack.callback(_teardown_megatron)
+        if not (on_gpu or cpu_was_enabled):
+            stack.callback(cpu_compat.disable_cpu_mode)
+        groups = _check_groups(layout, rank)
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        config = _transformer_config(spec, layout, torch_dtype, shapes_only=shapes_only,
+                                     on_gpu=on_gpu, use_te=use_te)
+        with device_scope():
+            model = _build_stage(spec, layout, config, vocab, use_te)
+        if on_gpu and not shapes_only:
+            model = model.cuda()
+        if torch_dtype != torch.float32:  # as Megatron-LM's get_model: 16-bit weights and norms
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            **dict(ddp_overrides or {}),
+        )
+        ddp = DistributedDataParallel(config, ddp_config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=optimizer,
+                lr=1e-4,
+                clip_grad=clip_grad,
+                bf16=torch_dtype == torch.bfloat16,
+                fp16=torch_dtype == torch.float16,
+                params_dtype=torch_dtype,
+            ),
+            [ddp],
+            use_gloo_process_groups=False,
+        )
+        built = time.perf_counter()
+
+        cost_name = None
+        if shapes_only:
+            cost, cost_name = _cost_fn(cost_model, spec, layout, stage, micro_batch_size, seq_length)
+            recorder = Recorder(stage=stage, clock="cost_model", cost_fn=cost, fill=False,
+                                execute=False, seed=seed + rank)
+        else:
+            recorder = Recorder(stage=stage, clock="auto", fill=fill, execute=True, seed=seed + rank)
+        stack.enter_context(recorder)
+
+        device = "cuda" if on_gpu else "cpu"
+        batches = _batches(spec, vocab, micro_batch_size, seq_length // layout.cp, num_microbatches,
+                           seed, device)
+        forward_backward = get_forward_backward_func()
+        finalize = config.finalize_model_grads_func
+
+        def finalize_in_region(*args, **kwargs):
+            with recorder.region("finalize_grads"):
+                return finalize(*args, **kwargs)
+
+        config.finalize_model_grads_func = finalize_in_region
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+        def train_step(index: int, record: bool) -> None:
+            with recorder.iteration(index, record=record):
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                with device_scope():
+                    losses = forward_backward(
+                        forward_step_func=_forward_step,
+                        data_iterator=iter(batches),
+                        model=[ddp],
+                        num_microbatches=num_microbatches,
+                        seq_length=seq_length,
+                        micro_batch_size=micro_batch_size,
+                        forward_only=False,
+                    )
+                with recorder.compute("optimizer_step", name="optimizer.step"):
+                    opt.step()
+                if losses:  # last stage: Megatron-LM reduces the reported loss over DP x CP
+                    with recorder.region("loss_report"):
+                        report = torch.stack([d["lm loss"] for d in losses]).sum(0)
+                        dist.all_reduce(report, group=dp_cp_group)
+
+        for i in range(warmup_iters):
+            train_step(i, record=False)
+        recorder.meter.reset()
+        static = _model_state([model], [ddp], opt)
+        recorder.meter.set_static(p for p in model.parameters())
+        recorder.meter.set_static(_static_tensors([ddp], opt))
+        if on_gpu and not shapes_only:
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(trace_iters):
+            train_step(i, record=True)
+        memory = recorder.memory(sum(static.values()), static)
+        finished = time.perf_counter()
+
+        import megatron.core
+
+        trace = RankTrace(
+            rank=rank,
+            stage=stage,
+            layout=_layout_json(layout),
+            coords=coords._asdict(),
+            expert_coords=expert_coords(layout, rank)._asdict(),
+            groups=groups,
+            model={**spec.to_json(), "padded_vocab_size": vocab, "dtype": dtype_name,
+                   "layer_spec": "transformer_engine" if use_te else "local",
+                   "sequence_parallel": bool(config.sequence_parallel)},
+            iteration={
+                "micro_batch_size": micro_batch_size,
+                "num_microbatches": num_microbatches,
+                "seq_length": seq_length,
+                "warmup_iters": warmup_iters,
+                "trace_iters": trace_iters,
+                "schedule": forward_backward.__name__,
+                "optimizer": optimizer,
+                "clip_grad": clip_grad,
+                "ddp": {k: v for k, v in dataclasses.asdict(ddp_config).items()
+                        if isinstance(v, (bool, int, float, str, type(None)))},
+            },
+            mode="shapes_only" if shapes_only else "real",
+            device=device,
+            clock=recorder.clock,
+            memory=memory,
+            meta={
+                "megatron_core": getattr(megatron.core, "__version__", "unknown"),
+                "torch": torch.__version__,
+                "backend": dist.get_backend(),
+                "cost_model": cost_name,
+                "build_seconds": round(built - started, 4),
+                "run_seconds": round(finished - built, 4),
+            },
+            ops=recorder.ops,
+        )
+    return trace
+
+
+def _static_tensors(ddp_models, optimizer):
+    for m in ddp_models:
+        for buf in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", [])):
+            yield buf.grad_data
+            if getattr(buf, "param_data", None) is not None:
+                yield buf.param_data
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            yield from group["params"]
+        for values in opt.state.values():
+            yield from (v for v in values.values() if isinstance(v, torch.Tensor))
+
+
+def _teardown_megatron() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    # MoE keeps per-layer aux-loss logs and the aux-loss backward scale in module/class state
+    # that would leak into the next rank traced in this process (a meta scale into a real run).
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def _layout_json(layout: ParallelLayout) -> dict[str, Any]:
+    return {
+        "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp,
+        "ep": layout.ep, "dp": layout.dp, "expert_tp": layout.expert_tp,
+        "expert_dp": layout.expert_dp, "order": layout.order,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# fake ranks
+
+
+def trace_fake_rank(
+    layout: ParallelLayout,
+    rank: int,
+    model_cfg: Any,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seq_length: int,
+    warmup_iters: int = 1,
+    trace_iters: int = 1,
+    shapes_only: bool = False,
+    cost_model: Any = None,
+    **options: Any,
+) -> RankTrace:
+    """Pretend to be global rank ``rank`` of ``layout`` in this process and trace it.
+
+    Initialises torch's fake process group (``FakeStore``, backend ``"fake"``) as that rank of
+    ``layout.world_size``, runs :func:`trace_initialized_rank` with symmetric collective values,
+    and destroys the process group again, so the next call can be another rank.  ``model_cfg``
+    is anything :meth:`ModelSpec.from_any` takes; ``options`` go to
+    :func:`trace_initialized_rank` (``dtype``, ``optimizer``, ``clip_grad``, ``ddp_overrides``,
+    ``seed``).  ``shapes_only`` runs on the meta device with ``cost_model`` durations (module
+    docstring).  Returns the :class:`RankTrace`; ``trace.write(folder)`` stores it.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process; "
+                           "trace_fake_rank initialises its own fake process group")
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank!r} is outside 0..{layout.world_size - 1}")
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        trace = trace_initialized_rank(
+            layout, model_cfg, micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+            seq_length=seq_length, warmup_iters=warmup_iters, trace_iters=trace_iters,
+            shapes_only=shapes_only, cost_model=cost_model, fill=not shapes_only, **options,
+        )
+    finally:
+        dist.destroy_process_group()
+    trace.meta["trace_seconds"] = round(time.perf_counter() - started, 4)
+    return trace
+
+
+def trace_ranks(
+    layout: ParallelLayout,
+    ranks: Sequence[int],
+    model_cfg: Any,
+    *,
+    out_dir: Optional[str | os.PathLike] = None,
+    **kwargs: Any,
+) -> list[RankTrace]:
+    """:func:`trace_fake_rank` for each rank in turn (one process); writes each trace into
+    ``out_dir`` as soon as it is done when given."""
+    from megatron_dynapipe.megatron import cpu_compat
+
+    traces = []
+    # CPU mode stays on across the ranks (switching it costs a scan of megatron's modules)
+    with cpu_compat.cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():
+        for rank in ranks:
+            trace = trace_fake_rank(layout, rank, model_cfg, **kwargs)
+            if out_dir is not None:
+                trace.write(out_dir)
+            traces.append(trace)
+    return traces
+
+
+def trace_representatives(
+    layout: ParallelLayout,
+    model_cfg: Any,
+    *,
+    out_dir: Optional[str | os.PathLike] = None,
+    **kwargs: Any,
+) -> list[RankTrace]:
+    """Trace the representative ranks of ``layout`` (MoE when the model has experts)."""
+    spec = ModelSpec.from_any(model_cfg)
+    reps = representative_ranks(layout, moe=bool(spec.num_experts) and layout.is_moe)
+    return trace_ranks(layout, reps.global_ranks, spec, out_dir=out_dir, **kwargs)

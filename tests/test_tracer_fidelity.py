@@ -1,0 +1,300 @@
+"""Fake ranks trace what real ranks do.
+
+A real 8-process gloo job (tiny GPT, TP=2 x PP=2 x DP=2, megatron-core 1F1B, DDP, Adam) runs with
+the recorder on every rank; then every one of its 8 ranks is traced as a *fake* rank, all in this
+one process.  Each fake trace must match its real counterpart op for op: kind, order, micro-batch,
+phase, process group (global ranks), peer, bytes and dtype (times excluded), and the memory
+figures.  The shapes-only mode (meta tensors, cost-model durations) must match too.
+
+The same for mixture-of-experts (TP=1 x PP=2 x EP=2 x DP=4, all-to-all token dispatcher):
+
+* drop-and-pad routing (capacity factor 1, padded) gives every all-to-all a fixed size: fake and
+  real agree on every byte, shapes-only included;
+* dropless routing sizes the expert all-to-alls by how many tokens each rank routes to each
+  expert.  A fake rank routes its own tokens exactly as the real rank does (same weights, same
+  data) but cannot know its peers' routing; it assumes they route like itself.  Everything else
+  matches exactly; the all-to-all sizes differ, and only they.
+
+The traces also satisfy the replay contract of docs/trace_format.md: the k-th collective on a
+group has the same kind and size on every member, and the k-th send from a to b has the size of
+the k-th receive on b from a.
+"""
+
+from __future__ import annotations
+
+import collections
+import resource
+import time
+
+import pytest
+
+from distributed import run_distributed
+from megatron_dynapipe.tracer.topology import ParallelLayout
+from megatron_dynapipe.tracer.trace_format import RankTrace
+
+pytestmark = pytest.mark.slow
+
+WORLD = 8
+RUN = dict(micro_batch_size=2, num_microbatches=4, seq_length=16, warmup_iters=1, trace_iters=1,
+           dtype="float32")
+TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=64)
+TINY_MOE = dict(TINY, num_layers=2, num_experts=4, moe_router_topk=2)
+CASES = {
+    "dense": (dict(world_size=WORLD, tp=2, pp=2), TINY),
+    "moe-padded": (dict(world_size=WORLD, tp=1, pp=2, ep=2),
+                   dict(TINY_MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
+    "moe-dropless": (dict(world_size=WORLD, tp=1, pp=2, ep=2), TINY_MOE),
+}
+TIMEOUT = 400  # 8 ranks import megatron-core (~10 s each) on 2 shared cores, then 3 jobs
+
+
+def _real_job(rank, world_size):
+    """Every case on this gloo rank, with the recorder; traces as text (they pickle cheaply)."""
+    from megatron_dynapipe.tracer.fake_rank import trace_initialized_rank
+
+    out = {}
+    for name, (layout, model) in CASES.items():
+        trace = trace_initialized_rank(ParallelLayout(**layout), model, **RUN)
+        out[name] = trace.dumps()
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    start = time.perf_counter()
+    results = run_distributed(_real_job, WORLD, timeout=TIMEOUT)
+    print(f"real {WORLD}-rank gloo job, {len(CASES)} cases: {time.perf_counter() - start:.1f} s")
+    return {
+        name: {rank: RankTrace.loads(result[name]) for rank, result in enumerate(results)}
+        for name in CASES
+    }
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """Every rank of every case, fake, in this process; and shapes-only where it applies."""
+    from megatron_dynapipe.tracer.fake_rank import trace_ranks
+
+    out, seconds = {}, {}
+    for name, (layout, model) in CASES.items():
+        start = time.perf_counter()
+        out[name] = {t.rank: t for t in trace_ranks(ParallelLayout(**layout), range(WORLD), model, **RUN)}
+        seconds[name] = (time.perf_counter() - start) / WORLD
+        if name != "moe-dropless":
+            shapes = trace_ranks(ParallelLayout(**layout), range(WORLD), model, shapes_only=True, **RUN)
+            out[name + "/shapes"] = {t.rank: t for t in shapes}
+    print("fake-rank seconds per rank:", {k: round(v, 2) for k, v in seconds.items()},
+          "shapes-only:", {k: round(t.meta["trace_seconds"], 2) for k, t in out["dense/shapes"].items()})
+    return out
+
+
+def _diff(fake_trace: RankTrace, real_trace: RankTrace) -> str:
+    """The first op where the two traces part, for the assertion message."""
+    a, b = fake_trace.ops, real_trace.ops
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.signature() != y.signature() or x.name != y.name:
+            return f"op {i}: fake {x.to_json()}\n      real {y.to_json()}"
+    return f"lengths differ: fake {len(a)} ops, real {len(b)} ops"
+
+
+def _assert_same_ops(fake_trace: RankTrace, real_trace: RankTrace) -> None:
+    assert fake_trace.signatures() == real_trace.signatures(), _diff(fake_trace, real_trace)
+    assert [op.name for op in fake_trace.ops] == [op.name for op in real_trace.ops]
+    assert [op.parent for op in fake_trace.ops] == [op.parent for op in real_trace.ops]
+
+
+# --------------------------------------------------------------------------------------------
+# dense: TP=2 x PP=2 x DP=2
+
+
+def test_dense_fake_ranks_match_the_real_job(real, fake):
+    for rank in range(WORLD):
+        r, f = real["dense"][rank], fake["dense"][rank]
+        _assert_same_ops(f, r)
+        assert (f.rank, f.stage, f.coords, f.groups) == (r.rank, r.stage, r.coords, r.groups)
+        assert f.meta["backend"] == "fake" and r.meta["backend"] == "gloo"
+        for key in ("model_state_bytes", "activation_peak_bytes", "peak_in_flight_microbatches", "peak_bytes"):
+            assert f.memory[key] == r.memory[key], key
+
+
+def test_dense_shapes_only_matches_the_real_job(real, fake):
+    for rank in range(WORLD):
+        r, s = real["dense"][rank], fake["dense/shapes"][rank]
+        assert s.mode == "shapes_only" and s.clock == "cost_model"
+        _assert_same_ops(s, r)
+        for key in ("model_state_bytes", "activation_peak_bytes", "peak_bytes"):
+            assert s.memory[key] == r.memory[key], key
+
+
+def test_dense_trace_covers_every_kind_of_traffic(real):
+    """What the job does, seen in the real traces: per stage and micro-batch, forward and
+    backward; TP all-reduces inside them; p2p activations/gradients; one DP bucket; the tied
+    embedding's all-reduce; the grad-norm all-reduce; the loss report on the last stage."""
+    layout = ParallelLayout(**CASES["dense"][0])
+    for rank, trace in real["dense"].items():
+        last = trace.stage == layout.pp - 1
+        compute = collections.Counter(op.kind for op in trace.compute_ops)
+        assert compute == {"forward": 4, "backward": 4, "optimizer_step": 1, **({"loss": 4} if last else {})}
+        assert [op.microbatch for op in trace.ops if op.kind == "forward"] == [0, 1, 2, 3]
+        assert sorted(op.microbatch for op in trace.ops if op.kind == "backward") == [0, 1, 2, 3]
+        by_group = collections.defaultdict(list)
+        for op in trace.comm_ops:
+            by_group[op.group_name].append(op)
+        tp = by_group["TENSOR_MODEL_PARALLEL_GROUP"]
+        assert tp and all(op.group == tuple(trace.groups["tp"]) and op.parent is not None for op in tp)
+        assert {op.phase for op in tp} == {"forward", "backward"}
+        p2p = by_group["PIPELINE_MODEL_PARALLEL_GROUP"]
+        peer = trace.groups["pp"][1 - trace.stage]
+        parts = [p for op in p2p for p in op.parts]
+        assert {p["peer"] for p in parts} == {peer}
+        assert all(p["bytes"] == 16 * 2 * 64 * 4 for p in parts)  # [seq, mbs, hidden] fp32
+        assert sum(p["kind"] == "isend" for p in parts) == 4 and sum(p["kind"] == "irecv" for p in parts) == 4
+        (dp,) = by_group["DATA_PARALLEL_GROUP_WITH_CP"][:1]
+        assert dp.phase == "finalize_grads" and dp.group == tuple(trace.groups["dp-cp"])
+        assert dp.bytes == trace.memory["model_state_detail"]["grad_buffers"]
+        (embedding,) = by_group["EMBEDDING_GROUP"]
+        assert embedding.group == tuple(trace.groups["embedding"]) and embedding.phase == "finalize_grads"
+        assert embedding.bytes == 128 * 64 * 4  # this TP rank's half of the padded 256-word table
+        (norm,) = [op for op in trace.comm_ops if op.phase == "optimizer_step"]
+        assert norm.group_name == "MODEL_PARALLEL_GROUP" and norm.bytes == 4
+        reports = [op for op in trace.comm_ops if op.phase == "loss_report"]
+        assert len(reports) == (1 if last else 0)
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: TP=1 x PP=2 x EP=2 x DP=4
+
+
+def test_moe_drop_and_pad_fake_ranks_match_the_real_job(real, fake):
+    for rank in range(WORLD):
+        r = real["moe-padded"][rank]
+        for f in (fake["moe-padded"][rank], fake["moe-padded/shapes"][rank]):
+            _assert_same_ops(f, r)
+            assert f.groups == r.groups and f.expert_coords == r.expert_coords
+            assert f.memory["model_state_bytes"] == r.memory["model_state_bytes"]
+            # which tokens a full expert drops is data; so are the sizes of a few index tensors
+            # the router saves for backward (a few hundred bytes here)
+            assert f.memory["activation_peak_bytes"] == pytest.approx(r.memory["activation_peak_bytes"], rel=0.05)
+        a2a = [op for op in r.ops if op.kind == "all_to_all"]
+        assert a2a and all(op.group == tuple(r.groups["ep"]) and op.splits is None for op in a2a)
+
+
+def test_moe_dropless_fake_ranks_match_except_routed_sizes(real, fake):
+    for rank in range(WORLD):
+        r, f = real["moe-dropless"][rank], fake["moe-dropless"][rank]
+        assert len(f.ops) == len(r.ops), _diff(f, r)
+        routed = 0
+        for x, y in zip(f.ops, r.ops):
+            if x.kind == "all_to_all" and x.splits is not None:
+                routed += 1
+                # the same exchange between the same ranks; this rank sends what it routes
+                # (same data, same router) but receives what the peers route, which it cannot know
+                assert (x.cat, x.microbatch, x.phase, x.group, x.dtype) == (y.cat, y.microbatch, y.phase, y.group, y.dtype)
+                assert len(x.splits["in"]) == len(y.splits["in"]) == 2
+                continue
+            assert x.signature() == y.signature() and x.name == y.name, _diff(f, r)
+        assert routed > 0
+        # dropless: every token goes to top-k experts, so each dispatch (the all-to-all right
+        # after the token counts are gathered) sends tokens x top-k rows in all, on both; only how
+        # they split over the EP peers is the routing's
+        dispatches = [i + 1 for i, op in enumerate(r.ops) if op.kind == "all_gather" and op.phase == "forward"]
+        assert dispatches
+        for i in dispatches:
+            assert sum(f.ops[i].splits["in"]) == sum(r.ops[i].splits["in"]) == 2 * 16 * 2
+
+
+def test_shapes_only_refuses_dropless_moe():
+    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
+
+    with pytest.raises(ValueError, match="drop-and-pad"):
+        trace_fake_rank(ParallelLayout(**CASES["moe-dropless"][0]), 0, TINY_MOE, shapes_only=True, **RUN)
+
+
+# --------------------------------------------------------------------------------------------
+# the replay contract
+
+
+def _collectives_by_group(traces):
+    seen = collections.defaultdict(dict)
+    for rank, trace in traces.items():
+        per_group = collections.defaultdict(list)
+        for op in trace.comm_ops:
+            if op.kind != "batch_isend_irecv" and op.peer is None:
+                per_group[op.group].append((op.kind, op.bytes, op.dtype))
+        for group, ops in per_group.items():
+            seen[group][rank] = ops
+    return seen
+
+
+def _p2p_streams(traces):
+    sends, recvs = collections.defaultdict(list), collections.defaultdict(list)
+    for rank, trace in traces.items():
+        for op in trace.comm_ops:
+            parts = op.parts if op.parts is not None else [
+                {"kind": op.kind, "peer": op.peer, "bytes": op.bytes}] if op.kind in ("isend", "irecv", "send", "recv") else []
+            for p in parts:
+                if p["kind"] in ("isend", "send"):
+                    sends[(rank, p["peer"])].append(p["bytes"])
+                else:
+                    recvs[(p["peer"], rank)].append(p["bytes"])
+    return sends, recvs
+
+
+@pytest.mark.parametrize("case", ["dense", "moe-padded"])
+@pytest.mark.parametrize("source", ["real", "fake"])
+def test_traces_satisfy_the_replay_contract(real, fake, source, case):
+    traces = (real if source == "real" else fake)[case]
+    groups = _collectives_by_group(traces)
+    assert groups
+    for group, per_rank in groups.items():
+        assert set(per_rank) == set(group), f"group {group} seen on {sorted(per_rank)}"
+        sequences = list(per_rank.values())
+        assert all(s == sequences[0] for s in sequences), f"group {group} members disagree"
+    sends, recvs = _p2p_streams(traces)
+    assert sends and sends == recvs
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-6.7B in shapes-only mode
+
+
+def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
+    """Last stage of GPT-6.7B at W=1024, TP=8, PP=4 (DP=32): bf16 on the meta device, durations
+    from the A100 profile; a couple of seconds and no real weights."""
+    from conftest import GPT_6_7B_A100
+
+    from megatron_dynapipe.planning.cost_model import ProfiledCostModel, StageCosts
+    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
+    from megatron_dynapipe.tracer.topology import representative_ranks
+
+    if not GPT_6_7B_A100.is_file():
+        pytest.skip(f"{GPT_6_7B_A100} is not beside the checkout")
+    layout = ParallelLayout(1024, tp=8, pp=4)
+    rank = representative_ranks(layout)[-1].global_rank
+    model = ProfiledCostModel.from_json(GPT_6_7B_A100, tp=8)
+    start = time.perf_counter()
+    trace = trace_fake_rank(layout, rank, "6.7B", micro_batch_size=1, num_microbatches=8,
+                            seq_length=2048, warmup_iters=1, trace_iters=1, shapes_only=True,
+                            cost_model=model)
+    seconds = time.perf_counter() - start
+    print(f"GPT-6.7B shapes-only, rank {rank}: {seconds:.1f} s, {len(trace.ops)} ops")
+    assert seconds < 60
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: < 4 GiB
+    assert (trace.rank, trace.stage, trace.mode, trace.model["dtype"]) == (768, 3, "shapes_only", "bfloat16")
+    costs = StageCosts(model, num_layers=32, pp=4, dp=32)
+    forwards = [op for op in trace.ops if op.kind == "forward"]
+    assert len(forwards) == 8
+    assert forwards[0].dur_us == pytest.approx(costs.forward_ms(3, 1, 2048, "none") * 1e3)
+    tp_bytes = {op.bytes for op in trace.comm_ops if op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
+                and op.kind == "all_reduce" and op.parent is not None and op.shape[-1] == 4096}
+    assert tp_bytes == {2048 * 1 * 4096 * 2}  # [seq, mbs, hidden] bf16
+    parts = [p for op in trace.comm_ops if op.parts for p in op.parts]
+    assert {p["bytes"] for p in parts} == {2048 * 4096 * 2} and {p["peer"] for p in parts} == {512}
+    (grads,) = [op for op in trace.comm_ops if op.name.endswith("start_grad_sync")]
+    assert grads.group == tuple(trace.groups["dp-cp"]) and len(grads.group) == 32
+    assert grads.dtype == "float32" and grads.bytes == trace.memory["model_state_detail"]["grad_buffers"]
+    # 8 layers of 6.7B / TP=8 plus this TP rank's share of the 51200-word output layer, in bf16
+    params = trace.memory["model_state_detail"]["params"] / 2
+    assert 8 * 201e6 / 8 < params < 8 * 202e6 / 8 + 51200 * 4096 / 8 + 1e6
+    path = trace.write(tmp_path)
+    assert RankTrace.read(path).signatures() == trace.signatures()
