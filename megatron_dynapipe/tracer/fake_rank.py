@@ -583,7 +583,9 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _batches(spec: ModelSpec, vocab: int, mbs: int, seq: int, count: int, seed: int, device):
+def _batches(spec: ModelSpec, mbs: int, seq: int, count: int, seed: int, device):
+    """``count`` micro-batches of random tokens (the same on every rank: values do not matter,
+    shapes do)."""
     g = torch.Generator().manual_seed(seed)
     positions = torch.arange(seq, device=device).expand(mbs, seq)
     out = []
@@ -666,11 +668,17 @@ def trace_initialized_rank(
             "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True "
             "(drop-and-pad), or trace it for real"
         )
+    use_te = _use_te() and not shapes_only
+    if layout.cp > 1 and not use_te:
+        raise ValueError(
+            f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
+            "megatron-core's local DotProductAttention refuses CP > 1, and shapes-only mode "
+            "builds the local layer spec; trace with cp=1 here"
+        )
     if seq_length > spec.max_sequence_length:
         spec = dataclasses.replace(spec, max_sequence_length=seq_length)
     rank = dist.get_rank()
     on_gpu = torch.cuda.is_available()
-    use_te = _use_te() and not shapes_only
     dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
     if dtype_name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}")
@@ -679,18 +687,19 @@ def trace_initialized_rank(
     coords = dense_coords(layout, rank)
     stage = coords.pp
 
-    cpu_was_enabled = cpu_compat.is_enabled()
-    if not on_gpu:
-        cpu_compat.enable_cpu_mode()
+    moe_on_cpu = not on_gpu and bool(spec.num_experts)
+
+    def device_scope():
+        return cpu_compat.cuda_as_cpu() if moe_on_cpu else contextlib.nullcontext()
+
     with contextlib.ExitStack() as stack:
-        moe_on_cpu = not on_gpu and bool(spec.num_experts)
+        if not on_gpu:
+            stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
         if moe_on_cpu:
             stack.enter_context(_moe_cpu_shims())
-
-        def device_scope():
-            return cpu_compat.cuda_as_cpu() if moe_on_cpu else contextlib.nullcontext()
         if shapes_only:
             stack.enter_context(MetaMode())
+        stack.callback(_teardown_megatron)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
@@ -700,9 +709,6 @@ def trace_initialized_rank(
             order=layout.order,
             create_gloo_process_groups=False,
         )
-        stack.callback(_teardown_megatron)
-        if not (on_gpu or cpu_was_enabled):
-            stack.callback(cpu_compat.disable_cpu_mode)
         groups = _check_groups(layout, rank)
 
         torch.manual_seed(seed)
@@ -748,8 +754,8 @@ def trace_initialized_rank(
         stack.enter_context(recorder)
 
         device = "cuda" if on_gpu else "cpu"
-        batches = _batches(spec, vocab, micro_batch_size, seq_length // layout.cp, num_microbatches,
-                           seed, device)
+        batches = _batches(spec, micro_batch_size, seq_length // layout.cp, num_microbatches, seed,
+                           device)
         forward_backward = get_forward_backward_func()
         finalize = config.finalize_model_grads_func
 
