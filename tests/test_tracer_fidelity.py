@@ -73,9 +73,23 @@ def real():
 @pytest.fixture(scope="module")
 def fake():
     """Every rank of every case, fake, in this process; and shapes-only where it applies."""
+    import torch
+
     from megatron_dynapipe.tracer.fake_rank import trace_ranks
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on shared cores: threads only contend
     out, seconds = {}, {}
+    try:
+        _trace_all_cases(trace_ranks, out, seconds)
+    finally:
+        torch.set_num_threads(threads)
+    print("fake-rank seconds per rank:", {k: round(v, 2) for k, v in seconds.items()},
+          "shapes-only:", {k: round(t.meta["trace_seconds"], 2) for k, t in out["dense/shapes"].items()})
+    return out
+
+
+def _trace_all_cases(trace_ranks, out, seconds):
     for name, (layout, model) in CASES.items():
         start = time.perf_counter()
         out[name] = {t.rank: t for t in trace_ranks(ParallelLayout(**layout), range(WORLD), model, **RUN)}
@@ -83,9 +97,6 @@ def fake():
         if name != "moe-dropless":
             shapes = trace_ranks(ParallelLayout(**layout), range(WORLD), model, shapes_only=True, **RUN)
             out[name + "/shapes"] = {t.rank: t for t in shapes}
-    print("fake-rank seconds per rank:", {k: round(v, 2) for k, v in seconds.items()},
-          "shapes-only:", {k: round(t.meta["trace_seconds"], 2) for k, t in out["dense/shapes"].items()})
-    return out
 
 
 def _diff(fake_trace: RankTrace, real_trace: RankTrace) -> str:
@@ -298,3 +309,37 @@ def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
     assert 8 * 201e6 / 8 < params < 8 * 202e6 / 8 + 51200 * 4096 / 8 + 1e6
     path = trace.write(tmp_path)
     assert RankTrace.read(path).signatures() == trace.signatures()
+
+
+# --------------------------------------------------------------------------------------------
+# representatives and model descriptions
+
+
+def test_representatives_are_written_one_file_per_stage(fake, tmp_path):
+    from megatron_dynapipe.tracer.fake_rank import trace_representatives
+    from megatron_dynapipe.tracer.trace_format import read_traces
+
+    layout = ParallelLayout(**CASES["dense"][0])
+    traces = trace_representatives(layout, TINY, out_dir=tmp_path, shapes_only=True, **RUN)
+    assert [t.rank for t in traces] == [0, 4]  # stage 0 and 1 with tp = dp = 0
+    on_disk = read_traces(tmp_path)
+    assert sorted(on_disk) == [0, 4]
+    for rank in (0, 4):
+        assert on_disk[rank].signatures() == fake["dense/shapes"][rank].signatures()
+
+
+def test_model_descriptions():
+    from megatron_dynapipe.megatron.tiny_gpt import TinyGPTConfig
+    from megatron_dynapipe.tracer.fake_rank import ModelSpec, padded_vocab_size
+    from megatron_dynapipe.tracer.models import get_model
+
+    by_name = ModelSpec.from_any("6.7B")
+    assert by_name == ModelSpec.from_any(get_model("gpt-6.7b"))
+    assert (by_name.num_layers, by_name.hidden_size, by_name.num_attention_heads, by_name.ffn) == (32, 4096, 32, 16384)
+    assert ModelSpec.from_any(get_model("tiny").with_experts(4)).num_experts == 4
+    tiny = ModelSpec.from_any(TinyGPTConfig())
+    assert (tiny.hidden_size, tiny.num_layers, tiny.vocab_size) == (64, 4, 128)
+    assert ModelSpec.from_any(TINY) == ModelSpec(**TINY)
+    with pytest.raises(TypeError, match="cannot build a model"):
+        ModelSpec.from_any(3.5)
+    assert padded_vocab_size(51200, 8) == 51200 and padded_vocab_size(128, 2) == 256

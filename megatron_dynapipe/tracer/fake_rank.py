@@ -328,15 +328,7 @@ class MetaMode(TorchFunctionMode):
                 return func(*args, **dict(kwargs, device="cpu"))
             return result
         if func in _MOVES:
-            if func is torch.Tensor.to:
-                args = tuple("meta" if _is_device(a) else a for a in args)
-                if "device" in kwargs:
-                    kwargs = dict(kwargs, device="meta")
-                if args[0].dim() == 0 and args[0].device.type == "cpu":
-                    args = tuple("cpu" if a == "meta" else a for a in args)
-                    kwargs = dict(kwargs, device="cpu") if "device" in kwargs else kwargs
-                return func(*args, **kwargs)
-            return args[0] if _is_meta(args[0]) or args[0].dim() == 0 else args[0].to("meta")
+            return self._move(func, args, kwargs)
         if func in _ITEM_METHODS and _is_meta(args[0]):
             t = args[0]
             if func is torch.Tensor.tolist:
@@ -357,6 +349,31 @@ class MetaMode(TorchFunctionMode):
                 args[0].masked_fill_(index.to("meta"), value)
                 return None
         return func(*args, **kwargs)
+
+
+    @staticmethod
+    def _move(func, args, kwargs):
+        """``.to(device)``, ``.cuda()``, ``.cpu()``: a real CPU tensor that stays on the host
+        (``.cpu()``, ``.to("cpu")``) or is a scalar keeps its values; everything else goes to
+        meta, where a meta tensor stays."""
+        t = args[0]
+        if func is torch.Tensor.cpu:
+            return t
+        if func is torch.Tensor.cuda:
+            return t if _is_meta(t) or t.dim() == 0 else t.to("meta")
+        target = kwargs.get("device")
+        rest = []
+        for a in args[1:]:
+            if _is_device(a) and target is None:
+                target = a
+            else:
+                rest.append(a)
+        if target is None:  # .to(dtype) or .to(other_tensor)
+            return func(*args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        to_cpu = torch.device(target).type == "cpu" if not isinstance(target, int) else False
+        keep_host = t.device.type == "cpu" and (to_cpu or t.dim() == 0)
+        return func(t, "cpu" if keep_host else "meta", *rest, **kwargs)
 
 
 def _is_device(x: Any) -> bool:

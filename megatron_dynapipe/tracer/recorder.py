@@ -678,7 +678,8 @@ class Recorder:
                     out.copy_(a["tensor"])
             elif style == "gather_tensor":
                 out, inp = a["output_tensor"], a["input_tensor"]
-                out.view(-1, inp.numel()).copy_(inp.reshape(1, -1))
+                size = out.numel() // max(1, inp.numel())
+                out.copy_(inp.reshape(1, -1).expand(size, -1).reshape(out.shape))
             elif style == "scatter_list":
                 out = a["output"]
                 out.copy_(a["input_list"][dist.get_rank(group)])
@@ -686,7 +687,7 @@ class Recorder:
                     out.mul_(dist.get_world_size(group))
             elif style == "scatter_tensor":
                 out, inp = a["output"], a["input"]
-                out.view(-1).copy_(inp.reshape(-1, out.numel())[dist.get_rank(group)])
+                out.copy_(inp.reshape(-1, out.numel())[dist.get_rank(group)].reshape(out.shape))
                 if self._is_sum(a.get("op")):
                     out.mul_(dist.get_world_size(group))
             elif style == "a2a_single":

@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 __all__ = [
     "FORMAT_NAME",
@@ -394,9 +394,3 @@ def read_traces(directory: str | os.PathLike) -> dict[int, RankTrace]:
         trace = RankTrace.read(path)
         out[trace.rank] = trace
     return out
-
-
-def iter_ops(traces: Iterable[RankTrace]) -> Iterator[tuple[int, TraceOp]]:
-    for trace in traces:
-        for op in trace.ops:
-            yield trace.rank, op
