@@ -525,6 +525,11 @@ class _Installed:
     patched: list = dataclasses.field(default_factory=list)
 
 
+def _print_rank0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
 def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) -> Callable:
     """A ``pretrain`` that installs :mod:`.pretrain_hooks` before calling ``pretrain``.
 
@@ -538,20 +543,24 @@ def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) ->
 
     def dynapipe_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                           *args, extra_args_provider=None, **kwargs):
+        installed.called = True
+        if hooks.is_hook(train_valid_test_dataset_provider) and hooks.is_hook(model_provider):
+            installed.patched = []  # a patched script (patches/): it calls the hooks itself
+            _print_rank0("> megatron-dynapipe launch: the script calls megatron_dynapipe's pretrain hooks itself "
+                         "(patched); nothing to install")
+            return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                            *args, extra_args_provider=extra_args_provider, **kwargs)
         script_globals = getattr(forward_step_func, "__globals__", None)
         if script_globals is None or not callable(script_globals.get("get_batch")):
             raise LaunchError(
                 f"{getattr(forward_step_func, '__qualname__', forward_step_func)!r} is not defined next to a "
                 "get_batch function: the launcher supports pretrain_gpt.py-style scripts (forward_step calls "
                 "the module's get_batch); apply patches/pretrain_gpt_core_v0.16.1.patch-style changes instead")
-        original_get_batch = script_globals["get_batch"]
-        if not hasattr(original_get_batch, "__wrapped__"):
-            script_globals["get_batch"] = hooks.make_get_batch(original_get_batch)
-        installed.called = True
-        installed.patched = [
-            f"{script_globals.get('__name__', 'script')}.get_batch",
-            "train_valid_test_datasets_provider", "model_provider", "extra_args_provider",
-        ]
+        if not hooks.is_hook(script_globals["get_batch"]):
+            script_globals["get_batch"] = hooks.make_get_batch(script_globals["get_batch"])
+        installed.patched = ["get_batch", "train_valid_test_datasets_provider", "model_provider",
+                             "extra_args_provider"]
+        _print_rank0(f"> megatron-dynapipe launch: hooked the script's {', '.join(installed.patched)}")
         return pretrain(
             hooks.datasets_provider(train_valid_test_dataset_provider),
             hooks.model_provider(model_provider),
@@ -614,8 +623,7 @@ def launch(options: LaunchOptions) -> int:
                 "Megatron-LM checkout (core_v0.16.1) whose training dependencies are installed") from exc
         if options.cpu:
             enable_megatron_lm_cpu_mode()
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"> megatron-dynapipe launch --cpu: appended {' '.join(CPU_FLAGS)}", flush=True)
+            _print_rank0(f"> megatron-dynapipe launch --cpu: appended {' '.join(CPU_FLAGS)}")
         original = training_package.pretrain
         training_package.pretrain = wrap_pretrain(original, installed)
         try:
@@ -625,9 +633,8 @@ def launch(options: LaunchOptions) -> int:
             pretrain_hooks.close_loaders()
             if options.cpu:
                 counts = cpu_spot_calls()
-                if int(os.environ.get("RANK", "0")) == 0:
-                    print("> megatron-dynapipe launch --cpu: redirected "
-                          + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "nothing"), flush=True)
+                _print_rank0("> megatron-dynapipe launch --cpu: redirected "
+                             + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "nothing"))
                 disable_megatron_lm_cpu_mode()
     if not installed.called:
         raise LaunchError(f"{options.script} never called megatron.training.pretrain: the launcher installs DynaPipe "

@@ -63,6 +63,7 @@ __all__ = [
     "enabled",
     "extra_args_provider",
     "get_batch",
+    "is_hook",
     "make_get_batch",
     "mock_dataset",
     "model_provider",
@@ -96,7 +97,14 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def extra_args_provider(other: "Optional[Callable]" = None) -> Callable:
     """The ``extra_args_provider`` for ``pretrain``: ``other`` (the script's own, may be None),
     then DynaPipe's argument groups and the ``dynapipe data`` group."""
-    return chain_providers(other, add_arguments, add_data_arguments)
+    provider = chain_providers(other, add_arguments, add_data_arguments)
+    provider.__dynapipe_hook__ = True  # type: ignore[attr-defined]
+    return provider
+
+
+def is_hook(obj: Any) -> bool:
+    """Whether ``obj`` is one of this module's wrappers (a script already patched to use them)."""
+    return bool(getattr(obj, "__dynapipe_hook__", False))
 
 
 def _get_args():
@@ -217,6 +225,7 @@ def model_provider(original: Callable) -> Callable:
         return original(*args, **kwargs)
 
     dynapipe_model_provider.__wrapped__ = original  # type: ignore[attr-defined]
+    dynapipe_model_provider.__dynapipe_hook__ = True  # type: ignore[attr-defined]
     return dynapipe_model_provider
 
 
@@ -259,6 +268,7 @@ def make_get_batch(original: Callable) -> Callable:
         return original(data_iterator, vp_stage)
 
     dynapipe_get_batch.__wrapped__ = original  # type: ignore[attr-defined]
+    dynapipe_get_batch.__dynapipe_hook__ = True  # type: ignore[attr-defined]
     return dynapipe_get_batch
 
 
@@ -462,6 +472,8 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
 
 class _DatasetsProvider:
     """See :func:`datasets_provider`."""
+
+    __dynapipe_hook__ = True
 
     def __init__(self, original: Optional[Callable]):
         self.original = original
