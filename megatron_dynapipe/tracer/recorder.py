@@ -18,8 +18,9 @@ inside another wrapped call (the isends inside ``batch_isend_irecv``) is not rec
 **Compute.**  The schedules call ``forward_step``, ``backward_step`` and
 ``forward_step_calc_loss`` through module globals of ``megatron.core.pipeline_parallel.schedules``,
 so wrapping those three names records one op per micro-batch forward, backward and loss, with the
-micro-batch index the schedule itself passes (``current_microbatch``), for every schedule
-megatron-core ships (no pipelining, 1F1B, interleaved).  Module forward/backward hooks would see
+micro-batch index the schedule itself passes (``current_microbatch``); megatron-core's
+schedules (no pipelining, 1F1B, interleaved) all call these names (the fake-rank runner and its
+tests use 1F1B).  Module forward/backward hooks would see
 every layer but not the micro-batch, and a backward hook cannot bracket a whole backward pass;
 the schedule functions are exactly the units a pipeline simulator replays.  Regions that are not
 schedule steps (the optimizer step, gradient finalisation) are marked by the caller with
