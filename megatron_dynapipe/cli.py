@@ -1,4 +1,4 @@
-"""`megatron-dynapipe` command line: plan a batch, run benchmarks."""
+"""`megatron-dynapipe` command line: plan a batch, trace fake ranks, run benchmarks."""
 
 from __future__ import annotations
 
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dynapipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    from .tracer.cli import add_trace_parser
+
+    add_trace_parser(sub)
     _bench_parser(sub)
     return parser
 
