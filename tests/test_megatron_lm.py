@@ -1,0 +1,530 @@
+"""Getting into Megatron-LM: the launcher, the pretrain hooks and the pretrain_gpt.py patch.
+
+Without a checkout (always run): the launcher's argument handling, its ``pretrain`` wrapper and a
+whole ``launch`` of a stand-in script against a stand-in ``megatron.training`` (in a subprocess),
+and the narrowness of its CPU redirection.
+
+With ``MEGATRON_LM_DIR`` pointing at a Megatron-LM checkout of tag core_v0.16.1:
+``git apply --check`` of the patch, the CPU spots against the checkout's source, and CPU smoke
+runs of the real ``pretrain_gpt.py`` under torchrun (2 processes, PP=2, a tiny GPT): through the
+launcher on mock data and on a Megatron ``.bin/.idx`` dataset, and the patched script; the
+patched script must reproduce the launcher's losses exactly. Megatron-LM's training package needs
+more than megatron-core (six, regex, pyyaml, pydantic, triton, and pybind11 to build its dataset
+helpers): put them on ``PYTHONPATH``, e.g. ``pip install --target /tmp/mlm-deps six regex pyyaml
+pydantic triton pybind11`` then ``PYTHONPATH=/tmp/mlm-deps MEGATRON_LM_DIR=/tmp/Megatron-LM pytest
+tests/test_megatron_lm.py``; a smoke test whose prerequisites are missing skips and says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_dynapipe.megatron import launcher, pretrain_hooks
+from megatron_dynapipe.megatron.arguments import DynapipeArgumentError
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH = ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch"
+NO_CHECKOUT = ("MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of tag core_v0.16.1 "
+               "(git clone https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout core_v0.16.1) "
+               "to check the patch and run the CPU smoke runs")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument handling (no checkout)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "pretrain_gpt.py"
+    path.write_text("# stand-in\n")
+    return path
+
+
+def test_script_arguments_pass_through_verbatim(script):
+    options = launcher.parse_launch_args(
+        ["--cpu", str(script), "--num-layers", "2", "--cpu", "--", "--dynapipe", "-h"])
+    assert options.cpu is True
+    assert options.script == script.resolve()
+    assert options.script_args == ("--num-layers", "2", "--cpu", "--", "--dynapipe", "-h")
+    assert options.megatron_lm_dir == script.parent.resolve()
+
+
+def test_launcher_options_come_before_the_script(script):
+    options = launcher.parse_launch_args([str(script), "--cpu"])
+    assert options.cpu is False and options.script_args == ("--cpu",)
+    assert launcher.parse_launch_args(["--cpu", str(script)]).script_args == ()
+    assert launcher.parse_launch_args([str(script), "--", "--x"]).script_args == ("--x",)
+
+
+def test_missing_or_wrong_script_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(launcher.LaunchError, match="no such script.*pretrain_gpt.py"):
+        launcher.parse_launch_args([str(tmp_path / "nope.py")])
+    other = tmp_path / "run.sh"
+    other.write_text("")
+    with pytest.raises(launcher.LaunchError, match="not a Python script"):
+        launcher.parse_launch_args([str(other)])
+    assert launcher.main([str(tmp_path / "nope.py"), "--x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-dynapipe launch: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_launch_subcommand_wires_into_a_cli(script, monkeypatch):
+    parser = argparse.ArgumentParser(prog="megatron-dynapipe")
+    sub = parser.add_subparsers(dest="command", required=True)
+    launch_parser = launcher.add_launch_parser(sub)
+    assert "--cpu" in launch_parser.format_help()
+    ns = parser.parse_args(["launch", "--cpu", str(script), "--micro-batch-size", "1", "--cpu"])
+    assert ns.func is launcher.run_from_namespace
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda options: seen.append(options) or 0)
+    assert ns.func(ns) == 0
+    assert seen[0].cpu and seen[0].script_args == ("--micro-batch-size", "1", "--cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# The pretrain wrapper and the hooks (no checkout)
+# --------------------------------------------------------------------------------------------
+
+
+def _original_get_batch(data_iterator, vp_stage=None):
+    return ("original", next(data_iterator))
+
+
+def _script_namespace():
+    """A module namespace like pretrain_gpt.py's: forward_step looks get_batch up in it."""
+    namespace = {"__name__": "__main__", "get_batch": _original_get_batch}
+    exec(compile("def forward_step(data_iterator, model):\n    return get_batch(data_iterator)\n",
+                 "<script>", "exec"), namespace)
+    return namespace
+
+
+def test_wrapper_hooks_the_script_and_falls_through_without_dynapipe(monkeypatch):
+    namespace = _script_namespace()
+    calls = {}
+
+    def provider(num_samples):
+        return ("datasets", num_samples)
+
+    def fake_pretrain(datasets_provider, model_provider, model_type, forward_step_func, *args,
+                      extra_args_provider=None, **kwargs):
+        calls.update(datasets=datasets_provider, model=model_provider, extra=extra_args_provider,
+                     kwargs=kwargs, forward=forward_step_func)
+
+    installed = launcher._Installed()
+    wrapped = launcher.wrap_pretrain(fake_pretrain, installed)
+    wrapped(provider, lambda **kw: "model", "encoder_or_decoder", namespace["forward_step"],
+            extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    assert installed.called and "get_batch" in installed.patched
+    assert calls["kwargs"] == {"args_defaults": {"tokenizer_type": "GPT2BPETokenizer"}}
+    for hook in (calls["datasets"], calls["model"], calls["extra"], namespace["get_batch"]):
+        assert pretrain_hooks.is_hook(hook)
+
+    # DynaPipe's flags join the script's parser; without --dynapipe everything falls through.
+    args = calls["extra"](argparse.ArgumentParser()).parse_args(["--dynapipe-truncate-samples"])
+    assert args.dynapipe is False and args.dynapipe_truncate_samples is True
+    monkeypatch.setattr(pretrain_hooks, "_get_args", lambda: args)
+    assert calls["datasets"]([8, 0, 0]) == ("datasets", [8, 0, 0])
+    assert calls["datasets"].is_distributed is False  # as the script's provider says, when off
+    assert calls["model"](pre_process=True) == "model"
+    assert calls["forward"](iter([7]), None) == ("original", 7)
+
+    # Once installed and on, get_batch takes the micro-batch dict as it is (no TP broadcast).
+    import torch
+
+    monkeypatch.setattr(pretrain_hooks, "enabled", lambda: True)
+    mb = {k: torch.ones(2, 8, dtype=torch.long) for k in ("tokens", "labels", "position_ids")}
+    mb["loss_mask"] = torch.ones(2, 8)
+    tokens, labels, loss_mask, attention_mask, position_ids, packed = calls["forward"](iter([mb]), None)
+    assert tokens is mb["tokens"] and labels is mb["labels"] and position_ids is mb["position_ids"]
+    assert attention_mask is None and packed is None
+    with pytest.raises(TypeError, match="one micro-batch dict"):
+        calls["forward"](iter([("tokens",)]), None)
+
+
+def test_wrapper_leaves_a_patched_script_alone_and_refuses_scripts_without_get_batch():
+    seen = []
+
+    def fake_pretrain(*args, **kwargs):
+        seen.append((args, kwargs))
+
+    datasets = pretrain_hooks.datasets_provider(lambda n: None)
+    model = pretrain_hooks.model_provider(lambda **kw: None)
+    extra = pretrain_hooks.extra_args_provider(None)
+    installed = launcher._Installed()
+    launcher.wrap_pretrain(fake_pretrain, installed)(datasets, model, "t", _script_namespace()["forward_step"],
+                                                     extra_args_provider=extra)
+    assert seen[0][0][:2] == (datasets, model) and seen[0][1]["extra_args_provider"] is extra
+    assert installed.called and installed.patched == []
+
+    namespace = {"__name__": "__main__"}
+    exec("def forward_step(data_iterator, model):\n    return None\n", namespace)
+    with pytest.raises(launcher.LaunchError, match="get_batch"):
+        launcher.wrap_pretrain(fake_pretrain)(lambda n: None, lambda: None, "t", namespace["forward_step"])
+
+
+def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
+    def args(**kw):
+        base = dict(train_iters=10, mock_data=True, eval_iters=0, eval_interval=100)
+        base.update(kw)
+        return argparse.Namespace(**base)
+
+    pretrain_hooks.check_megatron_args(args())
+    for bad, pattern in ((dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
+                         (dict(context_parallel_size=2), "context parallelism"),
+                         (dict(eod_mask_loss=True), "--eod-mask-loss"),
+                         (dict(iterations_to_skip=[3]), "--iterations-to-skip"),
+                         (dict(train_iters=None), "--train-iters"),
+                         (dict(mock_data=False, data_path=None), "--data-path"),
+                         (dict(mock_data=False, data_path=["0.5", "a", "0.5", "b"]), "one dataset"),
+                         (dict(mock_data=False, data_path=["x"], train_data_path=["t"]), "--data-path"),
+                         (dict(eval_iters=2, eval_interval=None), "--eval-interval")):
+        with pytest.raises(DynapipeArgumentError, match=re.escape(pattern)):
+            pretrain_hooks.check_megatron_args(args(**bad))
+    pretrain_hooks.check_megatron_args(args(mock_data=False, data_path=["1.0", "prefix"]))
+
+
+def test_split_and_mock_datasets():
+    data = pretrain_hooks.mock_dataset(100, max_seq_len=32, vocab_size=50, seed=3)
+    assert len(data) == 100 and data.lengths.min() >= 4 and data.lengths.max() <= 32
+    sample = data[0]
+    assert ((sample[1:] - sample[:-1]) % 50 == 1).all()  # counts up: learnable
+    train, valid, test = pretrain_hooks.split_dataset(data, "969, 30, 1")
+    assert (len(train), len(valid), len(test)) == (97, 3, 0)
+    assert (valid[0] == data[97]).all() and list(valid.lengths) == list(data.lengths[97:100])
+    assert [len(s) for s in pretrain_hooks.split_dataset(data, None)] == [100, 0, 0]
+    with pytest.raises(DynapipeArgumentError, match="--split"):
+        pretrain_hooks.split_dataset(data, "0,0,0")
+    import pickle
+
+    assert (pickle.loads(pickle.dumps(valid))[1] == data[98]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# A whole launch against a stand-in megatron.training (subprocess, no checkout)
+# --------------------------------------------------------------------------------------------
+
+FAKE_TRAINING = '''
+"""Stand-in for megatron.training: parses with the extra provider and reports what it was given."""
+import argparse, json
+_ARGS = None
+
+def get_args():
+    return _ARGS
+
+def pretrain(datasets_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, **kwargs):
+    global _ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int)
+    parser = extra_args_provider(parser)
+    _ARGS = parser.parse_args()
+    report = {
+        "hooks": [bool(getattr(f, "__dynapipe_hook__", False)) for f in
+                  (datasets_provider, model_provider, extra_args_provider, forward_step_func.__globals__["get_batch"])],
+        "datasets": datasets_provider([8, 0, 0]),
+        "model": model_provider(pre_process=True, post_process=True),
+        "forward": forward_step_func(iter([5]), None),
+        "dynapipe": _ARGS.dynapipe,
+    }
+    print("FAKE-PRETRAIN " + json.dumps(report), flush=True)
+'''
+
+FAKE_SCRIPT = '''
+from megatron.training import pretrain
+
+def get_batch(data_iterator, vp_stage=None):
+    return ["original", next(data_iterator)]
+
+def forward_step(data_iterator, model):
+    return get_batch(data_iterator)
+
+def train_valid_test_datasets_provider(num_samples):
+    return ["datasets", num_samples]
+
+def model_provider(pre_process=True, post_process=True):
+    return "model"
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, "encoder_or_decoder", forward_step,
+             extra_args_provider=None)
+'''
+
+
+def _fake_checkout(tmp_path) -> Path:
+    (tmp_path / "megatron" / "training").mkdir(parents=True)  # a namespace portion beside megatron-core's
+    (tmp_path / "megatron" / "training" / "__init__.py").write_text(FAKE_TRAINING)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(FAKE_SCRIPT)
+    return script
+
+
+def _launch_fake(tmp_path, *args):
+    script = _fake_checkout(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_launch_runs_the_script_as_main_with_the_hooks_installed(tmp_path):
+    proc = _launch_fake(tmp_path, "--num-layers", "2")
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("FAKE-PRETRAIN "))
+    report = json.loads(line.split(" ", 1)[1])
+    assert report == {"hooks": [True, True, True, True], "datasets": ["datasets", [8, 0, 0]], "model": "model",
+                      "forward": ["original", 5], "dynapipe": False}
+    assert "hooked the script's get_batch" in proc.stdout
+    assert "DynaPipe is off" in proc.stdout
+
+
+def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path):
+    proc = _launch_fake(tmp_path, "--dynapipe")
+    assert proc.returncode != 0
+    assert "--dynapipe needs --dynapipe-memory-limit MB" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# CPU redirection is narrow (no checkout)
+# --------------------------------------------------------------------------------------------
+
+FAKE_SPOTS = '''
+import torch
+
+def spot_body():
+    t = torch.zeros(2, device="cuda")
+    return t.device.type, str(torch.cuda.current_device())
+
+def spot_calling_other():
+    torch.zeros(1, device="cuda")
+    return not_a_spot()
+
+def not_a_spot():
+    return torch.zeros(1, device="cuda").device.type
+
+def needs_cuda():
+    raise AssertionError("Megatron requires CUDA.")
+'''
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks CPU redirection on a machine without CUDA")
+def test_cpu_redirection_reaches_only_the_named_bodies(tmp_path, monkeypatch):
+    (tmp_path / "fake_lm_spots.py").write_text(FAKE_SPOTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_lm_spots as m
+
+    spots = (
+        launcher.LMSpot("fake_lm_spots", "spot_body", ('device="cuda"',), "test", cuda=("current_device",)),
+        launcher.LMSpot("fake_lm_spots", "spot_calling_other", ('device="cuda"',), "test"),
+        launcher.LMSpot("fake_lm_spots", "needs_cuda", ("Megatron requires CUDA",), "test", kind="replace",
+                        replacement=lambda original: (lambda: "replaced")),
+    )
+    stale = launcher.LMSpot("fake_lm_spots", "not_a_spot", ("torch.cuda.Stream()",), "test")
+    with pytest.raises(launcher.LaunchError, match=r"fake_lm_spots\.py:not_a_spot.*torch\.cuda\.Stream"):
+        launcher.enable_megatron_lm_cpu_mode(spots + (stale,))
+    assert launcher._cpu.mode is None  # a failed check patches nothing
+
+    import torch
+
+    launcher.enable_megatron_lm_cpu_mode(spots)
+    try:
+        assert m.spot_body() == ("cpu", "cpu")
+        assert m.needs_cuda() == "replaced"
+        with pytest.raises((AssertionError, RuntimeError)):
+            m.spot_calling_other()  # its own zeros are redirected; not_a_spot's are not
+        with pytest.raises((AssertionError, RuntimeError)):
+            m.not_a_spot()
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()  # only inside spot_body
+        calls = launcher.cpu_spot_calls()
+        assert calls["fake_lm_spots.py:spot_body"] == 2 and calls["fake_lm_spots.py:needs_cuda"] == 1
+    finally:
+        launcher.disable_megatron_lm_cpu_mode()
+    with pytest.raises(AssertionError, match="Megatron requires CUDA"):
+        m.needs_cuda()
+    with pytest.raises((AssertionError, RuntimeError)):
+        m.spot_body()
+
+
+# --------------------------------------------------------------------------------------------
+# With a Megatron-LM checkout (MEGATRON_LM_DIR)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkout() -> Path:
+    value = os.environ.get("MEGATRON_LM_DIR")
+    if not value:
+        pytest.skip(NO_CHECKOUT)
+    path = Path(value).expanduser().resolve()
+    if not (path / "pretrain_gpt.py").is_file():
+        pytest.fail(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py: point it at a Megatron-LM checkout")
+    return path
+
+
+def _env(**extra) -> dict:
+    """The children's environment: this venv's python first on PATH (Megatron builds its dataset
+    helpers with `python3 -m pybind11`), one thread per process on these small models."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), *extra.pop("pythonpath", []),
+                                                     os.environ.get("PYTHONPATH", "")] if p)
+    env.update(extra)
+    return env
+
+
+def test_patch_applies_to_the_checkout(checkout):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    proc = subprocess.run(["git", "-C", str(checkout), "apply", "--check", str(PATCH)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"git apply --check failed in {checkout}: {proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def training_ready(checkout) -> Path:
+    """Skip (saying why) unless Megatron-LM's training package imports and its C++ dataset
+    helpers build here; also checks every CPU spot against the checkout's source."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(checkout)!r})
+        try:
+            import megatron.training.training, megatron.training.initialize
+        except ModuleNotFoundError as exc:
+            print("MISSING", exc.name); raise SystemExit(3)
+        from megatron_dynapipe.megatron.launcher import LM_CPU_SPOTS, _resolve_spot
+        for spot in LM_CPU_SPOTS:
+            _resolve_spot(spot)
+        print("SPOTS-OK", len(LM_CPU_SPOTS))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    if proc.returncode == 3:
+        missing = proc.stdout.split("MISSING", 1)[1].strip()
+        pytest.skip(f"Megatron-LM's training package cannot be imported here (no module {missing!r}); it needs "
+                    "six, regex, pyyaml, pydantic, triton and pybind11 beyond megatron-core: pip install --target "
+                    "DIR them and put DIR on PYTHONPATH")
+    assert proc.returncode == 0 and "SPOTS-OK" in proc.stdout, proc.stdout + proc.stderr
+    make = subprocess.run(["make", "-C", str(checkout / "megatron" / "core" / "datasets")], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    if make.returncode != 0:
+        pytest.skip("Megatron-LM's C++ dataset helpers (compiled at start-up by initialize_megatron) do not build "
+                    f"here: {make.stderr.strip().splitlines()[-1:]}; pip install pybind11 where PATH's python3 "
+                    "sees it")
+    return checkout
+
+
+def _free_ports(n: int) -> list[int]:
+    """n consecutive free TCP ports (the KV stores use --dynapipe-kv-port and the next one)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return list(range(base, base + n))
+    raise RuntimeError("no free ports")
+
+
+TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
+            "--attention-dropout", "0", "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "127", "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "4",
+            "--lr", "1e-3", "--lr-decay-style", "constant", "--pipeline-model-parallel-size", "2",
+            "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "2"]
+# 2 MB of planned memory on this tiny model forces several variable-length micro-batches per batch.
+DYNAPIPE = ["--dynapipe", "--dynapipe-memory-limit", "2", "--dynapipe-fast-mode", "--dynapipe-preprocess-workers", "1"]
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")
+PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batches \[([^\]]*)\]")
+
+
+def _smoke(script: Path, data_args: list[str], *, pythonpath=(), timeout=240):
+    master, kv, _kv_valid = _free_ports(3)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(master), "-m", "megatron_dynapipe.megatron.launcher", "--cpu", str(script),
+               *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv)]
+    proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
+                          timeout=timeout, cwd=script.parent)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    losses = [float(loss) for _, loss in ITERATION.findall(proc.stdout)]
+    plans = [(int(n), shapes.split()) for _, n, shapes in PLAN.findall(proc.stdout)]
+    return proc.stdout, losses, plans
+
+
+def _check_training(stdout, losses, plans):
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), stdout[-4000:]
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+    # Planned micro-batches: several per batch, of different padded lengths, and not Megatron's
+    # fixed global_batch / micro_batch_size = 8 micro-batches of 2 x 64.
+    assert len(plans) == 4, stdout[-4000:]
+    for count, shapes in plans:
+        assert count == len(shapes) >= 2
+        assert len({s.split("x")[1] for s in shapes}) >= 2
+        assert sum(int(s.split("x")[0]) for s in shapes) <= 16
+    assert any(count != 8 for count, _ in plans)
+    assert "validation loss at iteration 2" in stdout and "validation loss at iteration 4" in stdout
+    assert "megatron-dynapipe launch --cpu: redirected" in stdout
+    assert "runs the planned schedule in train_step and evaluate" in stdout
+
+
+@pytest.fixture(scope="module")
+def launcher_run(training_ready):
+    return _smoke(training_ready / "pretrain_gpt.py", ["--mock-data"])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_through_the_launcher(launcher_run):
+    stdout, losses, plans = launcher_run
+    _check_training(stdout, losses, plans)
+    assert "hooked the script's get_batch, train_valid_test_datasets_provider" in stdout
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_of_the_patched_script_matches_the_launcher(training_ready, launcher_run, tmp_path):
+    patched = tmp_path / "pretrain_gpt.py"
+    shutil.copy(training_ready / "pretrain_gpt.py", patched)
+    proc = subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # the patched copy sits outside the checkout: the checkout's modules come from PYTHONPATH
+    stdout, losses, plans = _smoke(patched, ["--mock-data"], pythonpath=[str(training_ready)])
+    _check_training(stdout, losses, plans)
+    assert "calls megatron_dynapipe's pretrain hooks itself (patched)" in stdout
+    assert losses == launcher_run[1] and plans == launcher_run[2]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_on_a_megatron_indexed_dataset(training_ready, tmp_path):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(tmp_path / "docs.bin"), dtype=np.int32)
+    for _ in range(200):  # documents that count up, some longer than --seq-length (truncated)
+        n, start = int(rng.integers(6, 90)), int(rng.integers(0, 127))
+        builder.add_document(torch.tensor((start + np.arange(n)) % 127, dtype=torch.int32), [n])
+    builder.finalize(str(tmp_path / "docs.idx"))
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
+                                   ["--data-path", str(tmp_path / "docs"), "--split", "90,10,0",
+                                    "--dynapipe-truncate-samples"])
+    _check_training(stdout, losses, plans)
