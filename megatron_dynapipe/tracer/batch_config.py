@@ -484,7 +484,7 @@ class RankResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "seconds": round(self.seconds, 4)}
 
 
 @dataclass
@@ -736,6 +736,9 @@ def _run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None)
                 pass  # died before sending: reported from the exit code below
             finally:
                 child.join(10)
+                if child.is_alive():  # reported, but stuck on its way out
+                    child.kill()
+                    child.join()
         else:
             child.kill()
             child.join()

@@ -1,0 +1,162 @@
+"""What the fake-rank tracer costs: the fake topology of a W=8192 job, and one config vs PP and W.
+
+    python benchmarks/bench_tracer.py [--json] [--repeat 3] [--model 6.7] [--tp 8]
+                                      [--worlds 1024 8192] [--pps 2 4 8] [--real-compute]
+
+1. **Fake topology**: torch's fake process group plus megatron-core's
+   ``initialize_model_parallel`` for ranks of a W=8192 job (TP=8, PP=16 and TP=2, PP=2),
+   median of ``--repeat`` set-ups (the first set-up in the process, which pays for lazy
+   imports inside torch and megatron, is reported apart).
+2. **Per config**: :func:`~megatron_dynapipe.tracer.batch_config.run_batch` on one config
+   ``W PP TP`` (shapes-only unless ``--real-compute``, one warm-up and one traced iteration,
+   one forked process per rank), median of ``--repeat`` runs, for every W in ``--worlds`` and
+   PP in ``--pps``: the seconds per config should grow with PP (one rank per stage is traced)
+   and stay flat in W.
+
+Imports of torch and megatron are paid once, before any timing, and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_dynapipe.tracer.batch_config import TraceConfig, run_batch  # noqa: E402
+from megatron_dynapipe.tracer.models import get_model  # noqa: E402
+
+
+def median_of(fn, repeat: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def bench_imports() -> float:
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.parallel_state  # noqa: F401
+        import torch.distributed  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+        from megatron_dynapipe.tracer import fake_rank  # noqa: F401
+        from megatron_dynapipe.tracer.batch_config import preload_tracer_modules
+
+        preload_tracer_modules()
+    return time.perf_counter() - start
+
+
+def fake_topology(world: int, tp: int, pp: int, rank: int) -> None:
+    """Stand up (and tear down) the fake process group and megatron's groups for ``rank``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
+        assert dist.get_world_size() == world
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_topology(repeat: int) -> list[dict]:
+    rows = []
+    for world, tp, pp, rank in ((8192, 8, 16, 512), (8192, 2, 2, 4096)):
+        first_start = time.perf_counter()
+        fake_topology(world, tp, pp, rank)
+        first = time.perf_counter() - first_start
+        median, times = median_of(lambda: fake_topology(world, tp, pp, rank), repeat)
+        rows.append({"world_size": world, "tp": tp, "pp": pp, "rank": rank, "first_s": first,
+                     "median_s": median, "times_s": times})
+    return rows
+
+
+def bench_configs(model: str, tp: int, worlds: list[int], pps: list[int], repeat: int,
+                  shapes_only: bool) -> list[dict]:
+    shape = get_model(model)
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for world in worlds:
+            for pp in pps:
+                config = TraceConfig(world, pp, tp, model=shape)
+                row = {"world_size": world, "pp": pp, "tp": tp, "dp": config.dp,
+                       "num_microbatches": config.microbatches}
+
+                def one():
+                    (result,) = run_batch([config], out, shapes_only=shapes_only, progress=False)
+                    if result.status != "ok":
+                        raise RuntimeError(f"W={world} PP={pp}: {result.status}: "
+                                           f"{result.error or '; '.join(result.reasons)}")
+                    row["ranks_traced"] = result.ranks_traced
+                    row["ops"] = sum(r.stats.get("ops", 0) for r in result.ranks)
+
+                try:
+                    median, times = median_of(one, repeat)
+                except RuntimeError as error:
+                    row["error"] = str(error)
+                else:
+                    row.update(median_s=median, times_s=times, per_rank_s=median / row["ranks_traced"])
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median); default 3")
+    parser.add_argument("--model", default="6.7", help="model traced per config (default 6.7)")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--pps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--real-compute", action="store_true", help="trace with real compute, not shapes-only")
+    parser.add_argument("--no-configs", action="store_true", help="only time the fake topology")
+    args = parser.parse_args(argv)
+
+    import_s = bench_imports()
+    topology = bench_topology(args.repeat)
+    configs = [] if args.no_configs else bench_configs(
+        args.model, args.tp, args.worlds, args.pps, args.repeat, shapes_only=not args.real_compute)
+    if args.json:
+        print(json.dumps({"repeat": args.repeat, "import_s": import_s, "topology": topology,
+                          "model": get_model(args.model).label, "shapes_only": not args.real_compute,
+                          "configs": configs}, indent=2))
+        return 0
+
+    print(f"imports (torch, megatron.core, the tracer): {import_s:.2f} s, paid once per batch")
+    print()
+    print(f"fake topology (fake process group + initialize_model_parallel), median of {args.repeat}")
+    print(f"{'W':>6} {'TP':>3} {'PP':>3} {'rank':>5} {'first s':>8} {'median s':>9}")
+    for r in topology:
+        print(f"{r['world_size']:>6} {r['tp']:>3} {r['pp']:>3} {r['rank']:>5} {r['first_s']:>8.3f} "
+              f"{r['median_s']:>9.3f}")
+    if configs:
+        mode = "real compute" if args.real_compute else "shapes-only"
+        print()
+        print(f"one config, {get_model(args.model).label} {mode}, TP={args.tp}, median of {args.repeat} "
+              f"(one forked process per rank)")
+        print(f"{'W':>6} {'PP':>3} {'DP':>5} {'ranks':>5} {'ops':>7} {'config s':>9} {'per rank s':>10}")
+        for r in configs:
+            if "error" in r:
+                print(f"{r['world_size']:>6} {r['pp']:>3} {r['dp']:>5}  error: {r['error']}")
+                continue
+            print(f"{r['world_size']:>6} {r['pp']:>3} {r['dp']:>5} {r['ranks_traced']:>5} {r['ops']:>7} "
+                  f"{r['median_s']:>9.2f} {r['per_rank_s']:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
