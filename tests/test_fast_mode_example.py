@@ -1,0 +1,64 @@
+"""examples/megatron_fast_mode_example.py under torchrun with 2 processes: a tiny megatron-core
+GPT trains on CPU with DynaPipe's planned schedule, planned in fast mode, and its loss falls."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "megatron_fast_mode_example.py"
+BUDGET_S = 110  # the example must run in under 2 minutes here, start-up included
+
+
+def _two_free_ports() -> int:
+    """A free port whose successor is free too (torchrun's MASTER_PORT; the KV store takes +1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--pp", "2"], ["--pp", "1", "--iters", "8"]], ids=["pp2", "dp2"])
+def test_example_trains_with_planned_fast_mode_schedule(tmp_path, layout):
+    summary_file = tmp_path / "summary.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DYNAPIPE_FAST_MODE", None)  # the example turns fast mode on itself
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_two_free_ports()), str(EXAMPLE), *layout, "--summary", str(summary_file)]
+    started = time.monotonic()
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BUDGET_S)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert elapsed < BUDGET_S
+
+    summary = json.loads(summary_file.read_text())
+    pp = int(layout[1])
+    assert summary["layout"] == {"pp": pp, "dp": 2 // pp, "tp": 1}
+    # Fast mode: the setting the planning workers read from the KV store, and its effect: fast
+    # mode schedules wait-free-cyclic only (normal mode may also pick 1F1B).
+    assert summary["fast_mode"] == "true"
+    assert summary["schedules"] == ["wait-free-cyclic"]
+    assert summary["planning_one_batch"]["fast"]["schedule"] == "wait-free-cyclic"
+    # Planned micro-batches: several per global batch (the 6 MB limit forces it).
+    assert all(n >= 2 for n in summary["microbatch_counts"])
+    losses = summary["losses"]
+    assert len(losses) == (20 if pp == 2 else 8)
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+    assert "fast mode (as the planning workers read it): true" in proc.stdout
