@@ -187,6 +187,7 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
                          (dict(eod_mask_loss=True), "--eod-mask-loss"),
                          (dict(iterations_to_skip=[3]), "--iterations-to-skip"),
                          (dict(train_iters=None), "--train-iters"),
+                         (dict(full_validation=True), "--full-validation"),
                          (dict(mock_data=False, data_path=None), "--data-path"),
                          (dict(mock_data=False, data_path=["0.5", "a", "0.5", "b"]), "one dataset"),
                          (dict(mock_data=False, data_path=["x"], train_data_path=["t"]), "--data-path"),
@@ -194,6 +195,7 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
         with pytest.raises(DynapipeArgumentError, match=re.escape(pattern)):
             pretrain_hooks.check_megatron_args(args(**bad))
     pretrain_hooks.check_megatron_args(args(mock_data=False, data_path=["1.0", "prefix"]))
+    pretrain_hooks.check_megatron_args(args(train_iters=None, train_samples=640))  # iterations derived later
 
 
 def test_split_and_mock_datasets():

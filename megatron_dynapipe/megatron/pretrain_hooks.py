@@ -153,8 +153,13 @@ def check_megatron_args(args: argparse.Namespace) -> None:
         refuse("--iterations-to-skip fast-forwards Megatron's own batches: drop it with --dynapipe")
     if getattr(args, "phase_transition_iterations", None):
         refuse("--phase-transition-iterations restarts Megatron's own data loaders: drop it with --dynapipe")
-    if getattr(args, "train_iters", None) is None:
-        refuse("--dynapipe needs the number of iterations: pass --train-iters (or --train-samples)")
+    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is None:
+        refuse("--dynapipe needs the length of the run: pass --train-iters (or --train-samples)")
+    for flag, name in (("--full-validation", "full_validation"),
+                       ("--multiple-validation-sets", "multiple_validation_sets")):
+        if getattr(args, name, False):
+            refuse(f"{flag} is not supported with --dynapipe (validation runs --eval-iters planned batches of the "
+                   f"--split valid range): drop {flag}")
     if not getattr(args, "mock_data", False):
         paths = getattr(args, "data_path", None)
         if getattr(args, "train_data_path", None) or getattr(args, "data_args_path", None) or \
