@@ -181,7 +181,7 @@ class LMSpot:
     * ``"body"`` -- the function stays as it is; inside *its own body* (and nowhere else)
       ``device="cuda"`` arguments of torch functions become ``"cpu"``, ``Tensor.cuda()`` is a
       no-op and the ``torch.cuda`` functions in ``cuda`` answer for the CPU (see
-      :data:`_CPU_CUDA`). Calls the body makes into other functions are not touched, so a CUDA
+      ``_cpu_answers``). Calls the body makes into other functions are not touched, so a CUDA
       use anywhere else still fails loudly.
     * ``"replace"`` -- ``replacement(original)`` takes its place in every loaded ``megatron``
       module that bound it.
@@ -611,7 +611,8 @@ def launch(options: LaunchOptions) -> int:
         import torch
 
         if torch.cuda.is_available():
-            print(f"{PROG}: --cpu on a machine with CUDA: the run stays on the CPU", file=sys.stderr)
+            raise LaunchError("--cpu is for machines without CUDA (it answers Megatron-LM's CUDA calls for the "
+                              "CPU, which would mix devices here): drop --cpu")
     installed = _Installed()
     with _script_environment(options) as argv:
         _check_megatron_is_the_checkouts(options)
