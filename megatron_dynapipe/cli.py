@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .tracer.cli import add_trace_parser
 
     add_trace_parser(sub)
+    from .megatron.launcher import add_launch_parser
+
+    add_launch_parser(sub)
     _bench_parser(sub)
     return parser
 
