@@ -227,3 +227,10 @@ def test_arguments_stay_light():
             "sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dense_model_gets_a_dispatcher_that_allows_variable_lengths():
+    # Megatron-LM defaults to the allgather dispatcher, which TransformerConfig refuses together
+    # with variable_seq_lengths even without experts; a dense model is switched to alltoall.
+    args = validated(*ON, moe_token_dispatcher_type="allgather")
+    assert args.moe_token_dispatcher_type == "alltoall" and args.variable_seq_lengths is True

@@ -272,11 +272,16 @@ def validate_dynapipe_args(args: argparse.Namespace) -> argparse.Namespace:
             f"--recompute-granularity {granularity} conflicts with --dynapipe, which picks recompute per "
             f"micro-batch: drop it (restrict the choices with --dynapipe-recompute {granularity})"
         )
-    if getattr(args, "num_experts", None) and _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
-        raise DynapipeArgumentError(
-            "--dynapipe's variable-length micro-batches need --moe-token-dispatcher-type alltoall "
-            "(the allgather dispatcher assumes one sequence length)"
-        )
+    if _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
+        if getattr(args, "num_experts", None):
+            raise DynapipeArgumentError(
+                "--dynapipe's variable-length micro-batches need --moe-token-dispatcher-type alltoall "
+                "(the allgather dispatcher assumes one sequence length)"
+            )
+        if hasattr(args, "moe_token_dispatcher_type"):
+            # TransformerConfig refuses variable_seq_lengths with the allgather dispatcher even for a
+            # dense model, which never dispatches tokens: alltoall changes nothing else there.
+            args.moe_token_dispatcher_type = "alltoall"
     if getattr(args, "cuda_graph_impl", "none") == "local" or getattr(args, "enable_cuda_graph", False):
         raise DynapipeArgumentError(
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"

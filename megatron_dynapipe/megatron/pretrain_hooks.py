@@ -208,10 +208,6 @@ def setup(args: Optional[argparse.Namespace] = None):
         if getattr(args, "dynapipe", False):
             validate_dynapipe_args(args)
             check_megatron_args(args)
-            if not getattr(args, "num_experts", None) and getattr(args, "moe_token_dispatcher_type", None) == "allgather":
-                # megatron-core's TransformerConfig refuses variable_seq_lengths with the allgather
-                # dispatcher even for a dense model, which never dispatches tokens: use alltoall.
-                args.moe_token_dispatcher_type = "alltoall"
             if getattr(args, "dataloader_type", None) not in (None, "single", "external"):
                 warnings.warn(f"--dataloader-type {args.dataloader_type} is replaced by DynaPipe's loaders", stacklevel=2)
             args.dataloader_type = "external"  # Megatron passes the loaders through as they are
