@@ -46,8 +46,8 @@ _EPILOG = (
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the ``trace`` command, on any parser."""
     src = p.add_argument_group("configs")
-    src.add_argument("--config", action="append", default=[], metavar="'W PP TP[ CP EP]'",
-                     help="a config line (repeatable)")
+    src.add_argument("--config", action="append", default=[], metavar="LINE",
+                     help="a config 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (repeatable)")
     src.add_argument("--configs", "--config-file", dest="config_files", action="append", default=[],
                      metavar="FILE", help="a file of config lines (repeatable)")
     src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
