@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT pre-training at full scale, traced with fake ranks: a batch of parallel layouts, one run.
 #
-#   examples/update_pretrain_gpt.sh                          # BATCH_CONFIGS below, on this CPU machine
+#   examples/update_pretrain_gpt.sh                          # BATCH_CONFIGS below, GPT-6.7B, this CPU machine
 #   examples/update_pretrain_gpt.sh "8192 16 8" "4096 16 4"  # these configs instead
 #   MODEL_SIZE=175 examples/update_pretrain_gpt.sh "8192 16 8"
 #   MEGATRON_LM_DIR=~/Megatron-LM examples/update_pretrain_gpt.sh
@@ -18,7 +18,9 @@
 # * Default (MEGATRON_LM_DIR unset): `megatron-dynapipe trace` on this machine.  Each
 #   representative rank (one per pipeline stage; x EP for MoE) is traced in a forked process
 #   pretending to be that rank of the full job; models too big for this machine's memory are
-#   traced shapes-only.  The default (tiny, 8192/2/2) takes well under a minute on 2 CPU cores.
+#   traced shapes-only.  The default (GPT-6.7B, 8192/2/2: shapes-only, since one rank would need
+#   about 55 GiB) takes about 25 s on 2 CPU cores; MODEL_SIZE=tiny computes every op for real
+#   (about 20 s).
 # * MEGATRON_LM_DIR set: Megatron-LM's own pretrain_gpt.py runs once per representative rank,
 #   under torchrun with one local process, with the fake-rank flags
 #       --is-scaling-mode --fake-world-size W --fake-pp P --fake-tp T --fake-current-rank-id R
@@ -30,7 +32,7 @@
 #   the rank ends).  DRY_RUN=1 prints the torchrun commands instead of running them.
 #
 # Environment
-#   MODEL_SIZE        model name (default tiny)
+#   MODEL_SIZE        model name (default 6.7)
 #   OUTPUT_DIR        where the per-config folders go (default ./traces)
 #   MICRO_BATCH_SIZE  default 1
 #   GLOBAL_BATCH_SIZE default: micro-batch size x PP x DP (one micro-batch per stage)
@@ -59,7 +61,7 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-MODEL_SIZE="${MODEL_SIZE:-tiny}"
+MODEL_SIZE="${MODEL_SIZE:-6.7}"
 OUTPUT_DIR="${OUTPUT_DIR:-$PWD/traces}"
 MICRO_BATCH_SIZE="${MICRO_BATCH_SIZE:-1}"
 GLOBAL_BATCH_SIZE="${GLOBAL_BATCH_SIZE:-}"

@@ -620,7 +620,9 @@ def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert time.perf_counter() - start < 600
     (folder,) = tmp_path.iterdir()
-    assert folder.name.startswith("SIM_GPT_") and "_WS8192_PP2_TP2_" in folder.name
+    assert folder.name.startswith("SIM_GPT_6.7B_Config0_WS8192_PP2_TP2_DP2048_"), folder.name
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["shapes_only"] is True and summary["timeline"]
     assert {"fake_rank_0.log", "fake_rank_4096.log", "rank_0.trace.jsonl", "rank_4096.trace.jsonl",
             "summary.json"} <= {p.name for p in folder.iterdir()}
 
