@@ -9,12 +9,13 @@
 
 For each rank, in this one process (importing megatron takes seconds; a process per rank would
 pay that every time): ``torch.distributed.init_process_group("fake", store=FakeStore(), rank=r,
-world_size=W)``, megatron-core ``initialize_model_parallel`` at the layout's TP/PP/CP/EP, the
-rank's ``GPTModel`` stage with its real TP-sharded shapes (local layer spec with
-``use_cpu_initialization`` on CPU, transformer-engine spec on CUDA when it imports), megatron DDP
-and optimizer, ``warmup_iters`` untraced and ``trace_iters`` traced training steps through
-megatron-core's own ``get_forward_backward_func()`` (1F1B when PP > 1), then teardown
-(``destroy_model_parallel`` + ``destroy_process_group``) so the next rank can start.
+world_size=W)``, megatron-core ``initialize_model_parallel`` at the layout's TP/PP/CP/EP (only
+the groups that contain rank r are created, :mod:`.fake_groups`, so the set-up costs about as
+much at W = 8192 as at W = 64), the rank's ``GPTModel`` stage with its real TP-sharded shapes
+(local layer spec with ``use_cpu_initialization`` on CPU, transformer-engine spec on CUDA when it
+imports), megatron DDP and optimizer, ``warmup_iters`` untraced and ``trace_iters`` traced
+training steps through megatron-core's own ``get_forward_backward_func()`` (1F1B when PP > 1),
+then teardown (``destroy_model_parallel`` + ``destroy_process_group``) so the next rank can start.
 
 The fake backend's collectives return at once and receives leave garbage; the recorder fills
 them with the values a job of identical peers would see (:mod:`.recorder`, ``fill=True``), so
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from .fake_groups import member_groups_only
 from .recorder import Recorder, storage_key
 from .topology import (
     ParallelLayout,
@@ -717,15 +719,18 @@ def trace_initialized_rank(
         if shapes_only:
             stack.enter_context(MetaMode())
         stack.callback(_teardown_megatron)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.expert_tp,
-            order=layout.order,
-            create_gloo_process_groups=False,
-        )
+        # a fake rank creates only its own groups (the same ones, the same state); a real job's
+        # ranks must all take part in every group megatron creates
+        with member_groups_only() if dist.get_backend() == "fake" else contextlib.nullcontext():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=layout.pp,
+                context_parallel_size=layout.cp,
+                expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.expert_tp,
+                order=layout.order,
+                create_gloo_process_groups=False,
+            )
         groups = _check_groups(layout, rank)
 
         torch.manual_seed(seed)

@@ -1,0 +1,249 @@
+"""Only this rank's process groups: megatron-core's group set-up at a cost that does not grow with W.
+
+Why
+---
+megatron-core's ``initialize_model_parallel`` builds every process group of the job on every
+rank: torch's ``new_group`` must be entered by all ranks of the world, members or not, so the
+function enumerates each kind of group with ``RankGenerator.get_ranks`` (pure Python over all W
+ranks) and calls ``parallel_state.create_group`` -> ``torch.distributed.new_group`` for each one,
+tens of thousands of calls at W = 8192.  A rank keeps only the groups it belongs to; for the
+others ``new_group`` validates the ranks, takes a group name and returns
+``GroupMember.NON_GROUP_MEMBER`` (megatron keeps none of those: every assignment in
+``initialize_model_parallel`` sits under ``if rank in ranks``, and ``create_group`` only records
+member groups in ``_global_process_group_list``).  A fake rank has no peers that need it to take
+part, so that work is pure overhead, a few seconds per traced rank at W = 8192.
+
+What
+----
+:func:`member_groups_only` is a context manager for the fake backend only that, while it is
+active, replaces two functions of ``megatron.core.parallel_state`` (module attributes, put back on
+exit):
+
+* ``create_group``: a group that contains this rank is created by megatron's own function, as
+  before; for a group that does not, the stand-in returns ``GroupMember.NON_GROUP_MEMBER`` at once,
+  which is what ``torch.distributed.new_group`` returns there, after doing the two things the real
+  call would have left behind: torch's group counter advances by one (it names groups, so this
+  rank's groups keep the names ``"<n>"`` a full set-up gives them) and megatron's
+  ``_global_process_group_list`` exists.  Calls with ``ranks=None`` or
+  ``use_local_synchronization=True`` (which torch answers differently) go to megatron's function.
+* ``generate_masked_orthogonal_rank_groups`` (what ``RankGenerator.get_ranks`` calls): the same
+  lists of groups, in the same order, from one numpy transpose instead of a Python loop per rank.
+
+So megatron-core still runs its own ``initialize_model_parallel`` and ends in exactly the state a
+full set-up leaves (the same groups, ranks, group names and global lists); the loops over the
+world remain, but each non-member iteration costs about a microsecond.
+
+Guards: the stand-ins refuse to install (:class:`UpstreamChanged`) when the functions they replace
+no longer look like the ones they were written against (parameters, the names ``create_group``
+uses, the generator's output on small layouts compared with megatron's own), when the torch
+internals they touch are gone, when the default process group is not the fake backend, or when
+they are already installed.  Tests: ``tests/test_fake_groups.py`` compares a set-up under
+:func:`member_groups_only` with megatron's unaided one, group for group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+__all__ = [
+    "FakeGroupStats",
+    "UpstreamChanged",
+    "masked_orthogonal_rank_groups",
+    "member_groups_only",
+]
+
+#: ``parallel_state.create_group``'s parameters in megatron-core 0.16.
+CREATE_GROUP_PARAMS = ("ranks", "timeout", "backend", "pg_options", "use_local_synchronization",
+                       "group_desc")
+#: Global names ``create_group`` must use: it calls ``torch.distributed.new_group`` and records
+#: member groups in ``_global_process_group_list`` (the two effects the stand-in reproduces).
+CREATE_GROUP_NAMES = ("new_group", "_global_process_group_list", "get_rank")
+#: ``parallel_state.generate_masked_orthogonal_rank_groups``'s parameters.
+GENERATOR_PARAMS = ("world_size", "parallel_size", "mask")
+
+_MARK = "__dynapipe_fake_groups__"
+
+
+class UpstreamChanged(RuntimeError):
+    """megatron-core or torch no longer matches what :func:`member_groups_only` replaces."""
+
+
+@dataclass
+class FakeGroupStats:
+    """What happened while :func:`member_groups_only` was active."""
+
+    rank: int
+    #: calls passed on to megatron's ``create_group`` (groups that contain the rank, and the
+    #: ``ranks=None`` / ``use_local_synchronization=True`` calls it answers itself)
+    created: int = 0
+    #: groups that do not, answered ``NON_GROUP_MEMBER`` without ``torch.distributed.new_group``
+    skipped: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the rank generator
+
+
+def masked_orthogonal_rank_groups(world_size: int, parallel_size: Sequence[int],
+                                  mask: Sequence[bool]) -> Optional[list[list[int]]]:
+    """megatron-core's ``generate_masked_orthogonal_rank_groups`` without the per-rank loop.
+
+    Ranks are mixed-radix numbers over ``parallel_size`` (first axis fastest).  Group ``g``
+    holds the ranks whose unmasked coordinates spell ``g`` (first unmasked axis fastest), listed
+    with the first masked axis fastest: a C-order grid of the ranks over the reversed sizes,
+    transposed so that the unmasked axes come first, reshaped to (groups, group size).  Returns
+    ``None`` when ``world_size`` is not the product of the sizes (megatron's RankGenerator never
+    asks for that; the caller falls back to megatron's function).
+    """
+    import numpy as np
+
+    sizes = [int(s) for s in parallel_size]
+    if len(mask) != len(sizes) or math.prod(sizes) != world_size:
+        return None
+    n = len(sizes)
+    masked = [i for i in range(n) if mask[i]]
+    unmasked = [i for i in range(n) if not mask[i]]
+    grid = np.arange(world_size, dtype=np.int64).reshape(sizes[::-1] or [1])
+    # numpy axis j is parallel axis n-1-j; in C order the last numpy axis varies fastest
+    order = [n - 1 - i for i in reversed(unmasked)] + [n - 1 - i for i in reversed(masked)]
+    group_size = math.prod(sizes[i] for i in masked)
+    return grid.transpose(order or [0]).reshape(-1, group_size).tolist()
+
+
+#: small layouts on which the generator must agree with megatron's before it stands in for it
+_GENERATOR_PROBES = (
+    (24, (2, 3, 4)),
+    (48, (2, 1, 3, 1, 8)),
+    (16, (2, 2, 2, 2)),
+)
+
+
+def _check_generator(original) -> None:
+    _check_params(original, GENERATOR_PARAMS)
+    for world, sizes in _GENERATOR_PROBES:
+        for bits in range(2 ** len(sizes)):
+            mask = [bool(bits >> i & 1) for i in range(len(sizes))]
+            if masked_orthogonal_rank_groups(world, sizes, mask) != original(world, list(sizes), mask):
+                raise UpstreamChanged(
+                    f"megatron-core's generate_masked_orthogonal_rank_groups{(world, sizes, mask)} "
+                    "no longer gives the groups megatron_dynapipe.tracer.fake_groups computes; "
+                    "update masked_orthogonal_rank_groups to its new numbering"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# create_group
+
+
+def _check_params(fn, expected: Sequence[str]) -> None:
+    try:
+        params = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as error:
+        raise UpstreamChanged(f"cannot read the signature of {fn!r}: {error}") from error
+    if params != tuple(expected):
+        raise UpstreamChanged(
+            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} takes "
+            f"{params}, megatron_dynapipe.tracer.fake_groups was written for {tuple(expected)}; "
+            "check what it does now before updating the stand-in"
+        )
+
+
+def _check_create_group(original) -> None:
+    _check_params(original, CREATE_GROUP_PARAMS)
+    names = set(getattr(getattr(original, "__code__", None), "co_names", ()))
+    missing = [name for name in CREATE_GROUP_NAMES if name not in names]
+    if missing:
+        raise UpstreamChanged(
+            f"megatron-core's create_group no longer uses {missing}: it changed what it does "
+            "around torch.distributed.new_group; update megatron_dynapipe.tracer.fake_groups"
+        )
+
+
+def _torch_internals():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    sentinel = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if world is None or not isinstance(getattr(world, "group_count", None), int) or sentinel is None:
+        raise UpstreamChanged(
+            "torch.distributed no longer has _world.group_count or GroupMember.NON_GROUP_MEMBER, "
+            "which megatron_dynapipe.tracer.fake_groups reproduces for non-member groups"
+        )
+    return world, sentinel
+
+
+# ---------------------------------------------------------------------------------------------
+# the context manager
+
+
+@contextlib.contextmanager
+def member_groups_only() -> Iterator[FakeGroupStats]:
+    """While active, megatron-core's ``parallel_state`` creates only the process groups this
+    rank belongs to and enumerates groups without a Python loop per rank (module docstring).
+
+    Only for the fake backend: on a real job every rank must enter every ``new_group``.  Wrap
+    ``initialize_model_parallel`` and nothing else; yields a :class:`FakeGroupStats` that counts
+    created and skipped groups.  Raises :class:`UpstreamChanged` before touching anything when
+    megatron-core or torch changed what is replaced.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("member_groups_only needs the fake process group initialised")
+    backend = dist.get_backend()
+    if backend != "fake":
+        raise RuntimeError(
+            f"member_groups_only is for torch's fake backend only (this process group is "
+            f"{backend!r}): on a real job every rank must take part in every new_group"
+        )
+    create_group = vars(ps).get("create_group")
+    generator = vars(ps).get("generate_masked_orthogonal_rank_groups")
+    if create_group is None or generator is None:
+        raise UpstreamChanged(
+            "megatron.core.parallel_state has no create_group/generate_masked_orthogonal_rank_groups; "
+            "update megatron_dynapipe.tracer.fake_groups"
+        )
+    if getattr(create_group, _MARK, False) or getattr(generator, _MARK, False):
+        raise RuntimeError("member_groups_only is already active")
+    _check_create_group(create_group)
+    _check_generator(generator)
+    world, non_member = _torch_internals()
+    if not hasattr(ps, "_global_process_group_list"):
+        raise UpstreamChanged("megatron.core.parallel_state has no _global_process_group_list")
+
+    rank = dist.get_rank()
+    stats = FakeGroupStats(rank)
+
+    def create_member_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                            use_local_synchronization=False, group_desc=None):
+        if ranks is None or use_local_synchronization or rank in ranks:
+            stats.created += 1
+            return create_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                use_local_synchronization=use_local_synchronization,
+                                group_desc=group_desc)
+        # what create_group -> new_group leave behind on a non-member rank
+        world.group_count += 1  # torch names groups "0", "1", ... in creation order
+        if ps._global_process_group_list is None:
+            ps._global_process_group_list = [None]  # None stands for the default group
+        stats.skipped += 1
+        return non_member
+
+    def rank_groups(world_size, parallel_size, mask):
+        groups = masked_orthogonal_rank_groups(world_size, parallel_size, mask)
+        return generator(world_size, parallel_size, mask) if groups is None else groups
+
+    for fn in (create_member_group, rank_groups):
+        setattr(fn, _MARK, True)
+    ps.create_group = create_member_group
+    ps.generate_masked_orthogonal_rank_groups = rank_groups
+    try:
+        yield stats
+    finally:
+        ps.create_group = create_group
+        ps.generate_masked_orthogonal_rank_groups = generator
