@@ -343,3 +343,31 @@ def test_model_descriptions():
     with pytest.raises(TypeError, match="cannot build a model"):
         ModelSpec.from_any(3.5)
     assert padded_vocab_size(51200, 8) == 51200 and padded_vocab_size(128, 2) == 256
+
+
+# --------------------------------------------------------------------------------------------
+# trace files
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_trace_files_get_the_mode_of_any_new_file(tmp_path, umask, mode):
+    """Not mkstemp's private 0600: other users read traces, summaries and timelines."""
+    import os
+    import stat
+
+    from megatron_dynapipe.tracer.trace_format import trace_path, write_atomically
+
+    trace = RankTrace(rank=3, stage=0, layout={}, coords={}, groups={}, model={}, iteration={})
+    old = os.umask(umask)
+    try:
+        paths = [trace.write(tmp_path), trace.write_chrome_trace(tmp_path / "timeline.json"),
+                 write_atomically(tmp_path / "sub" / "summary.json", "{}\n")]
+        paths.append(trace.write(tmp_path))  # replacing a file gives the new file the same mode
+    finally:
+        os.umask(old)
+    assert paths[0] == trace_path(tmp_path, 3) == paths[-1]
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
+    assert RankTrace.read(paths[0]).rank == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_3.trace.jsonl", "sub", "timeline.json"]
+
