@@ -346,7 +346,7 @@ def test_model_descriptions():
 
 
 # --------------------------------------------------------------------------------------------
-# trace files
+# trace files and the package
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
@@ -371,3 +371,30 @@ def test_trace_files_get_the_mode_of_any_new_file(tmp_path, umask, mode):
     assert RankTrace.read(paths[0]).rank == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_3.trace.jsonl", "sub", "timeline.json"]
 
+
+def test_tracer_package_reexports_lazily():
+    """``from megatron_dynapipe.tracer import RankTrace, trace_fake_rank``, and importing the
+    package (or RankTrace) imports neither torch nor megatron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import megatron_dynapipe.tracer as tracer\n"
+        "from megatron_dynapipe.tracer import RankTrace\n"
+        "from megatron_dynapipe.tracer.trace_format import RankTrace as direct\n"
+        "assert RankTrace is direct\n"
+        "assert not {'torch', 'megatron'} & set(sys.modules), 'imported too early'\n"
+        "from megatron_dynapipe.tracer import trace_fake_rank\n"
+        "from megatron_dynapipe.tracer.fake_rank import trace_fake_rank as direct\n"
+        "assert trace_fake_rank is direct and 'torch' in sys.modules\n"
+        "assert {'RankTrace', 'trace_fake_rank'} <= set(dir(tracer)) and set(tracer.__all__) == {'RankTrace', 'trace_fake_rank'}\n"
+        "try:\n"
+        "    tracer.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
