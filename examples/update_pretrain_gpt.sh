@@ -21,15 +21,20 @@
 #   traced shapes-only.  The default (GPT-6.7B, 8192/2/2: shapes-only, since one rank would need
 #   about 55 GiB) takes about 25 s on 2 CPU cores; MODEL_SIZE=tiny computes every op for real
 #   (about 20 s).
-# * MEGATRON_LM_DIR set: Megatron-LM's own pretrain_gpt.py runs once per representative rank,
-#   under torchrun with one local process, with the fake-rank flags
+# * MEGATRON_LM_DIR set: Megatron-LM's own pretrain_gpt.py is run once per representative rank
+#   through `megatron-dynapipe launch` (python -m megatron_dynapipe.megatron.launcher), with the
+#   fake-rank flags
 #       --is-scaling-mode --fake-world-size W --fake-pp P --fake-tp T --fake-current-rank-id R
-#   (Megatron-LM must know them: install megatron-dynapipe's Megatron arguments into it).  CP
-#   and EP go through Megatron's --context-parallel-size / --expert-model-parallel-size.  The
-#   ranks, the folder names and the model flags come from the package
-#   (`trace --print-ranks`, `trace --print-model-args`), never from arithmetic in this script.
-#   Each rank's output goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when
-#   the rank ends).  DRY_RUN=1 prints the torchrun commands instead of running them.
+#       --trace-dir <OUTPUT_DIR>/<folder> --trace-start WARMUP_ITERS --trace-iters TRACE_ITERS
+#   The launcher sees --is-scaling-mode and, instead of training, traces that fake rank in one
+#   plain process (no torchrun: Megatron's distributed start-up never runs; the checkout's
+#   megatron-core builds the model) and writes <folder>/rank_<R>.trace.jsonl -- shapes-only
+#   unless the model fits this machine, by the same rule as the default way
+#   (megatron_dynapipe/megatron/scaling_mode.py).  CP and EP go through Megatron's
+#   --context-parallel-size / --expert-model-parallel-size.  The ranks, the folder names and the
+#   model flags come from the package (`trace --print-ranks`, `trace --print-model-args`), never
+#   from arithmetic in this script.  Each rank's output goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log
+#   (moved into place when the rank ends).  DRY_RUN=1 prints the commands instead of running them.
 #
 # Environment
 #   MODEL_SIZE        model name (default 6.7)
@@ -41,7 +46,7 @@
 #   PYTHON            default: the checkout's .venv, else python3
 #   TRACE_ARGS        extra `trace` options (e.g. "--shapes-only --json")
 #   MEGATRON_LM_DIR   a Megatron-LM checkout: run its pretrain_gpt.py (see above)
-#   MEGATRON_ARGS     extra pretrain_gpt.py flags;  TORCHRUN (default torchrun);  MASTER_PORT (29500)
+#   MEGATRON_ARGS     extra pretrain_gpt.py flags
 #   DRY_RUN=1         with MEGATRON_LM_DIR: print the commands only
 # Exit status: 0 when every valid config traced, 1 when one failed (or none was valid).
 
@@ -92,8 +97,6 @@ if [[ "${DRY_RUN:-0}" != 1 && ! -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]]; then
     echo "MEGATRON_LM_DIR=$MEGATRON_LM_DIR has no pretrain_gpt.py" >&2
     exit 2
 fi
-TORCHRUN="${TORCHRUN:-torchrun}"
-MASTER_PORT="${MASTER_PORT:-29500}"
 
 ranks="$(trace "${args[@]}" --print-ranks)" || {
     status=$?
@@ -112,7 +115,7 @@ while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_ran
     fi
     read -r -a model_args <<<"${model_args_of[$key]}"
 
-    cmd=("$TORCHRUN" --nproc_per_node 1 --nnodes 1 --master_addr 127.0.0.1 --master_port "$MASTER_PORT"
+    cmd=("$PYTHON" -m megatron_dynapipe.megatron.launcher  # = megatron-dynapipe launch
         "$MEGATRON_LM_DIR/pretrain_gpt.py" "${model_args[@]}"
         --micro-batch-size "$mbs" --global-batch-size "$gbs"
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp")
@@ -121,7 +124,8 @@ while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_ran
     cmd+=(--train-iters $((WARMUP_ITERS + TRACE_ITERS)) --lr 1.5e-4 --eval-iters 0 --log-interval 1
         --mock-data --tokenizer-type NullTokenizer
         --is-scaling-mode --fake-world-size "$world" --fake-pp "$pp" --fake-tp "$tp"
-        --fake-current-rank-id "$rank")
+        --fake-current-rank-id "$rank"
+        --trace-dir "$OUTPUT_DIR/$folder" --trace-start "$WARMUP_ITERS" --trace-iters "$TRACE_ITERS")
     # shellcheck disable=SC2206
     cmd+=(${MEGATRON_ARGS:-})
 

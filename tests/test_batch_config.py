@@ -599,12 +599,14 @@ def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
                      env={"MEGATRON_LM_DIR": str(tmp_path / "Megatron-LM"), "DRY_RUN": "1",
                           "MODEL_SIZE": "175", "OUTPUT_DIR": str(tmp_path / "out")})
     assert out.returncode == 0, out.stdout + out.stderr
-    commands = [line for line in out.stdout.splitlines() if line.startswith("torchrun")]
+    commands = [line for line in out.stdout.splitlines() if " -m megatron_dynapipe.megatron.launcher " in line]
     assert len(commands) == 2 + 16
     first = commands[0]
     for flag in ("--is-scaling-mode", "--fake-world-size 8192", "--fake-pp 2", "--fake-tp 2",
                  "--fake-current-rank-id 0", "--hidden-size 12288", "--num-layers 96",
                  "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+                 "--trace-dir " + str(tmp_path / "out" / "SIM_GPT_175B_Config0_WS8192_PP2_TP2_DP2048_"),
+                 "--trace-start 1", "--trace-iters 1",
                  str(tmp_path / "Megatron-LM" / "pretrain_gpt.py")):
         assert flag in first, flag
     assert "--fake-current-rank-id 4096" in commands[1]

@@ -25,6 +25,11 @@ What it does, in this order, in each process:
 
 Without ``--dynapipe`` among the script's arguments every hook falls through to the script's own
 function: the run is plain Megatron-LM.
+
+With ``--is-scaling-mode`` among the script's arguments nothing trains and the script does not run:
+the launcher traces the fake rank ``--fake-current-rank-id`` of the ``--fake-*`` layout in this
+one process (no torchrun needed) and writes its trace to ``--trace-dir``
+(:mod:`~megatron_dynapipe.megatron.scaling_mode`).
 """
 
 from __future__ import annotations
@@ -605,7 +610,8 @@ def _check_megatron_is_the_checkouts(options: LaunchOptions) -> None:
 def launch(options: LaunchOptions) -> int:
     """Run ``options.script`` as ``__main__`` with DynaPipe's hooks installed (see the module
     docstring). Returns 0 when the script returns (``SystemExit`` passes through)."""
-    from . import pretrain_hooks
+    from . import pretrain_hooks, scaling_mode
+    from .arguments import DynapipeArgumentError
 
     if options.cpu:
         import torch
@@ -613,6 +619,16 @@ def launch(options: LaunchOptions) -> int:
         if torch.cuda.is_available():
             raise LaunchError("--cpu is for machines without CUDA (it answers Megatron-LM's CUDA calls for the "
                               "CPU, which would mix devices here): drop --cpu")
+    if scaling_mode.requested(options.script_args):
+        # Before the script runs: Megatron's pretrain would initialise a real distributed job,
+        # and the fake-rank tracer opens its own fake process group (see scaling_mode).
+        with _script_environment(options) as argv:
+            _check_megatron_is_the_checkouts(options)
+            try:
+                scaling_mode.run_from_argv(argv[1:])
+            except DynapipeArgumentError as error:
+                raise LaunchError(str(error)) from None
+        return 0
     installed = _Installed()
     with _script_environment(options) as argv:
         _check_megatron_is_the_checkouts(options)

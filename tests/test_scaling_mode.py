@@ -1,0 +1,148 @@
+"""--is-scaling-mode: pretrain_gpt.py through the launcher traces one fake rank instead of training."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dynapipe.megatron import launcher, scaling_mode
+from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, vocab_size=1024,
+            seq_length=256, max_position_embeddings=256, micro_batch_size=1, global_batch_size=4096)
+TINY_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size",
+              "512", "--seq-length", "256", "--max-position-embeddings", "256", "--vocab-size", "1024",
+              "--micro-batch-size", "1", "--global-batch-size", "4096"]
+
+
+def megatron_like_args(argv, **model):
+    """Our arguments parsed by argparse, with Megatron's model arguments set by hand (as Megatron's
+    parse_args would leave them)."""
+    args = add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    for name, value in {**TINY, **model}.items():
+        setattr(args, name, value)
+    return args
+
+
+def header(path):
+    return json.loads(Path(path).read_text().splitlines()[0])
+
+
+FAKE = ["--is-scaling-mode", "--fake-world-size", "8192", "--fake-pp", "2", "--fake-tp", "2"]
+
+
+@pytest.mark.parametrize("rank, stage", [(0, 0), (4096, 1)])  # rank 0; the last stage's representative
+def test_traces_the_fake_rank_into_the_trace_dir(tmp_path, capsys, rank, stage):
+    args = megatron_like_args([*FAKE, "--fake-current-rank-id", str(rank), "--trace-dir", str(tmp_path)])
+    result = scaling_mode.run(args, shapes_only=True)
+    path = tmp_path / f"rank_{rank}.trace.jsonl"
+    assert result.path == path and path.is_file()
+    h = header(path)
+    assert h["rank"] == rank and h["stage"] == stage and h["mode"] == "shapes_only"
+    assert {k: h["layout"][k] for k in ("world_size", "pp", "tp", "cp", "dp")} == dict(
+        world_size=8192, pp=2, tp=2, cp=1, dp=2048)
+    assert h["iteration"]["num_microbatches"] == 4096 // (1 * 2048)
+    assert h["model"]["hidden_size"] == 128 and h["model"]["num_layers"] == 4
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "scaling mode" in x]
+    assert f"fake rank {rank} (stage {stage})" in line and "W=8192 TP=2 PP=2" in line and str(path) in line
+
+
+def test_small_model_runs_real_compute_by_default(tmp_path):
+    args = megatron_like_args([*FAKE, "--fake-current-rank-id", "4096", "--trace-dir", str(tmp_path)])
+    result = scaling_mode.run(args, verbose=False)
+    assert result.shapes_only is False and header(result.path)["mode"] == "real"
+
+
+@pytest.mark.parametrize("argv, model, message", [
+    (["--fake-world-size", "8190", "--fake-pp", "2", "--fake-tp", "2"], {},
+     "--fake-world-size 8190 is not divisible by tp*pp*cp = 4: make it a multiple of 4"),
+    (["--fake-world-size", "8192", "--fake-pp", "2"], {}, "--is-scaling-mode needs --fake-tp N"),
+    (["--fake-world-size", "8192", "--fake-pp", "2", "--fake-tp", "2", "--fake-current-rank-id", "8192"], {},
+     "pass a rank in 0..8191"),
+    (["--fake-world-size", "8192", "--fake-pp", "2", "--fake-tp", "2"], {"global_batch_size": 1000},
+     "global batch 1000 is not divisible by micro-batch × DP"),
+    (["--fake-world-size", "8192", "--fake-pp", "2", "--fake-tp", "2"], {"vocab_size": None},
+     "needs --vocab-size N"),
+])
+def test_invalid_fake_layout_is_a_one_line_error(tmp_path, argv, model, message):
+    args = megatron_like_args(["--is-scaling-mode", *argv, "--trace-dir", str(tmp_path)], **model)
+    with pytest.raises(DynapipeArgumentError) as info:
+        scaling_mode.run(args)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_megatron_cp_and_ep_flags_stand_in_for_the_fake_ones():
+    args = scaling_mode.parse_args([*FAKE, *TINY_FLAGS, "--context-parallel-size", "2",
+                                    "--expert-model-parallel-size", "2", "--num-experts", "4", "--lr", "1"])
+    scaling_mode._resolve_fake_sizes(args)
+    assert (args.fake_cp, args.fake_ep, args.fake_num_experts) == (2, 2, 4)
+
+
+def test_requested_only_with_the_flag():
+    assert scaling_mode.requested(["--num-layers", "2", "--is-scaling-mode"])
+    assert not scaling_mode.requested(["--num-layers", "2", "--dynapipe"])
+
+
+def _launch(tmp_path, *flags):
+    script = tmp_path / "Megatron-LM" / "pretrain_gpt.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text("raise SystemExit('scaling mode must not run the script')\n")
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *flags],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_launcher_traces_instead_of_running_the_script(tmp_path):
+    out = _launch(tmp_path, *TINY_FLAGS, "--mock-data", "--lr", "1.5e-4", *FAKE, "--fake-current-rank-id", "4096",
+                  "--trace-dir", "t")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert header(tmp_path / "t" / "rank_4096.trace.jsonl")["rank"] == 4096
+    assert "> megatron-dynapipe scaling mode: fake rank 4096 (stage 1)" in out.stdout
+
+
+def test_launcher_reports_an_invalid_layout_in_one_line(tmp_path):
+    out = _launch(tmp_path, *TINY_FLAGS, "--is-scaling-mode", "--fake-world-size", "8190", "--fake-pp", "2",
+                  "--fake-tp", "2")
+    assert out.returncode == 2
+    (line,) = [x for x in out.stderr.splitlines() if "error" in x]
+    assert line.startswith("megatron-dynapipe launch: error: --fake-world-size 8190") and "multiple of 4" in line
+
+
+@pytest.mark.slow
+def test_update_pretrain_gpt_through_the_launcher(tmp_path):
+    """The script's MEGATRON_LM_DIR way: a stand-in checkout is enough, scaling mode never runs the script."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text("raise SystemExit('scaling mode must not run the script')\n")
+    out = subprocess.run(["bash", str(ROOT / "examples" / "update_pretrain_gpt.sh"), "8192 2 2"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "PYTHON": sys.executable, "MODEL_SIZE": "tiny",
+                              "MEGATRON_LM_DIR": str(checkout), "OUTPUT_DIR": str(tmp_path / "out")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    (folder,) = (tmp_path / "out").iterdir()
+    assert {"rank_0.trace.jsonl", "rank_4096.trace.jsonl", "fake_rank_0.log", "fake_rank_4096.log"} <= {
+        p.name for p in folder.iterdir()}
+    assert header(folder / "rank_4096.trace.jsonl")["layout"]["world_size"] == 8192
+
+
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()),
+                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_DIR to one (with pretrain_gpt.py)")
+def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
+    script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *TINY_FLAGS,
+                          "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1.5e-4", "--train-iters", "2",
+                          *FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert header(tmp_path / "rank_0.trace.jsonl")["rank"] == 0
