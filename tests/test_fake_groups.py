@@ -34,6 +34,7 @@ from megatron_dynapipe.tracer.fake_groups import (
 
 ORIGINAL_GENERATOR = ps.generate_masked_orthogonal_rank_groups
 ORIGINAL_CREATE_GROUP = ps.create_group
+ORIGINAL_ALL_GATHER_OBJECT = dist.all_gather_object
 
 
 @contextlib.contextmanager
@@ -291,3 +292,67 @@ def test_is_not_reentrant_and_puts_everything_back_after_an_error():
                 1 / 0
     assert ps.create_group is ORIGINAL_CREATE_GROUP
     assert ps.generate_masked_orthogonal_rank_groups is ORIGINAL_GENERATOR
+
+
+# --------------------------------------------------------------------------------------------
+# the optimizer's object all-gather
+
+
+KEYS = [((("wd_mult", 1.0), ("lr_mult", 1.0)), None), ((("wd_mult", 0.0),), "decoupled")]
+
+
+def test_object_gathers_give_what_the_fake_backend_gives():
+    from megatron_dynapipe.tracer.fake_groups import symmetric_object_gathers
+
+    with fake_world(5, 16):
+        sub = dist.new_group([4, 5, 6])
+        other = dist.new_group([0, 1])  # not a member: NON_GROUP_MEMBER
+        expected = {}
+        for name, group, size in (("world", None, 16), ("sub", sub, 3)):
+            expected[name] = [None] * size
+            dist.all_gather_object(expected[name], KEYS, group=group)
+        with symmetric_object_gathers():
+            assert dist.all_gather_object is not ORIGINAL_ALL_GATHER_OBJECT
+            for name, group, size in (("world", None, 16), ("sub", sub, 3)):
+                got = [None] * size
+                dist.all_gather_object(got, KEYS, group)
+                assert got == expected[name] == [KEYS] * size
+                assert len({id(x) for x in got}) == size and all(x is not KEYS for x in got)
+            untouched = ["x", "y"]
+            with pytest.warns(UserWarning, match="does not belong"):
+                assert dist.all_gather_object(untouched, KEYS, group=other) is None
+            assert untouched == ["x", "y"]
+            with pytest.raises(RuntimeError, match="already active"):
+                with symmetric_object_gathers():
+                    pass
+        assert dist.all_gather_object is ORIGINAL_ALL_GATHER_OBJECT
+
+
+def test_object_gathers_keep_a_wrapper_they_replace_and_refuse_real_backends(monkeypatch):
+    from megatron_dynapipe.tracer.fake_groups import symmetric_object_gathers
+
+    calls = []
+
+    def wrapper(*args, **kwargs):  # as shapes-only mode's MetaMode binds one
+        calls.append(args)
+        return ORIGINAL_ALL_GATHER_OBJECT(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather_object", wrapper)
+    with fake_world(0, 4):
+        with symmetric_object_gathers():
+            out = [None] * 4
+            dist.all_gather_object(out, 7)
+        assert out == [7] * 4 and not calls and dist.all_gather_object is wrapper
+
+        monkeypatch.setattr(c10d, "all_gather_object", lambda object_list, obj: None)
+        with pytest.raises(UpstreamChanged, match="takes"):
+            with symmetric_object_gathers():
+                pass
+        assert dist.all_gather_object is wrapper
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="fake backend only"):
+            with symmetric_object_gathers():
+                pass
+    finally:
+        dist.destroy_process_group()

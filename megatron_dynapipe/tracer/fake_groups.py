@@ -1,4 +1,4 @@
-"""Only this rank's process groups: megatron-core's group set-up at a cost that does not grow with W.
+"""A fake rank's set-up at a cost that does not grow with W: only its own process groups.
 
 Why
 ---
@@ -33,12 +33,20 @@ So megatron-core still runs its own ``initialize_model_parallel`` and ends in ex
 full set-up leaves (the same groups, ranks, group names and global lists); the loops over the
 world remain, but each non-member iteration costs about a microsecond.
 
+One more set-up step grows with W: ``get_megatron_optimizer`` checks that every rank has the same
+parameter groups with ``torch.distributed.all_gather_object`` over the whole world, twice.  On the
+fake backend that pickles the object into a tensor, all-gathers W copies (the fake all-gather
+copies the input into every output) and unpickles W tensors: about 0.25 s per call at W = 8192.
+:func:`symmetric_object_gathers` answers it as that call does, with W unpickled copies of this
+rank's object, minus the tensors (a job of identical peers, as the recorder's fill assumes).
+
 Guards: the stand-ins refuse to install (:class:`UpstreamChanged`) when the functions they replace
 no longer look like the ones they were written against (parameters, the names ``create_group``
 uses, the generator's output on small layouts compared with megatron's own), when the torch
 internals they touch are gone, when the default process group is not the fake backend, or when
 they are already installed.  Tests: ``tests/test_fake_groups.py`` compares a set-up under
-:func:`member_groups_only` with megatron's unaided one, group for group.
+:func:`member_groups_only` with megatron's unaided one, group for group, and the object gathers
+with torch's.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -54,6 +63,7 @@ __all__ = [
     "UpstreamChanged",
     "masked_orthogonal_rank_groups",
     "member_groups_only",
+    "symmetric_object_gathers",
 ]
 
 #: ``parallel_state.create_group``'s parameters in megatron-core 0.16.
@@ -64,6 +74,8 @@ CREATE_GROUP_PARAMS = ("ranks", "timeout", "backend", "pg_options", "use_local_s
 CREATE_GROUP_NAMES = ("new_group", "_global_process_group_list", "get_rank")
 #: ``parallel_state.generate_masked_orthogonal_rank_groups``'s parameters.
 GENERATOR_PARAMS = ("world_size", "parallel_size", "mask")
+#: ``torch.distributed.all_gather_object``'s parameters.
+ALL_GATHER_OBJECT_PARAMS = ("object_list", "obj", "group")
 
 _MARK = "__dynapipe_fake_groups__"
 
@@ -122,7 +134,12 @@ _GENERATOR_PROBES = (
 )
 
 
+_GENERATORS_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def _check_generator(original) -> None:
+    if original in _GENERATORS_CHECKED:  # once per process and function (~20 ms)
+        return
     _check_params(original, GENERATOR_PARAMS)
     for world, sizes in _GENERATOR_PROBES:
         for bits in range(2 ** len(sizes)):
@@ -133,6 +150,7 @@ def _check_generator(original) -> None:
                     "no longer gives the groups megatron_dynapipe.tracer.fake_groups computes; "
                     "update masked_orthogonal_rank_groups to its new numbering"
                 )
+    _GENERATORS_CHECKED.add(original)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,8 +195,21 @@ def _torch_internals():
     return world, sentinel
 
 
+def _require_fake(what: str, because: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs the fake process group initialised")
+    backend = dist.get_backend()
+    if backend != "fake":
+        raise RuntimeError(
+            f"{what} is for torch's fake backend only (this process group is {backend!r}): "
+            f"on a real job {because}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
-# the context manager
+# the context managers
 
 
 @contextlib.contextmanager
@@ -194,14 +225,7 @@ def member_groups_only() -> Iterator[FakeGroupStats]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if not dist.is_initialized():
-        raise RuntimeError("member_groups_only needs the fake process group initialised")
-    backend = dist.get_backend()
-    if backend != "fake":
-        raise RuntimeError(
-            f"member_groups_only is for torch's fake backend only (this process group is "
-            f"{backend!r}): on a real job every rank must take part in every new_group"
-        )
+    _require_fake("member_groups_only", "every rank must take part in every new_group")
     create_group = vars(ps).get("create_group")
     generator = vars(ps).get("generate_masked_orthogonal_rank_groups")
     if create_group is None or generator is None:
@@ -247,3 +271,39 @@ def member_groups_only() -> Iterator[FakeGroupStats]:
     finally:
         ps.create_group = create_group
         ps.generate_masked_orthogonal_rank_groups = generator
+
+
+@contextlib.contextmanager
+def symmetric_object_gathers() -> Iterator[None]:
+    """While active, ``torch.distributed.all_gather_object`` on a fake group fills the list with
+    unpickled copies of this rank's object, as the fake backend's own all-gather ends up doing,
+    without building W tensors (module docstring).  Other groups go to the function that was
+    bound before.  Only for the fake backend; wrap the optimizer's construction, not traced
+    steps (the recorder sees the all-gather inside the real call).
+    """
+    import pickle
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    _require_fake("symmetric_object_gathers", "every rank sends its own object")
+    bound = dist.all_gather_object  # torch's, or a wrapper of it (shapes-only mode has one)
+    if getattr(bound, _MARK, False):
+        raise RuntimeError("symmetric_object_gathers is already active")
+    _check_params(c10d.all_gather_object, ALL_GATHER_OBJECT_PARAMS)
+    _, non_member = _torch_internals()
+
+    def all_gather_object(object_list, obj, group=None):
+        if group == non_member or dist.get_backend(group) != "fake":
+            return bound(object_list, obj, group)
+        blob = pickle.dumps(obj)
+        for i in range(dist.get_world_size(group)):
+            object_list[i] = pickle.loads(blob)
+        return None
+
+    setattr(all_gather_object, _MARK, True)
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = bound

@@ -10,8 +10,9 @@
 For each rank, in this one process (importing megatron takes seconds; a process per rank would
 pay that every time): ``torch.distributed.init_process_group("fake", store=FakeStore(), rank=r,
 world_size=W)``, megatron-core ``initialize_model_parallel`` at the layout's TP/PP/CP/EP (only
-the groups that contain rank r are created, :mod:`.fake_groups`, so the set-up costs about as
-much at W = 8192 as at W = 64), the rank's ``GPTModel`` stage with its real TP-sharded shapes
+the groups that contain rank r are created, and the optimizer's object all-gather over the
+world is answered without W tensors, :mod:`.fake_groups`: the set-up costs about as much at
+W = 8192 as at W = 64), the rank's ``GPTModel`` stage with its real TP-sharded shapes
 (local layer spec with ``use_cpu_initialization`` on CPU, transformer-engine spec on CUDA when it
 imports), megatron DDP and optimizer, ``warmup_iters`` untraced and ``trace_iters`` traced
 training steps through megatron-core's own ``get_forward_backward_func()`` (1F1B when PP > 1),
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -59,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from .fake_groups import member_groups_only
+from .fake_groups import member_groups_only, symmetric_object_gathers
 from .recorder import Recorder, storage_key
 from .topology import (
     ParallelLayout,
@@ -307,6 +309,7 @@ class MetaMode(TorchFunctionMode):
                 setattr(owner, name, original)
 
     def _suspending(self, original):
+        @functools.wraps(original)  # keeps the signature readable (fake_groups checks it)
         def run_unsuspended(*args, **kwargs):
             self._suspended += 1
             try:
@@ -697,6 +700,7 @@ def trace_initialized_rank(
     if seq_length > spec.max_sequence_length:
         spec = dataclasses.replace(spec, max_sequence_length=seq_length)
     rank = dist.get_rank()
+    fake = dist.get_backend() == "fake"
     on_gpu = torch.cuda.is_available()
     dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
     if dtype_name not in _DTYPES:
@@ -721,7 +725,7 @@ def trace_initialized_rank(
         stack.callback(_teardown_megatron)
         # a fake rank creates only its own groups (the same ones, the same state); a real job's
         # ranks must all take part in every group megatron creates
-        with member_groups_only() if dist.get_backend() == "fake" else contextlib.nullcontext():
+        with member_groups_only() if fake else contextlib.nullcontext():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp,
                 pipeline_model_parallel_size=layout.pp,
@@ -752,18 +756,20 @@ def trace_initialized_rank(
         ddp = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer=optimizer,
-                lr=1e-4,
-                clip_grad=clip_grad,
-                bf16=torch_dtype == torch.bfloat16,
-                fp16=torch_dtype == torch.float16,
-                params_dtype=torch_dtype,
-            ),
-            [ddp],
-            use_gloo_process_groups=False,
-        )
+        # megatron all-gathers each rank's parameter-group keys over the world: W copies of ours
+        with symmetric_object_gathers() if fake else contextlib.nullcontext():
+            opt = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer=optimizer,
+                    lr=1e-4,
+                    clip_grad=clip_grad,
+                    bf16=torch_dtype == torch.bfloat16,
+                    fp16=torch_dtype == torch.float16,
+                    params_dtype=torch_dtype,
+                ),
+                [ddp],
+                use_gloo_process_groups=False,
+            )
         built = time.perf_counter()
 
         cost_name = None
