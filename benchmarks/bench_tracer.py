@@ -1,12 +1,14 @@
 """What the fake-rank tracer costs: the fake topology of a W=8192 job, and one config vs PP and W.
 
     python benchmarks/bench_tracer.py [--json] [--repeat 3] [--model 6.7] [--tp 8]
-                                      [--worlds 1024 8192] [--pps 2 4 8] [--real-compute]
+                                      [--worlds 1024 4096 8192] [--pps 2 4 8] [--real-compute]
 
 1. **Fake topology**: torch's fake process group plus megatron-core's
    ``initialize_model_parallel`` for ranks of a W=8192 job (TP=8, PP=16 and TP=2, PP=2),
    median of ``--repeat`` set-ups (the first set-up in the process, which pays for lazy
-   imports inside torch and megatron, is reported apart).
+   imports inside torch and megatron, is reported apart), as the tracer does it (only the
+   rank's own groups, :mod:`megatron_dynapipe.tracer.fake_groups`) and, for comparison, as
+   megatron-core does it unaided (every group of the job); with the groups created and skipped.
 2. **Per config**: :func:`~megatron_dynapipe.tracer.batch_config.run_batch` on one config
    ``W PP TP`` (shapes-only unless ``--real-compute``, one warm-up and one traced iteration,
    one forked process per rank), median of ``--repeat`` runs, for every W in ``--worlds`` and
@@ -57,31 +59,44 @@ def bench_imports() -> float:
     return time.perf_counter() - start
 
 
-def fake_topology(world: int, tp: int, pp: int, rank: int) -> None:
-    """Stand up (and tear down) the fake process group and megatron's groups for ``rank``."""
+def fake_topology(world: int, tp: int, pp: int, rank: int, own_groups: bool = True) -> dict:
+    """Stand up (and tear down) the fake process group and megatron's groups for ``rank``: only
+    the rank's own groups as the tracer does (``own_groups``), or every group of the job as
+    megatron-core does unaided.  Returns the groups created and skipped."""
+    import contextlib
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from megatron_dynapipe.tracer.fake_groups import member_groups_only
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False)
+        with member_groups_only() if own_groups else contextlib.nullcontext() as stats:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         create_gloo_process_groups=False)
         assert dist.get_world_size() == world
         ps.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
+    return {"created": stats.created, "skipped": stats.skipped} if stats else {}
 
 
 def bench_topology(repeat: int) -> list[dict]:
     rows = []
-    for world, tp, pp, rank in ((8192, 8, 16, 512), (8192, 2, 2, 4096)):
-        first_start = time.perf_counter()
-        fake_topology(world, tp, pp, rank)
-        first = time.perf_counter() - first_start
-        median, times = median_of(lambda: fake_topology(world, tp, pp, rank), repeat)
-        rows.append({"world_size": world, "tp": tp, "pp": pp, "rank": rank, "first_s": first,
-                     "median_s": median, "times_s": times})
+    for own_groups in (True, False):
+        for world, tp, pp, rank in ((8192, 8, 16, 512), (8192, 2, 2, 4096)):
+            def one():
+                return fake_topology(world, tp, pp, rank, own_groups)
+
+            first_start = time.perf_counter()
+            groups = one()
+            first = time.perf_counter() - first_start
+            median, times = median_of(one, repeat)
+            rows.append({"world_size": world, "tp": tp, "pp": pp, "rank": rank,
+                         "groups": "own" if own_groups else "all", **groups,
+                         "first_s": first, "median_s": median, "times_s": times})
     return rows
 
 
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median); default 3")
     parser.add_argument("--model", default="6.7", help="model traced per config (default 6.7)")
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--pps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--real-compute", action="store_true", help="trace with real compute, not shapes-only")
     parser.add_argument("--no-configs", action="store_true", help="only time the fake topology")
@@ -138,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"imports (torch, megatron.core, the tracer): {import_s:.2f} s, paid once per batch")
     print()
-    print(f"fake topology (fake process group + initialize_model_parallel), median of {args.repeat}")
-    print(f"{'W':>6} {'TP':>3} {'PP':>3} {'rank':>5} {'first s':>8} {'median s':>9}")
+    print(f"fake topology (fake process group + initialize_model_parallel), median of {args.repeat}; "
+          "groups: own = the tracer's (only the rank's groups), all = megatron-core unaided")
+    print(f"{'W':>6} {'TP':>3} {'PP':>3} {'rank':>5} {'groups':>6} {'created':>8} {'skipped':>8} "
+          f"{'first s':>8} {'median s':>9}")
     for r in topology:
-        print(f"{r['world_size']:>6} {r['tp']:>3} {r['pp']:>3} {r['rank']:>5} {r['first_s']:>8.3f} "
-              f"{r['median_s']:>9.3f}")
+        counts = (f"{r['created']:>8} {r['skipped']:>8}" if "created" in r else f"{'-':>8} {'-':>8}")
+        print(f"{r['world_size']:>6} {r['tp']:>3} {r['pp']:>3} {r['rank']:>5} {r['groups']:>6} {counts} "
+              f"{r['first_s']:>8.3f} {r['median_s']:>9.3f}")
     if configs:
         mode = "real compute" if args.real_compute else "shapes-only"
         print()
