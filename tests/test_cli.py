@@ -18,8 +18,6 @@ def test_plan_json_on_a_lengths_file(tmp_path):
     lengths = [12, 900, 33, 400, 2048, 77, 150, 600, 64, 1500]
     path = tmp_path / "lengths.txt"
     path.write_text("# one length a line\n" + "\n".join(map(str, lengths)) + "\n")
-    if not GPT_6_7B_A100.is_file():
-        pytest.skip("reference cost model not beside the checkout")
     out = run_cli("plan", "--lengths", str(path), "--cost-model", str(GPT_6_7B_A100), "--pp", "4", "--json")
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
@@ -66,8 +64,6 @@ def test_bad_input_is_one_line_naming_the_fix(args, message):
 
 
 def test_cost_model_without_the_requested_tp(tmp_path):
-    if not GPT_6_7B_A100.is_file():
-        pytest.skip("reference cost model not beside the checkout")
     out = run_cli("plan", "--num-samples", "8", "--tp", "3", "--cost-model", str(GPT_6_7B_A100))
     assert out.returncode == 2 and "tp=3" in out.stderr and "1, 2, 4, 8" in out.stderr
 

@@ -24,14 +24,12 @@ from megatron_dynapipe.planning.cost_model import (
 from megatron_dynapipe.planning.types import RecomputeType as R
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE = (ROOT / ".." / "shared" / "cost_models" / "gpt-6.7b-a100.json").resolve()
+PROFILE = ROOT / "megatron_dynapipe" / "planning" / "profiles" / "gpt-6.7b-a100.json"
 SEQLENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144, 8192]
 
 
 @pytest.fixture(scope="module")
 def profile() -> Path:
-    if not PROFILE.is_file():
-        pytest.skip(f"reference profile {PROFILE} not present")
     return PROFILE
 
 
@@ -344,6 +342,29 @@ def test_load_cost_model_picks_the_source(profile):
     assert load_cost_model(None, 2, hidden_size=1024, num_heads=16).tp == 2
     cm = load_cost_model(str(profile), 4)
     assert isinstance(cm, ProfiledCostModel) and cm.tp == 4
+
+
+@pytest.mark.parametrize("name", ["gpt-6.7b-a100", "gpt-6.7b-a100.json"])
+def test_a_shipped_profile_loads_by_name_from_any_directory(name, tmp_path, monkeypatch, raw):
+    monkeypatch.chdir(tmp_path)  # no file of that name here: the package's own copy is used
+    cm = load_cost_model(name, 2)
+    doc, times, _ = raw
+    assert doc["source"] and cm.name == "gpt-6.7b"
+    assert cm.layer_ms("encoder", "forward", "none", 4, 2048) == times[(2, "none", "encoder", "forward", 2048, 4)]
+
+
+def test_a_file_in_the_working_directory_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    doc = json.loads(PROFILE.read_text())
+    doc["name"] = "mine"
+    (tmp_path / "gpt-6.7b-a100.json").write_text(json.dumps(doc))
+    assert load_cost_model("gpt-6.7b-a100.json", 1).name == "mine"
+
+
+def test_an_unknown_name_lists_the_shipped_profiles(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CostModelError, match=r"not found: .*shipped profile \(gpt-6\.7b-a100\)"):
+        load_cost_model("gpt-1t-h100", 1)
 
 
 # --- StageCosts ----------------------------------------------------------------------------------

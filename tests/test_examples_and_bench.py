@@ -28,8 +28,6 @@ def test_planning_core_imports_neither_torch_nor_megatron():
 
 
 def test_planner_benchmark_rows(tmp_path):
-    if not GPT_6_7B_A100.is_file():
-        pytest.skip(f"reference cost model {GPT_6_7B_A100} is not beside the project checkout")
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "8", "16",
                           "--seeds", "1", "--json", "--cost-model", str(GPT_6_7B_A100), "--all-cores"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -278,8 +278,6 @@ def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
     from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
     from megatron_dynapipe.tracer.topology import representative_ranks
 
-    if not GPT_6_7B_A100.is_file():
-        pytest.skip(f"{GPT_6_7B_A100} is not beside the checkout")
     layout = ParallelLayout(1024, tp=8, pp=4)
     rank = representative_ranks(layout)[-1].global_rank
     model = ProfiledCostModel.from_json(GPT_6_7B_A100, tp=8)

@@ -20,6 +20,7 @@ import math
 import os
 from bisect import bisect_left
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -32,6 +33,8 @@ __all__ = [
     "ProfiledCostModel",
     "StageCosts",
     "load_cost_model",
+    "resolve_cost_model_path",
+    "shipped_profiles",
 ]
 
 MB = 2**20  # bytes in the "MB" every cost model speaks (the unit of the profile files)
@@ -40,6 +43,7 @@ PHASES = ("forward", "backward")
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
+PROFILES_DIR = Path(__file__).with_name("profiles")  # profiles shipped with the package, by name
 
 _INF = math.inf
 _SCALARS = (int, float, np.integer, np.floating)
@@ -692,11 +696,34 @@ class StageCosts:
         return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
 
 
+def shipped_profiles() -> dict[str, Path]:
+    """Profiles that come with the package, by name (the file name without ``.json``)."""
+    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.json"))}
+
+
+def resolve_cost_model_path(name_or_path: str | os.PathLike) -> Path:
+    """An existing file as given, else the shipped profile of that name (``gpt-6.7b-a100``,
+    with or without ``.json``); a path that is neither raises CostModelError naming both."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_profiles()
+    name = path.name[:-len(".json")] if path.name.endswith(".json") else path.name
+    if path.parent == Path(".") and name in shipped:
+        return shipped[name]
+    raise CostModelError(
+        f"cost model file {os.fspath(name_or_path)} not found: pass --cost-model PATH to a JSON file in the "
+        f"format of docs/cost_model.md, or a shipped profile ({', '.join(shipped) or 'none'})"
+    )
+
+
 def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs) -> CostModel:
-    """The profiled model in ``path``, or the analytical model when ``path`` is None.
+    """The profiled model in ``path`` (a file or a shipped profile's name), or the analytical
+    model when ``path`` is None.
 
     With a path, only ``hidden_size`` among the keyword arguments is used (for p2p sizes).
     """
     if path is None:
         return AnalyticalCostModel(tp=tp, **analytical_kwargs)
-    return ProfiledCostModel.from_json(path, tp, hidden_size=analytical_kwargs.get("hidden_size"))
+    return ProfiledCostModel.from_json(resolve_cost_model_path(path), tp,
+                                       hidden_size=analytical_kwargs.get("hidden_size"))
