@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .planning.spec import PARTITION_METHODS, SCHEDULES
+from .planning.spec import PARTITION_METHODS, SCHEDULES, fast_mode_argument
 
 
 def _plan_parser(sub) -> None:
@@ -22,9 +22,12 @@ def _plan_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB", help="per-GPU memory limit (default 36000)")
-    p.add_argument("--cost-model", metavar="FILE", help="profiled cost model JSON (default: analytical GPT-6.7B on A100)")
-    p.add_argument("--fast-mode", action="store_true", default=None,
-                   help="trim the search for faster planning (also DYNAPIPE_FAST_MODE=true)")
+    p.add_argument("--cost-model", metavar="NAME|FILE",
+                   help="profiled cost model: a JSON file or a shipped profile's name, e.g. gpt-6.7b-a100 "
+                        "(default: analytical GPT-6.7B on A100)")
+    p.add_argument("--fast-mode", nargs="?", const=True, type=fast_mode_argument, metavar="{true,false,auto}",
+                   help="trim the search for faster planning; bare --fast-mode means true, auto is fast above "
+                        "16 samples (default: DYNAPIPE_FAST_MODE, else false)")
     p.add_argument("--schedule", action="append", choices=SCHEDULES, help="restrict to these schedules (repeatable)")
     p.add_argument("--partition", default="dp", choices=PARTITION_METHODS)
     p.add_argument("--seed", type=int, default=0)

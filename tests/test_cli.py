@@ -1,6 +1,7 @@
 """`megatron-dynapipe plan` as a user runs it: a real subprocess of the installed entry point."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -73,3 +74,19 @@ def test_malformed_lengths_file(tmp_path):
     path.write_text("[1, 2, \"x\"]")
     out = run_cli("plan", "--lengths", str(path))
     assert out.returncode == 2 and "not a list of integer lengths" in out.stderr
+
+
+@pytest.mark.parametrize("flag,expected", [(["--fast-mode"], "on"), (["--fast-mode", "true"], "on"),
+                                           (["--fast-mode", "false"], "off"), (["--fast-mode", "auto"], "on"),
+                                           ([], "off")])
+def test_fast_mode_flag_speaks_the_megatron_flags_vocabulary(flag, expected):
+    # 24 samples: "auto" is fast above 16.
+    env = {k: v for k, v in os.environ.items() if k != "DYNAPIPE_FAST_MODE"}
+    out = run_cli("plan", "--num-samples", "24", "--pp", "2", "--memory-limit", "70000", *flag, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"fast mode: {expected}" in out.stdout
+
+
+def test_fast_mode_flag_refuses_other_words():
+    out = run_cli("plan", "--num-samples", "8", "--fast-mode", "maybe")
+    assert out.returncode == 2 and "'maybe' is not a fast mode: use true, false or auto" in out.stderr

@@ -37,7 +37,7 @@ from ..planning.spec import (
     SCHEDULES,
     TrainingSpec,
     fast_mode_from_env,
-    parse_fast_mode,
+    fast_mode_argument,
 )
 from ..planning.types import RecomputeType
 
@@ -65,13 +65,6 @@ class DynapipeArgumentError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Parsers
 # --------------------------------------------------------------------------------------------
-
-
-def _fast_mode(text: str) -> "bool | str":
-    try:
-        return parse_fast_mode(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -102,7 +95,7 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g = parser.add_argument_group(title=DYNAPIPE_GROUP)
     g.add_argument("--dynapipe", action="store_true",
                    help="run DynaPipe's planned micro-batches and pipeline schedules in train_step")
-    g.add_argument("--dynapipe-fast-mode", nargs="?", const=True, default=None, type=_fast_mode,
+    g.add_argument("--dynapipe-fast-mode", nargs="?", const=True, default=None, type=fast_mode_argument,
                    metavar="{true,false,auto}",
                    help=f"trim the planner's search (bare flag: true); without the flag "
                         f"{FAST_MODE_ENV} applies, else off")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -26,6 +27,14 @@ def parse_fast_mode(text: str) -> "bool | str":
     if value == "auto":
         return "auto"
     raise ValueError(f"{text!r} is not a fast mode: use true, false or auto")
+
+
+def fast_mode_argument(text: str) -> "bool | str":
+    """argparse ``type`` of every fast-mode flag (``plan --fast-mode``, ``--dynapipe-fast-mode``)."""
+    try:
+        return parse_fast_mode(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def fast_mode_from_env(environ: Mapping[str, str] = os.environ) -> "bool | str | None":
