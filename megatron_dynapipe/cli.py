@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .planning.samples import MIXES
 from .planning.spec import PARTITION_METHODS, SCHEDULES, fast_mode_argument
 
 
@@ -14,7 +15,7 @@ def _plan_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="sample lengths: a JSON list or one length a line")
     src.add_argument("--num-samples", type=int, default=64, help="size of the built-in synthetic batch (default 64)")
-    p.add_argument("--mix", default="multitask", choices=("multitask", "lognormal"),
+    p.add_argument("--mix", default="multitask", choices=MIXES,
                    help="built-in length mix (default multitask)")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--dp", type=int, default=1)

@@ -103,3 +103,12 @@ def test_packing_fills_fixed_length_sequences():
     assert len(bins) == 3  # 4096 | 3000+900+100 | 1200+800
     with pytest.raises(MicroBatchingError, match="exceeds the packed length"):
         pack_fixed_length([5000], 4096)
+
+
+def test_the_long_mix_reaches_its_cap_often_and_stays_within_it():
+    from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, synthetic_lengths
+
+    lengths = np.array(synthetic_lengths(4000, seed=0, mix="long"))
+    assert lengths.min() >= 8 and lengths.max() == LONG_MAX_LENGTH == 4096
+    assert 0.15 < np.mean(lengths == 4096) < 0.3  # a sizeable share is cut at the context length
+    assert np.median(lengths) < 2048  # and the rest spreads below it

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-MAX_LENGTH = 2048
+MAX_LENGTH = 2048  # cap of the multitask and lognormal mixes
+LONG_MAX_LENGTH = 4096  # cap of the long mix
 
 # Built-in multi-task mix (task: share of samples, lognormal mu and sigma of token length).
 # Short QA-style prompts dominate, a tail of long documents makes padding expensive.
@@ -17,22 +18,34 @@ MULTITASK_MIX = {
     "summarization": (0.25, 6.2, 0.5),
     "long-document": (0.10, 7.2, 0.3),
 }
-MIXES = ("multitask", "lognormal")
+# Long-sample mix, capped at 4096 tokens: as in real pre-training text, about a quarter of the
+# samples are documents cut at the context length, the rest spread from prompts to pages.
+LONG_MIX = {
+    "qa": (0.25, 4.5, 0.6),
+    "dialogue": (0.20, 6.0, 0.6),
+    "article": (0.25, 7.2, 0.5),
+    "book": (0.30, 8.6, 0.5),
+}
+MIXES = ("multitask", "lognormal", "long")
 
 
 def synthetic_lengths(num_samples: int, seed: int = 0, mix: str = "multitask") -> list[int]:
-    """Lengths clipped to [8, 2048]: `multitask` draws from MULTITASK_MIX, `lognormal` from
-    lognormal(5.3, 0.9) (median about 200 tokens, a long tail)."""
+    """Lengths from a documented mix: `multitask` draws from MULTITASK_MIX and `lognormal` from
+    lognormal(5.3, 0.9) (median about 200 tokens), both clipped to [8, 2048]; `long` draws from
+    LONG_MIX clipped to [8, 4096]."""
     rng = np.random.default_rng(seed)
     if mix == "lognormal":
-        raw = rng.lognormal(5.3, 0.9, num_samples)
-    elif mix == "multitask":
-        shares, mus, sigmas = map(np.array, zip(*MULTITASK_MIX.values()))
-        task = rng.choice(len(shares), size=num_samples, p=shares / shares.sum())
-        raw = rng.lognormal(mus[task], sigmas[task])
-    else:
+        return _clip(rng.lognormal(5.3, 0.9, num_samples), MAX_LENGTH)
+    tasks = {"multitask": MULTITASK_MIX, "long": LONG_MIX}.get(mix)
+    if tasks is None:
         raise ValueError(f"unknown length mix {mix!r}: choose from {', '.join(MIXES)}")
-    return [int(n) for n in np.clip(np.rint(raw), 8, MAX_LENGTH)]
+    shares, mus, sigmas = map(np.array, zip(*tasks.values()))
+    task = rng.choice(len(shares), size=num_samples, p=shares / shares.sum())
+    return _clip(rng.lognormal(mus[task], sigmas[task]), LONG_MAX_LENGTH if mix == "long" else MAX_LENGTH)
+
+
+def _clip(raw: np.ndarray, cap: int) -> list[int]:
+    return [int(n) for n in np.clip(np.rint(raw), 8, cap)]
 
 
 def read_lengths(path: str | Path) -> list[int]:
