@@ -153,3 +153,53 @@ def test_uniform_and_token_based_partitions_plan(costs_pp4):
     # Eight 2048-token samples per micro-batch cannot fit, whatever is recomputed.
     with pytest.raises(PlanningError, match="even with full recompute"):
         generate_execution_plan([2048] * 32, TrainingSpec(partition="uniform", microbatch_size=8), costs_pp4)
+
+
+def _exhaustive(microbatchings, costs, limit, fast):
+    """The search without pruning: adjust and simulate every candidate in candidate order and
+    keep the first of the lowest makespan."""
+    best = None
+    for candidate in build_candidates(microbatchings, costs, fast):
+        recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
+        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, limit, fast)
+        if fitted and (best is None or fitted.simulation.makespan < best[1].simulation.makespan):
+            best = (candidate, fitted)
+    return best
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1000), size=st.sampled_from([6, 24, 80]),
+       mix=st.sampled_from(["multitask", "long"]), pp=st.sampled_from([2, 4]),
+       limit=st.sampled_from([7_000.0, 9_000.0, 16_000.0]))
+def test_pruned_search_chooses_what_simulating_every_candidate_chooses(seed, size, mix, pp, limit):
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
+
+    lengths = [min(n, 2048) for n in synthetic_lengths(size, seed, mix)]
+    spec = TrainingSpec(num_layers=8, pp=pp, memory_limit_mb=limit)
+    costs = StageCosts(SMALL, num_layers=8, pp=pp)
+    microbatchings = _microbatchings(lengths, range(size), costs, spec, False)
+    reference = _exhaustive(microbatchings, costs, limit, fast=False)
+    choice = optimize_schedule(microbatchings, costs, limit)
+    candidate, fitted = reference
+    assert choice.candidate == candidate
+    assert choice.makespan_ms == fitted.simulation.makespan
+    assert np.array_equal(choice.recompute, fitted.recompute) and choice.orders == fitted.orders
+
+
+# Batches where the winner is not the candidate of the lowest bound (found by simulating all;
+# in the first two it has no slack at all over its bound), so that pruning has to get its order
+# and its ties right; and larger ones.
+@pytest.mark.parametrize("profiled,limit,mix,size,seed", [
+    (False, 7_000, "multitask", 6, 1), (True, 30_000, "lognormal", 6, 2), (True, 36_000, "multitask", 24, 1),
+    (True, 36_000, "long", 80, 1), (True, 36_000, "long", 256, 0)])
+def test_pruned_search_chooses_what_simulating_every_candidate_chooses_on_chosen_batches(
+        profiled, limit, mix, size, seed, costs_pp4):
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
+
+    costs = costs_pp4 if profiled else StageCosts(SMALL, num_layers=8, pp=4)
+    lengths = synthetic_lengths(size, seed, mix)
+    spec = TrainingSpec(num_layers=costs.num_layers, memory_limit_mb=limit)
+    microbatchings = _microbatchings(lengths, range(size), costs, spec, False)
+    candidate, fitted = _exhaustive(microbatchings, costs, limit, fast=False)
+    choice = optimize_schedule(microbatchings, costs, limit)
+    assert (choice.candidate, choice.makespan_ms) == (candidate, fitted.simulation.makespan)

@@ -2,9 +2,13 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from megatron_dynapipe.planning.schedules import one_f_one_b, wait_free_cyclic
-from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, simulate
+from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
+from megatron_dynapipe.planning.schedules import SCHEDULES, one_f_one_b, simulate_schedule, wait_free_cyclic
+from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, WorkTable, simulate
+from megatron_dynapipe.planning.types import MicroBatch
 
 
 def uniform_work(pp, n, f=1.0, b=2.0, stored=10.0, peak=1.0, state=100.0, comm=0.0):
@@ -76,3 +80,54 @@ def test_wait_free_cyclic_fills_idle_time_with_variable_microbatches():
     fixed = simulate(one_f_one_b(work, 1e9), work).makespan
     wait_free = simulate(wait_free_cyclic(work, 1e9), work).makespan
     assert wait_free < fixed
+
+
+class _Scrambled(CostModel):
+    """Times and memory drawn from a seeded hash of the query: monotone in nothing, not even in
+    the recompute type, so a bound must not assume more recompute costs more."""
+
+    tp, hidden_size = 1, 64
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def _draw(self, key, mbs, seqlen):
+        m, s = np.broadcast_arrays(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
+        values = [0.1 + hash((self.seed, *key, a, b)) % 1000 / 100 for a, b in zip(m.ravel(), s.ravel())]
+        return np.array(values).reshape(m.shape)
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        return self._draw((layer, phase, int(recompute)), mbs, seqlen)
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        return self._draw((kind, int(recompute)), mbs, seqlen)
+
+    def param_mb(self, layer):
+        return 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), pp=st.integers(1, 5), n=st.integers(1, 12), data=st.data())
+def test_no_schedule_beats_the_work_table_lower_bound_whatever_recompute_is_raised_to(seed, pp, n, data):
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    shapes = data.draw(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=n, max_size=n))
+    table = WorkTable(costs, [MicroBatch(tuple(range(size)), 8 * length) for size, length in shapes])
+    start = np.array(data.draw(st.lists(st.integers(0, 2), min_size=pp * n, max_size=pp * n))).reshape(pp, n)
+    raised = np.minimum(start + np.array(data.draw(
+        st.lists(st.integers(0, 2), min_size=pp * n, max_size=pp * n))).reshape(pp, n), 2)
+    bound = table.makespan_lower_bound(start)
+    assert table.makespan_lower_bound(raised) >= bound  # raising recompute never lowers it
+    for name in SCHEDULES:
+        makespan = simulate_schedule(name, table.work(raised), 1e12).makespan
+        assert makespan >= bound * (1 - 1e-12), name
+
+
+def test_the_lower_bound_is_reached_by_one_stage_and_one_microbatch():
+    # pp=1, n=1: the bound is the forward plus the backward, nothing else.
+    costs = StageCosts(_Scrambled(7), num_layers=2, pp=1)
+    table = WorkTable(costs, [MicroBatch((0,), 64)])
+    work = table.work(np.zeros((1, 1), dtype=np.int64))
+    floor_f = min(table.tables["forward"][:, 0, 0])
+    floor_b = min(table.tables["backward"][:, 0, 0])
+    assert table.makespan_lower_bound(np.zeros((1, 1), dtype=np.int64)) == pytest.approx(floor_f + floor_b)
+    assert simulate_schedule("1f1b", work, 1e12).makespan >= floor_f + floor_b

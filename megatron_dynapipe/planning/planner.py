@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -34,6 +35,7 @@ from .types import MicroBatch, RecomputeType
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
 FAST_MODE_CANDIDATES = 1  # micro-batchings fast mode schedules (best predicted first)
 FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries
+BOUND_SLACK = 1e-9  # relative: a bound summed in another order may exceed an equal makespan by rounding
 
 
 class PlanningError(ValueError):
@@ -254,24 +256,37 @@ def optimize_schedule(
     seed: int = 0,
     max_permutations: int = 8,
 ) -> ScheduleChoice:
-    """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest."""
+    """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest
+    (the first in candidate order among equals).
+
+    Branch and bound: candidates are tried by ascending makespan lower bound, and one whose
+    bound exceeds the best makespan found is never simulated (nor are those after it), nor
+    is a recompute adjustment carried on once its bound does. The bound holds for any
+    recompute the adjustment may raise to, so the choice equals that of simulating them all.
+    """
     candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
     tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
               if any(c.microbatching == m.label for c in candidates)}
-    best: tuple[Candidate, RecomputePlan] | None = None
-    for candidate in candidates:
-        recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
+    work = [(tables[c.microbatching].reordered(c.order), np.tile(np.array(c.recompute, dtype=np.int64), (costs.pp, 1)))
+            for c in candidates]
+    bounds = [table.makespan_lower_bound(recompute) for table, recompute in work]
+    best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)
+    for i in sorted(range(len(candidates)), key=bounds.__getitem__):
+        cutoff = math.inf if best is None else best[0] * (1 + BOUND_SLACK)
+        if bounds[i] > cutoff:
+            break  # so are all later bounds
+        candidate, (table, recompute) = candidates[i], work[i]
         fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, memory_limit_mb,
-                                fast_mode, tables[candidate.microbatching].reordered(candidate.order))
-        if fitted and (best is None or fitted.simulation.makespan < best[1].simulation.makespan):
-            best = (candidate, fitted)
+                                fast_mode, table, give_up_above_ms=cutoff)
+        if fitted and (best is None or (fitted.simulation.makespan, i) < best[:2]):
+            best = (fitted.simulation.makespan, i, fitted)
     if best is None:
         raise PlanningError(
             f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB even with full recompute: raise the memory limit"
             " or add pipeline/tensor parallelism"
         )
-    candidate, fitted = best
-    return ScheduleChoice(candidate, fitted.recompute, fitted.orders, fitted.simulation, len(candidates))
+    _, i, fitted = best
+    return ScheduleChoice(candidates[i], fitted.recompute, fitted.orders, fitted.simulation, len(candidates))
 
 
 def execution_plans(choice: ScheduleChoice) -> list[ExecutionPlan]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,14 +32,17 @@ def adjust_rc_plan(
     memory_limit_mb: float,
     fast_mode: bool = False,
     work_table: WorkTable | None = None,
+    give_up_above_ms: float = math.inf,
 ) -> RecomputePlan | None:
     """Raise recompute (none -> selective -> full) of chosen micro-batches on the stages whose
     simulated peak exceeds the limit, re-simulating after each round, until the plan fits.
 
     On an over-limit stage the micro-batches held at its peak are raised, largest memory saving
     first, until the saving covers the excess. Fast mode stops after 3 rounds of at most 2
-    micro-batches. Returns None when the plan cannot be made to fit. `work_table` (of these
-    micro-batches, in this order) saves evaluating the cost model again.
+    micro-batches. Returns None when the plan cannot be made to fit, or as soon as its makespan
+    cannot stay at or below `give_up_above_ms` (a search's best so far) whatever recompute is
+    raised. `work_table` (of these micro-batches, in this order) saves evaluating the cost model
+    again.
     """
     table = work_table or WorkTable(costs, microbatches)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
@@ -46,6 +50,8 @@ def adjust_rc_plan(
     per_round = FAST_MODE_MICROBATCHES_PER_ROUND if fast_mode else None
     rounds = 0
     while True:
+        if table.makespan_lower_bound(recompute) > give_up_above_ms:
+            return None
         work = table.work(recompute)
         if not np.all(np.isfinite(work.forward + work.backward)):
             return None

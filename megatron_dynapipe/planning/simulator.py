@@ -54,14 +54,36 @@ class WorkTable:
         }
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])
         self.comm = np.broadcast_to(np.asarray(costs.p2p_ms(mbs, seq), dtype=float), mbs.shape).copy()
+        # floors[name][rc]: the least time of any recompute type >= rc (measured tables need
+        # not be monotone in the recompute type), so that a bound survives raising recompute.
+        self.floors = {name: np.minimum.accumulate(self.tables[name][::-1], axis=0)[::-1]
+                       for name in ("forward", "backward")}
 
     def reordered(self, order: Sequence[int]) -> "WorkTable":
         """The same table with micro-batches in another entry order."""
         other = object.__new__(WorkTable)
         cols = np.asarray(order, dtype=np.int64)
         other.tables = {name: table[:, :, cols] for name, table in self.tables.items()}
+        other.floors = {name: table[:, :, cols] for name, table in self.floors.items()}
         other.state, other.comm = self.state, self.comm[cols]
         return other
+
+    def makespan_lower_bound(self, recompute: np.ndarray) -> float:
+        """A makespan no schedule of these micro-batches, in this entry order, can beat with
+        this recompute or any raised from it.
+
+        Every schedule runs forwards in entry order and backwards in arrival order (see
+        schedules.py), so stage s starts no earlier than micro-batch 0's forwards and sends
+        through stages 0..s-1, is busy for all its own ops, and after its last op (the backward
+        of micro-batch n-1) that gradient still passes back through stages s-1..0.
+        """
+        index = np.asarray(recompute, dtype=np.int64)[None]
+        forward = np.take_along_axis(self.floors["forward"], index, axis=0)[0]
+        backward = np.take_along_axis(self.floors["backward"], index, axis=0)[0]
+        busy = forward.sum(axis=1) + backward.sum(axis=1)
+        head = np.cumsum(forward[:-1, 0] + self.comm[0])  # stage s: micro-batch 0 reaches it
+        tail = np.cumsum(backward[:-1, -1] + self.comm[-1])  # ... and n-1's gradient leaves it
+        return float(np.max(busy + np.concatenate([[0.0], head + tail])))
 
     def work(self, recompute: np.ndarray) -> StageWork:
         """StageWork for the recompute type of every (stage, micro-batch), recompute[pp, n]."""
