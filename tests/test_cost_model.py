@@ -563,3 +563,19 @@ def test_analytical_small_microbatches_cost_as_much_as_saturating_ones():
     assert t(32) == pytest.approx(2 * t(16))
     assert AnalyticalCostModel(saturation_tokens=0).layer_ms("encoder", "forward", R.NONE, 1, 64) \
         == pytest.approx(t(16) / 16)
+
+
+def test_all_stages_agrees_with_the_per_stage_queries_and_remembers_read_only_answers(models):
+    costs = StageCosts(models[1], num_layers=30, pp=4)
+    mbs, seq = np.array([1, 2, 3, 8]), np.array([512, 1000, 2048, 256])
+    for rc in R:
+        answer = costs.all_stages(mbs, seq, rc)
+        for s in range(costs.pp):
+            assert answer["forward"][s] == pytest.approx(costs.forward_ms(s, mbs, seq, rc))
+            assert answer["backward"][s] == pytest.approx(costs.backward_ms(s, mbs, seq, rc))
+            assert answer["stored"][s] == pytest.approx(costs.stored_mb(s, mbs, seq, rc))
+            assert answer["peak"][s] == pytest.approx(costs.peak_mb(s, mbs, seq, rc))
+        assert costs.all_stages(mbs.copy(), seq.copy(), rc) is answer  # asked again: remembered
+        with pytest.raises(ValueError):
+            answer["forward"][0, 0] = 0.0  # shared answers cannot be changed by a caller
+    assert costs.all_stages(mbs[:2], seq[:2], R.NONE)["forward"].shape == (4, 2)  # another query

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ PHASES = ("forward", "backward")
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
+ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a few dozen)
 PROFILES_DIR = Path(__file__).with_name("profiles")  # profiles shipped with the package, by name
 
 _INF = math.inf
@@ -608,6 +609,9 @@ class StageCosts:
     dp: int = 1
     zero_stage: int = 0  # 0..3; Megatron's distributed optimizer is ZeRO-1
     p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
+    # all_stages answers by query: one plan asks the same micro-batch shapes several times
+    # (recompute choice, candidate orders, work tables), and interpolation dominates small plans.
+    _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.pp < 1 or self.dp < 1:
@@ -651,9 +655,20 @@ class StageCosts:
         return self.model.activation_mb("peak", recompute, mbs, seqlen)
 
     def all_stages(self, mbs, seqlen, recompute) -> dict[str, np.ndarray]:
-        """forward/backward ms and stored/peak MB of every stage at once, as [pp, *shape] arrays,
-        evaluating each per-layer quantity once instead of once per stage (the planner's hot path)."""
+        """forward/backward ms and stored/peak MB of every stage at once, as read-only
+        [pp, *shape] arrays, evaluating each per-layer quantity once instead of once per stage
+        (the planner's hot path); a query asked before is answered from memory."""
         mbs, seqlen = np.asarray(mbs), np.asarray(seqlen)
+        key = (_recompute(recompute), mbs.dtype.str, mbs.shape, mbs.tobytes(),
+               seqlen.dtype.str, seqlen.shape, seqlen.tobytes())
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= ANSWERS_KEPT:
+                self._answers.clear()
+            answer = self._answers[key] = self._all_stages(mbs, seqlen, key[0])
+        return answer
+
+    def _all_stages(self, mbs: np.ndarray, seqlen: np.ndarray, recompute: RecomputeType) -> dict[str, np.ndarray]:
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
         column = (self.pp,) + (1,) * len(shape)
         layers = np.array([self.layers_on(s) for s in range(self.pp)], dtype=float).reshape(column)
@@ -667,6 +682,8 @@ class StageCosts:
         peak = np.asarray(self.model.activation_mb("peak", recompute, mbs, seqlen), dtype=float)
         out["stored"] = layers * stored
         out["peak"] = np.broadcast_to(peak, (self.pp,) + shape)
+        for array in out.values():
+            array.flags.writeable = False
         return out
 
     def param_mb(self, stage: int) -> float:
