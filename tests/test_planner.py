@@ -186,6 +186,18 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses(seed, siz
     assert np.array_equal(choice.recompute, fitted.recompute) and choice.orders == fitted.orders
 
 
+@pytest.mark.parametrize("mix,size", [("lognormal", 64), ("long", 64), ("long", 256)])
+def test_fast_mode_is_within_its_gap_of_its_own_exhaustive_search(mix, size, costs_pp4):
+    from megatron_dynapipe.planning.planner import FAST_MODE_GAP, _microbatchings, optimize_schedule
+
+    lengths = synthetic_lengths(size, 0, mix)
+    microbatchings = _microbatchings(lengths, range(size), costs_pp4, TrainingSpec(), True)
+    _, fitted = _exhaustive(microbatchings, costs_pp4, 36_000, fast=True)
+    choice = optimize_schedule(microbatchings, costs_pp4, 36_000, fast_mode=True)
+    # A candidate is skipped only when its lower bound exceeds (1 - gap) x the best found.
+    assert fitted.simulation.makespan <= choice.makespan_ms <= fitted.simulation.makespan / (1 - FAST_MODE_GAP)
+
+
 # Batches where the winner is not the candidate of the lowest bound (found by simulating all;
 # in the first two it has no slack at all over its bound), so that pruning has to get its order
 # and its ties right; and larger ones.

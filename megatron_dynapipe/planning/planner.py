@@ -36,6 +36,7 @@ PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar c
 FAST_MODE_CANDIDATES = 1  # micro-batchings fast mode schedules (best predicted first)
 FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries
 BOUND_SLACK = 1e-9  # relative: a bound summed in another order may exceed an equal makespan by rounding
+FAST_MODE_GAP = 0.02  # fast mode skips candidates that could beat the best found by at most 2%
 
 
 class PlanningError(ValueError):
@@ -263,6 +264,8 @@ def optimize_schedule(
     bound exceeds the best makespan found is never simulated (nor are those after it), nor
     is a recompute adjustment carried on once its bound does. The bound holds for any
     recompute the adjustment may raise to, so the choice equals that of simulating them all.
+    Fast mode also skips candidates that could improve on the best by at most FAST_MODE_GAP,
+    so its choice is within that fraction of its exhaustive search's.
     """
     candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
     tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
@@ -270,9 +273,10 @@ def optimize_schedule(
     work = [(tables[c.microbatching].reordered(c.order), np.tile(np.array(c.recompute, dtype=np.int64), (costs.pp, 1)))
             for c in candidates]
     bounds = [table.makespan_lower_bound(recompute) for table, recompute in work]
+    gap = FAST_MODE_GAP if fast_mode else -BOUND_SLACK
     best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)
     for i in sorted(range(len(candidates)), key=bounds.__getitem__):
-        cutoff = math.inf if best is None else best[0] * (1 + BOUND_SLACK)
+        cutoff = math.inf if best is None else best[0] * (1 - gap)
         if bounds[i] > cutoff:
             break  # so are all later bounds
         candidate, (table, recompute) = candidates[i], work[i]
