@@ -353,7 +353,8 @@ def test_trace_files_get_the_mode_of_any_new_file(tmp_path, umask, mode):
     import os
     import stat
 
-    from megatron_dynapipe.tracer.trace_format import trace_path, write_atomically
+    from megatron_dynapipe.files import write_atomically
+    from megatron_dynapipe.tracer.trace_format import trace_path
 
     trace = RankTrace(rank=3, stage=0, layout={}, coords={}, groups={}, model={}, iteration={})
     old = os.umask(umask)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from ..files import write_atomically
 from ..planning.cost_model import CostModel
 from .models import GPTShape, get_model
 from .topology import ParallelLayout, Representatives, representative_ranks
@@ -547,22 +548,7 @@ def exit_code(results: Sequence[ConfigResult], *, strict: bool = False) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# atomic files
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+# summary files
 
 
 def _write_summary(result: ConfigResult, complete: bool) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from ..files import write_atomically
 
 __all__ = [
     "FORMAT_NAME",
@@ -39,7 +40,6 @@ __all__ = [
     "trace_path",
     "read_trace",
     "read_traces",
-    "write_atomically",
 ]
 
 FORMAT_NAME = "megatron-dynapipe-trace"
@@ -72,47 +72,7 @@ class TraceFormatError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# atomic files
-
-
-def write_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never a
-    torn mix: a temporary file in the same folder, flushed and fsync'ed, then ``os.replace``.
-
-    The file gets the mode any new file gets (``0o666`` less the umask, 0644 under the usual
-    umask 022), not ``tempfile.mkstemp``'s private 0600: traces are read by other users."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
-
-
-_TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-
-
-def _create_temporary(path: Path) -> tuple[int, str]:
-    """A new, exclusive temporary file beside ``path``, created with mode 0o666 so that the
-    kernel applies the umask (as ``open(path, "w")`` would); ``mkstemp`` forces 0600."""
-    for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(tmp, _TEMP_FLAGS, 0o666), str(tmp)
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temporary name beside {path}")
+# files
 
 
 def trace_path(directory: str | os.PathLike, rank: int) -> Path:
