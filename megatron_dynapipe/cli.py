@@ -35,8 +35,33 @@ def _plan_parser(sub) -> None:
     p.add_argument("--pack-length", type=int, help="baseline packing length (default: longest sample rounded up to a power of two)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE", help="write the predicted timeline as Chrome-trace JSON")
-    p.add_argument("--gantt", metavar="FILE.png", help="draw the predicted timeline")
+    p.add_argument("--gantt", metavar="FILE.png|.svg|.pdf", help="draw the predicted timeline of every DP rank")
     p.set_defaults(func=_run_plan)
+
+
+def _check_plan_args(args) -> None:
+    """Everything the plan command can refuse before it works, one line each naming the fix."""
+    import math
+
+    from .files import check_output_file
+    from .viz import GANTT_SUFFIXES
+
+    for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if not (math.isfinite(args.memory_limit) and args.memory_limit > 0):
+        raise ValueError(f"--memory-limit must be a positive number of MB, got {args.memory_limit}")
+    if args.pack_length is not None and args.pack_length < 1:
+        raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
+                         "leave it out for the longest sample rounded up to a power of two")
+    if args.num_layers % args.pp:
+        divisors = [p for p in range(1, args.num_layers + 1) if args.num_layers % p == 0]
+        raise ValueError(f"{args.num_layers} layers do not split evenly into {args.pp} pipeline stages, which "
+                         f"Megatron-LM refuses: use --pp among {', '.join(map(str, divisors))}")
+    if args.chrome_trace:
+        check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
+    if args.gantt:
+        check_output_file(args.gantt, "--gantt", GANTT_SUFFIXES)
 
 
 def _run_plan(args) -> int:
@@ -45,6 +70,7 @@ def _run_plan(args) -> int:
     from .planning.samples import read_lengths, synthetic_lengths
     from .planning.spec import TrainingSpec
 
+    _check_plan_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
     spec = TrainingSpec(num_layers=args.num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
                         memory_limit_mb=args.memory_limit, fast_mode=args.fast_mode,
@@ -54,15 +80,20 @@ def _run_plan(args) -> int:
     if args.chrome_trace or args.gantt:
         from .viz import write_chrome_trace, write_gantt
 
-        events = resimulate(result.choices[0], result.costs).events
+        timelines = [resimulate(choice, result.costs).events for choice in result.choices]
         if args.chrome_trace:
-            write_chrome_trace(events, args.chrome_trace)
-            summary["chrome_trace"] = args.chrome_trace
+            summary["chrome_trace"] = str(write_chrome_trace(timelines, args.chrome_trace))
         if args.gantt:
-            write_gantt(events, args.gantt, f"{result.choices[0].candidate.schedule}, dp rank 0")
-            summary["gantt"] = args.gantt
+            summary["gantt"] = str(write_gantt(timelines, args.gantt, _gantt_titles(result)))
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
+
+
+def _gantt_titles(result) -> list[str]:
+    slowest = max(range(len(result.choices)), key=lambda r: result.choices[r].makespan_ms)
+    return [f"dp rank {r}: {c.candidate.schedule}, {c.makespan_ms:.1f} ms"
+            + (" (slowest: sets the iteration time)" if r == slowest and len(result.choices) > 1 else "")
+            for r, c in enumerate(result.choices)]
 
 
 def _bench_parser(sub) -> None:

@@ -1,76 +1,88 @@
-"""Pictures of a simulated plan: Chrome-trace JSON (chrome://tracing, Perfetto) and a Gantt PNG."""
+"""Pictures of simulated plans: Chrome-trace JSON (chrome://tracing, Perfetto) and a Gantt chart.
+
+Both take one timeline (list of events) per data-parallel rank: any rank may set the iteration
+time, so every rank is shown.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from .files import atomic_path, write_atomically
 from .planning.simulator import Event
 
+GANTT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes by suffix
 _ROWS = {"F": "compute", "B": "compute", "send-act": "send activations", "send-grad": "send gradients"}
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "send-act": "#8fbbd9", "send-grad": "#f4b183"}
+_LABEL_POINTS_PER_CHAR = 4.0  # width of one digit at the label's 6-point font
 
 
-def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write a file so that readers see the old content or the new one, never a torn mix."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def chrome_trace(events: Sequence[Event], name: str = "dynapipe plan") -> dict:
-    """Trace Event Format: one process per pipeline stage, compute and each link as threads."""
+def chrome_trace(timelines: Sequence[Sequence[Event]], name: str = "dynapipe plan") -> dict:
+    """Trace Event Format: one process per (DP rank, stage), compute and each link as threads."""
     threads = {row: i for i, row in enumerate(dict.fromkeys(_ROWS.values()))}
-    out = [{"ph": "M", "name": "process_name", "pid": s, "args": {"name": f"stage {s}"}}
-           for s in sorted({e.stage for e in events})]
-    for s in sorted({e.stage for e in events}):
-        out += [{"ph": "M", "name": "thread_name", "pid": s, "tid": tid, "args": {"name": row}}
-                for row, tid in threads.items()]
-    for e in events:
-        out.append({
-            "name": f"{e.kind} {e.microbatch}",
-            "cat": e.kind, "ph": "X", "pid": e.stage, "tid": threads[_ROWS[e.kind]],
-            "ts": e.start * 1000.0, "dur": (e.end - e.start) * 1000.0,  # ms -> us
-            "args": {"microbatch": e.microbatch},
-        })
+    stages = sorted({e.stage for events in timelines for e in events})
+    out = []
+    for rank, events in enumerate(timelines):
+        for s in stages:
+            pid = rank * len(stages) + s
+            label = f"stage {s}" if len(timelines) == 1 else f"dp rank {rank}, stage {s}"
+            out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+            out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": row}}
+                    for row, tid in threads.items()]
+        for e in events:
+            out.append({
+                "name": f"{e.kind} {e.microbatch}",
+                "cat": e.kind, "ph": "X", "pid": rank * len(stages) + e.stage, "tid": threads[_ROWS[e.kind]],
+                "ts": e.start * 1000.0, "dur": (e.end - e.start) * 1000.0,  # ms -> us
+                "args": {"microbatch": e.microbatch, "dp_rank": rank},
+            })
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"name": name}}
 
 
-def write_chrome_trace(events: Sequence[Event], path: str | os.PathLike, name: str = "dynapipe plan") -> None:
-    write_atomically(path, json.dumps(chrome_trace(events, name)))
+def write_chrome_trace(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,
+                       name: str = "dynapipe plan") -> Path:
+    return write_atomically(path, json.dumps(chrome_trace(timelines, name)))
 
 
-def write_gantt(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> None:
-    """One row per stage: forwards blue, backwards orange, labelled by micro-batch."""
+def write_gantt(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,
+                titles: Sequence[str] = ()) -> Path:
+    """One panel per DP rank, one row per stage, on a shared time axis; forwards blue,
+    backwards orange (backward time includes recomputation), each box labelled with its
+    micro-batch where the label fits. The format follows the suffix (GANTT_SUFFIXES)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    compute = [e for e in events if e.kind in ("F", "B")]
-    stages = sorted({e.stage for e in compute})
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(stages) + 1.5))
-    for e in compute:
-        ax.barh(e.stage, e.end - e.start, left=e.start, color=_COLOURS[e.kind], edgecolor="black", linewidth=0.3)
-        if e.end - e.start > 0.02 * max(x.end for x in compute):
-            ax.text((e.start + e.end) / 2, e.stage, str(e.microbatch), ha="center", va="center", fontsize=6)
-    ax.set_yticks(stages, [f"stage {s}" for s in stages])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title or "pipeline timeline (blue: forward, orange: backward)")
-    fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    computes = [[e for e in events if e.kind in ("F", "B")] for events in timelines]
+    stages = sorted({e.stage for compute in computes for e in compute})
+    end = max((e.end for compute in computes for e in compute), default=1.0)
+    width_inches = 12.0
+    fig, axes = plt.subplots(len(computes), 1, sharex=True, squeeze=False,
+                             figsize=(width_inches, (0.5 * len(stages) + 0.8) * len(computes) + 1.0))
+    points_per_ms = 0.85 * width_inches * 72 / end  # the axes take about 85% of the figure
+    for rank, (ax, compute) in enumerate(zip(axes[:, 0], computes)):
+        for e in compute:
+            ax.barh(e.stage, e.end - e.start, left=e.start, color=_COLOURS[e.kind], edgecolor="black",
+                    linewidth=0.3)
+            label = str(e.microbatch)
+            if (e.end - e.start) * points_per_ms >= _LABEL_POINTS_PER_CHAR * (len(label) + 1):
+                ax.text((e.start + e.end) / 2, e.stage, label, ha="center", va="center", fontsize=6)
+        ax.set_yticks(stages, [f"stage {s}" for s in stages])
+        ax.set_ylim(max(stages) + 0.6, min(stages) - 0.6)  # stage 0 on top
+        ax.set_title(titles[rank] if rank < len(titles) else f"dp rank {rank}", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("time (ms)")
+    fig.legend(handles=[Patch(color=_COLOURS["F"], label="forward"),
+                        Patch(color=_COLOURS["B"], label="backward (with recomputation)")],
+               loc="upper right", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)
+    return Path(path)

@@ -77,6 +77,13 @@ def format_summary(summary: dict) -> str:
         lines.append(f"packing to {base['seq_len']} + 1F1B (micro-batch {base['microbatch_size']}, "
                      f"recompute {base['recompute']}): {base['makespan_ms']:.1f} ms -> speed-up "
                      f"{summary['speedup_vs_packing']:.2f}x (compute-only ideal {summary['ideal_gain_vs_packing']:.2f}x)")
+        if summary["speedup_vs_packing"] < 1:
+            lines.append("  the plan is slower than packing here: packing concatenates several samples into one "
+                         "sequence, which a plan (one sample per sequence row, padded) cannot represent, so the "
+                         "search cannot fall back on it; train with packing for this batch if it matters")
     elif "baseline" in summary:
         lines.append("packing + 1F1B: no micro-batch size fits the memory limit")
+    for key, what in (("chrome_trace", "Chrome trace"), ("gantt", "Gantt chart")):
+        if key in summary:
+            lines.append(f"wrote {what} to {summary[key]}")
     return "\n".join(lines)

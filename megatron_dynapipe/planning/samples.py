@@ -54,12 +54,19 @@ def read_lengths(path: str | Path) -> list[int]:
     if not path.is_file():
         raise ValueError(f"lengths file {path} not found: pass --lengths FILE with a JSON list or one length a line")
     text = path.read_text()
+    fix = "write a JSON list or one length a line, each a whole number of tokens >= 1"
     try:
-        values = json.loads(text) if text.lstrip().startswith("[") else [
-            line.split("#")[0].strip() for line in text.splitlines() if line.split("#")[0].strip()]
-        lengths = [int(v) for v in values]
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"{path} is not a list of integer lengths ({error}): write a JSON list or one length a line") from None
-    if not lengths:
+        if text.lstrip().startswith("["):
+            values = json.loads(text)
+        else:
+            values = [int(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
+    except ValueError as error:
+        raise ValueError(f"{path} is not a list of integer lengths ({error}): {fix}") from None
+    if not isinstance(values, list):
+        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not a list of lengths: {fix}")
+    bad = [v for v in values if type(v) is not int or v < 1]  # not bool, not 100.5, not 1e309
+    if bad:
+        raise ValueError(f"{path} is not a list of integer lengths (found {bad[0]!r}): {fix}")
+    if not values:
         raise ValueError(f"{path} holds no sample lengths: the global batch needs at least one sample")
-    return lengths
+    return values

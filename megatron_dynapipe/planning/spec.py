@@ -98,8 +98,8 @@ class TrainingSpec:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.memory_limit_mb <= 0:
-            raise ValueError(f"memory_limit_mb must be positive, got {self.memory_limit_mb!r}")
+        if not 0 < self.memory_limit_mb < float("inf"):  # also refuses nan
+            raise ValueError(f"memory_limit_mb must be a positive number of MB, got {self.memory_limit_mb!r}")
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(f"unknown schedule(s) {unknown or '(none)'}: choose from {', '.join(SCHEDULES)}")
