@@ -67,7 +67,7 @@ while IFS= read -r raw || [[ -n "$raw" ]]; do
 done <<<"$EXPECTATIONS"
 
 # shellcheck disable=SC2086
-"$PYTHON" -m megatron_dynapipe.tracer.cli --configs "$configs" --output-dir "$WORK_DIR/traces" \
+"$PYTHON" -m megatron_dynapipe.tracer.cli --model tiny --configs "$configs" --output-dir "$WORK_DIR/traces" \
     --json --no-progress ${TRACE_ARGS:-} >"$WORK_DIR/summary.json" 2>"$WORK_DIR/trace.err"
 trace_status=$?
 

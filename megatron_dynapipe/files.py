@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 from typing import Iterator, Sequence
 
-__all__ = ["atomic_path", "check_output_file", "write_atomically"]
+__all__ = ["atomic_path", "check_output_file", "check_output_folder", "write_atomically"]
 
 _TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
@@ -69,9 +69,22 @@ def check_output_file(path: str | os.PathLike, what: str, suffixes: Sequence[str
         raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / ('out' + (suffixes or ('',))[0])}")
     if suffixes and path.suffix.lower() not in suffixes:
         raise ValueError(f"{what} {path} has no known suffix: end the name with one of {', '.join(suffixes)}")
-    folder = path.parent
+    _check_writable_place(path.parent, path, what)
+    return path
+
+
+def check_output_folder(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work, an output folder that is a file or cannot be created or written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a folder: choose a folder (it is created if missing)")
+    _check_writable_place(path, path, what)
+    return path
+
+
+def _check_writable_place(folder: Path, path: Path, what: str) -> None:
+    """The nearest existing folder at or above ``folder`` must be a writable folder."""
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path} cannot be written ({folder} is not a writable folder): choose another place")
-    return path

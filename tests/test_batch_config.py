@@ -466,7 +466,7 @@ def stand_in(monkeypatch):
 
 
 def test_trace_json_summary(tmp_path, stand_in, capsys):
-    code = trace_cli.main(["--config", "16 2 2", "--config", "32 2 2", "--config", "12 2 4",
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "32 2 2", "--config", "12 2 4",
                            "--output-dir", str(tmp_path), "--json", "--isolation", "inline"])
     out, err = capsys.readouterr()
     assert code == 1
@@ -486,7 +486,7 @@ def ok_folder(line, index):
 
 
 def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
-    code = trace_cli.main(["--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path)])
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0
     lines = out.splitlines()
@@ -498,9 +498,9 @@ def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
 
 
 def test_trace_strict_and_nothing_valid(tmp_path, stand_in, capsys):
-    assert trace_cli.main(["--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path),
+    assert trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "24 3 1", "--output-dir", str(tmp_path),
                            "--strict"]) == 1
-    assert trace_cli.main(["--config", "24 3 1", "--output-dir", str(tmp_path)]) == 1
+    assert trace_cli.main(["--model", "tiny", "--config", "24 3 1", "--output-dir", str(tmp_path)]) == 1
 
 
 def test_rich_table_on_a_terminal(tmp_path):
@@ -647,7 +647,7 @@ def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
         return real(layout, rank, model, **kw)
 
     monkeypatch.setattr(bc, "_default_tracer", lambda: sometimes_broken)
-    code = trace_cli.main(["--config", "16 2 2", "--config", "32 2 2", "--config", "8 4 1",
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "32 2 2", "--config", "8 4 1",
                            "--output-dir", str(tmp_path), "--json", "--shapes-only"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 1
@@ -656,3 +656,75 @@ def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
     for c in (summary["configs"][0], summary["configs"][2]):
         for r in c["ranks"]:
             assert (Path(c["folder"]) / f"rank_{r['rank']}.trace.jsonl").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------------------------
+# the trace command's edges: bad lines, bad places, Ctrl-C
+
+
+def test_an_unparsable_config_is_skipped_and_the_others_are_traced(tmp_path, stand_in, capsys):
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "16 two 2",
+                           "--output-dir", str(tmp_path), "--json", "--isolation", "inline"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert code == 1 and summary["exit_code"] == 1
+    assert [c["status"] for c in summary["configs"]] == ["ok"]
+    assert len(summary["unparsable"]) == 1 and "--config #2: PP must be an integer, got 'two'" in summary["unparsable"][0]
+    assert "skipping a config that cannot be parsed: --config #2" in err
+
+
+def test_a_configs_file_line_that_cannot_be_parsed_names_its_line(tmp_path, stand_in, capsys):
+    path = tmp_path / "configs.txt"
+    path.write_text("# layouts\n16 2 2\n16 2 2 mbs=x\n")
+    code = trace_cli.main(["--model", "tiny", "--configs", str(path), "--output-dir", str(tmp_path / "t"),
+                           "--isolation", "inline"])
+    assert code == 1 and f"{path}:3: mbs must be an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", ""], "no configs: --config holds only blanks or comments"),
+    (["--config", "1 2"], "no config could be parsed: --config: expected 3 to 5 numbers"),
+    (["--output-dir", "{file}"], "is a file, not a folder: choose a folder"),
+    (["--output-dir", "{file}/below"], "is not a writable folder"),
+    (["--cost-model", "/missing/profile.json"], "cost model file /missing/profile.json not found"),
+    (["--cost-model", "gpt-6.7b-a100", "--model", "6.7", "--config", "16 1 16"], "has no profile for tp=16"),
+])
+def test_what_would_fail_every_rank_is_refused_before_any_starts(tmp_path, args, message, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bc, "_default_tracer", lambda: lambda *a, **k: calls.append(a))
+    (tmp_path / "file").write_text("")
+    argv = ["--model", "tiny"] + [a.format(file=tmp_path / "file") for a in args]
+    if "--config" not in argv:
+        argv += ["--config", "16 2 2"]
+    if "--output-dir" not in argv:
+        argv += ["--output-dir", str(tmp_path / "traces")]
+    assert trace_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert calls == [] and not (tmp_path / "traces").exists()
+
+
+def test_ctrl_c_marks_the_folder_interrupted_and_stops_the_batch(tmp_path, monkeypatch, capsys):
+    def tracer(layout, rank, model, **options):
+        if rank > 0:
+            raise KeyboardInterrupt
+        return stand_in_tracer(layout, rank, model, **options)
+
+    monkeypatch.setattr(bc, "_default_tracer", lambda: tracer)
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "32 2 2",
+                           "--output-dir", str(tmp_path), "--isolation", "inline"])
+    out, err = capsys.readouterr()
+    assert code == 130
+    folder = tmp_path / ok_folder("16 2 2", 0)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert (summary["status"], summary["complete"]) == ("interrupted", False)
+    assert summary["error"] == "interrupted after 1 of 2 ranks" and len(summary["ranks"]) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # the second config never started
+    assert "interrupted; " + str(folder) in err and "Traceback" not in err
+    assert "1 interrupted" in out
+
+
+def test_trace_defaults_to_the_model_of_the_example_script(capsys):
+    assert trace_cli.main(["--config", "8192 16 8", "--print-ranks"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(rows) == 16 and {r[14] for r in rows} == {"6.7B"}

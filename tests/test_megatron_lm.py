@@ -69,6 +69,15 @@ def test_launcher_options_come_before_the_script(script):
     assert launcher.parse_launch_args([str(script), "--", "--x"]).script_args == ("--x",)
 
 
+@pytest.mark.parametrize("flag", ["--bf16", "--fp16"])
+def test_cpu_runs_refuse_half_precision_in_one_line(script, flag, capsys):
+    with pytest.raises(launcher.LaunchError, match=f"--cpu runs in fp32 only: with {flag} .* drop {flag}"):
+        launcher.parse_launch_args(["--cpu", str(script), "--num-layers", "2", flag])
+    assert launcher.parse_launch_args([str(script), flag]).script_args == (flag,)  # on GPU: passed through
+    assert launcher.main(["--cpu", str(script), flag]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_missing_or_wrong_script_is_a_one_line_error(tmp_path, capsys):
     with pytest.raises(launcher.LaunchError, match="no such script.*pretrain_gpt.py"):
         launcher.parse_launch_args([str(tmp_path / "nope.py")])

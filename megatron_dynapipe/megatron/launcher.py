@@ -122,6 +122,10 @@ def _options(ns: argparse.Namespace) -> LaunchOptions:
     args = list(ns.script_args or ())
     if args and args[0] == "--":
         args = args[1:]
+    half = [flag for flag in ("--bf16", "--fp16") if flag in args]
+    if ns.cpu and half:
+        raise LaunchError(f"--cpu runs in fp32 only: with {half[0]} megatron-core's optimizer and grad scaler "
+                          f"keep their state on CUDA; drop {half[0]} for a CPU smoke run")
     return LaunchOptions(script=script.resolve(), script_args=tuple(args), cpu=bool(ns.cpu))
 
 

@@ -65,9 +65,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Statuses of a config in a batch.
-OK, FAILED, INVALID = "ok", "failed", "invalid"
-#: Default model when neither the line nor the caller names one.
+#: Statuses of a config in a batch ("interrupted": stopped by Ctrl-C, its folder incomplete).
+OK, FAILED, INVALID, INTERRUPTED = "ok", "failed", "invalid", "interrupted"
+#: Default model of a TraceConfig when neither the line nor the caller names one (the ``trace``
+#: command and examples/update_pretrain_gpt.sh default to GPT-6.7B instead: see tracer/cli.py).
 DEFAULT_MODEL = "tiny"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "timeline.json"
@@ -531,13 +532,15 @@ class ConfigResult:
 
 def batch_summary(results: Sequence[ConfigResult], **extra: Any) -> dict[str, Any]:
     """The whole batch as one JSON-able object (what ``trace --json`` prints)."""
-    counts = {s: sum(r.status == s for r in results) for s in (OK, FAILED, INVALID)}
+    counts = {s: sum(r.status == s for r in results) for s in (OK, FAILED, INVALID, INTERRUPTED)}
     return {**extra, "configs": [r.to_dict() for r in results], **counts, "exit_code": exit_code(results)}
 
 
 def exit_code(results: Sequence[ConfigResult], *, strict: bool = False) -> int:
-    """0 when every valid config traced; 1 when one failed, none was valid, or (``strict``) one
-    was invalid."""
+    """0 when every valid config traced; 130 when Ctrl-C stopped the batch; 1 when one failed,
+    none was valid, or (``strict``) one was invalid."""
+    if any(r.status == INTERRUPTED for r in results):
+        return 130  # as a shell reports a command stopped by Ctrl-C
     if any(r.status == FAILED for r in results):
         return 1
     if not any(r.status == OK for r in results):
@@ -853,6 +856,8 @@ def run_batch(
                 warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
                 cost_model=cost_model, isolation=isolation, rank_timeout=rank_timeout,
             )))
+            if results[-1].status == INTERRUPTED:
+                break  # Ctrl-C: the configs after it are not started
             bar.advance(configs_task)
     return results
 
@@ -886,13 +891,19 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         return result
 
     ranks_task = bar.add_task(f"Config{config.index} {config.line}", total=len(reps))
-    for rep in reps:
-        rank_result = _run_rank(tracer, config, layout, rep, result.folder, options, opts)
-        result.ranks.append(rank_result)
-        _note_failure(result, rank_result)
+    try:
+        for rep in reps:
+            rank_result = _run_rank(tracer, config, layout, rep, result.folder, options, opts)
+            result.ranks.append(rank_result)
+            _note_failure(result, rank_result)
+            result.seconds = time.perf_counter() - start
+            _safe_summary(result, complete=False)
+            bar.advance(ranks_task)
+    except KeyboardInterrupt:  # the folder says so; run_batch stops after this config
+        result.status, result.error = INTERRUPTED, f"interrupted after {len(result.ranks)} of {len(reps)} ranks"
         result.seconds = time.perf_counter() - start
         _safe_summary(result, complete=False)
-        bar.advance(ranks_task)
+        return result
     bar.remove_task(ranks_task)
     _write_timeline(result)
     result.seconds = time.perf_counter() - start

@@ -5,8 +5,10 @@
     megatron-dynapipe trace --config "8192 2 2" --print-ranks
 
 ``python -m megatron_dynapipe.tracer.cli ARGS`` is the same command without the ``trace`` word.
-Exit status: 0 when every valid config traced, 1 when a config failed or none was valid (or,
-with ``--strict``, one was invalid), 2 for a usage error such as an unreadable configs file.
+Exit status: 0 when every valid config traced, 1 when a config failed, could not be parsed or
+none was valid (or, with ``--strict``, one was invalid), 2 for a usage error such as an
+unreadable configs file or an unwritable output folder (refused before any rank starts), 130
+when Ctrl-C stopped it (the folder being traced says ``"status": "interrupted"``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import sys
 from typing import Any, Sequence
 
 from .batch_config import (
+    FAILED,
+    INTERRUPTED,
     INVALID,
     OK,
+    ConfigParseError,
     ConfigResult,
     TraceConfig,
     batch_summary,
     exit_code,
-    parse_configs,
-    read_config_file,
+    parse_config_line,
     validate,
 )
 from .models import MODELS, get_model
@@ -33,6 +37,8 @@ __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFA
 
 #: The config traced when none is given.
 DEFAULT_CONFIG = "8192 2 2"
+#: The model traced when none is given: the same as examples/update_pretrain_gpt.sh.
+DEFAULT_MODEL = "6.7"
 
 _HELP = "trace the representative ranks of one or more parallel layouts with fake ranks"
 _EPILOG = (
@@ -53,8 +59,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
 
     model = p.add_argument_group("model and batch (defaults for every config)")
-    model.add_argument("--model", default="tiny", metavar="NAME",
-                       help=f"model size: {'|'.join(MODELS)} (default tiny)")
+    model.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                       help=f"model size: {'|'.join(MODELS)} (default {DEFAULT_MODEL})")
     model.add_argument("--num-experts", type=int, metavar="N", help="make the model mixture-of-experts with N experts")
     model.add_argument("--micro-batch-size", type=int, default=1, metavar="M", help="default 1")
     model.add_argument("--num-microbatches", type=int, metavar="N",
@@ -72,8 +78,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                       help="record op shapes without computing (default for models that do not fit in memory)")
     mode.add_argument("--real-compute", dest="shapes_only", action="store_const", const=False,
                       help="really compute every op, even when the estimate says it does not fit")
-    run.add_argument("--cost-model", metavar="FILE",
-                     help="profiled cost model JSON for shapes-only op durations (default: analytical)")
+    run.add_argument("--cost-model", metavar="NAME|FILE",
+                     help="profiled cost model (a JSON file or a shipped profile's name) for shapes-only op "
+                          "durations (default: analytical)")
     run.add_argument("--isolation", choices=("process", "inline"), default="process",
                      help="run each rank in a forked process (default) or in this one")
     run.add_argument("--rank-timeout", type=float, metavar="SECONDS", help="fail a rank that runs longer")
@@ -99,23 +106,54 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def load_configs(args) -> list[TraceConfig]:
-    """The configs named on the command line, in order (``--config`` lines, then files)."""
+def load_configs(args) -> tuple[list[TraceConfig], list[str]]:
+    """The configs named on the command line, in order (``--config`` lines, then files), and
+    why each line that could not be parsed was skipped (one bad line never stops the others)."""
     defaults: dict[str, Any] = dict(
         model=get_model(args.model), num_experts=args.num_experts,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
     )
     configs: list[TraceConfig] = []
+    unparsable: list[str] = []
     lines = args.config or ([] if args.config_files else [DEFAULT_CONFIG])
-    for n, line in enumerate(lines):
-        source = f"--config #{n + 1}" if len(lines) > 1 else "--config"
-        configs += parse_configs([line], source=source, start_index=len(configs), **defaults)
+    sources = [(f"--config #{n + 1}" if len(lines) > 1 else "--config", line) for n, line in enumerate(lines)]
     for path in args.config_files:
-        configs += read_config_file(path, start_index=len(configs), **defaults)
+        sources += [(f"{path}:{n}", line) for n, line in enumerate(_read_lines(path), start=1)]
+    for source, line in sources:
+        try:
+            config = parse_config_line(line, index=len(configs), source=source, **defaults)
+        except ConfigParseError as error:
+            unparsable.append(str(error))
+            continue
+        if config is not None:
+            configs.append(config)
     if not configs:
-        raise ValueError("no configs: the configs files hold only comments; add lines like '8192 2 2'")
-    return configs
+        if unparsable:
+            raise ValueError(f"no config could be parsed: {unparsable[0]}")
+        where = "the configs files hold" if args.config_files else "--config holds"
+        raise ValueError(f"no configs: {where} only blanks or comments; add lines like '{DEFAULT_CONFIG}'")
+    return configs, unparsable
+
+
+def _read_lines(path) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read config file {path}: {getattr(error, 'strerror', None) or error}") from None
+
+
+def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
+    """What would fail every rank, refused before any rank starts (one line naming the fix)."""
+    from ..files import check_output_folder
+
+    check_output_folder(args.output_dir, "--output-dir")
+    if args.cost_model:
+        from ..planning.cost_model import load_cost_model
+
+        for tp in sorted({c.tp for c in configs if not validate(c)}):
+            load_cost_model(args.cost_model, tp=tp)  # missing file, bad format or no profile of this TP
 
 
 def run_trace(args) -> int:
@@ -135,25 +173,39 @@ def run_trace(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.trace_iters < 1:
         raise ValueError("--trace-iters must be >= 1")
-    configs = load_configs(args)
+    configs, unparsable = load_configs(args)
+    for reason in unparsable:
+        print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
     if args.print_ranks:
-        return _print_ranks(configs, args)
+        return max(_print_ranks(configs, args), 1 if unparsable else 0)
+    _check_before_tracing(args, configs)
 
     from .batch_config import run_batch
 
-    results = run_batch(
-        configs, args.output_dir,
-        warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-        cost_model=args.cost_model,
-        isolation=args.isolation, rank_timeout=args.rank_timeout, progress=not args.no_progress,
-    )
+    try:
+        results = run_batch(
+            configs, args.output_dir,
+            warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
+            cost_model=args.cost_model,
+            isolation=args.isolation, rank_timeout=args.rank_timeout, progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:  # between ranks, where no folder is open
+        print("megatron-dynapipe trace: interrupted", file=sys.stderr)
+        return 130
     code = exit_code(results, strict=args.strict)
+    if unparsable and code == 0:
+        code = 1
     if args.json:
         summary = batch_summary(results, model=get_model(args.model).label, output_dir=args.output_dir)
+        summary["unparsable"] = unparsable
         summary["exit_code"] = code
         print(json.dumps(summary))
     else:
         print_summary(results)
+    if any(r.status == INTERRUPTED for r in results):
+        stopped = next(r for r in results if r.status == INTERRUPTED)
+        print(f"megatron-dynapipe trace: interrupted; {stopped.folder} holds the ranks traced so far "
+              f"(summary.json says \"status\": \"interrupted\")", file=sys.stderr)
     return code
 
 
@@ -222,8 +274,10 @@ _RIGHT = {"#", "ranks", "traced", "reduction", "time"}
 
 
 def _footer(results: Sequence[ConfigResult]) -> str:
-    counts = {s: sum(r.status == s for r in results) for s in (OK, "failed", INVALID)}
-    text = f"{counts[OK]} traced, {counts['failed']} failed, {counts[INVALID]} invalid"
+    counts = {s: sum(r.status == s for r in results) for s in (OK, FAILED, INVALID, INTERRUPTED)}
+    text = f"{counts[OK]} traced, {counts[FAILED]} failed, {counts[INVALID]} invalid"
+    if counts[INTERRUPTED]:
+        text += ", 1 interrupted"
     parents = {str(r.folder.parent) for r in results if r.folder is not None}
     if len(parents) == 1:
         text += f"; folders in {parents.pop()}"
@@ -249,7 +303,7 @@ def print_summary(results: Sequence[ConfigResult], file=None) -> None:
         for h in _HEADERS:
             table.add_column(h, overflow="fold", justify="right" if h in _RIGHT else "left",
                              no_wrap=h in _RIGHT or h in ("status", "config", "model"))
-        colour = {OK: "green", "failed": "bold red", INVALID: "yellow"}
+        colour = {OK: "green", FAILED: "bold red", INVALID: "yellow", INTERRUPTED: "bold yellow"}
         for row in rows:
             cells = [escape(v) for v in row]
             cells[6] = f"[{colour.get(row[6], 'default')}]{cells[6]}[/]"
