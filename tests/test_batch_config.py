@@ -728,3 +728,26 @@ def test_trace_defaults_to_the_model_of_the_example_script(capsys):
     assert trace_cli.main(["--config", "8192 16 8", "--print-ranks"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert len(rows) == 16 and {r[14] for r in rows} == {"6.7B"}
+
+
+def _report_pid_and_argument(value):
+    print(f"child {os.getpid()} says {value}")
+    return {"value": value, "pid": os.getpid()}
+
+
+@pytest.mark.slow
+def test_ranks_start_from_a_forkserver_when_cuda_is_initialised_here(tmp_path, monkeypatch):
+    """Forking after CUDA is initialised fails on a GPU machine; a forkserver child has no CUDA
+    of this process. Run on CPU: the same rank work through a real forkserver."""
+    import functools
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert bc.rank_start_method() == "forkserver"
+    monkeypatch.undo()
+    assert bc.rank_start_method() == "fork"  # no CUDA here: the cheap, warm fork
+    log_path = tmp_path / "rank.log"
+    outcome = bc._run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "forkserver")
+    assert outcome["ok"] and outcome["value"] == 41 and outcome["pid"] != os.getpid()
+    assert f"child {outcome['pid']} says 41" in log_path.read_text()

@@ -24,6 +24,7 @@ so even a crash or an out-of-memory kill stays with that rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -708,11 +709,26 @@ def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
     conn.close()
 
 
-def _run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None) -> dict[str, Any]:
-    """Run ``work`` in a forked child so that a crash, a kill or leaked global state stays there."""
+def rank_start_method() -> str:
+    """How rank processes start: forked from this process (its imports are already warm), unless
+    CUDA is initialised here, which a forked child cannot use ("Cannot re-initialize CUDA in
+    forked subprocess"); then from a forkserver, a fresh CUDA-free process that imports the
+    tracer modules once and forks each rank from itself."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "forkserver"
+    return "fork"
+
+
+def _run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None,
+                start_method: str = "fork") -> dict[str, Any]:
+    """Run ``work`` in a child process so that a crash, a kill or leaked global state stays
+    there (``work`` must pickle unless ``start_method`` is "fork")."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD_MODULES))
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
     child.start()
@@ -969,12 +985,9 @@ def _run_rank(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, rep, 
     start = time.perf_counter()
     try:
         tmp_log.write_text(header + "\n")
-
-        def work() -> dict:
-            return _do_rank(tracer, folder, config, layout, rank, options)
-
+        work = functools.partial(_do_rank, tracer, folder, config, layout, rank, options)
         if opts["isolation"] == "process":
-            outcome = _run_forked(work, tmp_log, opts["rank_timeout"])
+            outcome = _run_forked(work, tmp_log, opts["rank_timeout"], rank_start_method())
         else:
             outcome = _run_inline(work, tmp_log)
     except Exception as error:  # e.g. the log cannot be written, fork failed
