@@ -147,3 +147,17 @@ def test_a_plan_slower_than_packing_says_why():
     assert out.returncode == 0, out.stderr
     assert "-> speed-up 0.9" in out.stdout
     assert "packing concatenates several samples into one sequence, which a plan" in out.stdout
+
+
+def test_the_readme_plan_example_runs_as_written(tmp_path):
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("megatron-dynapipe plan --lengths")
+    command = text[start:text.index("```", start)].replace("\\\n", " ").split()
+    assert command[:2] == ["megatron-dynapipe", "plan"]
+    args = [str(tmp_path / a) if a in ("plan.json", "plan.png") else a for a in command[2:]]
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "plan", *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "plan.json").is_file() and (tmp_path / "plan.png").is_file()
