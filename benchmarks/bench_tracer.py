@@ -97,7 +97,14 @@ def bench_topology(repeat: int) -> list[dict]:
             rows.append({"world_size": world, "tp": tp, "pp": pp, "rank": rank,
                          "groups": "own" if own_groups else "all", **groups,
                          "first_s": first, "median_s": median, "times_s": times})
+            progress(f"topology W={world} TP={tp} PP={pp} ({'own' if own_groups else 'all'} groups): "
+                     f"median {median:.3f} s")
     return rows
+
+
+def progress(line: str) -> None:
+    """A line on stderr as each piece finishes (stdout keeps the table or the JSON)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def bench_configs(model: str, tp: int, worlds: list[int], pps: list[int], repeat: int,
@@ -119,6 +126,7 @@ def bench_configs(model: str, tp: int, worlds: list[int], pps: list[int], repeat
                     row["ranks_traced"] = result.ranks_traced
                     row["ops"] = sum(r.stats.get("ops", 0) for r in result.ranks)
 
+                started = time.perf_counter()
                 try:
                     median, times = median_of(one, repeat)
                 except RuntimeError as error:
@@ -126,6 +134,8 @@ def bench_configs(model: str, tp: int, worlds: list[int], pps: list[int], repeat
                 else:
                     row.update(median_s=median, times_s=times, per_rank_s=median / row["ranks_traced"])
                 rows.append(row)
+                progress(f"config W={world} PP={pp} TP={tp}: {len(rows)} of {len(worlds) * len(pps)} done, "
+                         f"{time.perf_counter() - started:.1f} s for {repeat} run(s)")
     return rows
 
 

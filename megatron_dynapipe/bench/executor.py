@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from typing import Any
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
@@ -243,6 +244,10 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
                 if i >= s["warmup"]:
                     times[name].append(elapsed)
                 losses[name] = [float(d["lm loss"]) for d in result]
+            if rank == 0:  # progress on stderr; stdout keeps the result
+                warm = " (warm-up, untimed)" if i < s["warmup"] else ""
+                print(f"iteration {i + 1} of {s['warmup'] + s['steps']}{warm}: both schedules ran",
+                      file=sys.stderr, flush=True)
         same = losses[SCHEDULES[0]] == losses[SCHEDULES[1]]
         return {**times, "losses_match": same}
     finally:
