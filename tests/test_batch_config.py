@@ -36,8 +36,6 @@ from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-HAVE_REAL_TRACER = (ROOT / "megatron_dynapipe" / "tracer" / "fake_rank.py").is_file()
-needs_real_tracer = pytest.mark.skipif(not HAVE_REAL_TRACER, reason="megatron_dynapipe.tracer.fake_rank not there yet")
 
 TINY = get_model("tiny")
 
@@ -578,14 +576,12 @@ def test_rank_mapping_script_fails_on_a_wrong_expectation(tmp_path):
 
 
 @pytest.mark.slow
-@needs_real_tracer
 def test_batch_config_script_passes(tmp_path):
     out = run_script("test_batch_config.sh", env={"WORK_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "FAIL" not in out.stdout
 
 
-@needs_real_tracer
 def test_batch_config_script_fails_on_a_wrong_expectation(tmp_path):
     wrong = tmp_path / "expect.txt"  # nothing valid to trace: fast
     wrong.write_text("12 2 4 : ok SIM_GPT_tiny_Config0_WS12  # it is invalid\n24 3 1 : invalid\n")
@@ -615,7 +611,6 @@ def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
 
 
 @pytest.mark.slow
-@needs_real_tracer
 def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
     start = time.perf_counter()
     out = run_script("update_pretrain_gpt.sh", env={"OUTPUT_DIR": str(tmp_path)})
@@ -634,7 +629,6 @@ def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-@needs_real_tracer
 def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
     """One config whose trace raises (a rank outside the job) amid real traces."""
     from megatron_dynapipe.tracer import fake_rank

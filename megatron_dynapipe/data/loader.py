@@ -334,10 +334,6 @@ class DynaPipeDataLoader:
     def iterations_per_epoch(self) -> int:
         return self.settings.iterations_per_epoch
 
-    @property
-    def next_iteration(self) -> int:
-        return self._next
-
     def __len__(self) -> int:
         return self.settings.num_iterations
 

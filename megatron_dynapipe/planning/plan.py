@@ -111,10 +111,6 @@ class Op(enum.IntEnum):
         return self in _SENDS
 
     @property
-    def is_recv(self) -> bool:
-        return 3 <= self <= 10 and self not in _SENDS
-
-    @property
     def finish(self) -> "Op":
         """The FINISH that completes this START."""
         if not self.is_start:

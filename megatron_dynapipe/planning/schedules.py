@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from typing import Callable
 
-from .simulator import Order, SimulationResult, StageWork, _Timeline, simulate
+from .simulator import Order, SimulationResult, StageWork, Timeline, simulate
 
 
 def one_f_one_b(work: StageWork, memory_limit_mb: float) -> list[Order]:
@@ -40,7 +40,7 @@ def wait_free_cyclic(work: StageWork, memory_limit_mb: float) -> list[Order]:
 
 class _WaitFree:
     def __init__(self, work: StageWork, memory_limit_mb: float):
-        self.t = _Timeline(work, record=False)
+        self.t = Timeline(work, record=False)
         self.pp, self.n = work.pp, work.n
         self.limit = memory_limit_mb
         self.next_forward = [0] * work.pp

@@ -126,7 +126,7 @@ class ScheduleDeadlock(RuntimeError):
 UNKNOWN = None  # an arrival time not yet known
 
 
-class _Timeline:
+class Timeline:
     """Shared book-keeping of both the fixed-order and the greedy simulation.
 
     Plain Python lists on purpose: the loop touches one scalar at a time, where numpy
@@ -205,7 +205,7 @@ class _Timeline:
 
 def simulate(orders: Sequence[Order], work: StageWork, record: bool = False) -> SimulationResult:
     """Run fixed per-stage orders; raises ScheduleDeadlock if they wait on each other."""
-    timeline = _Timeline(work, record)
+    timeline = Timeline(work, record)
     position = [0] * work.pp
     remaining = sum(len(o) for o in orders)
     while remaining:

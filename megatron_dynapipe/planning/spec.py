@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Union
 
 from .types import RecomputeType
@@ -86,7 +86,6 @@ class TrainingSpec:
     microbatch_size: int = 8  # for partition="uniform"
     max_permutations: int = 8
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations"):

@@ -75,10 +75,6 @@ class GPTShape:
         """The name used in folder names: the registry name, or ``h<hidden>l<layers>``."""
         return self.name or f"h{self.hidden}l{self.layers}"
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
     def with_experts(self, num_experts: int) -> "GPTShape":
         return dataclasses.replace(self, num_experts=num_experts)
 

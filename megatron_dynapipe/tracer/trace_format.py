@@ -220,9 +220,6 @@ class RankTrace:
     def comm_ops(self) -> list[TraceOp]:
         return [op for op in self.ops if op.cat == "comm"]
 
-    def iteration_ops(self, iteration: int) -> list[TraceOp]:
-        return [op for op in self.ops if op.iteration == iteration]
-
     def signatures(self) -> list[tuple]:
         """:meth:`TraceOp.signature` of every op, in order: what fidelity checks compare."""
         return [op.signature() for op in self.ops]
