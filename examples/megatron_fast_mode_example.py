@@ -100,8 +100,9 @@ def main(argv=None) -> int:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.data import DynaPipeDataLoader, KVStoreMetaKeys, TrainingSpec
-    from megatron_dynapipe.megatron import configure, cpu_compat, get_forward_backward_func
+    from megatron_dynapipe.megatron import configure, get_forward_backward_func
     from megatron_dynapipe.megatron.tiny_gpt import TinyGPTConfig, build_tiny_gpt, destroy_model_parallel, init_model_parallel
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from distributed import DistributedError, run_distributed
-from megatron_dynapipe.megatron import cpu_compat
-from megatron_dynapipe.megatron.cpu_compat import CpuCompatError
+from megatron_dynapipe.compat import cpu_compat
+from megatron_dynapipe.compat.cpu_compat import CpuCompatError
 
 CFG_KW = dict(
     hidden_size=64,

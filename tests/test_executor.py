@@ -227,7 +227,8 @@ def _pp2_work(rank, world_size):
     iterator of plain fixed-shape batches."""
     from megatron.core import parallel_state
 
-    from megatron_dynapipe.megatron import cpu_compat, get_forward_backward_func
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.megatron import get_forward_backward_func
     from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel
 
     cpu_compat.enable_cpu_mode()
@@ -278,7 +279,7 @@ FOUR_RANK_CASES["pp2dp2"]["wait-free-recompute"]["shapes"] = [SHAPES_A[:4], SHAP
 def _four_rank_work(rank, world_size):
     """Four ranks: the references (rank 0), then TP=2 x PP=2, then PP=2 x DP=2 (every DP rank
     plans its own micro-batches; per-token loss over both)."""
-    from megatron_dynapipe.megatron import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel
 
     cpu_compat.enable_cpu_mode()
@@ -428,8 +429,9 @@ def _failing_forward_step(how):
 
 
 def _die_or_stall(rank, world_size, how):
+    from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.megatron import configure, cpu_compat, get_forward_backward_func
+    from megatron_dynapipe.megatron import configure, get_forward_backward_func
 
     cpu_compat.enable_cpu_mode()
     configure(True, comm_timeout_s=3.0)

@@ -172,7 +172,7 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
     from megatron.core.pipeline_parallel import schedules
 
     from ..data.batch import PlannedBatch
-    from ..megatron import cpu_compat
+    from ..compat import cpu_compat
     from ..megatron.provider import forward_backward_dynapipe
     from ..megatron.tiny_gpt import TinyGPTConfig, build_tiny_gpt, destroy_model_parallel, init_model_parallel
     from ..planning.plan import build_execution_plans

@@ -1,5 +1,6 @@
-"""Everything that touches Megatron: arguments, the schedule provider, the plan executor and its
-point-to-point layer, CPU compatibility and a tiny GPT for tests.
+"""Everything that trains with Megatron: arguments, the schedule provider, the plan executor and
+its point-to-point layer, the launcher and a tiny GPT for tests (running megatron-core on the CPU
+lives below this package, in :mod:`megatron_dynapipe.compat`).
 
 The names below are imported on first use, so ``import megatron_dynapipe.megatron`` (and the
 argument helpers) stay free of torch and megatron-core.

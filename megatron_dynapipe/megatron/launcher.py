@@ -12,7 +12,7 @@ What it does, in this order, in each process:
    checkout's ``megatron`` package is the one imported) and the script's arguments in
    ``sys.argv``;
 2. with ``--cpu``, redirects the CUDA-only spots of megatron-core
-   (:mod:`~megatron_dynapipe.megatron.cpu_compat`) and of Megatron-LM's training loop
+   (:mod:`~megatron_dynapipe.compat.cpu_compat`) and of Megatron-LM's training loop
    (:data:`LM_CPU_SPOTS`, each checked against the checkout's source first) and appends the
    flags a CPU run needs (:data:`CPU_FLAGS`);
 3. replaces ``megatron.training.pretrain`` with a wrapper, then runs the script as
@@ -462,7 +462,7 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[LMSpot] = LM_CPU_SPOTS) -> None:
 
     import torch
 
-    from . import cpu_compat
+    from ..compat import cpu_compat
 
     with _cpu.lock:
         if _cpu.mode is not None:
@@ -500,7 +500,7 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[LMSpot] = LM_CPU_SPOTS) -> None:
 
 def disable_megatron_lm_cpu_mode() -> None:
     """Undo :func:`enable_megatron_lm_cpu_mode` (call from the thread that enabled it)."""
-    from . import cpu_compat
+    from ..compat import cpu_compat
 
     with _cpu.lock:
         if _cpu.mode is None:

@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from megatron_dynapipe.megatron import cpu_compat
+from megatron_dynapipe.compat import cpu_compat
 
 __all__ = [
     "TinyGPTConfig",
@@ -133,7 +133,7 @@ def build_tiny_gpt(
     """Build this rank's stage of the tiny GPT (megatron-core ``GPTModel``, local layer spec).
 
     Needs :func:`init_model_parallel` first and, without CUDA, CPU mode
-    (:func:`megatron_dynapipe.megatron.cpu_compat.enable_cpu_mode`). ``pre_process`` /
+    (:func:`megatron_dynapipe.compat.cpu_compat.enable_cpu_mode`). ``pre_process`` /
     ``post_process`` default to whether this rank (virtual stage ``vp_stage`` when interleaving)
     is the first / last pipeline stage. Seeds the CPU generator and megatron's RNG tracker with
     ``cfg.seed`` (so each call gives the same weights, in any order of chunks or stages).

@@ -584,7 +584,7 @@ PRELOAD_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.token_dispatcher",
-    "megatron_dynapipe.megatron.cpu_compat",
+    "megatron_dynapipe.compat.cpu_compat",
 )
 
 

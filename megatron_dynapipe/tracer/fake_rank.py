@@ -396,7 +396,7 @@ def _is_device(x: Any) -> bool:
 @contextlib.contextmanager
 def _moe_cpu_shims() -> Iterator[None]:
     """What megatron-core 0.16 MoE needs on a machine without CUDA and transformer-engine,
-    beyond :mod:`megatron_dynapipe.megatron.cpu_compat` (put back on exit):
+    beyond :mod:`megatron_dynapipe.compat.cpu_compat` (put back on exit):
 
     * ``moe_utils.router_gating_linear`` tests ``te_general_gemm is not None``, a name that is
       only defined when transformer-engine imports (NameError otherwise): it is defined as None;
@@ -660,7 +660,7 @@ def trace_initialized_rank(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dynapipe.megatron import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     started = time.perf_counter()
     for name, value in (("micro_batch_size", micro_batch_size), ("num_microbatches", num_microbatches),
@@ -961,7 +961,7 @@ def trace_ranks(
 ) -> list[RankTrace]:
     """:func:`trace_fake_rank` for each rank in turn (one process); writes each trace into
     ``out_dir`` as soon as it is done when given."""
-    from megatron_dynapipe.megatron import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     traces = []
     # CPU mode stays on across the ranks (switching it costs a scan of megatron's modules)

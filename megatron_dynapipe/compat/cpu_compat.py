@@ -410,7 +410,7 @@ def _resolve(spot: Spot) -> tuple[Any, str, Any]:
 def _error(spot: Spot, what: str) -> CpuCompatError:
     return CpuCompatError(
         f"cpu_compat spot {spot.label}: {what} (megatron-core {megatron_core_version()}); "
-        "upstream changed, review this redirection in megatron_dynapipe/megatron/cpu_compat.py"
+        "upstream changed, review this redirection in megatron_dynapipe/compat/cpu_compat.py"
     )
 
 
