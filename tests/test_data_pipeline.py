@@ -112,7 +112,7 @@ def test_build_iteration_gives_every_dp_rank_its_own_samples():
     ds = TokenListDataset(_samples(16), MAX_SEQ_LEN)
     ids = list(range(3, 11))
     spec = _spec()
-    blobs = build_iteration(ds, spec, COST_MODEL, True, 4, ids)
+    blobs = build_iteration(ds, spec, COST_MODEL, 4, ids)
     assert sorted(blobs.plans) == [(d, s) for d in range(2) for s in range(2)] and sorted(blobs.microbatches) == [0, 1]
     seen = []
     for d in range(2):
@@ -136,7 +136,7 @@ def test_kv_client_keys_errors_waits_and_cleanup():
     client = KVStoreClient.connect("127.0.0.1", server.port, namespace="t/ns", timeout_s=5)
     assert client.plan_key(3, 1, 0) == "t/ns/it/3/plan/1/0"
     assert client.microbatch_key(3, 1) == "t/ns/it/3/mb/1"
-    assert client.meta_key(KVStoreMetaKeys.FAST_MODE) == "t/ns/meta/fast_mode"
+    assert client.meta_key(KVStoreMetaKeys.SPEC) == "t/ns/meta/spec"
     client.put(client.plan_key(0, 0, 0), b"\x00\xffplan")
     assert server.get(client.plan_key(0, 0, 0)) == b"\x00\xffplan"
     started = time.monotonic()
@@ -254,7 +254,7 @@ def test_pp2_dp2_tp2_ranks_get_their_stage_plan_and_dp_samples(tmp_path):
     started = time.monotonic()
     with DataPipelineHost(dataset, spec, COST_MODEL, gbs, port=0, num_iterations=iterations, seed=seed,
                           lookahead=2, num_workers=2) as host:
-        assert host.client.get_meta(KVStoreMetaKeys.FAST_MODE) == b"true"
+        assert pickle.loads(host.client.get_meta(KVStoreMetaKeys.SPEC)).fast_mode is True
         out = _run_consumers(host.port, ranks, deadline_s=150)
         failures = {rank: body for rank, (ok, body) in out.items() if not ok}
         assert not failures, failures
@@ -372,7 +372,8 @@ def test_killed_worker_surfaces_as_a_clear_error(monkeypatch):
     dataset = _DyingDataset(_samples(12), bad)
     spec = _spec(pp=1, dp=1, fast_mode=None)
     with DataPipelineHost(dataset, spec, COST_MODEL, gbs, port=0, num_iterations=3, num_workers=1) as host:
-        assert host.client.get_meta(KVStoreMetaKeys.FAST_MODE) == b"auto"  # rank 0's environment decides
+        # rank 0's environment decides, once, and the shipped spec carries it
+        assert pickle.loads(host.client.get_meta(KVStoreMetaKeys.SPEC)).fast_mode == "auto"
         loader = DynaPipeDataLoader(dp_rank=0, stage=0, host_pipeline=False, port=host.port, timeout_s=TIMEOUT_S,
                                     heartbeat_timeout_s=TIMEOUT_S)
         started = time.monotonic()

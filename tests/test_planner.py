@@ -215,3 +215,16 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses_on_chosen
     candidate, fitted = _exhaustive(microbatchings, costs, limit, fast=False)
     choice = optimize_schedule(microbatchings, costs, limit)
     assert (choice.candidate, choice.makespan_ms) == (candidate, fitted.simulation.makespan)
+
+
+def test_a_jobs_fast_mode_setting_is_resolved_once_where_its_settings_are_read(monkeypatch):
+    from megatron_dynapipe.planning.spec import resolve_fast_mode_setting
+
+    monkeypatch.delenv("DYNAPIPE_FAST_MODE", raising=False)
+    assert resolve_fast_mode_setting(None) is False
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "on")
+    assert resolve_fast_mode_setting(None) is True
+    assert resolve_fast_mode_setting(False) is False  # an explicit setting wins over the environment
+    assert resolve_fast_mode_setting("AUTO") == "auto" and resolve_fast_mode_setting("yes") is True
+    with pytest.raises(ValueError, match="'sometimes' is not a fast mode: use true, false or auto"):
+        resolve_fast_mode_setting("sometimes")

@@ -64,10 +64,8 @@ class DataPipelineTimeout(DataPipelineError, TimeoutError):
 class KVStoreMetaKeys(str, enum.Enum):
     """The fixed keys of one pipeline namespace (``<ns>/meta/<value>``)."""
 
-    #: "true" / "false" / "auto": the fast-mode setting every worker plans with (resolved on
-    #: rank 0, so that one environment decides it for the whole job)
-    FAST_MODE = "fast_mode"
-    #: pickled TrainingSpec
+    #: pickled TrainingSpec, its fast_mode resolved on rank 0 (True/False/"auto"), so that one
+    #: environment decides it for the whole job and every worker plans with it
     SPEC = "spec"
     #: pickled cost model (a CostModel, a StageCosts, a profile path or None)
     COST_MODEL = "cost_model"

@@ -34,6 +34,7 @@ ranks to close, stops the poller and its workers, then the store.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planning.plan import ExecutionPlan
-from ..planning.spec import TrainingSpec, fast_mode_from_env
+from ..planning.spec import TrainingSpec, resolve_fast_mode_setting
 from .batch import PlannedBatch
 from .kv_store import (
     DEFAULT_NAMESPACE,
@@ -54,7 +55,7 @@ from .kv_store import (
     KVStoreClient,
     KVStoreMetaKeys,
 )
-from .preprocess import PipelineSettings, decode_microbatches, format_fast_mode
+from .preprocess import PipelineSettings, decode_microbatches
 
 __all__ = ["DataPipelineHost", "DynaPipeDataLoader", "RankLayout", "from_parallel_state"]
 
@@ -153,9 +154,8 @@ class DataPipelineHost:
             dp=spec.dp, pp=spec.pp, tp=spec.tp, lookahead=int(lookahead), num_workers=int(num_workers),
             worker_start_method=worker_start_method, heartbeat_interval_s=float(heartbeat_interval_s),
             store_timeout_s=float(store_timeout_s))
-        if fast_mode is None:
-            fast_mode = spec.fast_mode if spec.fast_mode is not None else fast_mode_from_env()
-        fast = format_fast_mode(bool(fast_mode) if not isinstance(fast_mode, str) else fast_mode)
+        spec = dataclasses.replace(spec, fast_mode=resolve_fast_mode_setting(
+            spec.fast_mode if fast_mode is None else fast_mode))  # the one value every worker plans with
         blobs = {KVStoreMetaKeys.SPEC: pickle.dumps(spec), KVStoreMetaKeys.COST_MODEL: pickle.dumps(cost_model),
                  KVStoreMetaKeys.DATASET: pickle.dumps(dataset)}  # fail here, not in a worker
         self.namespace = namespace
@@ -165,7 +165,6 @@ class DataPipelineHost:
         try:
             for key, blob in blobs.items():
                 self.client.put_meta(key, blob)
-            self.client.put_meta(KVStoreMetaKeys.FAST_MODE, fast)
             self.client.put_json(KVStoreMetaKeys.SETTINGS, self.settings.to_json())  # last: "ready"
             self.proc = self._start_poller()
         except BaseException:

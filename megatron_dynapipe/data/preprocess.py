@@ -9,8 +9,8 @@ Processes (all on rank 0's machine, started by :class:`~megatron_dynapipe.data.l
   counter (from a thread, so a busy loop never looks dead) and stops on the shutdown key, on the
   first error, when its parent (rank 0) is gone or when every iteration has been consumed.
 * **workers** (``concurrent.futures.ProcessPoolExecutor``) are initialised by
-  :func:`worker_init` *from the store*: dataset, TrainingSpec, cost model and fast-mode setting
-  (:attr:`KVStoreMetaKeys.FAST_MODE`) all come from there. Each task (:func:`preprocess_iteration`)
+  :func:`worker_init` *from the store*: dataset, TrainingSpec (its fast mode resolved on rank 0)
+  and cost model all come from there. Each task (:func:`preprocess_iteration`)
   reads one global batch, plans it with ``generate_execution_plan`` and publishes one plan per
   (DP rank, stage) and one micro-batch blob per DP rank (:func:`build_iteration`).
 
@@ -293,13 +293,13 @@ def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
     return StageCosts(cost_model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp, zero_stage=spec.zero_stage)
 
 
-def build_iteration(dataset, spec: TrainingSpec, cost_model, fast_mode, iteration: int,
+def build_iteration(dataset, spec: TrainingSpec, cost_model, iteration: int,
                     ids: Sequence[int], pad_token_id: int = 0) -> IterationBlobs:
     """Read the global batch ``ids`` of ``dataset``, plan it and serialise one plan per
     (DP rank, stage) and one micro-batch blob per DP rank. Pure: no store involved."""
     tokens = [np.asarray(dataset[int(i)]) for i in ids]
     lengths = [len(t) for t in tokens]
-    result = generate_execution_plan(lengths, spec, cost_model, fast_mode=fast_mode)
+    result = generate_execution_plan(lengths, spec, cost_model)  # with spec.fast_mode
     plans, microbatches = {}, {}
     for dp_rank, stage_plans in enumerate(result.plans):
         for stage, plan in enumerate(stage_plans):
@@ -309,19 +309,6 @@ def build_iteration(dataset, spec: TrainingSpec, cost_model, fast_mode, iteratio
             iteration, dp_rank, [(mb.size, mb.seq_len) for mb in mbs],
             [tokens[i] for mb in mbs for i in mb.samples], pad_token_id)
     return IterationBlobs(plans, microbatches, result.planning_seconds)
-
-
-def parse_fast_mode(value: "bytes | str"):
-    text = value.decode() if isinstance(value, bytes) else value
-    return {"true": True, "false": False, "auto": "auto"}[text]
-
-
-def format_fast_mode(value) -> str:
-    if isinstance(value, str):
-        if value.strip().lower() != "auto":
-            raise ValueError(f"fast_mode={value!r} is not understood: use True, False or 'auto'")
-        return "auto"
-    return "true" if value else "false"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +321,6 @@ class _WorkerState:
     dataset: object
     spec: TrainingSpec
     costs: StageCosts
-    fast_mode: object
     settings: PipelineSettings
 
 
@@ -361,7 +347,6 @@ def worker_init(host: str, port: int, namespace: str, timeout_s: float) -> None:
         state = _WorkerState()
         state.client = client
         state.settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
-        state.fast_mode = parse_fast_mode(client.get_meta(KVStoreMetaKeys.FAST_MODE))
         state.spec = pickle.loads(client.get_meta(KVStoreMetaKeys.SPEC))
         state.dataset = pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET))
         state.costs = stage_costs(pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL)), state.spec)
@@ -377,7 +362,7 @@ def preprocess_iteration(iteration: int, ids: Sequence[int]) -> float:
     if state is None:
         raise RuntimeError("preprocess_iteration runs in a worker set up by worker_init")
     try:
-        blobs = build_iteration(state.dataset, state.spec, state.costs, state.fast_mode, iteration, ids,
+        blobs = build_iteration(state.dataset, state.spec, state.costs, iteration, ids,
                                 state.settings.pad_token_id)
     except BaseException as error:
         shown = ", ".join(str(int(i)) for i in list(ids)[:16]) + (", ..." if len(ids) > 16 else "")
@@ -410,7 +395,11 @@ def _heartbeat(host: str, port: int, namespace: str, timeout_s: float, every_s: 
         pass
 
 
-def _exit_note(processes: dict) -> str:
+def _exit_note(processes: dict, wait_s: float = 2.0) -> str:
+    deadline = time.monotonic() + wait_s
+    for process in processes.values():  # the pool's own thread may be reaping them right now
+        if process.exitcode is None:
+            process.join(max(0.0, deadline - time.monotonic()))
     codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
     if not codes:
         return "its exit status is unknown"

@@ -48,6 +48,16 @@ def fast_mode_from_env(environ: Mapping[str, str] = os.environ) -> "bool | str |
         raise ValueError(f"{FAST_MODE_ENV}={raw!r} is not understood: use true, false or auto") from None
 
 
+def resolve_fast_mode_setting(fast_mode: FastMode) -> "bool | str":
+    """A job's setting at the edge where its settings are read: an explicit True/False/"auto"
+    as given, None from `DYNAPIPE_FAST_MODE`, else off. Whatever plans later gets this value."""
+    if fast_mode is None:
+        fast_mode = fast_mode_from_env()
+    if isinstance(fast_mode, str):
+        return parse_fast_mode(fast_mode)
+    return bool(fast_mode)
+
+
 def resolve_fast_mode(fast_mode: FastMode, num_samples: int) -> bool:
     """The one place that turns a fast-mode setting into a decision for one global batch.
 
