@@ -323,3 +323,19 @@ def test_reader_rejects_empty_and_non_json(tmp_path):
     junk.write_text("not json\n")
     with pytest.raises(TraceFormatError, match="not JSON"):
         RankTrace.read(junk)
+
+
+def test_activation_meter_counts_storages_at_addresses_that_freed_ones_had():
+    """A saved tensor whose graph is dropped within the forward frees its storage, and the next
+    one of the same size usually lands at the same address: each must still count once."""
+    from megatron_dynapipe.tracer.recorder import ActivationMeter
+
+    meter = ActivationMeter()
+    weight = torch.ones(1024, requires_grad=True)
+    meter.set_static([weight])
+    with meter.forward("mb0"):
+        for _ in range(20):
+            x = torch.ones(1024)
+            y = x * weight  # saves x for the weight's gradient
+            del x, y  # the graph, and with it x, is gone
+    assert meter.per_microbatch["mb0"] == 20 * 1024 * 4

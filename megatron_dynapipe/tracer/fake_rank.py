@@ -516,15 +516,15 @@ def _check_groups(layout: ParallelLayout, rank: int) -> dict[str, list[int]]:
 def _model_state(models, ddp_models, optimizer) -> dict[str, int]:
     """Bytes of parameters, DDP gradient/parameter buffers and optimizer state (distinct
     storages; works on meta tensors)."""
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # storage id -> storage: kept alive so that no id is reused
 
     def total(tensors) -> int:
         n = 0
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                key = storage_key(t)
+                key, storage = storage_key(t)
                 if key not in seen:
-                    seen.add(key)
+                    seen[key] = storage
                     n += t.untyped_storage().nbytes()
         return n
 

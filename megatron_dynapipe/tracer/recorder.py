@@ -78,12 +78,15 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """An id of the storage ``t`` views (shared by all its views; works for meta tensors)."""
+def storage_key(t: torch.Tensor) -> tuple[int, Any]:
+    """An id of the storage ``t`` views (shared by all its views; works for meta tensors), and
+    the object that keeps it alive: an id is unique only while its storage lives, so whoever keeps
+    ids must keep that object too (a freed storage's address is soon reused)."""
     try:
-        return t.untyped_storage()._cdata
+        storage = t.untyped_storage()
+        return storage._cdata, storage
     except Exception:  # tensor subclasses without a plain storage
-        return id(t)
+        return id(t), t
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -199,7 +202,7 @@ class ActivationMeter:
     """
 
     def __init__(self) -> None:
-        self.static: set[int] = set()
+        self.static: dict[int, Any] = {}  # storage id -> the storage, kept alive with its id
         self.live = 0
         self.peak_bytes = 0
         self.peak_in_flight = 0
@@ -209,7 +212,8 @@ class ActivationMeter:
     def set_static(self, tensors) -> None:
         for t in tensors:
             if _is_tensor(t):
-                self.static.add(storage_key(t))
+                key, storage = storage_key(t)
+                self.static[key] = storage
 
     def reset(self) -> None:
         self.live = 0
@@ -222,13 +226,13 @@ class ActivationMeter:
         if not self.enabled:
             yield
             return
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # as static: held until the forward ends, so no id is reused
         total = [0]
 
         def pack(t):
-            k = storage_key(t)
+            k, storage = storage_key(t)
             if k not in self.static and k not in seen:
-                seen.add(k)
+                seen[k] = storage
                 try:
                     total[0] += t.untyped_storage().nbytes()
                 except Exception:
