@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
     history = []
     with DynaPipeDataLoader.from_parallel_state(dataset, spec, cost_model, GLOBAL_BATCH, num_iterations=args.iters,
                                                 shuffle=False, fast_mode=True, num_workers=1) as loader:
-        fast_mode = loader.client.get_meta(KVStoreMetaKeys.FAST_MODE).decode()  # what the workers plan with
+        # what the workers plan with: the TrainingSpec rank 0 shipped, its fast mode resolved there
+        fast_mode = pickle.loads(loader.client.get_meta(KVStoreMetaKeys.SPEC)).fast_mode
         for batch in loader:
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
             "seconds": round(time.monotonic() - started, 1),
         }
         losses = summary["losses"]
-        print(f"fast mode (as the planning workers read it): {fast_mode}; loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        print(f"fast mode (as the planning workers read it): {str(fast_mode).lower()}; loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"over {len(losses)} iterations; schedules {summary['schedules']}; micro-batches per batch "
               f"{summary['microbatch_counts']}; planning one batch: fast "
               f"{summary['planning_one_batch']['fast']['planning_ms']} ms, normal "

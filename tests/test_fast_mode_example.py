@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,18 +40,15 @@ def test_example_trains_with_planned_fast_mode_schedule(tmp_path, layout):
     env.pop("DYNAPIPE_FAST_MODE", None)  # the example turns fast mode on itself
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_two_free_ports()), str(EXAMPLE), *layout, "--summary", str(summary_file)]
-    started = time.monotonic()
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BUDGET_S)
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert elapsed < BUDGET_S
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]  # within BUDGET_S, or it timed out
 
     summary = json.loads(summary_file.read_text())
     pp = int(layout[1])
     assert summary["layout"] == {"pp": pp, "dp": 2 // pp, "tp": 1}
     # Fast mode: the setting the planning workers read from the KV store, and its effect: fast
     # mode schedules wait-free-cyclic only (normal mode may also pick 1F1B).
-    assert summary["fast_mode"] == "true"
+    assert summary["fast_mode"] is True
     assert summary["schedules"] == ["wait-free-cyclic"]
     assert summary["planning_one_batch"]["fast"]["schedule"] == "wait-free-cyclic"
     # Planned micro-batches: several per global batch (the 6 MB limit forces it).
