@@ -286,8 +286,7 @@ def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
                             seq_length=2048, warmup_iters=1, trace_iters=1, shapes_only=True,
                             cost_model=model)
     seconds = time.perf_counter() - start
-    print(f"GPT-6.7B shapes-only, rank {rank}: {seconds:.1f} s, {len(trace.ops)} ops")
-    assert seconds < 60
+    print(f"GPT-6.7B shapes-only, rank {rank}: {seconds:.1f} s, {len(trace.ops)} ops")  # timed in bench_tracer
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: < 4 GiB
     assert (trace.rank, trace.stage, trace.mode, trace.model["dtype"]) == (768, 3, "shapes_only", "bfloat16")
     costs = StageCosts(model, num_layers=32, pp=4, dp=32)
