@@ -1,8 +1,9 @@
 """Planner benchmark: planning time and plan quality, normal vs fast mode.
 
 GPT-6.7B on A100 (profiled cost model), PP=4, 36 000 MB, lognormal(5.3, 0.9) lengths clipped
-to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); for each global batch size, medians over seeds of planning seconds and
-predicted makespan in both modes, plus the packing + 1F1B baseline and the lower bound.
+to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); for each global
+batch size, medians over seeds of planning seconds and predicted makespan in both modes, plus
+the packing + 1F1B baseline and the lower bound.
 """
 
 from __future__ import annotations

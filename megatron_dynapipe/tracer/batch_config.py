@@ -286,31 +286,44 @@ def parse_config_line(
 
 
 def parse_configs(
-    lines: Iterable[str], *, source: str = "--config", start_index: int = 0, **defaults: Any
+    lines: Iterable[str], *, source: str = "--config", start_index: int = 0,
+    unparsable: list[str] | None = None, numbered: bool | None = None, **defaults: Any
 ) -> list[TraceConfig]:
     """Every config in ``lines`` (numbered from ``start_index``); blank and comment lines skipped.
 
-    ``source`` names where the lines come from; for more than one line the line number is
-    appended (``configs.txt:3``).
+    ``source`` names where the lines come from; the line number is appended (``configs.txt:3``)
+    when ``numbered``, by default for more than one line or a source other than ``--config``. A line that cannot be parsed raises :class:`ConfigParseError`,
+    or, when ``unparsable`` is a list, is skipped with its reason appended there.
     """
     configs: list[TraceConfig] = []
     lines = list(lines)
     for number, text in enumerate(lines, start=1):
-        where = f"{source}:{number}" if len(lines) > 1 or source != "--config" else source
-        config = parse_config_line(text, index=start_index + len(configs), source=where, **defaults)
+        if numbered is None:
+            numbered = len(lines) > 1 or source != "--config"
+        where = f"{source}:{number}" if numbered else source
+        try:
+            config = parse_config_line(text, index=start_index + len(configs), source=where, **defaults)
+        except ConfigParseError as error:
+            if unparsable is None:
+                raise
+            unparsable.append(str(error))
+            continue
         if config is not None:
             configs.append(config)
     return configs
 
 
-def read_config_file(path: str | os.PathLike, *, start_index: int = 0, **defaults: Any) -> list[TraceConfig]:
-    """Every config in the file at ``path`` (one a line, ``#`` comments)."""
+def read_config_file(path: str | os.PathLike, *, start_index: int = 0, unparsable: list[str] | None = None,
+                     **defaults: Any) -> list[TraceConfig]:
+    """Every config in the file at ``path`` (one a line, ``#`` comments; ``unparsable`` as for
+    :func:`parse_configs`)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:
         raise ConfigParseError(f"cannot read config file {path}: {error.strerror or error}") from None
-    return parse_configs(text.splitlines(), source=str(path), start_index=start_index, **defaults)
+    return parse_configs(text.splitlines(), source=str(path), start_index=start_index, unparsable=unparsable,
+                         **defaults)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ from .batch_config import (
     INTERRUPTED,
     INVALID,
     OK,
-    ConfigParseError,
     ConfigResult,
     TraceConfig,
     batch_summary,
     exit_code,
-    parse_config_line,
+    parse_configs,
+    read_config_file,
     validate,
 )
 from .models import MODELS, get_model
@@ -117,31 +117,18 @@ def load_configs(args) -> tuple[list[TraceConfig], list[str]]:
     configs: list[TraceConfig] = []
     unparsable: list[str] = []
     lines = args.config or ([] if args.config_files else [DEFAULT_CONFIG])
-    sources = [(f"--config #{n + 1}" if len(lines) > 1 else "--config", line) for n, line in enumerate(lines)]
+    for n, line in enumerate(lines):
+        source = f"--config #{n + 1}" if len(lines) > 1 else "--config"
+        configs += parse_configs([line], source=source, start_index=len(configs), unparsable=unparsable,
+                                 numbered=False, **defaults)
     for path in args.config_files:
-        sources += [(f"{path}:{n}", line) for n, line in enumerate(_read_lines(path), start=1)]
-    for source, line in sources:
-        try:
-            config = parse_config_line(line, index=len(configs), source=source, **defaults)
-        except ConfigParseError as error:
-            unparsable.append(str(error))
-            continue
-        if config is not None:
-            configs.append(config)
+        configs += read_config_file(path, start_index=len(configs), unparsable=unparsable, **defaults)
     if not configs:
         if unparsable:
             raise ValueError(f"no config could be parsed: {unparsable[0]}")
         where = "the configs files hold" if args.config_files else "--config holds"
         raise ValueError(f"no configs: {where} only blanks or comments; add lines like '{DEFAULT_CONFIG}'")
     return configs, unparsable
-
-
-def _read_lines(path) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read config file {path}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
