@@ -545,11 +545,15 @@ def test_install_rebinds_megatron_training_name_and_uninstall_restores(provider,
 def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
     from megatron_dynapipe.megatron import executor
 
-    monkeypatch.setattr(executor, "_reads_checked", False)
-    monkeypatch.setattr(executor, "_RECOMPUTE_READS", (
-        ("megatron.core.transformer.attention", "Attention.forward", "self.checkpoint_core_attention_v2"),))
-    with pytest.raises(RuntimeError, match=r"Attention\.forward reading .*review megatron_dynapipe/megatron/executor\.py"):
+    from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
+
+    executor._check_recompute_reads.cache_clear()
+    monkeypatch.setattr(executor, "RECOMPUTE_READS", (
+        Spot("megatron.core.transformer.attention", "Attention.forward", ("self.checkpoint_core_attention_v2",)),))
+    with pytest.raises(UpstreamChanged, match=r"Attention\.forward: expected 'self\.checkpoint_core_attention_v2'"
+                                              r".*review megatron_dynapipe/megatron/executor\.py"):
         executor._check_recompute_reads()
+    executor._check_recompute_reads.cache_clear()
 
 
 def test_executor_benchmark_summary():

@@ -26,11 +26,8 @@ with warnings.catch_warnings():
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_dynapipe.tracer.fake_groups import (
-    UpstreamChanged,
-    masked_orthogonal_rank_groups,
-    member_groups_only,
-)
+from megatron_dynapipe.compat.patching import UpstreamChanged
+from megatron_dynapipe.tracer.fake_groups import masked_orthogonal_rank_groups, member_groups_only
 
 ORIGINAL_GENERATOR = ps.generate_masked_orthogonal_rank_groups
 ORIGINAL_CREATE_GROUP = ps.create_group

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
 from megatron_dynapipe.megatron import launcher, pretrain_hooks
 from megatron_dynapipe.megatron.arguments import DynapipeArgumentError
 
@@ -336,13 +337,13 @@ def test_cpu_redirection_reaches_only_the_named_bodies(tmp_path, monkeypatch):
     import fake_lm_spots as m
 
     spots = (
-        launcher.LMSpot("fake_lm_spots", "spot_body", ('device="cuda"',), "test", cuda=("current_device",)),
-        launcher.LMSpot("fake_lm_spots", "spot_calling_other", ('device="cuda"',), "test"),
-        launcher.LMSpot("fake_lm_spots", "needs_cuda", ("Megatron requires CUDA",), "test", kind="replace",
-                        replacement=lambda original: (lambda: "replaced")),
+        Spot("fake_lm_spots", "spot_body", ('device="cuda"',), "test", kind="body", cuda=("current_device",)),
+        Spot("fake_lm_spots", "spot_calling_other", ('device="cuda"',), "test", kind="body"),
+        Spot("fake_lm_spots", "needs_cuda", ("Megatron requires CUDA",), "test", kind="replace",
+             replacement=lambda original: (lambda: "replaced")),
     )
-    stale = launcher.LMSpot("fake_lm_spots", "not_a_spot", ("torch.cuda.Stream()",), "test")
-    with pytest.raises(launcher.LaunchError, match=r"fake_lm_spots\.py:not_a_spot.*torch\.cuda\.Stream"):
+    stale = Spot("fake_lm_spots", "not_a_spot", ("torch.cuda.Stream()",), "test", kind="body")
+    with pytest.raises(UpstreamChanged, match=r"fake_lm_spots\.py:not_a_spot.*torch\.cuda\.Stream.*LM_CPU_SPOTS"):
         launcher.enable_megatron_lm_cpu_mode(spots + (stale,))
     assert launcher._cpu.mode is None  # a failed check patches nothing
 
@@ -414,9 +415,9 @@ def training_ready(checkout) -> Path:
             import megatron.training.training, megatron.training.initialize
         except ModuleNotFoundError as exc:
             print("MISSING", exc.name); raise SystemExit(3)
-        from megatron_dynapipe.megatron.launcher import LM_CPU_SPOTS, _resolve_spot
-        for spot in LM_CPU_SPOTS:
-            _resolve_spot(spot)
+        from megatron_dynapipe.compat.patching import check_spots
+        from megatron_dynapipe.megatron.launcher import LM_CPU_SPOTS, REVIEW
+        check_spots(LM_CPU_SPOTS, REVIEW)
         print("SPOTS-OK", len(LM_CPU_SPOTS))
     """)
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)

@@ -19,37 +19,35 @@ Two kinds of redirection are used, narrowest first:
   tracker reads and writes CUDA generator states), a short CPU stand-in takes its place; each
   says why in its docstring.
 
-Every spot names the source fragments it relies on. Before anything is patched, each spot is
-checked against the installed megatron-core (the attribute exists, and ``inspect.getsource``
-still contains those fragments); if not, :class:`CpuCompatError` names the spot and the
-megatron-core version, so an upstream change fails loudly instead of silently running CUDA
-code paths or stale patches.
-
-A module-level function is also re-bound in every loaded ``megatron.*`` module that imported it
-by name (e.g. ``clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm``), since patching
-only the defining module would miss those bindings.
+Every spot is a :class:`~.patching.Spot` naming the source fragments it relies on; all are
+checked against the installed megatron-core before any is patched, so an upstream change fails
+with :class:`~.patching.UpstreamChanged` instead of silently running CUDA code paths or stale
+patches. A module-level function is re-bound in every loaded ``megatron.*`` module that imported
+it by name (e.g. ``clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import importlib
 import inspect
-import sys
 import threading
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .patching import Patches, Spot, check_spots
+
 __all__ = [
-    "CpuCompatError",
-    "Spot",
+    "CPU_STREAM_STANDINS",
+    "CpuStream",
     "SPOTS",
     "check_spot",
+    "counted",
+    "cpu_arguments",
     "cpu_mode",
     "cuda_as_cpu",
     "describe",
@@ -58,18 +56,7 @@ __all__ = [
     "is_enabled",
 ]
 
-
-class CpuCompatError(RuntimeError):
-    """An upstream megatron-core spot no longer looks like what the CPU redirection expects."""
-
-
-def megatron_core_version() -> str:
-    try:
-        from megatron.core import package_info
-
-        return package_info.__version__
-    except Exception:  # pragma: no cover - megatron-core without package_info
-        return "unknown"
+REVIEW = "megatron_dynapipe/compat/cpu_compat.py"
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +64,7 @@ def megatron_core_version() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_cuda_device(device: Any) -> bool:
+def is_cuda_device(device: Any) -> bool:
     if isinstance(device, bool):
         return False
     if isinstance(device, int):  # a bare index means a CUDA ordinal
@@ -87,6 +74,17 @@ def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return False
+
+
+def cpu_arguments(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """``(args, kwargs)`` of a torch function call with its CUDA device request turned into the
+    CPU, or None when the call asks for no CUDA device. ``Tensor.cuda()`` is not handled here:
+    callers answer it with the tensor itself."""
+    if "device" in kwargs and is_cuda_device(kwargs["device"]):
+        return args, dict(kwargs, device="cpu")
+    if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
+        return (args[0], "cpu", *args[2:]), kwargs
+    return None
 
 
 class _CudaAsCpuMode(TorchFunctionMode):
@@ -103,11 +101,51 @@ class _CudaAsCpuMode(TorchFunctionMode):
             return (
                 name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
             )
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = dict(kwargs, device="cpu")
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
+        args, kwargs = cpu_arguments(func, args, kwargs) or (args, kwargs)
         return func(*args, **kwargs)
+
+
+class CpuStream:
+    """A CUDA stream (and event) stand-in for CPU work, which is synchronous: every wait is
+    already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return self if event is None else event
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_CPU_STREAM = CpuStream()
+
+#: ``torch.cuda`` stream functions answered for the CPU (the launcher's Megatron-LM spots and the
+#: fake rank's MoE dispatcher use them).
+CPU_STREAM_STANDINS: dict[str, Callable] = {
+    "Stream": CpuStream,
+    "current_stream": lambda device=None: _CPU_STREAM,
+    "stream": lambda stream=None: contextlib.nullcontext(),
+}
 
 
 def _cpu_current_device() -> torch.device:
@@ -166,10 +204,11 @@ def _scoped(original: Callable, label: str) -> Callable:
     return run_on_cpu
 
 
-def _counted(replacement: Callable, label: str) -> Callable:
+def counted(replacement: Callable, label: str, calls: collections.Counter) -> Callable:
+    """``replacement``, counting its calls in ``calls[label]``."""
     @functools.wraps(replacement)
     def run_replacement(*args, **kwargs):
-        _CALLS[label] += 1
+        calls[label] += 1
         return replacement(*args, **kwargs)
 
     return run_replacement
@@ -253,77 +292,60 @@ def _reset_rng_tracker() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Spot:
-    """One CUDA-only place in megatron-core and how CPU mode redirects it.
-
-    ``module``/``qualname`` locate it, ``expects`` are source fragments that must still be
-    present for the redirect to be correct, ``kind`` is ``"scope"`` or ``"replace"``;
-    ``replacement`` builds the stand-in from the original for ``"replace"``.
-    """
-
-    module: str
-    qualname: str
-    expects: tuple[str, ...]
-    why: str
-    kind: str = "scope"
-    replacement: Optional[Callable[[Any], Any]] = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.module.replace('.', '/')}.py:{self.qualname}"
+def _scope(module: str, qualname: str, expects: tuple[str, ...], why: str) -> Spot:
+    return Spot(module, qualname, expects, why, kind="scope")
 
 
 SPOTS: tuple[Spot, ...] = (
-    Spot(
+    _scope(
         "megatron.core.utils",
         "GlobalMemoryBuffer.get_tensor",
         ("device=torch.cuda.current_device()",),
         "allocates the shared scratch buffer on the current CUDA device",
     ),
-    Spot(
+    _scope(
         "megatron.core.utils",
         "local_multi_tensor_l2_norm",
         ('device="cuda"',),
         "returns the grad norm as a CUDA tensor (bound as clip_grads.l2_norm_impl)",
     ),
-    Spot(
+    _scope(
         "megatron.core.transformer.utils",
         "get_default_causal_mask",
         ('device="cuda"',),
         "builds the causal mask on CUDA when the caller passes attention_mask=None",
     ),
-    Spot(
+    _scope(
         "megatron.core.models.common.language_module.language_module",
         "LanguageModule.setup_embeddings_and_output_layer",
         ("weight.data.cuda()",),
         "moves the tied output weight to CUDA before the embedding-group all-reduce (PP>1)",
     ),
-    Spot(
+    _scope(
         "megatron.core.pipeline_parallel.schedules",
         "forward_backward_no_pipelining",
         ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
         "counts tokens in a CUDA tensor",
     ),
-    Spot(
+    _scope(
         "megatron.core.pipeline_parallel.schedules",
         "forward_backward_pipelining_without_interleaving",
         ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
         "counts tokens in a CUDA tensor (1F1B)",
     ),
-    Spot(
+    _scope(
         "megatron.core.pipeline_parallel.schedules",
         "forward_backward_pipelining_with_interleaving",
         ('total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',),
         "counts tokens in a CUDA tensor (interleaved 1F1B)",
     ),
-    Spot(
+    _scope(
         "megatron.core.pipeline_parallel.p2p_communication",
         "P2PCommunicator._communicate",
         ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
         "allocates receive buffers on CUDA; synchronizes CUDA after batched isend/irecv",
     ),
-    Spot(
+    _scope(
         "megatron.core.pipeline_parallel.p2p_communication",
         "P2PCommunicator._communicate_shapes",
         ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
@@ -352,32 +374,33 @@ SPOTS: tuple[Spot, ...] = (
         "tracker seeds CUDA generators; initialize_rng_tracker instantiates this name",
         kind="replace",
         replacement=_cpu_tracker_class,
+        also_reads=(("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),),
     ),
-    Spot(
+    _scope(
         "megatron.core.distributed.param_and_grad_buffer",
         "_ParamAndGradBuffer.__init__",
         ("device=torch.cuda.current_device()",),
         "DDP grad (and param) buffers are allocated on the current CUDA device",
     ),
-    Spot(
+    _scope(
         "megatron.core.optimizer.optimizer",
         "FP32Optimizer.__init__",
         ("device='cuda'",),
         "the constant loss scale is a CUDA tensor",
     ),
-    Spot(
+    _scope(
         "megatron.core.optimizer.clip_grads",
         "get_grad_norm_fp32",
         ("device='cuda'",),
         "grad-norm accumulators are CUDA tensors (clip_grad > 0, grad-norm logging)",
     ),
-    Spot(
+    _scope(
         "megatron.core.optimizer.clip_grads",
         "clip_grad_by_total_norm_fp32",
         ("param.grad.type() == 'torch.cuda.FloatTensor'", "device='cuda'"),
         "asserts grads are CUDA tensors; the multi-tensor-scale flag is a CUDA tensor",
     ),
-    Spot(
+    _scope(
         "megatron.core.optimizer.clip_grads",
         "count_zeros_fp32",
         ("device='cuda'",),
@@ -385,76 +408,20 @@ SPOTS: tuple[Spot, ...] = (
     ),
 )
 
-# Extra source a spot depends on besides its own (e.g. the code that instantiates it).
-_EXTRA_SOURCE = {
-    "CudaRNGStatesTracker": ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
-}
-
-
-def _resolve(spot: Spot) -> tuple[Any, str, Any]:
-    """Return (owner, attribute name, original object) or raise CpuCompatError."""
-    try:
-        owner: Any = importlib.import_module(spot.module)
-    except ImportError as exc:
-        raise _error(spot, f"module {spot.module} cannot be imported ({exc})") from exc
-    *path, name = spot.qualname.split(".")
-    for part in path:
-        owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
-        if owner is None:
-            raise _error(spot, f"{part!r} no longer exists in {spot.module}")
-    if name not in vars(owner):
-        raise _error(spot, f"{spot.qualname!r} no longer exists in {spot.module}")
-    return owner, name, vars(owner)[name]
-
-
-def _error(spot: Spot, what: str) -> CpuCompatError:
-    return CpuCompatError(
-        f"cpu_compat spot {spot.label}: {what} (megatron-core {megatron_core_version()}); "
-        "upstream changed, review this redirection in megatron_dynapipe/compat/cpu_compat.py"
-    )
-
-
-def check_spot(spot: Spot) -> Any:
-    """Check that ``spot`` still looks as expected upstream; return the original object.
-
-    Raises :class:`CpuCompatError` naming the spot and the megatron-core version otherwise.
-    """
-    _owner, _name, original = _resolve(spot)
-    original = _ORIGINALS.get(spot.label, original)  # when enabled, check what upstream had
-    source_of = [original]
-    if spot.qualname in _EXTRA_SOURCE:
-        module, attr = _EXTRA_SOURCE[spot.qualname]
-        source_of.append(getattr(importlib.import_module(module), attr))
-    try:
-        source = "\n".join(inspect.getsource(obj) for obj in source_of)
-    except (OSError, TypeError) as exc:
-        raise _error(spot, f"source is not available ({exc})") from exc
-    for fragment in spot.expects:
-        if fragment not in source:
-            raise _error(spot, f"expected {fragment!r} in its source, it is no longer there")
-    return original
-
-
-# label -> original object; (owner, attr, original, replacement) for every binding patched
+# label -> the upstream object; and every binding patched
 _ORIGINALS: dict[str, Any] = {}
-_APPLIED: list[tuple[Any, str, Any, Any]] = []
+_PATCHES = Patches()
 _state_lock = threading.RLock()
 
 
+def check_spot(spot: Spot) -> Any:
+    """Check that ``spot`` still looks as expected upstream (while enabled: what upstream had);
+    return the original object. Raises :class:`~.patching.UpstreamChanged` otherwise."""
+    return check_spots([spot], REVIEW, _ORIGINALS)[0][3]
+
+
 def is_enabled() -> bool:
-    return bool(_APPLIED)
-
-
-def _other_bindings(original: Any, owner: Any, name: str) -> list[tuple[Any, str]]:
-    """Every loaded megatron module attribute that is the same object as ``original``."""
-    found = []
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not mod_name.startswith("megatron."):
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original and not (module is owner and attr == name):
-                found.append((module, attr))
-    return found
+    return bool(_PATCHES)
 
 
 def enable_cpu_mode() -> None:
@@ -463,7 +430,7 @@ def enable_cpu_mode() -> None:
     All spots are checked before any is patched, so a failed check leaves nothing half-applied.
     """
     with _state_lock:
-        if _APPLIED:
+        if _PATCHES:
             return
         # Load the modules that bind spot functions by name, so those bindings are patched too.
         for module in (
@@ -472,22 +439,17 @@ def enable_cpu_mode() -> None:
             "megatron.core.fusions.fused_softmax",
         ):
             importlib.import_module(module)
-        resolved = [(spot, *_resolve(spot), check_spot(spot)) for spot in SPOTS]
-        for spot, owner, name, original, _checked in resolved:
+        for spot, owner, name, original in check_spots(SPOTS, REVIEW):
             if spot.kind == "scope":
                 new = _scoped(original, spot.label)
             else:
                 new = spot.replacement(original)
                 if inspect.isfunction(new):
-                    new = _counted(new, spot.label)
-            new.__cpu_compat_spot__ = spot.label
-            bindings = [(owner, name)]
-            if inspect.ismodule(owner):
-                bindings += _other_bindings(original, owner, name)
+                    new = counted(new, spot.label, _CALLS)
+                else:  # the tracker class counts the trackers it builds
+                    new.__cpu_compat_spot__ = spot.label
             _ORIGINALS[spot.label] = original
-            for bind_owner, bind_name in bindings:
-                setattr(bind_owner, bind_name, new)
-                _APPLIED.append((bind_owner, bind_name, original, new))
+            _PATCHES.replace(owner, name, new)
         _CALLS.clear()
         _reset_rng_tracker()
 
@@ -495,28 +457,11 @@ def enable_cpu_mode() -> None:
 def disable_cpu_mode() -> None:
     """Put every original back (idempotent)."""
     with _state_lock:
-        if not _APPLIED:
+        if not _PATCHES:
             return
-        while _APPLIED:
-            owner, name, original, new = _APPLIED.pop()
-            if vars(owner).get(name) is new:
-                setattr(owner, name, original)
-        # Modules imported while CPU mode was on may have bound a stand-in by name.
-        for label, original in _ORIGINALS.items():
-            for module_name, module in list(sys.modules.items()):
-                if module is None or not module_name.startswith("megatron."):
-                    continue
-                for attr, value in list(vars(module).items()):
-                    if _spot_label_of(value) == label:
-                        setattr(module, attr, original)
+        _PATCHES.undo()
         _ORIGINALS.clear()
         _reset_rng_tracker()
-
-
-def _spot_label_of(value: Any) -> Optional[str]:
-    if inspect.isfunction(value) or inspect.isclass(value):
-        return vars(value).get("__cpu_compat_spot__")
-    return None
 
 
 @contextlib.contextmanager
@@ -545,8 +490,8 @@ def describe() -> list[dict[str, Any]]:
                 "calls": _CALLS[spot.label],
                 "bindings": sorted(
                     f"{getattr(owner, '__name__', owner)}.{name}"
-                    for owner, name, original, _new in _APPLIED
-                    if original is _ORIGINALS.get(spot.label)
+                    for owner, name, previous, _new in _PATCHES.bindings
+                    if previous is _ORIGINALS.get(spot.label)
                 ),
             }
             for spot in SPOTS

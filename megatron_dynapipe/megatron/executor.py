@@ -41,12 +41,13 @@ deadlock-free: only waits are removed).
 from __future__ import annotations
 
 import contextlib
-import inspect
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ..compat.patching import Spot, check_spots
 from ..data.batch import PlannedBatch
 from ..planning.plan import ExecutionPlan, Op
 from ..planning.types import RecomputeType
@@ -78,35 +79,20 @@ class ExecutorOptions:
 # Per-micro-batch recompute
 # --------------------------------------------------------------------------------------------
 
-# (module, qualname, fragment): megatron-core must still read these attributes at forward time.
-_RECOMPUTE_READS = (
-    ("megatron.core.transformer.transformer_block", "TransformerBlock.forward",
-     "self.config.recompute_granularity == 'full'"),
-    ("megatron.core.transformer.transformer_block", "TransformerBlock._checkpointed_forward",
-     "self.config.recompute_method == 'uniform'"),
-    ("megatron.core.transformer.attention", "Attention.forward",
-     "if self.checkpoint_core_attention and self.training"),
+#: megatron-core must still read these attributes at forward time, per micro-batch.
+RECOMPUTE_READS = (
+    Spot("megatron.core.transformer.transformer_block", "TransformerBlock.forward",
+         ("self.config.recompute_granularity == 'full'",), "full recompute is read per forward"),
+    Spot("megatron.core.transformer.transformer_block", "TransformerBlock._checkpointed_forward",
+         ("self.config.recompute_method == 'uniform'",), "the recompute method is read per forward"),
+    Spot("megatron.core.transformer.attention", "Attention.forward",
+         ("if self.checkpoint_core_attention and self.training",), "selective recompute is read per forward"),
 )
-_reads_checked = False
 
 
+@functools.lru_cache(maxsize=1)
 def _check_recompute_reads() -> None:
-    global _reads_checked
-    if _reads_checked:
-        return
-    import importlib
-
-    for module, qualname, fragment in _RECOMPUTE_READS:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        if fragment not in inspect.getsource(obj):
-            raise RuntimeError(
-                f"per-micro-batch recompute relies on {module}.{qualname} reading {fragment!r} at "
-                "forward time, and the installed megatron-core no longer does: review "
-                "megatron_dynapipe/megatron/executor.py:RecomputeSwitch"
-            )
-    _reads_checked = True
+    check_spots(RECOMPUTE_READS, review="megatron_dynapipe/megatron/executor.py:RecomputeSwitch")
 
 
 class RecomputeSwitch:

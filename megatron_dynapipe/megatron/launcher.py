@@ -35,6 +35,7 @@ one process (no torchrun needed) and writes its trace to ``--trace-dir``
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import os
@@ -43,6 +44,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
+
+from ..compat.patching import Patches, Spot, UpstreamChanged, check_spots
 
 __all__ = [
     "CPU_FLAGS",
@@ -140,7 +143,7 @@ def run_from_namespace(ns: argparse.Namespace) -> int:
     one-line error: the CLI prints it and exits with 2)."""
     try:
         return launch(_options(ns))
-    except LaunchError as error:
+    except (LaunchError, UpstreamChanged) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
 
@@ -149,12 +152,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m megatron_dynapipe.megatron.launcher [--cpu] SCRIPT ARGS...``."""
     try:
         options = parse_launch_args(sys.argv[1:] if argv is None else argv)
-    except LaunchError as error:
+    except (LaunchError, UpstreamChanged) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     try:
         return launch(options)
-    except LaunchError as error:
+    except (LaunchError, UpstreamChanged) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
 
@@ -180,37 +183,19 @@ CPU_FLAGS: tuple[str, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class LMSpot:
-    """A CUDA-only place in Megatron-LM's training loop (not megatron-core: that is
-    :mod:`.cpu_compat`) and how ``--cpu`` redirects it.
+REVIEW = "LM_CPU_SPOTS in megatron_dynapipe/megatron/launcher.py (written for Megatron-LM core_v0.16.1)"
 
-    ``kind``:
 
-    * ``"body"`` -- the function stays as it is; inside *its own body* (and nowhere else)
-      ``device="cuda"`` arguments of torch functions become ``"cpu"``, ``Tensor.cuda()`` is a
-      no-op and the ``torch.cuda`` functions in ``cuda`` answer for the CPU (see
-      ``_cpu_answers``). Calls the body makes into other functions are not touched, so a CUDA
-      use anywhere else still fails loudly.
-    * ``"replace"`` -- ``replacement(original)`` takes its place in every loaded ``megatron``
-      module that bound it.
+def _body(module: str, qualname: str, expects: tuple[str, ...], why: str, cuda: tuple[str, ...] = ()) -> Spot:
+    """A Megatron-LM function (not megatron-core: that is :mod:`~..compat.cpu_compat`) whose own
+    body -- and nothing it calls -- gets ``device="cuda"`` arguments of torch functions turned into
+    ``"cpu"``, ``Tensor.cuda()`` as a no-op, and CPU answers from the ``torch.cuda`` functions
+    named in ``cuda`` (see ``_cpu_answers``), so a CUDA use anywhere else still fails loudly."""
+    return Spot(module, qualname, expects, why, kind="body", cuda=cuda)
 
-    ``expects``: source fragments that must still be in the function, checked before anything
-    is patched, so an upstream change fails with the spot's name instead of running stale
-    redirections.
-    """
 
-    module: str
-    qualname: str
-    expects: tuple[str, ...]
-    why: str
-    kind: str = "body"
-    cuda: tuple[str, ...] = ()
-    replacement: Optional[Callable[[Callable], Callable]] = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.module.replace('.', '/')}.py:{self.qualname}"
+def _replace(module: str, qualname: str, expects: tuple[str, ...], why: str, replacement) -> Spot:
+    return Spot(module, qualname, expects, why, kind="replace", replacement=replacement)
 
 
 def _allow_no_cuda(original: Callable) -> Callable:
@@ -235,89 +220,73 @@ def _skip_jit_warmup(original: Callable) -> Callable:
     return _warmup_jit_function
 
 
-LM_CPU_SPOTS: tuple[LMSpot, ...] = (
-    LMSpot("megatron.training.initialize", "initialize_megatron",
-           ('assert torch.cuda.is_available(), "Megatron requires CUDA."', "allow_no_cuda"),
-           "asserts CUDA is available unless allow_no_cuda", kind="replace", replacement=_allow_no_cuda),
-    LMSpot("megatron.training.initialize", "_initialize_distributed",
-           ("device_count = torch.cuda.device_count()", "torch.cuda.set_device(args.local_rank)",
-            "if device_count > 0:"),
-           "sets up model parallelism only when it sees a CUDA device (and binds the rank to it)",
-           cuda=("device_count", "set_device")),
-    LMSpot("megatron.training.initialize", "_set_random_seed",
-           ("if torch.cuda.device_count() > 0:", "model_parallel_cuda_manual_seed"),
-           "seeds megatron's RNG tracker only when it sees a CUDA device", cuda=("device_count",)),
-    LMSpot("megatron.legacy.fused_kernels", "load",
-           ("_get_cuda_bare_metal_version(", "cpp_extension.CUDA_HOME"),
-           "builds Megatron's fused CUDA kernels with nvcc at start-up", kind="replace",
-           replacement=_skip_fused_kernels),
-    LMSpot("megatron.training.initialize", "_warmup_jit_function",
-           ('device="cuda"',), "warms up fused CUDA kernels", kind="replace", replacement=_skip_jit_warmup),
-    LMSpot("megatron.core.timers", "Timer.start", ("torch.cuda.synchronize()",),
-           "synchronizes CUDA before reading the clock", cuda=("synchronize",)),
-    LMSpot("megatron.core.timers", "Timer.stop", ("torch.cuda.synchronize()",),
-           "synchronizes CUDA before reading the clock", cuda=("synchronize",)),
-    LMSpot("megatron.core.timers", "Timers._get_elapsed_time_all_ranks",
-           ("device=torch.cuda.current_device()",), "gathers the timings in a CUDA tensor",
-           cuda=("current_device",)),
-    LMSpot("megatron.training.training", "pretrain",
-           ("device='cuda')",),
-           "all-reduces the start-up timestamps in CUDA tensors"),
-    LMSpot("megatron.training.training", "get_model",
-           ("model_module.cuda(torch.cuda.current_device())", "torch.cuda.Stream()"),
-           "moves the model to the current CUDA device; builds DDP on a side CUDA stream",
-           cuda=("current_device", "Stream", "current_stream", "stream")),
-    LMSpot("megatron.training.training", "build_train_valid_test_data_loaders",
-           ("device='cuda'",), "broadcasts the do-train/valid/test flags in a CUDA tensor"),
-    LMSpot("megatron.training.training", "training_log",
-           ("device='cuda')",), "accumulates the logged losses in CUDA tensors"),
-    LMSpot("megatron.training.training", "post_training_step_callbacks",
-           ("torch.cuda.synchronize()",), "synchronizes CUDA every --train-sync-interval iterations",
-           cuda=("synchronize",)),
-    LMSpot("megatron.training.training", "checkpoint_and_decide_exit",
-           ("device='cuda'",), "all-reduces the --exit-duration-in-mins decision in a CUDA tensor"),
-    LMSpot("megatron.training.training", "evaluate",
-           (").cuda()", "device='cuda'"), "sums the validation losses in CUDA tensors"),
-    LMSpot("megatron.training.training", "evaluate_and_print_results",
-           ("device='cuda'",), "broadcasts --full-validation's iteration count in a CUDA tensor"),
-    LMSpot("megatron.training.utils", "reduce_max_stat_across_model_parallel_group",
-           ("device=torch.cuda.current_device()",), "reduces the grad norm in a CUDA tensor",
-           cuda=("current_device",)),
-    LMSpot("megatron.training.utils", "logical_and_across_model_parallel_group",
-           ("device=torch.cuda.current_device()",), "reduces the update-successful flag in a CUDA tensor",
-           cuda=("current_device",)),
-    LMSpot("megatron.training.utils", "calc_params_l2_norm",
-           ("device='cuda'",), "computes --log-params-norm in CUDA tensors"),
+LM_CPU_SPOTS: tuple[Spot, ...] = (
+    _replace("megatron.training.initialize", "initialize_megatron",
+             ('assert torch.cuda.is_available(), "Megatron requires CUDA."', "allow_no_cuda"),
+             "asserts CUDA is available unless allow_no_cuda", _allow_no_cuda),
+    _body("megatron.training.initialize", "_initialize_distributed",
+          ("device_count = torch.cuda.device_count()", "torch.cuda.set_device(args.local_rank)",
+           "if device_count > 0:"),
+          "sets up model parallelism only when it sees a CUDA device (and binds the rank to it)",
+          cuda=("device_count", "set_device")),
+    _body("megatron.training.initialize", "_set_random_seed",
+          ("if torch.cuda.device_count() > 0:", "model_parallel_cuda_manual_seed"),
+          "seeds megatron's RNG tracker only when it sees a CUDA device", cuda=("device_count",)),
+    _replace("megatron.legacy.fused_kernels", "load",
+             ("_get_cuda_bare_metal_version(", "cpp_extension.CUDA_HOME"),
+             "builds Megatron's fused CUDA kernels with nvcc at start-up",
+             _skip_fused_kernels),
+    _replace("megatron.training.initialize", "_warmup_jit_function",
+             ('device="cuda"',), "warms up fused CUDA kernels", _skip_jit_warmup),
+    _body("megatron.core.timers", "Timer.start", ("torch.cuda.synchronize()",),
+          "synchronizes CUDA before reading the clock", cuda=("synchronize",)),
+    _body("megatron.core.timers", "Timer.stop", ("torch.cuda.synchronize()",),
+          "synchronizes CUDA before reading the clock", cuda=("synchronize",)),
+    _body("megatron.core.timers", "Timers._get_elapsed_time_all_ranks",
+          ("device=torch.cuda.current_device()",), "gathers the timings in a CUDA tensor",
+          cuda=("current_device",)),
+    _body("megatron.training.training", "pretrain",
+          ("device='cuda')",),
+          "all-reduces the start-up timestamps in CUDA tensors"),
+    _body("megatron.training.training", "get_model",
+          ("model_module.cuda(torch.cuda.current_device())", "torch.cuda.Stream()"),
+          "moves the model to the current CUDA device; builds DDP on a side CUDA stream",
+          cuda=("current_device", "Stream", "current_stream", "stream")),
+    _body("megatron.training.training", "build_train_valid_test_data_loaders",
+          ("device='cuda'",), "broadcasts the do-train/valid/test flags in a CUDA tensor"),
+    _body("megatron.training.training", "training_log",
+          ("device='cuda')",), "accumulates the logged losses in CUDA tensors"),
+    _body("megatron.training.training", "post_training_step_callbacks",
+          ("torch.cuda.synchronize()",), "synchronizes CUDA every --train-sync-interval iterations",
+          cuda=("synchronize",)),
+    _body("megatron.training.training", "checkpoint_and_decide_exit",
+          ("device='cuda'",), "all-reduces the --exit-duration-in-mins decision in a CUDA tensor"),
+    _body("megatron.training.training", "evaluate",
+          (").cuda()", "device='cuda'"), "sums the validation losses in CUDA tensors"),
+    _body("megatron.training.training", "evaluate_and_print_results",
+          ("device='cuda'",), "broadcasts --full-validation's iteration count in a CUDA tensor"),
+    _body("megatron.training.utils", "reduce_max_stat_across_model_parallel_group",
+          ("device=torch.cuda.current_device()",), "reduces the grad norm in a CUDA tensor",
+          cuda=("current_device",)),
+    _body("megatron.training.utils", "logical_and_across_model_parallel_group",
+          ("device=torch.cuda.current_device()",), "reduces the update-successful flag in a CUDA tensor",
+          cuda=("current_device",)),
+    _body("megatron.training.utils", "calc_params_l2_norm",
+          ("device='cuda'",), "computes --log-params-norm in CUDA tensors"),
 )
-
-
-class _CpuStream:
-    """Stands in for ``torch.cuda.Stream`` in a spot's body: CPU work is ordered already."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, event=None):
-        return event
 
 
 def _cpu_answers() -> dict[str, Callable]:
     import torch
+
+    from ..compat.cpu_compat import CPU_STREAM_STANDINS
 
     return {
         "device_count": lambda: 1,  # one device: the CPU
         "set_device": lambda device: None,
         "current_device": lambda: torch.device("cpu"),
         "synchronize": lambda device=None: None,
-        "Stream": _CpuStream,
-        "current_stream": lambda device=None: _CpuStream(),
-        "stream": lambda stream=None: contextlib.nullcontext(),
+        **CPU_STREAM_STANDINS,
     }
 
 
@@ -326,8 +295,8 @@ class _CpuState:
         self.lock = threading.RLock()
         self.body_codes: dict[Any, str] = {}  # code object -> spot label
         self.cuda_codes: dict[str, dict[Any, str]] = {}  # torch.cuda name -> {code: label}
-        self.applied: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, replacement)
-        self.calls: dict[str, int] = {}
+        self.patches = Patches()
+        self.calls: collections.Counter = collections.Counter()
         self.mode = None
 
 
@@ -359,22 +328,11 @@ def _caller_code(start):
     return None
 
 
-def _count(label: str) -> None:
-    _cpu.calls[label] = _cpu.calls.get(label, 0) + 1
-
-
 def _body_mode_class():
     import torch
     from torch.overrides import TorchFunctionMode
 
-    def is_cuda(device) -> bool:
-        if isinstance(device, bool):
-            return False
-        if isinstance(device, int):
-            return True
-        if isinstance(device, str):
-            return device.split(":")[0] == "cuda"
-        return isinstance(device, torch.device) and device.type == "cuda"
+    from ..compat.cpu_compat import cpu_arguments
 
     class BodyCudaAsCpu(TorchFunctionMode):
         """CUDA device requests made directly by a ``"body"`` spot land on the CPU."""
@@ -385,14 +343,12 @@ def _body_mode_class():
             if label is None:
                 return func(*args, **kwargs)
             if func is torch.Tensor.cuda:
-                _count(label)
+                _cpu.calls[label] += 1
                 return args[0]
-            if "device" in kwargs and is_cuda(kwargs["device"]):
-                _count(label)
-                kwargs = dict(kwargs, device="cpu")
-            if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]):
-                _count(label)
-                args = (args[0], "cpu", *args[2:])
+            redirected = cpu_arguments(func, args, kwargs)
+            if redirected is not None:
+                _cpu.calls[label] += 1
+                args, kwargs = redirected
             return func(*args, **kwargs)
 
     return BodyCudaAsCpu
@@ -403,7 +359,7 @@ def _cuda_swap(name: str, original: Callable, cpu: Callable) -> Callable:
         label = _cpu.cuda_codes.get(name, {}).get(_caller_code(sys._getframe(1)))
         if label is None:
             return original(*args, **kwargs)
-        _count(label)
+        _cpu.calls[label] += 1
         return cpu(*args, **kwargs)
 
     answer.__name__ = getattr(original, "__name__", name)
@@ -411,49 +367,7 @@ def _cuda_swap(name: str, original: Callable, cpu: Callable) -> Callable:
     return answer
 
 
-def _resolve_spot(spot: LMSpot):
-    import importlib
-    import inspect
-
-    def fail(what: str) -> LaunchError:
-        return LaunchError(f"Megatron-LM CPU spot {spot.label}: {what}; this checkout differs from core_v0.16.1 "
-                           "-- review LM_CPU_SPOTS in megatron_dynapipe/megatron/launcher.py")
-
-    try:
-        module = importlib.import_module(spot.module)
-    except ImportError as exc:
-        raise fail(f"cannot import {spot.module} ({exc})") from exc
-    owner: Any = module
-    *path, name = spot.qualname.split(".")
-    for part in path:
-        owner = vars(owner).get(part)
-        if owner is None:
-            raise fail(f"{part!r} no longer exists")
-    original = vars(owner).get(name)
-    if original is None:
-        raise fail(f"{spot.qualname!r} no longer exists")
-    try:
-        source = inspect.getsource(inspect.unwrap(original))
-    except (OSError, TypeError) as exc:
-        raise fail(f"its source is not available ({exc})") from exc
-    for fragment in spot.expects:
-        if fragment not in source:
-            raise fail(f"expected {fragment!r} in its source, it is no longer there")
-    return owner, name, original
-
-
-def _counted(replacement: Callable, label: str) -> Callable:
-    def run(*args, **kwargs):
-        _count(label)
-        return replacement(*args, **kwargs)
-
-    run.__name__ = replacement.__name__
-    run.__doc__ = replacement.__doc__
-    run.__launcher_cpu_spot__ = label  # type: ignore[attr-defined]
-    return run
-
-
-def enable_megatron_lm_cpu_mode(spots: Sequence[LMSpot] = LM_CPU_SPOTS) -> None:
+def enable_megatron_lm_cpu_mode(spots: Sequence[Spot] = LM_CPU_SPOTS) -> None:
     """Redirect megatron-core's (:func:`.cpu_compat.enable_cpu_mode`) and Megatron-LM's
     (``spots``) CUDA-only places to the CPU; idempotent. Every spot is checked before any is
     patched. The ``"body"`` redirection is a torch function mode pushed for the calling thread
@@ -467,32 +381,24 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[LMSpot] = LM_CPU_SPOTS) -> None:
     with _cpu.lock:
         if _cpu.mode is not None:
             return
-        resolved = [(spot, *_resolve_spot(spot)) for spot in spots]
-        cpu_compat.enable_cpu_mode()
+        resolved = check_spots(spots, REVIEW)
         answers = _cpu_answers()
+        unanswered = sorted({name for spot in spots for name in spot.cuda} - set(answers))
+        if unanswered:
+            raise LaunchError(f"no CPU answer for torch.cuda.{unanswered[0]}: add it to _cpu_answers")
+        cpu_compat.enable_cpu_mode()
         for spot, owner, name, original in resolved:
             if spot.kind == "replace":
-                new = _counted(spot.replacement(original), spot.label)
-                bindings = [(owner, name)] + [
-                    (module, attr) for mod_name, module in list(sys.modules.items())
-                    if module is not None and mod_name.startswith("megatron.")
-                    for attr, value in list(vars(module).items())
-                    if value is original and not (module is owner and attr == name)]
-                for bind_owner, bind_name in bindings:
-                    setattr(bind_owner, bind_name, new)
-                    _cpu.applied.append((bind_owner, bind_name, original, new))
+                _cpu.patches.replace(owner, name, cpu_compat.counted(spot.replacement(original), spot.label,
+                                                                     _cpu.calls))
                 continue
             code = inspect.unwrap(original).__code__
             _cpu.body_codes[code] = spot.label
             for cuda_name in spot.cuda:
-                if cuda_name not in answers:
-                    raise LaunchError(f"CPU spot {spot.label}: no CPU answer for torch.cuda.{cuda_name}")
                 _cpu.cuda_codes.setdefault(cuda_name, {})[code] = spot.label
         for cuda_name in _cpu.cuda_codes:
-            original = getattr(torch.cuda, cuda_name)
-            new = _cuda_swap(cuda_name, original, answers[cuda_name])
-            setattr(torch.cuda, cuda_name, new)
-            _cpu.applied.append((torch.cuda, cuda_name, original, new))
+            _cpu.patches.set(torch.cuda, cuda_name,
+                             _cuda_swap(cuda_name, getattr(torch.cuda, cuda_name), answers[cuda_name]))
         _cpu.calls.clear()
         _cpu.mode = _body_mode_class()()
         _cpu.mode.__enter__()
@@ -507,10 +413,7 @@ def disable_megatron_lm_cpu_mode() -> None:
             return
         _cpu.mode.__exit__(None, None, None)
         _cpu.mode = None
-        while _cpu.applied:
-            owner, name, original, new = _cpu.applied.pop()
-            if vars(owner).get(name) is new:
-                setattr(owner, name, original)
+        _cpu.patches.undo()
         _cpu.body_codes.clear()
         _cpu.cuda_codes.clear()
         cpu_compat.disable_cpu_mode()

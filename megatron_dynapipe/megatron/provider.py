@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..compat.patching import Patches
 from .executor import ExecutorOptions
 
 __all__ = [
@@ -48,7 +49,7 @@ _TRAINING_MODULE = "megatron.training.training"
 class _State:
     enabled: bool = False
     options: ExecutorOptions = field(default_factory=ExecutorOptions)
-    patched: list = field(default_factory=list)  # (module, attribute, original)
+    patches: Patches = field(default_factory=Patches)
 
 
 _state = _State()
@@ -207,20 +208,11 @@ def install(args: Any = None) -> InstallReport:
             f"{_TRAINING_MODULE} has no {_NAME}: this Megatron-LM binds its schedule differently; "
             "call megatron_dynapipe.megatron.get_forward_backward_func() from its train_step instead"
         )
-    core = _core_get_forward_backward_func()
-    originals = {id(core), id(getattr(training, _NAME))}
-    patched = []
-    for name, module in sorted(sys.modules.items()):
-        if module is None or not (name == "megatron.training" or name.startswith("megatron.training.")):
-            continue
-        current = vars(module).get(_NAME)
-        if current is get_forward_backward_func:
-            patched.append(f"{name}.{_NAME}")  # already installed
-            continue
-        if current is not None and id(current) in originals:
-            setattr(module, _NAME, get_forward_backward_func)
-            _state.patched.append((module, _NAME, current))
-            patched.append(f"{name}.{_NAME}")
+    originals = {_core_get_forward_backward_func(), getattr(training, _NAME)} - {get_forward_backward_func}
+    _state.patches.rebind({original: get_forward_backward_func for original in originals}, where=_in_training)
+    patched = sorted(f"{name}.{_NAME}" for name, module in list(sys.modules.items())
+                     if module is not None and _in_training(name)
+                     and vars(module).get(_NAME) is get_forward_backward_func)
     message = (f"DynaPipe is on: {', '.join(patched)} now run{'s' if len(patched) == 1 else ''} the planned "
                "schedule in train_step and evaluate (batches that are not PlannedBatch still run "
                "megatron-core's schedule)")
@@ -229,11 +221,12 @@ def install(args: Any = None) -> InstallReport:
 
 def uninstall() -> None:
     """Put back every binding :func:`install` replaced and switch DynaPipe off."""
-    while _state.patched:
-        module, name, original = _state.patched.pop()
-        if vars(module).get(name) is get_forward_backward_func:
-            setattr(module, name, original)
+    _state.patches.undo()
     configure(False)
+
+
+def _in_training(module_name: str) -> bool:
+    return module_name == "megatron.training" or module_name.startswith("megatron.training.")
 
 
 def _report(enabled: bool, patched: list[str], message: str) -> InstallReport:

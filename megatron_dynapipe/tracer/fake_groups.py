@@ -52,15 +52,15 @@ with torch's.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
+from ..compat.patching import Patches, UpstreamChanged, check_signature
+
 __all__ = [
     "FakeGroupStats",
-    "UpstreamChanged",
     "masked_orthogonal_rank_groups",
     "member_groups_only",
     "symmetric_object_gathers",
@@ -78,10 +78,6 @@ GENERATOR_PARAMS = ("world_size", "parallel_size", "mask")
 ALL_GATHER_OBJECT_PARAMS = ("object_list", "obj", "group")
 
 _MARK = "__dynapipe_fake_groups__"
-
-
-class UpstreamChanged(RuntimeError):
-    """megatron-core or torch no longer matches what :func:`member_groups_only` replaces."""
 
 
 @dataclass
@@ -140,7 +136,7 @@ _GENERATORS_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def _check_generator(original) -> None:
     if original in _GENERATORS_CHECKED:  # once per process and function (~20 ms)
         return
-    _check_params(original, GENERATOR_PARAMS)
+    check_signature(original, GENERATOR_PARAMS, REVIEW)
     for world, sizes in _GENERATOR_PROBES:
         for bits in range(2 ** len(sizes)):
             mask = [bool(bits >> i & 1) for i in range(len(sizes))]
@@ -157,21 +153,11 @@ def _check_generator(original) -> None:
 # create_group
 
 
-def _check_params(fn, expected: Sequence[str]) -> None:
-    try:
-        params = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as error:
-        raise UpstreamChanged(f"cannot read the signature of {fn!r}: {error}") from error
-    if params != tuple(expected):
-        raise UpstreamChanged(
-            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} takes "
-            f"{params}, megatron_dynapipe.tracer.fake_groups was written for {tuple(expected)}; "
-            "check what it does now before updating the stand-in"
-        )
+REVIEW = "megatron_dynapipe/tracer/fake_groups.py"
 
 
 def _check_create_group(original) -> None:
-    _check_params(original, CREATE_GROUP_PARAMS)
+    check_signature(original, CREATE_GROUP_PARAMS, REVIEW)
     names = set(getattr(getattr(original, "__code__", None), "co_names", ()))
     missing = [name for name in CREATE_GROUP_NAMES if name not in names]
     if missing:
@@ -264,13 +250,10 @@ def member_groups_only() -> Iterator[FakeGroupStats]:
 
     for fn in (create_member_group, rank_groups):
         setattr(fn, _MARK, True)
-    ps.create_group = create_member_group
-    ps.generate_masked_orthogonal_rank_groups = rank_groups
-    try:
+    with Patches() as patches:
+        patches.set(ps, "create_group", create_member_group)
+        patches.set(ps, "generate_masked_orthogonal_rank_groups", rank_groups)
         yield stats
-    finally:
-        ps.create_group = create_group
-        ps.generate_masked_orthogonal_rank_groups = generator
 
 
 @contextlib.contextmanager
@@ -290,7 +273,7 @@ def symmetric_object_gathers() -> Iterator[None]:
     bound = dist.all_gather_object  # torch's, or a wrapper of it (shapes-only mode has one)
     if getattr(bound, _MARK, False):
         raise RuntimeError("symmetric_object_gathers is already active")
-    _check_params(c10d.all_gather_object, ALL_GATHER_OBJECT_PARAMS)
+    check_signature(c10d.all_gather_object, ALL_GATHER_OBJECT_PARAMS, REVIEW)
     _, non_member = _torch_internals()
 
     def all_gather_object(object_list, obj, group=None):
@@ -302,8 +285,6 @@ def symmetric_object_gathers() -> Iterator[None]:
         return None
 
     setattr(all_gather_object, _MARK, True)
-    dist.all_gather_object = all_gather_object
-    try:
+    with Patches() as patches:
+        patches.set(dist, "all_gather_object", all_gather_object)
         yield
-    finally:
-        dist.all_gather_object = bound

@@ -61,6 +61,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from ..compat.cpu_compat import CPU_STREAM_STANDINS
+from ..compat.patching import Patches
 from .fake_groups import member_groups_only, symmetric_object_gathers
 from .recorder import Recorder, storage_key
 from .topology import (
@@ -284,29 +286,22 @@ class MetaMode(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._suspended = 0
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patches = Patches()
 
     def __enter__(self):
         import torch.distributed.distributed_c10d as c10d
 
-        for name in self.OBJECT_COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapper = self._suspending(original)
-            for owner in (c10d, dist):
-                if getattr(owner, name, None) is original:
-                    setattr(owner, name, wrapper)
-                    self._patched.append((owner, name, original))
+        self._patches.rebind({original: self._suspending(original)
+                              for original in filter(None, (getattr(c10d, name, None)
+                                                            for name in self.OBJECT_COLLECTIVES))},
+                             where=lambda module: module in ("torch.distributed", c10d.__name__))
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            while self._patched:
-                owner, name, original = self._patched.pop()
-                setattr(owner, name, original)
+            self._patches.undo()
 
     def _suspending(self, original):
         @functools.wraps(original)  # keeps the signature readable (fake_groups checks it)
@@ -411,78 +406,24 @@ def _moe_cpu_shims() -> Iterator[None]:
       forward/backward passes inside ``cpu_compat.cuda_as_cpu()`` (not the optimizer step:
       nested scopes would rename a grad's type twice, ``torch.cuda.cuda.FloatTensor``).
     """
-    import sys
-
     from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
 
-    saved: list[tuple[Any, str, Any]] = []
+    with Patches() as patches:
+        if "te_general_gemm" not in vars(moe_utils):
+            patches.set(moe_utils, "te_general_gemm", None)
+        move = moe_utils.maybe_move_tensor_to_cpu
 
-    def put(owner, name, value):
-        saved.append((owner, name, vars(owner).get(name, _MISSING)))
-        setattr(owner, name, value)
+        def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+                return tensor.numpy()
+            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    if "te_general_gemm" not in vars(moe_utils):
-        put(moe_utils, "te_general_gemm", None)
-    move = moe_utils.maybe_move_tensor_to_cpu
-
-    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
-        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
-            return tensor.numpy()
-        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.") and module is not None and vars(module).get(
-            "maybe_move_tensor_to_cpu"
-        ) is move:
-            put(module, "maybe_move_tensor_to_cpu", move_to_cpu)
-    put(torch.cuda, "Stream", _CpuStream)
-    put(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
-    put(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
-    try:
+        patches.replace(moe_utils, "maybe_move_tensor_to_cpu", move_to_cpu)
+        for name, standin in CPU_STREAM_STANDINS.items():
+            patches.set(torch.cuda, name, standin)
         yield
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
 
 
-_MISSING = object()
-
-
-class _CpuStream:
-    """A CUDA stream stand-in for CPU work, which is synchronous: every wait is already done."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record_event(self, event=None):
-        return self
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _CpuStream)
-
-    def __hash__(self) -> int:
-        return 0
-
-
-_CPU_STREAM = _CpuStream()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from ..compat.patching import Patches
 from .trace_format import TraceOp
 
 __all__ = ["ActivationMeter", "Recorder", "WRAPPED_COLLECTIVES", "storage_key", "tensor_bytes"]
@@ -255,6 +256,11 @@ class ActivationMeter:
 # the recorder
 
 
+def _binds_collectives(module_name: str) -> bool:
+    """The modules whose bindings of collectives and schedule steps the recorder wraps."""
+    return module_name in ("torch.distributed", c10d.__name__) or module_name.startswith("megatron.")
+
+
 class Recorder:
     """Records ops while installed (see the module docstring).
 
@@ -300,7 +306,7 @@ class Recorder:
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = threading.RLock()
         self._local = threading.local()  # per-thread depth of wrapped calls
-        self._applied: list[tuple[Any, str, Any, Any]] = []
+        self._patches = Patches()
         self._iteration: Optional[int] = None
         self._compute_stack: list[TraceOp] = []
         self._phase_stack: list[str] = []
@@ -318,15 +324,14 @@ class Recorder:
     # -- install / uninstall --------------------------------------------------------------------
     def install(self) -> "Recorder":
         with self._lock:
-            if self._applied:
+            if self._patches:
                 return self
-            wrappers: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, wrapper)
+            wrappers: dict[Any, Any] = {}  # original -> wrapper
             for name, spec in WRAPPED_COLLECTIVES.items():
                 original = getattr(c10d, name, None)
                 if original is not None:
-                    wrappers[id(original)] = (original, self._wrap_collective(name, spec, original))
-            original = c10d._coalescing_manager
-            wrappers[id(original)] = (original, self._wrap_coalescing(original))
+                    wrappers[original] = self._wrap_collective(name, spec, original)
+            wrappers[c10d._coalescing_manager] = self._wrap_coalescing(c10d._coalescing_manager)
             if self.hook_schedules:
                 import megatron.core.pipeline_parallel.schedules as schedules
 
@@ -334,40 +339,19 @@ class Recorder:
                                    ("backward_step", self._wrap_backward_step),
                                    ("forward_step_calc_loss", self._wrap_loss)):
                     original = getattr(schedules, name)
-                    wrappers[id(original)] = (original, wrap(original))
-            self._bind_everywhere(wrappers)
+                    wrappers[original] = wrap(original)
+            for original, wrapper in wrappers.items():
+                wrapper.__recorder_original__ = original
+            self._patches.rebind(wrappers, where=_binds_collectives)
         return self
-
-    def _bind_everywhere(self, wrappers: dict[int, tuple[Any, Any]]) -> None:
-        """Replace every binding of each original in torch.distributed, its c10d module and
-        the loaded ``megatron.*`` modules (one pass over their namespaces)."""
-        for original, wrapper in wrappers.values():
-            wrapper.__recorder_original__ = original
-        targets = []
-        for module_name, module in list(sys.modules.items()):
-            if module is None or not (
-                module_name in ("torch.distributed", c10d.__name__)
-                or module_name.startswith("megatron.")
-            ):
-                continue
-            for attr, value in list(vars(module).items()):
-                entry = wrappers.get(id(value))
-                if entry is not None and entry[0] is value:
-                    targets.append((module, attr, value, entry[1]))
-        for module, attr, original, wrapper in targets:
-            setattr(module, attr, wrapper)
-            self._applied.append((module, attr, original, wrapper))
 
     def uninstall(self) -> None:
         with self._lock:
-            while self._applied:
-                module, attr, original, wrapper = self._applied.pop()
-                if vars(module).get(attr) is wrapper:
-                    setattr(module, attr, original)
+            self._patches.undo()
 
     @property
     def installed(self) -> bool:
-        return bool(self._applied)
+        return bool(self._patches)
 
     def __enter__(self) -> "Recorder":
         return self.install()
