@@ -254,9 +254,43 @@ def _pp2_work(rank, world_size):
         out["fallback"] = {"losses": [d["lm loss"] for d in losses],
                            "grads": {n: p.main_grad.detach().clone() for n, p in names}}
         out["info"] = _layout_info(names)
+        out["handlers"] = _handlers_alone(model)
     finally:
         destroy_model_parallel()
     return out
+
+
+def _handlers_alone(model):
+    """StageRunner's handlers called one at a time on this rank's stage, with no peer involved:
+    what each leaves in the runner's fields, and the shape check of a send before it starts."""
+    from megatron.core import parallel_state
+
+    from megatron_dynapipe.data.batch import PlannedBatch
+    from megatron_dynapipe.megatron.executor import PlanMismatchError, StageRunner
+    from megatron_dynapipe.planning.plan import Instruction, Op
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    plans = _plans("1f1b", SHAPES_A[:2], "none")
+    runner = StageRunner(forward_step_func=_forward_step, batch=PlannedBatch(0, plans[stage], _microbatches(SHAPES_A[:2], 11)),
+                         model=[model])
+    seen = {"shape_of_0": runner.shape_of(0)}
+    if stage != 0:
+        return seen
+    runner.step(0, Instruction(Op.LOAD_INPUT, 0))
+    seen["input_after_load"] = runner.inputs[0]
+    runner.step(1, Instruction(Op.FORWARD, 0))
+    seen["output_shape"] = tuple(runner.outputs[0].shape)
+    seen["tokens"] = int(runner.total_num_tokens)
+    runner.outputs[0] = runner.outputs[0][:1]  # not what the plan says micro-batch 0 sends
+    try:
+        runner.step(2, Instruction(Op.SEND_ACT_START, 0, peer=1))
+    except PlanMismatchError as error:
+        seen["mismatch"] = str(error)
+    seen["started"] = len(runner.transfers)
+    runner.inputs[1] = None
+    runner.step(3, Instruction(Op.FREE_BUFFER, 1))
+    seen["kept_after_free"] = sorted(runner.inputs)
+    return seen
 
 
 FOUR_RANK_CASES = {
@@ -388,6 +422,26 @@ def test_forward_only_gives_the_losses_and_no_gradients(pp2):
     losses = torch.stack(pp2[1]["forward-only"]["losses"])
     torch.testing.assert_close(losses, torch.stack(reference["losses"]), rtol=RTOL, atol=ATOL)
     assert all(not g.any() for run in pp2 for g in run["forward-only"]["grads"].values())
+
+
+def test_every_instruction_kind_has_one_handler():
+    from megatron_dynapipe.megatron.executor import HANDLERS
+    from megatron_dynapipe.planning.plan import Op
+
+    assert set(HANDLERS) == set(Op)
+
+
+@pytest.mark.slow
+def test_handlers_alone_change_only_their_micro_batch(pp2):
+    first, second = (run["handlers"] for run in pp2)
+    size, seq = SHAPES_A[0]
+    hidden = CFG_KW["hidden_size"]
+    assert first["shape_of_0"] == second["shape_of_0"] == (seq, size, hidden)  # sequence x batch x hidden
+    assert first["input_after_load"] is None  # the first stage embeds the tokens itself
+    assert first["output_shape"] == (seq, size, hidden)
+    assert first["tokens"] == 0  # tokens are counted on the last stage, with the loss
+    assert "micro-batch 0's output is (1, 2, 64)" in first["mismatch"] and first["started"] == 0
+    assert first["kept_after_free"] == [0]
 
 
 @pytest.mark.slow

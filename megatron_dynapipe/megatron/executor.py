@@ -57,7 +57,9 @@ __all__ = [
     "ExecutorOptions",
     "PipelineCommError",
     "PlanMismatchError",
+    "HANDLERS",
     "RecomputeSwitch",
+    "StageRunner",
     "run_plan",
 ]
 
@@ -236,177 +238,241 @@ def run_plan(
     data) on the last stage and ``[]`` elsewhere; the loss is divided by the plan's number of
     micro-batches where megatron-core divides by ``num_microbatches``.
     """
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.utils import get_model_config, get_model_type
+    runner = StageRunner(forward_step_func=forward_step_func, batch=batch, model=model,
+                         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+                         options=options, pg_collection=pg_collection)
+    return runner.run(force_all_reduce=force_all_reduce)
 
-    options = options or ExecutorOptions()
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError(f"DynaPipe runs one model chunk per stage, got {len(model)} (no virtual pipeline)")
-        model = model[0]
-    config = get_model_config(model)
-    if pg_collection is None:
-        pg_collection = _pg_collection()
-    params = next(model.parameters(), None)
-    device = params.device if params is not None else torch.device("cpu")
-    channels = _channels(pg_collection.pp, device, options.comm_timeout_s)
-    plan = _check_batch(batch, channels)
-    if options.validate_plans:
-        plan.validate()
-    stage, last_stage = channels.stage, channels.num_stages - 1
-    is_last = stage == last_stage
-    n = len(plan.microbatches)
-    dtype = config.pipeline_dtype or (params.dtype if params is not None else torch.float32)
 
-    def shape_of(m: int) -> tuple[int, ...]:
-        mb = plan.microbatches[m]
-        shapes = schedules.get_tensor_shapes(
-            seq_length=mb.seq_len, micro_batch_size=mb.size, decoder_seq_length=None, config=config,
-            tp_group=pg_collection.tp, cp_group=pg_collection.cp)
-        if adjust_tensor_shapes_fn is not None:
-            shapes, send = adjust_tensor_shapes_fn(shapes, list(shapes))
+class StageRunner:
+    """One stage's run of one plan. What the instructions share (the tensors each micro-batch
+    keeps, open transfers, token count) lives in fields; each :class:`Op` has one handler in
+    :data:`HANDLERS`, called as ``handler(runner, index, instruction)``."""
+
+    def __init__(self, *, forward_step_func: Callable, batch: PlannedBatch, model, forward_only: bool = False,
+                 collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+                 adjust_tensor_shapes_fn: Optional[Callable] = None,
+                 options: Optional[ExecutorOptions] = None, pg_collection=None):
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.utils import get_model_config, get_model_type
+
+        options = options or ExecutorOptions()
+        if isinstance(model, list):
+            if len(model) != 1:
+                raise ValueError(f"DynaPipe runs one model chunk per stage, got {len(model)} (no virtual pipeline)")
+            model = model[0]
+        self.schedules = schedules
+        self.forward_step_func, self.batch, self.model = forward_step_func, batch, model
+        self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
+        self.first_val_step, self.adjust_tensor_shapes_fn = first_val_step, adjust_tensor_shapes_fn
+        self.config = get_model_config(model)
+        self.pg_collection = pg_collection if pg_collection is not None else _pg_collection()
+        params = next(model.parameters(), None)
+        self.device = params.device if params is not None else torch.device("cpu")
+        self.channels = _channels(self.pg_collection.pp, self.device, options.comm_timeout_s)
+        self.plan = _check_batch(batch, self.channels)
+        if options.validate_plans:
+            self.plan.validate()
+        self.stage = self.channels.stage
+        self.is_last = self.stage == self.channels.num_stages - 1
+        self.dtype = self.config.pipeline_dtype or (params.dtype if params is not None else torch.float32)
+        self.model_type = get_model_type(model)
+        self.switch = RecomputeSwitch(model)
+        self.last_backward = max((i for i, ins in enumerate(self.plan.instructions) if ins.op == Op.BACKWARD),
+                                 default=-1)
+        # per micro-batch: its input (None on the first stage), output, gradients
+        self.inputs: dict[int, Optional[torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.output_grads: dict[int, torch.Tensor] = {}
+        self.input_grads: dict[int, Optional[torch.Tensor]] = {}
+        self.transfers: dict[tuple, Transfer] = {}  # started, not finished
+        self.pending: list[Transfer] = []  # started since the last compute op, not yet posted
+        self.finished_early: set[tuple] = set()  # sends a BACKWARD had to wait for
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.first_forward = True
+        self.no_sync = None
+        self.embedding_module = None
+
+    # -- the run ------------------------------------------------------------------------------
+    def run(self, force_all_reduce: bool = False) -> list:
+        self._begin()
+        for i, ins in enumerate(self.plan.instructions):
+            self.step(i, ins)
+        self._post_pending()
+        if self.transfers:  # cannot happen for a validated plan: every START has its FINISH
+            leftover = ", ".join(t.describe() for t in self.transfers.values())
+            raise RuntimeError(f"pipeline stage {self.stage}: the plan ended with transfers still open: {leftover}")
+        self._end(force_all_reduce)
+        return self.forward_data_store
+
+    def step(self, i: int, ins) -> None:
+        """Run instruction ``i``. STARTs are collected and posted together before the next
+        FINISH or compute op."""
+        if self.forward_only and ins.op in _GRADIENT_OPS:
+            return
+        if not ins.op.is_start:
+            self._post_pending()
+        HANDLERS[ins.op](self, i, ins)
+
+    def _begin(self) -> None:
+        config = self.config
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            self.embedding_module = self.schedules.clear_embedding_activation_buffer(config, self.model, self.is_last)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        if not self.forward_only:  # gradient sync waits for the last backward
+            self.no_sync = (config.no_sync_func or contextlib.nullcontext)()
+            self.no_sync.__enter__()
+
+    def _end(self, force_all_reduce: bool) -> None:
+        config = self.config
+        if not self.forward_only:
+            if self.no_sync is not None:
+                self._leave_no_sync()
+                if config.grad_sync_func is not None:
+                    config.grad_sync_func(self.model.parameters())
+            if config.finalize_model_grads_func is not None:
+                self.schedules.finish_embedding_wgrad_compute(config, self.embedding_module, self.is_last,
+                                                              self.pg_collection.tp)
+                config.finalize_model_grads_func(
+                    [self.model], self.total_num_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=self.pg_collection, force_all_reduce=force_all_reduce)
+            if getattr(config, "fine_grained_activation_offloading", False):
+                self.schedules.off_interface.reset()
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+
+    def _leave_no_sync(self) -> None:
+        self.no_sync.__exit__(None, None, None)
+        self.no_sync = None
+
+    def _post_pending(self) -> None:
+        if self.pending:
+            self.channels.post(self.pending)
+            self.pending = []
+
+    def shape_of(self, m: int) -> tuple[int, ...]:
+        """Micro-batch ``m``'s activation shape, as megatron-core's ``get_tensor_shapes`` says."""
+        mb = self.plan.microbatches[m]
+        shapes = self.schedules.get_tensor_shapes(
+            seq_length=mb.seq_len, micro_batch_size=mb.size, decoder_seq_length=None, config=self.config,
+            tp_group=self.pg_collection.tp, cp_group=self.pg_collection.cp)
+        if self.adjust_tensor_shapes_fn is not None:
+            shapes, send = self.adjust_tensor_shapes_fn(shapes, list(shapes))
             if len(shapes) != 1 or list(send) != list(shapes):
                 raise NotImplementedError("DynaPipe exchanges one tensor of one shape per micro-batch")
         return tuple(shapes[0])
 
-    model_type = get_model_type(model)
-    switch = RecomputeSwitch(model)
-    embedding_module = None
-    if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = schedules.clear_embedding_activation_buffer(config, model, is_last)
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    def _deallocate_output(self, m: int) -> None:
+        self.schedules.deallocate_output_tensor(self.outputs[m], self.config.deallocate_pipeline_outputs)
 
-    no_sync_func = config.no_sync_func or contextlib.nullcontext
-    no_sync = None
-    if not forward_only:
-        no_sync = no_sync_func()
-        no_sync.__enter__()
-    last_backward = max((i for i, ins in enumerate(plan.instructions) if ins.op == Op.BACKWARD), default=-1)
+    # -- STARTs ---------------------------------------------------------------------------------
+    def _start(self, ins, tensor: torch.Tensor) -> None:
+        transfer = self.channels.transfer(ins, tensor if tensor.is_contiguous() else tensor.contiguous())
+        self.transfers[ins.transfer] = transfer
+        self.pending.append(transfer)
 
-    inputs: dict[int, Optional[torch.Tensor]] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    output_grads: dict[int, torch.Tensor] = {}
-    input_grads: dict[int, Optional[torch.Tensor]] = {}
-    transfers: dict[tuple, Transfer] = {}
-    pending: list[Transfer] = []
-    finished_early: set[tuple] = set()
-    forward_data_store: list = []
-    total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-    first_forward = True
-    cp_size = pg_collection.cp.size()
+    def recv_start(self, i: int, ins) -> None:
+        self._start(ins, torch.empty(self.shape_of(ins.microbatch), requires_grad=True, device=self.device,
+                                     dtype=self.dtype))
 
-    def finish(key: tuple, i: int, ins) -> torch.Tensor:
-        return channels.finish(transfers.pop(key), where=f"plan instruction #{i} {ins}")
+    def send_act_start(self, i: int, ins) -> None:
+        m = ins.microbatch
+        tensor, expected = self.outputs[m], self.shape_of(m)
+        if tuple(tensor.shape) != expected or tensor.dtype != self.dtype:
+            raise PlanMismatchError(
+                f"pipeline stage {self.stage}: micro-batch {m}'s output is {tuple(tensor.shape)} "
+                f"{tensor.dtype}, the plan's activation is {expected} {self.dtype} (sequence x batch x "
+                "hidden): the micro-batch's tensors do not have the plan's shape")
+        self._start(ins, tensor)
 
-    for i, ins in enumerate(plan.instructions):
-        op, m = ins.op, ins.microbatch
-        if forward_only and op in _GRADIENT_OPS:
-            continue
-        if op.is_start:
-            if op == Op.RECV_ACT_START or op == Op.RECV_GRAD_START:
-                tensor = torch.empty(shape_of(m), requires_grad=True, device=device, dtype=dtype)
-            elif op == Op.SEND_ACT_START:
-                tensor = outputs[m]
-                expected = shape_of(m)
-                if tuple(tensor.shape) != expected or tensor.dtype != dtype:
-                    raise PlanMismatchError(
-                        f"pipeline stage {stage}: micro-batch {m}'s output is {tuple(tensor.shape)} "
-                        f"{tensor.dtype}, the plan's activation is {expected} {dtype} (sequence x batch x "
-                        "hidden): the micro-batch's tensors do not have the plan's shape"
-                    )
-            else:  # SEND_GRAD_START
-                tensor = input_grads[m]
-                if tensor is None:
-                    raise RuntimeError(f"pipeline stage {stage}: micro-batch {m}'s input received no gradient")
-            if not tensor.is_contiguous():
-                tensor = tensor.contiguous()
-            transfer = channels.transfer(ins, tensor)
-            transfers[ins.transfer] = transfer
-            pending.append(transfer)
-            continue
-        if pending:  # every START since the last compute op, together
-            channels.post(pending)
-            pending = []
-        if op.is_finish:
-            key = ins.transfer
-            if key in finished_early:
-                finished_early.discard(key)
-                continue
-            tensor = finish(key, i, ins)
-            if op == Op.RECV_ACT_FINISH:
-                inputs[m] = tensor
-            elif op == Op.RECV_GRAD_FINISH:
-                output_grads[m] = tensor
-            elif op == Op.SEND_ACT_FINISH:
-                if forward_only:
-                    outputs.pop(m, None)
-                else:
-                    schedules.deallocate_output_tensor(outputs[m], config.deallocate_pipeline_outputs)
-        elif op == Op.LOAD_INPUT:
-            inputs[m] = None
-        elif op == Op.FORWARD:
-            with switch(ins.recompute):
-                output, num_tokens = schedules.forward_step(
-                    forward_step_func,
-                    iter([batch.microbatches[m]]),
-                    model,
-                    n,
-                    inputs[m],
-                    forward_data_store,
-                    config,
-                    cp_size,
-                    collect_non_loss_data=collect_non_loss_data,
-                    is_first_microbatch=schedules.check_first_val_step(first_val_step, forward_only, first_forward),
-                    current_microbatch=m,
-                    is_last_stage=is_last,
-                )
-            first_forward = False
-            total_num_tokens += num_tokens
-            if forward_only:
-                inputs.pop(m)
-                if not is_last:
-                    outputs[m] = output
-            else:
-                outputs[m] = output
-        elif op == Op.BACKWARD:
-            key = (Op.SEND_ACT_START, m, stage + 1)
-            if key in transfers:  # a plan that finishes the send later: the backward needs it done
-                finish(key, i, ins)
-                finished_early.add(key)
-                schedules.deallocate_output_tensor(outputs[m], config.deallocate_pipeline_outputs)
-            if i == last_backward and no_sync is not None:
-                if config.grad_sync_func is None or stage == 0:
-                    no_sync.__exit__(None, None, None)
-                    no_sync = None
-            with switch(ins.recompute):
-                input_grads[m] = schedules.backward_step(
-                    inputs.pop(m), outputs.pop(m), output_grads.pop(m, None), model_type, config)
-        elif op == Op.FREE_BUFFER:
-            input_grads.pop(m, None)
-            inputs.pop(m, None)
-            output_grads.pop(m, None)
-    if pending:
-        channels.post(pending)
-    if transfers:  # cannot happen for a validated plan: every START has its FINISH
-        leftover = ", ".join(t.describe() for t in transfers.values())
-        raise RuntimeError(f"pipeline stage {stage}: the plan ended with transfers still open: {leftover}")
+    def send_grad_start(self, i: int, ins) -> None:
+        tensor = self.input_grads[ins.microbatch]
+        if tensor is None:
+            raise RuntimeError(f"pipeline stage {self.stage}: micro-batch {ins.microbatch}'s input received "
+                               "no gradient")
+        self._start(ins, tensor)
 
-    if not forward_only:
-        if no_sync is not None:
-            no_sync.__exit__(None, None, None)
-            if config.grad_sync_func is not None:
-                config.grad_sync_func(model.parameters())
-        if config.finalize_model_grads_func is not None:
-            schedules.finish_embedding_wgrad_compute(config, embedding_module, is_last, pg_collection.tp)
-            config.finalize_model_grads_func(
-                [model],
-                total_num_tokens if config.calculate_per_token_loss else None,
-                pg_collection=pg_collection,
-                force_all_reduce=force_all_reduce,
-            )
-        if getattr(config, "fine_grained_activation_offloading", False):
-            schedules.off_interface.reset()
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    return forward_data_store
+    # -- FINISHes -------------------------------------------------------------------------------
+    def _wait(self, key: tuple, i: int, ins) -> torch.Tensor:
+        return self.channels.finish(self.transfers.pop(key), where=f"plan instruction #{i} {ins}")
+
+    def recv_act_finish(self, i: int, ins) -> None:
+        self.inputs[ins.microbatch] = self._wait(ins.transfer, i, ins)
+
+    def recv_grad_finish(self, i: int, ins) -> None:
+        self.output_grads[ins.microbatch] = self._wait(ins.transfer, i, ins)
+
+    def send_act_finish(self, i: int, ins) -> None:
+        if ins.transfer in self.finished_early:  # the BACKWARD waited for it and freed the output
+            self.finished_early.discard(ins.transfer)
+            return
+        self._wait(ins.transfer, i, ins)
+        if self.forward_only:
+            self.outputs.pop(ins.microbatch, None)
+        else:
+            self._deallocate_output(ins.microbatch)
+
+    def send_grad_finish(self, i: int, ins) -> None:
+        self._wait(ins.transfer, i, ins)
+
+    # -- compute and buffers --------------------------------------------------------------------
+    def load_input(self, i: int, ins) -> None:
+        self.inputs[ins.microbatch] = None
+
+    def forward(self, i: int, ins) -> None:
+        m, schedules = ins.microbatch, self.schedules
+        with self.switch(ins.recompute):
+            output, num_tokens = schedules.forward_step(
+                self.forward_step_func, iter([self.batch.microbatches[m]]), self.model, len(self.plan.microbatches),
+                self.inputs[m], self.forward_data_store, self.config, self.pg_collection.cp.size(),
+                collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=schedules.check_first_val_step(self.first_val_step, self.forward_only,
+                                                                   self.first_forward),
+                current_microbatch=m, is_last_stage=self.is_last)
+        self.first_forward = False
+        self.total_num_tokens += num_tokens
+        if self.forward_only:
+            self.inputs.pop(m)
+            if not self.is_last:
+                self.outputs[m] = output
+        else:
+            self.outputs[m] = output
+
+    def backward(self, i: int, ins) -> None:
+        m = ins.microbatch
+        send = (Op.SEND_ACT_START, m, self.stage + 1)
+        if send in self.transfers:  # a plan that finishes the send later: the backward needs it done
+            self._wait(send, i, ins)
+            self.finished_early.add(send)
+            self._deallocate_output(m)
+        if i == self.last_backward and self.no_sync is not None:
+            if self.config.grad_sync_func is None or self.stage == 0:
+                self._leave_no_sync()
+        with self.switch(ins.recompute):
+            self.input_grads[m] = self.schedules.backward_step(
+                self.inputs.pop(m), self.outputs.pop(m), self.output_grads.pop(m, None), self.model_type,
+                self.config)
+
+    def free_buffer(self, i: int, ins) -> None:
+        for kept in (self.input_grads, self.inputs, self.output_grads):
+            kept.pop(ins.microbatch, None)
+
+
+#: What each instruction does (every Op has a handler; tests check it).
+HANDLERS: dict[Op, Callable[[StageRunner, int, Any], None]] = {
+    Op.LOAD_INPUT: StageRunner.load_input,
+    Op.FORWARD: StageRunner.forward,
+    Op.BACKWARD: StageRunner.backward,
+    Op.RECV_ACT_START: StageRunner.recv_start,
+    Op.RECV_ACT_FINISH: StageRunner.recv_act_finish,
+    Op.SEND_ACT_START: StageRunner.send_act_start,
+    Op.SEND_ACT_FINISH: StageRunner.send_act_finish,
+    Op.RECV_GRAD_START: StageRunner.recv_start,
+    Op.RECV_GRAD_FINISH: StageRunner.recv_grad_finish,
+    Op.SEND_GRAD_START: StageRunner.send_grad_start,
+    Op.SEND_GRAD_FINISH: StageRunner.send_grad_finish,
+    Op.FREE_BUFFER: StageRunner.free_buffer,
+}
