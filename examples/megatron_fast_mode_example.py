@@ -104,13 +104,14 @@ def main(argv=None) -> int:
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.data import DynaPipeDataLoader, KVStoreMetaKeys, TrainingSpec
     from megatron_dynapipe.megatron import configure, get_forward_backward_func
-    from megatron_dynapipe.megatron.tiny_gpt import TinyGPTConfig, build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from megatron_dynapipe.megatron.tiny_gpt import build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from megatron_dynapipe.models import ModelSpec
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 
     cpu_compat.enable_cpu_mode()  # megatron-core's CUDA-only spots, redirected to the CPU
     init_model_parallel(tp=1, pp=args.pp)
-    cfg = TinyGPTConfig(hidden_size=64, num_attention_heads=4, num_layers=4, vocab_size=VOCAB,
-                        max_sequence_length=SEQ_LEN)
+    cfg = ModelSpec(hidden_size=64, num_attention_heads=4, num_layers=4, vocab_size=VOCAB,
+                    max_sequence_length=SEQ_LEN)
     model = build_tiny_gpt(cfg, calculate_per_token_loss=True)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     model.config.finalize_model_grads_func = finalize_model_grads

@@ -31,7 +31,7 @@ from megatron_dynapipe.tracer.batch_config import (
     run_batch,
     validate,
 )
-from megatron_dynapipe.tracer.models import MODELS, GPTShape, get_model
+from megatron_dynapipe.models import MODELS, ModelSpec, get_model
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,8 +109,8 @@ def test_model_table_matches_the_issue():
     table = {"tiny": (128, 8, 4), "6.7B": (4096, 32, 32), "13B": (5120, 32, 40), "30B": (7680, 48, 40),
              "40B": (9216, 72, 40), "70B": (8192, 64, 80), "175B": (12288, 96, 96),
              "485B": (20480, 160, 96), "1T": (25600, 160, 128), "2T": (25600, 160, 256)}
-    assert {n: (m.hidden, m.heads, m.layers) for n, m in MODELS.items()} == table
-    assert all(m.ffn == 4 * m.hidden for m in MODELS.values())
+    assert {n: (m.hidden_size, m.num_attention_heads, m.num_layers) for n, m in MODELS.items()} == table
+    assert all(m.ffn_hidden_size == 4 * m.hidden_size for m in MODELS.values())
 
 
 @pytest.mark.parametrize("name", ["6.7", "6.7b", "6.7B", "gpt-6.7b", " GPT-6.7B "])
@@ -250,7 +250,7 @@ def test_rule_heads_divisible_by_tp():
 
 
 def test_rule_ffn_divisible_by_tp():
-    odd = GPTShape(hidden=64, heads=4, layers=2, ffn=30, name="odd")
+    odd = ModelSpec(hidden_size=64, num_attention_heads=4, num_layers=2, ffn_hidden_size=30, name="odd")
     assert validate(cfg("8 1 4", model=odd)) == ["FFN width 30 of model odd is not divisible by TP = 4"]
 
 

@@ -27,7 +27,6 @@ CFG_KW = dict(
     num_layers=4,
     vocab_size=128,
     max_sequence_length=64,
-    seed=1234,
 )
 NUM_MICROBATCHES = 4
 MICRO_BATCH_SIZE = 2
@@ -87,7 +86,6 @@ def _train_one_iteration(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_dynapipe.megatron.tiny_gpt import (
-        TinyGPTConfig,
         build_tiny_gpt,
         destroy_model_parallel,
         init_model_parallel,
@@ -95,7 +93,9 @@ def _train_one_iteration(
         reference_shard,
     )
 
-    cfg = TinyGPTConfig(**CFG_KW)
+    from megatron_dynapipe.models import ModelSpec
+
+    cfg = ModelSpec(**CFG_KW)
     cpu_compat.enable_cpu_mode()
     init_model_parallel(tp, pp, virtual_pp=vpp)
     try:

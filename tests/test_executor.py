@@ -111,14 +111,15 @@ def _stage(tp, pp, per_token, ddp=True):
     )
 
     from megatron_dynapipe.megatron.tiny_gpt import (
-        TinyGPTConfig,
         build_tiny_gpt,
         init_model_parallel,
         reference_name,
     )
 
     init_model_parallel(tp, pp)
-    model = build_tiny_gpt(TinyGPTConfig(**CFG_KW), calculate_per_token_loss=per_token)
+    from megatron_dynapipe.models import ModelSpec
+
+    model = build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=per_token)
     names = [(reference_name(model, n), p) for n, p in model.named_parameters()]
     if not ddp:
         return model, names

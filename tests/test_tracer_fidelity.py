@@ -23,6 +23,7 @@ the k-th receive on b from a.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import resource
 import time
 
@@ -326,20 +327,32 @@ def test_representatives_are_written_one_file_per_stage(fake, tmp_path):
 
 
 def test_model_descriptions():
-    from megatron_dynapipe.megatron.tiny_gpt import TinyGPTConfig
-    from megatron_dynapipe.tracer.fake_rank import ModelSpec, padded_vocab_size
-    from megatron_dynapipe.tracer.models import get_model
+    import argparse
+
+    from megatron_dynapipe.models import ModelSpec, get_model
+    from megatron_dynapipe.tracer.fake_rank import padded_vocab_size
 
     by_name = ModelSpec.from_any("6.7B")
-    assert by_name == ModelSpec.from_any(get_model("gpt-6.7b"))
-    assert (by_name.num_layers, by_name.hidden_size, by_name.num_attention_heads, by_name.ffn) == (32, 4096, 32, 16384)
+    assert by_name is get_model("gpt-6.7b")
+    assert (by_name.num_layers, by_name.hidden_size, by_name.num_attention_heads,
+            by_name.ffn_hidden_size) == (32, 4096, 32, 16384)
     assert ModelSpec.from_any(get_model("tiny").with_experts(4)).num_experts == 4
-    tiny = ModelSpec.from_any(TinyGPTConfig())
-    assert (tiny.hidden_size, tiny.num_layers, tiny.vocab_size) == (64, 4, 128)
     assert ModelSpec.from_any(TINY) == ModelSpec(**TINY)
-    with pytest.raises(TypeError, match="cannot build a model"):
+    with pytest.raises(TypeError, match="cannot describe a model"):
         ModelSpec.from_any(3.5)
     assert padded_vocab_size(51200, 8) == 51200 and padded_vocab_size(128, 2) == 256
+    # Megatron's flags and the spec are one description: the flags it prints build it again
+    parser = argparse.ArgumentParser()
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+                 "--max-position-embeddings", "--vocab-size", "--num-experts"):
+        parser.add_argument(flag, type=int)
+    parser.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    untied = ModelSpec(num_layers=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=200, vocab_size=1000,
+                       max_sequence_length=512, num_experts=4, share_embeddings_and_output_weights=False)
+    for spec in (untied, get_model("175B")):
+        args = parser.parse_args(spec.megatron_args(seq_length=128))
+        assert args.seq_length == 128
+        assert ModelSpec.from_megatron_args(args) == dataclasses.replace(spec, name="")
 
 
 # --------------------------------------------------------------------------------------------

@@ -174,16 +174,17 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
     from ..data.batch import PlannedBatch
     from ..compat import cpu_compat
     from ..megatron.provider import forward_backward_dynapipe
-    from ..megatron.tiny_gpt import TinyGPTConfig, build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from ..megatron.tiny_gpt import build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from ..models import ModelSpec
     from ..planning.plan import build_execution_plans
     from ..planning.types import MicroBatch
 
     cpu_compat.enable_cpu_mode()
     init_model_parallel(1, world_size)
     try:
-        cfg = TinyGPTConfig(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
-                            num_attention_heads=max(1, s["hidden_size"] // 16),
-                            max_sequence_length=s["seq_length"])
+        cfg = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
+                        num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=128,
+                        max_sequence_length=s["seq_length"])
         model = build_tiny_gpt(cfg)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         model.config.finalize_model_grads_func = finalize_model_grads

@@ -137,18 +137,14 @@ def _resolve_fake_sizes(args: argparse.Namespace) -> None:
 
 
 def _model(args: argparse.Namespace):
-    from ..tracer.models import GPTShape
+    from ..models import ModelSpec
 
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
-    vocab = getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)
-    if not vocab:
+    if not (getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)):
         raise DynapipeArgumentError("--is-scaling-mode needs --vocab-size N (the tokenizer's vocabulary; "
                                     "the tracer pads it like Megatron)")
     try:
-        return GPTShape(hidden=args.hidden_size, heads=args.num_attention_heads, layers=args.num_layers,
-                        ffn=getattr(args, "ffn_hidden_size", None), vocab=vocab,
-                        seq_length=max(args.seq_length, _get(args, "max_position_embeddings", args.seq_length)),
-                        num_experts=_get(args, "fake_num_experts", 0))
+        return ModelSpec.from_megatron_args(args).with_experts(_get(args, "fake_num_experts", 0) or 0)
     except ValueError as exc:
         raise DynapipeArgumentError(f"--is-scaling-mode model: {exc}") from None
 
@@ -168,11 +164,11 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")
     _resolve_fake_sizes(args)
     _validate_tracer(args)  # the layout flags; sets args.fake_dp
-    shape = _model(args)
+    model = _model(args)
     _require(args, ("micro_batch_size",))
     seq = int(args.seq_length)
     config = TraceConfig(world_size=args.fake_world_size, pp=args.fake_pp, tp=args.fake_tp,
-                         cp=_get(args, "fake_cp", 1), ep=_get(args, "fake_ep", 1), model=shape,
+                         cp=_get(args, "fake_cp", 1), ep=_get(args, "fake_ep", 1), model=model,
                          micro_batch_size=args.micro_batch_size,
                          global_batch_size=getattr(args, "global_batch_size", None), seq_length=seq,
                          source="--is-scaling-mode")
@@ -186,15 +182,10 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
         shapes_only, reason = decide_shapes_only(config)
     else:
         reason = "forced " + ("shapes-only" if shapes_only else "real compute")
-    model_cfg = dict(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                     vocab_size=shape.vocab, max_sequence_length=shape.seq_length, ffn_hidden_size=shape.ffn,
-                     num_experts=shape.num_experts,
-                     share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights",
-                                                                     False))
     from ..tracer.fake_rank import trace_fake_rank
 
     started = time.perf_counter()
-    trace = trace_fake_rank(layout, int(args.fake_current_rank_id), model_cfg,
+    trace = trace_fake_rank(layout, int(args.fake_current_rank_id), model,
                             micro_batch_size=config.micro_batch_size, num_microbatches=config.microbatches,
                             seq_length=seq, warmup_iters=int(_get(args, "trace_start", 1)),
                             trace_iters=int(_get(args, "trace_iters", 1)), shapes_only=bool(shapes_only),

@@ -42,9 +42,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_dynapipe.compat import cpu_compat
+from megatron_dynapipe.models import ModelSpec
 
 __all__ = [
-    "TinyGPTConfig",
+    "TINY_TEST_GPT",
     "build_tiny_gpt",
     "destroy_model_parallel",
     "init_model_parallel",
@@ -54,28 +55,15 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class TinyGPTConfig:
-    """Shape and seed of the tiny GPT; fp32, no dropout (see :func:`make_transformer_config`).
-    Word embedding and output layer are tied, as in Megatron-LM's default GPT, which also
-    exercises the first/last-stage embedding group at PP>1."""
-
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_layers: int = 4
-    vocab_size: int = 128
-    max_sequence_length: int = 64
-    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
-    share_embeddings_and_output_weights: bool = True
-    init_method_std: float = 0.02
-    seed: int = 1234
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+#: The tests' GPT; fp32, no dropout (see :func:`make_transformer_config`). Word embedding and
+#: output layer are tied, as in Megatron-LM's default GPT, which also exercises the
+#: first/last-stage embedding group at PP>1.
+TINY_TEST_GPT = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                          max_sequence_length=64, name="tiny-test")
+DEFAULT_SEED = 1234
 
 
-def make_transformer_config(cfg: TinyGPTConfig, **overrides: Any) -> TransformerConfig:
+def make_transformer_config(cfg: ModelSpec, **overrides: Any) -> TransformerConfig:
     """A CPU-friendly fp32 ``TransformerConfig`` for ``cfg`` at the current TP/PP sizes.
 
     No dropout, no fused kernels (they need CUDA / apex), no gradient-accumulation fusion, no
@@ -85,7 +73,7 @@ def make_transformer_config(cfg: TinyGPTConfig, **overrides: Any) -> Transformer
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -123,10 +111,11 @@ class _SeededTransformerLayer(TransformerLayer):
 
 
 def build_tiny_gpt(
-    cfg: TinyGPTConfig = TinyGPTConfig(),
+    cfg: ModelSpec = TINY_TEST_GPT,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     *,
+    seed: int = DEFAULT_SEED,
     vp_stage: Optional[int] = None,
     **config_overrides: Any,
 ) -> GPTModel:
@@ -136,7 +125,7 @@ def build_tiny_gpt(
     (:func:`megatron_dynapipe.compat.cpu_compat.enable_cpu_mode`). ``pre_process`` /
     ``post_process`` default to whether this rank (virtual stage ``vp_stage`` when interleaving)
     is the first / last pipeline stage. Seeds the CPU generator and megatron's RNG tracker with
-    ``cfg.seed`` (so each call gives the same weights, in any order of chunks or stages).
+    ``seed`` (so each call gives the same weights, in any order of chunks or stages).
     """
     if not torch.cuda.is_available() and not cpu_compat.is_enabled():
         raise RuntimeError("build_tiny_gpt without CUDA needs cpu_compat.enable_cpu_mode() first")
@@ -147,11 +136,11 @@ def build_tiny_gpt(
         post_process = parallel_state.is_pipeline_last_stage(not virtual, vp_stage)
     config = make_transformer_config(cfg, **config_overrides)
 
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec()
     spec = dataclasses.replace(
-        spec, module=_SeededTransformerLayer, params={**spec.params, "layer_seed": cfg.seed}
+        spec, module=_SeededTransformerLayer, params={**spec.params, "layer_seed": seed}
     )
     return GPTModel(
         config=config,

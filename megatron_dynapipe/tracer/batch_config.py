@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..files import write_atomically
 from ..planning.cost_model import CostModel
-from .models import GPTShape, get_model
+from ..models import ModelSpec, get_model
 from .topology import ParallelLayout, Representatives, representative_ranks
 
 __all__ = [
@@ -107,7 +107,7 @@ class TraceConfig:
     tp: int
     cp: int = 1
     ep: int = 1
-    model: GPTShape = field(default_factory=lambda: get_model(DEFAULT_MODEL))
+    model: ModelSpec = field(default_factory=lambda: get_model(DEFAULT_MODEL))
     micro_batch_size: int = 1
     num_microbatches: int | None = None
     global_batch_size: int | None = None
@@ -142,7 +142,7 @@ class TraceConfig:
 
     @property
     def seq(self) -> int:
-        return self.seq_length if self.seq_length is not None else self.model.seq_length
+        return self.seq_length if self.seq_length is not None else self.model.max_sequence_length
 
     @property
     def moe(self) -> bool:
@@ -194,10 +194,7 @@ class TraceConfig:
             "num_microbatches": self.microbatches,
             "global_batch_size": self.global_batch,
             "seq_length": self.seq,
-            "model": {"name": self.model.label, **{
-                k: getattr(self.model, k)
-                for k in ("hidden", "heads", "layers", "ffn", "vocab", "num_experts")
-            }},
+            "model": {**self.model.to_json(), "name": self.model.label},
         }
 
 
@@ -235,7 +232,7 @@ def parse_config_line(
     *,
     index: int = 0,
     source: str = "--config",
-    model: str | GPTShape = DEFAULT_MODEL,
+    model: str | ModelSpec = DEFAULT_MODEL,
     num_experts: int | None = None,
     **defaults: Any,
 ) -> TraceConfig | None:
@@ -383,12 +380,12 @@ def validate(config: TraceConfig) -> list[str]:
             )
         elif c.global_batch_size is not None and c.global_batch_size < per_step:
             reasons.append(f"global batch {c.global_batch_size} is smaller than micro-batch × DP = {per_step}")
-    if m.layers % c.pp:
-        reasons.append(f"{m.layers} layers of model {m.label} are not divisible by PP = {c.pp}")
-    if m.heads % c.tp:
-        reasons.append(f"{m.heads} attention heads of model {m.label} are not divisible by TP = {c.tp}")
-    elif m.ffn % c.tp:
-        reasons.append(f"FFN width {m.ffn} of model {m.label} is not divisible by TP = {c.tp}")
+    if m.num_layers % c.pp:
+        reasons.append(f"{m.num_layers} layers of model {m.label} are not divisible by PP = {c.pp}")
+    if m.num_attention_heads % c.tp:
+        reasons.append(f"{m.num_attention_heads} attention heads of model {m.label} are not divisible by TP = {c.tp}")
+    elif m.ffn_hidden_size % c.tp:
+        reasons.append(f"FFN width {m.ffn_hidden_size} of model {m.label} is not divisible by TP = {c.tp}")
     if c.ep > 1 and not m.num_experts:
         reasons.append(
             f"EP = {c.ep} needs a mixture-of-experts model: give a number of experts divisible by {c.ep} "

@@ -31,7 +31,7 @@ from .batch_config import (
     read_config_file,
     validate,
 )
-from .models import MODELS, get_model
+from ..models import MODELS, get_model
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -44,7 +44,7 @@ _HELP = "trace the representative ranks of one or more parallel layouts with fak
 _EPILOG = (
     "A config is 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (keys: cp ep mbs nmb gbs seq experts "
     "model); a configs file holds one a line, '#' starts a comment. Models: "
-    + ", ".join(f"{n} ({m.hidden}/{m.heads}/{m.layers})" for n, m in MODELS.items())
+    + ", ".join(f"{n} ({m.hidden_size}/{m.num_attention_heads}/{m.num_layers})" for n, m in MODELS.items())
     + " (hidden/heads/layers). Without --config/--configs the config is '" + DEFAULT_CONFIG + "'."
 )
 
@@ -146,7 +146,7 @@ def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
 def run_trace(args) -> int:
     if args.list_models:
         for name, m in MODELS.items():
-            print(f"{name:>5}  hidden {m.hidden:>5}  heads {m.heads:>3}  layers {m.layers:>3}  "
+            print(f"{name:>5}  hidden {m.hidden_size:>5}  heads {m.num_attention_heads:>3}  layers {m.num_layers:>3}  "
                   f"{m.total_params() / 1e9:9.3f} B parameters")
         return 0
     if args.print_model_args:

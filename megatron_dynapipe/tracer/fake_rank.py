@@ -54,7 +54,6 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -63,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..compat.cpu_compat import CPU_STREAM_STANDINS
 from ..compat.patching import Patches
+from ..models import ModelSpec
 from .fake_groups import member_groups_only, symmetric_object_gathers
 from .recorder import Recorder, storage_key
 from .topology import (
@@ -75,7 +75,6 @@ from .topology import (
 from .trace_format import RankTrace
 
 __all__ = [
-    "ModelSpec",
     "RankTrace",
     "trace_fake_rank",
     "trace_initialized_rank",
@@ -86,78 +85,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # the model
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The GPT the tracer builds; :meth:`from_any` accepts a :class:`~.models.GPTShape`, a
-    registry name (``"6.7B"``), a ``TinyGPTConfig``, a mapping or a ``ModelSpec``."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int
-    max_sequence_length: int
-    ffn_hidden_size: Optional[int] = None
-    num_experts: int = 0
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_token_dispatcher_type: str = "alltoall"
-    #: tokens per expert = capacity factor x fair share; with padding, every all-to-all has a
-    #: fixed size (Megatron's drop-and-pad), otherwise sizes follow the routing (dropless: None)
-    moe_expert_capacity_factor: Optional[float] = None
-    moe_pad_expert_input_to_capacity: bool = False
-    share_embeddings_and_output_weights: bool = True
-    name: str = ""
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @classmethod
-    def from_any(cls, cfg: Any) -> "ModelSpec":
-        if isinstance(cfg, ModelSpec):
-            return cfg
-        if isinstance(cfg, str):
-            from .models import get_model
-
-            cfg = get_model(cfg)
-        if isinstance(cfg, Mapping):
-            return cls(**cfg)
-        if hasattr(cfg, "heads") and hasattr(cfg, "layers"):  # tracer.models.GPTShape
-            return cls(
-                num_layers=cfg.layers,
-                hidden_size=cfg.hidden,
-                num_attention_heads=cfg.heads,
-                vocab_size=cfg.vocab,
-                max_sequence_length=cfg.seq_length,
-                ffn_hidden_size=cfg.ffn,
-                num_experts=cfg.num_experts,
-                name=cfg.name,
-            )
-        if hasattr(cfg, "num_attention_heads"):  # megatron.tiny_gpt.TinyGPTConfig and alikes
-            return cls(
-                num_layers=cfg.num_layers,
-                hidden_size=cfg.hidden_size,
-                num_attention_heads=cfg.num_attention_heads,
-                vocab_size=cfg.vocab_size,
-                max_sequence_length=cfg.max_sequence_length,
-                ffn_hidden_size=getattr(cfg, "ffn_hidden_size", None),
-                num_experts=getattr(cfg, "num_experts", 0) or 0,
-                share_embeddings_and_output_weights=getattr(
-                    cfg, "share_embeddings_and_output_weights", True
-                ),
-                name=getattr(cfg, "name", ""),
-            )
-        raise TypeError(
-            f"cannot build a model from {type(cfg).__name__}; pass a GPTShape, a model name, "
-            "a TinyGPTConfig, a mapping of ModelSpec fields or a ModelSpec"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["ffn_hidden_size"] = self.ffn
-        return out
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -187,7 +114,7 @@ def _transformer_config(spec: ModelSpec, layout: ParallelLayout, dtype: torch.dt
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
-        ffn_hidden_size=spec.ffn,
+        ffn_hidden_size=spec.ffn_hidden_size,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
@@ -216,7 +143,7 @@ def _transformer_config(spec: ModelSpec, layout: ParallelLayout, dtype: torch.dt
         fields.update(
             num_moe_experts=spec.num_experts,
             moe_router_topk=min(spec.moe_router_topk, spec.num_experts),
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
             moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
             moe_grouped_gemm=False,
             moe_aux_loss_coeff=1e-2,
@@ -498,7 +425,7 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
     if cost_model is None:
         cost_model = load_cost_model(
             None, layout.tp, hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-            ffn_hidden_size=spec.ffn, vocab_size=spec.vocab_size,
+            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
         )
     elif isinstance(cost_model, (str, os.PathLike)):
         cost_model = load_cost_model(cost_model, layout.tp, hidden_size=spec.hidden_size)

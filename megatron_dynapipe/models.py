@@ -1,0 +1,287 @@
+"""The one description of a GPT: named sizes, Megatron's flags, the tracer's model and the tiny
+test model are all a :class:`ModelSpec`. Nothing here imports torch.
+
+==========  ======  =====  ======
+name        hidden  heads  layers
+==========  ======  =====  ======
+tiny           128      8       4
+6.7B          4096     32      32
+13B           5120     32      40
+30B           7680     48      40
+40B           9216     72      40
+70B           8192     64      80
+175B         12288     96      96
+485B         20480    160      96
+1T           25600    160     128
+2T           25600    160     256
+==========  ======  =====  ======
+
+The feed-forward width is ``4 * hidden`` and the (padded) vocabulary 51200 unless given.  Names
+are looked up case-insensitively, with or without the trailing ``B`` and an optional ``gpt-``
+prefix (``6.7``, ``6.7b``, ``gpt-6.7B`` all name the same model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = ["MODELS", "ModelSpec", "get_model", "model_names"]
+
+#: Bytes per parameter while training in fp32 on CPU: weight, gradient, Adam's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+#: Bytes per activation element kept for backward (fp32 on CPU).
+ACTIVATION_BYTES = 4
+
+
+def _is_pos_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT decoder, in Megatron's terms (each field is the Megatron-LM flag of the same name).
+
+    ``ffn_hidden_size`` defaults to ``4 * hidden_size``; ``max_sequence_length`` is Megatron's
+    ``--max-position-embeddings`` and the default sequence length of a trace. ``num_experts`` is
+    0 for a dense model (a mixture-of-experts variant: ``spec.with_experts(n)``); the ``moe_*``
+    fields are Megatron's. ``init_method_std`` matters only where weights are really drawn.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int = 51200
+    max_sequence_length: int = 2048
+    ffn_hidden_size: Optional[int] = None
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    #: tokens per expert = capacity factor x fair share; with padding, every all-to-all has a
+    #: fixed size (Megatron's drop-and-pad), otherwise sizes follow the routing (dropless: None)
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    share_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length",
+                      "ffn_hidden_size"):
+            value = getattr(self, field)
+            if not _is_pos_int(value):
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"num_experts must be an int >= 0, got {self.num_experts!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention "
+                f"heads; pick a hidden size that is a multiple of {self.num_attention_heads}")
+
+    @classmethod
+    def from_any(cls, model: "ModelSpec | str | Mapping[str, Any]") -> "ModelSpec":
+        """A ModelSpec as is, a registry name (``"6.7B"``) or a mapping of fields."""
+        if isinstance(model, ModelSpec):
+            return model
+        if isinstance(model, str):
+            return get_model(model)
+        if isinstance(model, Mapping):
+            return cls(**model)
+        raise TypeError(f"cannot describe a model with {type(model).__name__}; pass a ModelSpec, a model "
+                        "name or a mapping of ModelSpec fields")
+
+    @classmethod
+    def from_megatron_args(cls, args: Any) -> "ModelSpec":
+        """The model Megatron-LM's parsed arguments build (``--num-layers``, ``--hidden-size``, ...)."""
+        seq = getattr(args, "seq_length", None) or 0
+        fields = dict(
+            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            vocab_size=getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None),
+            max_sequence_length=max(seq, getattr(args, "max_position_embeddings", None) or seq),
+            ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+            num_experts=getattr(args, "num_experts", None) or 0,
+            share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False))
+        return cls(**{k: v for k, v in fields.items() if v is not None})
+
+    @property
+    def label(self) -> str:
+        """The name used in folder names: the registry name, or ``h<hidden>l<layers>``."""
+        return self.name or f"h{self.hidden_size}l{self.num_layers}"
+
+    def with_experts(self, num_experts: int) -> "ModelSpec":
+        return dataclasses.replace(self, num_experts=num_experts)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- sizes -----------------------------------------------------------------------------
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (attention, MLP, two layer norms, biases)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attention = 4 * h * h + 4 * h
+        mlp = 2 * h * f + f + h
+        if self.num_experts:
+            mlp *= self.num_experts
+        return attention + mlp + 4 * h
+
+    def embedding_params(self) -> int:
+        """Word plus position embeddings."""
+        return self.vocab_size * self.hidden_size + self.max_sequence_length * self.hidden_size
+
+    def total_params(self) -> int:
+        """Parameters of the whole model (output layer tied to the word embedding)."""
+        return self.num_layers * self.layer_params() + self.embedding_params() + 2 * self.hidden_size
+
+    def stage_params(self, pp: int, tp: int = 1, ep: int = 1, *, stage: int = 0) -> int:
+        """Parameters one rank of ``stage`` holds (layers split evenly over ``pp``).
+
+        The first stage holds the embeddings, the last the (untied) output layer; tensor
+        parallelism divides everything but the layer norms, expert parallelism the experts.
+        """
+        layers = -(-self.num_layers // pp)
+        per_layer = self.layer_params()
+        if self.num_experts:
+            h, f = self.hidden_size, self.ffn_hidden_size
+            expert = 2 * h * f + f + h
+            per_layer -= expert * self.num_experts
+            per_layer += expert * -(-self.num_experts // ep)
+        params = layers * per_layer // tp
+        if stage == 0 or stage == pp - 1:
+            params += self.vocab_size * self.hidden_size // tp
+        if stage == 0:
+            params += self.max_sequence_length * self.hidden_size
+        return params
+
+    def training_bytes(
+        self,
+        pp: int,
+        tp: int = 1,
+        ep: int = 1,
+        *,
+        micro_batch_size: int = 1,
+        seq_length: int | None = None,
+        in_flight: int | None = None,
+        cp: int = 1,
+    ) -> int:
+        """Estimated bytes the busiest rank needs to really run a training step on CPU (fp32).
+
+        Weights, gradients and Adam state (16 bytes per parameter) of the larger of the first and
+        last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
+        1F1B keeps on the first stage) and the logits of one micro-batch.  An order-of-magnitude
+        figure for deciding whether a model can run for real on this machine, not a profile.
+        """
+        seq = (seq_length or self.max_sequence_length) // cp or 1
+        in_flight = pp if in_flight is None else in_flight
+        params = max(self.stage_params(pp, tp, ep, stage=0), self.stage_params(pp, tp, ep, stage=pp - 1))
+        layers = -(-self.num_layers // pp)
+        b, s, h, a = micro_batch_size, seq, self.hidden_size, self.num_attention_heads
+        # Korthikanti et al. (2022): 34*s*b*h + 5*a*s^2*b 16-bit bytes per layer without TP;
+        # in fp32 elements that is 17*s*b*h + 2.5*a*s*s*b, split by TP.
+        elements = (17 * s * b * h + 5 * a * s * s * b // 2) // tp
+        activations = layers * elements * ACTIVATION_BYTES * in_flight
+        logits = b * s * self.vocab_size // tp * ACTIVATION_BYTES * 3  # logits, softmax, its gradient
+        return params * TRAIN_BYTES_PER_PARAM + activations + logits
+
+    def training_flops(
+        self,
+        pp: int,
+        tp: int = 1,
+        ep: int = 1,
+        *,
+        micro_batch_size: int = 1,
+        seq_length: int | None = None,
+        cp: int = 1,
+    ) -> int:
+        """Floating-point operations of one micro-batch's forward and backward on the busiest
+        rank: ``6 * parameters * tokens`` for the layers (MoE: the ``top-2`` experts a token
+        visits, at most all), the causal attention scores, and the output layer on the last stage.
+        """
+        seq = (seq_length or self.max_sequence_length) // cp or 1
+        tokens = micro_batch_size * seq
+        layers = -(-self.num_layers // pp)
+        h, f = self.hidden_size, self.ffn_hidden_size
+        dense_params = 4 * h * h + 2 * h * f
+        if self.num_experts:
+            dense_params = 4 * h * h + 2 * h * f * min(2, self.num_experts)
+        layer = 2 * dense_params * tokens // tp + 2 * micro_batch_size * seq * seq * h // tp
+        logits = 2 * tokens * h * self.vocab_size // tp  # the last stage's; counted for the busiest rank
+        return 3 * (layers * layer + logits)
+
+    # ---- Megatron ----------------------------------------------------------------------------
+
+    def megatron_args(self, seq_length: int | None = None) -> list[str]:
+        """The Megatron-LM flags that build this model (``pretrain_gpt.py``)."""
+        seq = seq_length or self.max_sequence_length
+        args = [
+            "--num-layers", str(self.num_layers),
+            "--hidden-size", str(self.hidden_size),
+            "--num-attention-heads", str(self.num_attention_heads),
+            "--ffn-hidden-size", str(self.ffn_hidden_size),
+            "--seq-length", str(seq),
+            "--max-position-embeddings", str(max(seq, self.max_sequence_length)),
+            "--vocab-size", str(self.vocab_size),
+        ]
+        if not self.share_embeddings_and_output_weights:
+            args.append("--untie-embeddings-and-output-weights")
+        if self.num_experts:
+            args += ["--num-experts", str(self.num_experts)]
+        return args
+
+
+def _registry(*specs: ModelSpec) -> dict[str, ModelSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+def _gpt(name: str, hidden: int, heads: int, layers: int, **fields: Any) -> ModelSpec:
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, name=name, **fields)
+
+
+#: Every named model, in size order.
+MODELS: dict[str, ModelSpec] = _registry(
+    _gpt("tiny", 128, 8, 4, vocab_size=1024, max_sequence_length=256),
+    _gpt("6.7B", 4096, 32, 32),
+    _gpt("13B", 5120, 32, 40),
+    _gpt("30B", 7680, 48, 40),
+    _gpt("40B", 9216, 72, 40),
+    _gpt("70B", 8192, 64, 80),
+    _gpt("175B", 12288, 96, 96),
+    _gpt("485B", 20480, 160, 96),
+    _gpt("1T", 25600, 160, 128),
+    _gpt("2T", 25600, 160, 256),
+)
+
+
+def model_names() -> list[str]:
+    """The registry names, smallest model first."""
+    return list(MODELS)
+
+
+def _key(name: str) -> str:
+    key = name.strip().lower()
+    if key.startswith("gpt-") or key.startswith("gpt_"):
+        key = key[4:]
+    if key.endswith("b") and key[:-1].replace(".", "", 1).isdigit():
+        key = key[:-1]
+    return key
+
+
+_BY_KEY = {_key(name): shape for name, shape in MODELS.items()}
+
+
+def get_model(name: str | ModelSpec) -> ModelSpec:
+    """The model called ``name`` (``"tiny"``, ``"6.7"``, ``"175B"``, ``"1T"``, ...).
+
+    A :class:`ModelSpec` is returned as is.  An unknown name raises ``ValueError`` listing the
+    valid ones.
+    """
+    if isinstance(name, ModelSpec):
+        return name
+    shape = _BY_KEY.get(_key(str(name)))
+    if shape is None:
+        raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
+    return shape
