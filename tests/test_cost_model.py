@@ -579,3 +579,22 @@ def test_all_stages_agrees_with_the_per_stage_queries_and_remembers_read_only_an
         with pytest.raises(ValueError):
             answer["forward"][0, 0] = 0.0  # shared answers cannot be changed by a caller
     assert costs.all_stages(mbs[:2], seq[:2], R.NONE)["forward"].shape == (4, 2)  # another query
+
+
+def test_one_adapter_turns_whatever_the_caller_holds_into_stage_costs(tmp_path):
+    from megatron_dynapipe.planning.cost_model import (
+        AnalyticalCostModel,
+        ProfiledCostModel,
+        StageCosts,
+        as_stage_costs,
+    )
+
+    layout = dict(tp=1, num_layers=32, pp=4, dp=2)
+    by_name = as_stage_costs("gpt-6.7b-a100", **layout)
+    assert isinstance(by_name.model, ProfiledCostModel) and by_name.pp == 4
+    assert as_stage_costs(by_name, **layout) is by_name
+    analytical = as_stage_costs(None, hidden_size=1024, num_heads=16, **layout)
+    assert isinstance(analytical.model, AnalyticalCostModel) and analytical.model.hidden_size == 1024
+    assert isinstance(as_stage_costs(analytical.model, **layout), StageCosts)
+    with pytest.raises(TypeError, match="CostModel, StageCosts, path or None"):
+        as_stage_costs(3.5, **layout)

@@ -52,8 +52,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..planning.cost_model import StageCosts, load_cost_model
-from ..planning.planner import generate_execution_plan
+from ..planning.cost_model import StageCosts
+from ..planning.planner import generate_execution_plan, stage_costs
 from ..planning.spec import TrainingSpec
 from .kv_store import KVStoreClient, KVStoreMetaKeys
 
@@ -284,15 +284,6 @@ class IterationBlobs:
     planning_seconds: float
 
 
-def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
-    """The per-stage costs the planner needs, built once per worker (a profile path is read once)."""
-    if isinstance(cost_model, StageCosts):
-        return cost_model
-    if cost_model is None or isinstance(cost_model, (str, os.PathLike)):
-        cost_model = load_cost_model(None if cost_model is None else os.fspath(cost_model), tp=spec.tp)
-    return StageCosts(cost_model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp, zero_stage=spec.zero_stage)
-
-
 def build_iteration(dataset, spec: TrainingSpec, cost_model, iteration: int,
                     ids: Sequence[int], pad_token_id: int = 0) -> IterationBlobs:
     """Read the global batch ``ids`` of ``dataset``, plan it and serialise one plan per
@@ -349,6 +340,7 @@ def worker_init(host: str, port: int, namespace: str, timeout_s: float) -> None:
         state.settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
         state.spec = pickle.loads(client.get_meta(KVStoreMetaKeys.SPEC))
         state.dataset = pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET))
+        # built once per worker: a profile is read once
         state.costs = stage_costs(pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL)), state.spec)
     except BaseException:
         client.set_error(f"preprocessing worker (pid {os.getpid()}) failed to initialise:\n{traceback.format_exc()}")

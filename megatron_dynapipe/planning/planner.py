@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost_model import CostModel, StageCosts, load_cost_model
+from .cost_model import CostModel, StageCosts, as_stage_costs
 from .microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
@@ -115,7 +115,7 @@ def generate_execution_plan(
     started = time.perf_counter()
     lengths = _check_lengths(lengths)
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
-    costs = _stage_costs(cost_model, spec)
+    costs = stage_costs(cost_model, spec)
     _check_memory(costs, spec.memory_limit_mb)
     choices = []
     for samples in split_across_dp(lengths, spec.dp, costs, spec.seqlen_round):
@@ -136,13 +136,10 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return lengths
 
 
-def _stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
-    if isinstance(cost_model, StageCosts):
-        return cost_model
-    if cost_model is None or isinstance(cost_model, str):
-        cost_model = load_cost_model(cost_model, tp=spec.tp)
-    return StageCosts(cost_model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp,
-                      zero_stage=spec.zero_stage)
+def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
+    """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout."""
+    return as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp,
+                          zero_stage=spec.zero_stage)
 
 
 def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:

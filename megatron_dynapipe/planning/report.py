@@ -65,7 +65,7 @@ def format_summary(summary: dict) -> str:
         lines += [
             f"dp rank {r}: {rank['schedule']}, {len(rank['microbatches'])} micro-batches "
             f"(size x padded length, in pipeline order): {shapes}",
-            f"  recompute per (stage, micro-batch): "
+            "  recompute per (stage, micro-batch): "
             + ", ".join(f"{k} {v}" for k, v in sorted(rank["recompute_ops"].items())),
             f"  predicted {rank['makespan_ms']:.1f} ms after {rank['candidates_tried']} candidates",
         ]

@@ -420,21 +420,11 @@ def _torch_optimizers(optimizer) -> list:
 
 
 def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int):
-    from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, load_cost_model
+    from megatron_dynapipe.planning.cost_model import as_stage_costs
 
-    if cost_model is None:
-        cost_model = load_cost_model(
-            None, layout.tp, hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
-        )
-    elif isinstance(cost_model, (str, os.PathLike)):
-        cost_model = load_cost_model(cost_model, layout.tp, hidden_size=spec.hidden_size)
-    if isinstance(cost_model, StageCosts):
-        costs = cost_model
-    elif isinstance(cost_model, CostModel):
-        costs = StageCosts(cost_model, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp)
-    else:
-        raise TypeError(f"cost_model must be a CostModel, StageCosts, path or None, got {cost_model!r}")
+    costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
+                           hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+                           ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
     seq_local = max(1, seq // layout.cp)
     table = {
         "forward": float(costs.forward_ms(stage, mbs, seq_local, "none")),
