@@ -6,12 +6,12 @@ time, so every rank is shown.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
 
-from .files import atomic_path, write_atomically
+from .chrome_trace import ChromeTrace
+from .files import atomic_path
 from .planning.simulator import Event
 
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes by suffix
@@ -20,31 +20,26 @@ _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "send-act": "#8fbbd9", "send-grad": 
 _LABEL_POINTS_PER_CHAR = 4.0  # width of one digit at the label's 6-point font
 
 
-def chrome_trace(timelines: Sequence[Sequence[Event]], name: str = "dynapipe plan") -> dict:
-    """Trace Event Format: one process per (DP rank, stage), compute and each link as threads."""
-    threads = {row: i for i, row in enumerate(dict.fromkeys(_ROWS.values()))}
+def chrome_trace(timelines: Sequence[Sequence[Event]], name: str = "dynapipe plan") -> ChromeTrace:
+    """One process per (DP rank, stage), with rows for compute and each link."""
     stages = sorted({e.stage for events in timelines for e in events})
-    out = []
+    trace = ChromeTrace(name=name)
     for rank, events in enumerate(timelines):
         for s in stages:
             pid = rank * len(stages) + s
-            label = f"stage {s}" if len(timelines) == 1 else f"dp rank {rank}, stage {s}"
-            out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
-            out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": row}}
-                    for row, tid in threads.items()]
+            trace.process(pid, f"stage {s}" if len(timelines) == 1 else f"dp rank {rank}, stage {s}")
+            for row in dict.fromkeys(_ROWS.values()):  # every row, in the same order, on every stage
+                trace.row(pid, row)
         for e in events:
-            out.append({
-                "name": f"{e.kind} {e.microbatch}",
-                "cat": e.kind, "ph": "X", "pid": rank * len(stages) + e.stage, "tid": threads[_ROWS[e.kind]],
-                "ts": e.start * 1000.0, "dur": (e.end - e.start) * 1000.0,  # ms -> us
-                "args": {"microbatch": e.microbatch, "dp_rank": rank},
-            })
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"name": name}}
+            trace.span(rank * len(stages) + e.stage, _ROWS[e.kind], f"{e.kind} {e.microbatch}", cat=e.kind,
+                       start_us=e.start * 1000.0, dur_us=(e.end - e.start) * 1000.0,
+                       args={"microbatch": e.microbatch, "dp_rank": rank})
+    return trace
 
 
 def write_chrome_trace(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,
                        name: str = "dynapipe plan") -> Path:
-    return write_atomically(path, json.dumps(chrome_trace(timelines, name)))
+    return chrome_trace(timelines, name).write(path)
 
 
 def write_gantt(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,

@@ -371,7 +371,7 @@ def test_trace_files_get_the_mode_of_any_new_file(tmp_path, umask, mode):
     trace = RankTrace(rank=3, stage=0, layout={}, coords={}, groups={}, model={}, iteration={})
     old = os.umask(umask)
     try:
-        paths = [trace.write(tmp_path), trace.write_chrome_trace(tmp_path / "timeline.json"),
+        paths = [trace.write(tmp_path), trace.chrome_trace().write(tmp_path / "timeline.json"),
                  write_atomically(tmp_path / "sub" / "summary.json", "{}\n")]
         paths.append(trace.write(tmp_path))  # replacing a file gives the new file the same mode
     finally:

@@ -264,7 +264,7 @@ def test_trace_file_round_trip(tmp_path):
 
 def test_chrome_trace_export(tmp_path):
     trace = _example_trace()
-    path = trace.write_chrome_trace(tmp_path / "rank_3.json")
+    path = trace.chrome_trace().write(tmp_path / "rank_3.json")
     doc = json.loads(path.read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert [e["name"] for e in spans] == ["forward 0", "all_reduce", "batch_isend_irecv", "all_to_all"]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from ..chrome_trace import ChromeTrace
 from ..files import write_atomically
 from ..planning.cost_model import CostModel
 from ..models import ModelSpec, get_model
@@ -950,24 +951,24 @@ def _write_timeline(result: ConfigResult) -> None:
     from .trace_format import RankTrace, TraceFormatError, trace_path
 
     assert result.folder is not None
-    events: list[dict] = []
+    timeline = ChromeTrace(config=result.config.to_dict(), ranks=[r.rank for r in result.ranks])
+    merged = 0
     for rank in result.ranks:
         if rank.status != OK:
             continue
         path = trace_path(result.folder, rank.rank)
         try:
-            events += RankTrace.read(path).chrome_trace()["traceEvents"]
+            RankTrace.read(path).add_to(timeline)
+            merged += 1
         except FileNotFoundError:
             rank.status, rank.error = FAILED, f"the tracer wrote no {path.name}"
         except (OSError, TraceFormatError) as error:
             rank.status, rank.error = FAILED, f"unreadable {path.name}: {_error_text(error)}"
         _note_failure(result, rank)
-    if not events:
+    if not merged:
         return
-    doc = {"traceEvents": events, "displayTimeUnit": "ms",
-           "otherData": {"config": result.config.to_dict(), "ranks": [r.rank for r in result.ranks]}}
     try:
-        write_atomically(result.folder / TIMELINE_FILE, json.dumps(doc))
+        timeline.write(result.folder / TIMELINE_FILE)
         result.timeline = TIMELINE_FILE
     except OSError as error:
         result.status, result.error = FAILED, result.error or f"cannot write {TIMELINE_FILE}: {error}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..chrome_trace import ChromeTrace
 from ..files import write_atomically
 
 __all__ = [
@@ -319,44 +320,25 @@ class RankTrace:
         return cls.loads(path.read_text(encoding="utf-8"), source=str(path))
 
     # -- Chrome / Perfetto ----------------------------------------------------------------------
-    def chrome_trace(self) -> dict[str, Any]:
-        """Trace Event Format: one process (this rank), one thread for compute and one per
-        communication group; nested compute (the loss inside a forward) shares the compute row,
-        where the viewer draws it inside its parent."""
+    def add_to(self, trace: ChromeTrace) -> ChromeTrace:
+        """This rank as one process of ``trace``: a row for compute and one per communication
+        group; nested compute (the loss inside a forward) shares the compute row, where the
+        viewer draws it inside its parent."""
         pid = self.rank
-        rows: dict[str, int] = {"compute": 0}
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": pid,
-             "args": {"name": f"rank {self.rank} (stage {self.stage})"}},
-        ]
-        body = []
+        trace.process(pid, f"rank {self.rank} (stage {self.stage})")
+        trace.row(pid, "compute")
         for op in self.ops:
             if op.cat == "compute":
-                row = "compute"
-                label = op.kind if op.microbatch is None else f"{op.kind} {op.microbatch}"
+                row, label = "compute", op.kind if op.microbatch is None else f"{op.kind} {op.microbatch}"
             else:
-                row = f"comm {op.group_name or op.group}"
-                label = op.kind
-            tid = rows.setdefault(row, len(rows))
+                row, label = f"comm {op.group_name or op.group}", op.kind
             args = {k: v for k, v in op.to_json().items() if k not in ("start_us", "dur_us")}
-            body.append({
-                "name": label, "cat": op.cat, "ph": "X", "pid": pid, "tid": tid,
-                "ts": op.start_us, "dur": op.dur_us, "args": args,
-            })
-        for row, tid in rows.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                           "args": {"name": row}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-        return {
-            "traceEvents": events + body,
-            "displayTimeUnit": "ms",
-            "otherData": {"format": FORMAT_NAME, "version": FORMAT_VERSION, "rank": self.rank,
-                          "clock": self.clock, "mode": self.mode},
-        }
+            trace.span(pid, row, label, cat=op.cat, start_us=op.start_us, dur_us=op.dur_us, args=args)
+        return trace
 
-    def write_chrome_trace(self, path: str | os.PathLike) -> Path:
-        return write_atomically(path, json.dumps(self.chrome_trace()))
+    def chrome_trace(self) -> ChromeTrace:
+        return self.add_to(ChromeTrace(format=FORMAT_NAME, version=FORMAT_VERSION, rank=self.rank,
+                                       clock=self.clock, mode=self.mode))
 
 
 def read_trace(path: str | os.PathLike) -> RankTrace:
