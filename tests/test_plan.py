@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+import re
 import subprocess
 import sys
 
@@ -364,6 +365,25 @@ def random_plans(draw) -> ExecutionPlan:
     makespan = draw(st.floats(allow_nan=False))
     return ExecutionPlan(stage, pp, schedule, mbs, rc,
                          lower_to_instructions(orders[stage], stage, pp, rc, orders=orders), makespan)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=random_plans())
+def test_instruction_text_parses_back(plan):
+    assert [Instruction.parse(str(i)) for i in plan.instructions] == plan.instructions
+
+
+def test_instruction_text_by_hand_and_its_errors():
+    written = "Load0 F0[full] SendActStart(0->s1) RecvGradFinish(0<-s1) B0[full] Free0"
+    assert [Instruction.parse(t) for t in written.split()] == [
+        Instruction(Op.LOAD_INPUT, 0), Instruction(Op.FORWARD, 0, recompute=FULL),
+        Instruction(Op.SEND_ACT_START, 0, 1), Instruction(Op.RECV_GRAD_FINISH, 0, 1),
+        Instruction(Op.BACKWARD, 0, recompute=FULL), Instruction(Op.FREE_BUFFER, 0)]
+    for bad, message in (("F0[fast]", "unknown recompute type 'fast'"), ("Load0[full]", "only F and B"),
+                         ("SendActStart(0<-s1)", "a send points ->"), ("SendActStart(0->s1", "is not an instruction"),
+                         ("G0", "is not an instruction")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Instruction.parse(bad)
 
 
 # Header 38 bytes + CRC 4; per micro-batch u32 seq_len + u32 size + u8 recompute; u32 per sample;

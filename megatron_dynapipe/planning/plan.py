@@ -45,6 +45,7 @@ forwards, whose receives are posted at the start), a gradient send before the en
 from __future__ import annotations
 
 import enum
+import re
 import struct
 import zlib
 from collections import deque
@@ -140,6 +141,10 @@ _COMM_NAMES = {
     Op.SEND_GRAD_FINISH: "SendGradFinish",
 }
 
+_COMM_OPS = {name: op for op, name in _COMM_NAMES.items()}
+_TEXT_FORM = re.compile(r"(?:(F|B|Load|Free)(\d+)(?:\[(\w+)\])?"
+                        r"|(" + "|".join(_COMM_OPS) + r")\((\d+)(->|<-)s(\d+)\))")
+
 
 @dataclass(frozen=True)
 class Instruction:
@@ -172,6 +177,26 @@ class Instruction:
         if op.is_comm:
             return f"{_COMM_NAMES[op]}({m}{'->' if op.is_send else '<-'}s{self.peer})"
         return f"{'Load' if op == Op.LOAD_INPUT else 'Free'}{m}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Instruction":
+        """The instruction ``str(instruction)`` printed: ``F3[selective]``, ``B3``, ``Load0``,
+        ``Free2``, ``SendActStart(1->s2)``, ``RecvGradFinish(1<-s2)``."""
+        match = _TEXT_FORM.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"{text!r} is not an instruction: write F<m>[recompute], B<m>[recompute], Load<m>, "
+                             "Free<m> or e.g. SendActStart(<m>->s<peer>), RecvActFinish(<m><-s<peer>)")
+        name, m, recompute, comm, comm_m, arrow, peer = match.groups()
+        if comm is not None:
+            op = _COMM_OPS[comm]
+            if (arrow == "->") != op.is_send:
+                raise ValueError(f"{text!r}: a {'send' if op.is_send else 'receive'} points "
+                                 f"{'->' if op.is_send else '<-'} its peer")
+            return cls(op, int(comm_m), int(peer))
+        op = {"F": Op.FORWARD, "B": Op.BACKWARD, "Load": Op.LOAD_INPUT, "Free": Op.FREE_BUFFER}[name]
+        if recompute is not None and not op.is_compute:
+            raise ValueError(f"{text!r}: only F and B carry a recompute type")
+        return cls(op, int(m), recompute=RecomputeType.parse(recompute or "none"))
 
     @property
     def transfer(self) -> tuple[Op, int, int]:
