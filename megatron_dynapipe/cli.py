@@ -44,6 +44,7 @@ def _check_plan_args(args) -> None:
     import math
 
     from .files import check_output_file
+    from .tracer.topology import layers_problem
     from .viz import GANTT_SUFFIXES
 
     for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):
@@ -54,10 +55,9 @@ def _check_plan_args(args) -> None:
     if args.pack_length is not None and args.pack_length < 1:
         raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
                          "leave it out for the longest sample rounded up to a power of two")
-    if args.num_layers % args.pp:
-        divisors = [p for p in range(1, args.num_layers + 1) if args.num_layers % p == 0]
-        raise ValueError(f"{args.num_layers} layers do not split evenly into {args.pp} pipeline stages, which "
-                         f"Megatron-LM refuses: use --pp among {', '.join(map(str, divisors))}")
+    split = layers_problem(args.num_layers, args.pp, pp_name="--pp")
+    if split:
+        raise ValueError(split)
     if args.chrome_trace:
         check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
     if args.gantt:

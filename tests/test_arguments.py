@@ -183,7 +183,7 @@ def test_fake_dp_derived_when_omitted_and_checked_when_given():
     assert validated(*SCALING).fake_dp == 8
     assert validated(*SCALING, "--fake-cp", "2").fake_dp == 4
     assert validated(*SCALING, "--fake-dp", "8").fake_dp == 8
-    with pytest.raises(DynapipeArgumentError, match=r"--fake-dp 4 does not match .* = 8: pass --fake-dp 8 or omit it"):
+    with pytest.raises(DynapipeArgumentError, match=r"--fake-dp 4 does not match .* = 8: pass --fake-dp 8 or leave it out"):
         validated(*SCALING, "--fake-dp", "4")
 
 
@@ -198,12 +198,12 @@ def test_fake_layout_parses_and_keeps_its_values():
 @pytest.mark.parametrize("argv, fix", [
     (("--is-scaling-mode", "--fake-pp", "2"), "--is-scaling-mode needs --fake-world-size N, --fake-tp N"),
     (("--is-scaling-mode", "--fake-world-size", "10", "--fake-pp", "4", "--fake-tp", "1"),
-     "make it a multiple of 4 or change --fake-tp/--fake-pp/--fake-cp"),
-    (SCALING + ("--fake-ep", "4"), "--fake-ep 4 needs --fake-num-experts N (a multiple of 4)"),
+     "--fake-world-size 10 is not divisible by --fake-tp·--fake-pp·--fake-cp = 1·4·1 = 4: make it a multiple of 4"),
+    (SCALING + ("--fake-ep", "4"), "--fake-ep 4 needs a mixture-of-experts model: give --fake-num-experts N, a multiple of 4"),
     (SCALING + ("--fake-ep", "4", "--fake-num-experts", "6"), "use a multiple of 4"),
     (SCALING + ("--fake-current-rank-id", "64"), "pass a rank in 0..63"),
-    (SCALING + ("--fake-rank-order", "pp,dp,tp"), "use one of tp,cp,ep,dp,pp or tp,cp,ep,pp,dp"),
-    (SCALING + ("--fake-ep", "3", "--fake-num-experts", "3"), "fake-rank layout: world_size 64 is not divisible"),
+    (SCALING + ("--fake-rank-order", "pp,dp,tp"), "--fake-rank-order pp-dp-tp is not a Megatron rank order: use one of tp-cp-ep-dp-pp or tp-cp-ep-pp-dp"),
+    (SCALING + ("--fake-ep", "3", "--fake-num-experts", "3"), "--fake-world-size 64 is not divisible by --fake-tp·--fake-ep·--fake-pp = 2·3·4 = 24"),
 ])
 def test_fake_layout_errors_name_the_fix(argv, fix):
     with pytest.raises(DynapipeArgumentError) as info:

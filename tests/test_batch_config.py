@@ -225,11 +225,11 @@ def test_rule_positive_sizes():
 
 
 def test_rule_dp_positive():
-    assert validate(cfg("8 4 4")) == ["DP would be 0: PP·TP·CP = 4·4·1 = 16 exceeds world size 8"]
+    assert validate(cfg("8 4 4")) == ["world size 8 is not divisible by TP·PP·CP = 4·4·1 = 16: make it a multiple of 16 or change TP, PP, CP"]
 
 
 def test_rule_world_divisible_by_pp_tp_cp():
-    assert validate(cfg("100 2 4 2")) == ["world size 100 is not divisible by PP·TP·CP = 2·4·2 = 16"]
+    assert validate(cfg("100 2 4 2")) == ["world size 100 is not divisible by TP·PP·CP = 4·2·2 = 16: make it a multiple of 16 or change TP, PP, CP"]
 
 
 def test_rule_global_batch_divisible_by_micro_batch_times_dp():
@@ -242,7 +242,7 @@ def test_rule_global_batch_divisible_by_micro_batch_times_dp():
 
 
 def test_rule_layers_divisible_by_pp():
-    assert validate(cfg("24 3 1")) == ["4 layers of model tiny are not divisible by PP = 3"]
+    assert validate(cfg("24 3 1")) == ["4 layers of model tiny do not split evenly into PP = 3 pipeline stages: use PP among 1, 2, 4"]
 
 
 def test_rule_heads_divisible_by_tp():
@@ -255,16 +255,14 @@ def test_rule_ffn_divisible_by_tp():
 
 
 def test_rule_experts_divisible_by_ep():
-    assert validate(cfg("64 2 2 1 4")) == [
-        "EP = 4 needs a mixture-of-experts model: give a number of experts divisible by 4 "
-        "(experts=N on the line or --num-experts N)"]
-    assert validate(cfg("64 2 2 1 4 experts=6")) == ["6 experts are not divisible by EP = 4"]
+    assert validate(cfg("64 2 2 1 4")) == ["EP 4 needs a mixture-of-experts model: give experts=N, a multiple of 4"]
+    assert validate(cfg("64 2 2 1 4 experts=6")) == ["experts=6 is not divisible by EP 4: use a multiple of 4"]
 
 
 def test_rule_world_divisible_by_tp_ep_pp():
     # dense: 48 / (2*2) ok; expert: 48 / (2*8*2) not
     assert validate(cfg("48 2 2 1 8 experts=8")) == [
-        "world size 48 is not divisible by TP·EP·PP = 2·8·2 = 32"]
+        "world size 48 is not divisible by TP·EP·PP = 2·8·2 = 32: make it a multiple of 32 or change TP, EP, PP"]
 
 
 def test_rule_sequence_divisible_by_two_cp():
@@ -274,7 +272,7 @@ def test_rule_sequence_divisible_by_two_cp():
 def test_all_reasons_are_listed_together():
     reasons = validate(cfg("40 3 16"))
     assert len(reasons) == 3
-    assert any("DP would be 0" in r for r in reasons)
+    assert any("world size 40 is not divisible by TP·PP·CP = 16·3·1 = 48" in r for r in reasons)
     assert any("layers" in r for r in reasons) and any("heads" in r for r in reasons)
 
 
@@ -490,7 +488,7 @@ def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["#", "config", "model", "ranks", "traced", "reduction", "status", "time", "folder"]
     assert "ok" in lines[1].split() and "87.50%" in lines[1] and ok_folder("16 2 2", 0) in lines[1]
-    assert "invalid" in lines[2] and "skipped: 4 layers of model tiny are not divisible by PP = 3" in lines[2]
+    assert "invalid" in lines[2] and "skipped: 4 layers of model tiny do not split evenly into PP = 3" in lines[2]
     assert lines[-1] == f"1 traced, 0 failed, 1 invalid; folders in {tmp_path}"
     assert "\x1b[" not in out + err
 

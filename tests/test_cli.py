@@ -99,8 +99,7 @@ def test_fast_mode_flag_refuses_other_words():
     (["--memory-limit", "nan"], "--memory-limit must be a positive number of MB, got nan"),
     (["--memory-limit", "inf"], "--memory-limit must be a positive number of MB, got inf"),
     (["--pack-length", "0"], "--pack-length must be at least 1 token"),
-    (["--pp", "3"], "32 layers do not split evenly into 3 pipeline stages, which Megatron-LM refuses: "
-                    "use --pp among 1, 2, 4, 8, 16, 32"),
+    (["--pp", "3"], "32 layers do not split evenly into --pp = 3 pipeline stages: use --pp among 1, 2, 4, 8, 16, 32"),
     (["--num-samples", "0"], "--num-samples must be at least 1"),
 ])
 def test_bad_plan_arguments_are_refused_before_planning_and_leave_nothing(tmp_path, args, message):

@@ -60,7 +60,7 @@ def test_small_model_runs_real_compute_by_default(tmp_path):
 
 @pytest.mark.parametrize("argv, model, message", [
     (["--fake-world-size", "8190", "--fake-pp", "2", "--fake-tp", "2"], {},
-     "--fake-world-size 8190 is not divisible by tp*pp*cp = 4: make it a multiple of 4"),
+     "--fake-world-size 8190 is not divisible by --fake-tp·--fake-pp·--fake-cp = 2·2·1 = 4: make it a multiple of 4"),
     (["--fake-world-size", "8192", "--fake-pp", "2"], {}, "--is-scaling-mode needs --fake-tp N"),
     (["--fake-world-size", "8192", "--fake-pp", "2", "--fake-tp", "2", "--fake-current-rank-id", "8192"], {},
      "pass a rank in 0..8191"),

@@ -323,6 +323,12 @@ def _resolve_fast_mode(args: argparse.Namespace) -> None:
     args.dynapipe_fast_mode_source = "default" if env is None else "env"
 
 
+#: the fake-rank flags, as the one layout validator names them in its messages
+FAKE_FLAGS = {"world_size": "--fake-world-size", "tp": "--fake-tp", "pp": "--fake-pp", "cp": "--fake-cp",
+              "ep": "--fake-ep", "dp": "--fake-dp", "expert_tp": "--fake-tp", "order": "--fake-rank-order",
+              "num_experts": "--fake-num-experts"}
+
+
 def _validate_tracer(args: argparse.Namespace) -> None:
     if getattr(args, "do_trace", False):
         start = _get(args, "trace_start", 1)
@@ -340,37 +346,15 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
     order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
 
-    from ..tracer.topology import ORDERS, ParallelLayout
+    from ..tracer.topology import ParallelLayout, experts_problem, layout_problems
 
-    if order not in ORDERS:
-        raise DynapipeArgumentError(
-            f"--fake-rank-order {order.replace('-', ',')} is not a Megatron rank order: use one of "
-            + " or ".join(o.replace("-", ",") for o in ORDERS)
-        )
-    model = tp * pp * cp
-    if world % model:
-        raise DynapipeArgumentError(
-            f"--fake-world-size {world} is not divisible by tp*pp*cp = {model}: make it a multiple of {model} "
-            "or change --fake-tp/--fake-pp/--fake-cp"
-        )
-    dp = world // model
-    given = getattr(args, "fake_dp", None)
-    if given is not None and given != dp:
-        raise DynapipeArgumentError(
-            f"--fake-dp {given} does not match world/(tp*pp*cp) = {world}/{model} = {dp}: pass --fake-dp {dp} "
-            "or omit it"
-        )
-    try:
-        layout = ParallelLayout(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
-    except ValueError as exc:
-        raise DynapipeArgumentError(f"fake-rank layout: {exc}") from None
-    experts = getattr(args, "fake_num_experts", None)
-    if ep > 1 and experts is None:
-        raise DynapipeArgumentError(f"--fake-ep {ep} needs --fake-num-experts N (a multiple of {ep})")
-    if experts is not None and experts % ep:
-        raise DynapipeArgumentError(
-            f"--fake-num-experts {experts} is not divisible by --fake-ep {ep}: use a multiple of {ep}"
-        )
+    problems = layout_problems(world, tp, pp, cp, ep, dp=getattr(args, "fake_dp", None),
+                               order=order, names=FAKE_FLAGS)
+    problems.append(experts_problem(getattr(args, "fake_num_experts", None) or 0, ep, FAKE_FLAGS))
+    problems = [p for p in problems if p]
+    if problems:
+        raise DynapipeArgumentError(problems[0])
+    layout = ParallelLayout(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
     rank = _get(args, "fake_current_rank_id", 0)
     if not 0 <= rank < world:
         raise DynapipeArgumentError(

@@ -43,7 +43,14 @@ from ..chrome_trace import ChromeTrace
 from ..files import write_atomically
 from ..planning.cost_model import CostModel
 from ..models import ModelSpec, get_model
-from .topology import ParallelLayout, Representatives, representative_ranks
+from .topology import (
+    ParallelLayout,
+    Representatives,
+    _is_pos_int,
+    layout_problems,
+    model_problems,
+    representative_ranks,
+)
 
 __all__ = [
     "ConfigParseError",
@@ -78,10 +85,6 @@ TIMELINE_FILE = "timeline.json"
 
 class ConfigParseError(ValueError):
     """A configuration line cannot be read; the message names the line and the expected form."""
-
-
-def _is_pos_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _describe_value(value: object) -> str:
@@ -203,6 +206,9 @@ class TraceConfig:
 # parsing
 
 _POSITIONAL = ("world_size", "pp", "tp", "cp", "ep")
+#: how a configs line names the layout in its messages
+LINE_NAMES = {"world_size": "world size", "tp": "TP", "pp": "PP", "cp": "CP", "ep": "EP", "expert_tp": "TP",
+              "num_experts": "experts=", "seq_length": "sequence length"}
 _KEYS = {
     "cp": "cp",
     "ep": "ep",
@@ -331,11 +337,9 @@ def read_config_file(path: str | os.PathLike, *, start_index: int = 0, unparsabl
 def validate(config: TraceConfig) -> list[str]:
     """Why ``config`` cannot be traced: one sentence per broken rule, empty when it is valid.
 
-    Rules: positive sizes; world size divisible by PP·TP·CP and DP > 0; global batch divisible
-    by micro-batch × DP (and consistent with the number of micro-batches when both are given);
-    layers divisible by PP; heads and FFN width divisible by TP; EP > 1 only for a model with
-    experts, experts divisible by EP, world size divisible by TP·EP·PP; sequence length
-    divisible by 2·CP when CP > 1.
+    Rules: positive sizes; the layout's (:func:`~.topology.layout_problems`); global batch
+    divisible by micro-batch × DP (and consistent with the number of micro-batches when both are
+    given); the model's split (:func:`~.topology.model_problems`).
     """
     c, m = config, config.model
     reasons: list[str] = []
@@ -353,17 +357,10 @@ def validate(config: TraceConfig) -> list[str]:
     if reasons:
         return reasons
 
-    model_size = c.pp * c.tp * c.cp
-    if model_size > c.world_size:
-        reasons.append(
-            f"DP would be 0: PP·TP·CP = {c.pp}·{c.tp}·{c.cp} = {model_size} exceeds world size {c.world_size}"
-        )
-    elif c.world_size % model_size:
-        reasons.append(
-            f"world size {c.world_size} is not divisible by PP·TP·CP = {c.pp}·{c.tp}·{c.cp} = {model_size}"
-        )
+    layout = layout_problems(c.world_size, c.tp, c.pp, c.cp, c.ep, names=LINE_NAMES)
+    reasons += layout
     dp = c.dp
-    if dp:
+    if dp and not layout:
         per_step = c.micro_batch_size * dp
         if c.global_batch_size is not None and c.global_batch_size % per_step:
             reasons.append(
@@ -381,32 +378,7 @@ def validate(config: TraceConfig) -> list[str]:
             )
         elif c.global_batch_size is not None and c.global_batch_size < per_step:
             reasons.append(f"global batch {c.global_batch_size} is smaller than micro-batch × DP = {per_step}")
-    if m.num_layers % c.pp:
-        reasons.append(f"{m.num_layers} layers of model {m.label} are not divisible by PP = {c.pp}")
-    if m.num_attention_heads % c.tp:
-        reasons.append(f"{m.num_attention_heads} attention heads of model {m.label} are not divisible by TP = {c.tp}")
-    elif m.ffn_hidden_size % c.tp:
-        reasons.append(f"FFN width {m.ffn_hidden_size} of model {m.label} is not divisible by TP = {c.tp}")
-    if c.ep > 1 and not m.num_experts:
-        reasons.append(
-            f"EP = {c.ep} needs a mixture-of-experts model: give a number of experts divisible by {c.ep} "
-            f"(experts=N on the line or --num-experts N)"
-        )
-    elif m.num_experts and m.num_experts % c.ep:
-        reasons.append(f"{m.num_experts} experts are not divisible by EP = {c.ep}")
-    if c.ep > 1:
-        expert_size = c.tp * c.ep * c.pp
-        if c.world_size % expert_size:
-            reasons.append(
-                f"world size {c.world_size} is not divisible by TP·EP·PP = {c.tp}·{c.ep}·{c.pp} = {expert_size}"
-            )
-    if c.cp > 1 and c.seq % (2 * c.cp):
-        reasons.append(f"sequence length {c.seq} is not divisible by 2·CP = {2 * c.cp}")
-    if not reasons:
-        try:
-            c.layout()
-        except ValueError as error:  # any rule of the layout not spelled out above
-            reasons.append(str(error))
+    reasons += model_problems(m, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
     return reasons
 
 

@@ -43,6 +43,10 @@ __all__ = [
     "group_ranks",
     "rank_groups",
     "all_groups",
+    "experts_problem",
+    "layers_problem",
+    "layout_problems",
+    "model_problems",
     "representative_ranks",
     "reduction",
 ]
@@ -77,6 +81,91 @@ def _is_pos_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+#: How a caller's users name the sizes; each surface passes its own (its flags, its line keys).
+KWARG_NAMES = {"world_size": "world_size", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "dp": "dp",
+               "expert_tp": "expert_tp", "order": "order", "num_experts": "num_experts",
+               "seq_length": "seq_length"}
+
+
+def layout_problems(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, dp: "int | None" = None,
+                    expert_tp: "int | None" = None, order: str = ORDERS[0],
+                    names: "dict[str, str] | None" = None) -> list[str]:
+    """Why megatron-core's ``initialize_model_parallel`` would refuse this layout: one sentence
+    per broken rule, naming the fix in the caller's own terms (``names``: size -> how its users
+    write it, e.g. ``{"tp": "--fake-tp"}``); empty when the layout is valid. The one place these
+    rules live: :class:`ParallelLayout`, trace configs, the fake-rank flags and ``plan`` use it."""
+    n = {**KWARG_NAMES, **(names or {})}
+    sizes = dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep)
+    problems = [f"{n[k]} must be a positive integer, got {v!r}" for k, v in sizes.items() if not _is_pos_int(v)]
+    problems += [f"{n[k]} must be a positive integer or left out, got {v!r}"
+                 for k, v in (("dp", dp), ("expert_tp", expert_tp)) if v is not None and not _is_pos_int(v)]
+    if order not in ORDERS:
+        problems.append(f"{n['order']} {order} is not a Megatron rank order: use one of {' or '.join(ORDERS)}")
+    if problems:
+        return problems
+    dense = tp * pp * cp
+    if world_size % dense:
+        problems.append(f"{n['world_size']} {world_size} is not divisible by {n['tp']}·{n['pp']}·{n['cp']} = "
+                        f"{tp}·{pp}·{cp} = {dense}: make it a multiple of {dense} or change {n['tp']}, "
+                        f"{n['pp']}, {n['cp']}")
+        return problems
+    if dp is not None and dp != world_size // dense:
+        problems.append(f"{n['dp']} {dp} does not match {n['world_size']}/({n['tp']}·{n['pp']}·{n['cp']}) = "
+                        f"{world_size}/{dense} = {world_size // dense}: pass {n['dp']} {world_size // dense} "
+                        "or leave it out")
+    expert = (expert_tp or tp) * ep * pp
+    if world_size % expert:
+        problems.append(f"{n['world_size']} {world_size} is not divisible by {n['expert_tp']}·{n['ep']}·{n['pp']} = "
+                        f"{expert_tp or tp}·{ep}·{pp} = {expert}: make it a multiple of {expert} or change "
+                        f"{n['expert_tp']}, {n['ep']}, {n['pp']}")
+    elif not order.endswith("pp") and pp > 1 and world_size // expert != world_size // dense:
+        # otherwise the dense and expert generators would disagree on the pipeline groups
+        problems.append(f"{n['order']} {order} with {n['pp']} > 1 needs {n['expert_tp']}·{n['ep']} == "
+                        f"{n['tp']}·{n['cp']} (expert DP {world_size // expert} != DP {world_size // dense}): "
+                        f"change {n['expert_tp']}/{n['ep']} or use order {ORDERS[0]}")
+    return problems
+
+
+def layers_problem(num_layers: int, pp: int, what: str = "", pp_name: str = "pp") -> "str | None":
+    """Megatron-LM splits layers evenly over the pipeline stages; None when ``pp`` divides them."""
+    if num_layers % pp == 0:
+        return None
+    divisors = [p for p in range(1, num_layers + 1) if num_layers % p == 0]
+    return (f"{num_layers} layers{what} do not split evenly into {pp_name} = {pp} pipeline stages: use {pp_name} "
+            f"among {', '.join(map(str, divisors))}")
+
+
+def model_problems(model, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seq_length: "int | None" = None,
+                   names: "dict[str, str] | None" = None) -> list[str]:
+    """Why ``model`` (a :class:`~megatron_dynapipe.models.ModelSpec`) cannot be split this way:
+    layers over PP, heads and FFN width over TP, experts over EP, sequences over 2·CP."""
+    n = {**KWARG_NAMES, **(names or {})}
+    problems = [layers_problem(model.num_layers, pp, f" of model {model.label}", n["pp"])]
+    if model.num_attention_heads % tp:
+        problems.append(f"{model.num_attention_heads} attention heads of model {model.label} are not divisible by "
+                        f"{n['tp']} = {tp}")
+    elif model.ffn_hidden_size % tp:
+        problems.append(f"FFN width {model.ffn_hidden_size} of model {model.label} is not divisible by {n['tp']} = {tp}")
+    problems.append(experts_problem(model.num_experts, ep, n))
+    if seq_length is not None and cp > 1 and seq_length % (2 * cp):
+        problems.append(f"{n['seq_length']} {seq_length} is not divisible by 2·{n['cp']} = {2 * cp}")
+    return [p for p in problems if p]
+
+
+def experts_problem(num_experts: int, ep: int, names: "dict[str, str] | None" = None) -> "str | None":
+    n = {**KWARG_NAMES, **(names or {})}
+    if ep > 1 and not num_experts:
+        return f"{n['ep']} {ep} needs a mixture-of-experts model: give {_set(n['num_experts'], 'N')}, a multiple of {ep}"
+    if num_experts and num_experts % ep:
+        return (f"{_set(n['num_experts'], num_experts)} is not divisible by {n['ep']} {ep}: use a multiple of {ep}")
+    return None
+
+
+def _set(name: str, value: object) -> str:
+    """``--flag 4``, ``key=4``, ``name 4``."""
+    return f"{name}{value}" if name.endswith("=") else f"{name} {value}"
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """The parallel configuration of one Megatron job.
@@ -84,7 +173,7 @@ class ParallelLayout:
     ``dp`` is derived as ``world_size // (tp * pp * cp)`` when left ``None``; ``expert_tp``
     defaults to ``tp``.  The expert data-parallel size ``expert_dp`` is always derived:
     ``world_size // (expert_tp * ep * pp)``.  Invalid layouts raise a one-line ``ValueError``
-    that says what to change.
+    that says what to change (:func:`layout_problems`).
     """
 
     world_size: int
@@ -97,50 +186,13 @@ class ParallelLayout:
     order: str = "tp-cp-ep-dp-pp"
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp", "ep"):
-            value = getattr(self, name)
-            if not _is_pos_int(value):
-                raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=1")
-        for name in ("dp", "expert_tp"):
-            value = getattr(self, name)
-            if value is not None and not _is_pos_int(value):
-                raise ValueError(
-                    f"{name} must be a positive int or None, got {value!r}; pass None to derive it"
-                )
-        if self.order not in ORDERS:
-            raise ValueError(f"order {self.order!r} is not supported; use one of {', '.join(ORDERS)}")
-
-        model = self.tp * self.pp * self.cp
-        if self.world_size % model:
-            raise ValueError(
-                f"world_size {self.world_size} is not divisible by tp*pp*cp = {model}; "
-                f"make world_size a multiple of {model} or change tp/pp/cp"
-            )
-        dp = self.world_size // model
-        if self.dp is None:
-            object.__setattr__(self, "dp", dp)
-        elif self.dp != dp:
-            raise ValueError(
-                f"dp={self.dp} does not match world_size/(tp*pp*cp) = {dp}; "
-                f"pass dp={dp} or dp=None to derive it"
-            )
-
+        problems = layout_problems(self.world_size, self.tp, self.pp, self.cp, self.ep, self.dp, self.expert_tp,
+                                   self.order)
+        if problems:
+            raise ValueError(problems[0])
+        object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp * self.cp))
         if self.expert_tp is None:
             object.__setattr__(self, "expert_tp", self.tp)
-        expert_model = self.expert_tp * self.ep * self.pp
-        if self.world_size % expert_model:
-            raise ValueError(
-                f"world_size {self.world_size} is not divisible by expert_tp*ep*pp = {expert_model}; "
-                f"make world_size a multiple of {expert_model} or change expert_tp/ep/pp"
-            )
-        # megatron-core requires this when pp is not the outermost axis, otherwise the dense and
-        # expert generators would disagree on the pipeline groups.
-        if not self.order.endswith("pp") and self.pp > 1 and self.expert_dp != self.dp:
-            raise ValueError(
-                f"order {self.order!r} with pp>1 needs expert_tp*ep == tp*cp "
-                f"(expert dp {self.expert_dp} != dp {self.dp}); change expert_tp/ep "
-                f"or use order 'tp-cp-ep-dp-pp'"
-            )
 
     @property
     def expert_dp(self) -> int:
