@@ -46,7 +46,7 @@ from ..models import ModelSpec, get_model
 from .topology import (
     ParallelLayout,
     Representatives,
-    _is_pos_int,
+    is_positive_int,
     layout_problems,
     model_problems,
     representative_ranks,
@@ -124,7 +124,7 @@ class TraceConfig:
     @property
     def dp(self) -> int:
         model = self.pp * self.tp * self.cp
-        if not all(_is_pos_int(v) for v in (self.world_size, self.pp, self.tp, self.cp)):
+        if not all(is_positive_int(v) for v in (self.world_size, self.pp, self.tp, self.cp)):
             return 0
         return self.world_size // model if self.world_size % model == 0 else 0
 
@@ -352,7 +352,7 @@ def validate(config: TraceConfig) -> list[str]:
         value = getattr(c, key)
         if value is None and key in ("num_microbatches", "global_batch_size", "seq_length"):
             continue
-        if not _is_pos_int(value):
+        if not is_positive_int(value):
             reasons.append(f"{label} must be a positive integer, got {_describe_value(value)}")
     if reasons:
         return reasons
@@ -492,7 +492,7 @@ class ConfigResult:
     @property
     def reduction_pct(self) -> float | None:
         """How much smaller the traced set is than the job: ``100 * (1 - traced / world)``."""
-        if not self.ranks_traced or not _is_pos_int(self.config.world_size):
+        if not self.ranks_traced or not is_positive_int(self.config.world_size):
             return None
         return 100.0 * (1.0 - self.ranks_traced / self.config.world_size)
 

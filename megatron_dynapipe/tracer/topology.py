@@ -77,7 +77,7 @@ _AXIS_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 GROUP_KINDS: tuple[str, ...] = tuple(_AXIS_KINDS) + ("embedding", "position-embedding")
 
 
-def _is_pos_int(value: object) -> bool:
+def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -96,9 +96,9 @@ def layout_problems(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: 
     rules live: :class:`ParallelLayout`, trace configs, the fake-rank flags and ``plan`` use it."""
     n = {**KWARG_NAMES, **(names or {})}
     sizes = dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep)
-    problems = [f"{n[k]} must be a positive integer, got {v!r}" for k, v in sizes.items() if not _is_pos_int(v)]
+    problems = [f"{n[k]} must be a positive integer, got {v!r}" for k, v in sizes.items() if not is_positive_int(v)]
     problems += [f"{n[k]} must be a positive integer or left out, got {v!r}"
-                 for k, v in (("dp", dp), ("expert_tp", expert_tp)) if v is not None and not _is_pos_int(v)]
+                 for k, v in (("dp", dp), ("expert_tp", expert_tp)) if v is not None and not is_positive_int(v)]
     if order not in ORDERS:
         problems.append(f"{n['order']} {order} is not a Megatron rank order: use one of {' or '.join(ORDERS)}")
     if problems:
