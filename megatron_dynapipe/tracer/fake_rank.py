@@ -54,6 +54,7 @@ import functools
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -508,32 +509,252 @@ def trace_initialized_rank(
     ``clip_grad > 0``), and on the last stage the all-reduce of the reported loss over DP x CP.
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
     """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     from megatron_dynapipe.compat import cpu_compat
 
     started = time.perf_counter()
-    for name, value in (("micro_batch_size", micro_batch_size), ("num_microbatches", num_microbatches),
-                        ("seq_length", seq_length), ("trace_iters", trace_iters)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(warmup_iters, int) or warmup_iters < 0:
-        raise ValueError(f"warmup_iters must be an int >= 0, got {warmup_iters!r}")
-    if not dist.is_initialized():
-        raise RuntimeError("trace_initialized_rank needs torch.distributed initialised; "
-                           "use trace_fake_rank to pretend to be a rank")
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
-                         f"{layout.describe()} needs {layout.world_size}")
-    spec = ModelSpec.from_any(model_cfg)
+    run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
+                            num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
+                            trace_iters=trace_iters, shapes_only=shapes_only, dtype=dtype, optimizer=optimizer,
+                            clip_grad=clip_grad, ddp_overrides=dict(ddp_overrides or {}), seed=seed)
+    with contextlib.ExitStack() as stack:
+        if not run.on_gpu:
+            stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
+        if run.moe_on_cpu:
+            stack.enter_context(_moe_cpu_shims())
+        if shapes_only:
+            stack.enter_context(MetaMode())
+        stack.callback(_teardown_megatron)
+        job = run.build()
+        built = time.perf_counter()
+        cost, cost_name = (_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length)
+                           if shapes_only else (None, None))
+        recorder = stack.enter_context(run.recorder(cost, fill))
+        step = run.train_step(job, recorder)
+        for i in range(warmup_iters):
+            step(i, record=False)
+        recorder.meter.reset()
+        static = _model_state([job.model], [job.ddp], job.optimizer)
+        recorder.meter.set_static(p for p in job.model.parameters())
+        recorder.meter.set_static(_static_tensors([job.ddp], job.optimizer))
+        if run.on_gpu and not shapes_only:
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(trace_iters):
+            step(i, record=True)
+        memory = recorder.memory(sum(static.values()), static)
+        finished = time.perf_counter()
+        return run.rank_trace(job, recorder, memory, cost_name, build_seconds=built - started,
+                              run_seconds=finished - built)
+
+
+@dataclass
+class _Job:
+    """What one traced rank built: its stage (``model``, DDP-wrapped as ``ddp``), the optimizer,
+    the transformer and DDP configs, the groups it checked."""
+
+    model: Any
+    ddp: Any
+    optimizer: Any
+    config: Any
+    ddp_config: Any
+    groups: dict[str, list[int]]
+
+
+@dataclass
+class _TraceRun:
+    """One rank's trace request, checked (:meth:`checked`), and the steps that carry it out."""
+
+    layout: ParallelLayout
+    spec: ModelSpec
+    micro_batch_size: int
+    num_microbatches: int
+    seq_length: int
+    warmup_iters: int
+    trace_iters: int
+    shapes_only: bool
+    dtype_name: str
+    optimizer: str
+    clip_grad: float
+    ddp_overrides: dict[str, Any]
+    seed: int
+    use_te: bool
+    on_gpu: bool
+
+    @classmethod
+    def checked(cls, layout: ParallelLayout, spec: ModelSpec, *, dtype: Optional[str], shapes_only: bool,
+                **fields: Any) -> "_TraceRun":
+        """Refuse, before anything is built, what cannot be traced here (one line naming the fix)."""
+        for name in ("micro_batch_size", "num_microbatches", "seq_length", "trace_iters"):
+            value = fields[name]
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(fields["warmup_iters"], int) or fields["warmup_iters"] < 0:
+            raise ValueError(f"warmup_iters must be an int >= 0, got {fields['warmup_iters']!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("trace_initialized_rank needs torch.distributed initialised; "
+                               "use trace_fake_rank to pretend to be a rank")
+        if dist.get_world_size() != layout.world_size:
+            raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
+                             f"{layout.describe()} needs {layout.world_size}")
+        _check_model_fits(spec, layout, shapes_only)
+        use_te = _use_te() and not shapes_only
+        if layout.cp > 1 and not use_te:
+            raise ValueError(
+                f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
+                "megatron-core's local DotProductAttention refuses CP > 1, and shapes-only mode "
+                "builds the local layer spec; trace with cp=1 here")
+        if fields["seq_length"] > spec.max_sequence_length:
+            spec = dataclasses.replace(spec, max_sequence_length=fields["seq_length"])
+        on_gpu = torch.cuda.is_available()
+        dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}")
+        return cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
+                   **fields)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype_name]
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def stage(self) -> int:
+        return dense_coords(self.layout, self.rank).pp
+
+    @property
+    def vocab(self) -> int:
+        return padded_vocab_size(self.spec.vocab_size, self.layout.tp)
+
+    @property
+    def moe_on_cpu(self) -> bool:
+        return not self.on_gpu and bool(self.spec.num_experts)
+
+    def device_scope(self):
+        """Where MoE on CPU builds and runs its forward/backward (see :func:`_moe_cpu_shims`)."""
+        from megatron_dynapipe.compat import cpu_compat
+
+        return cpu_compat.cuda_as_cpu() if self.moe_on_cpu else contextlib.nullcontext()
+
+    def build(self) -> _Job:
+        """Model parallelism, this rank's stage of the GPT, DDP and megatron's optimizer."""
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        layout, fake = self.layout, dist.get_backend() == "fake"
+        # a fake rank creates only its own groups (the same ones, the same state); a real job's
+        # ranks must all take part in every group megatron creates
+        with member_groups_only() if fake else contextlib.nullcontext():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.expert_tp, order=layout.order, create_gloo_process_groups=False)
+        groups = _check_groups(layout, self.rank)
+        torch.manual_seed(self.seed)
+        model_parallel_cuda_manual_seed(self.seed)
+        config = _transformer_config(self.spec, layout, self.torch_dtype, shapes_only=self.shapes_only,
+                                     on_gpu=self.on_gpu, use_te=self.use_te)
+        with self.device_scope():
+            model = _build_stage(self.spec, layout, config, self.vocab, self.use_te)
+        if self.on_gpu and not self.shapes_only:
+            model = model.cuda()
+        if self.torch_dtype != torch.float32:  # as Megatron-LM's get_model: 16-bit weights and norms
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.ddp_overrides)
+        ddp = DistributedDataParallel(config, ddp_config, model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        # megatron all-gathers each rank's parameter-group keys over the world: W copies of ours
+        with symmetric_object_gathers() if fake else contextlib.nullcontext():
+            opt = get_megatron_optimizer(
+                OptimizerConfig(optimizer=self.optimizer, lr=1e-4, clip_grad=self.clip_grad,
+                                bf16=self.torch_dtype == torch.bfloat16, fp16=self.torch_dtype == torch.float16,
+                                params_dtype=self.torch_dtype),
+                [ddp], use_gloo_process_groups=False)
+        return _Job(model, ddp, opt, config, ddp_config, groups)
+
+    def recorder(self, cost, fill: bool) -> Recorder:
+        """Shapes-only: ops timed by the cost model, nothing executed; else real, timed ops."""
+        if self.shapes_only:
+            return Recorder(stage=self.stage, clock="cost_model", cost_fn=cost, fill=False, execute=False,
+                            seed=self.seed + self.rank)
+        return Recorder(stage=self.stage, clock="auto", fill=fill, execute=True, seed=self.seed + self.rank)
+
+    def train_step(self, job: _Job, recorder: Recorder):
+        """``step(index, record)``: one Megatron-LM ``train_step`` (module docstring)."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = _batches(self.spec, self.micro_batch_size, self.seq_length // self.layout.cp,
+                           self.num_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
+        forward_backward = get_forward_backward_func()
+        finalize = job.config.finalize_model_grads_func
+
+        def finalize_in_region(*args, **kwargs):
+            with recorder.region("finalize_grads"):
+                return finalize(*args, **kwargs)
+
+        job.config.finalize_model_grads_func = finalize_in_region
+        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+        def step(index: int, record: bool) -> None:
+            with recorder.iteration(index, record=record):
+                job.ddp.zero_grad_buffer()
+                job.optimizer.zero_grad()
+                with self.device_scope():
+                    losses = forward_backward(
+                        forward_step_func=_forward_step, data_iterator=iter(batches), model=[job.ddp],
+                        num_microbatches=self.num_microbatches, seq_length=self.seq_length,
+                        micro_batch_size=self.micro_batch_size, forward_only=False)
+                with recorder.compute("optimizer_step", name="optimizer.step"):
+                    job.optimizer.step()
+                if losses:  # last stage: Megatron-LM reduces the reported loss over DP x CP
+                    with recorder.region("loss_report"):
+                        report = torch.stack([d["lm loss"] for d in losses]).sum(0)
+                        dist.all_reduce(report, group=dp_cp_group)
+
+        return step
+
+    def rank_trace(self, job: _Job, recorder: Recorder, memory, cost_name: Optional[str], *,
+                   build_seconds: float, run_seconds: float) -> RankTrace:
+        import megatron.core
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rank = self.rank
+        return RankTrace(
+            rank=rank, stage=self.stage, layout=_layout_json(self.layout),
+            coords=dense_coords(self.layout, rank)._asdict(),
+            expert_coords=expert_coords(self.layout, rank)._asdict(), groups=job.groups,
+            model={**self.spec.to_json(), "padded_vocab_size": self.vocab, "dtype": self.dtype_name,
+                   "layer_spec": "transformer_engine" if self.use_te else "local",
+                   "sequence_parallel": bool(job.config.sequence_parallel)},
+            iteration={
+                "micro_batch_size": self.micro_batch_size, "num_microbatches": self.num_microbatches,
+                "seq_length": self.seq_length, "warmup_iters": self.warmup_iters, "trace_iters": self.trace_iters,
+                "schedule": get_forward_backward_func().__name__, "optimizer": self.optimizer,
+                "clip_grad": self.clip_grad,
+                "ddp": {k: v for k, v in dataclasses.asdict(job.ddp_config).items()
+                        if isinstance(v, (bool, int, float, str, type(None)))},
+            },
+            mode="shapes_only" if self.shapes_only else "real", device="cuda" if self.on_gpu else "cpu",
+            clock=recorder.clock, memory=memory,
+            meta={"megatron_core": getattr(megatron.core, "__version__", "unknown"), "torch": torch.__version__,
+                  "backend": dist.get_backend(), "cost_model": cost_name, "build_seconds": round(build_seconds, 4),
+                  "run_seconds": round(run_seconds, 4)},
+            ops=recorder.ops,
+        )
+
+
+def _check_model_fits(spec: ModelSpec, layout: ParallelLayout, shapes_only: bool) -> None:
     if spec.num_experts and layout.ep > 1 and spec.num_experts % layout.ep:
         raise ValueError(f"{spec.num_experts} experts cannot be split over EP={layout.ep}")
     if layout.is_moe and not spec.num_experts:
@@ -548,183 +769,6 @@ def trace_initialized_rank(
             "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True "
             "(drop-and-pad), or trace it for real"
         )
-    use_te = _use_te() and not shapes_only
-    if layout.cp > 1 and not use_te:
-        raise ValueError(
-            f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
-            "megatron-core's local DotProductAttention refuses CP > 1, and shapes-only mode "
-            "builds the local layer spec; trace with cp=1 here"
-        )
-    if seq_length > spec.max_sequence_length:
-        spec = dataclasses.replace(spec, max_sequence_length=seq_length)
-    rank = dist.get_rank()
-    fake = dist.get_backend() == "fake"
-    on_gpu = torch.cuda.is_available()
-    dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
-    if dtype_name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}")
-    torch_dtype = _DTYPES[dtype_name]
-    vocab = padded_vocab_size(spec.vocab_size, layout.tp)
-    coords = dense_coords(layout, rank)
-    stage = coords.pp
-
-    moe_on_cpu = not on_gpu and bool(spec.num_experts)
-
-    def device_scope():
-        return cpu_compat.cuda_as_cpu() if moe_on_cpu else contextlib.nullcontext()
-
-    with contextlib.ExitStack() as stack:
-        if not on_gpu:
-            stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
-        if moe_on_cpu:
-            stack.enter_context(_moe_cpu_shims())
-        if shapes_only:
-            stack.enter_context(MetaMode())
-        stack.callback(_teardown_megatron)
-        # a fake rank creates only its own groups (the same ones, the same state); a real job's
-        # ranks must all take part in every group megatron creates
-        with member_groups_only() if fake else contextlib.nullcontext():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp,
-                context_parallel_size=layout.cp,
-                expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.expert_tp,
-                order=layout.order,
-                create_gloo_process_groups=False,
-            )
-        groups = _check_groups(layout, rank)
-
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
-        config = _transformer_config(spec, layout, torch_dtype, shapes_only=shapes_only,
-                                     on_gpu=on_gpu, use_te=use_te)
-        with device_scope():
-            model = _build_stage(spec, layout, config, vocab, use_te)
-        if on_gpu and not shapes_only:
-            model = model.cuda()
-        if torch_dtype != torch.float32:  # as Megatron-LM's get_model: 16-bit weights and norms
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            **dict(ddp_overrides or {}),
-        )
-        ddp = DistributedDataParallel(config, ddp_config, model)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
-        # megatron all-gathers each rank's parameter-group keys over the world: W copies of ours
-        with symmetric_object_gathers() if fake else contextlib.nullcontext():
-            opt = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer=optimizer,
-                    lr=1e-4,
-                    clip_grad=clip_grad,
-                    bf16=torch_dtype == torch.bfloat16,
-                    fp16=torch_dtype == torch.float16,
-                    params_dtype=torch_dtype,
-                ),
-                [ddp],
-                use_gloo_process_groups=False,
-            )
-        built = time.perf_counter()
-
-        cost_name = None
-        if shapes_only:
-            cost, cost_name = _cost_fn(cost_model, spec, layout, stage, micro_batch_size, seq_length)
-            recorder = Recorder(stage=stage, clock="cost_model", cost_fn=cost, fill=False,
-                                execute=False, seed=seed + rank)
-        else:
-            recorder = Recorder(stage=stage, clock="auto", fill=fill, execute=True, seed=seed + rank)
-        stack.enter_context(recorder)
-
-        device = "cuda" if on_gpu else "cpu"
-        batches = _batches(spec, micro_batch_size, seq_length // layout.cp, num_microbatches, seed,
-                           device)
-        forward_backward = get_forward_backward_func()
-        finalize = config.finalize_model_grads_func
-
-        def finalize_in_region(*args, **kwargs):
-            with recorder.region("finalize_grads"):
-                return finalize(*args, **kwargs)
-
-        config.finalize_model_grads_func = finalize_in_region
-        dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-        def train_step(index: int, record: bool) -> None:
-            with recorder.iteration(index, record=record):
-                ddp.zero_grad_buffer()
-                opt.zero_grad()
-                with device_scope():
-                    losses = forward_backward(
-                        forward_step_func=_forward_step,
-                        data_iterator=iter(batches),
-                        model=[ddp],
-                        num_microbatches=num_microbatches,
-                        seq_length=seq_length,
-                        micro_batch_size=micro_batch_size,
-                        forward_only=False,
-                    )
-                with recorder.compute("optimizer_step", name="optimizer.step"):
-                    opt.step()
-                if losses:  # last stage: Megatron-LM reduces the reported loss over DP x CP
-                    with recorder.region("loss_report"):
-                        report = torch.stack([d["lm loss"] for d in losses]).sum(0)
-                        dist.all_reduce(report, group=dp_cp_group)
-
-        for i in range(warmup_iters):
-            train_step(i, record=False)
-        recorder.meter.reset()
-        static = _model_state([model], [ddp], opt)
-        recorder.meter.set_static(p for p in model.parameters())
-        recorder.meter.set_static(_static_tensors([ddp], opt))
-        if on_gpu and not shapes_only:
-            torch.cuda.reset_peak_memory_stats()
-        for i in range(trace_iters):
-            train_step(i, record=True)
-        memory = recorder.memory(sum(static.values()), static)
-        finished = time.perf_counter()
-
-        import megatron.core
-
-        trace = RankTrace(
-            rank=rank,
-            stage=stage,
-            layout=_layout_json(layout),
-            coords=coords._asdict(),
-            expert_coords=expert_coords(layout, rank)._asdict(),
-            groups=groups,
-            model={**spec.to_json(), "padded_vocab_size": vocab, "dtype": dtype_name,
-                   "layer_spec": "transformer_engine" if use_te else "local",
-                   "sequence_parallel": bool(config.sequence_parallel)},
-            iteration={
-                "micro_batch_size": micro_batch_size,
-                "num_microbatches": num_microbatches,
-                "seq_length": seq_length,
-                "warmup_iters": warmup_iters,
-                "trace_iters": trace_iters,
-                "schedule": forward_backward.__name__,
-                "optimizer": optimizer,
-                "clip_grad": clip_grad,
-                "ddp": {k: v for k, v in dataclasses.asdict(ddp_config).items()
-                        if isinstance(v, (bool, int, float, str, type(None)))},
-            },
-            mode="shapes_only" if shapes_only else "real",
-            device=device,
-            clock=recorder.clock,
-            memory=memory,
-            meta={
-                "megatron_core": getattr(megatron.core, "__version__", "unknown"),
-                "torch": torch.__version__,
-                "backend": dist.get_backend(),
-                "cost_model": cost_name,
-                "build_seconds": round(built - started, 4),
-                "run_seconds": round(finished - built, 4),
-            },
-            ops=recorder.ops,
-        )
-    return trace
 
 
 def _static_tensors(ddp_models, optimizer):
