@@ -223,7 +223,28 @@ def validate_dynapipe_args(args: argparse.Namespace) -> argparse.Namespace:
     if not getattr(args, "dynapipe", False):
         return args
     _resolve_fast_mode(args)
+    _check_dynapipe_flags(args)
+    _check_megatron_flags(args)
+    try:
+        training_spec_from_args(args)
+    except ValueError as exc:
+        raise DynapipeArgumentError(f"--dynapipe: {exc}") from None
 
+    # Megatron's validate_args forces this off; planned micro-batches vary in sequence length.
+    # (The executor takes shapes from the plan; megatron-core's own schedules, used for batches
+    # that are not planned, then exchange shapes before each transfer.)
+    args.variable_seq_lengths = True
+    if not getattr(args, "calculate_per_token_loss", False):
+        warnings.warn(
+            "--dynapipe micro-batches differ in size: --calculate-per-token-loss weights every token "
+            "equally; without it each micro-batch's mean loss counts the same",
+            stacklevel=2,
+        )
+    return args
+
+
+def _check_dynapipe_flags(args: argparse.Namespace) -> None:
+    """DynaPipe's own flags: values in range; the KV host filled in."""
     limit = getattr(args, "dynapipe_memory_limit", None)
     if limit is None:
         raise DynapipeArgumentError(
@@ -253,6 +274,9 @@ def validate_dynapipe_args(args: argparse.Namespace) -> argparse.Namespace:
             f"--dynapipe-comm-timeout must be positive, got {timeout}: drop it to use the process group's timeout"
         )
 
+
+def _check_megatron_flags(args: argparse.Namespace) -> None:
+    """Megatron flags that cannot go with variable-length planned micro-batches."""
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
         raise DynapipeArgumentError(
@@ -292,22 +316,6 @@ def validate_dynapipe_args(args: argparse.Namespace) -> argparse.Namespace:
             f"context parallelism splits sequences into 2*CP={2 * cp} chunks: pass --dynapipe-seqlen-round as "
             f"a multiple of {2 * cp} (got {seqlen_round})"
         )
-    try:
-        training_spec_from_args(args)
-    except ValueError as exc:
-        raise DynapipeArgumentError(f"--dynapipe: {exc}") from None
-
-    # Megatron's validate_args forces this off; planned micro-batches vary in sequence length.
-    # (The executor takes shapes from the plan; megatron-core's own schedules, used for batches
-    # that are not planned, then exchange shapes before each transfer.)
-    args.variable_seq_lengths = True
-    if not getattr(args, "calculate_per_token_loss", False):
-        warnings.warn(
-            "--dynapipe micro-batches differ in size: --calculate-per-token-loss weights every token "
-            "equally; without it each micro-batch's mean loss counts the same",
-            stacklevel=2,
-        )
-    return args
 
 
 def _resolve_fast_mode(args: argparse.Namespace) -> None:
