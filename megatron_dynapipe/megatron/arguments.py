@@ -354,7 +354,7 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
     order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
 
-    from ..tracer.topology import ParallelLayout, experts_problem, layout_problems
+    from ..tracer.topology import experts_problem, layout_problems
 
     problems = layout_problems(world, tp, pp, cp, ep, dp=getattr(args, "fake_dp", None),
                                order=order, names=FAKE_FLAGS)
@@ -362,13 +362,12 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     problems = [p for p in problems if p]
     if problems:
         raise DynapipeArgumentError(problems[0])
-    layout = ParallelLayout(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
     rank = _get(args, "fake_current_rank_id", 0)
     if not 0 <= rank < world:
         raise DynapipeArgumentError(
             f"--fake-current-rank-id {rank} is outside the job: pass a rank in 0..{world - 1}"
         )
-    args.fake_dp = layout.dp
+    args.fake_dp = world // (tp * pp * cp)  # a valid layout's DP
 
 
 def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:

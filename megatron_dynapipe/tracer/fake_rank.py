@@ -70,6 +70,7 @@ from .topology import (
     ParallelLayout,
     dense_coords,
     expert_coords,
+    experts_problem,
     rank_groups,
     representative_ranks,
 )
@@ -755,9 +756,10 @@ class _TraceRun:
 
 
 def _check_model_fits(spec: ModelSpec, layout: ParallelLayout, shapes_only: bool) -> None:
-    if spec.num_experts and layout.ep > 1 and spec.num_experts % layout.ep:
-        raise ValueError(f"{spec.num_experts} experts cannot be split over EP={layout.ep}")
-    if layout.is_moe and not spec.num_experts:
+    problem = experts_problem(spec.num_experts, layout.ep)
+    if problem:
+        raise ValueError(problem)
+    if layout.is_moe and not spec.num_experts:  # expert TP differs from TP without experts
         raise ValueError(f"layout {layout.describe()} has expert parallelism but the model has "
                          "no experts; give the model num_experts")
     if shapes_only and spec.num_experts and not (
