@@ -9,7 +9,7 @@
    imports inside torch and megatron, is reported apart), as the tracer does it (only the
    rank's own groups, :mod:`megatron_dynapipe.tracer.fake_groups`) and, for comparison, as
    megatron-core does it unaided (every group of the job); with the groups created and skipped.
-2. **Per config**: :func:`~megatron_dynapipe.tracer.batch_config.run_batch` on one config
+2. **Per config**: :func:`~megatron_dynapipe.tracer.batch_run.run_batch` on one config
    ``W PP TP`` (shapes-only unless ``--real-compute``, one warm-up and one traced iteration,
    one forked process per rank), median of ``--repeat`` runs, for every W in ``--worlds`` and
    PP in ``--pps``: the seconds per config should grow with PP (one rank per stage is traced)
@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dynapipe.tracer.batch_config import TraceConfig, run_batch  # noqa: E402
+from megatron_dynapipe.tracer.batch_config import TraceConfig  # noqa: E402
+from megatron_dynapipe.tracer.batch_run import run_batch  # noqa: E402
 from megatron_dynapipe.models import get_model  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def bench_imports() -> float:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 
         from megatron_dynapipe.tracer import fake_rank  # noqa: F401
-        from megatron_dynapipe.tracer.batch_config import preload_tracer_modules
+        from megatron_dynapipe.tracer.isolation import preload_tracer_modules
 
         preload_tracer_modules()
     return time.perf_counter() - start

@@ -18,19 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dynapipe.tracer import batch_config as bc
+from megatron_dynapipe import progress
+from megatron_dynapipe.tracer import batch_run, isolation, trace_budget
 from megatron_dynapipe.tracer import cli as trace_cli
 from megatron_dynapipe.tracer.batch_config import (
     ConfigParseError,
     TraceConfig,
-    decide_shapes_only,
-    exit_code,
     parse_config_line,
     parse_configs,
     read_config_file,
-    run_batch,
     validate,
 )
+from megatron_dynapipe.tracer.batch_results import exit_code
+from megatron_dynapipe.tracer.batch_run import run_batch
+from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
 from megatron_dynapipe.models import MODELS, ModelSpec, get_model
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
 
@@ -312,7 +313,7 @@ def test_shapes_only_when_real_compute_would_take_too_long():
     only, why = decide_shapes_only(cfg("8192 16 8", model="6.7"), budget=2**40)
     assert only and "real compute would take about" in why
     assert decide_shapes_only(cfg("8192 16 8", model="6.7"), budget=2**40, time_budget_s=1e9)[0] is False
-    assert bc.estimated_compute_seconds(cfg("8192 2 2")) < 1
+    assert trace_budget.estimated_compute_seconds(cfg("8192 2 2")) < 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,9 +440,9 @@ class FakeTTY(io.StringIO):
 
 
 def test_progress_only_on_a_terminal(tmp_path):
-    assert bc.progress_enabled(True, FakeTTY()) is True
-    assert bc.progress_enabled(True, io.StringIO()) is False
-    assert bc.progress_enabled(False, FakeTTY()) is False
+    assert progress.progress_enabled(True, FakeTTY()) is True
+    assert progress.progress_enabled(True, io.StringIO()) is False
+    assert progress.progress_enabled(False, FakeTTY()) is False
     plain = io.StringIO()
     run_batch(parse_configs(["16 2 2"]), tmp_path, tracer=stand_in_tracer, isolation="inline",
               progress=True, progress_stream=plain)
@@ -458,7 +459,7 @@ def test_progress_only_on_a_terminal(tmp_path):
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    monkeypatch.setattr(bc, "_default_tracer", lambda: failing_on(world_size=32))
+    monkeypatch.setattr(batch_run, "_default_tracer", lambda: failing_on(world_size=32))
 
 
 def test_trace_json_summary(tmp_path, stand_in, capsys):
@@ -638,7 +639,7 @@ def test_real_tracer_isolates_a_failing_config(tmp_path, monkeypatch, capsys):
             raise RuntimeError("injected failure")
         return real(layout, rank, model, **kw)
 
-    monkeypatch.setattr(bc, "_default_tracer", lambda: sometimes_broken)
+    monkeypatch.setattr(batch_run, "_default_tracer", lambda: sometimes_broken)
     code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "32 2 2", "--config", "8 4 1",
                            "--output-dir", str(tmp_path), "--json", "--shapes-only"])
     summary = json.loads(capsys.readouterr().out)
@@ -683,7 +684,7 @@ def test_a_configs_file_line_that_cannot_be_parsed_names_its_line(tmp_path, stan
 ])
 def test_what_would_fail_every_rank_is_refused_before_any_starts(tmp_path, args, message, capsys, monkeypatch):
     calls = []
-    monkeypatch.setattr(bc, "_default_tracer", lambda: lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(batch_run, "_default_tracer", lambda: lambda *a, **k: calls.append(a))
     (tmp_path / "file").write_text("")
     argv = ["--model", "tiny"] + [a.format(file=tmp_path / "file") for a in args]
     if "--config" not in argv:
@@ -702,7 +703,7 @@ def test_ctrl_c_marks_the_folder_interrupted_and_stops_the_batch(tmp_path, monke
             raise KeyboardInterrupt
         return stand_in_tracer(layout, rank, model, **options)
 
-    monkeypatch.setattr(bc, "_default_tracer", lambda: tracer)
+    monkeypatch.setattr(batch_run, "_default_tracer", lambda: tracer)
     code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "32 2 2",
                            "--output-dir", str(tmp_path), "--isolation", "inline"])
     out, err = capsys.readouterr()
@@ -736,10 +737,10 @@ def test_ranks_start_from_a_forkserver_when_cuda_is_initialised_here(tmp_path, m
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert bc.rank_start_method() == "forkserver"
+    assert isolation.rank_start_method() == "forkserver"
     monkeypatch.undo()
-    assert bc.rank_start_method() == "fork"  # no CUDA here: the cheap, warm fork
+    assert isolation.rank_start_method() == "fork"  # no CUDA here: the cheap, warm fork
     log_path = tmp_path / "rank.log"
-    outcome = bc._run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "forkserver")
+    outcome = isolation.run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "forkserver")
     assert outcome["ok"] and outcome["value"] == 41 and outcome["pid"] != os.getpid()
     assert f"child {outcome['pid']} says 41" in log_path.read_text()

@@ -34,7 +34,7 @@ other ``pretrain_gpt.py`` flag is ignored)
 
 Real compute or shapes only
     The rule of ``megatron-dynapipe trace``
-    (:func:`~megatron_dynapipe.tracer.batch_config.decide_shapes_only`): real compute when the
+    (:func:`~megatron_dynapipe.tracer.trace_budget.decide_shapes_only`): real compute when the
     busiest rank's estimated training memory fits half of this machine's available memory and
     its compute would take at most a minute on the CPU; otherwise shapes-only (meta tensors,
     durations from the analytical cost model).
@@ -157,7 +157,8 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     Megatron's ``parse_args`` with :func:`~.arguments.add_arguments`). ``shapes_only=None`` decides
     by the ``trace`` rule (module docstring). Prints the summary line when ``verbose``.
     """
-    from ..tracer.batch_config import TraceConfig, decide_shapes_only, validate
+    from ..tracer.batch_config import TraceConfig, validate
+    from ..tracer.trace_budget import decide_shapes_only
     from ..tracer.topology import ParallelLayout
 
     if not getattr(args, "is_scaling_mode", False):

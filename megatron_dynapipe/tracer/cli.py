@@ -18,19 +18,8 @@ import json
 import sys
 from typing import Any, Sequence
 
-from .batch_config import (
-    FAILED,
-    INTERRUPTED,
-    INVALID,
-    OK,
-    ConfigResult,
-    TraceConfig,
-    batch_summary,
-    exit_code,
-    parse_configs,
-    read_config_file,
-    validate,
-)
+from .batch_config import TraceConfig, parse_configs, read_config_file, validate
+from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
 from ..models import MODELS, get_model
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
@@ -167,7 +156,7 @@ def run_trace(args) -> int:
         return max(_print_ranks(configs, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
 
-    from .batch_config import run_batch
+    from .batch_run import run_batch
 
     try:
         results = run_batch(

@@ -1,0 +1,237 @@
+"""Trace a batch: the representative ranks of every valid config, one folder per config.
+
+:func:`run_batch` traces each valid config into a folder named by
+:meth:`~.batch_config.TraceConfig.folder_name`: the tracer writes each rank's
+``rank_<r>.trace.jsonl``, and this module ``fake_rank_<r>.log`` per rank plus the files of
+:mod:`.batch_results`.  A config or rank that fails is recorded and the batch goes on; each rank
+runs apart (:mod:`.isolation`), so even a crash or an out-of-memory kill stays with that rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..planning.cost_model import CostModel
+from ..progress import progress_bar, progress_enabled
+from .batch_config import TraceConfig, validate
+from .batch_results import (
+    FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
+)
+from .isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked, run_inline
+from .topology import ParallelLayout
+from .trace_budget import decide_shapes_only
+
+__all__ = ["run_batch"]
+
+log = logging.getLogger(__name__)
+
+#: ``tracer(layout, rank, model, ...)`` returns a RankTrace (default: fake_rank.trace_fake_rank).
+Tracer = Callable[..., Any]
+
+
+def run_batch(
+    configs: Sequence[TraceConfig],
+    output_dir: str | os.PathLike = "traces",
+    *,
+    tracer: Tracer | None = None,
+    warmup_iters: int = 1,
+    trace_iters: int = 1,
+    shapes_only: bool | None = None,
+    cost_model: Any = None,
+    isolation: str = "process",
+    rank_timeout: float | None = None,
+    progress: bool = True,
+    progress_stream=None,
+) -> list[ConfigResult]:
+    """Trace the representative ranks of every valid config; one :class:`ConfigResult` each.
+
+    Invalid configs are skipped with their :func:`validate` reasons (no folder).  Each valid
+    config gets ``output_dir/<folder_name>/`` with ``summary.json`` (rewritten atomically after
+    every rank, ``"complete": true`` at the end), ``fake_rank_<r>.log`` per rank (moved into
+    place when the rank ends) and ``timeline.json``; ``tracer(layout, rank, model, ...)``
+    returns a :class:`~.trace_format.RankTrace` whose ``write(folder)`` writes
+    ``rank_<r>.trace.jsonl`` (default tracer: :func:`~.fake_rank.trace_fake_rank`).  Every trace
+    is read back before it is merged into the timeline; a missing or unreadable one fails its rank.
+
+    ``cost_model`` (a cost model, a profile's path, ``None`` for the tracer's analytical one) is
+    passed to the tracer as is, or, if it is a function, called with each config for that
+    config's cost model.
+    ``shapes_only=None`` decides per config from the estimated bytes and compute time
+    (:func:`decide_shapes_only`).
+    ``isolation="process"`` runs each rank in a forked child (a crash, an out-of-memory kill or a
+    ``rank_timeout`` fails only that rank); ``"inline"`` runs it in this process and isolates
+    Python exceptions only.  A progress bar over configs and ranks is drawn on
+    ``progress_stream`` (stderr) when ``progress`` is true and it is a terminal.
+    """
+    if isolation not in ("process", "inline"):
+        raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+    if isolation == "process" and not hasattr(os, "fork"):
+        isolation = "inline"
+    output_dir = Path(output_dir)
+    stream = sys.stderr if progress_stream is None else progress_stream
+    results: list[ConfigResult] = []
+    checked = [(config, validate(config)) for config in configs]
+    valid = [config for config, reasons in checked if not reasons]
+    if valid and tracer is None:
+        tracer = _default_tracer()  # import torch/megatron once, before any fork
+        preload_tracer_modules()
+    with progress_bar(progress_enabled(progress, stream), stream) as bar:
+        configs_task = bar.add_task("configs", total=len(valid))
+        for config, reasons in checked:
+            if reasons:
+                log.warning("skipping config %d (%s): %s", config.index, config.line, "; ".join(reasons))
+                results.append(ConfigResult(config, INVALID, reasons=reasons))
+                continue
+            results.append(_run_config(config, output_dir, tracer, bar, dict(
+                warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
+                cost_model=cost_model, isolation=isolation, rank_timeout=rank_timeout,
+            )))
+            if results[-1].status == INTERRUPTED:
+                break  # Ctrl-C: the configs after it are not started
+            bar.advance(configs_task)
+    return results
+
+
+def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts: dict) -> ConfigResult:
+    start = time.perf_counter()
+    result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
+    try:
+        layout, reps = config.layout(), config.representatives()
+        result.ranks_traced = len(reps)
+        options = _rank_options(config, result, opts)
+        result.folder.mkdir(parents=True, exist_ok=True)
+    except Exception as error:  # a config that cannot even start fails alone
+        result.status, result.error = FAILED, error_line(error)
+    if result.folder.is_dir():
+        write_summary(result, complete=result.status == FAILED)
+    if result.status == FAILED:
+        result.seconds = time.perf_counter() - start
+        log.error("config %d (%s) failed: %s", config.index, config.line, result.error)
+        return result
+
+    ranks_task = bar.add_task(f"Config{config.index} {config.line}", total=len(reps))
+    try:
+        for rep in reps:
+            rank_result = _run_rank(tracer, config, layout, rep, result.folder, options, opts)
+            result.ranks.append(rank_result)
+            result.note(rank_result)
+            result.seconds = time.perf_counter() - start
+            write_summary(result, complete=False)
+            bar.advance(ranks_task)
+    except KeyboardInterrupt:  # the folder says so; run_batch stops after this config
+        result.status, result.error = INTERRUPTED, f"interrupted after {len(result.ranks)} of {len(reps)} ranks"
+        result.seconds = time.perf_counter() - start
+        write_summary(result, complete=False)
+        return result
+    bar.remove_task(ranks_task)
+    write_timeline(result)
+    result.seconds = time.perf_counter() - start
+    write_summary(result)
+    return result
+
+
+def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict[str, Any]:
+    """The tracer's options for this config's ranks; notes the shapes-only choice in ``result``."""
+    if opts["shapes_only"] is None:
+        result.shapes_only, result.shapes_only_reason = decide_shapes_only(
+            config, iterations=opts["warmup_iters"] + opts["trace_iters"])
+    else:
+        result.shapes_only = bool(opts["shapes_only"])
+        result.shapes_only_reason = "forced " + ("shapes-only" if result.shapes_only else "real compute")
+    cost_model = opts["cost_model"]
+    if callable(cost_model) and not isinstance(cost_model, CostModel):
+        cost_model = cost_model(config)  # a factory: one cost model per config (e.g. per TP)
+    return dict(warmup_iters=opts["warmup_iters"], trace_iters=opts["trace_iters"],
+                shapes_only=result.shapes_only, cost_model=cost_model)
+
+
+def _run_rank(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, rep, folder: Path,
+              options: dict, opts: dict) -> RankResult:
+    rank = rep.global_rank
+    final_log = folder / f"fake_rank_{rank}.log"
+    tmp_log = folder / f".fake_rank_{rank}.log.partial"
+    header = (
+        f"# fake rank {rank} (stage {rep.stage}, ep rank {rep.ep_rank}, coords {tuple(rep.coords)}) "
+        f"of config {config.index}: {layout.describe()}, model {config.model.label}, "
+        f"mbs {config.micro_batch_size} x {config.microbatches} micro-batches, seq {config.seq}, "
+        f"shapes_only={options['shapes_only']}, isolation={opts['isolation']}"
+    )
+    start = time.perf_counter()
+    try:
+        tmp_log.write_text(header + "\n")
+        work = functools.partial(_do_rank, tracer, folder, config, layout, rank, options)
+        if opts["isolation"] == "process":
+            outcome = run_forked(work, tmp_log, opts["rank_timeout"], rank_start_method())
+        else:
+            outcome = run_inline(work, tmp_log)
+    except Exception as error:  # e.g. the log cannot be written, fork failed
+        outcome = {"ok": False, "error": error_line(error)}
+    seconds = time.perf_counter() - start
+    status = OK if outcome.get("ok") else FAILED
+    result = RankResult(rank, rep.stage, rep.ep_rank, status, seconds, outcome.get("error"),
+                        log=final_log.name, files=outcome.get("files", []), stats=outcome.get("stats", {}))
+    try:
+        end = f"# status {status} after {seconds:.3f} s" + (f": {result.error}" if result.error else "")
+        finish_log(tmp_log, final_log, [end])
+    except OSError as error:
+        result.log = None
+        if result.status == OK:
+            result.status, result.error = FAILED, f"cannot write {final_log.name}: {error}"
+    if result.status != OK:
+        log.error("config %d rank %d failed: %s", config.index, rank, result.error)
+    return result
+
+
+def _default_tracer() -> Tracer:
+    from .fake_rank import trace_fake_rank  # imports torch and megatron: only when tracing
+
+    return trace_fake_rank
+
+
+def _trace_stats(trace: Any) -> dict[str, Any]:
+    """Small JSON-able facts about a trace for the summary (whatever the trace offers)."""
+    stats: dict[str, Any] = {}
+    summary = getattr(trace, "summary", None)
+    try:
+        value = summary() if callable(summary) else summary
+        if isinstance(value, dict):
+            stats.update(json.loads(json.dumps(value, default=str)))
+    except Exception as error:  # a summary is a nicety: never fail the rank for it
+        stats["summary_error"] = f"{type(error).__name__}: {error}"
+    for name in ("ops", "events", "records"):
+        seq = getattr(trace, name, None)
+        if isinstance(seq, (list, tuple)) and f"num_{name}" not in stats:
+            stats[f"num_{name}"] = len(seq)
+    return stats
+
+
+def _files_in(folder: Path) -> dict[str, float]:
+    try:
+        return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
+    except OSError:
+        return {}
+
+
+def _do_rank(tracer: Tracer, folder: Path, config: TraceConfig, layout: ParallelLayout, rank: int,
+             options: dict[str, Any]) -> dict[str, Any]:
+    """Trace one rank and write its files; returns the JSON-able part of its result."""
+    log.info("fake rank %d of %s (%s): tracing %s, options %s", rank, config.folder_name(),
+             layout.describe(), config.model.label, options)
+    before = _files_in(folder)
+    trace = tracer(
+        layout, rank, config.model,
+        micro_batch_size=config.micro_batch_size, num_microbatches=config.microbatches,
+        seq_length=config.seq, **options,
+    )
+    trace.write(folder)
+    after = _files_in(folder)
+    files = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    log.info("fake rank %d: wrote %s", rank, ", ".join(files) or "no files")
+    return {"files": files, "stats": _trace_stats(trace)}

@@ -1,0 +1,179 @@
+"""Rank processes: each traced rank runs apart, so that its failure stays its own.
+
+A rank runs in a forked child by default (:func:`run_forked`): a crash, an out-of-memory kill,
+a timeout or leaked global state ends only that child, and the batch records the error.
+:func:`run_inline` runs it in this process and isolates Python exceptions only.  Either way
+the rank's output and log records go to its own log file.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .batch_results import error_line
+
+__all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_inline",
+           "finish_log"]
+
+log = logging.getLogger(__name__)
+
+
+#: Modules the fake-rank tracer imports lazily; imported once in the parent before any rank is
+#: forked, so that no child pays seconds for them again (their import warnings stay out of the
+#: rank logs too).  A missing one is skipped: this is a warm-up, not a dependency list.
+PRELOAD_MODULES = (
+    "torch.testing._internal.distributed.fake_pg",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "megatron.core.transformer.module",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron_dynapipe.compat.cpu_compat",
+)
+
+
+def preload_tracer_modules() -> float:
+    """Import :data:`PRELOAD_MODULES` now (quietly); returns the seconds it took."""
+    import importlib
+    import warnings
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # optional warm-up: the tracer reports real problems
+                log.debug("not preloaded %s: %s", name, error)
+    return time.perf_counter() - start
+
+
+@contextmanager
+def _rank_logging(stream) -> Any:
+    """Send this process's log records to ``stream`` (the rank's log) while the rank runs."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    old_level = root.level
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+
+
+def run_inline(work: Callable[[], dict], log_path: Path) -> dict[str, Any]:
+    """Run ``work`` here, its output and log records going to ``log_path``."""
+    with open(log_path, "a", buffering=1) as stream, ExitStack() as stack:
+        stack.enter_context(redirect_stdout(stream))
+        stack.enter_context(redirect_stderr(stream))
+        stack.enter_context(_rank_logging(stream))
+        try:
+            return {"ok": True, **work()}
+        except Exception as error:  # isolate: the batch goes on
+            traceback.print_exc(file=stream)
+            return {"ok": False, "error": error_line(error)}
+
+
+def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
+    """Body of a forked rank process: output to the log, result down the pipe."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    logging.getLogger().handlers.clear()
+    with _rank_logging(sys.stderr):
+        try:
+            result = {"ok": True, **work()}
+        except BaseException as error:  # the parent records it; nothing escapes this process
+            traceback.print_exc()
+            result = {"ok": False, "error": error_line(error)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(result)
+    conn.close()
+
+
+def rank_start_method() -> str:
+    """How rank processes start: forked from this process (its imports are already warm), unless
+    CUDA is initialised here, which a forked child cannot use ("Cannot re-initialize CUDA in
+    forked subprocess"); then from a forkserver, a fresh CUDA-free process that imports the
+    tracer modules once and forks each rank from itself."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "forkserver"
+    return "fork"
+
+
+def run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None,
+                start_method: str = "fork") -> dict[str, Any]:
+    """Run ``work`` in a child process so that a crash, a kill or leaked global state stays
+    there (``work`` must pickle unless ``start_method`` is "fork")."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD_MODULES))
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if receive.poll(timeout):
+            try:
+                return receive.recv()
+            except EOFError:
+                pass  # died before sending: reported from the exit code below
+            finally:
+                child.join(10)
+                if child.is_alive():  # reported, but stuck on its way out
+                    child.kill()
+                    child.join()
+        else:
+            child.kill()
+            child.join()
+            return {"ok": False, "error": f"timed out after {timeout:g} s (rank process killed)"}
+    except BaseException:
+        child.kill()
+        child.join()
+        raise
+    finally:
+        receive.close()
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    code = child.exitcode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return {"ok": False, "error": f"rank process died of {name}{hint}"}
+    return {"ok": False, "error": f"rank process exited with code {code} before reporting"}
+
+
+def finish_log(tmp: Path, final: Path, lines: Sequence[str]) -> None:
+    with open(tmp, "a") as f:
+        for line in lines:
+            f.write(line + "\n")
+    os.replace(tmp, final)
