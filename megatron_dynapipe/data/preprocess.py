@@ -405,76 +405,23 @@ def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = 
                timeout_s: float = 60.0, poll_s: float = 0.01) -> int:
     """The poller's loop (module docstring). Returns 0 when every iteration was consumed or
     rank 0 asked it to stop, 1 after an error (published under the error key)."""
-    import multiprocessing
-
     client = KVStoreClient.connect(host, port, namespace, timeout_s)
     stop = threading.Event()
-    pool = None
+    poller = None
     try:
-        s = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
-        ctx = multiprocessing.get_context(s.worker_start_method)
-        if s.worker_start_method == "forkserver":
-            ctx.set_forkserver_preload([__name__])
-        elif s.worker_start_method == "fork":
-            # Import what the dataset and cost model need once, here, for every forked worker to
-            # inherit (megatron-core alone takes seconds). The objects themselves are dropped:
-            # each worker still reads its settings from the store in worker_init.
-            pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL))
-            warm_up = getattr(pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET)), "warm_up", None)
-            if callable(warm_up):
-                warm_up()
-        pool = cf.ProcessPoolExecutor(s.num_workers, mp_context=ctx, initializer=worker_init,
-                                      initargs=(host, port, namespace, timeout_s))
-        sampler = _Sampler(s)
-        if s.worker_start_method == "fork":
-            # fork the workers now, while this process runs a single thread (no heartbeat yet)
-            pool.submit(int).result(timeout=timeout_s)
-        beat = threading.Thread(target=_heartbeat, name="dynapipe-heartbeat", daemon=True,
-                                args=(host, port, namespace, timeout_s, s.heartbeat_interval_s, stop))
-        beat.start()
+        poller = _Poller(client, PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS)))
+        poller.start_workers((host, port, namespace, timeout_s))
+        threading.Thread(target=_heartbeat, name="dynapipe-heartbeat", daemon=True,
+                         args=(host, port, namespace, timeout_s, poller.settings.heartbeat_interval_s,
+                               stop)).start()
         if parent_pid is not None:
             _watch_parent(parent_pid)  # exits even while the loop below waits on the store
-        shutdown_key = client.meta_key(KVStoreMetaKeys.SHUTDOWN)
-        error_key = client.meta_key(KVStoreMetaKeys.ERROR)
-        next_submit = next_done = s.start_iteration
-        futures: dict[int, cf.Future] = {}
-        workers: dict = {}
-        progress = None
         while True:
             if parent_pid is not None and os.getppid() != parent_pid:
                 return 0  # rank 0 is gone, and with it the store
-            if client.exists(shutdown_key) or client.exists(error_key):
-                return 0
-            workers.update(getattr(pool, "_processes", None) or {})
-            for it in [it for it, f in futures.items() if f.done()]:
-                future = futures.pop(it)
-                try:
-                    future.result()
-                except BrokenProcessPool:
-                    client.set_error(
-                        f"a preprocessing worker process died without reporting an error (killed, out of "
-                        f"memory, or os._exit) while iteration {it} was being prepared; {_exit_note(workers)}. "
-                        "The data pipeline cannot continue."
-                    )
-                    return 1
-                except BaseException as error:  # the worker published the traceback already
-                    client.set_error(f"preprocessing of iteration {it} failed: {type(error).__name__}: {error}")
-                    return 1
-            while (next_done < next_submit and next_done not in futures
-                   and client.acknowledged(next_done) >= s.num_consumers):
-                client.delete_iteration(next_done, s.dp, s.pp)
-                next_done += 1
-            while next_submit < s.end_iteration and next_submit - next_done < s.lookahead:
-                futures[next_submit] = pool.submit(preprocess_iteration, next_submit,
-                                                   sampler(next_submit).tolist())
-                next_submit += 1
-            if (next_submit, next_done, len(futures)) != progress:
-                progress = (next_submit, next_done, len(futures))
-                client.put_json(KVStoreMetaKeys.PROGRESS, {
-                    "submitted_up_to": next_submit, "consumed_up_to": next_done,
-                    "end": s.end_iteration, "being_prepared": sorted(futures)})
-            if next_done >= s.end_iteration:
-                return 0  # every rank has taken every iteration
+            code = poller.step()
+            if code is not None:
+                return code
             time.sleep(poll_s)
     except BaseException:
         try:  # fails in turn when the store itself is gone: then there is nobody to tell
@@ -484,14 +431,108 @@ def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = 
         return 1
     finally:
         stop.set()
-        if pool is not None:
-            processes = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in processes:  # do not wait for an iteration nobody will read
-                if proc.is_alive():
-                    proc.terminate()
-            for proc in processes:
-                proc.join(timeout=5)
+        if poller is not None:
+            poller.close()
+
+
+class _Poller:
+    """Keeps ``lookahead`` iterations being prepared ahead of the slowest consumer."""
+
+    def __init__(self, client: KVStoreClient, settings: PipelineSettings) -> None:
+        self.client, self.settings = client, settings
+        self.sampler = _Sampler(settings)
+        self.next_submit = self.next_done = settings.start_iteration
+        self.futures: dict[int, cf.Future] = {}
+        self.workers: dict = {}  # every worker process seen, for the note when one dies
+        self.progress: tuple | None = None
+        self.pool: cf.ProcessPoolExecutor | None = None
+        self.stop_keys = (client.meta_key(KVStoreMetaKeys.SHUTDOWN), client.meta_key(KVStoreMetaKeys.ERROR))
+
+    def start_workers(self, connect_args: tuple) -> None:
+        import multiprocessing
+
+        method = self.settings.worker_start_method
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([__name__])
+        elif method == "fork":
+            self._warm_up_imports()
+        self.pool = cf.ProcessPoolExecutor(self.settings.num_workers, mp_context=ctx,
+                                           initializer=worker_init, initargs=connect_args)
+        if method == "fork":
+            # fork the workers now, while this process runs a single thread (no heartbeat yet)
+            self.pool.submit(int).result(timeout=connect_args[-1])
+
+    def _warm_up_imports(self) -> None:
+        # Import what the dataset and cost model need once, here, for every forked worker to
+        # inherit (megatron-core alone takes seconds). The objects themselves are dropped:
+        # each worker still reads its settings from the store in worker_init.
+        pickle.loads(self.client.get_meta(KVStoreMetaKeys.COST_MODEL))
+        warm_up = getattr(pickle.loads(self.client.get_meta(KVStoreMetaKeys.DATASET)), "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+
+    def step(self) -> "int | None":
+        """One round: the exit code when the loop is over, None to go on."""
+        if any(self.client.exists(key) for key in self.stop_keys):
+            return 0
+        if not self._collect_finished():
+            return 1
+        self._release_consumed()
+        self._submit_ahead()
+        self._publish_progress()
+        return 0 if self.next_done >= self.settings.end_iteration else None  # all taken
+
+    def _collect_finished(self) -> bool:
+        """Reap finished iterations; False (and the error published) when one failed."""
+        self.workers.update(getattr(self.pool, "_processes", None) or {})
+        for it in [it for it, f in self.futures.items() if f.done()]:
+            try:
+                self.futures.pop(it).result()
+            except BrokenProcessPool:
+                self.client.set_error(
+                    f"a preprocessing worker process died without reporting an error (killed, out of "
+                    f"memory, or os._exit) while iteration {it} was being prepared; {_exit_note(self.workers)}. "
+                    "The data pipeline cannot continue."
+                )
+                return False
+            except BaseException as error:  # the worker published the traceback already
+                self.client.set_error(f"preprocessing of iteration {it} failed: {type(error).__name__}: {error}")
+                return False
+        return True
+
+    def _release_consumed(self) -> None:
+        s = self.settings
+        while (self.next_done < self.next_submit and self.next_done not in self.futures
+               and self.client.acknowledged(self.next_done) >= s.num_consumers):
+            self.client.delete_iteration(self.next_done, s.dp, s.pp)
+            self.next_done += 1
+
+    def _submit_ahead(self) -> None:
+        s = self.settings
+        while self.next_submit < s.end_iteration and self.next_submit - self.next_done < s.lookahead:
+            ids = self.sampler(self.next_submit).tolist()
+            self.futures[self.next_submit] = self.pool.submit(preprocess_iteration, self.next_submit, ids)
+            self.next_submit += 1
+
+    def _publish_progress(self) -> None:
+        progress = (self.next_submit, self.next_done, len(self.futures))
+        if progress != self.progress:
+            self.progress = progress
+            self.client.put_json(KVStoreMetaKeys.PROGRESS, {
+                "submitted_up_to": self.next_submit, "consumed_up_to": self.next_done,
+                "end": self.settings.end_iteration, "being_prepared": sorted(self.futures)})
+
+    def close(self) -> None:
+        if self.pool is None:
+            return
+        processes = list((getattr(self.pool, "_processes", None) or {}).values())
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:  # do not wait for an iteration nobody will read
+            if proc.is_alive():
+                proc.terminate()
+        for proc in processes:
+            proc.join(timeout=5)
 
 
 def poller_main(argv: "Sequence[str] | None" = None) -> None:
