@@ -21,9 +21,11 @@ import json
 import os
 import statistics
 import sys
-from typing import Any
+from typing import Any, Callable
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
+#: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
+VOCAB_SIZE = 128
 
 
 def add_arguments(p) -> None:
@@ -157,100 +159,119 @@ def _child(fn, rank, world_size, port, args, results) -> None:
 
 
 def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
-    import time
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from ..compat import cpu_compat
+    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+
+    cpu_compat.enable_cpu_mode()
+    init_model_parallel(1, world_size)
+    try:
+        ddp, batches = _ddp_model(s), _batches(s)
+        steps = _schedule_steps(ddp, batches, s, pp=world_size)
+        return _time_alternating(steps, ddp, s, rank)
+    finally:
+        destroy_model_parallel()
+        cpu_compat.disable_cpu_mode()
+
+
+def _ddp_model(s: dict):
+    """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+
+    from ..megatron.tiny_gpt import build_tiny_gpt
+    from ..models import ModelSpec
+
+    spec = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
+                     num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=VOCAB_SIZE,
+                     max_sequence_length=s["seq_length"])
+    model = build_tiny_gpt(spec)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    model.config.deallocate_pipeline_outputs = True  # as Megatron-LM runs
+    return ddp
+
+
+def _batches(s: dict) -> list[dict]:
+    """``microbatches`` random token micro-batches, the same on every rank (seed 0)."""
+    import torch
+
+    n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
+    data = torch.randint(0, VOCAB_SIZE, (n, b, seq + 1), generator=torch.Generator().manual_seed(0))
+    return [{"tokens": d[:, :-1].contiguous(), "labels": d[:, 1:].contiguous(),
+             "loss_mask": torch.ones(b, seq), "position_ids": torch.arange(seq).expand(b, seq).contiguous()}
+            for d in data]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(per_token_loss):
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Callable[[], list]]:
+    """One training step under each schedule: Megatron's 1F1B and the DynaPipe executor running
+    a plan of the same micro-batches in the same 1F1B order."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
-    from ..data.batch import PlannedBatch
     from ..compat import cpu_compat
+    from ..data.batch import PlannedBatch
     from ..megatron.provider import forward_backward_dynapipe
-    from ..megatron.tiny_gpt import build_tiny_gpt, destroy_model_parallel, init_model_parallel
-    from ..models import ModelSpec
     from ..planning.plan import build_execution_plans
+    from ..planning.schedules import one_f_one_b_orders
     from ..planning.types import MicroBatch
 
-    cpu_compat.enable_cpu_mode()
-    init_model_parallel(1, world_size)
-    try:
-        cfg = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
-                        num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=128,
-                        max_sequence_length=s["seq_length"])
-        model = build_tiny_gpt(cfg)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-        model.config.finalize_model_grads_func = finalize_model_grads
-        model.config.no_sync_func = ddp.no_sync
-        model.config.deallocate_pipeline_outputs = True  # as Megatron-LM runs
+    n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
+    micro = [MicroBatch(tuple(range(i * b, (i + 1) * b)), seq) for i in range(n)]
+    plan = build_execution_plans(one_f_one_b_orders(pp, n), micro, "none", "1f1b")[
+        parallel_state.get_pipeline_model_parallel_rank()]
+    shape = dict(model=[ddp], num_microbatches=n, seq_length=seq, micro_batch_size=b)
 
-        n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
-        g = torch.Generator().manual_seed(0)
-        data = torch.randint(0, cfg.vocab_size, (n, b, seq + 1), generator=g)
-        batches = [{"tokens": d[:, :-1].contiguous(), "labels": d[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(b, seq), "position_ids": torch.arange(seq).expand(b, seq).contiguous()}
-                   for d in data]
-        pp = world_size
-        orders = []
-        for stage in range(pp):  # Megatron's 1F1B order of the same micro-batches
-            warm = min(pp - stage - 1, n)
-            order = [("F", m) for m in range(warm)]
-            for m in range(n - warm):
-                order += [("F", m + warm), ("B", m)]
-            orders.append(order + [("B", m) for m in range(n - warm, n)])
-        plans = build_execution_plans(orders, [MicroBatch(tuple(range(i * b, (i + 1) * b)), seq) for i in range(n)],
-                                      "none", "1f1b")
-        stage = parallel_state.get_pipeline_model_parallel_rank()
+    def core_step():  # CPU mode runs it inside cpu_compat's CUDA-as-CPU scope
+        return schedules.forward_backward_pipelining_without_interleaving(
+            forward_step_func=_forward_step, data_iterator=iter(batches), **shape)
 
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    def dynapipe_step():  # in the same scope, so that both pay its per-op cost alike
+        with cpu_compat.cuda_as_cpu():
+            return forward_backward_dynapipe(
+                forward_step_func=_forward_step, data_iterator=iter([PlannedBatch(0, plan, batches)]), **shape)
 
-            def loss_func(per_token_loss):
-                loss = per_token_loss.float().mean()
-                return loss, {"lm loss": loss.detach().clone()}
+    return {SCHEDULES[0]: core_step, SCHEDULES[1]: dynapipe_step}
 
-            return output, loss_func
 
-        def core_step():  # CPU mode runs it inside cpu_compat's CUDA-as-CPU scope
-            return schedules.forward_backward_pipelining_without_interleaving(
-                forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=n,
-                seq_length=seq, micro_batch_size=b)
+def _time_alternating(steps: dict, ddp, s: dict, rank: int) -> dict:
+    """Time the schedules in alternating order (so that drift hits both alike); seconds per timed
+    step of each, and whether their losses agree."""
+    import time
 
-        def dynapipe_step():  # in the same scope, so that both pay its per-op cost alike
-            with cpu_compat.cuda_as_cpu():
-                return forward_backward_dynapipe(
-                    forward_step_func=forward_step, data_iterator=iter([PlannedBatch(0, plans[stage], batches)]),
-                    model=[ddp], num_microbatches=n, seq_length=seq, micro_batch_size=b)
+    import torch.distributed as dist
 
-        steps = {SCHEDULES[0]: core_step, SCHEDULES[1]: dynapipe_step}
-        times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
-        losses: dict[str, list[float]] = {}
-        for i in range(s["warmup"] + s["steps"]):
-            names = SCHEDULES if i % 2 == 0 else SCHEDULES[::-1]
-            for name in names:
-                ddp.zero_grad_buffer()
-                dist.barrier()
-                started = time.perf_counter()
-                result = steps[name]()
-                dist.barrier()
-                elapsed = time.perf_counter() - started
-                if i >= s["warmup"]:
-                    times[name].append(elapsed)
-                losses[name] = [float(d["lm loss"]) for d in result]
-            if rank == 0:  # progress on stderr; stdout keeps the result
-                warm = " (warm-up, untimed)" if i < s["warmup"] else ""
-                print(f"iteration {i + 1} of {s['warmup'] + s['steps']}{warm}: both schedules ran",
-                      file=sys.stderr, flush=True)
-        same = losses[SCHEDULES[0]] == losses[SCHEDULES[1]]
-        return {**times, "losses_match": same}
-    finally:
-        destroy_model_parallel()
-        cpu_compat.disable_cpu_mode()
+    times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    losses: dict[str, list[float]] = {}
+    total = s["warmup"] + s["steps"]
+    for i in range(total):
+        for name in SCHEDULES if i % 2 == 0 else SCHEDULES[::-1]:
+            ddp.zero_grad_buffer()
+            dist.barrier()
+            started = time.perf_counter()
+            result = steps[name]()
+            dist.barrier()
+            if i >= s["warmup"]:
+                times[name].append(time.perf_counter() - started)
+            losses[name] = [float(d["lm loss"]) for d in result]
+        if rank == 0:  # progress on stderr; stdout keeps the result
+            warm = " (warm-up, untimed)" if i < s["warmup"] else ""
+            print(f"iteration {i + 1} of {total}{warm}: both schedules ran", file=sys.stderr, flush=True)
+    return {**times, "losses_match": losses[SCHEDULES[0]] == losses[SCHEDULES[1]]}

@@ -16,7 +16,11 @@ from .simulator import Order, SimulationResult, StageWork, Timeline, simulate
 
 def one_f_one_b(work: StageWork, memory_limit_mb: float) -> list[Order]:
     """Megatron's 1F1B: pp - s - 1 warm-up forwards, then alternate, then drain backwards."""
-    pp, n = work.pp, work.n
+    return one_f_one_b_orders(work.pp, work.n)
+
+
+def one_f_one_b_orders(pp: int, n: int) -> list[Order]:
+    """1F1B's per-stage orders of ``n`` micro-batches on ``pp`` stages (no cost model needed)."""
     orders = []
     for s in range(pp):
         warmup = min(pp - s - 1, n)
