@@ -7,7 +7,7 @@ import json
 import sys
 
 from .planning.samples import MIXES
-from .planning.spec import PARTITION_METHODS, SCHEDULES, fast_mode_argument
+from .planning.spec import add_planner_arguments
 
 
 def _plan_parser(sub) -> None:
@@ -23,15 +23,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB", help="per-GPU memory limit (default 36000)")
-    p.add_argument("--cost-model", metavar="NAME|FILE",
-                   help="profiled cost model: a JSON file or a shipped profile's name, e.g. gpt-6.7b-a100 "
-                        "(default: analytical GPT-6.7B on A100)")
-    p.add_argument("--fast-mode", nargs="?", const=True, type=fast_mode_argument, metavar="{true,false,auto}",
-                   help="trim the search for faster planning; bare --fast-mode means true, auto is fast above "
-                        "16 samples (default: DYNAPIPE_FAST_MODE, else false)")
-    p.add_argument("--schedule", action="append", choices=SCHEDULES, help="restrict to these schedules (repeatable)")
-    p.add_argument("--partition", default="dp", choices=PARTITION_METHODS)
-    p.add_argument("--seed", type=int, default=0)
+    add_planner_arguments(p)
     p.add_argument("--pack-length", type=int, help="baseline packing length (default: longest sample rounded up to a power of two)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE", help="write the predicted timeline as Chrome-trace JSON")
@@ -68,13 +60,12 @@ def _run_plan(args) -> int:
     from .planning.planner import generate_execution_plan, resimulate
     from .planning.report import format_summary, summarize
     from .planning.samples import read_lengths, synthetic_lengths
-    from .planning.spec import TrainingSpec
+    from .planning.spec import TrainingSpec, planner_settings
 
     _check_plan_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
     spec = TrainingSpec(num_layers=args.num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
-                        memory_limit_mb=args.memory_limit, fast_mode=args.fast_mode,
-                        schedules=tuple(args.schedule or SCHEDULES), partition=args.partition, seed=args.seed)
+                        memory_limit_mb=args.memory_limit, **planner_settings(args))
     result = generate_execution_plan(lengths, spec, args.cost_model)
     summary = summarize(result, lengths, spec, args.pack_length)
     if args.chrome_trace or args.gantt:

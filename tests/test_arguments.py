@@ -234,3 +234,37 @@ def test_dense_model_gets_a_dispatcher_that_allows_variable_lengths():
     # with variable_seq_lengths even without experts; a dense model is switched to alltoall.
     args = validated(*ON, moe_token_dispatcher_type="allgather")
     assert args.moe_token_dispatcher_type == "alltoall" and args.variable_seq_lengths is True
+
+
+SEARCH = dict(fast_mode="auto", cost_model="gpt-6.7b-a100", schedule=["1f1b"], partition="token_based",
+              recompute=["none", "full"], seed=3, seqlen_round=16, max_permutations=4, tokens_per_microbatch=4096)
+
+
+def _flags(prefix: str) -> list[str]:
+    argv = []
+    for name, value in SEARCH.items():
+        argv += [f"--{prefix}{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def test_plan_and_megatron_flags_give_the_same_search_settings():
+    from megatron_dynapipe.cli import build_parser
+    from megatron_dynapipe.planning.spec import TrainingSpec, planner_settings
+
+    plan_args = build_parser().parse_args(["plan", *_flags("")])
+    job_args = validated(*ON, *_flags("dynapipe-"), num_layers=4, pipeline_model_parallel_size=2,
+                         tensor_model_parallel_size=1, data_parallel_size=1)
+    expected = dict(fast_mode="auto", schedules=("1f1b",), recompute_types=(RecomputeType.NONE, RecomputeType.FULL),
+                    partition="token_based", seed=3, seqlen_round=16, max_permutations=4,
+                    tokens_per_microbatch=4096)
+    assert planner_settings(plan_args) == expected
+    assert planner_settings(job_args, prefix="dynapipe-") == expected
+    spec = training_spec_from_args(job_args)
+    assert {k: getattr(spec, k) for k in expected} == expected
+    assert plan_args.cost_model == job_args.dynapipe_cost_model == "gpt-6.7b-a100"  # a shipped name, accepted
+    assert isinstance(TrainingSpec(**planner_settings(plan_args)), TrainingSpec)
+
+
+def test_a_missing_cost_model_names_the_megatron_flag():
+    with pytest.raises(DynapipeArgumentError, match=r"pass --dynapipe-cost-model PATH .*\(gpt-6.7b-a100\)"):
+        validated(*ON, "--dynapipe-cost-model", "no-such-profile")

@@ -28,18 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..planning.spec import (
-    FAST_MODE_ENV,
-    PARTITION_METHODS,
-    SCHEDULES,
     TrainingSpec,
+    add_planner_arguments,
     fast_mode_from_env,
-    fast_mode_argument,
+    planner_settings,
+    positive_int_argument,
 )
-from ..planning.types import RecomputeType
 
 __all__ = [
     "DynapipeArgumentError",
@@ -67,23 +64,6 @@ class DynapipeArgumentError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
-
-
-def _recompute(text: str) -> RecomputeType:
-    try:
-        return RecomputeType.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _rank_order(text: str) -> str:
     """``tp,cp,ep,dp,pp`` (or Megatron's ``tp-cp-ep-dp-pp``) as Megatron's dash form."""
     parts = [p.strip().lower() for p in text.replace("-", ",").split(",") if p.strip()]
@@ -95,32 +75,9 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g = parser.add_argument_group(title=DYNAPIPE_GROUP)
     g.add_argument("--dynapipe", action="store_true",
                    help="run DynaPipe's planned micro-batches and pipeline schedules in train_step")
-    g.add_argument("--dynapipe-fast-mode", nargs="?", const=True, default=None, type=fast_mode_argument,
-                   metavar="{true,false,auto}",
-                   help=f"trim the planner's search (bare flag: true); without the flag "
-                        f"{FAST_MODE_ENV} applies, else off")
-    g.add_argument("--dynapipe-cost-model", metavar="PATH", default=None,
-                   help="profiled cost model JSON (docs/cost_model.md); default: the analytical GPT "
-                        "cost model")
     g.add_argument("--dynapipe-memory-limit", type=float, metavar="MB", default=None,
                    help="memory per GPU the planned schedule may use, in MB (required with --dynapipe)")
-    g.add_argument("--dynapipe-schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
-                   metavar="NAME", help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} "
-                                        f"(default: all)")
-    g.add_argument("--dynapipe-partition", choices=PARTITION_METHODS, default="dp",
-                   help="micro-batching: dynamic programming (dp, default), token_based or uniform")
-    g.add_argument("--dynapipe-recompute", nargs="+", type=_recompute,
-                   default=list(RecomputeType), metavar="{none,selective,full}",
-                   help="recompute choices the planner may give a micro-batch (default: all)")
-    g.add_argument("--dynapipe-seed", type=int, default=0,
-                   help="seed of the planner's micro-batch order search (default 0)")
-    g.add_argument("--dynapipe-seqlen-round", type=_positive_int, default=8, metavar="N",
-                   help="pad each micro-batch's sequence length to a multiple of N (default 8)")
-    g.add_argument("--dynapipe-max-permutations", type=_positive_int, default=8, metavar="N",
-                   help="micro-batch orders the planner tries per candidate (default 8)")
-    g.add_argument("--dynapipe-tokens-per-microbatch", type=_positive_int, default=8192, metavar="N",
-                   help="token budget of a micro-batch with --dynapipe-partition token_based "
-                        "(default 8192)")
+    add_planner_arguments(g, prefix="dynapipe-")
     g.add_argument("--dynapipe-preprocess-workers", type=int, default=2, metavar="N",
                    help="planning/preprocessing worker processes per node (default 2)")
     g.add_argument("--dynapipe-kv-host", default=None, metavar="HOST",
@@ -139,20 +96,20 @@ def add_tracer_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g = parser.add_argument_group(title=TRACER_GROUP)
     g.add_argument("--is-scaling-mode", action="store_true",
                    help="pretend to be one rank (--fake-current-rank-id) of a --fake-world-size job")
-    g.add_argument("--fake-world-size", type=_positive_int, default=None, metavar="N")
-    g.add_argument("--fake-pp", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--fake-world-size", type=positive_int_argument, default=None, metavar="N")
+    g.add_argument("--fake-pp", type=positive_int_argument, default=None, metavar="N",
                    help="pipeline-parallel size of the pretended job")
-    g.add_argument("--fake-tp", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--fake-tp", type=positive_int_argument, default=None, metavar="N",
                    help="tensor-parallel size of the pretended job")
-    g.add_argument("--fake-dp", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--fake-dp", type=positive_int_argument, default=None, metavar="N",
                    help="data-parallel size (default: world / (tp*pp*cp); checked when given)")
-    g.add_argument("--fake-ep", "--fake-exp", dest="fake_ep", type=_positive_int, default=1,
+    g.add_argument("--fake-ep", "--fake-exp", dest="fake_ep", type=positive_int_argument, default=1,
                    metavar="N", help="expert-parallel size (default 1)")
-    g.add_argument("--fake-num-experts", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--fake-num-experts", type=positive_int_argument, default=None, metavar="N",
                    help="experts per MoE layer (needed with --fake-ep > 1)")
-    g.add_argument("--fake-cp", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--fake-cp", type=positive_int_argument, default=1, metavar="N",
                    help="context-parallel size (default 1)")
-    g.add_argument("--fake-gpus-per-node", type=_positive_int, default=8, metavar="N",
+    g.add_argument("--fake-gpus-per-node", type=positive_int_argument, default=8, metavar="N",
                    help="GPUs per node of the pretended job (default 8)")
     g.add_argument("--fake-current-rank-id", type=int, default=0, metavar="RANK",
                    help="the global rank this process pretends to be (default 0)")
@@ -162,7 +119,7 @@ def add_tracer_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="record the compute and communication ops of some iterations")
     g.add_argument("--trace-start", type=int, default=1, metavar="N",
                    help="iterations to run before tracing starts (warm-up, default 1)")
-    g.add_argument("--trace-iters", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--trace-iters", type=positive_int_argument, default=1, metavar="N",
                    help="iterations to trace (default 1)")
     g.add_argument("--trace-dir", default="traces", metavar="DIR",
                    help="where trace files go (default ./traces)")
@@ -253,11 +210,13 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
     if not limit > 0:
         raise DynapipeArgumentError(f"--dynapipe-memory-limit must be positive, got {limit}: pass the per-GPU MB")
     cost_model = getattr(args, "dynapipe_cost_model", None)
-    if cost_model is not None and not Path(cost_model).is_file():
-        raise DynapipeArgumentError(
-            f"--dynapipe-cost-model {cost_model}: no such file; pass a profiled cost model JSON "
-            "(docs/cost_model.md) or drop the flag for the analytical model"
-        )
+    if cost_model is not None:
+        from ..planning.cost_model import CostModelError, resolve_cost_model_path
+
+        try:
+            resolve_cost_model_path(cost_model, flag="--dynapipe-cost-model")
+        except CostModelError as error:
+            raise DynapipeArgumentError(f"{error}, or drop the flag for the analytical model") from None
     workers = _get(args, "dynapipe_preprocess_workers", 2)
     if workers < 1:
         raise DynapipeArgumentError(
@@ -391,13 +350,6 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         dp=dp,
         zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
         memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
-        fast_mode=getattr(args, "dynapipe_fast_mode", None),
-        schedules=tuple(_get(args, "dynapipe_schedule", SCHEDULES)),
-        recompute_types=tuple(_get(args, "dynapipe_recompute", tuple(RecomputeType))),
-        partition=_get(args, "dynapipe_partition", "dp"),
-        seqlen_round=_get(args, "dynapipe_seqlen_round", 8),
-        tokens_per_microbatch=_get(args, "dynapipe_tokens_per_microbatch", 8192),
-        microbatch_size=_get(args, "micro_batch_size", 8),
-        max_permutations=_get(args, "dynapipe_max_permutations", 8),
-        seed=_get(args, "dynapipe_seed", 0),
+        microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),
+        **planner_settings(args, prefix="dynapipe-"),
     )

@@ -718,9 +718,10 @@ def shipped_profiles() -> dict[str, Path]:
     return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.json"))}
 
 
-def resolve_cost_model_path(name_or_path: str | os.PathLike) -> Path:
+def resolve_cost_model_path(name_or_path: str | os.PathLike, flag: str = "--cost-model") -> Path:
     """An existing file as given, else the shipped profile of that name (``gpt-6.7b-a100``,
-    with or without ``.json``); a path that is neither raises CostModelError naming both."""
+    with or without ``.json``); a path that is neither raises CostModelError naming both and
+    the ``flag`` that takes them."""
     path = Path(name_or_path)
     if path.is_file():
         return path
@@ -729,7 +730,7 @@ def resolve_cost_model_path(name_or_path: str | os.PathLike) -> Path:
     if path.parent == Path(".") and name in shipped:
         return shipped[name]
     raise CostModelError(
-        f"cost model file {os.fspath(name_or_path)} not found: pass --cost-model PATH to a JSON file in the "
+        f"cost model file {os.fspath(name_or_path)} not found: pass {flag} PATH to a JSON file in the "
         f"format of docs/cost_model.md, or a shipped profile ({', '.join(shipped) or 'none'})"
     )
 

@@ -117,3 +117,78 @@ class TrainingSpec:
                 f"unknown partition method {self.partition!r}: choose from {', '.join(PARTITION_METHODS)}"
             )
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
+
+
+# --------------------------------------------------------------------------------------------
+# the planner's search settings as command-line flags, the same on every surface
+
+
+def positive_int_argument(text: str) -> int:
+    """argparse ``type`` of a count that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def recompute_argument(text: str) -> RecomputeType:
+    """argparse ``type`` of a recompute choice (none, selective, full)."""
+    try:
+        return RecomputeType.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_planner_arguments(group, prefix: str = "") -> None:
+    """Add the planner's search settings to an argparse parser or group: ``--{prefix}fast-mode``,
+    ``cost-model``, ``schedule``, ``partition``, ``recompute``, ``seed``, ``seqlen-round``,
+    ``max-permutations`` and ``tokens-per-microbatch``.  ``megatron-dynapipe plan`` adds them bare,
+    a Megatron job with ``prefix="dynapipe-"``; :func:`planner_settings` reads them back."""
+    d = TrainingSpec
+
+    def add(name: str, **kwargs) -> None:
+        group.add_argument(f"--{prefix}{name}", **kwargs)
+
+    add("fast-mode", nargs="?", const=True, default=None, type=fast_mode_argument, metavar="{true,false,auto}",
+        help=f"trim the planner's search (bare flag: true; auto: fast above {AUTO_FAST_MODE_MIN_SAMPLES - 1} "
+             f"samples); without the flag {FAST_MODE_ENV} applies, else off")
+    add("cost-model", default=None, metavar="NAME|FILE",
+        help="profiled cost model: a JSON file (docs/cost_model.md) or a shipped profile's name, e.g. "
+             "gpt-6.7b-a100 (default: the analytical GPT cost model)")
+    add("schedule", nargs="+", choices=SCHEDULES, default=list(d.schedules), metavar="NAME",
+        help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} (default: all)")
+    add("partition", choices=PARTITION_METHODS, default=d.partition,
+        help="micro-batching: dynamic programming (dp, default), token_based or uniform")
+    add("recompute", nargs="+", type=recompute_argument, default=list(d.recompute_types),
+        metavar="{none,selective,full}", help="recompute choices the planner may give a micro-batch (default: all)")
+    add("seed", type=int, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
+    add("seqlen-round", type=positive_int_argument, default=d.seqlen_round, metavar="N",
+        help=f"pad each micro-batch's sequence length to a multiple of N (default {d.seqlen_round})")
+    add("max-permutations", type=positive_int_argument, default=d.max_permutations, metavar="N",
+        help=f"micro-batch orders the planner tries per candidate (default {d.max_permutations})")
+    add("tokens-per-microbatch", type=positive_int_argument, default=d.tokens_per_microbatch, metavar="N",
+        help=f"token budget of a micro-batch with --{prefix}partition token_based (default {d.tokens_per_microbatch})")
+
+
+def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
+    """The :class:`TrainingSpec` search fields from flags added by :func:`add_planner_arguments`
+    (a flag missing from ``args`` keeps the field's default)."""
+    def get(name: str, default):
+        value = getattr(args, (prefix + name).replace("-", "_"), None)
+        return default if value is None else value
+
+    d = TrainingSpec
+    return dict(
+        fast_mode=get("fast-mode", None),
+        schedules=tuple(get("schedule", d.schedules)),
+        recompute_types=tuple(get("recompute", d.recompute_types)),
+        partition=get("partition", d.partition),
+        seed=get("seed", d.seed),
+        seqlen_round=get("seqlen-round", d.seqlen_round),
+        max_permutations=get("max-permutations", d.max_permutations),
+        tokens_per_microbatch=get("tokens-per-microbatch", d.tokens_per_microbatch),
+    )
+
