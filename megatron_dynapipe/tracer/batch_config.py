@@ -307,42 +307,26 @@ def validate(config: TraceConfig) -> list[str]:
     divisible by micro-batch × DP (and consistent with the number of micro-batches when both are
     given); the model's split (:func:`~.topology.model_problems`).
     """
-    c, m = config, config.model
-    reasons: list[str] = []
-    names = {
-        "world_size": "world size", "pp": "PP", "tp": "TP", "cp": "CP", "ep": "EP",
-        "micro_batch_size": "micro-batch size", "num_microbatches": "number of micro-batches",
-        "global_batch_size": "global batch size", "seq_length": "sequence length",
-    }
-    for key, label in names.items():
-        value = getattr(c, key)
-        if value is None and key in ("num_microbatches", "global_batch_size", "seq_length"):
-            continue
-        if not is_positive_int(value):
-            reasons.append(f"{label} must be a positive integer, got {_describe_value(value)}")
-    if reasons:
-        return reasons
-
+    c = config
+    batch = {"micro-batch size": c.micro_batch_size, "number of micro-batches": c.num_microbatches,
+             "global batch size": c.global_batch_size, "sequence length": c.seq_length}
+    reasons = [f"{label} must be a positive integer, got {_describe_value(value)}" for label, value in batch.items()
+               if not (value is None and label != "micro-batch size") and not is_positive_int(value)]
     layout = layout_problems(c.world_size, c.tp, c.pp, c.cp, c.ep, names=LINE_NAMES)
-    reasons += layout
-    dp = c.dp
-    if dp and not layout:
-        per_step = c.micro_batch_size * dp
-        if c.global_batch_size is not None and c.global_batch_size % per_step:
-            reasons.append(
-                f"global batch {c.global_batch_size} is not divisible by micro-batch × DP = "
-                f"{c.micro_batch_size}×{dp} = {per_step}"
-            )
-        elif (
-            c.global_batch_size is not None
-            and c.num_microbatches is not None
-            and c.global_batch_size != per_step * c.num_microbatches
-        ):
-            reasons.append(
-                f"global batch {c.global_batch_size} != micro-batch × micro-batches × DP = "
-                f"{c.micro_batch_size}×{c.num_microbatches}×{dp} = {per_step * c.num_microbatches}"
-            )
-        elif c.global_batch_size is not None and c.global_batch_size < per_step:
-            reasons.append(f"global batch {c.global_batch_size} is smaller than micro-batch × DP = {per_step}")
-    reasons += model_problems(m, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
-    return reasons
+    if reasons or not all(is_positive_int(v) for v in (c.world_size, c.tp, c.pp, c.cp, c.ep)):
+        return layout + reasons  # sizes that are not counts: the rules below cannot be read
+    reasons = layout or _global_batch_problems(c)
+    return reasons + model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
+
+
+def _global_batch_problems(c: TraceConfig) -> list[str]:
+    per_step = c.micro_batch_size * c.dp
+    gbs = c.global_batch_size
+    if gbs is None:
+        return []
+    if gbs % per_step:
+        return [f"global batch {gbs} is not divisible by micro-batch × DP = {c.micro_batch_size}×{c.dp} = {per_step}"]
+    if c.num_microbatches is not None and gbs != per_step * c.num_microbatches:
+        return [f"global batch {gbs} != micro-batch × micro-batches × DP = "
+                f"{c.micro_batch_size}×{c.num_microbatches}×{c.dp} = {per_step * c.num_microbatches}"]
+    return []  # a positive multiple of micro-batch × DP is at least one step
