@@ -1,4 +1,4 @@
-"""`megatron-dynapipe` command line: plan a batch, trace fake ranks, run benchmarks."""
+"""`megatron-dynapipe` command line: plan a batch, trace fake ranks, profile a model, run benchmarks."""
 
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .megatron.launcher import add_launch_parser
 
     add_launch_parser(sub)
+    from .profiling.cli import add_profile_parser
+
+    add_profile_parser(sub)
     _bench_parser(sub)
     return parser
 

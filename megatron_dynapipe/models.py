@@ -27,8 +27,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["MODELS", "ModelSpec", "get_model", "model_names"]
+__all__ = ["MODELS", "ModelSpec", "get_model", "model_names", "add_model_arguments", "model_from_args"]
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 #: Bytes per parameter while training in fp32 on CPU: weight, gradient, Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
 #: Bytes per activation element kept for backward (fp32 on CPU).
@@ -64,6 +66,11 @@ class ModelSpec:
     moe_expert_capacity_factor: Optional[float] = None
     moe_pad_expert_input_to_capacity: bool = False
     share_embeddings_and_output_weights: bool = True
+    #: grouped-query attention: key/value heads (None: one per attention head, Megatron's default)
+    num_query_groups: Optional[int] = None
+    swiglu: bool = False
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    position_embedding_type: str = "learned_absolute"  # or "rope"
     init_method_std: float = 0.02
     name: str = ""
 
@@ -81,6 +88,20 @@ class ModelSpec:
             raise ValueError(
                 f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention "
                 f"heads; pick a hidden size that is a multiple of {self.num_attention_heads}")
+        groups = self.query_groups
+        if not _is_pos_int(groups) or self.num_attention_heads % groups:
+            raise ValueError(f"num_query_groups {self.num_query_groups!r} must divide the {self.num_attention_heads} "
+                             "attention heads")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization {self.normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding_type {self.position_embedding_type!r}: use one of "
+                             f"{', '.join(POSITION_EMBEDDINGS)}")
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, else one per attention head."""
+        return self.num_query_groups or self.num_attention_heads
 
     @classmethod
     def from_any(cls, model: "ModelSpec | str | Mapping[str, Any]") -> "ModelSpec":
@@ -104,7 +125,12 @@ class ModelSpec:
             max_sequence_length=max(seq, getattr(args, "max_position_embeddings", None) or seq),
             ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
             num_experts=getattr(args, "num_experts", None) or 0,
-            share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False))
+            share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+            num_query_groups=getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True)
+            else None,
+            swiglu=bool(getattr(args, "swiglu", False)),
+            normalization=getattr(args, "normalization", None),
+            position_embedding_type=getattr(args, "position_embedding_type", None))
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
@@ -121,17 +147,29 @@ class ModelSpec:
     # ---- sizes -----------------------------------------------------------------------------
 
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (attention, MLP, two layer norms, biases)."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        attention = 4 * h * h + 4 * h
-        mlp = 2 * h * f + f + h
+        """Parameters of one transformer layer (attention, MLP, two norms, biases)."""
+        h = self.hidden_size
+        kv = 2 * h * self.query_groups // self.num_attention_heads  # key and value widths
+        attention = (h + kv) * h + (h + kv) + h * h + h  # QKV and output projections, biases
+        mlp = self.expert_params()
         if self.num_experts:
             mlp *= self.num_experts
-        return attention + mlp + 4 * h
+        return attention + mlp + self.norm_params()
+
+    def expert_params(self) -> int:
+        """Parameters of one MLP (one expert): ``fc1`` (doubled by SwiGLU's gate), ``fc2``, biases."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        up = 2 * f if self.swiglu else f
+        return h * up + up + f * h + h
+
+    def norm_params(self) -> int:
+        """The two norms of a layer: weight and bias each (LayerNorm) or weight only (RMSNorm)."""
+        return 2 * self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
 
     def embedding_params(self) -> int:
-        """Word plus position embeddings."""
-        return self.vocab_size * self.hidden_size + self.max_sequence_length * self.hidden_size
+        """Word embeddings, plus position embeddings when they are learned."""
+        positions = self.max_sequence_length if self.position_embedding_type == "learned_absolute" else 0
+        return (self.vocab_size + positions) * self.hidden_size
 
     def total_params(self) -> int:
         """Parameters of the whole model (output layer tied to the word embedding)."""
@@ -146,15 +184,14 @@ class ModelSpec:
         layers = -(-self.num_layers // pp)
         per_layer = self.layer_params()
         if self.num_experts:
-            h, f = self.hidden_size, self.ffn_hidden_size
-            expert = 2 * h * f + f + h
+            expert = self.expert_params()
             per_layer -= expert * self.num_experts
             per_layer += expert * -(-self.num_experts // ep)
         params = layers * per_layer // tp
         if stage == 0 or stage == pp - 1:
             params += self.vocab_size * self.hidden_size // tp
         if stage == 0:
-            params += self.max_sequence_length * self.hidden_size
+            params += self.embedding_params() - self.vocab_size * self.hidden_size
         return params
 
     def training_bytes(
@@ -230,6 +267,14 @@ class ModelSpec:
             args.append("--untie-embeddings-and-output-weights")
         if self.num_experts:
             args += ["--num-experts", str(self.num_experts)]
+        if self.num_query_groups:
+            args += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
+        if self.swiglu:
+            args.append("--swiglu")
+        if self.normalization != "LayerNorm":
+            args += ["--normalization", self.normalization]
+        if self.position_embedding_type != "learned_absolute":
+            args += ["--position-embedding-type", self.position_embedding_type]
         return args
 
 
@@ -285,3 +330,42 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
     if shape is None:
         raise ValueError(f"unknown model {name!r}; use one of {', '.join(MODELS)}")
     return shape
+
+
+# --------------------------------------------------------------------------------------------
+# the model as command-line flags: a named size, Megatron-LM's own flags, or both
+
+
+def add_model_arguments(parser) -> None:
+    """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning);
+    :func:`model_from_args` reads them back."""
+    g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
+    g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)}")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
+                 "--vocab-size", "--max-position-embeddings"):
+        g.add_argument(flag, type=int, metavar="N")
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--normalization", choices=NORMALIZATIONS)
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+
+
+def model_from_args(args) -> ModelSpec:
+    """The model of :func:`add_model_arguments`' flags; ValueError (one line) when they describe none."""
+    fields = {name: getattr(args, flag) for name, flag in (
+        ("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_attention_heads"),
+        ("num_query_groups", "num_query_groups"), ("ffn_hidden_size", "ffn_hidden_size"), ("vocab_size", "vocab_size"),
+        ("max_sequence_length", "max_position_embeddings"), ("swiglu", "swiglu"), ("normalization", "normalization"),
+        ("position_embedding_type", "position_embedding_type")) if getattr(args, flag, None) is not None}
+    if getattr(args, "untie_embeddings_and_output_weights", None):
+        fields["share_embeddings_and_output_weights"] = False
+    if args.model:
+        base = get_model(args.model)
+        if "hidden_size" in fields:
+            fields.setdefault("ffn_hidden_size", None)  # 4 x the new hidden size, as Megatron-LM defaults
+        return dataclasses.replace(base, **fields, name=base.name if not fields else "")
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads") if n not in fields]
+    if missing:
+        raise ValueError(f"no model given: pass --model NAME ({', '.join(MODELS)}) or {', '.join(missing)}")
+    return ModelSpec(**fields)
+

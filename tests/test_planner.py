@@ -136,8 +136,11 @@ def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
 def test_clear_errors(costs_pp4):
     with pytest.raises(PlanningError, match="empty"):
         generate_execution_plan([], TrainingSpec(), costs_pp4)
-    with pytest.raises(PlanningError, match="9000 tokens fits no micro-batch"):
+    # the reference profile stops at 8192 tokens; at 8192 one sample needs more than 40 GB
+    with pytest.raises(PlanningError, match="no times for a sample of 9000 tokens .* profile longer sequences"):
         generate_execution_plan([100, 9000], TrainingSpec(), costs_pp4)
+    with pytest.raises(PlanningError, match="8192 tokens fits no micro-batch .* raise the memory limit"):
+        generate_execution_plan([100, 8192], TrainingSpec(memory_limit_mb=40_000), costs_pp4)
     with pytest.raises(PlanningError, match="model state alone needs .* raise the memory limit"):
         generate_execution_plan([100], TrainingSpec(memory_limit_mb=20_000), costs_pp4)
     with pytest.raises(ValueError, match="unknown schedule"):

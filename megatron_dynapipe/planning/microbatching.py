@@ -144,6 +144,11 @@ def partition_dp(
         return []
     padded = round_up(sorted_lengths, round_to)
     if not np.isfinite(_evaluate(costs, 1, padded[-1], recompute, memory_limit_mb)):
+        longest = int(padded[-1])
+        if not any(np.isfinite(costs.forward_ms(0, 1, longest, rc)) for rc in _types(recompute)):
+            raise MicroBatchingError(
+                f"the cost model has no times for a sample of {int(sorted_lengths[-1])} tokens (padded to {longest}): "
+                "profile longer sequences (megatron-dynapipe profile --max-seq-length) or truncate long samples")
         raise MicroBatchingError(
             f"a sample of {int(sorted_lengths[-1])} tokens fits no micro-batch with recompute "
             f"{'/'.join(rc.label for rc in _types(recompute))} under {memory_limit_mb:.0f} MB: raise the memory limit, use more "

@@ -1,0 +1,104 @@
+"""``megatron-dynapipe profile``: a cost model of the user's model, measured on this device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..models import add_model_arguments
+from ..planning.spec import positive_int_argument, recompute_argument
+from ..planning.types import RecomputeType
+
+__all__ = ["add_profile_parser", "run_profile"]
+
+
+def add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure a GPT's layers on this device into a cost-model file",
+                       description=__doc__)
+    add_model_arguments(p)
+    p.add_argument("--tp", nargs="+", type=positive_int_argument, default=[1], metavar="N",
+                   help="tensor-parallel sizes to profile (default 1)")
+    p.add_argument("--recompute", nargs="+", type=recompute_argument, default=list(RecomputeType),
+                   metavar="{none,selective,full}", help="recompute types to profile (default: all three)")
+    dtype = p.add_mutually_exclusive_group()
+    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
+    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to measure (default: cuda when there is one, else cpu)")
+    p.add_argument("--min-seq-length", type=positive_int_argument, default=32, metavar="N",
+                   help="shortest sequence length profiled (default 32)")
+    p.add_argument("--max-seq-length", type=positive_int_argument, metavar="N",
+                   help="longest sequence length profiled (default: the model's --max-position-embeddings)")
+    p.add_argument("--max-tokens", type=positive_int_argument, metavar="N",
+                   help="largest micro-batch in tokens, mbs x seqlen (default 16 x --max-seq-length; a row also "
+                        "stops where memory runs out)")
+    p.add_argument("--repeats", type=positive_int_argument, default=3, metavar="N",
+                   help="timed runs per point, of which the median is kept (default 3)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs per point first (default 1)")
+    p.add_argument("--output", "-o", required=True, metavar="FILE.json", help="the cost-model file to write")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--force", action="store_true", help="overwrite an existing --output")
+    again.add_argument("--resume", action="store_true", help="go on with an interrupted --output")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="draw no progress bar")
+    p.set_defaults(func=run_profile, dtype="fp32")
+
+
+def _checked(args):
+    """Everything refusable before any work, one line each that names the fix."""
+    import torch
+
+    from ..files import check_output_file
+    from ..models import model_from_args
+    from .profiler import ProfileSettings
+
+    spec = model_from_args(args)
+    output = check_output_file(args.output, "--output", (".json",))
+    if output.exists() and not (args.force or args.resume):
+        raise ValueError(f"--output {output} exists: pass --resume to go on with it or --force to overwrite it")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA device; use --device cpu")
+    for tp in args.tp:
+        for what, n in (("attention heads", spec.num_attention_heads), ("query groups", spec.query_groups),
+                        ("FFN width", spec.ffn_hidden_size)):
+            if n % tp:
+                raise ValueError(f"--tp {tp} does not divide the model's {n} {what}: profile TP sizes that divide it")
+    max_seq = args.max_seq_length or spec.max_sequence_length
+    if spec.position_embedding_type == "learned_absolute" and max_seq > spec.max_sequence_length:
+        raise ValueError(f"--max-seq-length {max_seq} exceeds the model's {spec.max_sequence_length} learned positions: "
+                         f"lower it or raise --max-position-embeddings")
+    if args.min_seq_length > max_seq:
+        raise ValueError(f"--min-seq-length {args.min_seq_length} is above --max-seq-length {max_seq}")
+    settings = ProfileSettings(
+        tp_sizes=tuple(dict.fromkeys(args.tp)), recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
+        min_seq_length=args.min_seq_length, max_seq_length=max_seq, max_tokens=args.max_tokens or 16 * max_seq,
+        warmup=max(0, args.warmup), repeats=args.repeats)
+    return spec, output, settings, torch.device(device)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from ..progress import progress_bar, progress_enabled
+    from .profiler import profile_model
+
+    spec, output, settings, device = _checked(args)
+    print(f"profiling {spec.label} ({spec.num_layers} layers, hidden {spec.hidden_size}) on {device.type}, "
+          f"{settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: about {settings.grid_points()} points",
+          file=sys.stderr)
+    stream = sys.stderr
+    with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
+        task = bar.add_task("profile", total=settings.grid_points())
+
+        def progress(what: str) -> None:
+            bar.update(task, description=what, advance=1)
+
+        try:
+            doc = profile_model(spec, output, settings, device=device, resume=args.resume, progress=progress)
+        except KeyboardInterrupt:
+            print(f"interrupted: {output} holds what was measured; run again with --resume to go on",
+                  file=sys.stderr)
+            return 130
+    points = len({(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]})
+    print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
+          f"plan with --cost-model {output}")
+    return 0

@@ -1,0 +1,159 @@
+"""Time and memory of one forward and backward, on CUDA or on the CPU.
+
+Times: CUDA events on a GPU, the wall clock on the CPU; warm-up runs first, then the median of
+``repeats`` runs, with their spread.  Memory, in bytes: on CUDA the caching allocator's counters
+(exact); on the CPU, which keeps no counters, the bytes of every tensor that operations create,
+counted while they are alive (:class:`LiveBytes`).
+
+*Stored* is what stays allocated from the end of the forward until the backward runs (the
+layer's output included: it is the next layer's input).  *Peak* is the most allocated on top of
+that, at any moment of the forward or of the backward (temporaries, re-materialised activations,
+activation gradients).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median milliseconds of a forward and of its backward over the repeats, and their spreads
+    (max - min, ms)."""
+
+    forward_ms: float
+    backward_ms: float
+    forward_spread_ms: float
+    backward_spread_ms: float
+
+
+@dataclass(frozen=True)
+class Memory:
+    stored_bytes: int
+    peak_bytes: int
+
+
+Step = Callable[[], torch.Tensor]  # runs a forward, returns what backward starts from
+
+
+def _backward(out: torch.Tensor) -> None:
+    out.backward(torch.ones_like(out))
+
+
+def time_step(forward: Step, device: torch.device, *, warmup: int = 1, repeats: int = 3) -> Timing:
+    """Time ``forward()`` and the backward of its result (a gradient of ones)."""
+    for _ in range(warmup):
+        _backward(forward())
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        f, b = (_time_cuda if device.type == "cuda" else _time_wall)(forward)
+        fwd.append(f)
+        bwd.append(b)
+    return Timing(statistics.median(fwd), statistics.median(bwd), max(fwd) - min(fwd), max(bwd) - min(bwd))
+
+
+def _time_wall(forward: Step) -> tuple[float, float]:
+    start = time.perf_counter()
+    out = forward()
+    middle = time.perf_counter()
+    _backward(out)
+    return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
+
+
+def _time_cuda(forward: Step) -> tuple[float, float]:
+    start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    torch.cuda.synchronize()
+    start.record()
+    out = forward()
+    middle.record()
+    _backward(out)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(middle), middle.elapsed_time(end)
+
+
+def measure_memory(forward: Step, device: torch.device) -> Memory:
+    """Stored and peak bytes of one forward and backward (module docstring)."""
+    if device.type == "cuda":
+        return _memory_cuda(forward)
+    with LiveBytes() as live:
+        base = live.now
+        out = forward()
+        stored = live.now - base
+        forward_peak = live.peak
+        live.peak = live.now
+        _backward(out)
+        backward_peak = live.peak
+    return Memory(stored, max(forward_peak, backward_peak) - base - stored)
+
+
+def _memory_cuda(forward: Step) -> Memory:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = forward()
+    torch.cuda.synchronize()
+    stored = torch.cuda.memory_allocated() - base
+    _backward(out)
+    torch.cuda.synchronize()
+    return Memory(stored, max(0, torch.cuda.max_memory_allocated() - base - stored))
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors that operations create while they are alive.
+
+    A tensor's storage is counted once, when an operation first returns it, and released when
+    that tensor is collected.  Views share their base's storage and are not counted again; a view
+    that outlives its base is released with the base (so the count can run a little low, never
+    high).  Recomputation inside a backward is counted too: the autograd engine carries the mode.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.peak = 0
+        self._live: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in _tensors(out):
+            self._count(tensor)
+        return out
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._live or storage.nbytes() == 0:
+            return
+        self._live.add(key)
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(tensor, self._release, key, storage.nbytes())
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if key in self._live:
+            self._live.discard(key)
+            self.now -= nbytes
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the device running out of memory (an infeasible point, not a crash)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())

@@ -1,0 +1,280 @@
+"""Profile a GPT's layers on this device into a cost-model file (docs/cost_model.md).
+
+For each tensor-parallel size, each recompute type, and each point of a grid of sequence
+lengths and micro-batch sizes: the forward and backward time of one transformer layer and of the
+last stage's head (final norm, LM head and loss), the layer's stored and peak activation memory,
+and the 16-bit parameter memory of a layer and of the embeddings.
+
+The grid is geometric: sequence lengths double from ``min_seq_length`` to ``max_seq_length``,
+micro-batch sizes double from 1 while ``mbs * seqlen <= max_tokens``; a row stops growing at the
+first out-of-memory (an infeasible point, which the cost model then prices ``inf``).  Where the
+time per token still bends between two profiled lengths, the length between them is profiled
+too (``refine_tolerance``), since the cost model interpolates linearly in between.
+
+The file is rewritten atomically after every sequence length with ``"complete": false`` in its
+metadata; a profile that stopped (Ctrl-C, a crash) resumes from it where it stopped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..files import write_atomically
+from ..models import ModelSpec
+from ..planning.types import RecomputeType
+from .layers import DTYPES, build_parts, fake_tp_rank, uses_transformer_engine
+from .measure import is_out_of_memory, measure_memory, time_step
+
+__all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+MB = 2**20
+
+
+class ProfileError(ValueError):
+    """A profile cannot be made as asked; the message is one line that names the fix."""
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    tp_sizes: tuple[int, ...] = (1,)
+    recompute: tuple[RecomputeType, ...] = tuple(RecomputeType)
+    dtype: str = "fp32"
+    min_seq_length: int = 32
+    max_seq_length: int = 2048
+    max_tokens: int = 16384
+    warmup: int = 1
+    repeats: int = 3
+    refine_tolerance: float = 0.1  # interpolation error that earns a length between two profiled ones
+    max_refinements: int = 2
+
+    def seq_lengths(self) -> list[int]:
+        seqs, seq = [], self.min_seq_length
+        while seq < self.max_seq_length:
+            seqs.append(seq)
+            seq *= 2
+        return seqs + [self.max_seq_length]
+
+    def grid_points(self) -> int:
+        """Points of the geometric grid (rows may stop earlier; refinement may add some)."""
+        per_tp = sum(len(list(self.micro_batch_sizes(seq))) for seq in self.seq_lengths())
+        return per_tp * len(self.recompute) * len(self.tp_sizes)
+
+    def micro_batch_sizes(self, seq: int) -> Iterable[int]:
+        mbs = 1
+        while mbs * seq <= max(self.max_tokens, seq):
+            yield mbs
+            mbs *= 2
+
+
+@dataclass
+class _Profile:
+    """The file being written: its records, keyed so that a resumed profile skips what it has."""
+
+    spec: ModelSpec
+    settings: ProfileSettings
+    device: torch.device
+    times: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, layer, phase, seq, mbs) -> ms
+    memory: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, kind, seq, mbs) -> MB
+    params: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, layer) -> MB
+    spread: dict[tuple, float] = field(default_factory=dict)  # same keys as times -> ms
+    infeasible: set[tuple] = field(default_factory=set)  # (tp, rc, seq, mbs)
+
+    def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
+        return (tp, rc.label, "encoder", "forward", seq, mbs) in self.times or (tp, rc.label, seq, mbs) in self.infeasible
+
+    def document(self, complete: bool) -> dict[str, Any]:
+        return {
+            "name": f"{self.spec.label} on {device_name(self.device)}",
+            "source": f"megatron-dynapipe profile, {device_name(self.device)}, {self.settings.dtype}",
+            "hidden_size": self.spec.hidden_size,
+            "metadata": self.metadata(complete),
+            "layer_time": [dict(tp=k[0], recompute=k[1], layer=k[2], phase=k[3], seqlen=k[4], mbs=k[5],
+                                ms=round(v, 4), spread_ms=round(self.spread.get(k, 0.0), 4))
+                           for k, v in sorted(self.times.items())],
+            "activation_memory": [dict(tp=k[0], recompute=k[1], layer="encoder", kind=k[2], seqlen=k[3], mbs=k[4],
+                                       mb=round(v, 4)) for k, v in sorted(self.memory.items())],
+            "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
+                                   for k, v in sorted(self.params.items())],
+            "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
+        }
+
+    def metadata(self, complete: bool) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "format_version": FORMAT_VERSION,
+            "complete": complete,
+            "device": device_name(self.device),
+            "device_type": self.device.type,
+            "dtype": s.dtype,
+            "layer_spec": "transformer_engine" if uses_transformer_engine(self.device) else "local",
+            "versions": _versions(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": self.spec.to_json(),
+            "megatron_args": self.spec.megatron_args(),
+            "settings": {"tp_sizes": list(s.tp_sizes), "recompute": [r.label for r in s.recompute],
+                         "min_seq_length": s.min_seq_length, "max_seq_length": s.max_seq_length,
+                         "max_tokens": s.max_tokens, "warmup": s.warmup, "repeats": s.repeats,
+                         "refine_tolerance": s.refine_tolerance},
+        }
+
+    @classmethod
+    def resumed(cls, doc: dict, spec: ModelSpec, settings: ProfileSettings, device: torch.device) -> "_Profile":
+        meta = doc.get("metadata") or {}
+        mismatch = [what for what, mine, theirs in (
+            ("model", spec.to_json(), meta.get("model")), ("dtype", settings.dtype, meta.get("dtype")),
+            ("device", device_name(device), meta.get("device"))) if mine != theirs]
+        if mismatch:
+            raise ProfileError(f"cannot resume: the existing profile has another {', '.join(mismatch)}; "
+                               "pass --force to start over or another --output")
+        profile = cls(spec, settings, device)
+        for r in doc.get("layer_time", []):
+            key = (r["tp"], r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"])
+            profile.times[key], profile.spread[key] = r["ms"], r.get("spread_ms", 0.0)
+        for r in doc.get("activation_memory", []):
+            profile.memory[(r["tp"], r["recompute"], r["kind"], r["seqlen"], r["mbs"])] = r["mb"]
+        for r in doc.get("model_state_memory", []):
+            profile.params[(r["tp"], r["recompute"], r["layer"])] = r["mb"]
+        profile.infeasible = {(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc.get("infeasible", [])}
+        return profile
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"torch": torch.__version__}
+    for name in ("megatron-core", "megatron-dynapipe", "transformer-engine"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+Progress = Callable[[str], None]  # called before each point with what it measures
+
+
+def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileSettings, *,
+                  device: torch.device, resume: bool = False, progress: Progress | None = None) -> dict:
+    """Profile ``spec`` on ``device`` into ``output`` (module docstring); returns the document."""
+    output = Path(output)
+    profile = _Profile(spec, settings, device)
+    if resume and output.exists():
+        profile = _Profile.resumed(json.loads(output.read_text()), spec, settings, device)
+    for tp in settings.tp_sizes:
+        with fake_tp_rank(tp, device):
+            _profile_tp(profile, tp, output, progress or (lambda what: None))
+    doc = profile.document(complete=True)
+    write_atomically(output, json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) -> None:
+    s = profile.settings
+    dtype = DTYPES[s.dtype]
+    parts = {rc: build_parts(profile.spec, tp, dtype, profile.device, rc) for rc in s.recompute}
+    for rc, p in parts.items():
+        profile.params[(tp, rc.label, "encoder")] = p.encoder_params * 2 / MB  # 16-bit, as the format says
+        profile.params[(tp, rc.label, "embedding")] = p.embedding_params * 2 / MB
+    seqs = s.seq_lengths()
+    for seq in seqs:
+        _profile_row(profile, parts, tp, seq, output, progress)
+    _refine(profile, parts, tp, seqs, output, progress)
+
+
+def _profile_row(profile: _Profile, parts: dict, tp: int, seq: int, output: Path, progress: Progress) -> None:
+    """Every micro-batch size of one sequence length, each recompute type until it runs out."""
+    open_rows = set(parts)
+    for mbs in profile.settings.micro_batch_sizes(seq):
+        for rc in [rc for rc in parts if rc in open_rows]:
+            if profile.has(tp, rc, seq, mbs):  # measured before this profile resumed
+                if (tp, rc.label, seq, mbs) in profile.infeasible:
+                    open_rows.discard(rc)
+                continue
+            progress(f"tp {tp} {rc.label} seq {seq} mbs {mbs}")
+            if not _measure_point(profile, parts[rc], tp, rc, seq, mbs):
+                open_rows.discard(rc)
+        if not open_rows:
+            break
+    write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
+
+
+def _measure_point(profile: _Profile, parts, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
+    """Measure one point into ``profile``; False when it does not fit in memory."""
+    s, device = profile.settings, profile.device
+    dtype = DTYPES[s.dtype]
+    hidden = profile.spec.hidden_size
+    try:
+        x = torch.randn(seq, mbs, hidden, device=device, dtype=dtype, requires_grad=True)
+        labels = torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)
+        encoder = time_step(lambda: parts.encoder(x), device, warmup=s.warmup, repeats=s.repeats)
+        memory = measure_memory(lambda: parts.encoder(x), device)
+        head = time_step(lambda: parts.postprocess(x, labels), device, warmup=s.warmup, repeats=s.repeats)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        _release(device)
+        profile.infeasible.add((tp, rc.label, seq, mbs))
+        return False
+    key = (tp, rc.label)
+    for layer, timing in (("encoder", encoder), ("postprocess", head)):
+        for phase, ms, spread in (("forward", timing.forward_ms, timing.forward_spread_ms),
+                                  ("backward", timing.backward_ms, timing.backward_spread_ms)):
+            profile.times[(*key, layer, phase, seq, mbs)] = ms
+            profile.spread[(*key, layer, phase, seq, mbs)] = spread
+    profile.memory[(*key, "stored", seq, mbs)] = memory.stored_bytes / MB
+    profile.memory[(*key, "peak", seq, mbs)] = memory.peak_bytes / MB
+    return True
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _refine(profile: _Profile, parts: dict, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
+    """Profile a length between two profiled ones wherever the linear interpolation the cost
+    model does between them misses a probe there by more than the tolerance."""
+    seqs = sorted(seqs)
+    for _ in range(profile.settings.max_refinements):
+        between = [m for a, b in zip(seqs, seqs[1:]) if (m := _midpoint(a, b)) and _bends(profile, parts, tp, a, m, b)]
+        if not between:
+            return
+        for seq in between:
+            _profile_row(profile, parts, tp, seq, output, progress)
+        seqs = sorted(seqs + between)
+
+
+def _midpoint(short: int, long: int) -> int | None:
+    """A multiple of 8 strictly between (the planner pads lengths to multiples of 8), if any."""
+    middle = (short + long) // 16 * 8
+    return middle if short < middle < long else None
+
+
+def _bends(profile: _Profile, parts: dict, tp: int, short: int, middle: int, long: int) -> bool:
+    """Whether one layer's forward at ``middle`` tokens (``mbs=1``, the first recompute type)
+    is off the straight line between ``short`` and ``long`` by more than the tolerance."""
+    rc = profile.settings.recompute[0]
+    a = profile.times.get((tp, rc.label, "encoder", "forward", short, 1))
+    b = profile.times.get((tp, rc.label, "encoder", "forward", long, 1))
+    if a is None or b is None:
+        return False  # a row that does not reach mbs=1 there is not interpolated either
+    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[profile.settings.dtype],
+                    requires_grad=True)
+    probe = time_step(lambda: parts[rc].encoder(x), profile.device, warmup=1, repeats=profile.settings.repeats)
+    line = a + (b - a) * (middle - short) / (long - short)
+    return abs(probe.forward_ms - line) > profile.settings.refine_tolerance * probe.forward_ms

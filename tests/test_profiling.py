@@ -1,0 +1,181 @@
+"""`megatron-dynapipe profile`: real megatron-core layers measured on this CPU into a cost model.
+
+Memory on the CPU is counted exactly (fp32, no dropout), so it is checked against independent
+formulas: the parameter count of a layer shard, what full recompute keeps (the output, s·b·h),
+what selective keeps (16·s·b·h elements: Korthikanti et al. 2022's 34·s·b·h 16-bit bytes without
+the two dropout masks), and what the attention core adds without recompute (its softmax output,
+a·s²·b elements per TP rank, plus the s² bytes of the causal mask).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dynapipe.planning.cost_model import load_cost_model
+
+MB = 2**20
+FLOAT = 4  # fp32 bytes
+TINY = dict(h=128, f=512, a=8, vocab=1024, positions=256)  # models.py "tiny"
+
+
+def profile(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "profile", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(doc, table, **match):
+    return [r for r in doc[table] if all(r[k] == v for k, v in match.items())]
+
+
+def one(doc, table, **match):
+    (found,) = records(doc, table, **match)
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "tiny.json"
+    run = profile("--model", "tiny", "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256",
+                  "--repeats", "1", "--warmup", "0", "-o", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out, json.loads(out.read_text())
+
+
+def layer_shard_params(h, f, tp, *, kv=None, swiglu=False, rmsnorm=False):
+    """One layer's parameters on one TP rank: column-parallel QKV and fc1 (weights and biases)
+    and row-parallel proj and fc2 weights are split; their biases and the norms are not."""
+    kv = h if kv is None else kv  # width of keys (= of values)
+    up = 2 * f if swiglu else f
+    split = (h + 2 * kv) * h + (h + 2 * kv) + h * h + h * up + up + f * h
+    whole = h + h + (2 if rmsnorm else 4) * h
+    return split // tp + whole
+
+
+def test_the_profile_loads_and_plans(tiny_profile, tmp_path):
+    out, doc = tiny_profile
+    for tp in (1, 2):
+        model = load_cost_model(out, tp=tp)
+        assert model.tp == tp and model.hidden_size == TINY["h"]
+    meta = doc["metadata"]
+    assert meta["complete"] and meta["dtype"] == "fp32" and meta["device_type"] == "cpu"
+    assert meta["model"]["hidden_size"] == TINY["h"] and meta["settings"]["tp_sizes"] == [1, 2]
+    assert all(r["ms"] > 0 for r in doc["layer_time"])
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in (17, 120, 64, 33, 99, 128, 8, 70)))
+    plan = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "plan", "--cost-model", str(out),
+                           "--num-layers", "4", "--pp", "2", "--lengths", str(lengths), "--memory-limit", "500"],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert "predicted iteration" in plan.stdout
+
+
+def test_model_state_is_the_shard_of_megatron_cores_layer(tiny_profile):
+    _, doc = tiny_profile
+    h, f = TINY["h"], TINY["f"]
+    for tp in (1, 2):
+        encoder = one(doc, "model_state_memory", tp=tp, recompute="none", layer="encoder")["mb"]
+        assert encoder == pytest.approx(layer_shard_params(h, f, tp) * 2 / MB, abs=1e-4)
+        embedding = one(doc, "model_state_memory", tp=tp, recompute="none", layer="embedding")["mb"]
+        assert embedding == pytest.approx((TINY["vocab"] // tp + TINY["positions"]) * h * 2 / MB, abs=1e-4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stored_activations_follow_the_formulas(tiny_profile, tp):
+    _, doc = tiny_profile
+    h, a = TINY["h"], TINY["a"]
+
+    def stored(rc, s, b):
+        return one(doc, "activation_memory", tp=tp, recompute=rc, kind="stored", seqlen=s, mbs=b)["mb"] * MB
+
+    for s, b in ((32, 1), (64, 2), (128, 2)):
+        assert stored("full", s, b) == pytest.approx(s * b * h * FLOAT, rel=0.01)  # the layer's output
+        attention_core = a * s * s * b // tp * FLOAT + s * s  # softmax output + causal mask (bool)
+        assert stored("none", s, b) - stored("selective", s, b) == pytest.approx(attention_core, rel=0.03)
+        assert stored("none", s, 2 * b if s * 2 * b <= 256 else b) >= stored("none", s, b)
+    if tp == 1:
+        assert stored("selective", 128, 2) == pytest.approx(16 * 128 * 2 * h * FLOAT, rel=0.01)
+    assert stored("none", 64, 2) == pytest.approx(2 * stored("none", 64, 1), rel=0.01)  # linear in mbs
+
+
+def test_rows_grow_geometrically_up_to_the_token_limit(tiny_profile):
+    _, doc = tiny_profile
+    none = records(doc, "layer_time", tp=1, recompute="none", layer="encoder", phase="forward")
+    assert {r["mbs"] for r in none if r["seqlen"] == 32} == {1, 2, 4, 8}
+    assert {r["mbs"] for r in none if r["seqlen"] == 128} == {1, 2}
+    assert all(r["mbs"] * r["seqlen"] <= 256 for r in none)
+    assert {32, 64, 128} <= {r["seqlen"] for r in none}
+
+
+def test_an_architecture_given_by_megatron_flags(tmp_path):
+    out = tmp_path / "gqa.json"
+    run = profile("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+                  "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--vocab-size", "256",
+                  "--max-position-embeddings", "64", "--tp", "1", "2", "--recompute", "none",
+                  "--max-tokens", "64", "--repeats", "1", "--warmup", "0", "-o", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["metadata"]["model"]["swiglu"] and "--swiglu" in doc["metadata"]["megatron_args"]
+    for tp in (1, 2):
+        encoder = one(doc, "model_state_memory", tp=tp, layer="encoder")["mb"]
+        expected = layer_shard_params(64, 256, tp, kv=32, swiglu=True, rmsnorm=True)
+        assert encoder == pytest.approx(expected * 2 / MB, abs=1e-4)
+        embedding = one(doc, "model_state_memory", tp=tp, layer="embedding")["mb"]
+        assert embedding == pytest.approx(256 // tp * 64 * 2 / MB, abs=1e-4)  # rope: no position table
+    assert load_cost_model(out, tp=2).tp == 2
+
+
+def test_an_interrupted_profile_resumes_where_it_stopped(tiny_profile, tmp_path):
+    out, full = tiny_profile
+    partial = dict(full, metadata=dict(full["metadata"], complete=False))
+    for table in ("layer_time", "activation_memory"):  # as if it stopped before seqlen 128 at tp 2
+        partial[table] = [r for r in full[table] if not (r["tp"] == 2 and r["seqlen"] == 128)]
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(partial))
+    run = profile("--model", "tiny", "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256",
+                  "--repeats", "1", "--warmup", "0", "-o", str(again), "--resume")
+    assert run.returncode == 0, run.stderr[-2000:]
+    resumed = json.loads(again.read_text())
+    assert resumed["metadata"]["complete"]
+    kept = {json.dumps(r, sort_keys=True) for r in partial["layer_time"]}
+    assert kept <= {json.dumps(r, sort_keys=True) for r in resumed["layer_time"]}  # not measured again
+    assert len(resumed["layer_time"]) == len(full["layer_time"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "3"], "--tp 3 does not divide the model's 8 attention heads"),
+    (["--max-seq-length", "512"], "exceeds the model's 256 learned positions"),
+    (["--device", "cuda"], "--device cuda: this torch sees no CUDA device"),
+])
+def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
+    out = tmp_path / "p.json"
+    run = profile("--model", "tiny", *args, "-o", str(out), timeout=60)
+    assert run.returncode == 2 and message in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_no_model_and_an_existing_output_are_refused(tmp_path):
+    run = profile("-o", str(tmp_path / "p.json"), timeout=60)
+    assert run.returncode == 2 and "pass --model NAME" in run.stderr and "--num-layers" in run.stderr
+    existing = tmp_path / "old.json"
+    existing.write_text("keep me")
+    run = profile("--model", "tiny", "-o", str(existing), timeout=60)
+    assert run.returncode == 2 and "--resume" in run.stderr and "--force" in run.stderr
+    assert existing.read_text() == "keep me"
+
+
+def test_live_bytes_counts_what_operations_create_while_it_lives():
+    from megatron_dynapipe.profiling.measure import LiveBytes
+
+    x = torch.ones(1000)  # made before: not counted
+    with LiveBytes() as live:
+        y = x * 2  # 4000 bytes
+        z = y.view(10, 100)  # a view: no new storage
+        w = torch.cat([y, y])  # 8000 bytes
+        assert live.now == 12000 and z.shape == (10, 100)
+        del w
+        assert live.now == 4000 and live.peak == 12000
