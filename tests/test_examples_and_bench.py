@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from conftest import GPT_6_7B_A100, ROOT
 

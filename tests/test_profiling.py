@@ -179,3 +179,18 @@ def test_live_bytes_counts_what_operations_create_while_it_lives():
         assert live.now == 12000 and z.shape == (10, 100)
         del w
         assert live.now == 4000 and live.peak == 12000
+
+
+def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
+    from megatron_dynapipe.models import get_model
+    from megatron_dynapipe.planning.cost_model import profile_mismatch
+
+    out, _ = tiny_profile
+    meta = load_cost_model(out, tp=1).metadata
+    tiny = get_model("tiny").to_json()
+    assert profile_mismatch(meta, model=tiny, dtype="fp32") is None
+    assert profile_mismatch(meta, model=dict(tiny, num_layers=40), dtype="fp32") is None  # a profile is per layer
+    assert profile_mismatch(meta, model=dict(tiny, hidden_size=256), dtype="fp32") == "hidden_size 128 (job: 256)"
+    assert profile_mismatch(meta, model=dict(tiny, swiglu=True), dtype="bf16") == (
+        "swiglu False (job: True); dtype fp32 (job: bf16)")
+    assert profile_mismatch(load_cost_model("gpt-6.7b-a100", tp=1).metadata, model=tiny, dtype="bf16") is None

@@ -21,6 +21,7 @@ import os
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -240,10 +241,12 @@ class ProfiledCostModel(CostModel):
         memory: dict[tuple[str, RecomputeType], _Grid],
         params_mb: dict[str, float],
         name: str = "",
+        metadata: dict | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
         self.name = name
+        self.metadata = dict(metadata or {})  # what `megatron-dynapipe profile` records: model, dtype, device
         self._times = dict(times)
         self._memory = dict(memory)
         self._params = dict(params_mb)
@@ -325,6 +328,7 @@ class ProfiledCostModel(CostModel):
             memory={k: _Grid(v) for k, v in memory.items()},
             params_mb=params,
             name=str(doc.get("name", os.path.basename(source))),
+            metadata=doc.get("metadata") if isinstance(doc.get("metadata"), dict) else None,
         )
 
 
@@ -733,6 +737,33 @@ def resolve_cost_model_path(name_or_path: str | os.PathLike, flag: str = "--cost
         f"cost model file {os.fspath(name_or_path)} not found: pass {flag} PATH to a JSON file in the "
         f"format of docs/cost_model.md, or a shipped profile ({', '.join(shipped) or 'none'})"
     )
+
+
+#: The model fields a layer's time and memory depend on (num_layers does not: a profile is per layer).
+ARCHITECTURE_FIELDS = ("hidden_size", "num_attention_heads", "query_groups", "ffn_hidden_size", "vocab_size",
+                       "swiglu", "normalization", "position_embedding_type")
+
+
+def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype: "str | None" = None) -> "str | None":
+    """How a profile's recorded model and dtype differ from a job's (``model``: ModelSpec fields),
+    in words; None when they agree or the profile records neither (as the shipped A100 one)."""
+    differences = []
+    profiled = metadata.get("model")
+    if model is not None and isinstance(profiled, Mapping):
+        mine, theirs = _architecture(model), _architecture(profiled)
+        differences += [f"{k} {theirs[k]} (job: {mine[k]})" for k in ARCHITECTURE_FIELDS if mine[k] != theirs[k]]
+    if dtype is not None and metadata.get("dtype") not in (None, dtype):
+        differences.append(f"dtype {metadata['dtype']} (job: {dtype})")
+    return "; ".join(differences) or None
+
+
+def _architecture(fields: Mapping) -> dict:
+    defaults = dict(vocab_size=None, swiglu=False, normalization="LayerNorm",
+                    position_embedding_type="learned_absolute")
+    arch = {k: fields.get(k, defaults.get(k)) for k in ARCHITECTURE_FIELDS}
+    arch["ffn_hidden_size"] = arch["ffn_hidden_size"] or 4 * arch["hidden_size"]
+    arch["query_groups"] = fields.get("num_query_groups") or fields.get("num_attention_heads")
+    return arch
 
 
 def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs) -> CostModel:
