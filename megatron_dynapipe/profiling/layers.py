@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -93,40 +93,42 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, device: tor
 
 @dataclass
 class Parts:
-    """What one TP rank runs of one transformer layer and of the model's last stage.
+    """What one TP rank runs of a transformer layer and of the model's last stage.
 
-    ``encoder(x)`` maps hidden states ``[seq, mbs, hidden]`` to the same shape (one layer, its
-    recompute type as Megatron runs it); ``postprocess(x, labels)`` is the final norm, the LM
-    head and the per-token loss.  Parameter counts are of this rank's shards.
+    ``encoders[rc](x)`` maps hidden states ``[seq, mbs, hidden]`` to the same shape (one layer,
+    recompute type ``rc`` as Megatron runs it); ``postprocess(x, labels)`` is the final norm, the
+    LM head and the per-token loss, the same whatever the layers recompute.  Parameter counts
+    are of this rank's shards.
     """
 
-    encoder: Callable[[torch.Tensor], torch.Tensor]
+    encoders: dict[RecomputeType, Callable[[torch.Tensor], torch.Tensor]]
     postprocess: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     encoder_params: int
     embedding_params: int
 
 
 def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.device,
-                recompute: RecomputeType) -> Parts:
-    """Build the parts inside :func:`fake_tp_rank` (megatron-core's GPTModel and TransformerBlock)."""
+                recompute: Sequence[RecomputeType]) -> Parts:
+    """Build the parts inside :func:`fake_tp_rank`: a megatron-core TransformerBlock of one layer
+    per recompute type and one GPTModel whose embedding and head are used."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     use_te = uses_transformer_engine(device)
     layer_spec = _layer_spec(use_te)
-    config = transformer_config(spec, tp, dtype, device, recompute, use_te)
-    block = TransformerBlock(config, layer_spec, post_layer_norm=False, pre_process=True, post_process=False)
     head = GPTModel(transformer_config(spec, tp, dtype, device, RecomputeType.NONE, use_te), layer_spec,
                     vocab_size=spec.vocab_size, max_sequence_length=spec.max_sequence_length,
                     pre_process=True, post_process=True,
                     share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
-                    position_embedding_type=spec.position_embedding_type)
-    for module in (block, head):
-        module.to(device=device, dtype=dtype)
+                    position_embedding_type=spec.position_embedding_type).to(device=device, dtype=dtype)
     rotary = _rotary_embeddings(getattr(head, "rotary_pos_emb", None), device)
+    blocks = {rc: TransformerBlock(transformer_config(spec, tp, dtype, device, rc, use_te), layer_spec,
+                                   post_layer_norm=False, pre_process=True, post_process=False).to(device=device,
+                                                                                                  dtype=dtype)
+              for rc in recompute}
 
-    def encoder(x: torch.Tensor) -> torch.Tensor:
-        return block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(x.shape[0]))
+    def encoder(block):
+        return lambda x: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(x.shape[0]))
 
     def postprocess(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = head.decoder.final_layernorm(x)
@@ -135,8 +137,8 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
         return head.compute_language_model_loss(labels, logits)
 
     return Parts(
-        encoder=encoder, postprocess=postprocess,
-        encoder_params=sum(p.numel() for p in block.parameters()),
+        encoders={rc: encoder(block) for rc, block in blocks.items()}, postprocess=postprocess,
+        encoder_params=sum(p.numel() for p in head.decoder.layers[0].parameters()),
         embedding_params=sum(p.numel() for p in head.embedding.parameters()),
     )
 

@@ -30,7 +30,7 @@ import torch
 from ..files import write_atomically
 from ..models import ModelSpec
 from ..planning.types import RecomputeType
-from .layers import DTYPES, build_parts, fake_tp_rank, uses_transformer_engine
+from .layers import DTYPES, Parts, build_parts, fake_tp_rank, uses_transformer_engine
 from .measure import is_out_of_memory, measure_memory, time_step
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
@@ -185,60 +185,73 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
 
 def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) -> None:
     s = profile.settings
-    dtype = DTYPES[s.dtype]
-    parts = {rc: build_parts(profile.spec, tp, dtype, profile.device, rc) for rc in s.recompute}
-    for rc, p in parts.items():
-        profile.params[(tp, rc.label, "encoder")] = p.encoder_params * 2 / MB  # 16-bit, as the format says
-        profile.params[(tp, rc.label, "embedding")] = p.embedding_params * 2 / MB
+    parts = build_parts(profile.spec, tp, DTYPES[s.dtype], profile.device, s.recompute)
+    for rc in s.recompute:  # the same shards whatever the recompute type; the format wants each
+        profile.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
+        profile.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
     seqs = s.seq_lengths()
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
     _refine(profile, parts, tp, seqs, output, progress)
 
 
-def _profile_row(profile: _Profile, parts: dict, tp: int, seq: int, output: Path, progress: Progress) -> None:
+def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
     """Every micro-batch size of one sequence length, each recompute type until it runs out."""
-    open_rows = set(parts)
+    open_rows = list(profile.settings.recompute)
     for mbs in profile.settings.micro_batch_sizes(seq):
-        for rc in [rc for rc in parts if rc in open_rows]:
-            if profile.has(tp, rc, seq, mbs):  # measured before this profile resumed
-                if (tp, rc.label, seq, mbs) in profile.infeasible:
-                    open_rows.discard(rc)
-                continue
-            progress(f"tp {tp} {rc.label} seq {seq} mbs {mbs}")
-            if not _measure_point(profile, parts[rc], tp, rc, seq, mbs):
-                open_rows.discard(rc)
+        done = [rc for rc in open_rows if profile.has(tp, rc, seq, mbs)]  # measured before a resume
+        open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.infeasible]
+        todo = [rc for rc in open_rows if rc not in done]
+        if todo:
+            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}")
+            fits = _measure_point(profile, parts, tp, todo, seq, mbs)
+            open_rows = [rc for rc in open_rows if rc not in todo or rc in fits]
         if not open_rows:
             break
     write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
 
 
-def _measure_point(profile: _Profile, parts, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
-    """Measure one point into ``profile``; False when it does not fit in memory."""
+def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence[RecomputeType], seq: int,
+                   mbs: int) -> list[RecomputeType]:
+    """Measure one point for each recompute type into ``profile`` (the head once, for all of
+    them); returns the types that fit in memory there."""
     s, device = profile.settings, profile.device
-    dtype = DTYPES[s.dtype]
-    hidden = profile.spec.hidden_size
+    inputs = _fitting(profile, lambda: (
+        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
+        torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
+    x, labels = inputs or (None, None)
+    head = inputs and _fitting(profile, lambda: time_step(lambda: parts.postprocess(x, labels), device,
+                                                          warmup=s.warmup, repeats=s.repeats))
+    fits = []
+    for rc in recompute:
+        encoder = parts.encoders[rc]
+        measured = head and _fitting(profile, lambda: (time_step(lambda: encoder(x), device, warmup=s.warmup,
+                                                                 repeats=s.repeats),
+                                                       measure_memory(lambda: encoder(x), device)))
+        if not measured:
+            profile.infeasible.add((tp, rc.label, seq, mbs))
+            continue
+        timing, memory = measured
+        for layer, t in (("encoder", timing), ("postprocess", head)):
+            for phase, ms, spread in (("forward", t.forward_ms, t.forward_spread_ms),
+                                      ("backward", t.backward_ms, t.backward_spread_ms)):
+                profile.times[(tp, rc.label, layer, phase, seq, mbs)] = ms
+                profile.spread[(tp, rc.label, layer, phase, seq, mbs)] = spread
+        profile.memory[(tp, rc.label, "stored", seq, mbs)] = memory.stored_bytes / MB
+        profile.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
+        fits.append(rc)
+    return fits
+
+
+def _fitting(profile: _Profile, measure: Callable[[], Any]) -> Any:
+    """``measure()``, or None when the device runs out of memory (an infeasible point)."""
     try:
-        x = torch.randn(seq, mbs, hidden, device=device, dtype=dtype, requires_grad=True)
-        labels = torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)
-        encoder = time_step(lambda: parts.encoder(x), device, warmup=s.warmup, repeats=s.repeats)
-        memory = measure_memory(lambda: parts.encoder(x), device)
-        head = time_step(lambda: parts.postprocess(x, labels), device, warmup=s.warmup, repeats=s.repeats)
+        return measure()
     except Exception as error:
         if not is_out_of_memory(error):
             raise
-        _release(device)
-        profile.infeasible.add((tp, rc.label, seq, mbs))
-        return False
-    key = (tp, rc.label)
-    for layer, timing in (("encoder", encoder), ("postprocess", head)):
-        for phase, ms, spread in (("forward", timing.forward_ms, timing.forward_spread_ms),
-                                  ("backward", timing.backward_ms, timing.backward_spread_ms)):
-            profile.times[(*key, layer, phase, seq, mbs)] = ms
-            profile.spread[(*key, layer, phase, seq, mbs)] = spread
-    profile.memory[(*key, "stored", seq, mbs)] = memory.stored_bytes / MB
-    profile.memory[(*key, "peak", seq, mbs)] = memory.peak_bytes / MB
-    return True
+        _release(profile.device)
+        return None
 
 
 def _release(device: torch.device) -> None:
@@ -246,7 +259,7 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _refine(profile: _Profile, parts: dict, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
+def _refine(profile: _Profile, parts: Parts, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
     """Profile a length between two profiled ones wherever the linear interpolation the cost
     model does between them misses a probe there by more than the tolerance."""
     seqs = sorted(seqs)
@@ -265,7 +278,7 @@ def _midpoint(short: int, long: int) -> int | None:
     return middle if short < middle < long else None
 
 
-def _bends(profile: _Profile, parts: dict, tp: int, short: int, middle: int, long: int) -> bool:
+def _bends(profile: _Profile, parts: Parts, tp: int, short: int, middle: int, long: int) -> bool:
     """Whether one layer's forward at ``middle`` tokens (``mbs=1``, the first recompute type)
     is off the straight line between ``short`` and ``long`` by more than the tolerance."""
     rc = profile.settings.recompute[0]
@@ -275,6 +288,6 @@ def _bends(profile: _Profile, parts: dict, tp: int, short: int, middle: int, lon
         return False  # a row that does not reach mbs=1 there is not interpolated either
     x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[profile.settings.dtype],
                     requires_grad=True)
-    probe = time_step(lambda: parts[rc].encoder(x), profile.device, warmup=1, repeats=profile.settings.repeats)
+    probe = time_step(lambda: parts.encoders[rc](x), profile.device, warmup=1, repeats=profile.settings.repeats)
     line = a + (b - a) * (middle - short) / (long - short)
     return abs(probe.forward_ms - line) > profile.settings.refine_tolerance * probe.forward_ms
