@@ -40,35 +40,6 @@ TIMEOUT = 150  # seconds per multi-process run; importing megatron-core takes ~1
 # --------------------------------------------------------------------------------------------
 
 
-def _micro_batches(vocab_size: int) -> list[dict[str, torch.Tensor]]:
-    """Fixed-shape, deterministic micro-batches (the same on every rank)."""
-    g = torch.Generator().manual_seed(7)
-    data = torch.randint(
-        0, vocab_size, (NUM_MICROBATCHES, MICRO_BATCH_SIZE, SEQ_LENGTH + 1), generator=g
-    )
-    positions = torch.arange(SEQ_LENGTH).expand(MICRO_BATCH_SIZE, SEQ_LENGTH)
-    return [
-        {
-            "tokens": mb[:, :-1].contiguous(),
-            "labels": mb[:, 1:].contiguous(),
-            "position_ids": positions,
-        }
-        for mb in data
-    ]
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    # attention_mask=None: the causal mask comes from megatron (a redirected spot).
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def _train_one_iteration(
     rank, world_size, tp, pp, vpp=None, reference_weights=None, **config_overrides
 ):
@@ -87,6 +58,8 @@ def _train_one_iteration(
 
     from megatron_dynapipe.megatron.tiny_gpt import (
         build_tiny_gpt,
+        mean_loss_forward_step,
+        random_micro_batches,
         destroy_model_parallel,
         init_model_parallel,
         reference_name,
@@ -133,9 +106,9 @@ def _train_one_iteration(
             m.zero_grad_buffer()
         optimizer.zero_grad()
 
-        batches = _micro_batches(cfg.vocab_size)
+        batches = random_micro_batches(NUM_MICROBATCHES, MICRO_BATCH_SIZE, SEQ_LENGTH, cfg.vocab_size, seed=7)
         losses = get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=mean_loss_forward_step,
             data_iterator=[iter(batches) for _ in ddp] if vpp else iter(batches),
             model=ddp,
             num_microbatches=NUM_MICROBATCHES,

@@ -163,12 +163,13 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
     warnings.filterwarnings("ignore")
     from ..compat import cpu_compat
-    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel, random_micro_batches
 
     cpu_compat.enable_cpu_mode()
     init_model_parallel(1, world_size)
     try:
-        ddp, batches = _ddp_model(s), _batches(s)
+        ddp = _ddp_model(s)
+        batches = random_micro_batches(s["microbatches"], s["micro_batch_size"], s["seq_length"], VOCAB_SIZE, seed=0)
         steps = _schedule_steps(ddp, batches, s, pp=world_size)
         return _time_alternating(steps, ddp, s, rank)
     finally:
@@ -198,28 +199,6 @@ def _ddp_model(s: dict):
     return ddp
 
 
-def _batches(s: dict) -> list[dict]:
-    """``microbatches`` random token micro-batches, the same on every rank (seed 0)."""
-    import torch
-
-    n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
-    data = torch.randint(0, VOCAB_SIZE, (n, b, seq + 1), generator=torch.Generator().manual_seed(0))
-    return [{"tokens": d[:, :-1].contiguous(), "labels": d[:, 1:].contiguous(),
-             "loss_mask": torch.ones(b, seq), "position_ids": torch.arange(seq).expand(b, seq).contiguous()}
-            for d in data]
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Callable[[], list]]:
     """One training step under each schedule: Megatron's 1F1B and the DynaPipe executor running
     a plan of the same micro-batches in the same 1F1B order."""
@@ -229,6 +208,7 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
     from ..compat import cpu_compat
     from ..data.batch import PlannedBatch
     from ..megatron.provider import forward_backward_dynapipe
+    from ..megatron.tiny_gpt import mean_loss_forward_step
     from ..planning.plan import build_execution_plans
     from ..planning.schedules import one_f_one_b_orders
     from ..planning.types import MicroBatch
@@ -241,12 +221,12 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
 
     def core_step():  # CPU mode runs it inside cpu_compat's CUDA-as-CPU scope
         return schedules.forward_backward_pipelining_without_interleaving(
-            forward_step_func=_forward_step, data_iterator=iter(batches), **shape)
+            forward_step_func=mean_loss_forward_step, data_iterator=iter(batches), **shape)
 
     def dynapipe_step():  # in the same scope, so that both pay its per-op cost alike
         with cpu_compat.cuda_as_cpu():
             return forward_backward_dynapipe(
-                forward_step_func=_forward_step, data_iterator=iter([PlannedBatch(0, plan, batches)]), **shape)
+                forward_step_func=mean_loss_forward_step, data_iterator=iter([PlannedBatch(0, plan, batches)]), **shape)
 
     return {SCHEDULES[0]: core_step, SCHEDULES[1]: dynapipe_step}
 

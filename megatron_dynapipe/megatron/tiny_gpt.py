@@ -155,6 +155,30 @@ def build_tiny_gpt(
     )
 
 
+def random_micro_batches(count: int, micro_batch_size: int, seq_length: int, vocab_size: int,
+                         seed: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` fixed-shape micro-batches of random tokens, the same on every rank for one
+    ``seed``: tokens, next-token labels, a loss mask of ones and positions."""
+    data = torch.randint(0, vocab_size, (count, micro_batch_size, seq_length + 1),
+                         generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(seq_length).expand(micro_batch_size, seq_length).contiguous()
+    return [{"tokens": d[:, :-1].contiguous(), "labels": d[:, 1:].contiguous(),
+             "loss_mask": torch.ones(micro_batch_size, seq_length), "position_ids": positions} for d in data]
+
+
+def mean_loss_forward_step(data_iterator, model):
+    """A megatron-core forward step for :func:`random_micro_batches`: the causal mask comes from
+    megatron (``attention_mask=None``), the loss is the mean per-token loss (2-tuple convention)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(per_token_loss):
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
 # --------------------------------------------------------------------------------------------
 # Lining stage parameters up with the single-process model
 # --------------------------------------------------------------------------------------------
