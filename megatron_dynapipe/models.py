@@ -175,13 +175,22 @@ class ModelSpec:
         """Parameters of the whole model (output layer tied to the word embedding)."""
         return self.num_layers * self.layer_params() + self.embedding_params() + 2 * self.hidden_size
 
+    def stage_layers(self, pp: int) -> int:
+        """Layers of the busiest of ``pp`` stages (the first ones when they do not split evenly)."""
+        return -(-self.num_layers // pp)
+
+    def rank_seq_length(self, seq_length: int | None, cp: int = 1) -> int:
+        """Tokens of a sequence one context-parallel rank holds (``seq_length`` defaults to the
+        model's maximum)."""
+        return (seq_length or self.max_sequence_length) // cp or 1
+
     def stage_params(self, pp: int, tp: int = 1, ep: int = 1, *, stage: int = 0) -> int:
         """Parameters one rank of ``stage`` holds (layers split evenly over ``pp``).
 
         The first stage holds the embeddings, the last the (untied) output layer; tensor
         parallelism divides everything but the layer norms, expert parallelism the experts.
         """
-        layers = -(-self.num_layers // pp)
+        layers = self.stage_layers(pp)
         per_layer = self.layer_params()
         if self.num_experts:
             expert = self.expert_params()
@@ -212,10 +221,10 @@ class ModelSpec:
         1F1B keeps on the first stage) and the logits of one micro-batch.  An order-of-magnitude
         figure for deciding whether a model can run for real on this machine, not a profile.
         """
-        seq = (seq_length or self.max_sequence_length) // cp or 1
+        seq = self.rank_seq_length(seq_length, cp)
         in_flight = pp if in_flight is None else in_flight
         params = max(self.stage_params(pp, tp, ep, stage=0), self.stage_params(pp, tp, ep, stage=pp - 1))
-        layers = -(-self.num_layers // pp)
+        layers = self.stage_layers(pp)
         b, s, h, a = micro_batch_size, seq, self.hidden_size, self.num_attention_heads
         # Korthikanti et al. (2022): 34*s*b*h + 5*a*s^2*b 16-bit bytes per layer without TP;
         # in fp32 elements that is 17*s*b*h + 2.5*a*s*s*b, split by TP.
@@ -238,9 +247,9 @@ class ModelSpec:
         rank: ``6 * parameters * tokens`` for the layers (MoE: the ``top-2`` experts a token
         visits, at most all), the causal attention scores, and the output layer on the last stage.
         """
-        seq = (seq_length or self.max_sequence_length) // cp or 1
+        seq = self.rank_seq_length(seq_length, cp)
         tokens = micro_batch_size * seq
-        layers = -(-self.num_layers // pp)
+        layers = self.stage_layers(pp)
         h, f = self.hidden_size, self.ffn_hidden_size
         dense_params = 4 * h * h + 2 * h * f
         if self.num_experts:
