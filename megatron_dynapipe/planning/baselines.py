@@ -37,21 +37,34 @@ def packing_baseline(
     ranks, run 1F1B with the micro-batch size and uniform recompute that give the fastest
     iteration within the memory limit. None when nothing fits."""
     seq_len = seq_len or default_pack_length(lengths)
-    sequences = len(pack_fixed_length(lengths, seq_len))
-    per_rank = -(-sequences // costs.dp)  # the busiest rank sets the iteration time
+    return fixed_length_baseline(len(pack_fixed_length(lengths, seq_len)), seq_len, costs, memory_limit_mb)
+
+
+def fixed_length_baseline(
+    num_sequences: int, seq_len: int, costs: StageCosts, memory_limit_mb: float
+) -> PackingBaseline | None:
+    """Megatron's way with `num_sequences` sequences of `seq_len` tokens (packed samples, or
+    samples padded to the longest): split evenly over data-parallel ranks, 1F1B, the micro-batch
+    size and uniform recompute of the fastest simulated iteration within the memory limit."""
+    per_rank = -(-num_sequences // costs.dp)  # the busiest rank sets the iteration time
     best = None
     for mbs in PACKING_MICROBATCH_SIZES:
         if mbs > per_rank and mbs > 1:
             break
-        microbatches = [MicroBatch(tuple(range(i, min(i + mbs, per_rank))), seq_len)
-                        for i in range(0, per_rank, mbs)]
+        microbatches = uniform_microbatches(per_rank, mbs, seq_len)
         for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
             result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
             if result is not None:
                 if best is None or result.makespan < best.makespan_ms:
-                    best = PackingBaseline(seq_len, mbs, rc, sequences, result.makespan)
+                    best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan)
                 break
     return best
+
+
+def uniform_microbatches(num_sequences: int, microbatch_size: int, seq_len: int) -> list[MicroBatch]:
+    """Sequences 0..n-1 in order, `microbatch_size` at a time (the last micro-batch may be smaller)."""
+    return [MicroBatch(tuple(range(i, min(i + microbatch_size, num_sequences))), seq_len)
+            for i in range(0, num_sequences, microbatch_size)]
 
 
 def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> SimulationResult | None:
