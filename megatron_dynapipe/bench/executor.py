@@ -18,10 +18,11 @@ megatron-core (target: at most 1.05) and whether both gave the same losses.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from typing import Any, Callable
+
+from .ranks import launch
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
 #: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
@@ -50,7 +51,7 @@ def run(args) -> int:
         raise ValueError(f"--num-layers {args.num_layers} cannot fill {args.pp} stages")
     settings = {k: getattr(args, k) for k in ("pp", "microbatches", "micro_batch_size", "seq_length",
                                                "hidden_size", "num_layers", "steps", "warmup")}
-    per_rank = _launch(_bench_rank, args.pp, settings, timeout=args.timeout)
+    per_rank = launch(_bench_rank, args.pp, settings, timeout=args.timeout)
     row = summarize(per_rank, settings)
     print(json.dumps(row) if args.json else format_table(row))
     return 0
@@ -94,68 +95,6 @@ def format_table(row: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # Ranks
 # --------------------------------------------------------------------------------------------
-
-
-def _launch(fn, world_size: int, *args, timeout: float) -> list:
-    """Run ``fn(rank, world_size, *args)`` on local gloo ranks; results in rank order."""
-    import pickle
-    import queue
-    import time
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, store.port, args, results), daemon=True)
-             for rank in range(world_size)]
-    deadline = time.monotonic() + timeout
-    out: dict[int, Any] = {}
-    try:
-        for proc in procs:
-            proc.start()
-        while len(out) < world_size:
-            try:
-                rank, ok, body = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"benchmark ranks {dead or 'all'} died or timed out") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"benchmark rank {rank} failed:\n{body}")
-            out[rank] = pickle.loads(body)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=5)
-        del store
-    return [out[r] for r in range(world_size)]
-
-
-def _child(fn, rank, world_size, port, args, results) -> None:
-    import pickle
-    import traceback
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
-        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
