@@ -357,20 +357,11 @@ def _open_data(args):
 
 def _cost_model(args):
     from ..models import ModelSpec
-    from ..planning.cost_model import load_cost_model, profile_mismatch
+    from ..planning.cost_model import load_job_cost_model
 
-    path = getattr(args, "dynapipe_cost_model", None)
-    kwargs = dict(hidden_size=args.hidden_size)
-    if path is None:
-        kwargs.update(num_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                      vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size)
-    model = load_cost_model(path, tp=args.tensor_model_parallel_size, **kwargs)
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-    mismatch = path and profile_mismatch(model.metadata, model=ModelSpec.from_megatron_args(args).to_json(), dtype=dtype)
-    if mismatch:
-        raise ValueError(f"--dynapipe-cost-model {path} was profiled with another model or dtype: {mismatch}; "
-                         "profile this job's model (megatron-dynapipe profile with its flags) or drop the flag")
-    return model
+    return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), ModelSpec.from_megatron_args(args).to_json(),
+                               tp=args.tensor_model_parallel_size, dtype=dtype, flag="--dynapipe-cost-model")
 
 
 def describe_plan(batch) -> str:

@@ -778,6 +778,24 @@ def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs
                                        hidden_size=analytical_kwargs.get("hidden_size"))
 
 
+def load_job_cost_model(path: "str | os.PathLike | None", model: Mapping, *, tp: int, dtype: str,
+                        flag: str = "--cost-model") -> CostModel:
+    """The cost model a job of ``model`` (ModelSpec fields) in ``dtype`` plans with: the profile
+    ``path`` (a file or a shipped profile's name), or the analytical model of that GPT when
+    ``path`` is None. A profile made for another model or dtype raises CostModelError, one line
+    naming the difference and the fix."""
+    kwargs = dict(hidden_size=model["hidden_size"])
+    if path is None:
+        kwargs.update(num_heads=model["num_attention_heads"], ffn_hidden_size=model.get("ffn_hidden_size"),
+                      vocab_size=model.get("vocab_size") or 50257)
+    cost_model = load_cost_model(path, tp=tp, **kwargs)
+    mismatch = path is not None and profile_mismatch(cost_model.metadata, model=model, dtype=dtype)
+    if mismatch:
+        raise CostModelError(f"{flag} {os.fspath(path)} was profiled with another model or dtype: {mismatch}; "
+                             "profile this job's model (megatron-dynapipe profile with its flags) or drop the flag")
+    return cost_model
+
+
 def as_stage_costs(cost_model: "CostModel | StageCosts | str | os.PathLike | None", *, tp: int, num_layers: int,
                    pp: int, dp: int, zero_stage: int = 0, **analytical_kwargs) -> StageCosts:
     """What a caller holds -- per-stage costs, a cost model, a profile's path or name, or None
