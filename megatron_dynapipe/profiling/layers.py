@@ -19,7 +19,7 @@ import torch
 from ..models import ModelSpec
 from ..planning.types import RecomputeType
 
-__all__ = ["DTYPES", "Parts", "fake_tp_rank", "build_parts", "uses_transformer_engine"]
+__all__ = ["DTYPES", "Parts", "fake_tp_rank", "build_parts", "layer_spec", "transformer_config", "uses_transformer_engine"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,12 +66,13 @@ def fake_tp_rank(tp: int, device: torch.device) -> Iterator[None]:
 
 
 def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.device,
-                       recompute: RecomputeType, use_te: bool):
-    """The TransformerConfig Megatron-LM would build from the model's flags at this TP size."""
+                       recompute: RecomputeType, use_te: bool, *, num_layers: int = 1, pp: int = 1):
+    """The TransformerConfig Megatron-LM would build from the model's flags at this TP size
+    (``num_layers`` over ``pp`` pipeline stages; one layer for the profiler)."""
     from megatron.core.transformer import TransformerConfig
 
     fields = dict(
-        num_layers=1, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_layers=num_layers, pipeline_model_parallel_size=pp, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.query_groups, ffn_hidden_size=spec.ffn_hidden_size,
         normalization=spec.normalization, gated_linear_unit=spec.swiglu,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
@@ -115,14 +116,14 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     use_te = uses_transformer_engine(device)
-    layer_spec = _layer_spec(use_te)
-    head = GPTModel(transformer_config(spec, tp, dtype, device, RecomputeType.NONE, use_te), layer_spec,
+    layers = layer_spec(use_te)
+    head = GPTModel(transformer_config(spec, tp, dtype, device, RecomputeType.NONE, use_te), layers,
                     vocab_size=spec.vocab_size, max_sequence_length=spec.max_sequence_length,
                     pre_process=True, post_process=True,
                     share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
                     position_embedding_type=spec.position_embedding_type).to(device=device, dtype=dtype)
     rotary = _rotary_embeddings(getattr(head, "rotary_pos_emb", None), device)
-    blocks = {rc: TransformerBlock(transformer_config(spec, tp, dtype, device, rc, use_te), layer_spec,
+    blocks = {rc: TransformerBlock(transformer_config(spec, tp, dtype, device, rc, use_te), layers,
                                    post_layer_norm=False, pre_process=True, post_process=False).to(device=device,
                                                                                                   dtype=dtype)
               for rc in recompute}
@@ -169,7 +170,7 @@ def _cuda_requests_here(device: torch.device):
     return cpu_compat.cuda_as_cpu()
 
 
-def _layer_spec(use_te: bool):
+def layer_spec(use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:

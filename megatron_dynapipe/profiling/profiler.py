@@ -114,6 +114,7 @@ class _Profile:
             "complete": complete,
             "device": device_name(self.device),
             "device_type": self.device.type,
+            "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "dtype": s.dtype,
             "layer_spec": "transformer_engine" if uses_transformer_engine(self.device) else "local",
             "versions": _versions(),

@@ -447,7 +447,7 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
     return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
 
 
-def _forward_step(data_iterator, model):
+def pretrain_gpt_forward_step(data_iterator, model):
     """Megatron-LM's ``pretrain_gpt`` forward step, minus the data loader: tokens, labels and
     positions of one micro-batch, the causal mask from megatron (``attention_mask=None``), a
     per-token loss masked and summed, and the token count (the 3-tuple loss convention)."""
@@ -713,7 +713,7 @@ class _TraceRun:
                 job.optimizer.zero_grad()
                 with self.device_scope():
                     losses = forward_backward(
-                        forward_step_func=_forward_step, data_iterator=iter(batches), model=[job.ddp],
+                        forward_step_func=pretrain_gpt_forward_step, data_iterator=iter(batches), model=[job.ddp],
                         num_microbatches=self.num_microbatches, seq_length=self.seq_length,
                         micro_batch_size=self.micro_batch_size, forward_only=False)
                 with recorder.compute("optimizer_step", name="optimizer.step"):
