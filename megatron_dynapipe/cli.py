@@ -100,6 +100,12 @@ def _bench_parser(sub) -> None:
 
     executor_bench.add_arguments(executor)
     executor.set_defaults(func=executor_bench.run)
+    step = which.add_parser("step", help="real training steps: DynaPipe vs pad-to-max vs packing, "
+                                         "real tokens/s and predicted vs measured time")
+    from .bench import step as step_bench
+
+    step_bench.add_arguments(step)
+    step.set_defaults(func=step_bench.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

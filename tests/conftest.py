@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,17 @@ def costs_pp4(profiled_model):
     from megatron_dynapipe.planning.cost_model import StageCosts
 
     return StageCosts(profiled_model, num_layers=32, pp=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory):
+    """A profile of the tiny GPT on this CPU (tp 1 and 2, lengths up to 128): its path and content."""
+    out = tmp_path_factory.mktemp("profile") / "tiny.json"
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "profile", "--no-progress", "--model", "tiny",
+                          "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1",
+                          "--warmup", "0", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out, json.loads(out.read_text())
 
 
 def pytest_report_header(config):

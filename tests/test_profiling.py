@@ -37,15 +37,6 @@ def one(doc, table, **match):
     return found
 
 
-@pytest.fixture(scope="module")
-def tiny_profile(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profile") / "tiny.json"
-    run = profile("--model", "tiny", "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256",
-                  "--repeats", "1", "--warmup", "0", "-o", str(out))
-    assert run.returncode == 0, run.stderr[-2000:]
-    return out, json.loads(out.read_text())
-
-
 def layer_shard_params(h, f, tp, *, kv=None, swiglu=False, rmsnorm=False):
     """One layer's parameters on one TP rank: column-parallel QKV and fc1 (weights and biases)
     and row-parallel proj and fc2 weights are split; their biases and the norms are not."""

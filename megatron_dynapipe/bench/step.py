@@ -1,0 +1,422 @@
+"""Step benchmark: real megatron-core training steps on one global batch of variable-length samples.
+
+The same samples (random tokens of the given lengths) go through the same GPT four ways:
+
+* **DynaPipe** and **DynaPipe (fast)**: the planner's variable-length micro-batches, schedule and
+  recompute choices, from the cost model given;
+* **pad-to-max**: Megatron's fixed ``--seq-length``: every sample padded to the longest allowed;
+* **packing**: samples packed first-fit into sequences of that length, as Megatron's GPT dataset
+  does (causal attention over the whole sequence, positions counted through it, each sample's
+  own next-token loss).
+
+Each way is an ExecutionPlan run by the same executor (the baselines' plans are 1F1B, with the
+micro-batch size and uniform recompute the cost model finds fastest within the memory limit, as
+``megatron-dynapipe plan`` prices packing), so the methods differ only in how the samples are cut
+and padded; ``bench executor`` compares that executor with megatron-core's own schedule. A step
+is one forward-backward of the whole global batch (no optimizer step: the weights stay the same,
+so every method computes the same per-token losses but packing's, where samples see each other).
+Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
+slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
+the cost model's prediction for each method and its error, and peak memory (on CUDA the
+allocator's peak; on the CPU the bytes of the tensors a step creates).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..models import ModelSpec
+from .ranks import launch
+
+__all__ = ["add_arguments", "run"]
+
+DYNAPIPE, FAST, PAD, PACK = "DynaPipe", "DynaPipe (fast)", "pad-to-max", "packing"
+DEFAULT_SAMPLES = 64
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPipe against pad-to-max
+
+
+def add_arguments(p) -> None:
+    from ..models import add_model_arguments
+    from ..planning.samples import MIXES
+
+    add_model_arguments(p)
+    p.add_argument("--cost-model", metavar="NAME|FILE",
+                   help="the planner's cost model: a profile of this model on this device (megatron-dynapipe "
+                        "profile) or a shipped profile's name (default: the analytical GPT model)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages = local processes (default 1)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
+                   help=f"samples in the global batch (default {DEFAULT_SAMPLES})")
+    p.add_argument("--mix", choices=MIXES, default="multitask",
+                   help="built-in length mix, scaled to --max-seq-length (default multitask)")
+    p.add_argument("--lengths", metavar="FILE", help="sample lengths instead of the mix (one a line, or a JSON list)")
+    p.add_argument("--max-seq-length", type=int, metavar="N",
+                   help="Megatron's --seq-length: pad-to-max and packing length (default: the model's positions)")
+    p.add_argument("--memory-limit", type=float, metavar="MB",
+                   help="per-device memory the plans must fit (default: the GPU's memory, 36000 on the CPU)")
+    dtype = p.add_mutually_exclusive_group()
+    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
+    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run (default: cuda when there is one, else cpu)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5, at least 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens (default 0)")
+    p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(model="tiny", dtype="fp32")
+
+
+@dataclass
+class Method:
+    """One way to run the global batch: per-stage plans, micro-batch tensors (numpy, pickled to
+    the ranks), the cost model's predicted step time and, for DynaPipe, the planning time."""
+
+    plans: list  # ExecutionPlan per stage
+    microbatches: list  # dict of numpy arrays per micro-batch
+    predicted_ms: float
+    planning_s: float | None = None
+
+
+def run(args) -> int:
+    job = _checked(args)
+    lengths = _lengths(args, job["max_seq_length"])
+    methods = _methods(lengths, job, args)
+    print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
+          f"(PP={args.pp}) ...", file=sys.stderr, flush=True)
+    backend = "nccl" if job["device"] == "cuda" else "gloo"
+    per_rank = launch(_rank, args.pp, job, methods, args.warmup, args.steps, timeout=args.timeout, backend=backend)
+    row = summarize(per_rank, methods, lengths, job)
+    print(json.dumps(row) if args.json else format_table(row))
+    return 0
+
+
+def _checked(args) -> dict:
+    """Everything refusable before any work, one line each that names the fix."""
+    import torch
+
+    from ..models import model_from_args
+    from ..planning.cost_model import load_job_cost_model
+    from ..tracer.topology import layers_problem
+
+    spec = model_from_args(args)
+    if args.steps < 3:
+        raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: the global batch needs at least one sample")
+    problem = layers_problem(spec.num_layers, args.pp, pp_name="--pp")
+    if problem:
+        raise ValueError(problem)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < args.pp:
+        raise ValueError(f"--device cuda with --pp {args.pp} needs {args.pp} GPUs (NCCL puts one rank on each), "
+                         f"this machine has {torch.cuda.device_count()}: lower --pp or use --device cpu")
+    if device == "cpu" and args.dtype != "fp32":
+        raise ValueError(f"--{args.dtype} on the CPU: megatron-core's CPU path is fp32, drop the flag or use --device cuda")
+    max_seq_length = args.max_seq_length or spec.max_sequence_length
+    if not 2 <= max_seq_length <= spec.max_sequence_length or max_seq_length % 8:
+        raise ValueError(f"--max-seq-length {max_seq_length}: pick a multiple of 8 up to the model's "
+                         f"{spec.max_sequence_length} positions (the planner pads lengths to multiples of 8)")
+    memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20
+                                         if device == "cuda" else 36_000.0)
+    cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
+    return dict(model=spec, device=device, dtype=args.dtype, max_seq_length=max_seq_length,
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, seed=args.seed,
+                cost_model_name=args.cost_model or "analytical")
+
+
+def _lengths(args, max_seq_length: int) -> list[int]:
+    """The file's lengths, or the mix scaled from its cap to ``max_seq_length`` (so a short-context
+    model sees the mix's shape, not a batch of samples all cut to its length)."""
+    from ..planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, read_lengths, synthetic_lengths
+
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+        too_long = [n for n in lengths if n > max_seq_length]
+        if too_long:
+            raise ValueError(f"{args.lengths} has a sample of {max(too_long)} tokens, over --max-seq-length "
+                             f"{max_seq_length}: raise it (up to the model's positions) or cut the samples")
+        return lengths
+    cap = LONG_MAX_LENGTH if args.mix == "long" else MAX_LENGTH
+    return [max(2, min(max_seq_length, round(n * max_seq_length / cap)))
+            for n in synthetic_lengths(args.samples, args.seed, args.mix)]
+
+
+# --------------------------------------------------------------------------------------------
+# The four methods: plans and tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
+    from ..planning.planner import generate_execution_plan
+    from ..planning.spec import TrainingSpec
+
+    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], memory_limit_mb=job["memory_limit_mb"],
+                        seed=args.seed)
+    tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
+    methods = {}
+    for name, fast in ((DYNAPIPE, False), (FAST, True)):
+        result = generate_execution_plan(lengths, spec, job["cost_model"], fast_mode=fast)
+        plans = result.plans[0]
+        microbatches = [_padded(tokens, mb) for mb in plans[0].microbatches]
+        methods[name] = Method(plans, microbatches, result.makespan_ms, result.planning_seconds)
+    seq = job["max_seq_length"]
+    methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, job)
+    from ..planning.microbatching import pack_fixed_length
+
+    methods[PACK] = _fixed_length_method(pack_fixed_length(lengths, seq), tokens, seq, job)
+    return methods
+
+
+def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, job: dict) -> Method:
+    """Sequences of ``seq_len`` tokens (each the samples it lists, packed), run 1F1B with the
+    micro-batch size and recompute the cost model finds fastest."""
+    from ..planning.baselines import fixed_length_baseline, uniform_microbatches
+    from ..planning.cost_model import StageCosts
+    from ..planning.plan import build_execution_plans
+    from ..planning.schedules import one_f_one_b_orders
+
+    costs = StageCosts(job["cost_model"], num_layers=job["model"].num_layers, pp=job["pp"], dp=1)
+    best = fixed_length_baseline(len(sequences), seq_len, costs, job["memory_limit_mb"])
+    if best is None:
+        raise ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {job['memory_limit_mb']:.0f} "
+                         "MB by the cost model: raise the limit or lower --max-seq-length")
+    micro = uniform_microbatches(len(sequences), best.microbatch_size, seq_len)
+    plans = build_execution_plans(one_f_one_b_orders(job["pp"], len(micro)), micro, best.recompute.name.lower(), "1f1b")
+    tensors = [_packed([[tokens[i] for i in sequences[s]] for s in mb.samples], seq_len) for mb in micro]
+    return Method(plans, tensors, best.makespan_ms)
+
+
+def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, 1])
+    return [rng.integers(0, vocab_size, n, dtype=np.int64) for n in lengths]
+
+
+def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
+    from ..data.preprocess import gpt_microbatch
+
+    return gpt_microbatch([tokens[i] for i in mb.samples], mb.seq_len)
+
+
+def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
+    """GPT tensors of packed rows: each row's samples back to back, then padding; positions run
+    through the row (Megatron's default), labels and loss mask are each sample's own."""
+    from ..data.preprocess import gpt_microbatch
+
+    out = gpt_microbatch([np.concatenate(row) for row in rows], seq_len)
+    for r, row in enumerate(rows):
+        alone = [gpt_microbatch([sample], len(sample)) for sample in row]
+        used = sum(map(len, row))
+        for key in ("labels", "loss_mask"):
+            out[key][r, :used] = np.concatenate([a[key][0] for a in alone])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], warmup: int, steps: int) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ..compat import cpu_compat
+    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+
+    on_cpu = job["device"] == "cpu"
+    if on_cpu:
+        cpu_compat.enable_cpu_mode()
+    init_model_parallel(1, world_size)
+    try:
+        model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
+        torch.manual_seed(job["seed"])
+        device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        ddp = _ddp_model(job, device)
+        runs = {name: _step_function(ddp, method, device, on_cpu) for name, method in methods.items()}
+        times, losses = _time_alternating(runs, ddp, warmup, steps, rank, on_cpu)
+        return {"times": times, "losses": losses, "threads": torch.get_num_threads(), "peak_mb": {name: _peak_mb(run, ddp, device)
+                                                             for name, run in runs.items()}}
+    finally:
+        destroy_model_parallel()
+        if on_cpu:
+            cpu_compat.disable_cpu_mode()
+
+
+def _ddp_model(job: dict, device):
+    """This stage of the GPT as Megatron-LM builds and wraps it (local layer spec, or TE's where
+    TE runs; Megatron's DDP, per-token loss, deallocated pipeline outputs)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+
+    from ..planning.types import RecomputeType
+    from ..profiling.layers import DTYPES, layer_spec, transformer_config, uses_transformer_engine
+
+    spec: ModelSpec = job["model"]
+    dtype, use_te = DTYPES[job["dtype"]], uses_transformer_engine(device)
+    config = transformer_config(spec, 1, dtype, device, RecomputeType.NONE, use_te, num_layers=spec.num_layers,
+                                pp=job["pp"])
+    config.calculate_per_token_loss = True
+    config.deallocate_pipeline_outputs = True
+    model = GPTModel(config, layer_spec(use_te), vocab_size=spec.vocab_size,
+                     max_sequence_length=spec.max_sequence_length,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
+                     position_embedding_type=spec.position_embedding_type).to(device=device, dtype=dtype)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _step_function(ddp, method: Method, device, on_cpu: bool):
+    """One forward-backward of ``method``'s micro-batches on this stage; returns the loss dicts."""
+    import contextlib
+
+    import torch
+    from megatron.core import parallel_state
+
+    from ..compat import cpu_compat
+    from ..data.batch import PlannedBatch
+    from ..megatron.provider import forward_backward_dynapipe
+    from ..tracer.fake_rank import pretrain_gpt_forward_step
+
+    plan = method.plans[parallel_state.get_pipeline_model_parallel_rank()]
+    tensors = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in method.microbatches]
+    shape = dict(model=[ddp], num_microbatches=len(tensors), seq_length=plan.microbatches[0].seq_len,
+                 micro_batch_size=plan.microbatches[0].size)
+
+    def step() -> list:
+        with cpu_compat.cuda_as_cpu() if on_cpu else contextlib.nullcontext():
+            return forward_backward_dynapipe(forward_step_func=pretrain_gpt_forward_step,
+                                             data_iterator=iter([PlannedBatch(0, plan, tensors)]), **shape)
+
+    return step
+
+
+def _time_alternating(runs: dict, ddp, warmup: int, steps: int, rank: int, on_cpu: bool):
+    """Seconds of each timed step of each method (methods rotate their order every step) and each
+    method's loss (the last stage's token-weighted mean; None elsewhere)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    losses: dict[str, float | None] = {}
+    for i in range(warmup + steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            ddp.zero_grad_buffer()
+            dist.barrier()
+            _sync(on_cpu)
+            started = time.perf_counter()
+            result = runs[name]()
+            _sync(on_cpu)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - started)
+            if result:
+                total = torch.stack([d["lm loss"] for d in result]).sum(dim=0)
+                losses[name] = float(total[0] / total[1])
+        if rank == 0:  # progress on stderr; stdout keeps the result
+            warm = " (warm-up, untimed)" if i < warmup else ""
+            print(f"step {i + 1} of {warmup + steps}{warm}: every method ran", file=sys.stderr, flush=True)
+    return times, losses
+
+
+def _sync(on_cpu: bool) -> None:
+    if not on_cpu:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _peak_mb(run, ddp, device) -> float:
+    """The allocator's peak during one step on CUDA; on the CPU the bytes of the tensors it creates."""
+    import torch
+
+    from ..profiling.measure import LiveBytes
+
+    ddp.zero_grad_buffer()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20
+    with LiveBytes() as live:
+        run()
+    return live.peak / 2**20
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: dict) -> dict:
+    """Per method: median step time (slowest rank each step), real tokens per second, predicted
+    time and its error, peak memory (largest rank); speed-ups and whether the losses agree."""
+    real_tokens = sum(lengths)
+    rows = {}
+    for name, method in methods.items():
+        steps = [max(rank["times"][name][i] for rank in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+        median = statistics.median(steps)
+        rows[name] = dict(
+            median_ms=median * 1e3, spread_ms=(max(steps) - min(steps)) * 1e3, tokens_per_s=real_tokens / median,
+            predicted_ms=method.predicted_ms, prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100,
+            microbatches=len(method.microbatches), padded_tokens=int(sum(mb["tokens"].size for mb in method.microbatches)),
+            peak_mb=max(rank["peak_mb"][name] for rank in per_rank), planning_s=method.planning_s,
+            loss=next(rank["losses"][name] for rank in per_rank if rank["losses"].get(name) is not None))
+    loss_gap = abs(rows[DYNAPIPE]["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
+    return dict(
+        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"], pp=job["pp"],
+                      samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
+                      cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
+        methods=rows,
+        speedup_over_pad_to_max=rows[DYNAPIPE]["tokens_per_s"] / rows[PAD]["tokens_per_s"],
+        speedup_over_packing=rows[DYNAPIPE]["tokens_per_s"] / rows[PACK]["tokens_per_s"],
+        loss_gap=loss_gap, losses_agree=loss_gap <= LOSS_TOLERANCE[job["dtype"]],
+        threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
+        profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
+
+
+def format_table(row: dict) -> str:
+    s = row["settings"]
+    lines = [
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, {s['samples']} samples "
+        f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), cost model {s['cost_model']}",
+        "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error | peak MB | planning s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in row["methods"].items():
+        planning = "" if m["planning_s"] is None else f"{m['planning_s']:.2f}"
+        lines.append(f"| {name} | {m['microbatches']} | {m['padded_tokens']} | {m['median_ms']:.1f} | "
+                     f"{m['tokens_per_s']:.0f} | {m['predicted_ms']:.1f} | {m['prediction_error_pct']:+.0f}% | "
+                     f"{m['peak_mb']:.0f} | {planning} |")
+    lines.append(f"DynaPipe over pad-to-max: {row['speedup_over_pad_to_max']:.2f}x, over packing: "
+                 f"{row['speedup_over_packing']:.2f}x (real tokens per second)")
+    agree = "agree" if row["losses_agree"] else "DISAGREE"
+    lines.append(f"losses: DynaPipe {row['methods'][DYNAPIPE]['loss']:.5f}, pad-to-max {row['methods'][PAD]['loss']:.5f} "
+                 f"({agree}, relative gap {row['loss_gap']:.1e}); packing {row['methods'][PACK]['loss']:.5f} "
+                 "(samples attend to their neighbours)")
+    mine, profiled = row["threads_per_rank"], row["profile_threads"]
+    if mine and profiled and mine != profiled:
+        lines.append(f"note: the profile was measured with {profiled} CPU threads, each rank here ran with {mine}: "
+                     f"profile with OMP_NUM_THREADS={mine} to predict this run")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""`megatron-dynapipe bench step`: real megatron-core steps of one global batch, four ways.
+
+The expected token counts are worked out by hand from the lengths below: padded to 128 each, the
+8 samples take 8 x 128 tokens; packed first-fit decreasing into 128-token sequences they fill 3
+(100+20+8, 90+30, 60+50+10).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+LENGTHS = [100, 60, 50, 30, 20, 10, 90, 8]
+SEQ = 128
+VOCAB = 1024  # the tiny model's
+
+
+def bench(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "step", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lengths") / "lengths.txt"
+    path.write_text("\n".join(map(str, LENGTHS)))
+    return path
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_four_methods_run_real_steps_and_agree_on_the_loss(tiny_profile, lengths_file, pp):
+    profile, _ = tiny_profile
+    run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                "--max-seq-length", str(SEQ), "--pp", str(pp), "--steps", "3", "--warmup", "0", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = json.loads(run.stdout)
+    methods = row["methods"]
+    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "pad-to-max", "packing"}
+    assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
+    assert methods["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ
+    assert methods["packing"]["padded_tokens"] == 3 * SEQ
+    for m in methods.values():
+        assert m["median_ms"] > 0 and m["predicted_ms"] > 0 and m["peak_mb"] > 0
+        assert sum(LENGTHS) <= m["padded_tokens"]
+        # an untrained GPT guesses about uniformly: its per-token loss is near ln(vocabulary)
+        assert m["loss"] == pytest.approx(math.log(VOCAB), abs=0.2)
+    # padding at the right changes nothing a causal model computes for the real tokens
+    assert row["losses_agree"] and row["loss_gap"] < 1e-4
+    assert methods["DynaPipe"]["planning_s"] is not None and methods["packing"]["planning_s"] is None
+
+
+def test_the_table_reports_speed_ups_and_prediction_error(tiny_profile, lengths_file):
+    profile, _ = tiny_profile
+    run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                "--max-seq-length", str(SEQ), "--steps", "3", "--warmup", "0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error |" in run.stdout
+    assert "DynaPipe over pad-to-max:" in run.stdout and "losses:" in run.stdout and "(agree" in run.stdout
+
+
+def test_packed_rows_keep_each_samples_own_labels():
+    from megatron_dynapipe.bench.step import _packed
+
+    a, b = np.array([5, 6, 7]), np.array([8, 9])
+    out = _packed([[a, b]], 8)
+    assert out["tokens"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert out["labels"][0, :5].tolist() == [6, 7, 0, 9, 0]  # never the next sample's first token
+    assert out["loss_mask"].tolist() == [[1, 1, 0, 1, 0, 0, 0, 0]]
+    assert out["position_ids"].tolist() == [list(range(8))]  # Megatron's default: through the row
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bf16"], "--bf16 on the CPU"),
+    (["--max-seq-length", "100"], "--max-seq-length 100: pick a multiple of 8"),
+    (["--pp", "3"], "4 layers do not split evenly into --pp = 3"),
+    (["--steps", "2"], "--steps 2: a median needs at least 3"),
+    (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
+     "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
+    (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),
+])
+def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, args, message):
+    args = [str(tiny_profile[0]) if a == "PROFILE" else str(lengths_file) if a == "LENGTHS" else a for a in args]
+    run = bench("--model", "tiny", *args, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
