@@ -1,0 +1,12 @@
+"""Step benchmark (same as `megatron-dynapipe bench step`): real megatron-core steps of one global
+batch as DynaPipe, pad-to-max and packing plans; real tokens/s and predicted vs measured time."""
+
+import argparse
+import sys
+
+from megatron_dynapipe.bench import step
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=step.__doc__)
+    step.add_arguments(parser)
+    sys.exit(step.run(parser.parse_args()))
