@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from typing import Any, Callable
 
-from .ranks import launch
+from .ranks import launch, time_alternating
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
 #: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
@@ -171,26 +170,8 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
 
 
 def _time_alternating(steps: dict, ddp, s: dict, rank: int) -> dict:
-    """Time the schedules in alternating order (so that drift hits both alike); seconds per timed
-    step of each, and whether their losses agree."""
-    import time
-
-    import torch.distributed as dist
-
-    times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
-    losses: dict[str, list[float]] = {}
-    total = s["warmup"] + s["steps"]
-    for i in range(total):
-        for name in SCHEDULES if i % 2 == 0 else SCHEDULES[::-1]:
-            ddp.zero_grad_buffer()
-            dist.barrier()
-            started = time.perf_counter()
-            result = steps[name]()
-            dist.barrier()
-            if i >= s["warmup"]:
-                times[name].append(time.perf_counter() - started)
-            losses[name] = [float(d["lm loss"]) for d in result]
-        if rank == 0:  # progress on stderr; stdout keeps the result
-            warm = " (warm-up, untimed)" if i < s["warmup"] else ""
-            print(f"iteration {i + 1} of {total}{warm}: both schedules ran", file=sys.stderr, flush=True)
-    return {**times, "losses_match": losses[SCHEDULES[0]] == losses[SCHEDULES[1]]}
+    """Seconds per timed step of each schedule (alternating order), and whether their losses agree."""
+    times, results = time_alternating(steps, warmup=s["warmup"], steps=s["steps"], rank=rank,
+                                      before_each=ddp.zero_grad_buffer)
+    losses = [[float(d["lm loss"]) for d in results[name]] for name in SCHEDULES]
+    return {**times, "losses_match": losses[0] == losses[1]}

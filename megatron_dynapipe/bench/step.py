@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models import ModelSpec
-from .ranks import launch
+from .ranks import launch, time_alternating
 
 __all__ = ["add_arguments", "run"]
 
@@ -242,9 +242,10 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         ddp = _ddp_model(job, device)
         runs = {name: _step_function(ddp, method, device, on_cpu) for name, method in methods.items()}
-        times, losses = _time_alternating(runs, ddp, warmup, steps, rank, on_cpu)
-        return {"times": times, "losses": losses, "threads": torch.get_num_threads(), "peak_mb": {name: _peak_mb(run, ddp, device)
-                                                             for name, run in runs.items()}}
+        times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=ddp.zero_grad_buffer,
+                                          synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
+        return {"times": times, "losses": _token_mean_losses(results), "threads": torch.get_num_threads(),
+                "peak_mb": {name: _peak_mb(run, ddp, device) for name, run in runs.items()}}
     finally:
         destroy_model_parallel()
         if on_cpu:
@@ -308,42 +309,17 @@ def _step_function(ddp, method: Method, device, on_cpu: bool):
     return step
 
 
-def _time_alternating(runs: dict, ddp, warmup: int, steps: int, rank: int, on_cpu: bool):
-    """Seconds of each timed step of each method (methods rotate their order every step) and each
-    method's loss (the last stage's token-weighted mean; None elsewhere)."""
-    import time
-
+def _token_mean_losses(results: dict[str, list]) -> dict[str, float]:
+    """Each method's loss on the last stage (other stages return no loss dicts): the mean over
+    the global batch's loss tokens of the per-token loss."""
     import torch
-    import torch.distributed as dist
 
-    names = list(runs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    losses: dict[str, float | None] = {}
-    for i in range(warmup + steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            ddp.zero_grad_buffer()
-            dist.barrier()
-            _sync(on_cpu)
-            started = time.perf_counter()
-            result = runs[name]()
-            _sync(on_cpu)
-            dist.barrier()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - started)
-            if result:
-                total = torch.stack([d["lm loss"] for d in result]).sum(dim=0)
-                losses[name] = float(total[0] / total[1])
-        if rank == 0:  # progress on stderr; stdout keeps the result
-            warm = " (warm-up, untimed)" if i < warmup else ""
-            print(f"step {i + 1} of {warmup + steps}{warm}: every method ran", file=sys.stderr, flush=True)
-    return times, losses
-
-
-def _sync(on_cpu: bool) -> None:
-    if not on_cpu:
-        import torch
-
-        torch.cuda.synchronize()
+    losses = {}
+    for name, dicts in results.items():
+        if dicts:
+            total = torch.stack([d["lm loss"] for d in dicts]).sum(dim=0)  # [loss sum, token count]
+            losses[name] = float(total[0] / total[1])
+    return losses
 
 
 def _peak_mb(run, ddp, device) -> float:
