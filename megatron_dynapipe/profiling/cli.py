@@ -10,7 +10,7 @@ from ..models import add_model_arguments
 from ..planning.spec import positive_int_argument, recompute_argument
 from ..planning.types import RecomputeType
 
-__all__ = ["add_profile_parser", "run_profile"]
+__all__ = ["add_device_arguments", "add_profile_parser", "resolve_device", "run_profile"]
 
 
 def add_profile_parser(sub) -> None:
@@ -21,11 +21,7 @@ def add_profile_parser(sub) -> None:
                    help="tensor-parallel sizes to profile (default 1)")
     p.add_argument("--recompute", nargs="+", type=recompute_argument, default=list(RecomputeType),
                    metavar="{none,selective,full}", help="recompute types to profile (default: all three)")
-    dtype = p.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
-    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to measure (default: cuda when there is one, else cpu)")
+    add_device_arguments(p, "measure")
     p.add_argument("--min-seq-length", type=positive_int_argument, default=32, metavar="N",
                    help="shortest sequence length profiled (default 32)")
     p.add_argument("--max-seq-length", type=positive_int_argument, metavar="N",
@@ -41,7 +37,28 @@ def add_profile_parser(sub) -> None:
     again.add_argument("--force", action="store_true", help="overwrite an existing --output")
     again.add_argument("--resume", action="store_true", help="go on with an interrupted --output")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="draw no progress bar")
-    p.set_defaults(func=run_profile, dtype="fp32")
+    p.set_defaults(func=run_profile)
+
+
+def add_device_arguments(p, verb: str) -> None:
+    """``--bf16``/``--fp16`` (``args.dtype``, fp32 without either) and ``--device``; read back
+    with :func:`resolve_device`."""
+    dtype = p.add_mutually_exclusive_group()
+    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
+    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help=f"where to {verb} (default: cuda when there is one, else cpu)")
+    p.set_defaults(dtype="fp32")
+
+
+def resolve_device(choice: str) -> str:
+    """``--device``'s choice as "cuda" or "cpu"; "cuda" without a CUDA device is refused."""
+    import torch
+
+    device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA device; use --device cpu")
+    return device
 
 
 def _checked(args):
@@ -56,9 +73,7 @@ def _checked(args):
     output = check_output_file(args.output, "--output", (".json",))
     if output.exists() and not (args.force or args.resume):
         raise ValueError(f"--output {output} exists: pass --resume to go on with it or --force to overwrite it")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this torch sees no CUDA device; use --device cpu")
+    device = resolve_device(args.device)
     for tp in args.tp:
         for what, n in (("attention heads", spec.num_attention_heads), ("query groups", spec.query_groups),
                         ("FFN width", spec.ffn_hidden_size)):
