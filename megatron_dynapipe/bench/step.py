@@ -43,6 +43,7 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPip
 def add_arguments(p) -> None:
     from ..models import add_model_arguments
     from ..planning.samples import MIXES
+    from ..profiling.cli import add_device_arguments
 
     add_model_arguments(p)
     p.add_argument("--cost-model", metavar="NAME|FILE",
@@ -58,17 +59,13 @@ def add_arguments(p) -> None:
                    help="Megatron's --seq-length: pad-to-max and packing length (default: the model's positions)")
     p.add_argument("--memory-limit", type=float, metavar="MB",
                    help="per-device memory the plans must fit (default: the GPU's memory, 36000 on the CPU)")
-    dtype = p.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
-    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to run (default: cuda when there is one, else cpu)")
+    add_device_arguments(p, "run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5, at least 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens (default 0)")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(model="tiny", dtype="fp32")
+    p.set_defaults(model="tiny")
 
 
 @dataclass
@@ -101,6 +98,7 @@ def _checked(args) -> dict:
 
     from ..models import model_from_args
     from ..planning.cost_model import load_job_cost_model
+    from ..profiling.cli import resolve_device
     from ..tracer.topology import layers_problem
 
     spec = model_from_args(args)
@@ -111,7 +109,7 @@ def _checked(args) -> dict:
     problem = layers_problem(spec.num_layers, args.pp, pp_name="--pp")
     if problem:
         raise ValueError(problem)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     if device == "cuda" and torch.cuda.device_count() < args.pp:
         raise ValueError(f"--device cuda with --pp {args.pp} needs {args.pp} GPUs (NCCL puts one rank on each), "
                          f"this machine has {torch.cuda.device_count()}: lower --pp or use --device cpu")
@@ -152,41 +150,41 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
+    from ..planning.cost_model import StageCosts
+    from ..planning.microbatching import pack_fixed_length
     from ..planning.planner import generate_execution_plan
     from ..planning.spec import TrainingSpec
 
     spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], memory_limit_mb=job["memory_limit_mb"],
                         seed=args.seed)
+    # built once, as a training job's data pipeline does: planning time is the planner's alone
+    costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     for name, fast in ((DYNAPIPE, False), (FAST, True)):
-        result = generate_execution_plan(lengths, spec, job["cost_model"], fast_mode=fast)
+        result = generate_execution_plan(lengths, spec, costs, fast_mode=fast)
         plans = result.plans[0]
         microbatches = [_padded(tokens, mb) for mb in plans[0].microbatches]
         methods[name] = Method(plans, microbatches, result.makespan_ms, result.planning_seconds)
     seq = job["max_seq_length"]
-    methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, job)
-    from ..planning.microbatching import pack_fixed_length
-
-    methods[PACK] = _fixed_length_method(pack_fixed_length(lengths, seq), tokens, seq, job)
+    methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
+    methods[PACK] = _fixed_length_method(pack_fixed_length(lengths, seq), tokens, seq, costs, spec)
     return methods
 
 
-def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, job: dict) -> Method:
+def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, costs, spec) -> Method:
     """Sequences of ``seq_len`` tokens (each the samples it lists, packed), run 1F1B with the
     micro-batch size and recompute the cost model finds fastest."""
     from ..planning.baselines import fixed_length_baseline, uniform_microbatches
-    from ..planning.cost_model import StageCosts
     from ..planning.plan import build_execution_plans
     from ..planning.schedules import one_f_one_b_orders
 
-    costs = StageCosts(job["cost_model"], num_layers=job["model"].num_layers, pp=job["pp"], dp=1)
-    best = fixed_length_baseline(len(sequences), seq_len, costs, job["memory_limit_mb"])
+    best = fixed_length_baseline(len(sequences), seq_len, costs, spec.memory_limit_mb)
     if best is None:
-        raise ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {job['memory_limit_mb']:.0f} "
+        raise ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {spec.memory_limit_mb:.0f} "
                          "MB by the cost model: raise the limit or lower --max-seq-length")
     micro = uniform_microbatches(len(sequences), best.microbatch_size, seq_len)
-    plans = build_execution_plans(one_f_one_b_orders(job["pp"], len(micro)), micro, best.recompute.name.lower(), "1f1b")
+    plans = build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, best.recompute.name.lower(), "1f1b")
     tensors = [_packed([[tokens[i] for i in sequences[s]] for s in mb.samples], seq_len) for mb in micro]
     return Method(plans, tensors, best.makespan_ms)
 
