@@ -65,6 +65,7 @@ from ..compat.cpu_compat import CPU_STREAM_STANDINS
 from ..compat.patching import Patches
 from ..models import ModelSpec
 from .fake_groups import member_groups_only, symmetric_object_gathers
+from .meta_cache import MetaKernelCache
 from .recorder import Recorder, storage_key
 from .topology import (
     ParallelLayout,
@@ -524,6 +525,7 @@ def trace_initialized_rank(
             stack.enter_context(_moe_cpu_shims())
         if shapes_only:
             stack.enter_context(MetaMode())
+            stack.enter_context(MetaKernelCache())
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
