@@ -71,6 +71,13 @@ class ModelSpec:
     swiglu: bool = False
     normalization: str = "LayerNorm"  # or "RMSNorm"
     position_embedding_type: str = "learned_absolute"  # or "rope"
+    #: width of an attention head (None: hidden / heads, Megatron's default)
+    kv_channels: Optional[int] = None
+    add_bias_linear: bool = True  # False: Megatron-LM's --disable-bias-linear
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    #: the vocabulary is padded to a multiple of this times TP, as Megatron-LM pads it
+    make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
     name: str = ""
 
@@ -78,7 +85,7 @@ class ModelSpec:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         for field in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length",
-                      "ffn_hidden_size"):
+                      "ffn_hidden_size", "head_dim", "make_vocab_size_divisible_by"):
             value = getattr(self, field)
             if not _is_pos_int(value):
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
@@ -92,6 +99,10 @@ class ModelSpec:
         if not _is_pos_int(groups) or self.num_attention_heads % groups:
             raise ValueError(f"num_query_groups {self.num_query_groups!r} must divide the {self.num_attention_heads} "
                              "attention heads")
+        for field in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+                raise ValueError(f"{field} must be a probability in [0, 1), got {value!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization {self.normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
@@ -99,9 +110,20 @@ class ModelSpec:
                              f"{', '.join(POSITION_EMBEDDINGS)}")
 
     @property
+    def head_dim(self) -> int:
+        """Width of an attention head: ``kv_channels``, else hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
     def query_groups(self) -> int:
         """Key/value heads: ``num_query_groups``, else one per attention head."""
         return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """The vocabulary Megatron-LM builds at tensor-parallel size ``tp``: padded to a multiple
+        of ``make_vocab_size_divisible_by * tp``."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     @classmethod
     def from_any(cls, model: "ModelSpec | str | Mapping[str, Any]") -> "ModelSpec":
@@ -126,11 +148,16 @@ class ModelSpec:
             ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
             num_experts=getattr(args, "num_experts", None) or 0,
             share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
-            num_query_groups=getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True)
+            num_query_groups=(getattr(args, "num_query_groups", None) or 1) if getattr(args, "group_query_attention", None)
             else None,
             swiglu=bool(getattr(args, "swiglu", False)),
             normalization=getattr(args, "normalization", None),
-            position_embedding_type=getattr(args, "position_embedding_type", None))
+            position_embedding_type=getattr(args, "position_embedding_type", None),
+            kv_channels=getattr(args, "kv_channels", None),
+            add_bias_linear=getattr(args, "add_bias_linear", None),
+            hidden_dropout=getattr(args, "hidden_dropout", None),
+            attention_dropout=getattr(args, "attention_dropout", None),
+            make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
@@ -148,9 +175,10 @@ class ModelSpec:
 
     def layer_params(self) -> int:
         """Parameters of one transformer layer (attention, MLP, two norms, biases)."""
-        h = self.hidden_size
-        kv = 2 * h * self.query_groups // self.num_attention_heads  # key and value widths
-        attention = (h + kv) * h + (h + kv) + h * h + h  # QKV and output projections, biases
+        h, bias = self.hidden_size, int(self.add_bias_linear)
+        query = self.num_attention_heads * self.head_dim
+        kv = 2 * self.query_groups * self.head_dim  # key and value widths
+        attention = h * (query + kv) + query * h + bias * (query + kv + h)  # QKV and output projections
         mlp = self.expert_params()
         if self.num_experts:
             mlp *= self.num_experts
@@ -160,7 +188,7 @@ class ModelSpec:
         """Parameters of one MLP (one expert): ``fc1`` (doubled by SwiGLU's gate), ``fc2``, biases."""
         h, f = self.hidden_size, self.ffn_hidden_size
         up = 2 * f if self.swiglu else f
-        return h * up + up + f * h + h
+        return h * up + f * h + int(self.add_bias_linear) * (up + h)
 
     def norm_params(self) -> int:
         """The two norms of a layer: weight and bias each (LayerNorm) or weight only (RMSNorm)."""
@@ -173,7 +201,7 @@ class ModelSpec:
 
     def total_params(self) -> int:
         """Parameters of the whole model (output layer tied to the word embedding)."""
-        return self.num_layers * self.layer_params() + self.embedding_params() + 2 * self.hidden_size
+        return self.num_layers * self.layer_params() + self.embedding_params() + self.norm_params() // 2
 
     def stage_layers(self, pp: int) -> int:
         """Layers of the busiest of ``pp`` stages (the first ones when they do not split evenly)."""
@@ -284,6 +312,13 @@ class ModelSpec:
             args += ["--normalization", self.normalization]
         if self.position_embedding_type != "learned_absolute":
             args += ["--position-embedding-type", self.position_embedding_type]
+        if self.kv_channels:
+            args += ["--kv-channels", str(self.kv_channels)]
+        if not self.add_bias_linear:
+            args.append("--disable-bias-linear")
+        args += ["--hidden-dropout", f"{self.hidden_dropout:g}", "--attention-dropout", f"{self.attention_dropout:g}"]
+        if self.make_vocab_size_divisible_by != 128:
+            args += ["--make-vocab-size-divisible-by", str(self.make_vocab_size_divisible_by)]
         return args
 
 
@@ -351,12 +386,17 @@ def add_model_arguments(parser) -> None:
     g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
     g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)}")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
-                 "--vocab-size", "--max-position-embeddings"):
+                 "--vocab-size", "--max-position-embeddings", "--kv-channels", "--make-vocab-size-divisible-by"):
         g.add_argument(flag, type=int, metavar="N")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="key/value heads shared by --num-query-groups (default 1) groups of query heads")
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--normalization", choices=NORMALIZATIONS)
     g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        g.add_argument(flag, type=float, metavar="P", help="default 0.1")
 
 
 def model_from_args(args) -> ModelSpec:
@@ -365,9 +405,16 @@ def model_from_args(args) -> ModelSpec:
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_attention_heads", "num_attention_heads"),
         ("num_query_groups", "num_query_groups"), ("ffn_hidden_size", "ffn_hidden_size"), ("vocab_size", "vocab_size"),
         ("max_sequence_length", "max_position_embeddings"), ("swiglu", "swiglu"), ("normalization", "normalization"),
-        ("position_embedding_type", "position_embedding_type")) if getattr(args, flag, None) is not None}
+        ("position_embedding_type", "position_embedding_type"), ("kv_channels", "kv_channels"),
+        ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by"), ("add_bias_linear", "add_bias_linear"),
+        ("hidden_dropout", "hidden_dropout"), ("attention_dropout", "attention_dropout"),
+    ) if getattr(args, flag, None) is not None}
     if getattr(args, "untie_embeddings_and_output_weights", None):
         fields["share_embeddings_and_output_weights"] = False
+    if getattr(args, "group_query_attention", None):
+        fields.setdefault("num_query_groups", 1)  # Megatron-LM's default
+    elif "num_query_groups" in fields:
+        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it without)")
     if args.model:
         base = get_model(args.model)
         if "hidden_size" in fields:

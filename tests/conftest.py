@@ -33,11 +33,12 @@ def costs_pp4(profiled_model):
 
 @pytest.fixture(scope="session")
 def tiny_profile(tmp_path_factory):
-    """A profile of the tiny GPT on this CPU (tp 1 and 2, lengths up to 128): its path and content."""
+    """A profile of the tiny GPT on this CPU (tp 1 and 2, lengths up to 128), without dropout (so
+    that stored activations follow the dropout-free formulas): its path and content."""
     out = tmp_path_factory.mktemp("profile") / "tiny.json"
     run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "profile", "--no-progress", "--model", "tiny",
                           "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1",
-                          "--warmup", "0", "-o", str(out)], capture_output=True, text=True, timeout=300)
+                          "--warmup", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return out, json.loads(out.read_text())
 

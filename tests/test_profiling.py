@@ -104,7 +104,7 @@ def test_rows_grow_geometrically_up_to_the_token_limit(tiny_profile):
 
 def test_an_architecture_given_by_megatron_flags(tmp_path):
     out = tmp_path / "gqa.json"
-    run = profile("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+    run = profile("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
                   "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--vocab-size", "256",
                   "--max-position-embeddings", "64", "--tp", "1", "2", "--recompute", "none",
                   "--max-tokens", "64", "--repeats", "1", "--warmup", "0", "-o", str(out))
@@ -128,7 +128,8 @@ def test_an_interrupted_profile_resumes_where_it_stopped(tiny_profile, tmp_path)
     again = tmp_path / "again.json"
     again.write_text(json.dumps(partial))
     run = profile("--model", "tiny", "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256",
-                  "--repeats", "1", "--warmup", "0", "-o", str(again), "--resume")
+                  "--repeats", "1", "--warmup", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+                  "-o", str(again), "--resume")
     assert run.returncode == 0, run.stderr[-2000:]
     resumed = json.loads(again.read_text())
     assert resumed["metadata"]["complete"]

@@ -146,3 +146,36 @@ def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert header(tmp_path / "rank_0.trace.jsonl")["rank"] == 0
+
+
+LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
+               "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def tp_forward_all_reduce_bytes(path) -> set:
+    ops = [json.loads(line) for line in Path(path).read_text().splitlines()[1:]]
+    return {op["bytes"] for op in ops if op.get("group_name") == "TENSOR_MODEL_PARALLEL_GROUP"
+            and op.get("kind") == "all_reduce" and op.get("phase") == "forward"}
+
+
+@pytest.mark.parametrize("precision, dtype, element_bytes", [([], "float32", 4), (["--fp16"], "float16", 2),
+                                                             (["--bf16"], "bfloat16", 2)])
+def test_model_and_precision_flags_reach_the_trace(tmp_path, precision, dtype, element_bytes):
+    argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, *LLAMA_FLAGS, *precision]
+    result = scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
+    model = header(result.path)["model"]
+    assert (model["swiglu"], model["normalization"], model["num_query_groups"], model["position_embedding_type"],
+            model["share_embeddings_and_output_weights"], model["add_bias_linear"]) == (
+        True, "RMSNorm", 2, "rope", False, False)
+    assert model["dtype"] == dtype
+    assert tp_forward_all_reduce_bytes(result.path) == {256 * 1 * 128 * element_bytes}  # [seq, mbs, hidden]
+
+
+@pytest.mark.parametrize("flag", ["--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                  "--recompute-granularity=full", "--num-layers-per-virtual-pipeline-stage=1"])
+def test_a_flag_the_tracer_cannot_represent_is_refused_not_ignored(tmp_path, flag):
+    argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, flag]
+    with pytest.raises(DynapipeArgumentError) as info:
+        scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
+    assert f"does not trace {flag.split('=')[0]} yet" in str(info.value) and "\n" not in str(info.value)
+    assert not list(tmp_path.iterdir())

@@ -40,8 +40,13 @@ RUN = dict(micro_batch_size=2, num_microbatches=4, seq_length=16, warmup_iters=1
            dtype="float32")
 TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=64)
 TINY_MOE = dict(TINY, num_layers=2, num_experts=4, moe_router_topk=2)
+#: Llama-style: SwiGLU, RMSNorm, grouped-query attention, rotary positions, untied output layer,
+#: no linear biases (the features of Megatron-LM's GPT that the CPU local spec runs)
+TINY_LLAMA = dict(TINY, swiglu=True, normalization="RMSNorm", num_query_groups=2, position_embedding_type="rope",
+                  share_embeddings_and_output_weights=False, add_bias_linear=False)
 CASES = {
     "dense": (dict(world_size=WORLD, tp=2, pp=2), TINY),
+    "llama": (dict(world_size=WORLD, tp=2, pp=2), TINY_LLAMA),
     "moe-padded": (dict(world_size=WORLD, tp=1, pp=2, ep=2),
                    dict(TINY_MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
     "moe-dropless": (dict(world_size=WORLD, tp=1, pp=2, ep=2), TINY_MOE),
@@ -95,7 +100,7 @@ def _trace_all_cases(trace_ranks, out, seconds):
         start = time.perf_counter()
         out[name] = {t.rank: t for t in trace_ranks(ParallelLayout(**layout), range(WORLD), model, **RUN)}
         seconds[name] = (time.perf_counter() - start) / WORLD
-        if name != "moe-dropless":
+        if name in ("dense", "moe-padded", "llama"):
             shapes = trace_ranks(ParallelLayout(**layout), range(WORLD), model, shapes_only=True, **RUN)
             out[name + "/shapes"] = {t.rank: t for t in shapes}
 
@@ -171,6 +176,37 @@ def test_dense_trace_covers_every_kind_of_traffic(real):
         assert norm.group_name == "MODEL_PARALLEL_GROUP" and norm.bytes == 4
         reports = [op for op in trace.comm_ops if op.phase == "loss_report"]
         assert len(reports) == (1 if last else 0)
+
+
+def llama_stage_params(stage: int, tp: int = 2) -> int:
+    """One TP rank's parameters of a TINY_LLAMA stage (two layers), counted from the shapes:
+    hidden 64, 4 heads of 16 in 2 key/value groups, SwiGLU over ffn 256, RMSNorm (weight only),
+    no biases, vocabulary 128 padded to a multiple of 128 x TP, untied output layer, rotary
+    positions (no position table)."""
+    h, heads, groups, d, f, vocab = 64, 4, 2, 16, 256, 128 * tp
+    qkv = h * (heads * d + 2 * groups * d) // tp
+    proj = heads * d * h // tp
+    fc1, fc2 = h * 2 * f // tp, f * h // tp
+    norms = 2 * h
+    layers = 2 * (qkv + proj + fc1 + fc2 + norms)
+    return layers + (vocab * h // tp if stage == 0 else h + vocab * h // tp)  # embedding | final norm + head
+
+
+def test_llama_features_trace_as_the_real_job_runs_them(real, fake):
+    for rank in range(WORLD):
+        r = real["llama"][rank]
+        _assert_same_ops(fake["llama"][rank], r)
+        _assert_same_ops(fake["llama/shapes"][rank], r)
+        assert r.model["swiglu"] and r.model["normalization"] == "RMSNorm" and r.model["num_query_groups"] == 2
+
+
+def test_llama_gradient_and_pipeline_bytes_match_the_shapes(real):
+    for rank, trace in real["llama"].items():
+        (dp,) = [op for op in trace.comm_ops if op.name.endswith("start_grad_sync")]
+        assert dp.bytes == 4 * llama_stage_params(trace.stage), rank  # fp32 gradients, one bucket
+        assert not [op for op in trace.comm_ops if op.group_name == "EMBEDDING_GROUP"]  # untied: nothing to sync
+        parts = [p for op in trace.comm_ops if op.parts for p in op.parts]
+        assert {p["bytes"] for p in parts} == {16 * 2 * 64 * 4}  # [seq, mbs, hidden] fp32
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +366,6 @@ def test_model_descriptions():
     import argparse
 
     from megatron_dynapipe.models import ModelSpec, get_model
-    from megatron_dynapipe.tracer.fake_rank import padded_vocab_size
 
     by_name = ModelSpec.from_any("6.7B")
     assert by_name is get_model("gpt-6.7b")
@@ -340,16 +375,30 @@ def test_model_descriptions():
     assert ModelSpec.from_any(TINY) == ModelSpec(**TINY)
     with pytest.raises(TypeError, match="cannot describe a model"):
         ModelSpec.from_any(3.5)
-    assert padded_vocab_size(51200, 8) == 51200 and padded_vocab_size(128, 2) == 256
+    assert get_model("6.7").padded_vocab_size(8) == 51200 and ModelSpec(**TINY).padded_vocab_size(2) == 256
     # Megatron's flags and the spec are one description: the flags it prints build it again
     parser = argparse.ArgumentParser()
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
                  "--max-position-embeddings", "--vocab-size", "--num-experts"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    # the rest as Megatron-LM's arguments.py declares them (names, dests, defaults)
+    parser.add_argument("--kv-channels", type=int, default=None)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    parser.add_argument("--group-query-attention", action="store_true")
+    parser.add_argument("--num-query-groups", type=int, default=1)
+    parser.add_argument("--swiglu", action="store_true")
+    parser.add_argument("--normalization", default="LayerNorm")
+    parser.add_argument("--position-embedding-type", default="learned_absolute")
+    parser.add_argument("--hidden-dropout", type=float, default=0.1)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
     untied = ModelSpec(num_layers=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=200, vocab_size=1000,
                        max_sequence_length=512, num_experts=4, share_embeddings_and_output_weights=False)
-    for spec in (untied, get_model("175B")):
+    llama = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                      swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
+                      hidden_dropout=0.0, attention_dropout=0.05, make_vocab_size_divisible_by=64)
+    for spec in (untied, llama, get_model("175B")):
         args = parser.parse_args(spec.megatron_args(seq_length=128))
         assert args.seq_length == 128
         assert ModelSpec.from_megatron_args(args) == dataclasses.replace(spec, name="")

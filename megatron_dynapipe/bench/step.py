@@ -259,23 +259,17 @@ def _ddp_model(job: dict, device):
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.models.gpt import GPTModel
-
-    from ..planning.types import RecomputeType
-    from ..profiling.layers import DTYPES, layer_spec, transformer_config, uses_transformer_engine
+    from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
+    from ..profiling.layers import DTYPES
 
     spec: ModelSpec = job["model"]
-    dtype, use_te = DTYPES[job["dtype"]], uses_transformer_engine(device)
-    config = transformer_config(spec, 1, dtype, device, RecomputeType.NONE, use_te, num_layers=spec.num_layers,
-                                pp=job["pp"])
-    config.calculate_per_token_loss = True
-    config.deallocate_pipeline_outputs = True
-    model = GPTModel(config, layer_spec(use_te), vocab_size=spec.vocab_size,
-                     max_sequence_length=spec.max_sequence_length,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
-                     position_embedding_type=spec.position_embedding_type).to(device=device, dtype=dtype)
+    dtype, use_te = DTYPES[job["dtype"]], uses_transformer_engine(device.type)
+    # no dropout: every method must compute the same per-token losses for the loss check
+    config = transformer_config(spec, dtype=dtype, pp=job["pp"], on_gpu=device.type == "cuda", use_te=use_te,
+                                hidden_dropout=0.0, attention_dropout=0.0,
+                                calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
+    model = build_gpt(spec, config, tp=1, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync

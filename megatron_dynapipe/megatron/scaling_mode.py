@@ -63,18 +63,34 @@ def requested(script_args: Sequence[str]) -> bool:
     return FLAG in script_args
 
 
+#: Megatron-LM flags that change what a rank does but that the tracer does not trace yet: refused
+#: in one line rather than silently traced without (flag -> its dest in Megatron's namespace).
+UNTRACED_FLAGS = {
+    "--sequence-parallel": "sequence_parallel",
+    "--use-distributed-optimizer": "use_distributed_optimizer",
+    "--overlap-grad-reduce": "overlap_grad_reduce",
+    "--overlap-param-gather": "overlap_param_gather",
+    "--recompute-granularity": "recompute_granularity",
+    "--recompute-activations": "recompute_activations",
+    "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
+    "--fp8-format": "fp8",
+}
+
+
 def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The few Megatron-LM flags scaling mode reads (same names, dests and defaults as Megatron's)."""
-    g = parser.add_argument_group(title="megatron model (read by scaling mode)")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=None)
+    """The Megatron-LM flags scaling mode reads (same names, dests and defaults as Megatron's):
+    the model's (:func:`~megatron_dynapipe.models.add_model_arguments`), the precision, the batch
+    and the layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
+    from ..models import add_model_arguments
+
+    add_model_arguments(parser)
+    g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    for flag, dest in UNTRACED_FLAGS.items():
+        g.add_argument(flag, dest=dest, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -136,6 +152,18 @@ def _resolve_fake_sizes(args: argparse.Namespace) -> None:
         args.fake_num_experts = args.num_experts
 
 
+def _refuse_untraced(args: argparse.Namespace) -> None:
+    for flag, dest in UNTRACED_FLAGS.items():
+        if getattr(args, dest, None):  # Megatron's defaults are all False or None
+            raise DynapipeArgumentError(f"--is-scaling-mode does not trace {flag} yet: drop it to trace the "
+                                        "job without it")
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    """The precision Megatron-LM trains in: --bf16, --fp16, else float32."""
+    return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
+
+
 def _model(args: argparse.Namespace):
     from ..models import ModelSpec
 
@@ -164,6 +192,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     if not getattr(args, "is_scaling_mode", False):
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")
     _resolve_fake_sizes(args)
+    _refuse_untraced(args)
     _validate_tracer(args)  # the layout flags; sets args.fake_dp
     model = _model(args)
     _require(args, ("micro_batch_size",))
@@ -190,7 +219,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
                             micro_batch_size=config.micro_batch_size, num_microbatches=config.microbatches,
                             seq_length=seq, warmup_iters=int(_get(args, "trace_start", 1)),
                             trace_iters=int(_get(args, "trace_iters", 1)), shapes_only=bool(shapes_only),
-                            cost_model=cost_model)
+                            cost_model=cost_model, dtype=_dtype(args))
     path = trace.write(Path(_get(args, "trace_dir", os.curdir)))
     result = ScalingResult(trace, Path(path), layout, bool(shapes_only), reason, time.perf_counter() - started)
     if verbose:

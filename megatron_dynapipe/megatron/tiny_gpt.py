@@ -33,7 +33,6 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
@@ -42,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_dynapipe.compat import cpu_compat
+from megatron_dynapipe.gpt_build import build_gpt, layer_spec, transformer_config
 from megatron_dynapipe.models import ModelSpec
 
 __all__ = [
@@ -63,38 +63,21 @@ TINY_TEST_GPT = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, v
 DEFAULT_SEED = 1234
 
 
-def make_transformer_config(cfg: ModelSpec, **overrides: Any) -> TransformerConfig:
-    """A CPU-friendly fp32 ``TransformerConfig`` for ``cfg`` at the current TP/PP sizes.
+def _deterministic(cfg: ModelSpec) -> ModelSpec:
+    """``cfg`` as the tests build it: no dropout and the vocabulary as given (unpadded), so that
+    losses and weights compare exactly between layouts."""
+    return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=1)
 
-    No dropout, no fused kernels (they need CUDA / apex), no gradient-accumulation fusion, no
-    sequence parallelism (it needs transformer-engine). ``overrides`` go to TransformerConfig.
-    """
-    fields: dict[str, Any] = dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=cfg.init_method_std,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=(
-            parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        ),
-        sequence_parallel=False,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
+
+def make_transformer_config(cfg: ModelSpec, **overrides: Any) -> TransformerConfig:
+    """An fp32 ``TransformerConfig`` for ``cfg`` without dropout at the current TP/PP (and virtual
+    PP) sizes, on the CPU without fused kernels or sequence parallelism. ``overrides`` go to
+    TransformerConfig."""
+    return transformer_config(
+        _deterministic(cfg), dtype=torch.float32, tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        **overrides)
 
 
 class _SeededTransformerLayer(TransformerLayer):
@@ -138,21 +121,13 @@ def build_tiny_gpt(
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    spec = get_gpt_layer_local_spec()
+    spec = layer_spec(cfg, use_te=False)
     spec = dataclasses.replace(
         spec, module=_SeededTransformerLayer, params={**spec.params, "layer_seed": seed}
     )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-        vp_stage=vp_stage,
-    )
+    return build_gpt(_deterministic(cfg), config, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                     use_te=False, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                     transformer_layer_spec=spec)
 
 
 def random_micro_batches(count: int, micro_batch_size: int, seq_length: int, vocab_size: int,

@@ -16,23 +16,13 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..gpt_build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
 from ..planning.types import RecomputeType
 
-__all__ = ["DTYPES", "Parts", "fake_tp_rank", "build_parts", "layer_spec", "transformer_config", "uses_transformer_engine"]
+__all__ = ["DTYPES", "RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def uses_transformer_engine(device: torch.device) -> bool:
-    """TE's layer spec where TE can run (installed, on CUDA); the local spec otherwise."""
-    if device.type != "cuda":
-        return False
-    try:
-        import transformer_engine  # noqa: F401  (only whether it imports)
-    except ImportError:
-        return False
-    return True
 
 
 @contextlib.contextmanager
@@ -65,31 +55,8 @@ def fake_tp_rank(tp: int, device: torch.device) -> Iterator[None]:
             cpu_compat.disable_cpu_mode()
 
 
-def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.device,
-                       recompute: RecomputeType, use_te: bool, *, num_layers: int = 1, pp: int = 1):
-    """The TransformerConfig Megatron-LM would build from the model's flags at this TP size
-    (``num_layers`` over ``pp`` pipeline stages; one layer for the profiler)."""
-    from megatron.core.transformer import TransformerConfig
-
-    fields = dict(
-        num_layers=num_layers, pipeline_model_parallel_size=pp, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.query_groups, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization=spec.normalization, gated_linear_unit=spec.swiglu,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=device.type != "cuda", gradient_accumulation_fusion=False,
-        sequence_parallel=use_te and tp > 1,
-    )
-    if spec.swiglu:
-        fields["activation_func"] = torch.nn.functional.silu
-    if not use_te:  # fused kernels need CUDA with apex or TE
-        fields.update(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-                      apply_rope_fusion=False, persist_layer_norm=False)
-    if recompute is RecomputeType.SELECTIVE:
-        fields.update(recompute_granularity="selective")
-    elif recompute is RecomputeType.FULL:
-        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**fields)
+#: Megatron-LM's ``--recompute-granularity`` for each recompute type.
+RECOMPUTE_GRANULARITY = {RecomputeType.NONE: None, RecomputeType.SELECTIVE: "selective", RecomputeType.FULL: "full"}
 
 
 @dataclass
@@ -112,20 +79,20 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
                 recompute: Sequence[RecomputeType]) -> Parts:
     """Build the parts inside :func:`fake_tp_rank`: a megatron-core TransformerBlock of one layer
     per recompute type and one GPTModel whose embedding and head are used."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    use_te = uses_transformer_engine(device)
-    layers = layer_spec(use_te)
-    head = GPTModel(transformer_config(spec, tp, dtype, device, RecomputeType.NONE, use_te), layers,
-                    vocab_size=spec.vocab_size, max_sequence_length=spec.max_sequence_length,
-                    pre_process=True, post_process=True,
-                    share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
-                    position_embedding_type=spec.position_embedding_type).to(device=device, dtype=dtype)
+    use_te = uses_transformer_engine(device.type)
+    layers = layer_spec(spec, use_te)
+
+    def config(rc: RecomputeType):
+        return transformer_config(spec, dtype=dtype, tp=tp, num_layers=1, on_gpu=device.type == "cuda",
+                                  use_te=use_te, recompute=RECOMPUTE_GRANULARITY[rc])
+
+    head = build_gpt(spec, config(RecomputeType.NONE), tp=tp, use_te=use_te, pre_process=True, post_process=True,
+                     transformer_layer_spec=layers).to(device=device, dtype=dtype)
     rotary = _rotary_embeddings(getattr(head, "rotary_pos_emb", None), device)
-    blocks = {rc: TransformerBlock(transformer_config(spec, tp, dtype, device, rc, use_te), layers,
-                                   post_layer_norm=False, pre_process=True, post_process=False).to(device=device,
-                                                                                                  dtype=dtype)
+    blocks = {rc: TransformerBlock(config(rc), layers, post_layer_norm=False, pre_process=True,
+                                   post_process=False).to(device=device, dtype=dtype)
               for rc in recompute}
 
     def encoder(block):
@@ -168,11 +135,3 @@ def _cuda_requests_here(device: torch.device):
     from ..compat import cpu_compat
 
     return cpu_compat.cuda_as_cpu()
-
-
-def layer_spec(use_te: bool):
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec()

@@ -30,7 +30,8 @@ import torch
 from ..files import write_atomically
 from ..models import ModelSpec
 from ..planning.types import RecomputeType
-from .layers import DTYPES, Parts, build_parts, fake_tp_rank, uses_transformer_engine
+from ..gpt_build import uses_transformer_engine
+from .layers import DTYPES, Parts, build_parts, fake_tp_rank
 from .measure import is_out_of_memory, measure_memory, time_step
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
@@ -116,7 +117,7 @@ class _Profile:
             "device_type": self.device.type,
             "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "dtype": s.dtype,
-            "layer_spec": "transformer_engine" if uses_transformer_engine(self.device) else "local",
+            "layer_spec": "transformer_engine" if uses_transformer_engine(self.device.type) else "local",
             "versions": _versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": self.spec.to_json(),

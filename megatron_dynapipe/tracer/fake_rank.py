@@ -63,6 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..compat.cpu_compat import CPU_STREAM_STANDINS
 from ..compat.patching import Patches
+from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
 from .fake_groups import member_groups_only, symmetric_object_gathers
 from .meta_cache import MetaKernelCache
@@ -90,92 +91,7 @@ __all__ = [
 # the model
 
 
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding: a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _use_te() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _transformer_config(spec: ModelSpec, layout: ParallelLayout, dtype: torch.dtype, *,
-                        shapes_only: bool, on_gpu: bool, use_te: bool):
-    from megatron.core.transformer import TransformerConfig
-
-    fields: dict[str, Any] = dict(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=not shapes_only,
-        sequence_parallel=use_te and layout.tp > 1,
-    )
-    if not use_te:  # fused kernels need CUDA + apex/TE; torch LayerNorm refuses SP
-        fields.update(
-            gradient_accumulation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-        )
-    else:
-        fields.update(gradient_accumulation_fusion=False)
-    if spec.num_experts:
-        fields.update(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=min(spec.moe_router_topk, spec.num_experts),
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
-            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,
-            moe_aux_loss_coeff=1e-2,
-            moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
-            moe_pad_expert_input_to_capacity=spec.moe_pad_expert_input_to_capacity,
-        )
-    return TransformerConfig(**fields)
-
-
-def _build_stage(spec: ModelSpec, layout: ParallelLayout, config, vocab_size: int, use_te: bool):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    experts = spec.num_experts or None
-    if use_te:
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
-    else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=vocab_size,
-        max_sequence_length=spec.max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,7 +515,7 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
-        use_te = _use_te() and not shapes_only
+        use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
         if layout.cp > 1 and not use_te:
             raise ValueError(
                 f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
@@ -628,7 +544,7 @@ class _TraceRun:
 
     @property
     def vocab(self) -> int:
-        return padded_vocab_size(self.spec.vocab_size, self.layout.tp)
+        return self.spec.padded_vocab_size(self.layout.tp)
 
     @property
     def moe_on_cpu(self) -> bool:
@@ -662,10 +578,13 @@ class _TraceRun:
         groups = _check_groups(layout, self.rank)
         torch.manual_seed(self.seed)
         model_parallel_cuda_manual_seed(self.seed)
-        config = _transformer_config(self.spec, layout, self.torch_dtype, shapes_only=self.shapes_only,
-                                     on_gpu=self.on_gpu, use_te=self.use_te)
+        config = transformer_config(
+            self.spec, dtype=self.torch_dtype, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+            expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only)
         with self.device_scope():
-            model = _build_stage(self.spec, layout, config, self.vocab, self.use_te)
+            model = build_gpt(self.spec, config, tp=layout.tp, use_te=self.use_te,
+                              pre_process=parallel_state.is_pipeline_first_stage(),
+                              post_process=parallel_state.is_pipeline_last_stage())
         if self.on_gpu and not self.shapes_only:
             model = model.cuda()
         if self.torch_dtype != torch.float32:  # as Megatron-LM's get_model: 16-bit weights and norms

@@ -1,0 +1,98 @@
+"""A :class:`~megatron_dynapipe.models.ModelSpec` as megatron-core builds it.
+
+The one place that turns a model description into megatron-core's ``TransformerConfig``, layer
+spec and ``GPTModel``, as Megatron-LM's ``pretrain_gpt.py`` does from the same flags: the tracer,
+the profiler, ``bench step`` and the test GPT all build through here, so a flag honoured once is
+honoured everywhere.  Imports torch and megatron-core when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .models import ModelSpec
+
+__all__ = ["transformer_config", "layer_spec", "build_gpt", "uses_transformer_engine", "RECOMPUTE_CHOICES"]
+
+#: Megatron-LM's ``--recompute-granularity`` values (``None``: no recomputation).
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
+def uses_transformer_engine(device_type: str) -> bool:
+    """Whether transformer-engine's layer spec runs here: TE installed and the device CUDA."""
+    if device_type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401  (only whether it imports)
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                       expert_tp: Optional[int] = None, num_layers: Optional[int] = None,
+                       on_gpu: bool = False, use_te: bool = False, initialize: bool = True,
+                       recompute: Optional[str] = None, **overrides: Any):
+    """The ``TransformerConfig`` of ``spec`` at this layout (``num_layers`` defaults to the
+    model's; the profiler builds one).  ``initialize=False`` skips drawing weights (meta tensors);
+    ``recompute`` is "selective", "full" (uniform, one layer a chunk) or None.  Without
+    transformer-engine there is no fused kernel and no sequence parallelism."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
+    fields: dict[str, Any] = dict(
+        num_layers=num_layers or spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.query_groups,
+        kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization=spec.normalization, gated_linear_unit=spec.swiglu, add_bias_linear=spec.add_bias_linear,
+        hidden_dropout=spec.hidden_dropout, attention_dropout=spec.attention_dropout,
+        init_method_std=spec.init_method_std,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=expert_tp or tp,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu, perform_initialization=initialize,
+        gradient_accumulation_fusion=False, sequence_parallel=use_te and tp > 1,
+    )
+    if spec.swiglu:
+        fields["activation_func"] = torch.nn.functional.silu
+    if not use_te:  # fused kernels need CUDA with apex or TE
+        fields.update(masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+                      apply_rope_fusion=False, persist_layer_norm=False)
+    if recompute == "selective":
+        fields.update(recompute_granularity="selective")
+    elif recompute == "full":
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.num_experts:
+        fields.update(
+            num_moe_experts=spec.num_experts, moe_router_topk=min(spec.moe_router_topk, spec.num_experts),
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type, moe_grouped_gemm=False,
+            moe_aux_loss_coeff=1e-2, moe_expert_capacity_factor=spec.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=spec.moe_pad_expert_input_to_capacity)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(spec: ModelSpec, use_te: bool):
+    """Megatron-LM's layer spec for ``spec``: transformer-engine's when it runs, else the local one."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    experts = spec.num_experts or None
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=spec.normalization)
+
+
+def build_gpt(spec: ModelSpec, config, *, tp: int, use_te: bool, pre_process: bool, post_process: bool,
+              vp_stage: Optional[int] = None, transformer_layer_spec=None):
+    """This rank's stage of the GPT (vocabulary padded as Megatron-LM pads it at this TP)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config, transformer_layer_spec=transformer_layer_spec or layer_spec(spec, use_te),
+        vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_sequence_length,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
+        position_embedding_type=spec.position_embedding_type, vp_stage=vp_stage)
