@@ -1,7 +1,9 @@
-"""What the fake-rank tracer costs: the fake topology of a W=8192 job, and one config vs PP and W.
+"""What the fake-rank tracer costs: the fake topology of a W=8192 job, one config vs PP and W,
+and the four seed configs at GPT-175B.
 
     python benchmarks/bench_tracer.py [--json] [--repeat 3] [--model 6.7] [--tp 8]
                                       [--worlds 1024 4096 8192] [--pps 2 4 8] [--real-compute]
+    python benchmarks/bench_tracer.py --seed-batch [--jobs N] [--baseline-jobs 1] [--repeat 3]
 
 1. **Fake topology**: torch's fake process group plus megatron-core's
    ``initialize_model_parallel`` for ranks of a W=8192 job (TP=8, PP=16 and TP=2, PP=2),
@@ -14,6 +16,14 @@
    one forked process per rank), median of ``--repeat`` runs, for every W in ``--worlds`` and
    PP in ``--pps``: the seconds per config should grow with PP (one rank per stage is traced)
    and stay flat in W.
+
+3. **Seed batch** (``--seed-batch``): the four seed configs at GPT-175B shapes-only ("8192 16 8",
+   "8192 32 8", "8192 32 4", "4096 16 4"; 96 ranks), ``--jobs`` ranks at once (default: one per
+   core), a line per config as it ends; the whole batch's seconds and the peak resident memory of
+   this process and of the largest rank process.  ``--baseline-jobs 1`` runs the batch again one
+   rank at a time for the ratio.  After it, one rank (rank 512 of "8192 16 8") is traced inline
+   with and without :class:`~megatron_dynapipe.tracer.meta_cache.MetaKernelCache`, median of
+   ``--repeat``.
 
 Imports of torch and megatron are paid once, before any timing, and reported.
 """
@@ -140,6 +150,80 @@ def bench_configs(model: str, tp: int, worlds: list[int], pps: list[int], repeat
     return rows
 
 
+SEED_CONFIGS = ("8192 16 8", "8192 32 8", "8192 32 4", "4096 16 4")
+
+
+def bench_meta_cache(repeat: int) -> dict:
+    """One GPT-175B rank traced shapes-only with and without the meta-kernel cache."""
+    import contextlib
+
+    from megatron_dynapipe.tracer import fake_rank
+
+    config = TraceConfig(8192, 16, 8, model=get_model("175"))
+    times = {}
+    for label, cache in (("without cache", contextlib.nullcontext), ("with cache", fake_rank.MetaKernelCache)):
+        def one():
+            original, fake_rank.MetaKernelCache = fake_rank.MetaKernelCache, cache
+            try:
+                fake_rank.trace_fake_rank(config.layout(), 512, config.model, micro_batch_size=1,
+                                          num_microbatches=config.microbatches, seq_length=config.seq,
+                                          shapes_only=True)
+            finally:
+                fake_rank.MetaKernelCache = original
+
+        times[label] = median_of(one, repeat)[0]
+        progress(f"one rank {label}: median {times[label]:.2f} s")
+    return {"rank": 512, "config": "8192 16 8", **{k.replace(' ', '_') + "_s": v for k, v in times.items()},
+            "speedup": times["without cache"] / times["with cache"]}
+
+
+def bench_seed_batch(jobs: int | None, label: str) -> dict:
+    """The four seed configs at GPT-175B, shapes-only, ``jobs`` ranks at once."""
+    import resource
+
+    rows, start = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        for line in SEED_CONFIGS:
+            world, pp, tp = map(int, line.split())
+            (result,) = run_batch([TraceConfig(world, pp, tp, model=get_model("175"))], out, shapes_only=True,
+                                  jobs=jobs, progress=False)
+            if result.status != "ok":
+                raise RuntimeError(f"{line}: {result.status}: {result.error}")
+            rows.append({"config": line, "ranks": result.ranks_traced, "seconds": result.seconds})
+            progress(f"seed batch ({label}): {line}: {result.ranks_traced} ranks in {result.seconds:.1f} s "
+                     f"({len(rows)} of {len(SEED_CONFIGS)} configs, {time.perf_counter() - start:.0f} s so far)")
+    kib = 1024
+    return {"label": label, "jobs": jobs, "seconds": time.perf_counter() - start, "configs": rows,
+            "peak_rss_parent_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
+            "peak_rss_largest_rank_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib}
+
+
+def seed_main(args) -> int:
+    from megatron_dynapipe.tracer.batch_run import available_cores
+
+    jobs = args.jobs or available_cores()
+    import_s = bench_imports()
+    batches = [bench_seed_batch(jobs, f"{jobs} jobs")]
+    if args.baseline_jobs:
+        batches.append(bench_seed_batch(args.baseline_jobs, f"{args.baseline_jobs} jobs"))
+    cache = bench_meta_cache(args.repeat)  # last: its inline ranks would swell this process's peak
+    if args.json:
+        print(json.dumps({"import_s": import_s, "repeat": args.repeat, "meta_cache": cache, "batches": batches},
+                         indent=2))
+        return 0
+    print(f"one GPT-175B rank (rank 512 of 8192/16/8, shapes-only), median of {args.repeat}: "
+          f"{cache['without_cache_s']:.2f} s without the meta-kernel cache, {cache['with_cache_s']:.2f} s with it "
+          f"({cache['speedup']:.2f}x)")
+    print(f"seed batch, GPT-175B shapes-only, {sum(r['ranks'] for r in batches[0]['configs'])} ranks:")
+    for b in batches:
+        per = ", ".join(f"{r['config']}: {r['seconds']:.1f} s" for r in b["configs"])
+        print(f"  {b['label']:>8}: {b['seconds']:7.1f} s ({per}); peak RSS: this process "
+              f"{b['peak_rss_parent_bytes'] / 2**20:.0f} MiB, largest rank {b['peak_rss_largest_rank_bytes'] / 2**20:.0f} MiB")
+    if len(batches) == 2:
+        print(f"  {batches[0]['label']} vs {batches[1]['label']}: {batches[1]['seconds'] / batches[0]['seconds']:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -150,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--real-compute", action="store_true", help="trace with real compute, not shapes-only")
     parser.add_argument("--no-configs", action="store_true", help="only time the fake topology")
+    parser.add_argument("--seed-batch", action="store_true", help="trace the four seed configs at GPT-175B instead")
+    parser.add_argument("--jobs", type=int, help="ranks at once in --seed-batch (default: one per core)")
+    parser.add_argument("--baseline-jobs", type=int, help="--seed-batch again at this many jobs, for the ratio")
     args = parser.parse_args(argv)
+    if args.seed_batch:
+        return seed_main(args)
 
     import_s = bench_imports()
     topology = bench_topology(args.repeat)

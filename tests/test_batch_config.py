@@ -413,6 +413,57 @@ def test_a_hanging_rank_times_out(tmp_path):
     assert "timed out after 2 s" in results[0].ranks[2].error
 
 
+def meeting_tracer(folder: Path, wait_s: float = 10.0):
+    """A stand-in whose ranks 0 and 4 each wait until the other has started: they can only both
+    finish if they run at the same time."""
+
+    def tracer(layout, rank, model, **options):
+        (folder / f"arrived_{rank}").touch()
+        other = folder / f"arrived_{4 - rank}"
+        deadline = time.monotonic() + wait_s
+        while not other.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {4 - rank} never ran beside rank {rank}")
+            time.sleep(0.02)
+        if rank == 0:
+            time.sleep(0.5)  # rank 4 finishes first
+        return stand_in_tracer(layout, rank, model, **options)
+
+    return tracer
+
+
+def test_jobs_run_ranks_side_by_side_and_list_them_in_order(tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    [result] = run_batch(parse_configs(["8 2 1"]), tmp_path / "t", tracer=meeting_tracer(meet), jobs=2, progress=False)
+    assert result.status == "ok", result.error
+    assert [r.rank for r in result.ranks] == [0, 4]
+    assert [r["rank"] for r in _summary(result.folder)["ranks"]] == [0, 4]
+    assert {p.name for p in result.folder.glob("*.log")} == {"fake_rank_0.log", "fake_rank_4.log"}
+
+
+def test_one_job_runs_ranks_one_after_the_other(tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    [result] = run_batch(parse_configs(["8 2 1"]), tmp_path / "t", tracer=meeting_tracer(meet, wait_s=1), jobs=1,
+                         progress=False)
+    assert [r.status for r in result.ranks] == ["failed", "ok"]
+    assert "rank 4 never ran beside rank 0" in result.ranks[0].error
+
+
+def test_a_rank_killed_beside_others_fails_alone(tmp_path):
+    results = run_batch(parse_configs(["16 4 1"]), tmp_path, tracer=failing_on(rank=8, how="kill"), jobs=3,
+                        rank_timeout=60, progress=False)
+    assert [(r.rank, r.status) for r in results[0].ranks] == [(0, "ok"), (4, "ok"), (8, "failed"), (12, "ok")]
+    assert "SIGKILL" in results[0].ranks[2].error
+
+
+@pytest.mark.parametrize("jobs", [0, -2, 1.5])
+def test_run_batch_refuses_a_bad_jobs_count(tmp_path, jobs):
+    with pytest.raises(ValueError, match="jobs must be a positive integer"):
+        run_batch(parse_configs(["8 2 1"]), tmp_path, tracer=stand_in_tracer, jobs=jobs, progress=False)
+
+
 def test_shapes_only_choice_reaches_the_tracer(tmp_path):
     CALLS.clear()
     run_batch(parse_configs(["16 2 2"]), tmp_path, tracer=stand_in_tracer, isolation="inline", progress=False,
@@ -678,6 +729,8 @@ def test_a_configs_file_line_that_cannot_be_parsed_names_its_line(tmp_path, stan
     (["--config", ""], "no configs: --config holds only blanks or comments"),
     (["--config", "1 2"], "no config could be parsed: --config: expected 3 to 5 numbers"),
     (["--output-dir", "{file}"], "is a file, not a folder: choose a folder"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["--jobs", "2", "--isolation", "inline"], "drop --isolation inline, or use --jobs 1"),
     (["--output-dir", "{file}/below"], "is not a writable folder"),
     (["--cost-model", "/missing/profile.json"], "cost model file /missing/profile.json not found"),
     (["--cost-model", "gpt-6.7b-a100", "--model", "6.7", "--config", "16 1 16"], "has no profile for tp=16"),
@@ -744,3 +797,26 @@ def test_ranks_start_from_a_forkserver_when_cuda_is_initialised_here(tmp_path, m
     outcome = isolation.run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "forkserver")
     assert outcome["ok"] and outcome["value"] == 41 and outcome["pid"] != os.getpid()
     assert f"child {outcome['pid']} says 41" in log_path.read_text()
+
+
+def test_trace_takes_megatron_model_and_precision_flags(tmp_path, capsys):
+    code = trace_cli.main(["--model", "tiny", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
+                           "--num-query-groups", "2", "--position-embedding-type", "rope", "--ffn-hidden-size", "384",
+                           "--fp16", "--config", "8 2 2", "--shapes-only", "--output-dir", str(tmp_path), "--json",
+                           "--no-progress", "--jobs", "1"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0, summary
+    traces = [RankTrace.read(p) for p in sorted(Path(summary["configs"][0]["folder"]).glob("rank_*.trace.jsonl"))]
+    assert [t.rank for t in traces] == [0, 4]
+    for trace in traces:
+        m = trace.model
+        assert (m["swiglu"], m["normalization"], m["num_query_groups"], m["position_embedding_type"],
+                m["ffn_hidden_size"], m["dtype"]) == (True, "RMSNorm", 2, "rope", 384, "float16")
+        tp = {op.bytes for op in trace.comm_ops if op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
+              and op.kind == "all_reduce" and op.phase == "forward" and op.shape[-1] == 128}
+        assert tp == {256 * 1 * 128 * 2}  # tiny: [seq 256, mbs 1, hidden 128] in float16 (not the loss's)
+
+
+def test_trace_refuses_num_query_groups_without_group_query_attention(tmp_path, capsys):
+    assert trace_cli.main(["--model", "tiny", "--num-query-groups", "2", "--output-dir", str(tmp_path)]) == 2
+    assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err

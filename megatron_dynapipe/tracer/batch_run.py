@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..planning.cost_model import CostModel
 from ..progress import progress_bar, progress_enabled
@@ -24,9 +24,9 @@ from .batch_config import TraceConfig, validate
 from .batch_results import (
     FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
 )
-from .isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked, run_inline
-from .topology import ParallelLayout
-from .trace_budget import decide_shapes_only
+from .isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
+from .topology import ParallelLayout, is_positive_int
+from .trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 
 __all__ = ["run_batch"]
 
@@ -45,7 +45,9 @@ def run_batch(
     trace_iters: int = 1,
     shapes_only: bool | None = None,
     cost_model: Any = None,
+    dtype: str | None = None,
     isolation: str = "process",
+    jobs: int | None = None,
     rank_timeout: float | None = None,
     progress: bool = True,
     progress_stream=None,
@@ -57,21 +59,28 @@ def run_batch(
     every rank, ``"complete": true`` at the end), ``fake_rank_<r>.log`` per rank (moved into
     place when the rank ends) and ``timeline.json``; ``tracer(layout, rank, model, ...)``
     returns a :class:`~.trace_format.RankTrace` whose ``write(folder)`` writes
-    ``rank_<r>.trace.jsonl`` (default tracer: :func:`~.fake_rank.trace_fake_rank`).  Every trace
+    ``rank_<r>.trace.jsonl`` and returns its path (default tracer: :func:`~.fake_rank.trace_fake_rank`).  Every trace
     is read back before it is merged into the timeline; a missing or unreadable one fails its rank.
 
     ``cost_model`` (a cost model, a profile's path, ``None`` for the tracer's analytical one) is
     passed to the tracer as is, or, if it is a function, called with each config for that
     config's cost model.
+    ``dtype`` ("float32", "bfloat16", "float16") is the training precision (default: the
+    tracer's, bfloat16 shapes-only and float32 with real compute on CPU).
     ``shapes_only=None`` decides per config from the estimated bytes and compute time
     (:func:`decide_shapes_only`).
     ``isolation="process"`` runs each rank in a forked child (a crash, an out-of-memory kill or a
-    ``rank_timeout`` fails only that rank); ``"inline"`` runs it in this process and isolates
-    Python exceptions only.  A progress bar over configs and ranks is drawn on
+    ``rank_timeout`` fails only that rank), ``jobs`` of them at once (default: one per core;
+    fewer for a real-compute config whose ranks would not fit in memory together, and each
+    child's torch threads share the cores); ``"inline"`` runs ranks one by one in this process
+    and isolates Python exceptions only.  A progress bar over configs and ranks is drawn on
     ``progress_stream`` (stderr) when ``progress`` is true and it is a terminal.
     """
     if isolation not in ("process", "inline"):
         raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+    jobs = available_cores() if jobs is None else jobs
+    if not is_positive_int(jobs):
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     if isolation == "process" and not hasattr(os, "fork"):
         isolation = "inline"
     output_dir = Path(output_dir)
@@ -91,7 +100,7 @@ def run_batch(
                 continue
             results.append(_run_config(config, output_dir, tracer, bar, dict(
                 warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
-                cost_model=cost_model, isolation=isolation, rank_timeout=rank_timeout,
+                cost_model=cost_model, dtype=dtype, isolation=isolation, jobs=jobs, rank_timeout=rank_timeout,
             )))
             if results[-1].status == INTERRUPTED:
                 break  # Ctrl-C: the configs after it are not started
@@ -118,8 +127,7 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
 
     ranks_task = bar.add_task(f"Config{config.index} {config.line}", total=len(reps))
     try:
-        for rep in reps:
-            rank_result = _run_rank(tracer, config, layout, rep, result.folder, options, opts)
+        for rank_result in _run_ranks(tracer, config, layout, reps, result.folder, options, opts):
             result.ranks.append(rank_result)
             result.note(rank_result)
             result.seconds = time.perf_counter() - start
@@ -131,6 +139,8 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         write_summary(result, complete=False)
         return result
     bar.remove_task(ranks_task)
+    order = {rep.global_rank: i for i, rep in enumerate(reps)}
+    result.ranks.sort(key=lambda r: order[r.rank])  # finished in any order; listed in the config's
     write_timeline(result)
     result.seconds = time.perf_counter() - start
     write_summary(result)
@@ -148,44 +158,87 @@ def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict
     cost_model = opts["cost_model"]
     if callable(cost_model) and not isinstance(cost_model, CostModel):
         cost_model = cost_model(config)  # a factory: one cost model per config (e.g. per TP)
-    return dict(warmup_iters=opts["warmup_iters"], trace_iters=opts["trace_iters"],
-                shapes_only=result.shapes_only, cost_model=cost_model)
+    options = dict(warmup_iters=opts["warmup_iters"], trace_iters=opts["trace_iters"],
+                   shapes_only=result.shapes_only, cost_model=cost_model)
+    if opts["dtype"] is not None:  # else the tracer's default for the mode
+        options["dtype"] = opts["dtype"]
+    return options
 
 
-def _run_rank(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, rep, folder: Path,
-              options: dict, opts: dict) -> RankResult:
-    rank = rep.global_rank
-    final_log = folder / f"fake_rank_{rank}.log"
-    tmp_log = folder / f".fake_rank_{rank}.log.partial"
-    header = (
-        f"# fake rank {rank} (stage {rep.stage}, ep rank {rep.ep_rank}, coords {tuple(rep.coords)}) "
+def _run_ranks(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, reps, folder: Path,
+               options: dict, opts: dict) -> Iterator[RankResult]:
+    """Trace ``reps``, in parallel forked processes (``opts["jobs"]`` at most) or one by one
+    inline; yields each rank's result as it ends, its log moved into place."""
+    parallel = _parallel_ranks(config, options, opts["jobs"], len(reps))
+    threads = max(1, available_cores() // parallel) if parallel > 1 else None
+    jobs, started = [], []
+    for rep in reps:
+        tmp_log = folder / f".fake_rank_{rep.global_rank}.log.partial"
+        try:
+            tmp_log.write_text(_log_header(config, layout, rep, options, opts) + "\n")
+        except OSError as error:
+            yield _rank_result(rep, folder, {"ok": False, "error": error_line(error)}, 0.0)
+            continue
+        work = functools.partial(_do_rank, tracer, folder, config, layout, rep.global_rank, options,
+                                 threads=threads if opts["isolation"] == "process" else None)
+        jobs.append((work, tmp_log))
+        started.append(rep)
+    if opts["isolation"] == "process":
+        outcomes = run_forked_many(jobs, parallel, opts["rank_timeout"], rank_start_method())
+    else:
+        outcomes = _run_inline_each(jobs)
+    for index, outcome, seconds in outcomes:
+        yield _rank_result(started[index], folder, outcome, seconds)
+
+
+def _parallel_ranks(config: TraceConfig, options: dict, jobs: int, ranks: int) -> int:
+    """How many ranks of ``config`` run at once: ``jobs``, but no more real-compute ranks than
+    fit in the memory budget together."""
+    parallel = min(jobs, ranks)
+    if not options["shapes_only"]:
+        parallel = min(parallel, max(1, memory_budget_bytes() // max(1, estimated_bytes(config))))
+    return max(1, parallel)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _run_inline_each(jobs) -> Iterator[tuple[int, dict, float]]:
+    for index, (work, log_path) in enumerate(jobs):
+        start = time.perf_counter()
+        outcome = run_inline(work, log_path)
+        yield index, outcome, time.perf_counter() - start
+
+
+def _log_header(config: TraceConfig, layout: ParallelLayout, rep, options: dict, opts: dict) -> str:
+    return (
+        f"# fake rank {rep.global_rank} (stage {rep.stage}, ep rank {rep.ep_rank}, coords {tuple(rep.coords)}) "
         f"of config {config.index}: {layout.describe()}, model {config.model.label}, "
         f"mbs {config.micro_batch_size} x {config.microbatches} micro-batches, seq {config.seq}, "
         f"shapes_only={options['shapes_only']}, isolation={opts['isolation']}"
     )
-    start = time.perf_counter()
-    try:
-        tmp_log.write_text(header + "\n")
-        work = functools.partial(_do_rank, tracer, folder, config, layout, rank, options)
-        if opts["isolation"] == "process":
-            outcome = run_forked(work, tmp_log, opts["rank_timeout"], rank_start_method())
-        else:
-            outcome = run_inline(work, tmp_log)
-    except Exception as error:  # e.g. the log cannot be written, fork failed
-        outcome = {"ok": False, "error": error_line(error)}
-    seconds = time.perf_counter() - start
+
+
+def _rank_result(rep, folder: Path, outcome: dict, seconds: float) -> RankResult:
+    """The rank's result from its outcome; its log, ended with the status, moved into place."""
+    rank = rep.global_rank
+    final_log = folder / f"fake_rank_{rank}.log"
     status = OK if outcome.get("ok") else FAILED
     result = RankResult(rank, rep.stage, rep.ep_rank, status, seconds, outcome.get("error"),
                         log=final_log.name, files=outcome.get("files", []), stats=outcome.get("stats", {}))
     try:
         end = f"# status {status} after {seconds:.3f} s" + (f": {result.error}" if result.error else "")
-        finish_log(tmp_log, final_log, [end])
+        finish_log(folder / f".fake_rank_{rank}.log.partial", final_log, [end])
     except OSError as error:
         result.log = None
         if result.status == OK:
             result.status, result.error = FAILED, f"cannot write {final_log.name}: {error}"
     if result.status != OK:
-        log.error("config %d rank %d failed: %s", config.index, rank, result.error)
+        log.error("rank %d of %s failed: %s", rank, folder.name, result.error)
     return result
 
 
@@ -212,26 +265,22 @@ def _trace_stats(trace: Any) -> dict[str, Any]:
     return stats
 
 
-def _files_in(folder: Path) -> dict[str, float]:
-    try:
-        return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
-    except OSError:
-        return {}
-
-
 def _do_rank(tracer: Tracer, folder: Path, config: TraceConfig, layout: ParallelLayout, rank: int,
-             options: dict[str, Any]) -> dict[str, Any]:
-    """Trace one rank and write its files; returns the JSON-able part of its result."""
+             options: dict[str, Any], threads: int | None = None) -> dict[str, Any]:
+    """Trace one rank and write its files; returns the JSON-able part of its result.  ``threads``
+    caps torch's threads (set in a rank process that shares the cores with others)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     log.info("fake rank %d of %s (%s): tracing %s, options %s", rank, config.folder_name(),
              layout.describe(), config.model.label, options)
-    before = _files_in(folder)
     trace = tracer(
         layout, rank, config.model,
         micro_batch_size=config.micro_batch_size, num_microbatches=config.microbatches,
         seq_length=config.seq, **options,
     )
-    trace.write(folder)
-    after = _files_in(folder)
-    files = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
+    written = trace.write(folder)  # ranks run side by side in one folder: only what it says it wrote
+    files = [Path(written).name] if written else []
     log.info("fake rank %d: wrote %s", rank, ", ".join(files) or "no files")
     return {"files": files, "stats": _trace_stats(trace)}

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from .batch_config import TraceConfig, parse_configs, read_config_file, validate
 from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
-from ..models import MODELS, get_model
+from ..models import MODELS, ModelSpec, add_model_arguments, model_from_args
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -34,7 +34,8 @@ _EPILOG = (
     "A config is 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (keys: cp ep mbs nmb gbs seq experts "
     "model); a configs file holds one a line, '#' starts a comment. Models: "
     + ", ".join(f"{n} ({m.hidden_size}/{m.num_attention_heads}/{m.num_layers})" for n, m in MODELS.items())
-    + " (hidden/heads/layers). Without --config/--configs the config is '" + DEFAULT_CONFIG + "'."
+    + " (hidden/heads/layers); without --model or model flags, " + DEFAULT_MODEL + "B. Without --config/--configs "
+    "the config is '" + DEFAULT_CONFIG + "'."
 )
 
 
@@ -47,10 +48,13 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="FILE", help="a file of config lines (repeatable)")
     src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
 
-    model = p.add_argument_group("model and batch (defaults for every config)")
-    model.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
-                       help=f"model size: {'|'.join(MODELS)} (default {DEFAULT_MODEL})")
+    add_model_arguments(p)
+    model = p.add_argument_group("experts, precision and batch (defaults for every config)")
     model.add_argument("--num-experts", type=int, metavar="N", help="make the model mixture-of-experts with N experts")
+    precision = model.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
+                           help="train in bfloat16 (default: bfloat16 shapes-only, float32 with real compute on CPU)")
+    precision.add_argument("--fp16", dest="dtype", action="store_const", const="float16", help="train in float16")
     model.add_argument("--micro-batch-size", type=int, default=1, metavar="M", help="default 1")
     model.add_argument("--num-microbatches", type=int, metavar="N",
                        help="micro-batches per iteration (default: from --global-batch-size, else PP)")
@@ -72,6 +76,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                           "durations (default: analytical)")
     run.add_argument("--isolation", choices=("process", "inline"), default="process",
                      help="run each rank in a forked process (default) or in this one")
+    run.add_argument("--jobs", "-j", type=int, metavar="N",
+                     help="ranks traced at once, each in its own process (default: one per core)")
     run.add_argument("--rank-timeout", type=float, metavar="SECONDS", help="fail a rank that runs longer")
 
     out = p.add_argument_group("output")
@@ -95,11 +101,19 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
+def cli_model(args) -> ModelSpec:
+    """The model of the command line: ``--model`` and Megatron-LM's model flags (see
+    :func:`~megatron_dynapipe.models.add_model_arguments`); GPT-6.7B when none is given."""
+    if args.model is None and all(getattr(args, f) is None for f in ("num_layers", "hidden_size", "num_attention_heads")):
+        args.model = DEFAULT_MODEL
+    return model_from_args(args)
+
+
 def load_configs(args) -> tuple[list[TraceConfig], list[str]]:
     """The configs named on the command line, in order (``--config`` lines, then files), and
     why each line that could not be parsed was skipped (one bad line never stops the others)."""
     defaults: dict[str, Any] = dict(
-        model=get_model(args.model), num_experts=args.num_experts,
+        model=cli_model(args), num_experts=args.num_experts,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
     )
@@ -139,7 +153,7 @@ def run_trace(args) -> int:
                   f"{m.total_params() / 1e9:9.3f} B parameters")
         return 0
     if args.print_model_args:
-        shape = get_model(args.model)
+        shape = cli_model(args)
         if args.num_experts:
             shape = shape.with_experts(args.num_experts)
         print(" ".join(shape.megatron_args(args.seq_length)))
@@ -149,6 +163,10 @@ def run_trace(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.trace_iters < 1:
         raise ValueError("--trace-iters must be >= 1")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs not in (None, 1) and args.isolation == "inline":
+        raise ValueError("--jobs runs ranks in parallel processes: drop --isolation inline, or use --jobs 1")
     configs, unparsable = load_configs(args)
     for reason in unparsable:
         print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
@@ -162,8 +180,9 @@ def run_trace(args) -> int:
         results = run_batch(
             configs, args.output_dir,
             warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-            cost_model=args.cost_model,
-            isolation=args.isolation, rank_timeout=args.rank_timeout, progress=not args.no_progress,
+            cost_model=args.cost_model, dtype=args.dtype,
+            isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
+            progress=not args.no_progress,
         )
     except KeyboardInterrupt:  # between ranks, where no folder is open
         print("megatron-dynapipe trace: interrupted", file=sys.stderr)
@@ -172,7 +191,7 @@ def run_trace(args) -> int:
     if unparsable and code == 0:
         code = 1
     if args.json:
-        summary = batch_summary(results, model=get_model(args.model).label, output_dir=args.output_dir)
+        summary = batch_summary(results, model=cli_model(args).label, output_dir=args.output_dir)
         summary["unparsable"] = unparsable
         summary["exit_code"] = code
         print(json.dumps(summary))

@@ -17,12 +17,12 @@ import time
 import traceback
 from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .batch_results import error_line
 
-__all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_inline",
-           "finish_log"]
+__all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_forked_many",
+           "run_inline", "finish_log"]
 
 log = logging.getLogger(__name__)
 
@@ -128,48 +128,96 @@ def rank_start_method() -> str:
 
 
 def run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None,
-                start_method: str = "fork") -> dict[str, Any]:
+               start_method: str = "fork") -> dict[str, Any]:
     """Run ``work`` in a child process so that a crash, a kill or leaked global state stays
     there (``work`` must pickle unless ``start_method`` is "fork")."""
+    for _, outcome, _ in run_forked_many([(work, log_path)], 1, timeout, start_method):
+        return outcome
+    raise AssertionError("unreachable: one job gives one outcome")
+
+
+def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: int,
+                    timeout: float | None, start_method: str = "fork") -> Iterator[tuple[int, dict[str, Any], float]]:
+    """Run each ``(work, log_path)`` of ``jobs`` in its own child, at most ``parallel`` at once;
+    yields ``(index, outcome, seconds)`` as each ends.  ``timeout`` bounds each child from its start.
+    Closing the generator early (Ctrl-C included) kills the children still running."""
     import multiprocessing
+    from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD_MODULES))
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
-    child.start()
-    send.close()
+    waiting = list(enumerate(jobs))[::-1]
+    running: dict[int, _Child] = {}
     try:
-        if receive.poll(timeout):
-            try:
-                return receive.recv()
-            except EOFError:
-                pass  # died before sending: reported from the exit code below
-            finally:
-                child.join(10)
-                if child.is_alive():  # reported, but stuck on its way out
-                    child.kill()
-                    child.join()
-        else:
-            child.kill()
-            child.join()
-            return {"ok": False, "error": f"timed out after {timeout:g} s (rank process killed)"}
-    except BaseException:
-        child.kill()
-        child.join()
-        raise
+        while waiting or running:
+            while waiting and len(running) < max(1, parallel):
+                index, (work, log_path) = waiting.pop()
+                running[index] = _Child.start(ctx, work, log_path, timeout)
+            ready = wait([c.receive for c in running.values()] + [c.process.sentinel for c in running.values()],
+                         timeout=_next_deadline(running.values()))
+            for index, child in list(running.items()):
+                outcome = child.outcome_if_done(ready)
+                if outcome is not None:
+                    del running[index]
+                    yield index, outcome, time.monotonic() - child.started
     finally:
-        receive.close()
-    if child.exitcode is None:
-        child.kill()
-        child.join()
-    code = child.exitcode
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name
-        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-        return {"ok": False, "error": f"rank process died of {name}{hint}"}
-    return {"ok": False, "error": f"rank process exited with code {code} before reporting"}
+        for child in running.values():
+            child.kill()
+
+
+def _next_deadline(children) -> float | None:
+    deadlines = [c.deadline for c in children if c.deadline is not None]
+    return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+
+class _Child:
+    """One rank's process and the pipe its result comes down."""
+
+    def __init__(self, process, receive, timeout: float | None) -> None:
+        self.process, self.receive, self.timeout = process, receive, timeout
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+
+    @classmethod
+    def start(cls, ctx, work, log_path: Path, timeout: float | None) -> "_Child":
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
+        process.start()
+        send.close()
+        return cls(process, receive, timeout)
+
+    def outcome_if_done(self, ready) -> dict[str, Any] | None:
+        """The child's outcome if it reported, died or ran out of time; else None."""
+        if self.receive in ready or self.process.sentinel in ready:
+            return self._collect()
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.kill()
+            return {"ok": False, "error": f"timed out after {self.timeout:g} s (rank process killed)"}
+        return None
+
+    def _collect(self) -> dict[str, Any]:
+        try:
+            if self.receive.poll():
+                return self.receive.recv()
+        except EOFError:
+            pass  # died before sending: reported from the exit code below
+        finally:
+            self.process.join(10)
+            if self.process.is_alive():  # reported, but stuck on its way out
+                self.kill()
+            self.receive.close()
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+            return {"ok": False, "error": f"rank process died of {name}{hint}"}
+        return {"ok": False, "error": f"rank process exited with code {code} before reporting"}
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.receive.close()
 
 
 def finish_log(tmp: Path, final: Path, lines: Sequence[str]) -> None:
