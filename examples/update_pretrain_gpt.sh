@@ -19,7 +19,7 @@
 #   representative rank (one per pipeline stage; x EP for MoE) is traced in a forked process
 #   pretending to be that rank of the full job; models too big for this machine's memory are
 #   traced shapes-only.  The default (GPT-6.7B, 8192/2/2: shapes-only, since one rank would need
-#   about 55 GiB) takes about 25 s on 2 CPU cores; MODEL_SIZE=tiny computes every op for real
+#   about 55 GiB) traces its 2 ranks in about 2 s on 2 CPU cores (plus imports); MODEL_SIZE=tiny computes every op for real
 #   (about 20 s).
 # * MEGATRON_LM_DIR set: Megatron-LM's own pretrain_gpt.py is run once per representative rank
 #   through `megatron-dynapipe launch` (python -m megatron_dynapipe.megatron.launcher), with the
