@@ -799,6 +799,17 @@ def test_ranks_start_from_a_forkserver_when_cuda_is_initialised_here(tmp_path, m
     assert f"child {outcome['pid']} says 41" in log_path.read_text()
 
 
+def test_a_rank_whose_process_cannot_start_fails_alone(tmp_path):
+    """A forkserver child gets its work by pickling: a lambda cannot be sent, so that rank's
+    process never starts; the rank beside it still runs."""
+    import functools
+
+    jobs = [(lambda: {}, tmp_path / "a.log"), (functools.partial(_report_pid_and_argument, 7), tmp_path / "b.log")]
+    outcomes = {i: o for i, o, _ in isolation.run_forked_many(jobs, 2, 120, "forkserver")}
+    assert not outcomes[0]["ok"] and outcomes[0]["error"].startswith("cannot start the rank process: ")
+    assert outcomes[1]["ok"] and outcomes[1]["value"] == 7
+
+
 def test_trace_takes_megatron_model_and_precision_flags(tmp_path, capsys):
     code = trace_cli.main(["--model", "tiny", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
                            "--num-query-groups", "2", "--position-embedding-type", "rope", "--ffn-hidden-size", "384",

@@ -139,7 +139,8 @@ def run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None,
 def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: int,
                     timeout: float | None, start_method: str = "fork") -> Iterator[tuple[int, dict[str, Any], float]]:
     """Run each ``(work, log_path)`` of ``jobs`` in its own child, at most ``parallel`` at once;
-    yields ``(index, outcome, seconds)`` as each ends.  ``timeout`` bounds each child from its start.
+    yields ``(index, outcome, seconds)`` as each ends (a child that cannot even start fails at
+    once, alone).  ``timeout`` bounds each child from its start.
     Closing the generator early (Ctrl-C included) kills the children still running."""
     import multiprocessing
     from multiprocessing.connection import wait
@@ -153,7 +154,12 @@ def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: i
         while waiting or running:
             while waiting and len(running) < max(1, parallel):
                 index, (work, log_path) = waiting.pop()
-                running[index] = _Child.start(ctx, work, log_path, timeout)
+                try:
+                    running[index] = _Child.start(ctx, work, log_path, timeout)
+                except Exception as error:  # e.g. fork failed, or work does not pickle for a forkserver
+                    yield index, {"ok": False, "error": f"cannot start the rank process: {error_line(error)}"}, 0.0
+            if not running:
+                continue
             ready = wait([c.receive for c in running.values()] + [c.process.sentinel for c in running.values()],
                          timeout=_next_deadline(running.values()))
             for index, child in list(running.items()):
@@ -183,8 +189,13 @@ class _Child:
     def start(cls, ctx, work, log_path: Path, timeout: float | None) -> "_Child":
         receive, send = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
-        process.start()
-        send.close()
+        try:
+            process.start()
+        except BaseException:
+            receive.close()
+            raise
+        finally:
+            send.close()
         return cls(process, receive, timeout)
 
     def outcome_if_done(self, ready) -> dict[str, Any] | None:
