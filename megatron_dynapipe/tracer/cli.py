@@ -105,15 +105,16 @@ def cli_model(args) -> ModelSpec:
     """The model of the command line: ``--model`` and Megatron-LM's model flags (see
     :func:`~megatron_dynapipe.models.add_model_arguments`); GPT-6.7B when none is given."""
     if args.model is None and all(getattr(args, f) is None for f in ("num_layers", "hidden_size", "num_attention_heads")):
-        args.model = DEFAULT_MODEL
+        args = argparse.Namespace(**{**vars(args), "model": DEFAULT_MODEL})
     return model_from_args(args)
 
 
-def load_configs(args) -> tuple[list[TraceConfig], list[str]]:
-    """The configs named on the command line, in order (``--config`` lines, then files), and
-    why each line that could not be parsed was skipped (one bad line never stops the others)."""
+def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
+    """The configs named on the command line, in order (``--config`` lines, then files), each of
+    ``model`` unless its line names another, and why each line that could not be parsed was
+    skipped (one bad line never stops the others)."""
     defaults: dict[str, Any] = dict(
-        model=cli_model(args), num_experts=args.num_experts,
+        model=model, num_experts=args.num_experts,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
     )
@@ -152,8 +153,9 @@ def run_trace(args) -> int:
             print(f"{name:>5}  hidden {m.hidden_size:>5}  heads {m.num_attention_heads:>3}  layers {m.num_layers:>3}  "
                   f"{m.total_params() / 1e9:9.3f} B parameters")
         return 0
+    model = cli_model(args)
     if args.print_model_args:
-        shape = cli_model(args)
+        shape = model
         if args.num_experts:
             shape = shape.with_experts(args.num_experts)
         print(" ".join(shape.megatron_args(args.seq_length)))
@@ -167,7 +169,7 @@ def run_trace(args) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.jobs not in (None, 1) and args.isolation == "inline":
         raise ValueError("--jobs runs ranks in parallel processes: drop --isolation inline, or use --jobs 1")
-    configs, unparsable = load_configs(args)
+    configs, unparsable = load_configs(args, model)
     for reason in unparsable:
         print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
     if args.print_ranks:
@@ -191,7 +193,7 @@ def run_trace(args) -> int:
     if unparsable and code == 0:
         code = 1
     if args.json:
-        summary = batch_summary(results, model=cli_model(args).label, output_dir=args.output_dir)
+        summary = batch_summary(results, model=model.label, output_dir=args.output_dir)
         summary["unparsable"] = unparsable
         summary["exit_code"] = code
         print(json.dumps(summary))
