@@ -79,7 +79,7 @@ class MetaKernelCache(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._answers: dict[Any, Any] = {}
-        self._pure: dict[Any, bool] = {}
+        self._rememberable: dict[Any, bool] = {}  # per operator
         self.hits = 0
         self.misses = 0
 
@@ -97,14 +97,14 @@ class MetaKernelCache(TorchDispatchMode):
             self._answers[key] = _layout(result)
             self.misses += 1
         except TypeError:
-            self._pure[func] = False  # e.g. returns a number or a CPU tensor: never remember it
+            self._rememberable[func] = False  # e.g. returns a number or a CPU tensor: never remember it
         return result
 
     def _key(self, func, args, kwargs) -> Optional[tuple]:
-        pure = self._pure.get(func)
-        if pure is None:
-            pure = self._pure[func] = _pure(func)
-        if not pure:
+        rememberable = self._rememberable.get(func)
+        if rememberable is None:
+            rememberable = self._rememberable[func] = _pure(func)
+        if not rememberable:
             return None
         if not any(isinstance(a, torch.Tensor) for a in args):
             return None  # factories: cheap already, and their device comes from the arguments
