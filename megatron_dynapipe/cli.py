@@ -1,4 +1,5 @@
-"""`megatron-dynapipe` command line: plan a batch, trace fake ranks, profile a model, run benchmarks."""
+"""`megatron-dynapipe` command line: plan a batch, trace fake ranks, profile a model, simulate traced layouts,
+run benchmarks."""
 
 from __future__ import annotations
 
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .profiling.cli import add_profile_parser
 
     add_profile_parser(sub)
+    from .simulate.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     _bench_parser(sub)
     return parser
 

@@ -1,0 +1,274 @@
+"""Hardware models: what a device computes and holds, and what its links cost.
+
+A hardware file is one JSON object (docs/simulate.md lists every field)::
+
+    {"format": "megatron-dynapipe-hardware", "version": 1, "name": "H100-80GB-SXM",
+     "peak_tflops": {"bfloat16": 989.4, ...}, "memory_gib": 80, "memory_bandwidth_GBps": 3350,
+     "gpus_per_node": 8,
+     "intra_node": {"bandwidth_GBps": 360, "latency_us": 4},
+     "inter_node": {"bandwidth_GBps": 40, "latency_us": 8},
+     "collectives": {"all_reduce": {"bandwidth_GBps": ..., "latency_us": ...}, ...}}
+
+Bandwidths are *bus* bandwidths in the sense of nccl-tests (GB/s = 1e9 bytes per second):
+a ring all-reduce of ``S`` bytes over ``n`` ranks moves ``2 (n-1)/n S`` bytes through each rank's
+link.  ``collectives`` (optional; ``calibrate`` writes it) replaces the intra-node link for one
+kind of collective with what was measured for it.
+
+Collectives are costed as NCCL's algorithms cost them: ring all-gather / reduce-scatter /
+all-to-all ``(n-1) alpha + (n-1)/n S / B``; all-reduce the cheaper of the ring
+``2 (n-1) alpha + 2 (n-1)/n S / B`` and the tree ``2 ceil(log2 n) alpha + 2 S / B``;
+broadcast and reduce a pipelined chain ``(n-1) alpha + S / B``; p2p ``alpha + S / B``.  Ranks
+are placed on nodes in rank order (``rank // gpus_per_node``).  A group inside one node uses
+the intra-node link; a group across nodes runs on the inter-node link, and an all-reduce with
+several members per node may go hierarchically (reduce-scatter in the node, all-reduce of a
+``1/k`` shard across nodes, all-gather in the node) when that is cheaper.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..files import write_atomically
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "COLLECTIVE_KINDS",
+    "HardwareFileError",
+    "Link",
+    "Hardware",
+    "hardware_names",
+    "load_hardware",
+    "flat_collective_us",
+]
+
+FORMAT_NAME = "megatron-dynapipe-hardware"
+FORMAT_VERSION = 1
+#: What a hardware file can price (``p2p`` is a send/receive pair).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
+                    "barrier", "p2p")
+_FIX = "see docs/simulate.md for the fields, or write one for this machine with `megatron-dynapipe calibrate`"
+
+
+class HardwareFileError(ValueError):
+    """A hardware file that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's achievable bus bandwidth (GB/s) and the latency of one algorithm step (us)."""
+
+    bandwidth_GBps: float
+    latency_us: float
+
+    def transfer_us(self, nbytes: float) -> float:
+        return nbytes / (self.bandwidth_GBps * 1e3)  # 1 GB/s moves 1e3 bytes per microsecond
+
+    def to_json(self) -> dict[str, float]:
+        return {"bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
+
+
+def flat_collective_us(kind: str, n: int, nbytes: float, link: Link) -> float:
+    """Time of one collective over ``n`` ranks that all use ``link`` (``nbytes`` as nccl-tests
+    counts it: the all-reduced tensor, the gathered output, the unscattered input, the tensor a
+    rank sends to all, the broadcast tensor)."""
+    if kind == "p2p":
+        return link.latency_us + link.transfer_us(nbytes)
+    if n <= 1:
+        return 0.0
+    alpha, steps = link.latency_us, math.ceil(math.log2(n))
+    if kind == "all_reduce":
+        ring = 2 * (n - 1) * alpha + link.transfer_us(2 * (n - 1) / n * nbytes)
+        tree = 2 * steps * alpha + link.transfer_us(2 * nbytes)
+        return min(ring, tree)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * alpha + link.transfer_us((n - 1) / n * nbytes)
+    if kind in ("broadcast", "reduce"):
+        return (n - 1) * alpha + link.transfer_us(nbytes)
+    if kind == "barrier":
+        return 2 * steps * alpha
+    raise ValueError(f"cannot price a {kind!r}: kinds are {', '.join(COLLECTIVE_KINDS)}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and the network between its devices (fields as in the file)."""
+
+    name: str
+    peak_tflops: Mapping[str, float]
+    memory_gib: float
+    memory_bandwidth_GBps: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    collectives: Mapping[str, Link] = field(default_factory=dict)
+    source: str = ""
+
+    # -- prices ---------------------------------------------------------------------------------
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def link(self, kind: str, across_nodes: bool) -> Link:
+        if across_nodes:
+            return self.inter_node
+        return self.collectives.get(kind, self.intra_node)
+
+    def collective_us(self, kind: str, nbytes: float, group: Iterable[int]) -> float:
+        """Time of a collective of ``kind`` on the process group ``group`` (global ranks)."""
+        per_node = Counter(self.node_of(rank) for rank in group)
+        n, nodes, most = sum(per_node.values()), len(per_node), max(per_node.values())
+        if nodes == 1:
+            return flat_collective_us(kind, n, nbytes, self.link(kind, False))
+        flat = flat_collective_us(kind, n, nbytes, self.inter_node)
+        if kind != "all_reduce" or most == 1:
+            return flat
+        hierarchical = (flat_collective_us("reduce_scatter", most, nbytes, self.link("reduce_scatter", False))
+                        + flat_collective_us("all_reduce", nodes, nbytes / most, self.inter_node)
+                        + flat_collective_us("all_gather", most, nbytes, self.link("all_gather", False)))
+        return min(flat, hierarchical)
+
+    def p2p_us(self, nbytes: float, sender: int, receiver: int) -> float:
+        return flat_collective_us("p2p", 2, nbytes, self.link("p2p", self.node_of(sender) != self.node_of(receiver)))
+
+    def memory_bound_us(self, nbytes: float) -> float:
+        """Time to stream ``nbytes`` through device memory once."""
+        return nbytes / (self.memory_bandwidth_GBps * 1e3)
+
+    def peak(self, dtype: str) -> float:
+        """Peak dense TFLOP/s for ``dtype`` (``bfloat16``, ``float16``, ``float32``)."""
+        try:
+            return float(self.peak_tflops[dtype])
+        except KeyError:
+            raise HardwareFileError(f"hardware {self.name!r} has no peak_tflops for {dtype!r}: add it to the "
+                                    f"file's peak_tflops ({_FIX})") from None
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "name": self.name,
+                               "source": self.source, "peak_tflops": dict(self.peak_tflops),
+                               "memory_gib": self.memory_gib, "memory_bandwidth_GBps": self.memory_bandwidth_GBps,
+                               "gpus_per_node": self.gpus_per_node, "intra_node": self.intra_node.to_json(),
+                               "inter_node": self.inter_node.to_json()}
+        if self.collectives:
+            out["collectives"] = {kind: link.to_json() for kind, link in self.collectives.items()}
+        return out
+
+    def write(self, path: str | os.PathLike) -> Path:
+        return write_atomically(path, json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "<hardware>") -> "Hardware":
+        if not isinstance(data, dict):
+            raise HardwareFileError(f"{source}: not a JSON object; {_FIX}")
+        if data.get("format") != FORMAT_NAME:
+            raise HardwareFileError(f"{source}: format {data.get('format')!r} is not {FORMAT_NAME!r}; {_FIX}")
+        if data.get("version") != FORMAT_VERSION:
+            raise HardwareFileError(f"{source}: hardware file version {data.get('version')!r}, this reader "
+                                    f"understands version {FORMAT_VERSION}; {_FIX}")
+        read = _Fields(data, source)
+        peaks = read.mapping("peak_tflops")
+        if not peaks:
+            raise HardwareFileError(f"{source}: peak_tflops is empty; give at least the training dtype's peak; {_FIX}")
+        collectives = {}
+        for kind, entry in read.mapping("collectives", required=False).items():
+            if kind not in COLLECTIVE_KINDS:
+                raise HardwareFileError(f"{source}: collectives.{kind} is not a kind this model prices "
+                                        f"({', '.join(COLLECTIVE_KINDS)}); rename or remove it")
+            collectives[kind] = read.link(f"collectives.{kind}", entry)
+        gpus_per_node = data.get("gpus_per_node")
+        if gpus_per_node is None:
+            raise HardwareFileError(f"{source}: missing field 'gpus_per_node'; {_FIX}")
+        if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
+            raise HardwareFileError(f"{source}: gpus_per_node must be a positive integer, got {gpus_per_node!r}; {_FIX}")
+        return cls(
+            name=str(data.get("name") or Path(source).stem),
+            peak_tflops={str(k): read.positive(f"peak_tflops.{k}", v) for k, v in peaks.items()},
+            memory_gib=read.positive("memory_gib", data.get("memory_gib")),
+            memory_bandwidth_GBps=read.positive("memory_bandwidth_GBps", data.get("memory_bandwidth_GBps")),
+            gpus_per_node=gpus_per_node,
+            intra_node=read.link("intra_node", data.get("intra_node")),
+            inter_node=read.link("inter_node", data.get("inter_node")),
+            collectives=collectives,
+            source=str(data.get("source", "")),
+        )
+
+
+class _Fields:
+    """Reads a hardware file's fields, refusing a missing or non-positive one in one line."""
+
+    def __init__(self, data: dict, source: str) -> None:
+        self.data, self.source = data, source
+
+    def positive(self, name: str, value: Any) -> float:
+        if value is None:
+            raise HardwareFileError(f"{self.source}: missing field {name!r}; {_FIX}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise HardwareFileError(f"{self.source}: {name} must be a positive number, got {value!r}; {_FIX}")
+        return float(value)
+
+    def mapping(self, name: str, required: bool = True) -> dict:
+        value = self.data.get(name)
+        if value is None and not required:
+            return {}
+        if not isinstance(value, dict):
+            raise HardwareFileError(f"{self.source}: missing field {name!r} (an object); {_FIX}")
+        return value
+
+    def link(self, name: str, value: Any) -> Link:
+        if not isinstance(value, dict):
+            raise HardwareFileError(f"{self.source}: missing field {name!r} "
+                                    "({\"bandwidth_GBps\": ..., \"latency_us\": ...}); " + _FIX)
+        latency = value.get("latency_us")
+        if latency is None or isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise HardwareFileError(f"{self.source}: {name}.latency_us must be a number >= 0, got {latency!r}; {_FIX}")
+        return Link(self.positive(f"{name}.bandwidth_GBps", value.get("bandwidth_GBps")), float(latency))
+
+
+# -- the shipped files ----------------------------------------------------------------------------
+
+_ALIASES = {"a100": "a100-80gb-sxm", "h100": "h100-80gb-sxm"}
+
+
+def _shipped() -> dict[str, Any]:
+    folder = resources.files(__package__) / "hardware"
+    return {entry.name[:-len(".json")]: entry for entry in folder.iterdir() if entry.name.endswith(".json")}
+
+
+def hardware_names() -> list[str]:
+    """Names of the hardware files shipped with the package (and their short aliases)."""
+    return sorted(_shipped()) + sorted(_ALIASES)
+
+
+def load_hardware(name_or_path: "str | os.PathLike | Hardware") -> Hardware:
+    """A shipped hardware model by name (``a100``, ``h100-80gb-sxm``, ...) or a file's path."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    text = str(name_or_path)
+    shipped = _shipped()
+    key = _ALIASES.get(text.lower(), text.lower())
+    if key in shipped:
+        return Hardware.from_json(json.loads(shipped[key].read_text()), source=f"{key}.json")
+    path = Path(text)
+    if not path.is_file():
+        raise HardwareFileError(f"hardware {text!r} is neither a shipped model ({', '.join(hardware_names())}) nor a "
+                                "file; give one of those names or a hardware file's path")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise HardwareFileError(f"{path}: not JSON ({error.msg} at line {error.lineno}); {_FIX}") from None
+    return Hardware.from_json(data, source=str(path))

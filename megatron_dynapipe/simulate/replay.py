@@ -1,0 +1,394 @@
+"""Replay a traced layout's representative ranks as the whole job, on a hardware model.
+
+Each representative rank's trace becomes a list of :class:`Step` s in issue order
+(docs/trace_format.md, "Replaying a set of traces"):
+
+* a top-level compute op is its own time less the communication nested in it, cut into
+  segments around that communication (where the trace's clock says it happened; evenly when
+  the clock is a cost model that times no communication);
+* every communication op is priced by the hardware model (:mod:`.hardware`), never by its traced
+  duration: a fake rank's collectives return at once and a CPU's are not a GPU cluster's;
+* a collective whose group holds several representatives (the embedding all-reduce between the
+  first and last stage, the gradient-norm all-reduce over TP x PP, expert all-to-alls) starts
+  when the last of them arrives; a group inside one representative's stage stands for peers
+  that run the same ops at the same time, so it only costs time;
+* point-to-point transfers match by order per (sender, receiver) pair; a batch of them ends when
+  its slowest part has arrived, a part starts when both sides have posted it;
+* with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches run on a
+  separate stream, and the first step after the last backward waits for them;
+* an optimizer step the trace did not time (shapes-only) streams the rank's model state through
+  device memory once to read and once to write.
+
+:func:`simulate_job` runs the ranks side by side (an event loop that advances every rank as
+far as its dependencies allow) and returns a :class:`Replay`: every rank's timeline and where
+its time went.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from ..models import ModelSpec
+from ..tracer.topology import ParallelLayout, expert_coords
+from ..tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces
+from .hardware import Hardware
+
+__all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "simulate_job"]
+
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
+_RETRACE = "re-trace the config with `megatron-dynapipe trace`"
+
+
+class TraceMismatch(ValueError):
+    """The traces of one layout do not fit together (a missing rank, unmatched communication)."""
+
+
+# -- the job ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TracedJob:
+    """The representative-rank traces of one layout, checked to belong together."""
+
+    folder: Path
+    traces: dict[int, RankTrace]
+    layout: ParallelLayout
+    model: ModelSpec
+    iteration: dict[str, Any]
+    dtype: str
+
+    @property
+    def iterations(self) -> int:
+        return max(1, int(self.iteration.get("trace_iters") or 1))
+
+    @property
+    def global_batch_size(self) -> int:
+        it = self.iteration
+        return int(it["micro_batch_size"]) * int(it["num_microbatches"]) * self.layout.dp
+
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        return bool((self.iteration.get("ddp") or {}).get("overlap_grad_reduce"))
+
+    def representative_of(self, rank: int) -> int:
+        """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
+        coords = expert_coords(self.layout, rank)
+        rep = self._reps.get((coords.pp, coords.ep))
+        if rep is None:
+            raise TraceMismatch(f"{self.folder}: no trace stands for rank {rank} (stage {coords.pp}, expert rank "
+                                f"{coords.ep}); {_RETRACE}")
+        return rep
+
+    def __post_init__(self) -> None:
+        self._reps = {}
+        for rank in self.traces:
+            coords = expert_coords(self.layout, rank)
+            self._reps.setdefault((coords.pp, coords.ep), rank)
+        missing = [stage for stage in range(self.layout.pp) if not any(k[0] == stage for k in self._reps)]
+        if missing:
+            raise TraceMismatch(f"{self.folder}: no trace of pipeline stage(s) {missing}; {_RETRACE}")
+
+
+def load_job(folder: "str | Path") -> TracedJob:
+    """The traces in one config folder (``rank_<r>.trace.jsonl``), checked to be one layout."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such trace folder; give a folder `megatron-dynapipe trace` wrote")
+    traces = read_traces(folder)
+    if not traces:
+        raise TraceMismatch(f"{folder}: no rank_<r>.trace.jsonl files; give a config folder `megatron-dynapipe trace` "
+                            "wrote (or the output folder that holds them)")
+    first = next(iter(traces.values()))
+    for trace in traces.values():
+        for what in ("layout", "model", "iteration"):
+            if getattr(trace, what) != getattr(first, what):
+                raise TraceMismatch(f"{folder}: rank {trace.rank}'s {what} differs from rank {first.rank}'s; the folder "
+                                    f"mixes traces of different runs; {_RETRACE} into an empty folder")
+    layout = ParallelLayout(**{k: v for k, v in first.layout.items() if k != "expert_dp"})
+    model_fields = {k: v for k, v in first.model.items() if k in ModelSpec.__dataclass_fields__}
+    return TracedJob(folder=folder, traces=traces, layout=layout, model=ModelSpec(**model_fields),
+                     iteration=first.iteration, dtype=str(first.model.get("dtype") or "bfloat16"))
+
+
+# -- steps --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One thing a rank does, in issue order.
+
+    ``what`` is ``compute``, ``collective`` (blocking; ``key`` = (group, index), ``members`` the
+    representatives taking part), ``p2p`` (blocking; ``transfers`` of (sender, receiver, index,
+    cost)), ``async`` (a collective on the overlap stream) or ``drain`` (wait for that stream).
+    """
+
+    what: str
+    label: str
+    dur_us: float = 0.0
+    phase: Optional[str] = None
+    microbatch: Optional[int] = None
+    key: Any = None
+    members: frozenset = frozenset()
+    transfers: tuple = ()
+    bytes: int = 0
+
+
+class _StepBuilder:
+    """Turns one rank's trace into steps (keeps the per-group and per-pair counters)."""
+
+    def __init__(self, job: TracedJob, trace: RankTrace, hardware: Hardware) -> None:
+        self.job, self.trace, self.hw = job, trace, hardware
+        self.timed_comm = trace.clock != "cost_model"
+        self.group_count: Counter = Counter()
+        self.pair_count: Counter = Counter()
+        self.overlap = job.overlap_grad_reduce
+        self.steps: list[Step] = []
+
+    def build(self) -> list[Step]:
+        children: dict[int, list[TraceOp]] = defaultdict(list)
+        for op in self.trace.ops:
+            if op.parent is not None:
+                children[op.parent].append(op)
+        drained = False
+        for op in self.trace.ops:
+            if op.parent is not None:
+                continue
+            if self.overlap and not drained and op.phase in ("finalize_grads", "optimizer_step"):
+                self.steps.append(Step("drain", "wait for overlapped gradient reduction", phase=op.phase))
+                drained = True
+            if op.cat == "compute":
+                self._compute(op, self._descendant_comm(op, children))
+            else:
+                self.steps.append(self._comm(op))
+        return self.steps
+
+    @staticmethod
+    def _descendant_comm(op: TraceOp, children: dict[int, list[TraceOp]]) -> list[TraceOp]:
+        found, todo = [], list(children.get(op.seq, ()))
+        while todo:
+            child = todo.pop()
+            if child.cat == "comm":
+                found.append(child)
+            todo.extend(children.get(child.seq, ()))
+        return sorted(found, key=lambda o: o.seq)
+
+    def _compute_us(self, op: TraceOp, nested: list[TraceOp]) -> float:
+        if op.kind == "optimizer_step" and op.dur_us == 0:
+            state = self.trace.memory.get("model_state_bytes") or 0
+            return 2 * self.hw.memory_bound_us(state)  # read and write every byte of model state once
+        own = op.dur_us - (sum(c.dur_us for c in nested) if self.timed_comm else 0.0)
+        return max(own, 0.0)
+
+    def _compute(self, op: TraceOp, nested: list[TraceOp]) -> None:
+        total = self._compute_us(op, nested)
+        segments = self._segments(op, nested, total)
+        for index, segment in enumerate(segments):
+            self.steps.append(Step("compute", op.kind, segment, op.phase, op.microbatch))
+            if index < len(nested):
+                comm = self._comm(nested[index])
+                if self.overlap and nested[index].name.endswith("start_grad_sync") and op.kind == "backward":
+                    comm.what = "async"
+                self.steps.append(comm)
+
+    def _segments(self, op: TraceOp, nested: list[TraceOp], total: float) -> list[float]:
+        if not nested:
+            return [total]
+        starts = [c.start_us - op.start_us for c in nested]
+        if not self.timed_comm or not any(s > 0 for s in starts):
+            return [total / (len(nested) + 1)] * (len(nested) + 1)
+        segments, cursor = [], op.start_us
+        for comm in nested:
+            segments.append(max(comm.start_us - cursor, 0.0))
+            cursor = comm.start_us + comm.dur_us
+        segments = [min(s, total) for s in segments]
+        used = sum(segments)
+        if used > total:  # clock jitter: keep the proportions, fit the total
+            segments = [s * total / used for s in segments]
+            used = total
+        return segments + [total - used]
+
+    def _comm(self, op: TraceOp) -> Step:
+        if op.kind in _COLLECTIVES:
+            group = tuple(op.group or (self.trace.rank,))
+            index = self.group_count[group]
+            self.group_count[group] += 1
+            members = frozenset(self.job.representative_of(r) for r in group)
+            return Step("collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group), op.phase, op.microbatch,
+                        key=(group, index), members=members, bytes=op.bytes)
+        parts = op.parts if op.kind == "batch_isend_irecv" else [{"kind": op.kind, "peer": op.peer, "bytes": op.bytes}]
+        transfers = tuple(self._transfer(part) for part in parts)
+        return Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
+                    transfers=transfers, bytes=op.bytes)
+
+    def _transfer(self, part: dict) -> tuple:
+        me, peer = self.trace.rank, part["peer"]
+        if peer not in self.job.traces:
+            raise TraceMismatch(f"{self.job.folder}: rank {me} exchanges with rank {peer}, which was not traced; {_RETRACE}")
+        if part["kind"] in P2P_SEND_KINDS:
+            sender, receiver = me, peer
+        elif part["kind"] in P2P_RECV_KINDS:
+            sender, receiver = peer, me
+        else:
+            raise TraceMismatch(f"{self.job.folder}: rank {me} has a p2p part of kind {part['kind']!r}; {_RETRACE}")
+        index = self.pair_count[(sender, receiver)]
+        self.pair_count[(sender, receiver)] += 1
+        return (sender, receiver, index, self.hw.p2p_us(part["bytes"], sender, receiver))
+
+
+# -- the event loop -----------------------------------------------------------------------------
+
+
+@dataclass
+class Span:
+    """Something a rank spent time on: ``row`` is ``compute``, ``comm``, ``wait`` or ``overlap``."""
+
+    row: str
+    label: str
+    start_us: float
+    dur_us: float
+    phase: Optional[str] = None
+    microbatch: Optional[int] = None
+
+
+@dataclass
+class RankReplay:
+    """One representative rank's simulated iteration(s)."""
+
+    rank: int
+    stage: int
+    end_us: float = 0.0
+    compute_us: float = 0.0
+    comm_us: Counter = field(default_factory=Counter)  # blocking communication by kind
+    wait_us: Counter = field(default_factory=Counter)  # idle: waiting for peers, by what was awaited
+    overlapped_us: float = 0.0  # communication hidden behind compute
+    spans: list[Span] = field(default_factory=list)
+
+
+@dataclass
+class Replay:
+    job: TracedJob
+    hardware: Hardware
+    ranks: dict[int, RankReplay]
+
+    @property
+    def makespan_us(self) -> float:
+        return max(r.end_us for r in self.ranks.values())
+
+    @property
+    def iteration_us(self) -> float:
+        return self.makespan_us / self.job.iterations
+
+
+class _Loop:
+    def __init__(self, job: TracedJob, steps: dict[int, list[Step]]) -> None:
+        self.job, self.steps = job, steps
+        self.clock = dict.fromkeys(steps, 0.0)
+        self.next = dict.fromkeys(steps, 0)
+        self.overlap_free = dict.fromkeys(steps, 0.0)
+        self.arrivals: dict[Any, dict[int, float]] = defaultdict(dict)
+        self.posted: dict[tuple, dict[str, float]] = defaultdict(dict)
+        self.out = {rank: RankReplay(rank, job.traces[rank].stage) for rank in steps}
+
+    def run(self) -> dict[int, RankReplay]:
+        while True:
+            progressed = False
+            for rank, steps in self.steps.items():
+                while self.next[rank] < len(steps) and self._try(rank, steps[self.next[rank]]):
+                    self.next[rank] += 1
+                    progressed = True
+            if all(self.next[r] == len(s) for r, s in self.steps.items()):
+                break
+            if not progressed:
+                raise TraceMismatch(f"{self.job.folder}: the traces wait on each other forever ({self._blocked()}); "
+                                    f"they do not come from one run: {_RETRACE}")
+        for rank, out in self.out.items():
+            out.end_us = max(self.clock[rank], self.overlap_free[rank])
+        return self.out
+
+    def _blocked(self) -> str:
+        waiting = [f"rank {r} at its {s[self.next[r]].label} #{self.next[r]}" for r, s in self.steps.items()
+                   if self.next[r] < len(s)]
+        return ", ".join(waiting[:4])
+
+    def _span(self, rank: int, step: Step, row: str, start: float, dur: float, label: str | None = None) -> None:
+        if dur > 0:
+            self.out[rank].spans.append(Span(row, label or step.label, start, dur, step.phase, step.microbatch))
+
+    def _try(self, rank: int, step: Step) -> bool:
+        now, out = self.clock[rank], self.out[rank]
+        if step.what == "compute":
+            self._span(rank, step, "compute", now, step.dur_us)
+            out.compute_us += step.dur_us
+            self.clock[rank] = now + step.dur_us
+            return True
+        if step.what == "async":
+            start = max(now, self.overlap_free[rank])
+            self._span(rank, step, "overlap", start, step.dur_us)
+            self.overlap_free[rank] = start + step.dur_us
+            out.overlapped_us += step.dur_us
+            return True
+        if step.what == "drain":
+            exposed = max(self.overlap_free[rank] - now, 0.0)
+            self._span(rank, step, "comm", now, exposed, "exposed overlapped gradient reduction")
+            out.comm_us["all_reduce"] += exposed
+            out.overlapped_us -= exposed
+            self.clock[rank] = now + exposed
+            return True
+        ready = self._collective_start(rank, step, now) if step.what == "collective" else self._p2p_start(rank, step, now)
+        if ready is None:
+            return False
+        start, end = ready
+        waited = "pipeline" if step.what == "p2p" else step.label
+        self._span(rank, step, "wait", now, start - now, f"wait: {waited}")
+        self._span(rank, step, "comm", start, end - start)
+        out.wait_us[waited] += start - now
+        out.comm_us[step.label if step.what == "collective" else "p2p"] += end - start
+        self.clock[rank] = end
+        return True
+
+    def _collective_start(self, rank: int, step: Step, now: float) -> Optional[tuple[float, float]]:
+        arrived = self.arrivals[step.key]
+        arrived.setdefault(rank, now)
+        if not step.members <= arrived.keys():
+            return None
+        start = max(arrived[m] for m in step.members)
+        return start, start + step.dur_us
+
+    def _p2p_start(self, rank: int, step: Step, now: float) -> Optional[tuple[float, float]]:
+        ends = []
+        for sender, receiver, index, cost in step.transfers:
+            posted = self.posted[(sender, receiver, index)]
+            posted.setdefault("send" if sender == rank else "recv", now)
+            ends.append((posted, cost))
+        if any(len(posted) < 2 for posted, _ in ends):
+            return None
+        end = max(max(posted.values()) + cost for posted, cost in ends)
+        return end - step.dur_us if end - step.dur_us >= now else now, end
+
+
+def simulate_job(job: TracedJob, hardware: Hardware) -> Replay:
+    """Replay ``job`` on ``hardware``: every representative rank side by side."""
+    steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
+    return Replay(job, hardware, _Loop(job, steps).run())
+
+
+def job_folders(path: "str | Path") -> list[Path]:
+    """``path`` if it holds traces, else its sub-folders that do (a `trace` output folder)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such folder; give a folder `megatron-dynapipe trace` wrote")
+    if any(path.glob("rank_*.trace.jsonl")):
+        return [path]
+    folders = sorted(p for p in path.iterdir() if p.is_dir() and any(p.glob("rank_*.trace.jsonl")))
+    if not folders:
+        raise TraceMismatch(f"{path}: no rank_<r>.trace.jsonl here or in its sub-folders; give a folder "
+                            "`megatron-dynapipe trace` wrote")
+    return folders
+
+
+def iter_jobs(path: "str | Path") -> Iterable[TracedJob]:
+    for folder in job_folders(path):
+        yield load_job(folder)

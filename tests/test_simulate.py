@@ -1,0 +1,260 @@
+"""The simulator: hardware prices against nccl-tests' definitions, FLOPs against the published
+formula, and replays of real fake-rank traces against the 1F1B closed form."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dynapipe.models import get_model
+from megatron_dynapipe.simulate.flops import step_flops
+from megatron_dynapipe.simulate.hardware import Hardware, HardwareFileError, Link, hardware_names, load_hardware
+from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
+from megatron_dynapipe.simulate.report import report, timeline
+from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError
+
+GB = 1e9
+
+
+def link_hw(bandwidth=100.0, latency=0.0, per_node=8, inter=(25.0, 0.0), memory_bw=1e12):
+    return Hardware(name="test", peak_tflops={"bfloat16": 100.0, "float32": 10.0}, memory_gib=80.0,
+                    memory_bandwidth_GBps=memory_bw, gpus_per_node=per_node, intra_node=Link(bandwidth, latency),
+                    inter_node=Link(*inter))
+
+
+FREE = link_hw(bandwidth=1e12, latency=0.0, inter=(1e12, 0.0))  # communication costs nothing
+
+
+# -- hardware -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,bus_factor", [("all_reduce", lambda n: 2 * (n - 1) / n),
+                                             ("all_gather", lambda n: (n - 1) / n),
+                                             ("reduce_scatter", lambda n: (n - 1) / n),
+                                             ("all_to_all", lambda n: (n - 1) / n)])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_large_collectives_run_at_the_links_bus_bandwidth(kind, bus_factor, n):
+    # nccl-tests: algbw = size / time, busbw = algbw * factor(n); a bandwidth-bound collective's
+    # busbw is the link's bandwidth
+    hw = link_hw(bandwidth=100.0, latency=0.0)
+    size = 1 * GB
+    seconds = hw.collective_us(kind, size, range(n)) / 1e6
+    assert size / seconds * bus_factor(n) / GB == pytest.approx(100.0)
+
+
+def test_small_all_reduces_take_the_tree_and_large_ones_the_ring():
+    hw = link_hw(bandwidth=100.0, latency=5.0)
+    assert hw.collective_us("all_reduce", 8, range(8)) == pytest.approx(2 * 3 * 5.0 + 2 * 8 / 1e5)  # 2 log2(8) steps
+    big = 4 * GB
+    assert hw.collective_us("all_reduce", big, range(8)) == pytest.approx(2 * 7 * 5.0 + 2 * 7 / 8 * big / 1e5)
+
+
+def test_an_all_reduce_across_nodes_goes_hierarchically():
+    hw = link_hw(bandwidth=200.0, latency=0.0, per_node=8, inter=(20.0, 0.0))
+    size = 800e6
+    in_node = (7 / 8) * size / 200e3  # reduce-scatter, then all-gather, over NVLink
+    across = 2 * (1 / 2) * (size / 8) / 20e3  # ring all-reduce of a 1/8 shard between 2 nodes
+    assert hw.collective_us("all_reduce", size, range(16)) == pytest.approx(2 * in_node + across)
+    # one member per node: the network alone
+    assert hw.collective_us("all_reduce", size, [0, 8]) == pytest.approx(2 * (1 / 2) * size / 20e3)
+
+
+def test_p2p_crosses_the_network_only_between_nodes():
+    hw = link_hw(bandwidth=200.0, latency=2.0, per_node=8, inter=(20.0, 10.0))
+    assert hw.p2p_us(1e6, 6, 7) == pytest.approx(2.0 + 1e6 / 200e3)
+    assert hw.p2p_us(1e6, 7, 8) == pytest.approx(10.0 + 1e6 / 20e3)
+
+
+def test_the_shipped_hardware_files_load():
+    assert {"a100", "h100", "a100-80gb-sxm", "h100-80gb-sxm"} <= set(hardware_names())
+    h100 = load_hardware("h100")
+    assert h100.peak("bfloat16") == pytest.approx(989.4) and h100.gpus_per_node == 8
+    assert load_hardware("A100").memory_gib == 80
+
+
+@pytest.mark.parametrize("edit,says,fix", [
+    (lambda d: d.pop("inter_node"), "missing field 'inter_node'", "calibrate"),
+    (lambda d: d["intra_node"].pop("bandwidth_GBps"), "missing field 'intra_node.bandwidth_GBps'", "calibrate"),
+    (lambda d: d.update(memory_gib=-1), "memory_gib must be a positive number", "calibrate"),
+    (lambda d: d.update(version=7), "version 7", "calibrate"),
+    (lambda d: d.update(collectives={"allreduce": {"bandwidth_GBps": 1, "latency_us": 1}}), "collectives.allreduce",
+     "rename or remove it"),
+])
+def test_a_bad_hardware_file_is_refused_in_one_line_that_names_the_field(tmp_path, edit, says, fix):
+    data = load_hardware("h100").to_json()
+    edit(data)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(HardwareFileError) as info:
+        load_hardware(path)
+    message = str(info.value)
+    assert says in message and "\n" not in message and fix in message
+
+
+def test_an_unknown_hardware_name_lists_the_shipped_ones():
+    with pytest.raises(HardwareFileError, match="h100-80gb-sxm"):
+        load_hardware("tpu-v9")
+
+
+def test_a_hardware_file_survives_a_round_trip(tmp_path):
+    hw = dataclasses.replace(load_hardware("a100"), collectives={"all_reduce": Link(3.0, 40.0)})
+    assert load_hardware(hw.write(tmp_path / "a.json")) == hw
+
+
+# -- FLOPs --------------------------------------------------------------------------------------
+
+
+def test_model_flops_match_narayanan_et_al():
+    # Narayanan et al. (2021), eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) with full recomputation,
+    # whose no-recompute form is 72 B s l h^2 (1 + s/6h + V/12lh); non-causal attention.
+    model = get_model("175B")
+    B, s, l, h = 1536, 2048, model.num_layers, model.hidden_size
+    V = model.padded_vocab_size(8)
+    tokens = B * s
+    assert step_flops(model, tokens, s, tp=8, causal=False) == pytest.approx(
+        72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+    assert step_flops(model, tokens, s, tp=8, recompute="full", causal=False) == pytest.approx(
+        96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)))
+
+
+def test_causal_attention_halves_the_score_flops():
+    model = get_model("6.7B")
+    full, causal = (step_flops(model, 2048, 2048, causal=c) for c in (False, True))
+    assert full - causal == pytest.approx(3 * model.num_layers * 2 * model.hidden_size * 2048 * 2048)
+
+
+# -- replays of real traces ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """Shapes-only fake-rank traces of the tiny GPT: PP 4 (8 micro-batches) and TP 2 x PP 2 x DP 4."""
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+
+    out = tmp_path_factory.mktemp("traces")
+    results = run_batch(parse_configs(["4 4 1 nmb=8", "16 2 2"], model="tiny"), out, shapes_only=True,
+                        progress=False)
+    assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
+    return {r.config.line: r.folder for r in results}
+
+
+def uniform(job, forward_us, backward_us):
+    """The same job with every forward taking ``forward_us`` and every backward ``backward_us``."""
+    for trace in job.traces.values():
+        for op in trace.ops:
+            if op.cat == "compute":
+                op.dur_us = {"forward": forward_us, "backward": backward_us}.get(op.kind, 0.0)
+    return job
+
+
+def test_a_uniform_pipeline_takes_the_1f1b_closed_form(traced):
+    p, m, F, B = 4, 8, 1000.0, 2000.0
+    job = uniform(load_job(traced["4 4 1"]), F, B)
+    replay = simulate_job(job, FREE)
+    assert replay.iteration_us == pytest.approx((m + p - 1) * (F + B), rel=1e-6)
+    result = report(replay)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
+    for stage in result.stages:  # every stage computes m forwards and backwards
+        assert stage.compute_s == pytest.approx(m * (F + B) / 1e6, rel=1e-6)
+
+
+def test_pipeline_transfers_lengthen_the_iteration_within_bounds(traced):
+    # a fixed cost c per p2p transfer: the first forward and the last backward each cross all
+    # p - 1 stage boundaries; no more than one transfer per step and direction can be waited on
+    p, m, F, B, c = 4, 8, 1000.0, 2000.0, 100.0
+    job = uniform(load_job(traced["4 4 1"]), F, B)
+    slow_links = dataclasses.replace(FREE, intra_node=Link(1e12, c))
+    base = simulate_job(job, FREE).iteration_us
+    slowed = simulate_job(job, slow_links).iteration_us
+    assert slowed >= base + 2 * (p - 1) * c - 1e-6  # a forward and a backward must cross every boundary
+    assert slowed <= base + 2 * (m + p - 1) * c * 2 + 1e-6  # at most one transfer per step and direction
+
+
+def test_tp_and_dp_collectives_are_priced_by_the_hardware(traced):
+    job = uniform(load_job(traced["16 2 2"]), 1000.0, 2000.0)
+    free = simulate_job(job, FREE)
+    hw = link_hw(bandwidth=1.0, latency=0.0, inter=(1.0, 0.0))  # 1 GB/s: every byte shows
+    priced = report(simulate_job(job, hw))
+    assert priced.iteration_s > free.iteration_us / 1e6
+    # stage 0's DP all-reduce of its gradients: the traced bytes over a 4-rank ring
+    rank0 = job.traces[0]
+    dp = [op for op in rank0.ops if op.name.endswith("start_grad_sync")]
+    assert dp and priced.exposed_comm_s["all_reduce"] >= sum(2 * 3 / 4 * op.bytes / 1e9 for op in dp)
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_backward(traced):
+    job = uniform(load_job(traced["16 2 2"]), 1000.0, 20000.0)
+    hw = link_hw(bandwidth=0.5, latency=0.0, inter=(0.5, 0.0))
+    serial = simulate_job(job, hw).iteration_us
+    for trace in job.traces.values():  # what overlap_grad_reduce traces: the buckets launched in the last backward
+        last_backward = [op for op in trace.ops if op.kind == "backward"][-1]
+        for op in trace.ops:
+            if op.name.endswith("start_grad_sync"):
+                op.parent, op.phase = last_backward.seq, "backward"
+        trace.iteration["ddp"] = dict(trace.iteration["ddp"], overlap_grad_reduce=True)
+    job.iteration = next(iter(job.traces.values())).iteration
+    overlapped = simulate_job(job, hw)
+    hidden = report(overlapped).overlapped_comm_s * 1e6
+    assert hidden > 0 and overlapped.iteration_us <= serial - hidden + 1e-6
+
+
+def test_the_timeline_has_a_process_per_stage_and_the_simulated_spans(traced):
+    replay = simulate_job(load_job(traced["4 4 1"]), load_hardware("a100"))
+    events = timeline(replay).to_json()["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"stage {s} (rank {s})" for s in range(4)}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(replay.makespan_us)
+    assert {e["cat"] for e in spans} >= {"compute", "comm", "wait"}
+
+
+def test_a_missing_stage_is_refused_with_the_fix(traced, tmp_path):
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for rank in (0, 1, 3):
+        RankTrace.read(traced["4 4 1"] / f"rank_{rank}.trace.jsonl").write(folder)
+    with pytest.raises(TraceMismatch, match=r"stage\(s\) \[2\].*re-trace"):
+        load_job(folder)
+
+
+def test_a_trace_of_another_format_version_is_refused(traced, tmp_path):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    text = (traced["4 4 1"] / "rank_0.trace.jsonl").read_text().replace('"version": 1', '"version": 0', 1)
+    (folder / "rank_0.trace.jsonl").write_text(text)
+    with pytest.raises(TraceFormatError, match="version 0.*re-trace"):
+        load_job(folder)
+
+
+def test_simulate_cli_reports_every_config_folder(traced, tmp_path):
+    parent = traced["4 4 1"].parent
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "simulate", str(parent), "--hardware", "h100",
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    reports = [json.loads(line) for line in run.stdout.splitlines()]
+    assert sorted((r["pp"], r["tp"], r["dp"]) for r in reports) == [(2, 2, 4), (4, 1, 1)]
+    for r in reports:
+        assert r["iteration_s"] > 0 and r["fits"] and 0 < r["mfu"] < 1
+        assert json.loads(open(r["timeline"]).read())["traceEvents"]
+        tokens = r["global_batch_size"] * r["seq_length"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["iteration_s"])
+
+
+def test_simulate_cli_refuses_a_bad_hardware_file_in_one_line(traced, tmp_path):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"format": "megatron-dynapipe-hardware", "version": 1, "peak_tflops": {"bfloat16": 1}, "gpus_per_node": 8}))
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "simulate", str(traced["4 4 1"]),
+                          "--hardware", str(bad)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "missing field 'memory_gib'" in run.stderr
+
+
+def test_a_layout_that_does_not_fit_says_so(traced):
+    small = dataclasses.replace(load_hardware("a100"), memory_gib=1e-4)
+    result = report(simulate_job(load_job(traced["4 4 1"]), small))
+    assert not result.fits and not all(s.fits for s in result.stages)
+    assert math.isclose(result.device_memory_gib, 1e-4)
