@@ -162,6 +162,17 @@ def test_a_uniform_pipeline_takes_the_1f1b_closed_form(traced):
         assert stage.compute_s == pytest.approx(m * (F + B) / 1e6, rel=1e-6)
 
 
+def test_one_compute_slot_per_node_serialises_the_pipeline(traced):
+    # four ranks sharing one core (slots = 1): some rank always has work, so the iteration is
+    # the total work of all stages; with a slot each, the 1F1B closed form again
+    p, m, F, B = 4, 8, 1000.0, 2000.0
+    job = uniform(load_job(traced["4 4 1"]), F, B)
+    shared = dataclasses.replace(FREE, gpus_per_node=4, compute_slots_per_node=1)
+    assert simulate_job(job, shared).iteration_us == pytest.approx(p * m * (F + B), rel=1e-6)
+    own = dataclasses.replace(FREE, gpus_per_node=4, compute_slots_per_node=4)
+    assert simulate_job(job, own).iteration_us == pytest.approx((m + p - 1) * (F + B), rel=1e-6)
+
+
 def test_pipeline_transfers_lengthen_the_iteration_within_bounds(traced):
     # a fixed cost c per p2p transfer: the first forward and the last backward each cross all
     # p - 1 stage boundaries; no more than one transfer per step and direction can be waited on
@@ -258,3 +269,41 @@ def test_a_layout_that_does_not_fit_says_so(traced):
     result = report(simulate_job(load_job(traced["4 4 1"]), small))
     assert not result.fits and not all(s.fits for s in result.stages)
     assert math.isclose(result.device_memory_gib, 1e-4)
+
+
+# -- calibrate ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,n", [("all_reduce", 8), ("all_gather", 4), ("all_to_all", 8), ("p2p", 2)])
+def test_fit_recovers_the_latency_and_bandwidth_that_made_the_points(kind, n):
+    from megatron_dynapipe.simulate.calibrate import fit_link
+
+    alpha_us, bandwidth = 30.0, 2.5  # GB/s
+    steps, factor = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "p2p": (1, 1)}.get(kind, (n - 1, (n - 1) / n))
+    points = [(size, (steps * alpha_us + factor * size / (bandwidth * 1e3)) / 1e6) for size in (1024, 65536, 2**22, 2**26)]
+    link = fit_link(kind, points, n)
+    assert link.latency_us == pytest.approx(alpha_us, rel=1e-6)
+    assert link.bandwidth_GBps == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_calibrate_writes_a_hardware_file_simulate_reads(tmp_path):
+    out = tmp_path / "here.json"
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "calibrate", "--nproc", "2", "--max-bytes",
+                          "65536", "--repeats", "2", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    hw = load_hardware(out)
+    assert hw.gpus_per_node == 2 and set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter",
+                                                              "all_to_all", "p2p"}
+    assert hw.peak("float32") > 0 and hw.memory_gib > 0 and hw.memory_bandwidth_GBps > 0
+    assert hw.collectives["all_reduce"].algorithm == "ring"
+    assert "wrote" in run.stdout and "all_to_all" in run.stdout
+
+
+@pytest.mark.parametrize("flags,says", [(["--nproc", "1"], "--nproc must be at least 2"),
+                                        (["--backend", "nccl", "--nproc", "2"], "needs a GPU per process"),
+                                        (["--min-bytes", "4096", "--max-bytes", "1024"], "--min-bytes <= --max-bytes")])
+def test_calibrate_refuses_settings_that_cannot_work_before_starting(tmp_path, flags, says):
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "calibrate", *flags, "-o",
+                          str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr and run.stderr.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()

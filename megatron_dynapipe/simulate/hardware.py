@@ -12,7 +12,9 @@ A hardware file is one JSON object (docs/simulate.md lists every field)::
 Bandwidths are *bus* bandwidths in the sense of nccl-tests (GB/s = 1e9 bytes per second):
 a ring all-reduce of ``S`` bytes over ``n`` ranks moves ``2 (n-1)/n S`` bytes through each rank's
 link.  ``collectives`` (optional; ``calibrate`` writes it) replaces the intra-node link for one
-kind of collective with what was measured for it.
+kind of collective with what was measured for it.  ``compute_slots_per_node`` (optional,
+default ``gpus_per_node``) is how many ranks of a node compute at full speed at once: CPU
+processes share cores, and the replay slows the ranks of a node down when more compute at once.
 
 Collectives are costed as NCCL's algorithms cost them: ring all-gather / reduce-scatter /
 all-to-all ``(n-1) alpha + (n-1)/n S / B``; all-reduce the cheaper of the ring
@@ -56,6 +58,7 @@ FORMAT_VERSION = 1
 #: What a hardware file can price (``p2p`` is a send/receive pair).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                     "barrier", "p2p")
+ALGORITHMS = ("auto", "ring", "tree")
 _FIX = "see docs/simulate.md for the fields, or write one for this machine with `megatron-dynapipe calibrate`"
 
 
@@ -65,16 +68,22 @@ class HardwareFileError(ValueError):
 
 @dataclass(frozen=True)
 class Link:
-    """A link's achievable bus bandwidth (GB/s) and the latency of one algorithm step (us)."""
+    """A link's achievable bus bandwidth (GB/s) and the latency of one algorithm step (us);
+    ``algorithm`` pins the all-reduce to ``ring`` or ``tree`` (``auto``: the cheaper, as NCCL's
+    tuner picks; ``calibrate`` pins what it fitted)."""
 
     bandwidth_GBps: float
     latency_us: float
+    algorithm: str = "auto"
 
     def transfer_us(self, nbytes: float) -> float:
         return nbytes / (self.bandwidth_GBps * 1e3)  # 1 GB/s moves 1e3 bytes per microsecond
 
-    def to_json(self) -> dict[str, float]:
-        return {"bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
+        if self.algorithm != "auto":
+            out["algorithm"] = self.algorithm
+        return out
 
 
 def flat_collective_us(kind: str, n: int, nbytes: float, link: Link) -> float:
@@ -89,7 +98,7 @@ def flat_collective_us(kind: str, n: int, nbytes: float, link: Link) -> float:
     if kind == "all_reduce":
         ring = 2 * (n - 1) * alpha + link.transfer_us(2 * (n - 1) / n * nbytes)
         tree = 2 * steps * alpha + link.transfer_us(2 * nbytes)
-        return min(ring, tree)
+        return {"ring": ring, "tree": tree}.get(link.algorithm, min(ring, tree))
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * alpha + link.transfer_us((n - 1) / n * nbytes)
     if kind in ("broadcast", "reduce"):
@@ -112,6 +121,13 @@ class Hardware:
     inter_node: Link
     collectives: Mapping[str, Link] = field(default_factory=dict)
     source: str = ""
+    #: ranks of a node that compute at full speed at once (CPU processes share cores; default: one
+    #: per GPU)
+    compute_slots_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.compute_slots_per_node:
+            object.__setattr__(self, "compute_slots_per_node", self.gpus_per_node)
 
     # -- prices ---------------------------------------------------------------------------------
 
@@ -164,6 +180,8 @@ class Hardware:
                                "memory_gib": self.memory_gib, "memory_bandwidth_GBps": self.memory_bandwidth_GBps,
                                "gpus_per_node": self.gpus_per_node, "intra_node": self.intra_node.to_json(),
                                "inter_node": self.inter_node.to_json()}
+        if self.compute_slots_per_node != self.gpus_per_node:
+            out["compute_slots_per_node"] = self.compute_slots_per_node
         if self.collectives:
             out["collectives"] = {kind: link.to_json() for kind, link in self.collectives.items()}
         return out
@@ -195,8 +213,12 @@ class Hardware:
             raise HardwareFileError(f"{source}: missing field 'gpus_per_node'; {_FIX}")
         if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
             raise HardwareFileError(f"{source}: gpus_per_node must be a positive integer, got {gpus_per_node!r}; {_FIX}")
+        slots = data.get("compute_slots_per_node", gpus_per_node)
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise HardwareFileError(f"{source}: compute_slots_per_node must be a positive integer, got {slots!r}; {_FIX}")
         return cls(
             name=str(data.get("name") or Path(source).stem),
+            compute_slots_per_node=slots,
             peak_tflops={str(k): read.positive(f"peak_tflops.{k}", v) for k, v in peaks.items()},
             memory_gib=read.positive("memory_gib", data.get("memory_gib")),
             memory_bandwidth_GBps=read.positive("memory_bandwidth_GBps", data.get("memory_bandwidth_GBps")),
@@ -236,7 +258,11 @@ class _Fields:
         latency = value.get("latency_us")
         if latency is None or isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
             raise HardwareFileError(f"{self.source}: {name}.latency_us must be a number >= 0, got {latency!r}; {_FIX}")
-        return Link(self.positive(f"{name}.bandwidth_GBps", value.get("bandwidth_GBps")), float(latency))
+        algorithm = value.get("algorithm", "auto")
+        if algorithm not in ALGORITHMS:
+            raise HardwareFileError(f"{self.source}: {name}.algorithm must be one of {', '.join(ALGORITHMS)}, "
+                                    f"got {algorithm!r}")
+        return Link(self.positive(f"{name}.bandwidth_GBps", value.get("bandwidth_GBps")), float(latency), algorithm)
 
 
 # -- the shipped files ----------------------------------------------------------------------------

@@ -26,6 +26,8 @@ its time went.  Nothing here imports torch.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ from ..tracer.topology import ParallelLayout, expert_coords
 from ..tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces
 from .hardware import Hardware
 
-__all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "simulate_job"]
+__all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
+           "simulate_job", "job_folders"]
 
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 _RETRACE = "re-trace the config with `megatron-dynapipe trace`"
@@ -86,7 +89,10 @@ class TracedJob:
         self._reps = {}
         for rank in self.traces:
             coords = expert_coords(self.layout, rank)
-            self._reps.setdefault((coords.pp, coords.ep), rank)
+            if (coords.pp, coords.ep) in self._reps:
+                raise ValueError(f"ranks {self._reps[coords.pp, coords.ep]} and {rank} stand for the same stage and "
+                                 "expert rank; pass representatives(traces, layout)")
+            self._reps[(coords.pp, coords.ep)] = rank
         missing = [stage for stage in range(self.layout.pp) if not any(k[0] == stage for k in self._reps)]
         if missing:
             raise TraceMismatch(f"{self.folder}: no trace of pipeline stage(s) {missing}; {_RETRACE}")
@@ -109,8 +115,19 @@ def load_job(folder: "str | Path") -> TracedJob:
                                     f"mixes traces of different runs; {_RETRACE} into an empty folder")
     layout = ParallelLayout(**{k: v for k, v in first.layout.items() if k != "expert_dp"})
     model_fields = {k: v for k, v in first.model.items() if k in ModelSpec.__dataclass_fields__}
-    return TracedJob(folder=folder, traces=traces, layout=layout, model=ModelSpec(**model_fields),
-                     iteration=first.iteration, dtype=str(first.model.get("dtype") or "bfloat16"))
+    return TracedJob(folder=folder, traces=representatives(traces, layout), layout=layout,
+                     model=ModelSpec(**model_fields), iteration=first.iteration,
+                     dtype=str(first.model.get("dtype") or "bfloat16"))
+
+
+def representatives(traces: dict[int, RankTrace], layout: ParallelLayout) -> dict[int, RankTrace]:
+    """One trace per (stage, expert rank), the lowest rank's: a real job's traces of every rank
+    replay as its representatives do (their peers run the same ops)."""
+    chosen: dict[tuple[int, int], int] = {}
+    for rank in sorted(traces):
+        coords = expert_coords(layout, rank)
+        chosen.setdefault((coords.pp, coords.ep), rank)
+    return {rank: traces[rank] for rank in sorted(chosen.values())}
 
 
 # -- steps --------------------------------------------------------------------------------------
@@ -283,70 +300,147 @@ class Replay:
 
 
 class _Loop:
-    def __init__(self, job: TracedJob, steps: dict[int, list[Step]]) -> None:
-        self.job, self.steps = job, steps
+    """Advances every rank in global time order.
+
+    Compute on a node is shared: when the ranks computing on a node at once outnumber its
+    ``compute_slots_per_node``, each computes at ``slots / busy`` of its traced speed (CPU
+    processes sharing cores; GPUs have a slot each, so nothing changes there).  A representative
+    counts for every rank it stands for on its node.
+    """
+
+    def __init__(self, job: TracedJob, steps: dict[int, list[Step]], hardware: Hardware) -> None:
+        self.job, self.steps, self.hw = job, steps, hardware
+        self.now = 0.0
         self.clock = dict.fromkeys(steps, 0.0)
         self.next = dict.fromkeys(steps, 0)
         self.overlap_free = dict.fromkeys(steps, 0.0)
         self.arrivals: dict[Any, dict[int, float]] = defaultdict(dict)
         self.posted: dict[tuple, dict[str, float]] = defaultdict(dict)
         self.out = {rank: RankReplay(rank, job.traces[rank].stage) for rank in steps}
+        self.ready: list[tuple[float, int, int]] = []
+        self.pushed = 0
+        self.computing: dict[int, list] = {}  # rank -> [remaining us at full speed, started us, step]
+        self.waiting: dict[int, Step] = {}
+        self.watchers: dict[Any, set[int]] = defaultdict(set)
+        self.weight = self._weights()
+
+    def _weights(self) -> dict[int, int]:
+        if self.hw.compute_slots_per_node >= self.hw.gpus_per_node:
+            return {}
+        weight: Counter = Counter()
+        for rank in range(self.job.layout.world_size):
+            rep = self.job.representative_of(rank)
+            if self.hw.node_of(rank) == self.hw.node_of(rep):
+                weight[rep] += 1
+        return weight
+
+    def _rate(self, rank: int) -> float:
+        if not self.weight:
+            return 1.0
+        node = self.hw.node_of(rank)
+        busy = sum(self.weight[r] for r in self.computing if self.hw.node_of(r) == node)
+        return min(1.0, self.hw.compute_slots_per_node / busy)
+
+    def _push(self, at: float, rank: int) -> None:
+        heapq.heappush(self.ready, (at, self.pushed, rank))
+        self.pushed += 1
 
     def run(self) -> dict[int, RankReplay]:
-        while True:
-            progressed = False
-            for rank, steps in self.steps.items():
-                while self.next[rank] < len(steps) and self._try(rank, steps[self.next[rank]]):
-                    self.next[rank] += 1
-                    progressed = True
-            if all(self.next[r] == len(s) for r, s in self.steps.items()):
-                break
-            if not progressed:
-                raise TraceMismatch(f"{self.job.folder}: the traces wait on each other forever ({self._blocked()}); "
-                                    f"they do not come from one run: {_RETRACE}")
+        for rank in self.steps:
+            self._push(0.0, rank)
+        while self.ready or self.computing:
+            rates = {rank: self._rate(rank) for rank in self.computing}
+            finisher = min(self.computing, key=lambda r: self.computing[r][0] / rates[r], default=None)
+            finish_at = self.now + self.computing[finisher][0] / rates[finisher] if finisher is not None else math.inf
+            if self.ready and self.ready[0][0] < finish_at:
+                self._advance(self.ready[0][0], rates)
+                self._start(heapq.heappop(self.ready)[2])
+            else:
+                self._advance(finish_at, rates)
+                self._finish_compute(finisher)
+        if self.waiting:
+            raise TraceMismatch(f"{self.job.folder}: the traces wait on each other forever ({self._blocked()}); "
+                                f"they do not come from one run: {_RETRACE}")
         for rank, out in self.out.items():
             out.end_us = max(self.clock[rank], self.overlap_free[rank])
         return self.out
 
+    def _advance(self, to: float, rates: dict[int, float]) -> None:
+        for rank, job in self.computing.items():
+            job[0] -= rates[rank] * (to - self.now)
+        self.now = to
+
+    def _finish_compute(self, rank: int) -> None:
+        _, started, step = self.computing.pop(rank)
+        self._span(rank, step, "compute", started, self.now - started)
+        self.out[rank].compute_us += self.now - started
+        self.clock[rank] = self.now
+        self._push(self.now, rank)
+
     def _blocked(self) -> str:
-        waiting = [f"rank {r} at its {s[self.next[r]].label} #{self.next[r]}" for r, s in self.steps.items()
-                   if self.next[r] < len(s)]
+        waiting = [f"rank {r} at its {step.label} #{self.next[r]}" for r, step in self.waiting.items()]
         return ", ".join(waiting[:4])
 
     def _span(self, rank: int, step: Step, row: str, start: float, dur: float, label: str | None = None) -> None:
         if dur > 0:
             self.out[rank].spans.append(Span(row, label or step.label, start, dur, step.phase, step.microbatch))
 
-    def _try(self, rank: int, step: Step) -> bool:
-        now, out = self.clock[rank], self.out[rank]
-        if step.what == "compute":
-            self._span(rank, step, "compute", now, step.dur_us)
-            out.compute_us += step.dur_us
-            self.clock[rank] = now + step.dur_us
-            return True
-        if step.what == "async":
-            start = max(now, self.overlap_free[rank])
-            self._span(rank, step, "overlap", start, step.dur_us)
-            self.overlap_free[rank] = start + step.dur_us
-            out.overlapped_us += step.dur_us
-            return True
-        if step.what == "drain":
-            exposed = max(self.overlap_free[rank] - now, 0.0)
-            self._span(rank, step, "comm", now, exposed, "exposed overlapped gradient reduction")
-            out.comm_us["all_reduce"] += exposed
-            out.overlapped_us -= exposed
-            self.clock[rank] = now + exposed
-            return True
+    def _start(self, rank: int) -> None:
+        """Issue ``rank``'s next steps at ``now`` until one takes time or has to wait."""
+        steps, out = self.steps[rank], self.out[rank]
+        self.clock[rank] = self.now
+        while self.next[rank] < len(steps):
+            step = steps[self.next[rank]]
+            self.next[rank] += 1
+            if step.what == "compute":
+                if step.dur_us > 0:
+                    self.computing[rank] = [step.dur_us, self.now, step]
+                    return
+            elif step.what == "async":
+                start = max(self.now, self.overlap_free[rank])
+                self._span(rank, step, "overlap", start, step.dur_us)
+                self.overlap_free[rank] = start + step.dur_us
+                out.overlapped_us += step.dur_us
+            elif step.what == "drain":
+                exposed = max(self.overlap_free[rank] - self.now, 0.0)
+                if exposed > 0:
+                    self._span(rank, step, "comm", self.now, exposed, "exposed overlapped gradient reduction")
+                    out.comm_us["all_reduce"] += exposed
+                    out.overlapped_us -= exposed
+                    self.clock[rank] = self.now + exposed
+                    self._push(self.now + exposed, rank)
+                    return
+            else:
+                self._communicate(rank, step)
+                return
+
+    def _communicate(self, rank: int, step: Step) -> None:
+        keys = [step.key] if step.what == "collective" else [t[:3] for t in step.transfers]
+        if not self._try_complete(rank, step):
+            self.waiting[rank] = step
+            for key in keys:
+                self.watchers[key].add(rank)
+        for key in keys:  # this rank's arrival may be what a waiting peer lacked
+            for peer in list(self.watchers.get(key, ())):
+                if peer != rank and self._try_complete(peer, self.waiting[peer]):
+                    del self.waiting[peer]
+                    for watched in self.watchers.values():
+                        watched.discard(peer)
+
+    def _try_complete(self, rank: int, step: Step) -> bool:
+        now = self.clock[rank]  # when the rank arrived
         ready = self._collective_start(rank, step, now) if step.what == "collective" else self._p2p_start(rank, step, now)
         if ready is None:
             return False
         start, end = ready
+        out = self.out[rank]
         waited = "pipeline" if step.what == "p2p" else step.label
         self._span(rank, step, "wait", now, start - now, f"wait: {waited}")
         self._span(rank, step, "comm", start, end - start)
         out.wait_us[waited] += start - now
         out.comm_us[step.label if step.what == "collective" else "p2p"] += end - start
         self.clock[rank] = end
+        self._push(end, rank)
         return True
 
     def _collective_start(self, rank: int, step: Step, now: float) -> Optional[tuple[float, float]]:
@@ -372,7 +466,7 @@ class _Loop:
 def simulate_job(job: TracedJob, hardware: Hardware) -> Replay:
     """Replay ``job`` on ``hardware``: every representative rank side by side."""
     steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
-    return Replay(job, hardware, _Loop(job, steps).run())
+    return Replay(job, hardware, _Loop(job, steps, hardware).run())
 
 
 def job_folders(path: "str | Path") -> list[Path]:

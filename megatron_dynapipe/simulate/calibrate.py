@@ -1,0 +1,242 @@
+"""`megatron-dynapipe calibrate`: measure this machine and write a hardware file for it.
+
+N local processes join one process group (gloo on CPU, NCCL with one GPU each) and time
+all-reduce, all-gather, reduce-scatter, all-to-all over all N and p2p between pairs, for message
+sizes from ``--min-bytes`` to ``--max-bytes`` (powers of 4).  An op's time is the slowest
+rank's (each op starts after a barrier), the median of ``--repeats``.  Per kind the latency and
+bandwidth of the cost formula in :mod:`.hardware` are fitted to the points by least squares on
+the relative error (small messages count as much as large ones).  Each process also multiplies
+matrices (peak FLOP/s of each dtype while all ranks compute at once) and copies a large tensor
+(memory bandwidth), and counts how many ranks compute at full speed at once (a GPU each; on a CPU
+the cores over each rank's torch threads).  The file says ``gpus_per_node = N``: the measured links are the
+intra-node ones, and the inter-node link repeats the slowest measured kind (a single machine
+cannot measure a network it does not have: edit it, or use a shipped file for multi-node jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .hardware import Hardware, Link, flat_collective_us
+
+__all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+_DTYPES = ("float32", "bfloat16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="processes (default: the visible GPUs, else 4 CPU processes)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
+    p.add_argument("--min-bytes", type=int, default=1024, metavar="B", help="smallest message (default 1 KiB)")
+    p.add_argument("--max-bytes", type=int, metavar="B",
+                   help="largest message (default 256 MiB with NCCL, 16 MiB with gloo)")
+    p.add_argument("--repeats", type=int, default=5, help="timed ops per size and kind (default 5)")
+    p.add_argument("--name", help="the hardware's name in the file (default: host, device and backend)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="give up (and stop every process) after this long (default 600)")
+    p.add_argument("-o", "--output", default="hardware.json", metavar="FILE",
+                   help="hardware file to write (default hardware.json)")
+
+
+def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
+    """Process count, backend and message sizes, refused in one line when they cannot work."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if gpus else "gloo")
+    nproc = args.nproc if args.nproc is not None else (gpus or 4)
+    if nproc < 2:
+        raise ValueError(f"--nproc must be at least 2 (collectives need a group), got {nproc}")
+    if backend == "nccl" and nproc > gpus:
+        raise ValueError(f"--backend nccl needs a GPU per process: {gpus} visible for --nproc {nproc}; "
+                         "lower --nproc or use --backend gloo")
+    max_bytes = args.max_bytes or (256 * 2**20 if backend == "nccl" else 16 * 2**20)
+    if args.min_bytes < 4 or max_bytes < args.min_bytes:
+        raise ValueError(f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {max_bytes}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    sizes, size = [], args.min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return nproc, backend, sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..files import check_output_file
+
+    path = check_output_file(args.output, "--output", (".json",))
+    nproc, backend, sizes = _settings(args)
+    started = time.perf_counter()
+    points, device = measure(nproc, backend, sizes, repeats=args.repeats, timeout=args.timeout)
+    name = args.name or f"{socket.gethostname()}-{device['name']}-{backend}-x{nproc}"
+    hardware = hardware_from(points, device, nproc, name=name, backend=backend)
+    hardware.write(path)
+    for kind in KINDS:
+        link = hardware.collectives[kind]
+        print(f"{kind:>14}: latency {link.latency_us:8.1f} us, bus bandwidth {link.bandwidth_GBps:8.3f} GB/s"
+              f"  (worst fit {_worst_error(kind, points[kind], nproc, link):.0%})")
+    peaks = ", ".join(f"{k} {v:.3g}" for k, v in hardware.peak_tflops.items())
+    print(f"peak TFLOP/s per rank ({peaks}), memory {hardware.memory_gib:.1f} GiB at "
+          f"{hardware.memory_bandwidth_GBps:.1f} GB/s; measured in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {path}")
+    return 0
+
+
+def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0):
+    """Time every kind at every size on ``nproc`` local ranks: ``({kind: [(bytes, seconds)]}, device)``."""
+    from ..bench.ranks import launch
+
+    results = launch(_rank, nproc, sizes, repeats, timeout=timeout, backend=backend)
+    points, device = results[0]
+    device["peak_tflops"] = {dtype: statistics.median(r[1]["peak_tflops"][dtype] for r in results)
+                             for dtype in device["peak_tflops"]}
+    return points, device
+
+
+def _rank(rank: int, world: int, sizes: list[int], repeats: int):
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    points: dict[str, list[tuple[int, float]]] = {}
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated")  # megatron-core calls it too
+    for kind in KINDS:
+        points[kind] = [(size, _time_op(kind, size, rank, world, device, repeats, sync)) for size in sizes]
+        if rank == 0:
+            print(f"calibrate: {kind} timed at {len(sizes)} sizes", file=sys.stderr, flush=True)
+    return points, _device_facts(device, world, sync)
+
+
+def _time_op(kind: str, size: int, rank: int, world: int, device, repeats: int, sync) -> float:
+    import torch
+    import torch.distributed as dist
+
+    numel = max(size // 4 // world * world, world)  # float32 elements, divisible by the group
+    full = torch.ones(numel, device=device)
+    shard = torch.ones(numel // world, device=device)
+    partner = rank ^ 1
+
+    def op() -> None:
+        if kind == "all_reduce":
+            dist.all_reduce(full)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(full, shard)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(shard, full)
+        elif kind == "all_to_all":
+            dist.all_to_all_single(full.clone(), full)
+        elif partner < world:  # p2p: pairs (0, 1), (2, 3), ... exchange at once, as pipeline stages do
+            ops = [dist.P2POp(dist.isend, full, partner), dist.P2POp(dist.irecv, full.clone(), partner)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        dist.barrier()
+        sync()
+        started = time.perf_counter()
+        op()
+        sync()
+        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i:
+            times.append(float(slowest.item()))
+    return statistics.median(times)
+
+
+def _device_facts(device, world: int, sync) -> dict[str, Any]:
+    """Matrix-multiply peak per dtype (every rank at once), memory size and bandwidth."""
+    import torch
+    import torch.distributed as dist
+
+    n = 4096 if device.type == "cuda" else 512
+    peaks = {}
+    for dtype in _DTYPES:
+        a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+        b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+        torch.mm(a, b)
+        dist.barrier()
+        sync()
+        started, runs = time.perf_counter(), 10
+        for _ in range(runs):
+            torch.mm(a, b)
+        sync()
+        peaks[dtype] = 2 * n**3 * runs / (time.perf_counter() - started) / 1e12
+    big = torch.empty(64 * 2**20 // 4 if device.type == "cpu" else 2**30 // 4, device=device)
+    other = torch.empty_like(big)
+    other.copy_(big)
+    sync()
+    started = time.perf_counter()
+    for _ in range(5):
+        other.copy_(big)
+    sync()
+    bandwidth = 2 * big.numel() * 4 * 5 / (time.perf_counter() - started) / 1e9  # read + write
+    if device.type == "cuda":
+        memory, name = torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    else:
+        memory, name = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world, "cpu"
+    # a CPU's ranks share its cores: as many compute at full speed at once as their threads fit
+    slots = world if device.type == "cuda" else max(1, min(world, (os.cpu_count() or 1) // torch.get_num_threads()))
+    return {"peak_tflops": peaks, "memory_bytes": memory, "memory_bandwidth_GBps": bandwidth,
+            "name": name.replace(" ", "-"), "compute_slots": slots}
+
+
+# -- fitting -------------------------------------------------------------------------------------
+
+
+def _terms(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, bytes factor) of ``kind`` over ``n`` ranks in :func:`flat_collective_us`
+    (all-reduce as a ring: what gloo and NCCL run at the sizes that matter)."""
+    if kind == "p2p":
+        return 1.0, 1.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    return float(n - 1), (n - 1) / n
+
+
+def fit_link(kind: str, points: list[tuple[int, float]], n: int) -> Link:
+    """The latency and bus bandwidth that best explain ``points`` ((bytes, seconds)) of ``kind``
+    over ``n`` ranks, on relative error; neither goes negative."""
+    steps, factor = _terms(kind, n)
+    sizes = np.array([s for s, _ in points], dtype=float)
+    times = np.array([t * 1e6 for _, t in points], dtype=float)
+    design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1) / times[:, None]
+    (alpha, per_byte), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    if per_byte <= 0:  # latency explains everything: bandwidth as the largest point allows
+        per_byte = max(float(np.min(times / (factor * sizes))), 1e-12) * 1e-3
+        alpha = float(np.median((times - per_byte * factor * sizes) / steps))
+    elif alpha < 0:
+        alpha = 0.0
+        per_byte = float(np.sum(factor * sizes / times) / np.sum((factor * sizes / times) ** 2))
+    return Link(bandwidth_GBps=1.0 / (per_byte * 1e3), latency_us=max(float(alpha), 0.0),
+                algorithm="ring" if kind == "all_reduce" else "auto")
+
+
+def _worst_error(kind: str, points, n: int, link: Link) -> float:
+    predicted = [flat_collective_us(kind, n if kind != "p2p" else 2, s, link) / 1e6 for s, _ in points]
+    return max(abs(p - t) / t for p, (_, t) in zip(predicted, points))
+
+
+def hardware_from(points: dict[str, list[tuple[int, float]]], device: dict[str, Any], nproc: int, *, name: str,
+                  backend: str) -> Hardware:
+    links = {kind: fit_link(kind, points[kind], nproc) for kind in KINDS}
+    slowest = min(links.values(), key=lambda link: link.bandwidth_GBps)
+    return Hardware(
+        name=name, peak_tflops=device["peak_tflops"], memory_gib=device["memory_bytes"] / 2**30,
+        memory_bandwidth_GBps=device["memory_bandwidth_GBps"], gpus_per_node=nproc,
+        intra_node=links["p2p"], inter_node=slowest, collectives=links, compute_slots_per_node=device["compute_slots"],
+        source=f"measured by `megatron-dynapipe calibrate` on {socket.gethostname()} ({nproc} x {device['name']}, "
+               f"{backend}); inter_node repeats the slowest measured kind (one machine has no network to measure)")
