@@ -423,9 +423,14 @@ class _Loop:
         for key in keys:  # this rank's arrival may be what a waiting peer lacked
             for peer in list(self.watchers.get(key, ())):
                 if peer != rank and self._try_complete(peer, self.waiting[peer]):
-                    del self.waiting[peer]
-                    for watched in self.watchers.values():
-                        watched.discard(peer)
+                    self._stop_waiting(peer)
+
+    def _stop_waiting(self, rank: int) -> None:
+        step = self.waiting.pop(rank)
+        for key in [step.key] if step.what == "collective" else [t[:3] for t in step.transfers]:
+            self.watchers[key].discard(rank)
+            if not self.watchers[key]:
+                del self.watchers[key]
 
     def _try_complete(self, rank: int, step: Step) -> bool:
         now = self.clock[rank]  # when the rank arrived
