@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .hardware import Hardware, Link, flat_collective_us
+from .hardware import Hardware, Link, flat_collective_us, ring_terms
 
 __all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
 
@@ -197,20 +197,11 @@ def _device_facts(device, world: int, sync) -> dict[str, Any]:
 # -- fitting -------------------------------------------------------------------------------------
 
 
-def _terms(kind: str, n: int) -> tuple[float, float]:
-    """(latency steps, bytes factor) of ``kind`` over ``n`` ranks in :func:`flat_collective_us`
-    (all-reduce as a ring: what gloo and NCCL run at the sizes that matter)."""
-    if kind == "p2p":
-        return 1.0, 1.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1), 2.0 * (n - 1) / n
-    return float(n - 1), (n - 1) / n
-
-
 def fit_link(kind: str, points: list[tuple[int, float]], n: int) -> Link:
     """The latency and bus bandwidth that best explain ``points`` ((bytes, seconds)) of ``kind``
-    over ``n`` ranks, on relative error; neither goes negative."""
-    steps, factor = _terms(kind, n)
+    over ``n`` ranks, on relative error; neither goes negative.  The all-reduce is fitted as a
+    ring (what gloo and NCCL run at the sizes that matter) and pinned to it."""
+    steps, factor = ring_terms(kind, n)
     sizes = np.array([s for s, _ in points], dtype=float)
     times = np.array([t * 1e6 for _, t in points], dtype=float)
     design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1) / times[:, None]
@@ -226,7 +217,7 @@ def fit_link(kind: str, points: list[tuple[int, float]], n: int) -> Link:
 
 
 def _worst_error(kind: str, points, n: int, link: Link) -> float:
-    predicted = [flat_collective_us(kind, n if kind != "p2p" else 2, s, link) / 1e6 for s, _ in points]
+    predicted = [flat_collective_us(kind, n, s, link) / 1e6 for s, _ in points]
     return max(abs(p - t) / t for p, (_, t) in zip(predicted, points))
 
 

@@ -27,7 +27,6 @@ def add_simulate_parser(sub) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from ..files import write_atomically
     from .hardware import load_hardware
     from .replay import job_folders, load_job, simulate_job
     from .report import format_report, report, timeline
@@ -44,8 +43,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         result = report(replay)
         out = result.to_json()
         if not args.no_timeline:
-            out["timeline"] = str(write_atomically(job.folder / "simulated_timeline.json",
-                                                   json.dumps(timeline(replay).to_json())))
+            out["timeline"] = str(timeline(replay).write(job.folder / "simulated_timeline.json"))
         print(json.dumps(out) if args.json else format_report(result)
               + (f"\n  timeline: {out['timeline']}" if "timeline" in out else ""))
     return 0

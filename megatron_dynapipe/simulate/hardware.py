@@ -50,6 +50,7 @@ __all__ = [
     "Hardware",
     "hardware_names",
     "load_hardware",
+    "ring_terms",
     "flat_collective_us",
 ]
 
@@ -86,26 +87,36 @@ class Link:
         return out
 
 
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """``(latency steps, bytes factor)`` of ``kind`` over ``n`` ranks by ring (a chain for
+    broadcast and reduce): it takes ``steps * alpha + factor * S / B``.  ``calibrate`` fits
+    ``alpha`` and ``B`` to these same terms."""
+    if kind == "p2p":
+        return 1.0, 1.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return float(n - 1), (n - 1) / n
+    if kind in ("broadcast", "reduce"):
+        return float(n - 1), 1.0
+    raise ValueError(f"cannot price a {kind!r}: kinds are {', '.join(COLLECTIVE_KINDS)}")
+
+
 def flat_collective_us(kind: str, n: int, nbytes: float, link: Link) -> float:
     """Time of one collective over ``n`` ranks that all use ``link`` (``nbytes`` as nccl-tests
     counts it: the all-reduced tensor, the gathered output, the unscattered input, the tensor a
     rank sends to all, the broadcast tensor)."""
-    if kind == "p2p":
-        return link.latency_us + link.transfer_us(nbytes)
-    if n <= 1:
+    if n <= 1 and kind != "p2p":
         return 0.0
-    alpha, steps = link.latency_us, math.ceil(math.log2(n))
-    if kind == "all_reduce":
-        ring = 2 * (n - 1) * alpha + link.transfer_us(2 * (n - 1) / n * nbytes)
-        tree = 2 * steps * alpha + link.transfer_us(2 * nbytes)
-        return {"ring": ring, "tree": tree}.get(link.algorithm, min(ring, tree))
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * alpha + link.transfer_us((n - 1) / n * nbytes)
-    if kind in ("broadcast", "reduce"):
-        return (n - 1) * alpha + link.transfer_us(nbytes)
+    tree_steps = 2 * math.ceil(math.log2(max(n, 2)))
     if kind == "barrier":
-        return 2 * steps * alpha
-    raise ValueError(f"cannot price a {kind!r}: kinds are {', '.join(COLLECTIVE_KINDS)}")
+        return tree_steps * link.latency_us
+    steps, factor = ring_terms(kind, n)
+    ring = steps * link.latency_us + link.transfer_us(factor * nbytes)
+    if kind != "all_reduce":
+        return ring
+    tree = tree_steps * link.latency_us + link.transfer_us(2 * nbytes)
+    return {"ring": ring, "tree": tree}.get(link.algorithm, min(ring, tree))
 
 
 @dataclass(frozen=True)
@@ -208,14 +219,8 @@ class Hardware:
                 raise HardwareFileError(f"{source}: collectives.{kind} is not a kind this model prices "
                                         f"({', '.join(COLLECTIVE_KINDS)}); rename or remove it")
             collectives[kind] = read.link(f"collectives.{kind}", entry)
-        gpus_per_node = data.get("gpus_per_node")
-        if gpus_per_node is None:
-            raise HardwareFileError(f"{source}: missing field 'gpus_per_node'; {_FIX}")
-        if not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool) or gpus_per_node < 1:
-            raise HardwareFileError(f"{source}: gpus_per_node must be a positive integer, got {gpus_per_node!r}; {_FIX}")
-        slots = data.get("compute_slots_per_node", gpus_per_node)
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise HardwareFileError(f"{source}: compute_slots_per_node must be a positive integer, got {slots!r}; {_FIX}")
+        gpus_per_node = read.positive_int("gpus_per_node", data.get("gpus_per_node"))
+        slots = read.positive_int("compute_slots_per_node", data.get("compute_slots_per_node", gpus_per_node))
         return cls(
             name=str(data.get("name") or Path(source).stem),
             compute_slots_per_node=slots,
@@ -242,6 +247,13 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise HardwareFileError(f"{self.source}: {name} must be a positive number, got {value!r}; {_FIX}")
         return float(value)
+
+    def positive_int(self, name: str, value: Any) -> int:
+        if value is None:
+            raise HardwareFileError(f"{self.source}: missing field {name!r}; {_FIX}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise HardwareFileError(f"{self.source}: {name} must be a positive integer, got {value!r}; {_FIX}")
+        return value
 
     def mapping(self, name: str, required: bool = True) -> dict:
         value = self.data.get(name)

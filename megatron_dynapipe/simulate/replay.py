@@ -31,7 +31,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from ..models import ModelSpec
 from ..tracer.topology import ParallelLayout, expert_coords
@@ -50,6 +50,12 @@ class TraceMismatch(ValueError):
 
 
 # -- the job ------------------------------------------------------------------------------------
+
+
+def _place(layout: ParallelLayout, rank: int) -> tuple[int, int]:
+    """(stage, expert rank) of ``rank``: the ranks that share it run the same ops."""
+    coords = expert_coords(layout, rank)
+    return coords.pp, coords.ep
 
 
 @dataclass
@@ -78,21 +84,21 @@ class TracedJob:
 
     def representative_of(self, rank: int) -> int:
         """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
-        coords = expert_coords(self.layout, rank)
-        rep = self._reps.get((coords.pp, coords.ep))
+        place = _place(self.layout, rank)
+        rep = self._reps.get(place)
         if rep is None:
-            raise TraceMismatch(f"{self.folder}: no trace stands for rank {rank} (stage {coords.pp}, expert rank "
-                                f"{coords.ep}); {_RETRACE}")
+            raise TraceMismatch(f"{self.folder}: no trace stands for rank {rank} (stage {place[0]}, expert rank "
+                                f"{place[1]}); {_RETRACE}")
         return rep
 
     def __post_init__(self) -> None:
         self._reps = {}
         for rank in self.traces:
-            coords = expert_coords(self.layout, rank)
-            if (coords.pp, coords.ep) in self._reps:
-                raise ValueError(f"ranks {self._reps[coords.pp, coords.ep]} and {rank} stand for the same stage and "
-                                 "expert rank; pass representatives(traces, layout)")
-            self._reps[(coords.pp, coords.ep)] = rank
+            place = _place(self.layout, rank)
+            if place in self._reps:
+                raise ValueError(f"ranks {self._reps[place]} and {rank} stand for the same stage and expert rank; "
+                                 "pass representatives(traces, layout)")
+            self._reps[place] = rank
         missing = [stage for stage in range(self.layout.pp) if not any(k[0] == stage for k in self._reps)]
         if missing:
             raise TraceMismatch(f"{self.folder}: no trace of pipeline stage(s) {missing}; {_RETRACE}")
@@ -125,8 +131,7 @@ def representatives(traces: dict[int, RankTrace], layout: ParallelLayout) -> dic
     replay as its representatives do (their peers run the same ops)."""
     chosen: dict[tuple[int, int], int] = {}
     for rank in sorted(traces):
-        coords = expert_coords(layout, rank)
-        chosen.setdefault((coords.pp, coords.ep), rank)
+        chosen.setdefault(_place(layout, rank), rank)
     return {rank: traces[rank] for rank in sorted(chosen.values())}
 
 
@@ -151,6 +156,11 @@ class Step:
     members: frozenset = frozenset()
     transfers: tuple = ()
     bytes: int = 0
+
+    @property
+    def match_keys(self) -> list:
+        """What this blocking step waits on: its collective instance, or each transfer."""
+        return [self.key] if self.what == "collective" else [t[:3] for t in self.transfers]
 
 
 class _StepBuilder:
@@ -415,19 +425,17 @@ class _Loop:
                 return
 
     def _communicate(self, rank: int, step: Step) -> None:
-        keys = [step.key] if step.what == "collective" else [t[:3] for t in step.transfers]
         if not self._try_complete(rank, step):
             self.waiting[rank] = step
-            for key in keys:
+            for key in step.match_keys:
                 self.watchers[key].add(rank)
-        for key in keys:  # this rank's arrival may be what a waiting peer lacked
+        for key in step.match_keys:  # this rank's arrival may be what a waiting peer lacked
             for peer in list(self.watchers.get(key, ())):
                 if peer != rank and self._try_complete(peer, self.waiting[peer]):
                     self._stop_waiting(peer)
 
     def _stop_waiting(self, rank: int) -> None:
-        step = self.waiting.pop(rank)
-        for key in [step.key] if step.what == "collective" else [t[:3] for t in step.transfers]:
+        for key in self.waiting.pop(rank).match_keys:
             self.watchers[key].discard(rank)
             if not self.watchers[key]:
                 del self.watchers[key]
@@ -486,8 +494,3 @@ def job_folders(path: "str | Path") -> list[Path]:
         raise TraceMismatch(f"{path}: no rank_<r>.trace.jsonl here or in its sub-folders; give a folder "
                             "`megatron-dynapipe trace` wrote")
     return folders
-
-
-def iter_jobs(path: "str | Path") -> Iterable[TracedJob]:
-    for folder in job_folders(path):
-        yield load_job(folder)
