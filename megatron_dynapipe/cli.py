@@ -1,5 +1,5 @@
 """`megatron-dynapipe` command line: plan a batch, trace fake ranks, profile a model, simulate traced layouts,
-run benchmarks."""
+search for a layout, run benchmarks."""
 
 from __future__ import annotations
 
@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .profiling.cli import add_profile_parser
 
     add_profile_parser(sub)
-    from .simulate.cli import add_calibrate_parser, add_simulate_parser
+    from .simulate.cli import add_calibrate_parser, add_search_parser, add_simulate_parser
 
     add_simulate_parser(sub)
+    add_search_parser(sub)
     add_calibrate_parser(sub)
     _bench_parser(sub)
     return parser

@@ -1,4 +1,4 @@
-"""`megatron-dynapipe simulate` and `megatron-dynapipe calibrate`."""
+"""`megatron-dynapipe simulate`, `search` and `calibrate`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 from .hardware import hardware_names
 
-__all__ = ["add_simulate_parser", "add_calibrate_parser"]
+__all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
 
 def add_simulate_parser(sub) -> None:
@@ -59,3 +59,93 @@ def add_calibrate_parser(sub) -> None:
                                    "`simulate --hardware FILE` reads.")
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 4,8, got {text!r}")
+    return values
+
+
+def add_search_parser(sub) -> None:
+    from ..models import add_model_arguments
+
+    p = sub.add_parser("search", help="find the fastest parallel layout that fits: estimate, trace, simulate",
+                       description="Enumerate the layouts (TP, PP, DP, micro-batch size, recompute, distributed "
+                                   "optimizer) of a model on --world-size GPUs, prune those whose estimated memory "
+                                   "does not fit, trace the best-estimated shapes-only with fake ranks, simulate "
+                                   "every variant on the hardware model and rank them.")
+    add_model_arguments(p)
+    job = p.add_argument_group("job")
+    job.add_argument("--world-size", type=int, required=True, metavar="W", help="GPUs of the job")
+    job.add_argument("--global-batch-size", type=int, required=True, metavar="G", help="sequences per iteration")
+    job.add_argument("--seq-length", type=int, metavar="S", help="tokens per sequence (default: the model's)")
+    job.add_argument("--hardware", default="a100", metavar="NAME|FILE",
+                     help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100)")
+    job.add_argument("--gpus-per-node", type=int, metavar="N", help="override the hardware file's GPUs per node")
+    job.add_argument("--fp16", dest="dtype", action="store_const", const="float16", default="bfloat16",
+                     help="train in float16 (default bfloat16)")
+    job.add_argument("--cost-model", metavar="NAME|FILE",
+                     help="a profiled cost model for compute times (default: analytical at the hardware's peak)")
+    fixed = p.add_argument_group("fixed dimensions (default: all that make sense)")
+    fixed.add_argument("--tp", type=_int_list, metavar="N[,N...]", help="tensor-parallel sizes (default: powers of "
+                       "two up to the GPUs of a node)")
+    fixed.add_argument("--pp", type=_int_list, metavar="N[,N...]", help="pipeline sizes (default: divisors of the layers)")
+    fixed.add_argument("--cp", type=_int_list, metavar="N[,N...]", help="context-parallel sizes (default 1)")
+    fixed.add_argument("--micro-batch-size", type=_int_list, metavar="N[,N...]", help="default 1,2,4,8")
+    fixed.add_argument("--recompute", type=lambda t: tuple(v for v in t.split(",") if v), metavar="KIND[,KIND...]",
+                       help="none, selective, full (default all three)")
+    opt = fixed.add_mutually_exclusive_group()
+    opt.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(True,),
+                     help="only layouts with the distributed optimizer")
+    opt.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(False,),
+                     help="only layouts without it")
+    run = p.add_argument_group("search")
+    run.add_argument("--max-traced", type=int, default=16, metavar="N",
+                     help="trace the N best-estimated (TP, PP, micro-batch) shapes (default 16; each takes seconds "
+                          "to a minute)")
+    run.add_argument("--output-dir", default="search", metavar="DIR",
+                     help="traces, search.json and search.png go here; traces found here are reused (default search)")
+    run.add_argument("--top", type=int, default=10, metavar="N", help="layouts in the table (default 10)")
+    run.add_argument("--jobs", "-j", type=int, metavar="N", help="ranks traced at once (default: one per core)")
+    run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_search_cli)
+
+
+def run_search_cli(args: argparse.Namespace) -> int:
+    import sys
+
+    from ..files import check_output_folder, write_atomically
+    from ..tracer.cli import cli_model
+    from .hardware import load_hardware
+    from .search import SearchSpace, run_search
+    from .search_report import format_search, plot_search
+
+    hardware = load_hardware(args.hardware)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    for flag in ("top", "max_traced"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    model = cli_model(args)
+    space = SearchSpace(model=model, world_size=args.world_size, global_batch_size=args.global_batch_size,
+                        seq_length=args.seq_length or model.max_sequence_length, hardware=hardware, dtype=args.dtype,
+                        tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,
+                        recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
+                        cost_model=args.cost_model)
+    out = check_output_folder(args.output_dir, "--output-dir")
+    result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,
+                        say=lambda line: print(line, file=sys.stderr))
+    document = result.to_json()
+    document["plot"] = str(plot_search(result, out / "search.png"))
+    document["json"] = str(write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n"))
+    print(json.dumps(document) if args.json else format_search(result, args.top)
+          + f"\n\nall candidates: {document['json']}\ntime against memory: {document['plot']}")
+    return 0

@@ -1,0 +1,438 @@
+"""Search the parallel layouts of one model on one cluster for the fastest that fits.
+
+A search runs in four steps (docs/simulate.md, "Searching for a layout"):
+
+1. **enumerate** every layout megatron-core accepts: TP (up to the GPUs of a node), PP, CP,
+   DP, micro-batch size, recompute (none, selective, full) and the distributed optimizer, for
+   the world size and global batch asked for;
+2. **prune and rank by estimate**: each stage's memory (model state, the activations 1F1B keeps
+   in flight, one layer's working set) and a closed-form 1F1B iteration time, both from the
+   analytical cost model (:mod:`megatron_dynapipe.planning.cost_model`) and the hardware model;
+   layouts that do not fit are pruned;
+3. **trace** the representative ranks of the best-estimated layouts, shapes-only, once per
+   (TP, PP, CP, micro-batch size): recompute and optimizer variants are derived from that trace
+   (:mod:`.variants`), and a trace already in the output folder is reused;
+4. **simulate** every variant of the traced layouts (:mod:`.replay`) and rank them by
+   predicted iteration time among those whose traced memory fits.
+
+The layout the common rules of thumb pick (:func:`rule_of_thumb`) is always traced and
+simulated, so the search can say how much slower it is.  Nothing here imports torch until
+step 3 starts the tracer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from ..models import ModelSpec
+from ..planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
+from ..tracer.batch_config import TraceConfig, validate
+from .hardware import Hardware
+from .variants import RECOMPUTE_CHOICES
+
+__all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
+           "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
+
+#: parameters per model-parallel (TP x PP) rank the rule of thumb aims at, for dense models
+RULE_PARAMS_PER_RANK = 4e9
+#: sequences at least this long get context parallelism 2 by the rule of thumb
+RULE_CP_FROM_TOKENS = 8192
+
+
+class SearchError(ValueError):
+    """The search cannot start or finds nothing; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What to search: a model on ``world_size`` GPUs of ``hardware`` with a global batch of
+    ``global_batch_size`` sequences of ``seq_length`` tokens.  Each of ``tp``, ``pp``, ``cp``,
+    ``micro_batch_sizes``, ``recompute`` and ``distributed_optimizer`` fixes that dimension to
+    the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
+    name for compute times (``None``: the analytical model at the hardware's peak)."""
+
+    model: ModelSpec
+    world_size: int
+    global_batch_size: int
+    seq_length: int
+    hardware: Hardware
+    dtype: str = "bfloat16"
+    tp: Optional[tuple[int, ...]] = None
+    pp: Optional[tuple[int, ...]] = None
+    cp: Optional[tuple[int, ...]] = None
+    micro_batch_sizes: Optional[tuple[int, ...]] = None
+    recompute: Optional[tuple[str, ...]] = None
+    distributed_optimizer: Optional[tuple[bool, ...]] = None
+    max_tp: Optional[int] = None
+    cost_model: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "global_batch_size", "seq_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SearchError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.model.num_experts:
+            raise SearchError(f"model {self.model.label} is mixture-of-experts; search covers dense GPTs: trace MoE "
+                              "layouts with `megatron-dynapipe trace` and compare them with `simulate`")
+        if self.seq_length > self.model.max_sequence_length:
+            raise SearchError(f"--seq-length {self.seq_length} exceeds the model's {self.model.max_sequence_length} "
+                              "positions: raise --max-position-embeddings or shorten --seq-length")
+        if any(c > 1 for c in self.cp or ()):
+            raise SearchError("--cp above 1 cannot be traced here: megatron-core's local attention refuses context "
+                              "parallelism without transformer-engine on CUDA; search with --cp 1")
+        for value in self.recompute or ():
+            if value not in RECOMPUTE_CHOICES:
+                raise SearchError(f"--recompute {value!r}: use {', '.join(RECOMPUTE_CHOICES)}")
+        self.hardware.peak(self.dtype)  # a hardware file without this dtype's peak is refused here
+
+    @property
+    def tp_limit(self) -> int:
+        return self.max_tp or self.hardware.gpus_per_node
+
+    def tp_values(self) -> list[int]:
+        if self.tp:
+            return sorted(set(self.tp))
+        return [t for t in _powers_of_two(self.tp_limit) if self.world_size % t == 0]
+
+    def pp_values(self) -> list[int]:
+        if self.pp:
+            return sorted(set(self.pp))
+        return [p for p in range(1, self.model.num_layers + 1) if self.model.num_layers % p == 0
+                and self.world_size % p == 0]
+
+    def cp_values(self) -> list[int]:
+        return sorted(set(self.cp or (1,)))
+
+    def mbs_values(self) -> list[int]:
+        return sorted(set(self.micro_batch_sizes or (1, 2, 4, 8)))
+
+    def cost_model_for(self, tp: int) -> CostModel:
+        m = self.model
+        if self.cost_model is not None:
+            return load_cost_model(self.cost_model, tp, hidden_size=m.hidden_size)
+        return AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
+                                   ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.padded_vocab_size(tp), tp=tp,
+                                   peak_tflops=self.hardware.peak(self.dtype),
+                                   device_memory_mb=self.hardware.memory_gib * 1024)
+
+    @property
+    def compute_label(self) -> str:
+        """Names the compute times the traces carry (traces of another label are not reused)."""
+        if self.cost_model is not None:
+            return Path(str(self.cost_model)).stem
+        return f"analytical-{self.hardware.peak(self.dtype):g}tflops"
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2 ** i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One layout: how the job is split, and how each micro-batch runs."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    recompute: str
+    distributed_optimizer: bool
+
+    @property
+    def trace_key(self) -> tuple[int, int, int, int]:
+        """Layouts that share a trace: recompute and the optimizer are derived from it."""
+        return self.tp, self.pp, self.cp, self.micro_batch_size
+
+    def describe(self) -> str:
+        return (f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp} mbs {self.micro_batch_size}x{self.num_microbatches} "
+                f"recompute {self.recompute}, {'dist-opt' if self.distributed_optimizer else 'all-reduce opt'}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def enumerate_candidates(space: SearchSpace) -> list[Candidate]:
+    """Every layout megatron-core accepts in ``space``, in a fixed order."""
+    out = []
+    for tp in space.tp_values():
+        for pp in space.pp_values():
+            for cp in space.cp_values():
+                for mbs in space.mbs_values():
+                    config = trace_config(space, tp, pp, cp, mbs)
+                    if validate(config):
+                        continue
+                    for recompute in space.recompute or RECOMPUTE_CHOICES:
+                        for dist_opt in space.distributed_optimizer or (False, True):
+                            out.append(Candidate(tp, pp, cp, config.dp, mbs, config.microbatches, recompute, dist_opt))
+    return out
+
+
+def trace_config(space: SearchSpace, tp: int, pp: int, cp: int, mbs: int) -> TraceConfig:
+    return TraceConfig(world_size=space.world_size, pp=pp, tp=tp, cp=cp, model=space.model, micro_batch_size=mbs,
+                       global_batch_size=space.global_batch_size, seq_length=space.seq_length,
+                       source="search")
+
+
+# -- estimates ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout's closed-form 1F1B iteration time and its busiest stage's memory."""
+
+    iteration_s: float
+    memory_bytes: float
+
+    def fits(self, hardware: Hardware) -> bool:
+        return self.memory_bytes <= hardware.memory_bytes
+
+
+def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, CostModel]] = None) -> Estimate:
+    """Memory: per stage, model state (16 B a parameter, Adam's 12 B sharded over DP with the
+    distributed optimizer) plus the activations of the ``min(pp - stage, micro-batches)``
+    micro-batches 1F1B holds and one layer's working set.  Time: ``(m + p - 1)`` times the
+    slowest stage's forward, backward (with recomputation), tensor-parallel all-reduces and
+    pipeline sends per micro-batch, plus the data-parallel gradient reduction (not overlapped)
+    and the optimizer step.  Context-parallel communication is left to the trace."""
+    model = (cost_models or {}).get(c.tp) or space.cost_model_for(c.tp)
+    costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
+                       zero_stage=1 if c.distributed_optimizer else 0)
+    hw, seq = space.hardware, space.seq_length // c.cp
+    b, h = c.micro_batch_size, space.model.hidden_size
+    activation = 2.0 * b * seq * h  # bytes of one 16-bit activation tensor
+    tp_group, dp_group = range(c.tp), range(0, c.tp * c.cp * c.dp, c.tp * c.cp)
+    allreduce_us = hw.collective_us("all_reduce", activation, tp_group)
+    p2p_us = hw.p2p_us(activation, 0, c.tp * c.cp * c.dp) if c.pp > 1 else 0.0
+    tp_per_layer = 4 + (2 if c.recompute == "full" else 0)  # forward 2, backward 2, recomputed forward 2
+    slowest, memory, tail_us = 0.0, 0.0, 0.0
+    for stage in range(c.pp):
+        layers = costs.layers_on(stage)
+        per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute))
+        per_mb_us += layers * tp_per_layer * allreduce_us + 2 * p2p_us
+        slowest = max(slowest, per_mb_us)
+        in_flight = min(c.pp - stage, c.num_microbatches)
+        state = costs.model_state_mb(stage) * MB
+        memory = max(memory, state + MB * (in_flight * costs.stored_mb(stage, b, seq, c.recompute)
+                                           + costs.peak_mb(stage, b, seq, c.recompute)))
+        grads = 2 * costs.param_mb(stage) * MB  # fp32 gradients: twice the 16-bit parameters
+        if c.distributed_optimizer:
+            reduce_us = (hw.collective_us("reduce_scatter", grads, dp_group)
+                         + hw.collective_us("all_gather", grads / 2, dp_group))
+        else:
+            reduce_us = hw.collective_us("all_reduce", grads, dp_group)
+        tail_us = max(tail_us, reduce_us + 2 * hw.memory_bound_us(state))
+    iteration_us = (c.num_microbatches + c.pp - 1) * slowest + tail_us
+    return Estimate(iteration_us / 1e6, memory)
+
+
+# -- the rule of thumb ----------------------------------------------------------------------
+
+
+def rule_of_thumb(space: SearchSpace) -> Optional[Candidate]:
+    """The layout common practice picks: TP within a node, about 4 B parameters per TP x PP
+    rank, PP below the number of micro-batches, CP 2 from 8192 tokens, micro-batch 1, selective
+    recompute (full if selective does not fit) and the distributed optimizer.  ``None`` when the
+    rules lead to no valid layout."""
+    model_parallel = max(1, math.ceil(space.model.total_params() / RULE_PARAMS_PER_RANK))
+    cp = 2 if space.seq_length >= RULE_CP_FROM_TOKENS else 1
+    tps = [t for t in space.tp_values() if t <= max(1, 2 ** math.ceil(math.log2(model_parallel)))]
+    for tp in sorted(tps, reverse=True):
+        for pp in space.pp_values():
+            if tp * pp < model_parallel:
+                continue
+            config = trace_config(space, tp, pp, cp, 1)
+            if validate(config) or (pp > 1 and pp >= config.microbatches):
+                continue
+            for recompute in ("selective", "full"):
+                c = Candidate(tp, pp, cp, config.dp, 1, config.microbatches, recompute, True)
+                if recompute == "full" or estimate(space, c).fits(space.hardware):
+                    return c
+    return None
+
+
+# -- the search ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What the search learnt of one candidate: ``status`` is ``pruned`` (its estimated memory
+    does not fit), ``estimated`` (not among the traced), ``simulated`` or ``failed``."""
+
+    candidate: Candidate
+    estimate: Estimate
+    status: str
+    report: Any = None  # a SimulationReport when simulated
+    error: Optional[str] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.report.fits if self.report is not None else False
+
+    @property
+    def iteration_s(self) -> float:
+        return self.report.iteration_s if self.report is not None else self.estimate.iteration_s
+
+    def to_json(self) -> dict[str, Any]:
+        out = {**self.candidate.to_json(), "status": self.status,
+               "estimated_iteration_s": self.estimate.iteration_s,
+               "estimated_memory_gib": self.estimate.memory_bytes / 2**30, "error": self.error}
+        if self.report is not None:
+            r = self.report
+            out.update(iteration_s=r.iteration_s, mfu=r.mfu, hardware_mfu=r.hardware_mfu,
+                       model_tflops_per_gpu=r.model_tflops_per_gpu, bubble_fraction=r.bubble_fraction,
+                       peak_memory_gib=r.peak_memory_gib, fits=r.fits, exposed_comm_s=r.exposed_comm_s)
+        return out
+
+
+@dataclass
+class SearchResult:
+    space: SearchSpace
+    outcomes: list[Outcome]
+    rule: Optional[Candidate]
+    traced: int = 0
+    reused: int = 0
+    trace_seconds: float = 0.0
+    simulate_seconds: float = 0.0
+    folders: dict = field(default_factory=dict)
+
+    def ranked(self) -> list[Outcome]:
+        """Simulated candidates whose traced memory fits, fastest first."""
+        done = [o for o in self.outcomes if o.status == "simulated" and o.fits]
+        return sorted(done, key=lambda o: (o.report.iteration_s, o.candidate))
+
+    def outcome_of(self, candidate: Optional[Candidate]) -> Optional[Outcome]:
+        return next((o for o in self.outcomes if o.candidate == candidate), None)
+
+    def counts(self) -> dict[str, int]:
+        counts = {"enumerated": len(self.outcomes)}
+        for status in ("pruned", "estimated", "simulated", "failed"):
+            counts[status] = sum(o.status == status for o in self.outcomes)
+        counts["simulated_fit"] = len(self.ranked())
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.space
+        best = self.ranked()[0] if self.ranked() else None
+        rule = self.outcome_of(self.rule)
+        return {
+            "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
+            "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
+            "counts": self.counts(), "traced_layouts": self.traced, "reused_traces": self.reused,
+            "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
+            "best": best.to_json() if best else None,
+            "rule_of_thumb": rule.to_json() if rule else None,
+            "rule_of_thumb_slowdown": (rule.iteration_s / best.iteration_s
+                                       if rule and rule.status == "simulated" and best else None),
+            "candidates": [o.to_json() for o in sorted(self.outcomes, key=lambda o: o.iteration_s)],
+        }
+
+
+def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int = 12, jobs: Optional[int] = None,
+               progress: bool = True, say: Callable[[str], None] = lambda line: None) -> SearchResult:
+    """Enumerate, prune and rank by estimate, trace the ``max_traced`` best-estimated
+    (TP, PP, CP, micro-batch) shapes plus the rule of thumb's, simulate their variants."""
+    if max_traced < 1:
+        raise SearchError(f"--max-traced must be at least 1, got {max_traced}")
+    candidates = enumerate_candidates(space)
+    if not candidates:
+        raise SearchError(f"no layout of {space.model.label} on {space.world_size} GPUs splits a global batch of "
+                          f"{space.global_batch_size}: check the fixed --tp/--pp/--cp/--micro-batch-size values and "
+                          "that the global batch is a multiple of the data-parallel size")
+    cost_models = {tp: space.cost_model_for(tp) for tp in {c.tp for c in candidates}}
+    outcomes = []
+    for c in candidates:
+        e = estimate(space, c, cost_models)
+        outcomes.append(Outcome(c, e, "estimated" if e.fits(space.hardware) and math.isfinite(e.iteration_s)
+                                else "pruned"))
+    rule = rule_of_thumb(space)
+    kept = sorted((o for o in outcomes if o.status == "estimated"), key=lambda o: (o.estimate.iteration_s, o.candidate))
+    if not kept:
+        smallest = min(outcomes, key=lambda o: o.estimate.memory_bytes)
+        raise SearchError(f"no layout fits {space.hardware.memory_gib:g} GiB per GPU: the smallest, "
+                          f"{smallest.candidate.describe()}, needs {smallest.estimate.memory_bytes / 2**30:.1f} GiB; "
+                          "use more GPUs, a shorter --seq-length or hardware with more memory")
+    keys = list(dict.fromkeys(o.candidate.trace_key for o in kept))[:max_traced]
+    if rule is not None and rule.trace_key not in keys:
+        keys.append(rule.trace_key)
+    say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
+        f"{len(keys)} best-estimated shapes (TP, PP, micro-batch)")
+    result = SearchResult(space, outcomes, rule)
+    folders = _trace(space, keys, Path(output_dir) / "traces" / space.compute_label, jobs, progress, result)
+    _simulate(space, result, folders, rule, progress)
+    return result
+
+
+def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, jobs, progress: bool,
+           result: SearchResult) -> dict[tuple, Any]:
+    """Trace each shape once (reusing a complete trace of the same config in ``folder``);
+    returns key -> config folder, or key -> error line for a shape that failed."""
+    from ..tracer.batch_run import run_batch
+
+    out, todo = {}, []
+    for key in keys:
+        config = trace_config(space, *key)
+        existing = folder / config.folder_name()
+        if _complete(existing, config):
+            out[key] = existing
+            result.reused += 1
+        else:
+            todo.append((key, config))
+    started = time.perf_counter()
+    if todo:
+        results = run_batch([c for _, c in todo], folder, shapes_only=True, dtype=space.dtype,
+                            cost_model=lambda config: space.cost_model_for(config.tp), jobs=jobs, progress=progress)
+        for (key, _), r in zip(todo, results):
+            out[key] = r.folder if r.status == "ok" else (r.error or "; ".join(r.reasons) or r.status)
+    result.traced = len(todo)
+    result.trace_seconds = time.perf_counter() - started
+    result.folders = {f"TP{k[0]} PP{k[1]} CP{k[2]} mbs{k[3]}": str(v) for k, v in out.items()}
+    return out
+
+
+def _complete(folder: Path, config: TraceConfig) -> bool:
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = {k: summary.get(k) for k in ("world_size", "pp", "tp", "cp", "ep", "micro_batch_size",
+                                        "num_microbatches", "global_batch_size", "seq_length", "model")}
+    wanted = {k: v for k, v in config.to_dict().items() if k in same}
+    return summary.get("complete") is True and summary.get("status") == "ok" and same == wanted
+
+
+def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Optional[Candidate],
+              progress: bool) -> None:
+    from ..progress import progress_bar, progress_enabled
+    from .replay import load_job, simulate_job
+    from .report import report
+    from .variants import derive
+
+    todo = [o for o in result.outcomes if o.candidate.trace_key in folders
+            and (o.status == "estimated" or o.candidate == rule)]
+    started = time.perf_counter()
+    jobs: dict[tuple, Any] = {}
+    with progress_bar(progress_enabled(progress, sys.stderr), sys.stderr) as bar:
+        task = bar.add_task("simulating layouts", total=len(todo))
+        for o in todo:
+            folder = folders[o.candidate.trace_key]
+            try:
+                if not isinstance(folder, Path):
+                    raise RuntimeError(f"tracing failed: {folder}")
+                if o.candidate.trace_key not in jobs:
+                    jobs[o.candidate.trace_key] = load_job(folder)
+                job = derive(jobs[o.candidate.trace_key], recompute=o.candidate.recompute,
+                             distributed_optimizer=o.candidate.distributed_optimizer)
+                o.report, o.status = report(simulate_job(job, space.hardware)), "simulated"
+            except (ValueError, RuntimeError, OSError) as error:
+                o.status, o.error = "failed", str(error).splitlines()[0]
+            bar.advance(task)
+    result.simulate_seconds = time.perf_counter() - started

@@ -1,0 +1,91 @@
+"""What a layout search says: the top layouts as a table, the rule of thumb's slowdown, and a
+picture of predicted time against memory for every candidate."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..files import atomic_path
+from .search import Outcome, SearchResult
+
+__all__ = ["format_search", "plot_search"]
+
+_RECOMPUTE_COLOURS = {"none": "#4C72B0", "selective": "#55A868", "full": "#DD8452"}
+
+
+def _row(rank: str, o: Outcome) -> str:
+    c, r = o.candidate, o.report
+    return (f"{rank:>4}  {c.tp:>3} {c.pp:>3} {c.dp:>5}  {c.micro_batch_size:>3}x{c.num_microbatches:<4} "
+            f"{c.recompute:<9} {'on' if c.distributed_optimizer else 'off':<8} {r.iteration_s:>9.3f} "
+            f"{r.mfu:>6.1%} {r.bubble_fraction:>7.1%} {r.peak_memory_gib:>9.1f}" + ("" if r.fits else "  (too big)"))
+
+
+def format_search(result: SearchResult, top: int = 10) -> str:
+    s, counts, ranked = result.space, result.counts(), result.ranked()
+    lines = [
+        f"{s.model.label} on {s.world_size} x {s.hardware.name} ({s.hardware.memory_gib:g} GiB), global batch "
+        f"{s.global_batch_size} x {s.seq_length} tokens, {s.dtype}; compute from {s.compute_label}",
+        f"  {counts['enumerated']} layouts: {counts['pruned']} pruned by estimated memory, {counts['estimated']} ranked "
+        f"by estimate only, {counts['simulated']} simulated ({counts['simulated_fit']} fit)"
+        + (f", {counts['failed']} failed" if counts["failed"] else ""),
+        f"  traced {result.traced} shapes in {result.trace_seconds:.0f} s (reused {result.reused}); simulated in "
+        f"{result.simulate_seconds:.0f} s",
+        "",
+        "   #   TP  PP    DP  mbs x m  recompute dist-opt    iter s    MFU  bubble  mem GiB",
+    ]
+    lines += [_row(str(i + 1), o) for i, o in enumerate(ranked[:top])]
+    if not ranked:
+        lines.append("   (no simulated layout fits: see search.json for the candidates and their memory)")
+    rule = result.outcome_of(result.rule)
+    lines.append("")
+    if rule is None:
+        lines.append("rule of thumb: its rules lead to no valid layout here")
+    elif rule.status != "simulated":
+        lines.append(f"rule of thumb: {rule.candidate.describe()} ({rule.status}"
+                     + (f": {rule.error}" if rule.error else "") + ")")
+    else:
+        lines.append("rule of thumb (TP within a node, ~4 B parameters per TP x PP rank, PP below the micro-batches, "
+                     "selective recompute, distributed optimizer):")
+        lines.append(_row("rule", rule))
+        if ranked:
+            lines.append(f"  predicted {rule.iteration_s / ranked[0].iteration_s:.2f}x the best layout's iteration time")
+    return "\n".join(lines)
+
+
+def plot_search(result: SearchResult, path: "str | os.PathLike") -> Path:
+    """Predicted iteration time against peak memory: simulated layouts coloured by recompute
+    (hollow when the traced memory does not fit), the estimated-only ones in grey, the device's
+    memory as a line; the best layout and the rule of thumb's marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    estimated = [o for o in result.outcomes if o.status == "estimated"]
+    ax.scatter([o.estimate.memory_bytes / 2**30 for o in estimated], [o.estimate.iteration_s for o in estimated],
+               s=12, c="#bbbbbb", label="estimated only")
+    for recompute, colour in _RECOMPUTE_COLOURS.items():
+        done = [o for o in result.outcomes if o.status == "simulated" and o.candidate.recompute == recompute]
+        ax.scatter([o.report.peak_memory_gib for o in done], [o.report.iteration_s for o in done], s=30,
+                   edgecolors=colour, facecolors=[colour if o.fits else "none" for o in done],
+                   label=f"simulated, recompute {recompute}")
+    ranked, rule = result.ranked(), result.outcome_of(result.rule)
+    if ranked:
+        best = ranked[0]
+        ax.scatter([best.report.peak_memory_gib], [best.report.iteration_s], marker="*", s=220, c="gold",
+                   edgecolors="black", zorder=3, label=f"best: {best.candidate.describe()}")
+    if rule is not None and rule.status == "simulated":
+        ax.scatter([rule.report.peak_memory_gib], [rule.report.iteration_s], marker="X", s=120, c="black", zorder=3,
+                   label="rule of thumb")
+    ax.axvline(result.space.hardware.memory_gib, color="red", linestyle="--", linewidth=1, label="device memory")
+    s = result.space
+    ax.set(xlabel="peak memory per GPU (GiB)", ylabel="predicted iteration time (s)",
+           title=f"{s.model.label} on {s.world_size} x {s.hardware.name}, global batch {s.global_batch_size}")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return Path(path)

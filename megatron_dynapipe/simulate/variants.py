@@ -1,0 +1,190 @@
+"""Recompute and distributed-optimizer variants of a traced layout, derived from its trace.
+
+The tracer records a layout as megatron-core runs it without activation recomputation and
+with the plain (all-reduce) data-parallel optimizer.  A layout search weighs both choices on
+every layout; tracing each combination separately would multiply its tracing time by six.
+:func:`derive` instead rewrites the traces the way Megatron's schedule changes with each choice:
+
+* **full recompute** (``--recompute-granularity full``, uniform, one layer a checkpoint) runs
+  each micro-batch's forward again right before its backward: the stage's forward op and the
+  tensor-parallel communication nested in it are repeated there.  Stored activations shrink to
+  each layer's input (``2 s b h`` bytes), plus one layer's activations while it is recomputed.
+* **selective recompute** (``--recompute-granularity selective``) recomputes the attention core
+  before the backward: a compute op of the forward's time times the attention core's share of
+  the layer FLOPs.  Stored activations lose the ``5 a s / (h t)`` term (Korthikanti et al. 2022).
+* **distributed optimizer** (``--use-distributed-optimizer``, ZeRO-1): each data-parallel
+  gradient all-reduce becomes a reduce-scatter of the same buffer, and after the optimizer step
+  every bucket's parameters are all-gathered (16-bit, so half the bytes of fp32 gradients).
+  Adam's states and fp32 master weights are sharded over DP.
+
+Activation memory is scaled by the ratio of the per-layer formulas of
+:class:`~megatron_dynapipe.planning.cost_model.AnalyticalCostModel`; model state follows the
+trace's own breakdown.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..planning.cost_model import AnalyticalCostModel
+from ..tracer.trace_format import RankTrace, TraceOp
+from .replay import TracedJob
+
+__all__ = ["RECOMPUTE_CHOICES", "derive", "attention_core_share"]
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def derive(job: TracedJob, *, recompute: str = "none", distributed_optimizer: bool = False) -> TracedJob:
+    """``job`` as it would run with ``recompute`` and ``distributed_optimizer``."""
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE_CHOICES)}")
+    traced = _traced_choices(job)
+    if traced != ("none", False):
+        raise ValueError(f"{job.folder}: the trace already runs recompute={traced[0]}, distributed optimizer="
+                         f"{traced[1]}; derive variants from a trace without either")
+    if recompute == "none" and not distributed_optimizer:
+        return job
+    iteration = {**job.iteration, "recompute_granularity": None if recompute == "none" else recompute,
+                 "ddp": {**(job.iteration.get("ddp") or {}), "use_distributed_optimizer": distributed_optimizer}}
+    traces = {rank: _derive_trace(job, trace, recompute, distributed_optimizer, iteration)
+              for rank, trace in job.traces.items()}
+    return dataclasses.replace(job, traces=traces, iteration=iteration)
+
+
+def _traced_choices(job: TracedJob) -> tuple[str, bool]:
+    ddp = job.iteration.get("ddp") or {}
+    return str(job.iteration.get("recompute_granularity") or "none"), bool(ddp.get("use_distributed_optimizer"))
+
+
+def _derive_trace(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimizer: bool,
+                  iteration: dict) -> RankTrace:
+    ops = list(trace.ops)
+    if recompute != "none":
+        ops = _with_recompute(ops, recompute, attention_core_share(job))
+    if distributed_optimizer:
+        ops = _with_distributed_optimizer(ops, job.dtype)
+    memory = _memory(job, trace, recompute, distributed_optimizer)
+    return dataclasses.replace(trace, ops=ops, memory=memory, iteration=iteration)
+
+
+# -- recompute ------------------------------------------------------------------------------
+
+
+def attention_core_share(job: TracedJob) -> float:
+    """The attention core's share (scores and their product with the values) of a transformer
+    layer's forward FLOPs: what selective recompute runs again."""
+    model, layout = job.model, job.layout
+    seq = int(job.iteration["seq_length"]) // layout.cp
+    costs = _analytical(job)
+    core = costs.encoder_flops("backward", "selective", 1, seq) - costs.encoder_flops("backward", "none", 1, seq)
+    return float(core / costs.encoder_flops("forward", "none", 1, seq)) if model.num_layers else 0.0
+
+
+def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[TraceOp]:
+    children: dict[int, list[TraceOp]] = {}
+    for op in ops:
+        if op.parent is not None:
+            children.setdefault(op.parent, []).append(op)
+    forwards = {(op.iteration, op.microbatch): op for op in ops
+                if op.parent is None and op.cat == "compute" and op.kind == "forward"}
+    next_seq = max((op.seq for op in ops), default=-1) + 1
+    out: list[TraceOp] = []
+    for op in ops:
+        forward = forwards.get((op.iteration, op.microbatch))
+        if op.parent is None and op.cat == "compute" and op.kind == "backward" and forward is not None:
+            if recompute == "full":
+                clone = _subtree(forward, children)
+            else:
+                clone = [dataclasses.replace(forward, dur_us=forward.dur_us * share)]
+            renumbered = {old.seq: next_seq + i for i, old in enumerate(clone)}
+            next_seq += len(clone)
+            out.extend(dataclasses.replace(c, seq=renumbered[c.seq], phase="backward",
+                                           kind="recompute" if c.parent is None else c.kind,
+                                           parent=renumbered.get(c.parent) if c.parent is not None else None)
+                       for c in clone)
+        out.append(op)
+    return out
+
+
+def _subtree(op: TraceOp, children: dict[int, list[TraceOp]]) -> list[TraceOp]:
+    """``op`` and everything issued from it, in issue order."""
+    found, todo = [op], list(children.get(op.seq, ()))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child.seq, ()))
+    return sorted(found, key=lambda o: o.seq)
+
+
+# -- distributed optimizer ----------------------------------------------------------------------
+
+
+def _is_grad_sync(op: TraceOp) -> bool:
+    return op.kind == "all_reduce" and op.name.endswith("start_grad_sync")
+
+
+def _with_distributed_optimizer(ops: list[TraceOp], dtype: str) -> list[TraceOp]:
+    next_seq = max((op.seq for op in ops), default=-1) + 1
+    gathers: list[TraceOp] = []
+    out: list[TraceOp] = []
+    for op in ops:
+        if _is_grad_sync(op):
+            out.append(dataclasses.replace(op, kind="reduce_scatter"))
+            grad_bytes = _DTYPE_BYTES.get(op.dtype or "float32", 4)
+            gathers.append(dataclasses.replace(
+                op, kind="all_gather", name="distributed_optimizer.start_param_sync", phase="optimizer_step",
+                parent=None, microbatch=None, dtype=dtype, dur_us=0.0,
+                bytes=op.bytes * _DTYPE_BYTES.get(dtype, 2) // grad_bytes))
+        else:
+            out.append(op)
+    # the parameters are gathered once the optimizer step (and what it issued) is done
+    end = max((i for i, op in enumerate(out) if op.phase == "optimizer_step"), default=len(out) - 1) + 1
+    gathered = [dataclasses.replace(g, seq=next_seq + i) for i, g in enumerate(gathers)]
+    return out[:end] + gathered + out[end:]
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def _analytical(job: TracedJob) -> AnalyticalCostModel:
+    m = job.model
+    return AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
+                               ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, tp=job.layout.tp)
+
+
+def _memory(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimizer: bool) -> dict:
+    memory = dict(trace.memory)
+    detail = dict(memory.get("model_state_detail") or {})
+    state = int(memory.get("model_state_bytes") or 0)
+    if distributed_optimizer and "optimizer" in detail:
+        sharded = -(-int(detail["optimizer"]) // job.layout.dp)
+        state += sharded - int(detail["optimizer"])
+        detail["optimizer"] = sharded
+    activation = float(memory.get("activation_peak_bytes") or 0)
+    if recompute != "none":
+        activation = _recomputed_activation(job, trace, activation, recompute)
+    memory.update(model_state_bytes=state, model_state_detail=detail, activation_peak_bytes=int(activation),
+                  peak_bytes=int(state + activation), method=f"{memory.get('method', 'traced')}, derived: "
+                  f"recompute {recompute}, distributed optimizer {'on' if distributed_optimizer else 'off'}")
+    return memory
+
+
+def _recomputed_activation(job: TracedJob, trace: RankTrace, activation: float, recompute: str) -> float:
+    seq = int(job.iteration["seq_length"]) // job.layout.cp
+    mbs = int(job.iteration["micro_batch_size"])
+    costs = _analytical(job)
+    kept = costs.activation_mb("stored", recompute, mbs, seq) / costs.activation_mb("stored", "none", mbs, seq)
+    in_flight: Optional[int] = trace.memory.get("peak_in_flight_microbatches")
+    if recompute != "full" or not in_flight:
+        return activation * kept
+    layers = max(1, _layers_on(job, trace.stage))
+    one_layer = activation / in_flight / layers  # one micro-batch through one layer, as traced
+    return activation * kept + one_layer  # the layer being recomputed holds all of its activations
+
+
+def _layers_on(job: TracedJob, stage: int) -> int:
+    base, extra = divmod(job.model.num_layers, job.layout.pp)
+    return base + (stage < extra)
