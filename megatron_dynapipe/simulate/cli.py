@@ -145,7 +145,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         say=lambda line: print(line, file=sys.stderr))
     document = result.to_json()
     document["plot"] = str(plot_search(result, out / "search.png"))
-    document["json"] = str(write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n"))
+    document["json"] = str(out / "search.json")
+    write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n")
     print(json.dumps(document) if args.json else format_search(result, args.top)
           + f"\n\nall candidates: {document['json']}\ntime against memory: {document['plot']}")
     return 0

@@ -1,0 +1,249 @@
+"""Layout search: recompute and optimizer variants of real fake-rank traces against closed forms,
+estimates against the textbook memory and FLOP formulas, and the search end to end."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from megatron_dynapipe.cli import main
+from megatron_dynapipe.models import get_model
+from megatron_dynapipe.simulate.hardware import Hardware, Link, load_hardware
+from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.report import report
+from megatron_dynapipe.simulate.search import (
+    Candidate, SearchError, SearchSpace, enumerate_candidates, estimate, rule_of_thumb,
+)
+from megatron_dynapipe.simulate.variants import derive
+
+FREE = Hardware(name="free", peak_tflops={"bfloat16": 100.0}, memory_gib=80.0, memory_bandwidth_GBps=1e12,
+                gpus_per_node=8, intra_node=Link(1e12, 0.0), inter_node=Link(1e12, 0.0))
+SLOW = dataclasses.replace(FREE, intra_node=Link(1.0, 0.0), inter_node=Link(1.0, 0.0))  # 1 GB/s: every byte shows
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """Shapes-only traces of the tiny GPT: PP 4 with 8 micro-batches, and TP 2 x PP 2 x DP 4."""
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+
+    results = run_batch(parse_configs(["4 4 1 nmb=8", "16 2 2"], model="tiny"), tmp_path_factory.mktemp("traces"),
+                        shapes_only=True, progress=False)
+    assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
+    return {r.config.line: r.folder for r in results}
+
+
+def uniform(job, forward_us, backward_us):
+    for trace in job.traces.values():
+        for op in trace.ops:
+            if op.cat == "compute":
+                op.dur_us = {"forward": forward_us, "backward": backward_us}.get(op.kind, 0.0)
+    return job
+
+
+# -- variants -----------------------------------------------------------------------------------
+
+
+def test_full_recompute_runs_each_forward_again_before_its_backward(traced):
+    p, m, F, B = 4, 8, 1000.0, 2000.0
+    job = uniform(load_job(traced["4 4 1"]), F, B)
+    replay = simulate_job(derive(job, recompute="full"), FREE)
+    assert replay.iteration_us == pytest.approx((m + p - 1) * (F + F + B), rel=1e-6)  # 1F1B with B' = F + B
+
+
+def test_selective_recompute_adds_the_attention_cores_share_of_the_forward(traced):
+    p, m, F, B = 4, 8, 1000.0, 2000.0
+    job = uniform(load_job(traced["4 4 1"]), F, B)
+    s, h = int(job.iteration["seq_length"]), job.model.hidden_size
+    # per token and layer: matmuls 2 (4 h^2 + 2 h 4h) = 24 h^2, attention core 4 h s (QK^T and AV)
+    share = 4 * h * s / (24 * h * h + 4 * h * s)
+    replay = simulate_job(derive(job, recompute="selective"), FREE)
+    assert replay.iteration_us == pytest.approx((m + p - 1) * (F + share * F + B), rel=1e-6)
+
+
+def test_full_recompute_repeats_the_forwards_tensor_parallel_all_reduces(traced):
+    job = load_job(traced["16 2 2"])
+    derived = derive(job, recompute="full")
+    for rank, trace in job.traces.items():
+        forward_tp = sum(op.kind == "all_reduce" and op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
+                         and op.phase == "forward" for op in trace.ops)
+        before = sum(op.group_name == "TENSOR_MODEL_PARALLEL_GROUP" for op in trace.ops)
+        after = sum(op.group_name == "TENSOR_MODEL_PARALLEL_GROUP" for op in derived.traces[rank].ops)
+        assert forward_tp > 0 and after == before + forward_tp
+
+
+def test_the_distributed_optimizer_reduce_scatters_gradients_and_gathers_16_bit_parameters(traced):
+    job = load_job(traced["16 2 2"])
+    derived = derive(job, distributed_optimizer=True)
+    for rank, trace in job.traces.items():
+        syncs = [op for op in trace.ops if op.name.endswith("start_grad_sync")]
+        ops = derived.traces[rank].ops
+        scatters = [op for op in ops if op.name.endswith("start_grad_sync")]
+        gathers = [op for op in ops if op.kind == "all_gather"]
+        assert syncs and [op.kind for op in scatters] == ["reduce_scatter"] * len(syncs)
+        assert [op.bytes for op in scatters] == [op.bytes for op in syncs]
+        assert [g.bytes for g in gathers] == [op.bytes * BYTES[job.dtype] // BYTES[op.dtype] for op in syncs]
+        last_optimizer = max(i for i, op in enumerate(ops) if op.phase == "optimizer_step" and op.kind != "all_gather")
+        assert all(ops.index(g) > last_optimizer for g in gathers)  # after the step, as Megatron gathers
+
+
+def test_the_distributed_optimizer_moves_fewer_gradient_bytes_on_a_ring(traced):
+    # ring all-reduce: 2 (n-1)/n S; reduce-scatter S plus all-gather S/2: (n-1)/n (S + S/2)
+    job = load_job(traced["16 2 2"])
+    plain = simulate_job(job, SLOW).ranks[0].comm_us  # stage 0's blocking communication, by kind
+    sharded = simulate_job(derive(job, distributed_optimizer=True), SLOW).ranks[0].comm_us
+    n = job.layout.dp
+    grads = sum(op.bytes for op in job.traces[0].ops if op.name.endswith("start_grad_sync")) / 1e3  # us at 1 GB/s
+    assert sharded["reduce_scatter"] == pytest.approx((n - 1) / n * grads, rel=1e-6)
+    assert sharded["all_gather"] == pytest.approx((n - 1) / n * grads * BYTES[job.dtype] / 4, rel=1e-6)
+    assert plain["all_reduce"] - sharded["all_reduce"] == pytest.approx(2 * (n - 1) / n * grads, rel=1e-6)
+
+
+def test_derived_memory_shards_adam_over_dp_and_recompute_keeps_less(traced):
+    job = load_job(traced["16 2 2"])
+    rank, trace = next(iter(job.traces.items()))
+    optimizer = trace.memory["model_state_detail"]["optimizer"]
+    sharded = derive(job, distributed_optimizer=True).traces[rank].memory
+    assert sharded["peak_bytes"] == trace.memory["peak_bytes"] - optimizer + math.ceil(optimizer / job.layout.dp)
+    peaks = [derive(job, recompute=r).traces[rank].memory["activation_peak_bytes"] for r in ("none", "selective", "full")]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_a_trace_that_already_recomputes_is_not_derived_again(traced):
+    job = derive(load_job(traced["16 2 2"]), recompute="full")
+    with pytest.raises(ValueError, match="derive variants from a trace without either"):
+        derive(job, distributed_optimizer=True)
+
+
+# -- estimates ------------------------------------------------------------------------------------
+
+
+def space(model="tiny", world=8, gbs=16, seq=None, hardware=FREE, **fixed):
+    model = get_model(model)
+    return SearchSpace(model, world, gbs, seq or model.max_sequence_length, hardware, **fixed)
+
+
+def test_enumeration_matches_megatrons_divisibility_rules():
+    s = space(world=8, gbs=16)
+    m = s.model
+    expected = set()
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4):
+            for mbs in (1, 2, 4, 8):
+                dp = 8 // (tp * pp) if 8 % (tp * pp) == 0 else 0
+                if dp and m.num_layers % pp == 0 and m.num_attention_heads % tp == 0 and 16 % (mbs * dp) == 0:
+                    for recompute in ("none", "selective", "full"):
+                        for dist_opt in (False, True):
+                            expected.add(Candidate(tp, pp, 1, dp, mbs, 16 // (mbs * dp), recompute, dist_opt))
+    found = enumerate_candidates(s)
+    assert len(found) == len(set(found)) and set(found) == expected
+
+
+def test_estimated_memory_is_the_textbook_formula_on_the_first_stage():
+    # 6.7B, TP 2, PP 4, DP 8, 8 micro-batches of 1 x 2048, no recompute, Adam sharded over DP
+    s = space("6.7", world=64, gbs=64, hardware=load_hardware("a100"))
+    c = Candidate(2, 4, 1, 8, 1, 8, "none", True)
+    h, a, L, V, t, p, seq = 4096, 32, 32, 51200, 2, 4, 2048
+    params = L // p * ((12 * h * h + 7 * h) / t + 6 * h) + V * h / t  # layers, then the word embedding
+    state = params * (4 + 12 / 8)  # 16-bit weight and gradient, 12 B of Adam over 8 DP ranks
+    per_layer = seq * h * (10 + 24 / t + 5 * a * seq / (h * t))  # Korthikanti et al. 2022, 16-bit
+    activations = p * (L // p) * per_layer + per_layer  # 4 micro-batches in flight, plus one layer's work
+    assert estimate(s, c).memory_bytes == pytest.approx(state + activations, rel=1e-9)
+
+
+def test_estimated_time_on_one_gpu_is_flops_over_throughput_plus_the_optimizer():
+    hw = load_hardware("a100")
+    s = space("6.7", world=1, gbs=4, hardware=hw)
+    c = Candidate(1, 1, 1, 1, 1, 4, "none", False)
+    h, L, V, seq, m = 4096, 32, 51200, 2048, 4
+    layer = 24 * h * h * seq + 4 * h * seq * seq  # forward FLOPs of one layer (attention not causal-halved)
+    step = m * 3 * (L * layer + 2 * h * V * seq)
+    flops_per_s = hw.peak("bfloat16") * 1e12 * 0.5  # the analytical model's 50% of peak
+    state = 16 * (L * (12 * h * h + 13 * h) + V * h)
+    expected = step / flops_per_s + 2 * state / (hw.memory_bandwidth_GBps * 1e9)
+    assert estimate(s, c).iteration_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_rule_of_thumb_fills_a_node_with_tp_and_puts_about_4b_parameters_on_a_rank():
+    a100 = load_hardware("a100")
+    big = rule_of_thumb(space("175", world=8192, gbs=1536, hardware=a100))
+    # 175 B / 4 B = 44 model-parallel ranks: TP 8, then the smallest PP >= 5.5 that splits 96
+    # layers and 8192 GPUs is 8
+    assert (big.tp, big.pp, big.micro_batch_size, big.distributed_optimizer) == (8, 8, 1, True)
+    assert big.recompute == "selective" and big.pp < big.num_microbatches
+    small = rule_of_thumb(space("6.7", world=64, gbs=128, hardware=a100))
+    assert (small.tp, small.pp) == (2, 1)  # 6.7 B / 4 B = 2 ranks
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(model="tiny", world=16, gbs=3, tp=(1,), pp=(1,)), "global batch is a multiple of the data-parallel size"),
+    (dict(model="175", world=8, gbs=8), "no layout fits 80 GiB per GPU"),
+])
+def test_a_search_that_cannot_find_a_layout_says_what_to_change(tmp_path, kwargs, says):
+    from megatron_dynapipe.simulate.search import run_search
+
+    model, world, gbs = kwargs.pop("model"), kwargs.pop("world"), kwargs.pop("gbs")
+    with pytest.raises(SearchError, match=says) as error:
+        run_search(space(model, world=world, gbs=gbs, hardware=load_hardware("a100"), **kwargs), tmp_path,
+                   progress=False)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "traces").exists()  # refused before tracing
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    (dict(cp=(2,)), "search with --cp 1"),
+    (dict(recompute=("some",)), "use none, selective, full"),
+    (dict(seq=4096), "raise --max-position-embeddings"),
+])
+def test_bad_search_settings_are_refused_in_one_line(kwargs, says):
+    with pytest.raises(SearchError, match=says) as error:
+        space(**kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_a_mixture_of_experts_model_is_refused_with_what_to_do_instead():
+    with pytest.raises(SearchError, match="trace MoE layouts"):
+        SearchSpace(get_model("tiny").with_experts(4), 8, 16, 256, FREE)
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def test_search_ranks_simulated_layouts_and_reuses_its_traces(tmp_path, capsys):
+    argv = ["search", "--model", "tiny", "--world-size", "8", "--global-batch-size", "16", "--max-traced", "2",
+            "--micro-batch-size", "1,2", "--output-dir", str(tmp_path), "--no-progress", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first == json.loads((tmp_path / "search.json").read_text())
+    assert (tmp_path / "search.png").stat().st_size > 0
+    counts = first["counts"]
+    assert counts["enumerated"] == counts["pruned"] + counts["estimated"] + counts["simulated"] + counts["failed"]
+    assert counts["failed"] == 0 and counts["simulated"] >= 2 * 6  # two shapes, six variants each
+    simulated = [c for c in first["candidates"] if c["status"] == "simulated"]
+    fitting = sorted((c for c in simulated if c["fits"]), key=lambda c: c["iteration_s"])
+    assert first["best"]["iteration_s"] == fitting[0]["iteration_s"]
+    # the estimate prunes conservatively: it never needs more memory than the trace found
+    assert all(c["estimated_memory_gib"] <= c["peak_memory_gib"] for c in simulated)
+    shapes = {(c["tp"], c["pp"], c["micro_batch_size"]) for c in simulated}
+    assert first["traced_layouts"] == len(shapes) and first["reused_traces"] == 0
+    rule = first["rule_of_thumb"]
+    assert rule["status"] == "simulated"
+    assert first["rule_of_thumb_slowdown"] == pytest.approx(rule["iteration_s"] / first["best"]["iteration_s"])
+    assert first["rule_of_thumb_slowdown"] >= 1.0  # the best is at least as fast as any simulated layout
+
+    assert main(argv) == 0  # again: every trace is found in the output folder
+    second = json.loads(capsys.readouterr().out)
+    assert second["traced_layouts"] == 0 and second["reused_traces"] == first["traced_layouts"]
+    assert second["best"] == first["best"]
+
+
+def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
+    argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "8", "--max-traced", "1",
+            "--tp", "1,2", "--recompute", "none", "--no-distributed-optimizer", "--output-dir", str(tmp_path),
+            "--no-progress", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "   #   TP  PP    DP" in out and "\n   1 " in out and "rule of thumb" in out
+    assert "time against memory: " + str(tmp_path / "search.png") in out
