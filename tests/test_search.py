@@ -11,7 +11,6 @@ from megatron_dynapipe.cli import main
 from megatron_dynapipe.models import get_model
 from megatron_dynapipe.simulate.hardware import Hardware, Link, load_hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
-from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.search import (
     Candidate, SearchError, SearchSpace, enumerate_candidates, estimate, rule_of_thumb,
 )

@@ -7,27 +7,26 @@ every layout; tracing each combination separately would multiply its tracing tim
 
 * **full recompute** (``--recompute-granularity full``, uniform, one layer a checkpoint) runs
   each micro-batch's forward again right before its backward: the stage's forward op and the
-  tensor-parallel communication nested in it are repeated there.  Stored activations shrink to
-  each layer's input (``2 s b h`` bytes), plus one layer's activations while it is recomputed.
+  tensor-parallel communication nested in it are repeated there.  Each layer keeps only its
+  input (``2 s b h`` bytes).
 * **selective recompute** (``--recompute-granularity selective``) recomputes the attention core
   before the backward: a compute op of the forward's time times the attention core's share of
-  the layer FLOPs.  Stored activations lose the ``5 a s / (h t)`` term (Korthikanti et al. 2022).
+  the layer FLOPs.  Layers no longer keep the ``5 a s / (h t)`` term (Korthikanti et al. 2022).
 * **distributed optimizer** (``--use-distributed-optimizer``, ZeRO-1): each data-parallel
   gradient all-reduce becomes a reduce-scatter of the same buffer, and after the optimizer step
   every bucket's parameters are all-gathered (16-bit, so half the bytes of fp32 gradients).
   Adam's states and fp32 master weights are sharded over DP.
 
-Activation memory is scaled by the ratio of the per-layer formulas of
-:class:`~megatron_dynapipe.planning.cost_model.AnalyticalCostModel`; model state follows the
-trace's own breakdown.  Nothing here imports torch.
+Activation memory is the traced peak less what the per-layer formulas of
+:class:`~megatron_dynapipe.planning.cost_model.AnalyticalCostModel` say recomputation frees, plus
+the working set of the layer being recomputed; model state follows the trace's own breakdown.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
-from ..planning.cost_model import AnalyticalCostModel
+from ..planning.cost_model import MB, AnalyticalCostModel
 from ..tracer.trace_format import RankTrace, TraceOp
 from .replay import TracedJob
 
@@ -173,16 +172,16 @@ def _memory(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimi
 
 
 def _recomputed_activation(job: TracedJob, trace: RankTrace, activation: float, recompute: str) -> float:
+    """The traced activations less what recomputation frees in the layers of the micro-batches in
+    flight, plus the working set of the layer being recomputed (per-layer formulas of the
+    analytical cost model; the embedding and the LM head keep what they traced)."""
     seq = int(job.iteration["seq_length"]) // job.layout.cp
     mbs = int(job.iteration["micro_batch_size"])
     costs = _analytical(job)
-    kept = costs.activation_mb("stored", recompute, mbs, seq) / costs.activation_mb("stored", "none", mbs, seq)
-    in_flight: Optional[int] = trace.memory.get("peak_in_flight_microbatches")
-    if recompute != "full" or not in_flight:
-        return activation * kept
-    layers = max(1, _layers_on(job, trace.stage))
-    one_layer = activation / in_flight / layers  # one micro-batch through one layer, as traced
-    return activation * kept + one_layer  # the layer being recomputed holds all of its activations
+    freed_mb = costs.activation_mb("stored", "none", mbs, seq) - costs.activation_mb("stored", recompute, mbs, seq)
+    in_flight = int(trace.memory.get("peak_in_flight_microbatches") or 1)
+    freed = in_flight * _layers_on(job, trace.stage) * freed_mb * MB
+    return max(activation - freed, 0.0) + costs.activation_mb("peak", recompute, mbs, seq) * MB
 
 
 def _layers_on(job: TracedJob, stage: int) -> int:
