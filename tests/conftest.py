@@ -43,6 +43,15 @@ def tiny_profile(tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
+@pytest.fixture(scope="session")
+def tiny_traces(tmp_path_factory):
+    """Shapes-only traces of the tiny GPT (tests/tiny_traces.py): config folder by layout line.
+    Tests change only what they load from them, never the trace files."""
+    from tiny_traces import trace_tiny
+
+    return trace_tiny(tmp_path_factory.mktemp("tiny_traces"))
+
+
 def pytest_report_header(config):
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     return ("devices: CPU only (CUDA_VISIBLE_DEVICES=''; DYNAPIPE_TEST_CUDA=1 shows the GPUs)" if shown == ""

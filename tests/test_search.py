@@ -15,6 +15,7 @@ from megatron_dynapipe.simulate.search import (
     Candidate, SearchError, SearchSpace, enumerate_candidates, estimate, rule_of_thumb,
 )
 from megatron_dynapipe.simulate.variants import derive
+from tiny_traces import uniform
 
 FREE = Hardware(name="free", peak_tflops={"bfloat16": 100.0}, memory_gib=80.0, memory_bandwidth_GBps=1e12,
                 gpus_per_node=8, intra_node=Link(1e12, 0.0), inter_node=Link(1e12, 0.0))
@@ -22,39 +23,19 @@ SLOW = dataclasses.replace(FREE, intra_node=Link(1.0, 0.0), inter_node=Link(1.0,
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    """Shapes-only traces of the tiny GPT: PP 4 with 8 micro-batches, and TP 2 x PP 2 x DP 4."""
-    from megatron_dynapipe.tracer.batch_config import parse_configs
-    from megatron_dynapipe.tracer.batch_run import run_batch
-
-    results = run_batch(parse_configs(["4 4 1 nmb=8", "16 2 2"], model="tiny"), tmp_path_factory.mktemp("traces"),
-                        shapes_only=True, progress=False)
-    assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
-    return {r.config.line: r.folder for r in results}
-
-
-def uniform(job, forward_us, backward_us):
-    for trace in job.traces.values():
-        for op in trace.ops:
-            if op.cat == "compute":
-                op.dur_us = {"forward": forward_us, "backward": backward_us}.get(op.kind, 0.0)
-    return job
-
-
 # -- variants -----------------------------------------------------------------------------------
 
 
-def test_full_recompute_runs_each_forward_again_before_its_backward(traced):
+def test_full_recompute_runs_each_forward_again_before_its_backward(tiny_traces):
     p, m, F, B = 4, 8, 1000.0, 2000.0
-    job = uniform(load_job(traced["4 4 1"]), F, B)
+    job = uniform(load_job(tiny_traces["4 4 1"]), F, B)
     replay = simulate_job(derive(job, recompute="full"), FREE)
     assert replay.iteration_us == pytest.approx((m + p - 1) * (F + F + B), rel=1e-6)  # 1F1B with B' = F + B
 
 
-def test_selective_recompute_adds_the_attention_cores_share_of_the_forward(traced):
+def test_selective_recompute_adds_the_attention_cores_share_of_the_forward(tiny_traces):
     p, m, F, B = 4, 8, 1000.0, 2000.0
-    job = uniform(load_job(traced["4 4 1"]), F, B)
+    job = uniform(load_job(tiny_traces["4 4 1"]), F, B)
     s, h = int(job.iteration["seq_length"]), job.model.hidden_size
     # per token and layer: matmuls 2 (4 h^2 + 2 h 4h) = 24 h^2, attention core 4 h s (QK^T and AV)
     share = 4 * h * s / (24 * h * h + 4 * h * s)
@@ -62,8 +43,8 @@ def test_selective_recompute_adds_the_attention_cores_share_of_the_forward(trace
     assert replay.iteration_us == pytest.approx((m + p - 1) * (F + share * F + B), rel=1e-6)
 
 
-def test_full_recompute_repeats_the_forwards_tensor_parallel_all_reduces(traced):
-    job = load_job(traced["16 2 2"])
+def test_full_recompute_repeats_the_forwards_tensor_parallel_all_reduces(tiny_traces):
+    job = load_job(tiny_traces["16 2 2"])
     derived = derive(job, recompute="full")
     for rank, trace in job.traces.items():
         forward_tp = sum(op.kind == "all_reduce" and op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
@@ -73,8 +54,8 @@ def test_full_recompute_repeats_the_forwards_tensor_parallel_all_reduces(traced)
         assert forward_tp > 0 and after == before + forward_tp
 
 
-def test_the_distributed_optimizer_reduce_scatters_gradients_and_gathers_16_bit_parameters(traced):
-    job = load_job(traced["16 2 2"])
+def test_the_distributed_optimizer_reduce_scatters_gradients_and_gathers_16_bit_parameters(tiny_traces):
+    job = load_job(tiny_traces["16 2 2"])
     derived = derive(job, distributed_optimizer=True)
     for rank, trace in job.traces.items():
         syncs = [op for op in trace.ops if op.name.endswith("start_grad_sync")]
@@ -88,9 +69,9 @@ def test_the_distributed_optimizer_reduce_scatters_gradients_and_gathers_16_bit_
         assert all(ops.index(g) > last_optimizer for g in gathers)  # after the step, as Megatron gathers
 
 
-def test_the_distributed_optimizer_moves_fewer_gradient_bytes_on_a_ring(traced):
+def test_the_distributed_optimizer_moves_fewer_gradient_bytes_on_a_ring(tiny_traces):
     # ring all-reduce: 2 (n-1)/n S; reduce-scatter S plus all-gather S/2: (n-1)/n (S + S/2)
-    job = load_job(traced["16 2 2"])
+    job = load_job(tiny_traces["16 2 2"])
     plain = simulate_job(job, SLOW).ranks[0].comm_us  # stage 0's blocking communication, by kind
     sharded = simulate_job(derive(job, distributed_optimizer=True), SLOW).ranks[0].comm_us
     n = job.layout.dp
@@ -100,8 +81,8 @@ def test_the_distributed_optimizer_moves_fewer_gradient_bytes_on_a_ring(traced):
     assert plain["all_reduce"] - sharded["all_reduce"] == pytest.approx(2 * (n - 1) / n * grads, rel=1e-6)
 
 
-def test_derived_memory_shards_adam_over_dp_and_recompute_keeps_less(traced):
-    job = load_job(traced["16 2 2"])
+def test_derived_memory_shards_adam_over_dp_and_recompute_keeps_less(tiny_traces):
+    job = load_job(tiny_traces["16 2 2"])
     rank, trace = next(iter(job.traces.items()))
     optimizer = trace.memory["model_state_detail"]["optimizer"]
     sharded = derive(job, distributed_optimizer=True).traces[rank].memory
@@ -110,8 +91,8 @@ def test_derived_memory_shards_adam_over_dp_and_recompute_keeps_less(traced):
     assert peaks[0] > peaks[1] > peaks[2]
 
 
-def test_a_trace_that_already_recomputes_is_not_derived_again(traced):
-    job = derive(load_job(traced["16 2 2"]), recompute="full")
+def test_a_trace_that_already_recomputes_is_not_derived_again(tiny_traces):
+    job = derive(load_job(tiny_traces["16 2 2"]), recompute="full")
     with pytest.raises(ValueError, match="derive variants from a trace without either"):
         derive(job, distributed_optimizer=True)
 

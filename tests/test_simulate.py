@@ -15,6 +15,7 @@ from megatron_dynapipe.simulate.hardware import Hardware, HardwareFileError, Lin
 from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
 from megatron_dynapipe.simulate.report import report, timeline
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError
+from tiny_traces import uniform
 
 GB = 1e9
 
@@ -129,31 +130,9 @@ def test_causal_attention_halves_the_score_flops():
 # -- replays of real traces ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    """Shapes-only fake-rank traces of the tiny GPT: PP 4 (8 micro-batches) and TP 2 x PP 2 x DP 4."""
-    from megatron_dynapipe.tracer.batch_config import parse_configs
-    from megatron_dynapipe.tracer.batch_run import run_batch
-
-    out = tmp_path_factory.mktemp("traces")
-    results = run_batch(parse_configs(["4 4 1 nmb=8", "16 2 2"], model="tiny"), out, shapes_only=True,
-                        progress=False)
-    assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
-    return {r.config.line: r.folder for r in results}
-
-
-def uniform(job, forward_us, backward_us):
-    """The same job with every forward taking ``forward_us`` and every backward ``backward_us``."""
-    for trace in job.traces.values():
-        for op in trace.ops:
-            if op.cat == "compute":
-                op.dur_us = {"forward": forward_us, "backward": backward_us}.get(op.kind, 0.0)
-    return job
-
-
-def test_a_uniform_pipeline_takes_the_1f1b_closed_form(traced):
+def test_a_uniform_pipeline_takes_the_1f1b_closed_form(tiny_traces):
     p, m, F, B = 4, 8, 1000.0, 2000.0
-    job = uniform(load_job(traced["4 4 1"]), F, B)
+    job = uniform(load_job(tiny_traces["4 4 1"]), F, B)
     replay = simulate_job(job, FREE)
     assert replay.iteration_us == pytest.approx((m + p - 1) * (F + B), rel=1e-6)
     result = report(replay)
@@ -162,22 +141,22 @@ def test_a_uniform_pipeline_takes_the_1f1b_closed_form(traced):
         assert stage.compute_s == pytest.approx(m * (F + B) / 1e6, rel=1e-6)
 
 
-def test_one_compute_slot_per_node_serialises_the_pipeline(traced):
+def test_one_compute_slot_per_node_serialises_the_pipeline(tiny_traces):
     # four ranks sharing one core (slots = 1): some rank always has work, so the iteration is
     # the total work of all stages; with a slot each, the 1F1B closed form again
     p, m, F, B = 4, 8, 1000.0, 2000.0
-    job = uniform(load_job(traced["4 4 1"]), F, B)
+    job = uniform(load_job(tiny_traces["4 4 1"]), F, B)
     shared = dataclasses.replace(FREE, gpus_per_node=4, compute_slots_per_node=1)
     assert simulate_job(job, shared).iteration_us == pytest.approx(p * m * (F + B), rel=1e-6)
     own = dataclasses.replace(FREE, gpus_per_node=4, compute_slots_per_node=4)
     assert simulate_job(job, own).iteration_us == pytest.approx((m + p - 1) * (F + B), rel=1e-6)
 
 
-def test_pipeline_transfers_lengthen_the_iteration_within_bounds(traced):
+def test_pipeline_transfers_lengthen_the_iteration_within_bounds(tiny_traces):
     # a fixed cost c per p2p transfer: the first forward and the last backward each cross all
     # p - 1 stage boundaries; no more than one transfer per step and direction can be waited on
     p, m, F, B, c = 4, 8, 1000.0, 2000.0, 100.0
-    job = uniform(load_job(traced["4 4 1"]), F, B)
+    job = uniform(load_job(tiny_traces["4 4 1"]), F, B)
     slow_links = dataclasses.replace(FREE, intra_node=Link(1e12, c))
     base = simulate_job(job, FREE).iteration_us
     slowed = simulate_job(job, slow_links).iteration_us
@@ -185,8 +164,8 @@ def test_pipeline_transfers_lengthen_the_iteration_within_bounds(traced):
     assert slowed <= base + 2 * (m + p - 1) * c * 2 + 1e-6  # at most one transfer per step and direction
 
 
-def test_tp_and_dp_collectives_are_priced_by_the_hardware(traced):
-    job = uniform(load_job(traced["16 2 2"]), 1000.0, 2000.0)
+def test_tp_and_dp_collectives_are_priced_by_the_hardware(tiny_traces):
+    job = uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 2000.0)
     free = simulate_job(job, FREE)
     hw = link_hw(bandwidth=1.0, latency=0.0, inter=(1.0, 0.0))  # 1 GB/s: every byte shows
     priced = report(simulate_job(job, hw))
@@ -197,8 +176,8 @@ def test_tp_and_dp_collectives_are_priced_by_the_hardware(traced):
     assert dp and priced.exposed_comm_s["all_reduce"] >= sum(2 * 3 / 4 * op.bytes / 1e9 for op in dp)
 
 
-def test_overlapped_gradient_reduction_hides_behind_the_backward(traced):
-    job = uniform(load_job(traced["16 2 2"]), 1000.0, 20000.0)
+def test_overlapped_gradient_reduction_hides_behind_the_backward(tiny_traces):
+    job = uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 20000.0)
     hw = link_hw(bandwidth=0.5, latency=0.0, inter=(0.5, 0.0))
     serial = simulate_job(job, hw).iteration_us
     for trace in job.traces.values():  # what overlap_grad_reduce traces: the buckets launched in the last backward
@@ -213,8 +192,8 @@ def test_overlapped_gradient_reduction_hides_behind_the_backward(traced):
     assert hidden > 0 and overlapped.iteration_us <= serial - hidden + 1e-6
 
 
-def test_the_timeline_has_a_process_per_stage_and_the_simulated_spans(traced):
-    replay = simulate_job(load_job(traced["4 4 1"]), load_hardware("a100"))
+def test_the_timeline_has_a_process_per_stage_and_the_simulated_spans(tiny_traces):
+    replay = simulate_job(load_job(tiny_traces["4 4 1"]), load_hardware("a100"))
     events = timeline(replay).to_json()["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {f"stage {s} (rank {s})" for s in range(4)}
@@ -223,26 +202,26 @@ def test_the_timeline_has_a_process_per_stage_and_the_simulated_spans(traced):
     assert {e["cat"] for e in spans} >= {"compute", "comm", "wait"}
 
 
-def test_a_missing_stage_is_refused_with_the_fix(traced, tmp_path):
+def test_a_missing_stage_is_refused_with_the_fix(tiny_traces, tmp_path):
     folder = tmp_path / "partial"
     folder.mkdir()
     for rank in (0, 1, 3):
-        RankTrace.read(traced["4 4 1"] / f"rank_{rank}.trace.jsonl").write(folder)
+        RankTrace.read(tiny_traces["4 4 1"] / f"rank_{rank}.trace.jsonl").write(folder)
     with pytest.raises(TraceMismatch, match=r"stage\(s\) \[2\].*re-trace"):
         load_job(folder)
 
 
-def test_a_trace_of_another_format_version_is_refused(traced, tmp_path):
+def test_a_trace_of_another_format_version_is_refused(tiny_traces, tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()
-    text = (traced["4 4 1"] / "rank_0.trace.jsonl").read_text().replace('"version": 1', '"version": 0', 1)
+    text = (tiny_traces["4 4 1"] / "rank_0.trace.jsonl").read_text().replace('"version": 1', '"version": 0', 1)
     (folder / "rank_0.trace.jsonl").write_text(text)
     with pytest.raises(TraceFormatError, match="version 0.*re-trace"):
         load_job(folder)
 
 
-def test_simulate_cli_reports_every_config_folder(traced, tmp_path):
-    parent = traced["4 4 1"].parent
+def test_simulate_cli_reports_every_config_folder(tiny_traces, tmp_path):
+    parent = tiny_traces["4 4 1"].parent
     run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "simulate", str(parent), "--hardware", "h100",
                           "--json"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -255,18 +234,18 @@ def test_simulate_cli_reports_every_config_folder(traced, tmp_path):
         assert r["tokens_per_s"] == pytest.approx(tokens / r["iteration_s"])
 
 
-def test_simulate_cli_refuses_a_bad_hardware_file_in_one_line(traced, tmp_path):
+def test_simulate_cli_refuses_a_bad_hardware_file_in_one_line(tiny_traces, tmp_path):
     bad = tmp_path / "hw.json"
     bad.write_text(json.dumps({"format": "megatron-dynapipe-hardware", "version": 1, "peak_tflops": {"bfloat16": 1}, "gpus_per_node": 8}))
-    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "simulate", str(traced["4 4 1"]),
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "simulate", str(tiny_traces["4 4 1"]),
                           "--hardware", str(bad)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.count("\n") == 1 and "missing field 'memory_gib'" in run.stderr
 
 
-def test_a_layout_that_does_not_fit_says_so(traced):
+def test_a_layout_that_does_not_fit_says_so(tiny_traces):
     small = dataclasses.replace(load_hardware("a100"), memory_gib=1e-4)
-    result = report(simulate_job(load_job(traced["4 4 1"]), small))
+    result = report(simulate_job(load_job(tiny_traces["4 4 1"]), small))
     assert not result.fits and not all(s.fits for s in result.stages)
     assert math.isclose(result.device_memory_gib, 1e-4)
 
