@@ -11,15 +11,31 @@ from .hardware import hardware_names
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
 
+def add_hardware_arguments(group, default_note: str) -> None:
+    """``--hardware`` and ``--gpus-per-node``, read back by :func:`hardware_from_args`."""
+    group.add_argument("--hardware", default="a100", metavar="NAME|FILE",
+                       help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100, {default_note})")
+    group.add_argument("--gpus-per-node", type=int, metavar="N", help="override the hardware file's GPUs per node")
+
+
+def hardware_from_args(args: argparse.Namespace):
+    """The hardware model ``--hardware`` names, with ``--gpus-per-node`` applied."""
+    from .hardware import load_hardware
+
+    hardware = load_hardware(args.hardware)
+    if args.gpus_per_node is None:
+        return hardware
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    return dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+
+
 def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict a traced layout's iteration time, bubbles, MFU and memory",
                        description="Replay the representative-rank traces of one layout (or of every config "
                                    "folder under TRACE_DIR) as the whole job on a hardware model.")
     p.add_argument("trace_dir", metavar="TRACE_DIR", help="a config folder `trace` wrote, or its output folder")
-    p.add_argument("--hardware", default="a100", metavar="NAME|FILE",
-                   help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100, the device "
-                        "shapes-only traces are timed for)")
-    p.add_argument("--gpus-per-node", type=int, metavar="N", help="override the hardware file's GPUs per node")
+    add_hardware_arguments(p, "the device shapes-only traces are timed for")
     p.add_argument("--no-timeline", action="store_true",
                    help="do not write simulated_timeline.json (Chrome/Perfetto) into each config folder")
     p.add_argument("--json", action="store_true", help="print one JSON object per config, a line each")
@@ -27,15 +43,10 @@ def add_simulate_parser(sub) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .hardware import load_hardware
     from .replay import job_folders, load_job, simulate_job
     from .report import format_report, report, timeline
 
-    hardware = load_hardware(args.hardware)
-    if args.gpus_per_node is not None:
-        if args.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
-        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    hardware = hardware_from_args(args)
     folders = job_folders(args.trace_dir)
     jobs = [load_job(folder) for folder in folders]  # every folder is checked before any is simulated
     for job in jobs:
@@ -84,9 +95,7 @@ def add_search_parser(sub) -> None:
     job.add_argument("--world-size", type=int, required=True, metavar="W", help="GPUs of the job")
     job.add_argument("--global-batch-size", type=int, required=True, metavar="G", help="sequences per iteration")
     job.add_argument("--seq-length", type=int, metavar="S", help="tokens per sequence (default: the model's)")
-    job.add_argument("--hardware", default="a100", metavar="NAME|FILE",
-                     help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100)")
-    job.add_argument("--gpus-per-node", type=int, metavar="N", help="override the hardware file's GPUs per node")
+    add_hardware_arguments(job, "its peak times the traced compute")
     job.add_argument("--fp16", dest="dtype", action="store_const", const="float16", default="bfloat16",
                      help="train in float16 (default bfloat16)")
     job.add_argument("--cost-model", metavar="NAME|FILE",
@@ -122,15 +131,10 @@ def run_search_cli(args: argparse.Namespace) -> int:
 
     from ..files import check_output_folder, write_atomically
     from ..tracer.cli import cli_model
-    from .hardware import load_hardware
     from .search import SearchSpace, run_search
     from .search_report import format_search, plot_search
 
-    hardware = load_hardware(args.hardware)
-    if args.gpus_per_node is not None:
-        if args.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
-        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    hardware = hardware_from_args(args)
     for flag in ("top", "max_traced"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
