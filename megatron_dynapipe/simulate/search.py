@@ -27,7 +27,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -302,7 +302,6 @@ class SearchResult:
     reused: int = 0
     trace_seconds: float = 0.0
     simulate_seconds: float = 0.0
-    folders: dict = field(default_factory=dict)
 
     def ranked(self) -> list[Outcome]:
         """Simulated candidates whose traced memory fits, fastest first."""
@@ -320,8 +319,8 @@ class SearchResult:
         return counts
 
     def to_json(self) -> dict[str, Any]:
-        s = self.space
-        best = self.ranked()[0] if self.ranked() else None
+        s, ranked = self.space, self.ranked()
+        best = ranked[0] if ranked else None
         rule = self.outcome_of(self.rule)
         return {
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
@@ -347,13 +346,15 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
         raise SearchError(f"no layout of {space.model.label} on {space.world_size} GPUs splits a global batch of "
                           f"{space.global_batch_size}: check the fixed --tp/--pp/--cp/--micro-batch-size values and "
                           "that the global batch is a multiple of the data-parallel size")
-    cost_models = {tp: space.cost_model_for(tp) for tp in {c.tp for c in candidates}}
+    rule = rule_of_thumb(space)
+    # the rule's micro-batch size 1 may be outside the searched ones, and with it its TP
+    tps = {c.tp for c in candidates} | ({rule.tp} if rule else set())
+    cost_models = {tp: space.cost_model_for(tp) for tp in tps}
     outcomes = []
     for c in candidates:
         e = estimate(space, c, cost_models)
         outcomes.append(Outcome(c, e, "estimated" if e.fits(space.hardware) and math.isfinite(e.iteration_s)
                                 else "pruned"))
-    rule = rule_of_thumb(space)
     kept = sorted((o for o in outcomes if o.status == "estimated"), key=lambda o: (o.estimate.iteration_s, o.candidate))
     if not kept:
         smallest = min(outcomes, key=lambda o: o.estimate.memory_bytes)
@@ -366,13 +367,14 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
     say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
         f"{len(keys)} best-estimated shapes (TP, PP, micro-batch)")
     result = SearchResult(space, outcomes, rule)
-    folders = _trace(space, keys, Path(output_dir) / "traces" / space.compute_label, jobs, progress, result)
+    folders = _trace(space, keys, Path(output_dir) / "traces" / space.compute_label, cost_models, jobs, progress,
+                     result)
     _simulate(space, result, folders, rule, progress)
     return result
 
 
-def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, jobs, progress: bool,
-           result: SearchResult) -> dict[tuple, Any]:
+def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models: dict[int, CostModel], jobs,
+           progress: bool, result: SearchResult) -> dict[tuple, Any]:
     """Trace each shape once (reusing a complete trace of the same config in ``folder``);
     returns key -> config folder, or key -> error line for a shape that failed."""
     from ..tracer.batch_run import run_batch
@@ -389,12 +391,11 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, jobs, progre
     started = time.perf_counter()
     if todo:
         results = run_batch([c for _, c in todo], folder, shapes_only=True, dtype=space.dtype,
-                            cost_model=lambda config: space.cost_model_for(config.tp), jobs=jobs, progress=progress)
+                            cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress)
         for (key, _), r in zip(todo, results):
             out[key] = r.folder if r.status == "ok" else (r.error or "; ".join(r.reasons) or r.status)
     result.traced = len(todo)
     result.trace_seconds = time.perf_counter() - started
-    result.folders = {f"TP{k[0]} PP{k[1]} CP{k[2]} mbs{k[3]}": str(v) for k, v in out.items()}
     return out
 
 
