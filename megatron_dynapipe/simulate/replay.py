@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from ..models import ModelSpec
 from ..tracer.topology import ParallelLayout, expert_coords
-from ..tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces
+from ..tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces, subtrees
 from .hardware import Hardware
 
 __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
@@ -175,10 +175,7 @@ class _StepBuilder:
         self.steps: list[Step] = []
 
     def build(self) -> list[Step]:
-        children: dict[int, list[TraceOp]] = defaultdict(list)
-        for op in self.trace.ops:
-            if op.parent is not None:
-                children[op.parent].append(op)
+        trees = subtrees(self.trace.ops)
         drained = False
         for op in self.trace.ops:
             if op.parent is not None:
@@ -187,20 +184,10 @@ class _StepBuilder:
                 self.steps.append(Step("drain", "wait for overlapped gradient reduction", phase=op.phase))
                 drained = True
             if op.cat == "compute":
-                self._compute(op, self._descendant_comm(op, children))
+                self._compute(op, [child for child in trees[op.seq][1:] if child.cat == "comm"])
             else:
                 self.steps.append(self._comm(op))
         return self.steps
-
-    @staticmethod
-    def _descendant_comm(op: TraceOp, children: dict[int, list[TraceOp]]) -> list[TraceOp]:
-        found, todo = [], list(children.get(op.seq, ()))
-        while todo:
-            child = todo.pop()
-            if child.cat == "comm":
-                found.append(child)
-            todo.extend(children.get(child.seq, ()))
-        return sorted(found, key=lambda o: o.seq)
 
     def _compute_us(self, op: TraceOp, nested: list[TraceOp]) -> float:
         if op.kind == "optimizer_step" and op.dur_us == 0:

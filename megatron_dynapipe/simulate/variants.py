@@ -26,11 +26,11 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-from ..planning.cost_model import MB, AnalyticalCostModel
-from ..tracer.trace_format import RankTrace, TraceOp
+from ..planning.cost_model import MB, AnalyticalCostModel, StageCosts
+from ..tracer.trace_format import RankTrace, TraceOp, subtrees
 from .replay import TracedJob
 
-__all__ = ["RECOMPUTE_CHOICES", "derive", "attention_core_share"]
+__all__ = ["RECOMPUTE_CHOICES", "derive"]
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -48,7 +48,8 @@ def derive(job: TracedJob, *, recompute: str = "none", distributed_optimizer: bo
         return job
     iteration = {**job.iteration, "recompute_granularity": None if recompute == "none" else recompute,
                  "ddp": {**(job.iteration.get("ddp") or {}), "use_distributed_optimizer": distributed_optimizer}}
-    traces = {rank: _derive_trace(job, trace, recompute, distributed_optimizer, iteration)
+    costs = _analytical(job)
+    traces = {rank: _derive_trace(job, costs, trace, recompute, distributed_optimizer, iteration)
               for rank, trace in job.traces.items()}
     return dataclasses.replace(job, traces=traces, iteration=iteration)
 
@@ -58,35 +59,29 @@ def _traced_choices(job: TracedJob) -> tuple[str, bool]:
     return str(job.iteration.get("recompute_granularity") or "none"), bool(ddp.get("use_distributed_optimizer"))
 
 
-def _derive_trace(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimizer: bool,
+def _derive_trace(job: TracedJob, costs: StageCosts, trace: RankTrace, recompute: str, distributed_optimizer: bool,
                   iteration: dict) -> RankTrace:
     ops = list(trace.ops)
     if recompute != "none":
-        ops = _with_recompute(ops, recompute, attention_core_share(job))
+        ops = _with_recompute(ops, recompute, _core_share(costs.model, _seq(job)))
     if distributed_optimizer:
         ops = _with_distributed_optimizer(ops, job.dtype)
-    memory = _memory(job, trace, recompute, distributed_optimizer)
+    memory = _memory(job, costs, trace, recompute, distributed_optimizer)
     return dataclasses.replace(trace, ops=ops, memory=memory, iteration=iteration)
 
 
 # -- recompute ------------------------------------------------------------------------------
 
 
-def attention_core_share(job: TracedJob) -> float:
+def _core_share(model: AnalyticalCostModel, seq: int) -> float:
     """The attention core's share (scores and their product with the values) of a transformer
     layer's forward FLOPs: what selective recompute runs again."""
-    model, layout = job.model, job.layout
-    seq = int(job.iteration["seq_length"]) // layout.cp
-    costs = _analytical(job)
-    core = costs.encoder_flops("backward", "selective", 1, seq) - costs.encoder_flops("backward", "none", 1, seq)
-    return float(core / costs.encoder_flops("forward", "none", 1, seq)) if model.num_layers else 0.0
+    core = model.encoder_flops("backward", "selective", 1, seq) - model.encoder_flops("backward", "none", 1, seq)
+    return float(core / model.encoder_flops("forward", "none", 1, seq))
 
 
 def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[TraceOp]:
-    children: dict[int, list[TraceOp]] = {}
-    for op in ops:
-        if op.parent is not None:
-            children.setdefault(op.parent, []).append(op)
+    trees = subtrees(ops)
     forwards = {(op.iteration, op.microbatch): op for op in ops
                 if op.parent is None and op.cat == "compute" and op.kind == "forward"}
     next_seq = max((op.seq for op in ops), default=-1) + 1
@@ -95,7 +90,7 @@ def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[Tr
         forward = forwards.get((op.iteration, op.microbatch))
         if op.parent is None and op.cat == "compute" and op.kind == "backward" and forward is not None:
             if recompute == "full":
-                clone = _subtree(forward, children)
+                clone = trees[forward.seq]
             else:
                 clone = [dataclasses.replace(forward, dur_us=forward.dur_us * share)]
             renumbered = {old.seq: next_seq + i for i, old in enumerate(clone)}
@@ -106,16 +101,6 @@ def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[Tr
                        for c in clone)
         out.append(op)
     return out
-
-
-def _subtree(op: TraceOp, children: dict[int, list[TraceOp]]) -> list[TraceOp]:
-    """``op`` and everything issued from it, in issue order."""
-    found, todo = [op], list(children.get(op.seq, ()))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child.seq, ()))
-    return sorted(found, key=lambda o: o.seq)
 
 
 # -- distributed optimizer ----------------------------------------------------------------------
@@ -148,13 +133,20 @@ def _with_distributed_optimizer(ops: list[TraceOp], dtype: str) -> list[TraceOp]
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def _analytical(job: TracedJob) -> AnalyticalCostModel:
+def _analytical(job: TracedJob) -> StageCosts:
+    """The analytical cost model of ``job``'s GPT at its TP, seen over its pipeline stages."""
     m = job.model
-    return AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
-                               ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, tp=job.layout.tp)
+    model = AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
+                                ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, tp=job.layout.tp)
+    return StageCosts(model, num_layers=m.num_layers, pp=job.layout.pp)
 
 
-def _memory(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimizer: bool) -> dict:
+def _seq(job: TracedJob) -> int:
+    """Tokens of a sequence on one context-parallel rank."""
+    return int(job.iteration["seq_length"]) // job.layout.cp
+
+
+def _memory(job: TracedJob, costs: StageCosts, trace: RankTrace, recompute: str, distributed_optimizer: bool) -> dict:
     memory = dict(trace.memory)
     detail = dict(memory.get("model_state_detail") or {})
     state = int(memory.get("model_state_bytes") or 0)
@@ -164,26 +156,19 @@ def _memory(job: TracedJob, trace: RankTrace, recompute: str, distributed_optimi
         detail["optimizer"] = sharded
     activation = float(memory.get("activation_peak_bytes") or 0)
     if recompute != "none":
-        activation = _recomputed_activation(job, trace, activation, recompute)
+        activation = _recomputed_activation(job, costs, trace, activation, recompute)
     memory.update(model_state_bytes=state, model_state_detail=detail, activation_peak_bytes=int(activation),
                   peak_bytes=int(state + activation), method=f"{memory.get('method', 'traced')}, derived: "
                   f"recompute {recompute}, distributed optimizer {'on' if distributed_optimizer else 'off'}")
     return memory
 
 
-def _recomputed_activation(job: TracedJob, trace: RankTrace, activation: float, recompute: str) -> float:
+def _recomputed_activation(job: TracedJob, costs: StageCosts, trace: RankTrace, activation: float,
+                           recompute: str) -> float:
     """The traced activations less what recomputation frees in the layers of the micro-batches in
     flight, plus the working set of the layer being recomputed (per-layer formulas of the
     analytical cost model; the embedding and the LM head keep what they traced)."""
-    seq = int(job.iteration["seq_length"]) // job.layout.cp
-    mbs = int(job.iteration["micro_batch_size"])
-    costs = _analytical(job)
-    freed_mb = costs.activation_mb("stored", "none", mbs, seq) - costs.activation_mb("stored", recompute, mbs, seq)
+    seq, mbs = _seq(job), int(job.iteration["micro_batch_size"])
+    freed_mb = costs.stored_mb(trace.stage, mbs, seq, "none") - costs.stored_mb(trace.stage, mbs, seq, recompute)
     in_flight = int(trace.memory.get("peak_in_flight_microbatches") or 1)
-    freed = in_flight * _layers_on(job, trace.stage) * freed_mb * MB
-    return max(activation - freed, 0.0) + costs.activation_mb("peak", recompute, mbs, seq) * MB
-
-
-def _layers_on(job: TracedJob, stage: int) -> int:
-    base, extra = divmod(job.model.num_layers, job.layout.pp)
-    return base + (stage < extra)
+    return max(activation - in_flight * freed_mb * MB, 0.0) + costs.peak_mb(trace.stage, mbs, seq, recompute) * MB

@@ -41,6 +41,7 @@ __all__ = [
     "trace_path",
     "read_trace",
     "read_traces",
+    "subtrees",
 ]
 
 FORMAT_NAME = "megatron-dynapipe-trace"
@@ -352,3 +353,17 @@ def read_traces(directory: str | os.PathLike) -> dict[int, RankTrace]:
         trace = RankTrace.read(path)
         out[trace.rank] = trace
     return out
+
+
+def subtrees(ops: list[TraceOp]) -> dict[int, list[TraceOp]]:
+    """Each top-level op's ``seq`` -> that op and every op issued from it (at any depth), in
+    issue order.  A parent comes before what it issues, so one pass finds every op's root."""
+    root_of: dict[int, int] = {}
+    trees: dict[int, list[TraceOp]] = {}
+    for op in ops:
+        root = op.seq if op.parent is None else root_of.get(op.parent)
+        if root is None:  # issued from an op that is not in the list
+            continue
+        root_of[op.seq] = root
+        trees.setdefault(root, []).append(op)
+    return trees
