@@ -179,6 +179,15 @@ class Instruction:
         return f"{'Load' if op == Op.LOAD_INPUT else 'Free'}{m}"
 
     @classmethod
+    def _trusted(cls, op: Op, microbatch: int, peer: int = -1,
+                 recompute: RecomputeType = RecomputeType.NONE) -> "Instruction":
+        """An instruction from values the lowering already knows are valid, without __init__'s
+        checks and frozen-field setters (half the cost of a plan of thousands of instructions)."""
+        instruction = object.__new__(cls)
+        instruction.__dict__.update(op=op, microbatch=microbatch, peer=peer, recompute=recompute)
+        return instruction
+
+    @classmethod
     def parse(cls, text: str) -> "Instruction":
         """The instruction ``str(instruction)`` printed: ``F3[selective]``, ``B3``, ``Load0``,
         ``Free2``, ``SendActStart(1->s2)``, ``RecvGradFinish(1<-s2)``."""
@@ -502,28 +511,50 @@ class ExecutionPlan:
 
 
 def _parse_order(order: ComputeOrder, stage: int) -> list[tuple[str, int]]:
-    ops: list[tuple[str, int]] = []
+    ops = [_parse_item(item, stage, i) for i, item in enumerate(order)]
+    forwards = [m for kind, m in ops if kind == "F"]
+    backwards = [m for kind, m in ops if kind == "B"]
+    if len(set(forwards)) == len(forwards) and len(set(backwards)) == len(backwards) and _backward_after_forward(ops):
+        if len(forwards) == len(backwards) and set(forwards) == set(backwards):
+            return ops
+    _explain_bad_order(ops, stage)  # raises
+    return ops
+
+
+def _parse_item(item, stage: int, i: int) -> tuple[str, int]:
+    try:
+        kind, m = item
+        kind, m = str(kind), int(m)
+    except (TypeError, ValueError):
+        raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
+    if kind not in ("F", "B"):
+        raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
+    if m < 0:
+        raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
+    return kind, m
+
+
+def _backward_after_forward(ops: list[tuple[str, int]]) -> bool:
+    forwarded = set()
+    for kind, m in ops:
+        if kind == "F":
+            forwarded.add(m)
+        elif m not in forwarded:
+            return False
+    return True
+
+
+def _explain_bad_order(ops: list[tuple[str, int]], stage: int) -> None:
+    """Raise the ValueError that names the first fault of an order the fast check rejected."""
     seen: dict[tuple[str, int], int] = {}
-    for i, item in enumerate(order):
-        try:
-            kind, m = item
-            kind, m = str(kind), int(m)
-        except (TypeError, ValueError):
-            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
-        if kind not in ("F", "B"):
-            raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
-        if m < 0:
-            raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
+    for i, (kind, m) in enumerate(ops):
         if (kind, m) in seen:
             raise ValueError(f"stage {stage} order has {kind}{m} twice (#{seen[kind, m]} and #{i})")
         if kind == "B" and ("F", m) not in seen:
             raise ValueError(f"stage {stage} order runs B{m} before F{m}")
         seen[kind, m] = i
-        ops.append((kind, m))
     unmatched = sorted(m for kind, m in ops if kind == "F" and ("B", m) not in seen)
-    if unmatched:
-        raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
-    return ops
+    raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
 
 
 def _recompute_of(recompute: RecomputeSpec, m: int) -> RecomputeType:
@@ -535,6 +566,11 @@ def _recompute_of(recompute: RecomputeSpec, m: int) -> RecomputeType:
     return RecomputeType.parse(int(r) if isinstance(r, np.integer) else r)
 
 
+def _recompute_by_microbatch(recompute: RecomputeSpec, ops: list[tuple[str, int]]) -> dict[int, RecomputeType]:
+    """Each forwarded micro-batch's recompute choice, parsed once (not once per instruction)."""
+    return {m: _recompute_of(recompute, m) for kind, m in ops if kind == "F"}
+
+
 def _timeline(orders: Sequence[list[tuple[str, int]]]) -> tuple[list[list[float]], list[list[float]]]:
     """As-soon-as-possible start/end of every compute op (forward 1, backward 2): F(m) waits for
     F(m) on the stage before, B(m) for B(m) on the stage after. Ops that never become runnable
@@ -543,27 +579,30 @@ def _timeline(orders: Sequence[list[tuple[str, int]]]) -> tuple[list[list[float]
     inf = float("inf")
     start = [[inf] * len(o) for o in orders]
     end = [[inf] * len(o) for o in orders]
-    done: list[dict[tuple[str, int], float]] = [{} for _ in range(pp)]
+    done: list[dict[str, dict[int, float]]] = [{"F": {}, "B": {}} for _ in range(pp)]
     pc = [0] * pp
     free = [0.0] * pp
     progressed = True
     while progressed:
         progressed = False
         for s in range(pp):
-            while pc[s] < len(orders[s]):
-                kind, m = orders[s][pc[s]]
-                dep_stage = s - 1 if kind == "F" else s + 1
-                ready = 0.0
-                if 0 <= dep_stage < pp:
-                    ready = done[dep_stage].get((kind, m))
-                    if ready is None:
-                        break
-                t0 = max(free[s], ready)
-                t1 = t0 + (_FORWARD_TIME if kind == "F" else _BACKWARD_TIME)
-                start[s][pc[s]], end[s][pc[s]] = t0, t1
-                done[s][kind, m] = free[s] = t1
-                pc[s] += 1
-                progressed = True
+            order, i, t = orders[s], pc[s], free[s]
+            before = done[s - 1]["F"] if s > 0 else None
+            after = done[s + 1]["B"] if s + 1 < pp else None
+            mine = done[s]
+            while i < len(order):
+                kind, m = order[i]
+                deps = before if kind == "F" else after
+                ready = 0.0 if deps is None else deps.get(m)
+                if ready is None:
+                    break
+                t0 = t if t > ready else ready
+                t = t0 + (_FORWARD_TIME if kind == "F" else _BACKWARD_TIME)
+                start[s][i], end[s][i] = t0, t
+                mine[kind][m] = t
+                i += 1
+            if i > pc[s]:
+                pc[s], free[s], progressed = i, t, True
     return start, end
 
 
@@ -648,45 +687,42 @@ def _lower(ops: list[tuple[str, int]], stage: int, num_stages: int, recompute: R
            ref: "_Reference | None") -> list[Instruction]:
     first, last = stage == 0, stage == num_stages - 1
     count = len(ops)
-
-    def recv_of(i: int) -> "tuple[Op, int] | None":
-        kind, _ = ops[i]
-        if kind == "F" and not first:
-            return Op.RECV_ACT_START, stage - 1
-        if kind == "B" and not last:
-            return Op.RECV_GRAD_START, stage + 1
-        return None
-
+    rc_of = _recompute_by_microbatch(recompute, ops)
+    make = Instruction._trusted
+    # (START, FINISH, peer) of the receive each kind of compute op needs, None where it needs none.
+    recv_for = {"F": None if first else (Op.RECV_ACT_START, Op.RECV_ACT_FINISH, stage - 1),
+                "B": None if last else (Op.RECV_GRAD_START, Op.RECV_GRAD_FINISH, stage + 1)}
+    recvs = [recv_for[kind] for kind, _ in ops]
     slots = _send_finish_slots(ops, stage, num_stages, ref)
     finishes_before: list[list[Instruction]] = [[] for _ in range(count + 1)]
     out: list[Instruction] = []
+    append = out.append
 
     def post_recv(i: int) -> None:
-        recv = recv_of(i)
-        if recv is not None:
-            out.append(Instruction(recv[0], ops[i][1], recv[1]))
+        if recvs[i] is not None:
+            append(make(recvs[i][0], ops[i][1], recvs[i][2]))
 
     for i in range(min(2, count)):  # op 0 and op 1 have no op two before them
         post_recv(i)
     for i, (kind, m) in enumerate(ops):
         out.extend(finishes_before[i])
-        recv = recv_of(i)
+        recv = recvs[i]
         if recv is not None:
-            out.append(Instruction(recv[0].finish, m, recv[1]))
-        rc = _recompute_of(recompute, m)
+            append(make(recv[1], m, recv[2]))
+        rc = rc_of[m]
         if kind == "F":
             if first:
-                out.append(Instruction(Op.LOAD_INPUT, m))
-            out.append(Instruction(Op.FORWARD, m, recompute=rc))
+                append(make(Op.LOAD_INPUT, m))
+            append(make(Op.FORWARD, m, -1, rc))
             if not last:
-                out.append(Instruction(Op.SEND_ACT_START, m, stage + 1))
-                finishes_before[slots[i]].append(Instruction(Op.SEND_ACT_FINISH, m, stage + 1))
+                append(make(Op.SEND_ACT_START, m, stage + 1))
+                finishes_before[slots[i]].append(make(Op.SEND_ACT_FINISH, m, stage + 1))
         else:
-            out.append(Instruction(Op.BACKWARD, m, recompute=rc))
+            append(make(Op.BACKWARD, m, -1, rc))
             if not first:
-                out.append(Instruction(Op.SEND_GRAD_START, m, stage - 1))
-                finishes_before[slots[i]].append(Instruction(Op.SEND_GRAD_FINISH, m, stage - 1))
-            out.append(Instruction(Op.FREE_BUFFER, m))
+                append(make(Op.SEND_GRAD_START, m, stage - 1))
+                finishes_before[slots[i]].append(make(Op.SEND_GRAD_FINISH, m, stage - 1))
+            append(make(Op.FREE_BUFFER, m))
         if i + 2 < count:
             post_recv(i + 2)
     out.extend(finishes_before[count])
