@@ -21,7 +21,7 @@ import os
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,10 @@ PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
 ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a few dozen)
 PROFILES_DIR = Path(__file__).with_name("profiles")  # profiles shipped with the package, by name
+
+#: What CostModel.shape_costs returns, in order: (layer, phase) times, then activation kinds.
+_TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"))
+SHAPE_COSTS = tuple(f"{layer} {phase}" for layer, phase in _TIMED) + KINDS
 
 _INF = math.inf
 _SCALARS = (int, float, np.integer, np.floating)
@@ -98,6 +102,13 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
+
+    def shape_costs(self, recompute: RecomputeType, mbs, seqlen) -> tuple:
+        """Everything a pipeline stage needs of one micro-batch shape, in one call: encoder and
+        LM-head forward and backward ms, then stored and peak activation MB (the order of
+        ``SHAPE_COSTS``). A model may share work between them; this one asks each in turn."""
+        return tuple(self.layer_ms(layer, phase, recompute, mbs, seqlen) for layer, phase in _TIMED) + tuple(
+            self.activation_mb(kind, recompute, mbs, seqlen) for kind in KINDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,20 +210,19 @@ class _Grid:
         return out
 
     def general(self, m: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return _blend(self._V, self._maxm, self._S[-1], self.locate(m, s))
+
+    def locate(self, m: np.ndarray, s: np.ndarray) -> tuple:
+        """The grid cells of (m, s) and the weights within them, for :func:`_blend`."""
         m, s = np.broadcast_arrays(m, s)
-        S, M, V, maxm = self._S, self._M, self._V, self._maxm
+        S, M = self._S, self._M
         sc = np.maximum(s, S[0])
         i = np.clip(np.searchsorted(S, sc, side="left") - 1, 0, len(S) - 2)
         ws = (sc - S[i]) / self._dS[i]
         mc = np.maximum(m, M[0])
         j = np.clip(np.searchsorted(M, mc, side="left") - 1, 0, len(M) - 2)
         wm = (mc - M[j]) / self._dM[j]
-        lo = (1.0 - wm) * V[i, j] + wm * V[i, j + 1]
-        hi = (1.0 - wm) * V[i + 1, j] + wm * V[i + 1, j + 1]
-        out = (1.0 - ws) * lo + ws * hi
-        ok = (s <= S[-1]) & ((ws >= 1.0) | (m <= maxm[i])) & ((ws <= 0.0) | (m <= maxm[i + 1]))
-        np.copyto(out, _INF, where=~ok)
-        return out
+        return m, s, i, ws, j, wm
 
     def __call__(self, mbs, seqlen):
         if _is_scalar(seqlen):
@@ -220,6 +230,40 @@ class _Grid:
                 return self.scalar(float(mbs), float(seqlen))
             return self.at_seqlen(np.asarray(mbs, dtype=float), float(seqlen))
         return self.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
+
+
+def _blend(V: np.ndarray, maxm: np.ndarray, longest: float, located: tuple) -> np.ndarray:
+    """Bilinear interpolation of the values ``V`` ([S, M], or [q, S, M] for q grids on the same
+    axes) at located points; inf where a bracketing row was not profiled that far."""
+    m, s, i, ws, j, wm = located
+    lo = (1.0 - wm) * V[..., i, j] + wm * V[..., i, j + 1]
+    hi = (1.0 - wm) * V[..., i + 1, j] + wm * V[..., i + 1, j + 1]
+    out = (1.0 - ws) * lo + ws * hi
+    ok = (s <= longest) & ((ws >= 1.0) | (m <= maxm[..., i])) & ((ws <= 0.0) | (m <= maxm[..., i + 1]))
+    np.copyto(out, _INF, where=~ok)
+    return out
+
+
+class _GridStack:
+    """Grids on the same axes interpolated together: the cells are located once for all."""
+
+    def __init__(self, grids: "Sequence[_Grid]"):
+        self.axes = grids[0]
+        self.V = np.stack([g._V for g in grids])
+        self.maxm = np.stack([g._maxm for g in grids])
+
+    @classmethod
+    def of(cls, grids: "Sequence[_Grid | None]") -> "_GridStack | None":
+        """A stack of ``grids``, or None when one is missing or their axes differ."""
+        if any(g is None for g in grids):
+            return None
+        first = grids[0]
+        same = all(np.array_equal(g._S, first._S) and np.array_equal(g._M, first._M) for g in grids)
+        return cls(grids) if same else None
+
+    def general(self, m: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """[q, *shape]: every grid at the broadcast points (m, s)."""
+        return _blend(self.V, self.maxm, self.axes._S[-1], self.axes.locate(m, s))
 
 
 class ProfiledCostModel(CostModel):
@@ -251,10 +295,19 @@ class ProfiledCostModel(CostModel):
         self._memory = dict(memory)
         self._params = dict(params_mb)
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
+        self._stacks = {rc: _GridStack.of([self._times.get((layer, phase, rc)) for layer, phase in _TIMED]
+                                          + [self._memory.get((kind, rc)) for kind in KINDS])
+                        for rc in RecomputeType}
 
     def __repr__(self) -> str:
         kinds = ", ".join(rc.label for rc in self.recompute_types)
         return f"ProfiledCostModel({self.name!r}, tp={self.tp}, recompute: {kinds})"
+
+    def shape_costs(self, recompute, mbs, seqlen):
+        stack = self._stacks.get(_recompute(recompute))
+        if stack is None or _is_scalar(seqlen):  # scalar sequence lengths take the grids' own fast paths
+            return super().shape_costs(recompute, mbs, seqlen)
+        return tuple(stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float)))
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         rc = _recompute(recompute)
@@ -677,13 +730,12 @@ class StageCosts:
         column = (self.pp,) + (1,) * len(shape)
         layers = np.array([self.layers_on(s) for s in range(self.pp)], dtype=float).reshape(column)
         is_last = (np.arange(self.pp) == self.pp - 1).reshape(column)
-        out = {}
-        for phase in PHASES:
-            encoder = np.asarray(self.model.layer_ms("encoder", phase, recompute, mbs, seqlen), dtype=float)
-            head = np.asarray(self.model.layer_ms("postprocess", phase, recompute, mbs, seqlen), dtype=float)
-            out[phase] = layers * encoder + np.where(is_last, head, 0.0)
-        stored = np.asarray(self.model.activation_mb("stored", recompute, mbs, seqlen), dtype=float)
-        peak = np.asarray(self.model.activation_mb("peak", recompute, mbs, seqlen), dtype=float)
+        costs = [np.asarray(c, dtype=float) for c in self.model.shape_costs(recompute, mbs, seqlen)]
+        encoder_fwd, encoder_bwd, head_fwd, head_bwd, stored, peak = costs
+        out = {
+            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0),
+            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0),
+        }
         out["stored"] = layers * stored
         out["peak"] = np.broadcast_to(peak, (self.pp,) + shape)
         for array in out.values():
