@@ -598,3 +598,20 @@ def test_one_adapter_turns_whatever_the_caller_holds_into_stage_costs(tmp_path):
     assert isinstance(as_stage_costs(analytical.model, **layout), StageCosts)
     with pytest.raises(TypeError, match="CostModel, StageCosts, path or None"):
         as_stage_costs(3.5, **layout)
+
+
+@pytest.mark.parametrize("rc", list(R))
+def test_shape_costs_at_once_agree_with_each_quantity_asked_alone(models, rc):
+    """The grids of one recompute type share axes and are interpolated together; every value
+    must equal what the scalar path answers for that quantity alone (inf where it is inf)."""
+    rng = np.random.default_rng(0)
+    mbs = rng.integers(1, 3000, 400).astype(float)
+    seqlen = rng.integers(1, 9000, 400).astype(float)
+    together = models[2].shape_costs(rc, mbs, seqlen)
+    asked = [("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward")]
+    for k, values in enumerate(together):
+        for m, s, value in zip(mbs, seqlen, values):
+            alone = (models[2].layer_ms(*asked[k], rc, m, s) if k < 4
+                     else models[2].activation_mb(("stored", "peak")[k - 4], rc, m, s))
+            assert value == pytest.approx(alone, rel=1e-12) or (math.isinf(value) and math.isinf(alone))
+    assert any(np.isinf(together[0])) and any(np.isfinite(together[0]))  # both regimes were exercised
