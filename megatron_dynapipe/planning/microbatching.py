@@ -155,22 +155,32 @@ def partition_dp(
             f"tensor/pipeline parallelism, or truncate long samples"
         )
     seqs, table = _cost_table(costs, padded, n, recompute, memory_limit_mb)
-    seq_row = np.searchsorted(seqs, padded)
+    seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
-    widest = table.shape[1]  # no larger micro-batch fits
-    best = np.full((len(caps), n + 1), np.inf)
-    best[:, 0] = 0.0
+    # Per distinct padded length (samples are sorted, so each is one run of j), its costs above
+    # each cap made inf, as wide as its last finite cost or its last j: wider never wins.
+    finite = np.isfinite(table)
+    reach = np.where(finite.any(axis=1), table.shape[1] - np.argmax(finite[:, ::-1], axis=1), 1)
+    last_j = {row: j for j, row in enumerate(seq_row, start=1)}
+    capped = {}
+    for row, j in last_j.items():
+        cost = table[row, :min(int(reach[row]), j)][None, :]
+        capped[row] = np.where(cost <= caps[:, None], cost, np.inf)
+    # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
+    # bests of the `width` prefixes a micro-batch ending at j can extend are one contiguous slice.
+    before = np.full((len(caps), n + 1), np.inf)
+    before[:, n] = 0.0
     choice = np.zeros((len(caps), n + 1), dtype=np.int64)
     rows = np.arange(len(caps))
     for j in range(1, n + 1):
-        width = min(j, widest)
-        cost = table[seq_row[j - 1], :width]  # cost[k-1]: micro-batch of the k samples ending at j
-        allowed = np.where(cost[None, :] <= caps[:, None], cost[None, :], np.inf)
-        total = best[:, j - 1::-1][:, :width] + allowed
+        costs_here = capped[seq_row[j - 1]]
+        width = min(j, costs_here.shape[1])
+        # total[:, k-1]: the prefix of j - k samples plus a micro-batch of the k samples ending at j
+        total = before[:, n - j + 1:n - j + 1 + width] + costs_here[:, :width]
         k = np.argmin(total, axis=1)
-        best[:, j] = total[rows, k]
+        before[:, n - j] = total[rows, k]
         choice[:, j] = k + 1
-    objective = best[:, n] + (costs.pp - 1) * caps
+    objective = before[:, 0] + (costs.pp - 1) * caps
     row = int(np.argmin(objective))
     if not np.isfinite(objective[row]):
         raise MicroBatchingError(f"no micro-batching fits {memory_limit_mb:.0f} MB: raise the memory limit")
