@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mix", default="lognormal", choices=MIXES)
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
+    p.add_argument("--phases", action="store_true",
+                   help="also print where planning time goes (micro-batching, scheduling, lowering) per mode")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
 
 
@@ -65,17 +67,20 @@ def run(args) -> int:
                 "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
                 "packing_ms": base.makespan_ms if base else float("nan"),
                 "ideal": ideal_gain(lengths, costs, args.pack_length), "bound_ms": bound,
+                "phases": {"normal": normal.phase_seconds, "fast": fast.phase_seconds},
             })
         rows.append(_row(size, runs, args.mix))
         if args.json:
             print(json.dumps(rows[-1]), flush=True)
     if not args.json:
         print(format_table(rows, args))
+        if args.phases:
+            print(format_phases(rows))
     return 0
 
 
 def _row(size: int, runs: list[dict], mix: str) -> dict:
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "phases"}
     speedup = statistics.median(r["packing_ms"] / r["normal_ms"] for r in runs)
     ideal = med["ideal"]
     row = {
@@ -86,6 +91,8 @@ def _row(size: int, runs: list[dict], mix: str) -> dict:
         "fast_over_normal_makespan": statistics.median(r["fast_ms"] / r["normal_ms"] for r in runs),
         "speedup_vs_packing": speedup, "ideal_gain": ideal, "share_of_ideal": speedup / ideal,
         "makespan_over_lower_bound": statistics.median(r["normal_ms"] / r["bound_ms"] for r in runs),
+        "phases_ms": {mode: {phase: 1000 * statistics.median(r["phases"][mode][phase] for r in runs)
+                             for phase in runs[0]["phases"][mode]} for mode in ("normal", "fast")},
     }
     if mix == "lognormal" and size in REFERENCE_SECONDS:
         row["reference_s"] = REFERENCE_SECONDS[size]
@@ -106,3 +113,14 @@ def format_table(rows: list[dict], args) -> str:
             f"| {r['normal_makespan_ms']:.0f} | {r['fast_over_normal_makespan']:.3f} | {r['speedup_vs_packing']:.2f}x "
             f"| {r['ideal_gain']:.2f}x | {r['share_of_ideal']:.0%} | {r['makespan_over_lower_bound']:.3f} | {ref} |")
     return head + "\n".join(lines)
+
+
+def format_phases(rows: list[dict]) -> str:
+    """Median milliseconds per planning phase, normal / fast mode."""
+    phases = list(rows[0]["phases_ms"]["normal"]) if rows else []
+    lines = ["where planning time goes (median ms, normal / fast)",
+             "| samples | " + " | ".join(phases) + " |", "|" + "---|" * (len(phases) + 1)]
+    for r in rows:
+        cells = [f"{r['phases_ms']['normal'][p]:.1f} / {r['phases_ms']['fast'][p]:.1f}" for p in phases]
+        lines.append(f"| {r['samples']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -77,15 +77,17 @@ def _sorted_samples(lengths: Sequence[int], indices: Sequence[int]) -> tuple[np.
 
 
 def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
-    """Cost (ms) of a micro-batch of k = 1..max_mbs samples padded to each distinct length.
+    """Cost (ms) of a micro-batch of k = 1..max_mbs samples padded to each distinct length
+    (``max_mbs``: one bound for all, or one per distinct length).
 
     Feasibility shrinks as k grows, so powers of two first bound the feasible width of each
     length and only the (length, k) pairs below that bound are evaluated.
     """
     seqs = np.unique(padded_seqs)
-    powers = np.unique(np.minimum(2 ** np.arange(int(np.log2(max_mbs)) + 2), max_mbs + 1))
+    most = int(np.max(max_mbs))
+    powers = np.unique(np.minimum(2 ** np.arange(int(np.log2(most)) + 2), most + 1))
     feasible = _evaluate(costs, powers[None, :], seqs[:, None], recompute, memory_limit_mb) < np.inf
-    first_bad = np.where(feasible.all(axis=1), max_mbs + 1, powers[np.argmin(feasible, axis=1)])
+    first_bad = np.where(feasible.all(axis=1), most + 1, powers[np.argmin(feasible, axis=1)])
     width = np.minimum(first_bad - 1, max_mbs)  # no k >= first_bad fits
     table = np.full((len(seqs), max(1, int(width.max()))), np.inf)
     rows = np.repeat(np.arange(len(seqs)), width)
@@ -128,6 +130,7 @@ def partition_dp(
     recompute: RecomputeType | Sequence[RecomputeType] = RecomputeType.NONE,
     round_to: int = 8,
     num_thresholds: int = DP_THRESHOLDS,
+    occurring_only: bool = False,
 ) -> list[MicroBatch]:
     """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t).
 
@@ -137,6 +140,10 @@ def partition_dp(
     t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain.
     The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
     programme, and all caps are solved together as rows of one numpy array.
+
+    ``occurring_only`` (fast mode) costs only micro-batches that can occur -- at most as many
+    samples as there are of that padded length or shorter -- and draws the caps from those
+    alone; otherwise every size up to the whole batch is costed, and caps span them all.
     """
     order, sorted_lengths = _sorted_samples(lengths, indices)
     n = len(order)
@@ -154,7 +161,8 @@ def partition_dp(
             f"{'/'.join(rc.label for rc in _types(recompute))} under {memory_limit_mb:.0f} MB: raise the memory limit, use more "
             f"tensor/pipeline parallelism, or truncate long samples"
         )
-    seqs, table = _cost_table(costs, padded, n, recompute, memory_limit_mb)
+    occurring = np.searchsorted(padded, np.unique(padded), side="right") if occurring_only else n
+    seqs, table = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
     seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
     # Per distinct padded length (samples are sorted, so each is one run of j), its costs above

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -91,6 +92,9 @@ class PlanResult:
     fast_mode: bool
     planning_seconds: float
     costs: StageCosts = field(repr=False)
+    # where planning_seconds went: "micro-batching" (DP split and partitions), "scheduling"
+    # (candidates, simulation, recompute adjustment), "lowering" (instruction lists)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def makespan_ms(self) -> float:
@@ -117,14 +121,35 @@ def generate_execution_plan(
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
     _check_memory(costs, spec.memory_limit_mb)
+    clock = PhaseClock()
+    with clock("micro-batching"):
+        per_rank = split_across_dp(lengths, spec.dp, costs, spec.seqlen_round)
     choices = []
-    for samples in split_across_dp(lengths, spec.dp, costs, spec.seqlen_round):
-        microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
-        choices.append(optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
-                                         schedules=spec.schedules, seed=spec.seed,
-                                         max_permutations=spec.max_permutations))
-    plans = [execution_plans(choice) for choice in choices]
-    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs)
+    for samples in per_rank:
+        with clock("micro-batching"):
+            microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
+        with clock("scheduling"):
+            choices.append(optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
+                                             schedules=spec.schedules, seed=spec.seed,
+                                             max_permutations=spec.max_permutations))
+    with clock("lowering"):
+        plans = [execution_plans(choice) for choice in choices]
+    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
+
+
+class PhaseClock:
+    """Seconds spent per named phase, summed over every ``with clock(name):`` block."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -169,7 +194,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
     for label, types in options:
         try:
             mbs = partition_dp(lengths, samples, costs, limit, types, spec.seqlen_round,
-                               FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS)
+                               FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, occurring_only=fast_mode)
         except MicroBatchingError as error:
             errors.append(error)
             continue
