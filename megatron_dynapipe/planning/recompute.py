@@ -41,7 +41,7 @@ def adjust_rc_plan(
     first, until the saving covers the excess. Fast mode stops after 3 rounds of at most 2
     micro-batches. Returns None when the plan cannot be made to fit, or as soon as its makespan
     cannot stay at or below `give_up_above_ms` (a search's best so far) whatever recompute is
-    raised. `work_table` (of these micro-batches, in this order) saves evaluating the cost model
+    raised -- in fast mode also once the simulation of the current recompute cannot. `work_table` (of these micro-batches, in this order) saves evaluating the cost model
     again.
     """
     table = work_table or WorkTable(costs, microbatches)
@@ -55,7 +55,11 @@ def adjust_rc_plan(
         work = table.work(recompute)
         if not np.all(np.isfinite(work.forward + work.backward)):
             return None
-        result = simulate_schedule(schedule, work, memory_limit_mb)
+        # Fast mode also stops a simulation once it cannot end by the cutoff. Not in normal mode:
+        # raising recompute of a plan over the cutoff that does not fit could, rarely, end sooner.
+        result = simulate_schedule(schedule, work, memory_limit_mb, give_up_above_ms if fast_mode else math.inf)
+        if result is None:
+            return None
         if result.fits(memory_limit_mb):
             return RecomputePlan(recompute, result.orders, result, rounds)
         if rounds == max_rounds or not _raise_recompute(recompute, table, result, memory_limit_mb, per_round):

@@ -8,6 +8,7 @@ receives between two stages always pair up in the order they are posted.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import Callable
 
@@ -43,8 +44,11 @@ def wait_free_cyclic(work: StageWork, memory_limit_mb: float) -> list[Order]:
 
 
 class _WaitFree:
-    def __init__(self, work: StageWork, memory_limit_mb: float):
+    def __init__(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf):
         self.t = Timeline(work, record=False)
+        self.give_up_above_ms = give_up_above_ms
+        # each stage's compute still to run: it cannot end before it is free plus that
+        self.remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).tolist()
         self.pp, self.n = work.pp, work.n
         self.limit = memory_limit_mb
         self.next_forward = [0] * work.pp
@@ -52,8 +56,10 @@ class _WaitFree:
         self.wake: list[float | None] = [0.0] * work.pp  # when each stage next decides; None: waits
         self.heap = [(0.0, s) for s in range(work.pp)]
 
-    def run(self) -> SimulationResult:
+    def run(self) -> "SimulationResult | None":
+        """The simulated policy's timeline; None as soon as a stage cannot end by give_up_above_ms."""
         t, heap, wake = self.t, self.heap, self.wake
+        remaining, give_up = self.remaining, self.give_up_above_ms
         done, total = 0, 2 * self.pp * self.n
         while done < total:
             if not heap:
@@ -68,6 +74,9 @@ class _WaitFree:
                 continue
             kind, m = op
             end = t.run(s, kind, m, now)
+            remaining[s] -= t.forward[s][m] if kind == "F" else t.backward[s][m]
+            if end + remaining[s] > give_up:
+                return None
             done += 1
             self._notify(s, kind, m)
             self._schedule(s, end)
@@ -135,8 +144,10 @@ SCHEDULES: dict[str, Callable[[StageWork, float], list[Order]]] = {
 }
 
 
-def simulate_schedule(name: str, work: StageWork, memory_limit_mb: float) -> SimulationResult:
-    """Orders of schedule `name` and their simulated timeline."""
+def simulate_schedule(name: str, work: StageWork, memory_limit_mb: float,
+                      give_up_above_ms: float = math.inf) -> "SimulationResult | None":
+    """Orders of schedule `name` and their simulated timeline. wait-free-cyclic returns None as
+    soon as its makespan is sure to exceed `give_up_above_ms` (1F1B's fixed orders run to the end)."""
     if name == "wait-free-cyclic":
-        return _WaitFree(work, memory_limit_mb).run()  # the greedy already simulated them
+        return _WaitFree(work, memory_limit_mb, give_up_above_ms).run()  # the greedy already simulated them
     return simulate(SCHEDULES[name](work, memory_limit_mb), work)
