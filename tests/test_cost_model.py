@@ -575,10 +575,24 @@ def test_all_stages_agrees_with_the_per_stage_queries_and_remembers_read_only_an
             assert answer["backward"][s] == pytest.approx(costs.backward_ms(s, mbs, seq, rc))
             assert answer["stored"][s] == pytest.approx(costs.stored_mb(s, mbs, seq, rc))
             assert answer["peak"][s] == pytest.approx(costs.peak_mb(s, mbs, seq, rc))
-        assert costs.all_stages(mbs.copy(), seq.copy(), rc) is answer  # asked again: remembered
+        again = costs.all_stages(mbs.copy(), seq.copy(), rc)  # asked again: answered from memory
+        assert all(np.shares_memory(again[k], answer[k]) for k in answer)
         with pytest.raises(ValueError):
             answer["forward"][0, 0] = 0.0  # shared answers cannot be changed by a caller
     assert costs.all_stages(mbs[:2], seq[:2], R.NONE)["forward"].shape == (4, 2)  # another query
+
+
+@pytest.mark.parametrize("which", ["profiled", "analytical"])
+def test_every_recompute_type_at_once_equals_each_asked_alone(models, which):
+    from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
+    model = models[1] if which == "profiled" else AnalyticalCostModel(tp=1, hidden_size=1024, num_heads=16)
+    mbs, seq = np.array([[1, 2], [3, 8]]), np.array([[512, 1000], [2048, 256]])
+    together = StageCosts(model, num_layers=30, pp=4).by_recompute(mbs, seq, (R.FULL, R.NONE))
+    for t, rc in enumerate((R.FULL, R.NONE)):
+        alone = StageCosts(model, num_layers=30, pp=4).all_stages(mbs, seq, rc)  # fresh: nothing remembered
+        for name in ("forward", "backward", "stored", "peak"):
+            assert together[name].shape == (2, 4, 2, 2)
+            np.testing.assert_array_equal(together[name][t], alone[name])
 
 
 def test_one_adapter_turns_whatever_the_caller_holds_into_stage_costs(tmp_path):
@@ -607,7 +621,7 @@ def test_shape_costs_at_once_agree_with_each_quantity_asked_alone(models, rc):
     rng = np.random.default_rng(0)
     mbs = rng.integers(1, 3000, 400).astype(float)
     seqlen = rng.integers(1, 9000, 400).astype(float)
-    together = models[2].shape_costs(rc, mbs, seqlen)
+    together = models[2].shape_costs((rc,), mbs, seqlen)[0]
     asked = [("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward")]
     for k, values in enumerate(together):
         for m, s, value in zip(mbs, seqlen, values):

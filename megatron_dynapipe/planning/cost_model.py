@@ -103,12 +103,15 @@ class CostModel(abc.ABC):
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
 
-    def shape_costs(self, recompute: RecomputeType, mbs, seqlen) -> tuple:
-        """Everything a pipeline stage needs of one micro-batch shape, in one call: encoder and
-        LM-head forward and backward ms, then stored and peak activation MB (the order of
-        ``SHAPE_COSTS``). A model may share work between them; this one asks each in turn."""
-        return tuple(self.layer_ms(layer, phase, recompute, mbs, seqlen) for layer, phase in _TIMED) + tuple(
-            self.activation_mb(kind, recompute, mbs, seqlen) for kind in KINDS)
+    def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
+        """Everything a pipeline stage needs of one micro-batch shape under each recompute type
+        in ``types``, in one call: a [len(types), 6, *shape] array of encoder and LM-head
+        forward and backward ms, then stored and peak activation MB (``SHAPE_COSTS``' order).
+        A model may share work between them; this one asks each in turn."""
+        shape = np.broadcast_shapes(np.shape(mbs), np.shape(seqlen))
+        rows = [[self.layer_ms(layer, phase, rc, mbs, seqlen) for layer, phase in _TIMED]
+                + [self.activation_mb(kind, rc, mbs, seqlen) for kind in KINDS] for rc in types]
+        return np.array([[np.broadcast_to(np.asarray(v, dtype=float), shape) for v in row] for row in rows])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,19 +298,24 @@ class ProfiledCostModel(CostModel):
         self._memory = dict(memory)
         self._params = dict(params_mb)
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
-        self._stacks = {rc: _GridStack.of([self._times.get((layer, phase, rc)) for layer, phase in _TIMED]
-                                          + [self._memory.get((kind, rc)) for kind in KINDS])
-                        for rc in RecomputeType}
+        self._stacks: dict[tuple, _GridStack | None] = {}  # by tuple of recompute types, built on first use
 
     def __repr__(self) -> str:
         kinds = ", ".join(rc.label for rc in self.recompute_types)
         return f"ProfiledCostModel({self.name!r}, tp={self.tp}, recompute: {kinds})"
 
-    def shape_costs(self, recompute, mbs, seqlen):
-        stack = self._stacks.get(_recompute(recompute))
+    def shape_costs(self, types, mbs, seqlen):
+        types = tuple(types)
+        if types not in self._stacks:
+            self._stacks[types] = _GridStack.of([self._times.get((layer, phase, rc)) for rc in types for layer, phase in _TIMED]
+                                                + [self._memory.get((kind, rc)) for rc in types for kind in KINDS])
+        stack = self._stacks[types]
         if stack is None or _is_scalar(seqlen):  # scalar sequence lengths take the grids' own fast paths
-            return super().shape_costs(recompute, mbs, seqlen)
-        return tuple(stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float)))
+            return super().shape_costs(types, mbs, seqlen)
+        values = stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
+        times, memory = values[:4 * len(types)], values[4 * len(types):]
+        shape = values.shape[1:]
+        return np.concatenate([times.reshape((len(types), 4) + shape), memory.reshape((len(types), 2) + shape)], axis=1)
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         rc = _recompute(recompute)
@@ -715,29 +723,34 @@ class StageCosts:
         """forward/backward ms and stored/peak MB of every stage at once, as read-only
         [pp, *shape] arrays, evaluating each per-layer quantity once instead of once per stage
         (the planner's hot path); a query asked before is answered from memory."""
+        return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
+
+    def by_recompute(self, mbs, seqlen, types) -> dict[str, np.ndarray]:
+        """:meth:`all_stages` under each recompute type of ``types`` in one evaluation, as
+        read-only [len(types), pp, *shape] arrays."""
         mbs, seqlen = np.asarray(mbs), np.asarray(seqlen)
-        key = (_recompute(recompute), mbs.dtype.str, mbs.shape, mbs.tobytes(),
-               seqlen.dtype.str, seqlen.shape, seqlen.tobytes())
+        types = tuple(_recompute(rc) for rc in types)
+        key = (types, mbs.dtype.str, mbs.shape, mbs.tobytes(), seqlen.dtype.str, seqlen.shape, seqlen.tobytes())
         answer = self._answers.get(key)
         if answer is None:
             if len(self._answers) >= ANSWERS_KEPT:
                 self._answers.clear()
-            answer = self._answers[key] = self._all_stages(mbs, seqlen, key[0])
+            answer = self._answers[key] = self._by_recompute(mbs, seqlen, types)
         return answer
 
-    def _all_stages(self, mbs: np.ndarray, seqlen: np.ndarray, recompute: RecomputeType) -> dict[str, np.ndarray]:
+    def _by_recompute(self, mbs: np.ndarray, seqlen: np.ndarray, types: tuple) -> dict[str, np.ndarray]:
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
-        column = (self.pp,) + (1,) * len(shape)
+        column = (1, self.pp) + (1,) * len(shape)
         layers = np.array([self.layers_on(s) for s in range(self.pp)], dtype=float).reshape(column)
         is_last = (np.arange(self.pp) == self.pp - 1).reshape(column)
-        costs = [np.asarray(c, dtype=float) for c in self.model.shape_costs(recompute, mbs, seqlen)]
-        encoder_fwd, encoder_bwd, head_fwd, head_bwd, stored, peak = costs
+        costs = np.asarray(self.model.shape_costs(types, mbs, seqlen), dtype=float)[:, :, None]  # [T, 6, 1, *shape]
+        encoder_fwd, encoder_bwd, head_fwd, head_bwd, stored, peak = (costs[:, k] for k in range(6))
         out = {
             "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0),
             "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0),
+            "stored": layers * stored,
+            "peak": np.broadcast_to(peak, (len(types), self.pp) + shape),
         }
-        out["stored"] = layers * stored
-        out["peak"] = np.broadcast_to(peak, (self.pp,) + shape)
         for array in out.values():
             array.flags.writeable = False
         return out

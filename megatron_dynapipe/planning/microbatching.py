@@ -35,17 +35,19 @@ def microbatch_times(costs: StageCosts, mbs, seqlen, recompute: RecomputeType) -
 
 def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float) -> np.ndarray:
     """Whether stage s can hold the (pp - s) micro-batches of 1F1B's steady state of this shape."""
-    return _times_where_fit(costs, mbs, seqlen, recompute, memory_limit_mb) < np.inf
+    return _times_where_fit(costs, mbs, seqlen, (recompute,), memory_limit_mb)[0] < np.inf
 
 
-def _times_where_fit(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float):
-    stages = costs.all_stages(mbs, seqlen, recompute)
-    column = (costs.pp,) + (1,) * (stages["stored"].ndim - 1)
+def _times_where_fit(costs: StageCosts, mbs, seqlen, types, memory_limit_mb: float) -> np.ndarray:
+    """[len(types), *shape]: the bottleneck time under each recompute type where every stage
+    fits its 1F1B steady state, inf elsewhere."""
+    stages = costs.by_recompute(mbs, seqlen, types)
+    column = (1, costs.pp) + (1,) * (stages["stored"].ndim - 2)
     in_flight = (costs.pp - np.arange(costs.pp)).reshape(column)
     state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(column)
     need = state + in_flight * stages["stored"] + stages["peak"]
-    times = np.max(stages["forward"] + stages["backward"], axis=0)
-    return np.where(np.all(need <= memory_limit_mb, axis=0), times, np.inf)
+    times = np.max(stages["forward"] + stages["backward"], axis=1)
+    return np.where(np.all(need <= memory_limit_mb, axis=1), times, np.inf)
 
 
 def split_across_dp(lengths: Sequence[int], dp: int, costs: StageCosts, round_to: int = 8) -> list[list[int]]:
@@ -99,10 +101,7 @@ def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
 def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
     """Micro-batch time where it fits the memory limit, inf elsewhere; with several recompute
     types, the time of the cheapest that fits."""
-    best = np.inf
-    for rc in _types(recompute):
-        best = np.minimum(best, _times_where_fit(costs, mbs, seqlen, rc, memory_limit_mb))
-    return best
+    return np.min(_times_where_fit(costs, mbs, seqlen, _types(recompute), memory_limit_mb), axis=0)
 
 
 def _types(recompute) -> tuple[RecomputeType, ...]:
@@ -116,7 +115,7 @@ def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], al
     mbs = np.array([mb.size for mb in microbatches])
     seq = np.array([mb.seq_len for mb in microbatches])
     types = _types(allowed)
-    times = np.array([_times_where_fit(costs, mbs, seq, rc, memory_limit_mb) for rc in types])
+    times = _times_where_fit(costs, mbs, seq, types, memory_limit_mb)
     best = np.argmin(times, axis=0)
     fallback = types.index(max(types))
     return [types[b] if np.isfinite(times[b, i]) else types[fallback] for i, b in enumerate(best)]

@@ -47,11 +47,8 @@ class WorkTable:
     def __init__(self, costs: StageCosts, microbatches: Sequence[MicroBatch]):
         mbs = np.array([mb.size for mb in microbatches])
         seq = np.array([mb.seq_len for mb in microbatches])
-        per_rc = [costs.all_stages(mbs, seq, rc) for rc in RecomputeType]
-        self.tables = {  # [recompute, pp, n]
-            name: np.array([stages[key] for stages in per_rc], dtype=float)
-            for name, key in zip(self.FIELDS, ("forward", "backward", "stored", "peak"))
-        }
+        every = costs.by_recompute(mbs, seq, tuple(RecomputeType))
+        self.tables = {name: np.array(every[name], dtype=float) for name in self.FIELDS}  # [recompute, pp, n]
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])
         self.comm = np.broadcast_to(np.asarray(costs.p2p_ms(mbs, seq), dtype=float), mbs.shape).copy()
         # floors[name][rc]: the least time of any recompute type >= rc (measured tables need
