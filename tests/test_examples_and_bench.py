@@ -29,3 +29,13 @@ def test_planner_benchmark_rows(tmp_path):
         assert r["normal_plan_s"] > 0 and r["fast_plan_s"] > 0
         assert r["makespan_over_lower_bound"] >= 1.0  # a lower bound is never beaten
         assert r["speedup_vs_packing"] > 0 and r["ideal_gain"] > 1.0
+
+
+def test_planner_benchmark_shows_where_time_goes():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "8", "--seeds", "1",
+                          "--phases", "--mix", "long", "--all-cores"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("where planning time goes")[1].splitlines()
+    assert "| samples | micro-batching | scheduling | lowering |" in table
+    row = next(line for line in table if line.startswith("| 8 |"))
+    assert row.count("/") == 3  # normal / fast for each phase

@@ -231,3 +231,19 @@ def test_a_jobs_fast_mode_setting_is_resolved_once_where_its_settings_are_read(m
     assert resolve_fast_mode_setting("AUTO") == "auto" and resolve_fast_mode_setting("yes") is True
     with pytest.raises(ValueError, match="'sometimes' is not a fast mode: use true, false or auto"):
         resolve_fast_mode_setting("sometimes")
+
+
+def test_planning_says_where_its_time_went_and_leaves_the_collector_as_it_found_it(costs_pp4):
+    import gc
+
+    lengths = synthetic_lengths(64, 0, "long")
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            result = generate_execution_plan(lengths, TrainingSpec(), costs_pp4)
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+        assert set(result.phase_seconds) == {"micro-batching", "scheduling", "lowering"}
+        assert all(t > 0 for t in result.phase_seconds.values())
+        assert sum(result.phase_seconds.values()) <= result.planning_seconds

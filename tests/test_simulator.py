@@ -131,3 +131,14 @@ def test_the_lower_bound_is_reached_by_one_stage_and_one_microbatch():
     floor_b = min(table.tables["backward"][:, 0, 0])
     assert table.makespan_lower_bound(np.zeros((1, 1), dtype=np.int64)) == pytest.approx(floor_f + floor_b)
     assert simulate_schedule("1f1b", work, 1e12).makespan >= floor_f + floor_b
+
+
+def test_wait_free_cyclic_gives_up_only_when_its_makespan_passes_the_cutoff():
+    # Uniform work without communication: 1F1B's textbook makespan, (n + pp - 1) * (f + b) = 33.
+    work = uniform_work(4, 8)
+    full = simulate_schedule("wait-free-cyclic", work, 1e9)
+    assert full.makespan == pytest.approx(33.0)
+    assert simulate_schedule("wait-free-cyclic", work, 1e9, give_up_above_ms=33.0).makespan == full.makespan
+    assert simulate_schedule("wait-free-cyclic", work, 1e9, give_up_above_ms=32.9) is None
+    # 1F1B's fixed orders always run to the end
+    assert simulate_schedule("1f1b", work, 1e9, give_up_above_ms=1.0).makespan == pytest.approx(33.0)
