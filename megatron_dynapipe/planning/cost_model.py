@@ -47,9 +47,8 @@ FORMAT_HINT = "see docs/cost_model.md for the format"
 ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a few dozen)
 PROFILES_DIR = Path(__file__).with_name("profiles")  # profiles shipped with the package, by name
 
-#: What CostModel.shape_costs returns, in order: (layer, phase) times, then activation kinds.
+# The (layer, phase) times CostModel.shape_costs returns, in order, before the activation KINDS.
 _TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"))
-SHAPE_COSTS = tuple(f"{layer} {phase}" for layer, phase in _TIMED) + KINDS
 
 _INF = math.inf
 _SCALARS = (int, float, np.integer, np.floating)
@@ -106,7 +105,7 @@ class CostModel(abc.ABC):
     def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
         """Everything a pipeline stage needs of one micro-batch shape under each recompute type
         in ``types``, in one call: a [len(types), 6, *shape] array of encoder and LM-head
-        forward and backward ms, then stored and peak activation MB (``SHAPE_COSTS``' order).
+        forward and backward ms, then stored and peak activation MB.
         A model may share work between them; this one asks each in turn."""
         shape = np.broadcast_shapes(np.shape(mbs), np.shape(seqlen))
         rows = [[self.layer_ms(layer, phase, rc, mbs, seqlen) for layer, phase in _TIMED]
@@ -306,16 +305,15 @@ class ProfiledCostModel(CostModel):
 
     def shape_costs(self, types, mbs, seqlen):
         types = tuple(types)
-        if types not in self._stacks:
-            self._stacks[types] = _GridStack.of([self._times.get((layer, phase, rc)) for rc in types for layer, phase in _TIMED]
-                                                + [self._memory.get((kind, rc)) for rc in types for kind in KINDS])
+        if types not in self._stacks:  # grids in the returned order: per type, 4 times then 2 memories
+            self._stacks[types] = _GridStack.of([grid for rc in types for grid in (
+                *(self._times.get((layer, phase, rc)) for layer, phase in _TIMED),
+                *(self._memory.get((kind, rc)) for kind in KINDS))])
         stack = self._stacks[types]
         if stack is None or _is_scalar(seqlen):  # scalar sequence lengths take the grids' own fast paths
             return super().shape_costs(types, mbs, seqlen)
         values = stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
-        times, memory = values[:4 * len(types)], values[4 * len(types):]
-        shape = values.shape[1:]
-        return np.concatenate([times.reshape((len(types), 4) + shape), memory.reshape((len(types), 2) + shape)], axis=1)
+        return values.reshape((len(types), len(_TIMED) + len(KINDS)) + values.shape[1:])
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         rc = _recompute(recompute)

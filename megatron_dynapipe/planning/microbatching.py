@@ -164,15 +164,7 @@ def partition_dp(
     seqs, table = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
     seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
-    # Per distinct padded length (samples are sorted, so each is one run of j), its costs above
-    # each cap made inf, as wide as its last finite cost or its last j: wider never wins.
-    finite = np.isfinite(table)
-    reach = np.where(finite.any(axis=1), table.shape[1] - np.argmax(finite[:, ::-1], axis=1), 1)
-    last_j = {row: j for j, row in enumerate(seq_row, start=1)}
-    capped = {}
-    for row, j in last_j.items():
-        cost = table[row, :min(int(reach[row]), j)][None, :]
-        capped[row] = np.where(cost <= caps[:, None], cost, np.inf)
+    capped = _capped_costs(table, seq_row, caps)
     # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
     # bests of the `width` prefixes a micro-batch ending at j can extend are one contiguous slice.
     before = np.full((len(caps), n + 1), np.inf)
@@ -198,6 +190,20 @@ def partition_dp(
         bounds.append((j - k, j))
         j -= k
     return [_microbatch(order, padded, lo, hi) for lo, hi in reversed(bounds)]
+
+
+def _capped_costs(table: np.ndarray, seq_row: list[int], caps: np.ndarray) -> dict[int, np.ndarray]:
+    """Per distinct padded length (samples are sorted, so each is one run of sample ends j), its
+    costs with those above each cap made inf: [caps, k], as wide as its last finite cost or its
+    last j allows -- wider never wins."""
+    finite = np.isfinite(table)
+    reach = np.where(finite.any(axis=1), table.shape[1] - np.argmax(finite[:, ::-1], axis=1), 1)
+    last_j = {row: j for j, row in enumerate(seq_row, start=1)}
+    capped = {}
+    for row, j in last_j.items():
+        cost = table[row, :min(int(reach[row]), j)][None, :]
+        capped[row] = np.where(cost <= caps[:, None], cost, np.inf)
+    return capped
 
 
 def _candidate_caps(per_end_costs: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:

@@ -511,50 +511,28 @@ class ExecutionPlan:
 
 
 def _parse_order(order: ComputeOrder, stage: int) -> list[tuple[str, int]]:
-    ops = [_parse_item(item, stage, i) for i, item in enumerate(order)]
-    forwards = [m for kind, m in ops if kind == "F"]
-    backwards = [m for kind, m in ops if kind == "B"]
-    if len(set(forwards)) == len(forwards) and len(set(backwards)) == len(backwards) and _backward_after_forward(ops):
-        if len(forwards) == len(backwards) and set(forwards) == set(backwards):
-            return ops
-    _explain_bad_order(ops, stage)  # raises
-    return ops
-
-
-def _parse_item(item, stage: int, i: int) -> tuple[str, int]:
-    try:
-        kind, m = item
-        kind, m = str(kind), int(m)
-    except (TypeError, ValueError):
-        raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
-    if kind not in ("F", "B"):
-        raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
-    if m < 0:
-        raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
-    return kind, m
-
-
-def _backward_after_forward(ops: list[tuple[str, int]]) -> bool:
-    forwarded = set()
-    for kind, m in ops:
-        if kind == "F":
-            forwarded.add(m)
-        elif m not in forwarded:
-            return False
-    return True
-
-
-def _explain_bad_order(ops: list[tuple[str, int]], stage: int) -> None:
-    """Raise the ValueError that names the first fault of an order the fast check rejected."""
+    ops: list[tuple[str, int]] = []
     seen: dict[tuple[str, int], int] = {}
-    for i, (kind, m) in enumerate(ops):
+    for i, item in enumerate(order):
+        try:
+            kind, m = item
+            kind, m = str(kind), int(m)
+        except (TypeError, ValueError):
+            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
+        if kind not in ("F", "B"):
+            raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
+        if m < 0:
+            raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
         if (kind, m) in seen:
             raise ValueError(f"stage {stage} order has {kind}{m} twice (#{seen[kind, m]} and #{i})")
         if kind == "B" and ("F", m) not in seen:
             raise ValueError(f"stage {stage} order runs B{m} before F{m}")
         seen[kind, m] = i
+        ops.append((kind, m))
     unmatched = sorted(m for kind, m in ops if kind == "F" and ("B", m) not in seen)
-    raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
+    if unmatched:
+        raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
+    return ops
 
 
 def _recompute_of(recompute: RecomputeSpec, m: int) -> RecomputeType:

@@ -21,7 +21,6 @@ from .microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
-    microbatch_times,
     partition_dp,
     partition_token_based,
     partition_uniform,
@@ -234,12 +233,10 @@ def _times(costs, microbatches, recompute) -> np.ndarray:
     """Bottleneck-stage time of each micro-batch under its own recompute type."""
     mbs = np.array([mb.size for mb in microbatches])
     seq = np.array([mb.seq_len for mb in microbatches])
-    recompute = np.array([int(rc) for rc in recompute])
-    times = np.zeros(len(microbatches))
-    for rc in np.unique(recompute):
-        cols = recompute == rc
-        times[cols] = microbatch_times(costs, mbs[cols], seq[cols], RecomputeType(int(rc)))
-    return times
+    types = sorted(set(recompute))
+    stages = costs.by_recompute(mbs, seq, types)
+    per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
+    return per_type[[types.index(rc) for rc in recompute], np.arange(len(microbatches))]
 
 
 def build_candidates(

@@ -41,8 +41,8 @@ def adjust_rc_plan(
     first, until the saving covers the excess. Fast mode stops after 3 rounds of at most 2
     micro-batches. Returns None when the plan cannot be made to fit, or as soon as its makespan
     cannot stay at or below `give_up_above_ms` (a search's best so far) whatever recompute is
-    raised -- in fast mode also once the simulation of the current recompute cannot. `work_table` (of these micro-batches, in this order) saves evaluating the cost model
-    again.
+    raised -- in fast mode also once the simulation of the current recompute cannot.
+    `work_table` (of these micro-batches, in this order) saves evaluating the cost model again.
     """
     table = work_table or WorkTable(costs, microbatches)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
