@@ -87,6 +87,13 @@ def cpu_arguments(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict
     return None
 
 
+def cuda_type_name(tensor: torch.Tensor) -> str:
+    """The name ``Tensor.type()`` gives a CUDA tensor of ``tensor``'s dtype: CPU and meta tensors
+    standing in for CUDA ones answer it, since megatron asserts
+    ``grad.type() == 'torch.cuda.FloatTensor'``."""
+    return torch.empty(0, dtype=tensor.dtype).type().replace("torch.", "torch.cuda.", 1)
+
+
 class _CudaAsCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments of torch functions to CPU; ``Tensor.cuda()`` is a no-op and
     ``Tensor.type()`` names a CPU tensor's CUDA type (megatron asserts
@@ -96,11 +103,8 @@ class _CudaAsCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return (
-                name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
-            )
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return cuda_type_name(args[0])
         args, kwargs = cpu_arguments(func, args, kwargs) or (args, kwargs)
         return func(*args, **kwargs)
 

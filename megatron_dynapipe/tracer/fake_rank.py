@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ..compat.cpu_compat import CPU_STREAM_STANDINS
+from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from ..compat.patching import Patches
 from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
@@ -183,9 +183,7 @@ class MetaMode(TorchFunctionMode):
                 return False
             return 0.0 if t.is_floating_point() and func is not torch.Tensor.__index__ else 0
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and _is_meta(args[0]):
-            # megatron asserts grads are 'torch.cuda.FloatTensor': meta stands in for the device
-            cpu_name = torch.empty(0, dtype=args[0].dtype, device="cpu").type()
-            return cpu_name.replace("torch.", "torch.cuda.", 1)
+            return cuda_type_name(args[0])
         if func is torch.Tensor.__setitem__ and _is_meta(args[0]):
             index = args[1]
             if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
