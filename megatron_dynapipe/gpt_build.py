@@ -36,7 +36,8 @@ def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: 
     """The ``TransformerConfig`` of ``spec`` at this layout (``num_layers`` defaults to the
     model's; the profiler builds one).  ``initialize=False`` skips drawing weights (meta tensors);
     ``recompute`` is "selective", "full" (uniform, one layer a chunk) or None.  Without
-    transformer-engine there is no fused kernel and no sequence parallelism."""
+    transformer-engine there is no fused kernel; sequence parallelism (an override) builds the
+    local spec's norms as :class:`SequenceParallelTorchNorm`."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -90,9 +91,52 @@ def build_gpt(spec: ModelSpec, config, *, tp: int, use_te: bool, pre_process: bo
     """This rank's stage of the GPT (vocabulary padded as Megatron-LM pads it at this TP)."""
     from megatron.core.models.gpt import GPTModel
 
+    if transformer_layer_spec is None:
+        transformer_layer_spec = layer_spec(spec, use_te)
+        if config.sequence_parallel and not use_te:
+            transformer_layer_spec = _sequence_parallel_block(transformer_layer_spec, config, vp_stage)
     return GPTModel(
-        config=config, transformer_layer_spec=transformer_layer_spec or layer_spec(spec, use_te),
+        config=config, transformer_layer_spec=transformer_layer_spec,
         vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_sequence_length,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type, vp_stage=vp_stage)
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's torch norm (``WrappedTorchNorm``) in a sequence-parallel layer.
+
+    A norm works token by token, so a sequence shard normalises as the whole sequence would; what
+    sequence parallelism needs of a norm is that its weights be marked ``sequence_parallel``, so
+    that ``finalize_model_grads`` all-reduces their gradients over TP (transformer-engine's and
+    apex's norms mark them).  ``WrappedTorchNorm`` does not mark them and so refuses the setting;
+    this builds it without the setting and marks them."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        import copy
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)  # a shallow copy: TransformerConfig's checks do not run again
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+def _sequence_parallel_block(local_layer_spec, config, vp_stage: Optional[int]):
+    """The local spec's transformer block with :class:`SequenceParallelTorchNorm` for every norm
+    (the layers' and the final one)."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
+
+    norms = {f.name: SequenceParallelTorchNorm for f in dataclasses.fields(local_layer_spec.submodules)
+             if getattr(local_layer_spec.submodules, f.name) is WrappedTorchNorm}
+    layer = dataclasses.replace(local_layer_spec, submodules=dataclasses.replace(local_layer_spec.submodules, **norms))
+    layers = [layer] * get_num_layers_to_build(config, vp_stage)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm))

@@ -393,6 +393,19 @@ SPOTS: tuple[Spot, ...] = (
         "the constant loss scale is a CUDA tensor",
     ),
     _scope(
+        "megatron.core.optimizer.optimizer",
+        "MixedPrecisionOptimizer.__init__",
+        ("device='cuda'",),
+        "the found-inf flag and the multi-tensor-apply overflow buffer are CUDA tensors "
+        "(16-bit optimizers, the distributed optimizer)",
+    ),
+    _scope(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.__init__",
+        ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",),
+        "tells 16-bit from fp32 parameters by their CUDA type names",
+    ),
+    _scope(
         "megatron.core.optimizer.clip_grads",
         "get_grad_norm_fp32",
         ("device='cuda'",),

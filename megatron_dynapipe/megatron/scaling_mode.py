@@ -66,12 +66,6 @@ def requested(script_args: Sequence[str]) -> bool:
 #: Megatron-LM flags that change what a rank does but that the tracer does not trace yet: refused
 #: in one line rather than silently traced without (flag -> its dest in Megatron's namespace).
 UNTRACED_FLAGS = {
-    "--sequence-parallel": "sequence_parallel",
-    "--use-distributed-optimizer": "use_distributed_optimizer",
-    "--overlap-grad-reduce": "overlap_grad_reduce",
-    "--overlap-param-gather": "overlap_param_gather",
-    "--recompute-granularity": "recompute_granularity",
-    "--recompute-activations": "recompute_activations",
     "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
     "--fp8-format": "fp8",
 }
@@ -79,11 +73,14 @@ UNTRACED_FLAGS = {
 
 def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The Megatron-LM flags scaling mode reads (same names, dests and defaults as Megatron's):
-    the model's (:func:`~megatron_dynapipe.models.add_model_arguments`), the precision, the batch
-    and the layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
+    the model's (:func:`~megatron_dynapipe.models.add_model_arguments`), the training options
+    (:func:`~megatron_dynapipe.training.add_training_arguments`), the precision, the batch and the
+    layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
     from ..models import add_model_arguments
+    from ..training import add_training_arguments
 
     add_model_arguments(parser)
+    add_training_arguments(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--num-experts", type=int, default=None)
@@ -164,6 +161,15 @@ def _dtype(args: argparse.Namespace) -> str:
     return "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
 
 
+def _training(args: argparse.Namespace):
+    from ..training import training_from_args
+
+    try:
+        return training_from_args(args)
+    except ValueError as exc:
+        raise DynapipeArgumentError(f"--is-scaling-mode: {exc}") from None
+
+
 def _model(args: argparse.Namespace):
     from ..models import ModelSpec
 
@@ -195,6 +201,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     _refuse_untraced(args)
     _validate_tracer(args)  # the layout flags; sets args.fake_dp
     model = _model(args)
+    training = _training(args)
     _require(args, ("micro_batch_size",))
     seq = int(args.seq_length)
     config = TraceConfig(world_size=args.fake_world_size, pp=args.fake_pp, tp=args.fake_tp,
@@ -203,6 +210,9 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
                          global_batch_size=getattr(args, "global_batch_size", None), seq_length=seq,
                          source="--is-scaling-mode")
     reasons = validate(config)
+    problem = training.layout_problem(tp=config.tp, layers_per_stage=model.stage_layers(config.pp))
+    if problem:
+        reasons.append(problem)
     if reasons:
         raise DynapipeArgumentError(f"--is-scaling-mode: {'; '.join(reasons)}: change the fake layout or "
                                     "the model/batch flags")
@@ -219,7 +229,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
                             micro_batch_size=config.micro_batch_size, num_microbatches=config.microbatches,
                             seq_length=seq, warmup_iters=int(_get(args, "trace_start", 1)),
                             trace_iters=int(_get(args, "trace_iters", 1)), shapes_only=bool(shapes_only),
-                            cost_model=cost_model, dtype=_dtype(args))
+                            cost_model=cost_model, dtype=_dtype(args), training=training)
     path = trace.write(Path(_get(args, "trace_dir", os.curdir)))
     result = ScalingResult(trace, Path(path), layout, bool(shapes_only), reason, time.perf_counter() - started)
     if verbose:

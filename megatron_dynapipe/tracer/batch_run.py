@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..planning.cost_model import CostModel
 from ..progress import progress_bar, progress_enabled
+from ..training import TrainingOptions
 from .batch_config import TraceConfig, validate
 from .batch_results import (
     FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
@@ -46,6 +47,7 @@ def run_batch(
     shapes_only: bool | None = None,
     cost_model: Any = None,
     dtype: str | None = None,
+    training: TrainingOptions | None = None,
     isolation: str = "process",
     jobs: int | None = None,
     rank_timeout: float | None = None,
@@ -67,6 +69,8 @@ def run_batch(
     config's cost model.
     ``dtype`` ("float32", "bfloat16", "float16") is the training precision (default: the
     tracer's, bfloat16 shapes-only and float32 with real compute on CPU).
+    ``training`` (distributed optimizer, overlap, recompute, sequence parallelism) applies to every
+    config; a config it does not go with (sequence parallelism at TP=1) is skipped as invalid.
     ``shapes_only=None`` decides per config from the estimated bytes and compute time
     (:func:`decide_shapes_only`).
     ``isolation="process"`` runs each rank in a forked child (a crash, an out-of-memory kill or a
@@ -86,7 +90,8 @@ def run_batch(
     output_dir = Path(output_dir)
     stream = sys.stderr if progress_stream is None else progress_stream
     results: list[ConfigResult] = []
-    checked = [(config, validate(config)) for config in configs]
+    training = training or TrainingOptions()
+    checked = [(config, validate(config) + _training_problems(training, config)) for config in configs]
     valid = [config for config, reasons in checked if not reasons]
     if valid and tracer is None:
         tracer = _default_tracer()  # import torch/megatron once, before any fork
@@ -100,7 +105,8 @@ def run_batch(
                 continue
             results.append(_run_config(config, output_dir, tracer, bar, dict(
                 warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
-                cost_model=cost_model, dtype=dtype, isolation=isolation, jobs=jobs, rank_timeout=rank_timeout,
+                cost_model=cost_model, dtype=dtype, training=training, isolation=isolation, jobs=jobs,
+                rank_timeout=rank_timeout,
             )))
             if results[-1].status == INTERRUPTED:
                 break  # Ctrl-C: the configs after it are not started
@@ -162,7 +168,14 @@ def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict
                    shapes_only=result.shapes_only, cost_model=cost_model)
     if opts["dtype"] is not None:  # else the tracer's default for the mode
         options["dtype"] = opts["dtype"]
+    if opts["training"] != TrainingOptions():
+        options["training"] = opts["training"]
     return options
+
+
+def _training_problems(training: TrainingOptions, config: TraceConfig) -> list[str]:
+    problem = training.layout_problem(tp=config.tp, layers_per_stage=config.model.stage_layers(config.pp))
+    return [problem] if problem else []
 
 
 def _run_ranks(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, reps, folder: Path,

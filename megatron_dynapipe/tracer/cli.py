@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from .batch_config import TraceConfig, parse_configs, read_config_file, validate
 from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
 from ..models import MODELS, ModelSpec, add_model_arguments, model_from_args
+from ..training import add_training_arguments, training_from_args
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -61,6 +62,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--global-batch-size", type=int, metavar="G",
                        help="global batch; must be divisible by micro-batch size x DP")
     model.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
+    add_training_arguments(p)
 
     run = p.add_argument_group("tracing")
     run.add_argument("--output-dir", default="traces", metavar="DIR", help="one folder per config under DIR (default traces)")
@@ -158,7 +160,7 @@ def run_trace(args) -> int:
         shape = model
         if args.num_experts:
             shape = shape.with_experts(args.num_experts)
-        print(" ".join(shape.megatron_args(args.seq_length)))
+        print(" ".join(shape.megatron_args(args.seq_length) + training_from_args(args).megatron_args()))
         return 0
     for name in ("warmup_iters", "trace_iters"):
         if getattr(args, name) < 0:
@@ -169,6 +171,7 @@ def run_trace(args) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.jobs not in (None, 1) and args.isolation == "inline":
         raise ValueError("--jobs runs ranks in parallel processes: drop --isolation inline, or use --jobs 1")
+    training = training_from_args(args)
     configs, unparsable = load_configs(args, model)
     for reason in unparsable:
         print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
@@ -182,7 +185,7 @@ def run_trace(args) -> int:
         results = run_batch(
             configs, args.output_dir,
             warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-            cost_model=args.cost_model, dtype=args.dtype,
+            cost_model=args.cost_model, dtype=args.dtype, training=training,
             isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
             progress=not args.no_progress,
         )
@@ -194,6 +197,7 @@ def run_trace(args) -> int:
         code = 1
     if args.json:
         summary = batch_summary(results, model=model.label, output_dir=args.output_dir)
+        summary["training"] = training.to_json()
         summary["unparsable"] = unparsable
         summary["exit_code"] = code
         print(json.dumps(summary))

@@ -55,7 +55,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from ..compat.patching import Patches
 from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
+from ..training import TrainingOptions
 from .fake_groups import member_groups_only, symmetric_object_gathers
 from .meta_cache import MetaKernelCache
 from .recorder import Recorder, storage_key
@@ -141,6 +142,8 @@ class MetaMode(TorchFunctionMode):
                               for original in filter(None, (getattr(c10d, name, None)
                                                             for name in self.OBJECT_COLLECTIVES))},
                              where=lambda module: module in ("torch.distributed", c10d.__name__))
+        self._patches.set(torch.autograd, "_engine_run_backward",
+                          self._engine_in_mode(torch.autograd._engine_run_backward))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -148,6 +151,25 @@ class MetaMode(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self._patches.undo()
+
+    def _engine_in_mode(self, run_backward):
+        """``torch.autograd.backward`` and ``grad`` reach this mode first, and torch takes a mode
+        off its stack while the mode handles a call: the autograd engine would then run backward
+        functions (activation recompute, sequence parallelism's all-gather) without the mode, and
+        their factories would allocate on the CPU.  The engine runs with the mode put back."""
+        from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+        @functools.wraps(run_backward)
+        def run_backward_in_mode(*args, **kwargs):
+            if self in _get_current_function_mode_stack():
+                return run_backward(*args, **kwargs)
+            _push_mode(self)
+            try:
+                return run_backward(*args, **kwargs)
+            finally:
+                _pop_mode()
+
+        return run_backward_in_mode
 
     def _suspending(self, original):
         @functools.wraps(original)  # keeps the signature readable (fake_groups checks it)
@@ -336,7 +358,8 @@ def _torch_optimizers(optimizer) -> list:
     return [inner] if inner is not None else []
 
 
-def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int):
+def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
+             training: TrainingOptions):
     from megatron_dynapipe.planning.cost_model import as_stage_costs
 
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
@@ -345,7 +368,7 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
     seq_local = max(1, seq // layout.cp)
     table = {
         "forward": float(costs.forward_ms(stage, mbs, seq_local, "none")),
-        "backward": float(costs.backward_ms(stage, mbs, seq_local, "none")),
+        "backward": _backward_ms(costs, stage, mbs, seq_local, training, spec.stage_layers(layout.pp)),
     }
     for kind, ms in table.items():
         if not math.isfinite(ms):
@@ -360,6 +383,19 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
         return table.get(kind, 0.0)
 
     return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
+
+
+def _backward_ms(costs, stage: int, mbs: int, seq: int, training: TrainingOptions, stage_layers: int) -> float:
+    """A micro-batch's backward with the recompute asked for: the cost model's selective or full
+    price, and for full recompute of some of a stage's layers (``block``) that share of the
+    difference between full and none."""
+    if training.recompute_granularity == "selective":
+        return float(costs.backward_ms(stage, mbs, seq, "selective"))
+    none = float(costs.backward_ms(stage, mbs, seq, "none"))
+    recomputed = training.recomputed_layers(stage_layers)
+    if not recomputed:
+        return none
+    return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
 
 
 def pretrain_gpt_forward_step(data_iterator, model):
@@ -411,7 +447,7 @@ def trace_initialized_rank(
     dtype: Optional[str] = None,
     optimizer: str = "adam",
     clip_grad: float = 1.0,
-    ddp_overrides: Optional[Mapping[str, Any]] = None,
+    training: Optional[TrainingOptions] = None,
     fill: bool = False,
     seed: int = 1234,
 ) -> RankTrace:
@@ -423,6 +459,8 @@ def trace_initialized_rank(
     ``get_forward_backward_func()`` (its ``finalize_model_grads`` reduces gradients over DP,
     the tied embedding over the embedding group), ``optimizer.step()`` (grad-norm all-reduce with
     ``clip_grad > 0``), and on the last stage the all-reduce of the reported loss over DP x CP.
+    ``training`` (:class:`~megatron_dynapipe.training.TrainingOptions`: distributed optimizer,
+    overlap, recompute, sequence parallelism) is Megatron-LM's defaults when None.
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
     """
     from megatron_dynapipe.compat import cpu_compat
@@ -431,7 +469,7 @@ def trace_initialized_rank(
     run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
                             num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
                             trace_iters=trace_iters, shapes_only=shapes_only, dtype=dtype, optimizer=optimizer,
-                            clip_grad=clip_grad, ddp_overrides=dict(ddp_overrides or {}), seed=seed)
+                            clip_grad=clip_grad, training=training or TrainingOptions(), seed=seed)
     with contextlib.ExitStack() as stack:
         if not run.on_gpu:
             stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
@@ -443,7 +481,8 @@ def trace_initialized_rank(
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
-        cost, cost_name = (_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length)
+        cost, cost_name = (_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
+                                    run.training)
                            if shapes_only else (None, None))
         recorder = stack.enter_context(run.recorder(cost, fill))
         step = run.train_step(job, recorder)
@@ -491,7 +530,7 @@ class _TraceRun:
     dtype_name: str
     optimizer: str
     clip_grad: float
-    ddp_overrides: dict[str, Any]
+    training: TrainingOptions
     seed: int
     use_te: bool
     on_gpu: bool
@@ -513,6 +552,9 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
+        problem = fields["training"].layout_problem(tp=layout.tp, layers_per_stage=spec.stage_layers(layout.pp))
+        if problem:
+            raise ValueError(problem)
         use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
         if layout.cp > 1 and not use_te:
             raise ValueError(
@@ -578,7 +620,8 @@ class _TraceRun:
         model_parallel_cuda_manual_seed(self.seed)
         config = transformer_config(
             self.spec, dtype=self.torch_dtype, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-            expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only)
+            expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only,
+            **self.training.transformer_fields())
         with self.device_scope():
             model = build_gpt(self.spec, config, tp=layout.tp, use_te=self.use_te,
                               pre_process=parallel_state.is_pipeline_first_stage(),
@@ -589,7 +632,7 @@ class _TraceRun:
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(config, model)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.ddp_overrides)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.training.ddp_fields())
         ddp = DistributedDataParallel(config, ddp_config, model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = ddp.no_sync
@@ -598,7 +641,8 @@ class _TraceRun:
             opt = get_megatron_optimizer(
                 OptimizerConfig(optimizer=self.optimizer, lr=1e-4, clip_grad=self.clip_grad,
                                 bf16=self.torch_dtype == torch.bfloat16, fp16=self.torch_dtype == torch.float16,
-                                params_dtype=self.torch_dtype),
+                                params_dtype=self.torch_dtype,
+                                use_distributed_optimizer=ddp_config.use_distributed_optimizer),
                 [ddp], use_gloo_process_groups=False)
         return _Job(model, ddp, opt, config, ddp_config, groups)
 
@@ -661,7 +705,7 @@ class _TraceRun:
                 "micro_batch_size": self.micro_batch_size, "num_microbatches": self.num_microbatches,
                 "seq_length": self.seq_length, "warmup_iters": self.warmup_iters, "trace_iters": self.trace_iters,
                 "schedule": get_forward_backward_func().__name__, "optimizer": self.optimizer,
-                "clip_grad": self.clip_grad,
+                "clip_grad": self.clip_grad, "training": self.training.to_json(),
                 "ddp": {k: v for k, v in dataclasses.asdict(job.ddp_config).items()
                         if isinstance(v, (bool, int, float, str, type(None)))},
             },
@@ -749,7 +793,7 @@ def trace_fake_rank(
     ``layout.world_size``, runs :func:`trace_initialized_rank` with symmetric collective values,
     and destroys the process group again, so the next call can be another rank.  ``model_cfg``
     is anything :meth:`ModelSpec.from_any` takes; ``options`` go to
-    :func:`trace_initialized_rank` (``dtype``, ``optimizer``, ``clip_grad``, ``ddp_overrides``,
+    :func:`trace_initialized_rank` (``dtype``, ``optimizer``, ``clip_grad``, ``training``,
     ``seed``).  ``shapes_only`` runs on the meta device with ``cost_model`` durations (module
     docstring).  Returns the :class:`RankTrace`; ``trace.write(folder)`` stores it.
     """

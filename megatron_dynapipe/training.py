@@ -1,0 +1,173 @@
+"""How a model is trained, beyond the model and the layout: the Megatron-LM flags that change
+which ops a rank issues without changing the model.
+
+* ``--use-distributed-optimizer``: gradients are reduce-scattered over DP (not all-reduced),
+  Adam's state is sharded over DP, the updated 16-bit parameters are all-gathered after the
+  step, and the grad norm is all-reduced over every rank of the optimizer instance.
+* ``--overlap-grad-reduce`` / ``--overlap-param-gather`` / ``--ddp-bucket-size``: the DP
+  reduction starts per bucket during the backward pass, the parameter all-gather per bucket
+  in the next forward pass (it needs the distributed optimizer), in buckets of that many
+  parameters (megatron-core's default when not given: 40 M, and one bucket without overlap).
+* ``--recompute-granularity {selective,full}`` with ``--recompute-method {uniform,block}`` and
+  ``--recompute-num-layers N`` (``--recompute-activations`` is selective): what megatron-core
+  recomputes in the backward pass.  Full recompute runs the checkpointed layers' forward again,
+  their TP collectives included.
+* ``--sequence-parallel``: activations outside the TP regions are split along the sequence, so
+  each TP all-reduce becomes an all-gather before and a reduce-scatter after, and pipeline
+  activations shrink by TP.
+
+:class:`TrainingOptions` carries them from the command line (:func:`add_training_arguments`,
+:func:`training_from_args`) to megatron-core's ``TransformerConfig`` (:meth:`transformer_fields`)
+and ``DistributedDataParallelConfig`` (:meth:`ddp_fields`).  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["TrainingOptions", "add_training_arguments", "training_from_args", "RECOMPUTE_GRANULARITIES",
+           "RECOMPUTE_METHODS"]
+
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Megatron-LM's training flags the tracer honours (module docstring); the defaults are
+    Megatron-LM's."""
+
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: Optional[int] = None
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> Optional[str]:
+        """Why megatron-core would refuse these options, naming the flag to change; None if it would not."""
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            return (f"--recompute-granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
+                    f"got {self.recompute_granularity!r}")
+        if self.recompute_method not in (None, *RECOMPUTE_METHODS):
+            return f"--recompute-method must be one of {', '.join(RECOMPUTE_METHODS)}, got {self.recompute_method!r}"
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None or self.recompute_num_layers is None:
+                return "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers N"
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            return "--recompute-method and --recompute-num-layers go with --recompute-granularity full"
+        if self.recompute_num_layers is not None and (not _positive_int(self.recompute_num_layers)):
+            return f"--recompute-num-layers must be a positive integer, got {self.recompute_num_layers!r}"
+        if self.bucket_size is not None and not _positive_int(self.bucket_size):
+            return f"--ddp-bucket-size must be a positive integer, got {self.bucket_size!r}"
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            return "--overlap-param-gather needs --use-distributed-optimizer"
+        return None
+
+    def layout_problem(self, *, tp: int, layers_per_stage: int) -> Optional[str]:
+        """Why these options do not go with a layout (one sentence naming the fix), or None."""
+        if self.sequence_parallel and tp == 1:
+            return "--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"
+        if self.recompute_num_layers is not None and self.recompute_method == "block" \
+                and self.recompute_num_layers > layers_per_stage:
+            return (f"--recompute-num-layers {self.recompute_num_layers} is more than the {layers_per_stage} "
+                    "layers of a pipeline stage (--recompute-method block)")
+        return None
+
+    def recomputed_layers(self, stage_layers: int) -> int:
+        """How many of a stage's ``stage_layers`` layers run their forward again in the backward
+        pass: all of them with ``uniform`` (in chunks of N), the first N with ``block``."""
+        if self.recompute_granularity != "full":
+            return 0
+        return stage_layers if self.recompute_method == "uniform" else min(self.recompute_num_layers, stage_layers)
+
+    def transformer_fields(self) -> dict[str, Any]:
+        """``TransformerConfig`` fields."""
+        fields: dict[str, Any] = {"sequence_parallel": self.sequence_parallel}
+        if self.recompute_granularity:
+            fields.update(recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
+                          recompute_num_layers=self.recompute_num_layers)
+        return fields
+
+    def ddp_fields(self) -> dict[str, Any]:
+        """``DistributedDataParallelConfig`` fields (the optimizer's ``use_distributed_optimizer``
+        follows the DDP config's)."""
+        fields: dict[str, Any] = dict(use_distributed_optimizer=self.distributed_optimizer,
+                                      overlap_grad_reduce=self.overlap_grad_reduce,
+                                      overlap_param_gather=self.overlap_param_gather)
+        if self.bucket_size is not None:
+            fields["bucket_size"] = self.bucket_size
+        return fields
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def megatron_args(self) -> list[str]:
+        """The Megatron-LM flags that ask for these options."""
+        out = []
+        for flag, on in (("--use-distributed-optimizer", self.distributed_optimizer),
+                         ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                         ("--overlap-param-gather", self.overlap_param_gather),
+                         ("--sequence-parallel", self.sequence_parallel)):
+            if on:
+                out.append(flag)
+        for flag, value in (("--ddp-bucket-size", self.bucket_size),
+                            ("--recompute-granularity", self.recompute_granularity),
+                            ("--recompute-method", self.recompute_method),
+                            ("--recompute-num-layers", self.recompute_num_layers)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags for :class:`TrainingOptions` (same names, dests and defaults)."""
+    g = parser.add_argument_group("training (Megatron-LM's flags; default: as Megatron-LM)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over DP: gradient reduce-scatter, parameter all-gather")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients per bucket during the backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather parameters per bucket during the forward pass (needs --use-distributed-optimizer)")
+    g.add_argument("--ddp-bucket-size", type=int, metavar="N", help="parameters per DP bucket")
+    g.add_argument("--recompute-activations", action="store_true", help="selective recompute")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES)
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
+    g.add_argument("--recompute-num-layers", type=int, metavar="N")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split activations outside TP regions along the sequence (TP > 1)")
+
+
+def training_from_args(args: argparse.Namespace) -> TrainingOptions:
+    """The :class:`TrainingOptions` of :func:`add_training_arguments`' flags (ValueError, one line,
+    when megatron-core would refuse them)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "recompute_activations", False):  # Megatron-LM: shorthand for selective
+        if granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations is selective recompute: drop it or "
+                             "--recompute-granularity full")
+        granularity = "selective"
+    return TrainingOptions(
+        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+        recompute_granularity=granularity,
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None),
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+    )
