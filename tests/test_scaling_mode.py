@@ -171,11 +171,38 @@ def test_model_and_precision_flags_reach_the_trace(tmp_path, precision, dtype, e
     assert tp_forward_all_reduce_bytes(result.path) == {256 * 1 * 128 * element_bytes}  # [seq, mbs, hidden]
 
 
-@pytest.mark.parametrize("flag", ["--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                                  "--recompute-granularity=full", "--num-layers-per-virtual-pipeline-stage=1"])
+@pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage=1", "--fp8-format=hybrid"])
 def test_a_flag_the_tracer_cannot_represent_is_refused_not_ignored(tmp_path, flag):
     argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, flag]
     with pytest.raises(DynapipeArgumentError) as info:
         scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
     assert f"does not trace {flag.split('=')[0]} yet" in str(info.value) and "\n" not in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_training_flags_reach_the_trace(tmp_path):
+    """--use-distributed-optimizer, --sequence-parallel and full recompute, as Megatron-LM spells them."""
+    argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, "--bf16",
+            "--use-distributed-optimizer", "--sequence-parallel", "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    result = scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
+    h = header(result.path)
+    assert h["iteration"]["training"] == dict(
+        distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None,
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True)
+    ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
+    kinds = {(op["kind"], op.get("group_name")) for op in ops if op["cat"] == "comm"}
+    assert ("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP") in kinds and ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP") in kinds
+    p2p = {p["bytes"] for op in ops if op.get("parts") for p in op["parts"]}
+    assert p2p == {256 * 1 * 128 * 2 // 2}  # [seq / TP, mbs, hidden] bf16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--recompute-granularity", "full"], "needs --recompute-method"),
+])
+def test_training_flags_megatron_refuses_are_refused_before_tracing(tmp_path, flags, message):
+    argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, *flags]
+    with pytest.raises(DynapipeArgumentError, match=message):
+        scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
     assert not list(tmp_path.iterdir())

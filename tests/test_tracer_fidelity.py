@@ -4,7 +4,10 @@ A real 8-process gloo job (tiny GPT, TP=2 x PP=2 x DP=2, megatron-core 1F1B, DDP
 the recorder on every rank; then every one of its 8 ranks is traced as a *fake* rank, all in this
 one process.  Each fake trace must match its real counterpart op for op: kind, order, micro-batch,
 phase, process group (global ranks), peer, bytes and dtype (times excluded), and the memory
-figures.  The shapes-only mode (meta tensors, cost-model durations) must match too.
+figures.  The shapes-only mode (meta tensors, cost-model durations) must match too.  The same
+for a Llama-style GPT, alone and trained with every training option at once (distributed
+optimizer, overlapped bucketed reduction and parameter gather, sequence parallelism, full
+recompute).
 
 The same for mixture-of-experts (TP=1 x PP=2 x EP=2 x DP=4, all-to-all token dispatcher):
 
@@ -32,6 +35,7 @@ import pytest
 from distributed import run_distributed
 from megatron_dynapipe.tracer.topology import ParallelLayout
 from megatron_dynapipe.tracer.trace_format import RankTrace
+from megatron_dynapipe.training import TrainingOptions
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +54,16 @@ CASES = {
     "moe-padded": (dict(world_size=WORLD, tp=1, pp=2, ep=2),
                    dict(TINY_MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
     "moe-dropless": (dict(world_size=WORLD, tp=1, pp=2, ep=2), TINY_MOE),
+    "trained": (dict(world_size=WORLD, tp=2, pp=2), TINY_LLAMA),
 }
+#: every training option at once: distributed optimizer with overlapped, bucketed reduction and
+#: parameter gather, sequence parallelism, full recompute
+TRAINING = {
+    "trained": TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                               bucket_size=4000, sequence_parallel=True, recompute_granularity="full",
+                               recompute_method="uniform", recompute_num_layers=1),
+}
+SHAPES_ONLY_CASES = ("dense", "moe-padded", "llama", "trained")
 TIMEOUT = 400  # 8 ranks import megatron-core (~10 s each) on 2 shared cores, then 3 jobs
 
 
@@ -60,7 +73,7 @@ def _real_job(rank, world_size):
 
     out = {}
     for name, (layout, model) in CASES.items():
-        trace = trace_initialized_rank(ParallelLayout(**layout), model, **RUN)
+        trace = trace_initialized_rank(ParallelLayout(**layout), model, training=TRAINING.get(name), **RUN)
         out[name] = trace.dumps()
     return out
 
@@ -98,10 +111,13 @@ def fake():
 def _trace_all_cases(trace_ranks, out, seconds):
     for name, (layout, model) in CASES.items():
         start = time.perf_counter()
-        out[name] = {t.rank: t for t in trace_ranks(ParallelLayout(**layout), range(WORLD), model, **RUN)}
+        training = TRAINING.get(name)
+        out[name] = {t.rank: t for t in trace_ranks(ParallelLayout(**layout), range(WORLD), model, training=training,
+                                                    **RUN)}
         seconds[name] = (time.perf_counter() - start) / WORLD
-        if name in ("dense", "moe-padded", "llama"):
-            shapes = trace_ranks(ParallelLayout(**layout), range(WORLD), model, shapes_only=True, **RUN)
+        if name in SHAPES_ONLY_CASES:
+            shapes = trace_ranks(ParallelLayout(**layout), range(WORLD), model, shapes_only=True, training=training,
+                                 **RUN)
             out[name + "/shapes"] = {t.rank: t for t in shapes}
 
 
@@ -207,6 +223,23 @@ def test_llama_gradient_and_pipeline_bytes_match_the_shapes(real):
         assert not [op for op in trace.comm_ops if op.group_name == "EMBEDDING_GROUP"]  # untied: nothing to sync
         parts = [p for op in trace.comm_ops if op.parts for p in op.parts]
         assert {p["bytes"] for p in parts} == {16 * 2 * 64 * 4}  # [seq, mbs, hidden] fp32
+
+
+def test_training_options_trace_as_the_real_job_runs_them(real, fake):
+    """Distributed optimizer, overlap, sequence parallelism and full recompute together: fake
+    and shapes-only ranks issue the real job's ops, and its memory figures."""
+    for rank in range(WORLD):
+        r = real["trained"][rank]
+        for f in (fake["trained"][rank], fake["trained/shapes"][rank]):
+            _assert_same_ops(f, r)
+            for key in ("model_state_bytes", "activation_peak_bytes", "peak_bytes"):
+                assert f.memory[key] == r.memory[key], key
+        kinds = {(op.kind, op.group_name, op.phase) for op in r.comm_ops}
+        assert {("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP", "backward"),
+                ("all_gather", "DATA_PARALLEL_GROUP_WITH_CP", "forward"),
+                ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP", "forward"),
+                ("reduce_scatter", "TENSOR_MODEL_PARALLEL_GROUP", "backward")} <= kinds
+        assert r.iteration["training"] == dataclasses.asdict(TRAINING["trained"])
 
 
 # --------------------------------------------------------------------------------------------

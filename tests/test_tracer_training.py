@@ -181,3 +181,34 @@ def test_options_come_from_megatron_flags_and_print_back():
     assert training_from_args(parser.parse_args(options.megatron_args())) == options
     assert training_from_args(parser.parse_args(["--recompute-activations"])).recompute_granularity == "selective"
     assert options.layout_problem(tp=2, layers_per_stage=1).startswith("--recompute-num-layers 2 is more than")
+
+
+def test_trace_command_takes_the_training_flags(tmp_path, capsys):
+    import json
+
+    from megatron_dynapipe.tracer import cli as trace_cli
+    from megatron_dynapipe.tracer.trace_format import read_traces
+
+    code = trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "16 2 1", "--sequence-parallel",
+                           "--use-distributed-optimizer", "--shapes-only", "--output-dir", str(tmp_path), "--json",
+                           "--isolation", "inline", "--no-progress"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["training"]["sequence_parallel"] and summary["training"]["distributed_optimizer"]
+    ok, invalid = summary["configs"]
+    assert ok["status"] == "ok" and invalid["status"] == "invalid"
+    assert invalid["reasons"] == ["--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"]
+    traces = list(read_traces(ok["folder"]).values())
+    assert len(traces) == 2 and all(t.iteration["training"]["sequence_parallel"] for t in traces)
+    assert all(any(op.kind == "reduce_scatter" and op.group_name == "DATA_PARALLEL_GROUP_WITH_CP" for op in t.comm_ops)
+               for t in traces)
+
+
+def test_trace_command_refuses_training_flags_megatron_refuses(tmp_path, capsys):
+    from megatron_dynapipe.tracer import cli as trace_cli
+
+    assert trace_cli.main(["--model", "tiny", "--overlap-param-gather", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "megatron-dynapipe trace: error: --overlap-param-gather needs --use-distributed-optimizer"
+    assert not list(tmp_path.iterdir())
+    assert trace_cli.main(["--model", "tiny", "--print-model-args", "--sequence-parallel"]) == 0
+    assert capsys.readouterr().out.split()[-1] == "--sequence-parallel"
