@@ -50,11 +50,11 @@ class TrainingOptions:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        problem = self.problem()
+        problem = self._problem()
         if problem:
             raise ValueError(problem)
 
-    def problem(self) -> Optional[str]:
+    def _problem(self) -> Optional[str]:
         """Why megatron-core would refuse these options, naming the flag to change; None if it would not."""
         if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
             return (f"--recompute-granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "

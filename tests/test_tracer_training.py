@@ -212,3 +212,10 @@ def test_trace_command_refuses_training_flags_megatron_refuses(tmp_path, capsys)
     assert not list(tmp_path.iterdir())
     assert trace_cli.main(["--model", "tiny", "--print-model-args", "--sequence-parallel"]) == 0
     assert capsys.readouterr().out.split()[-1] == "--sequence-parallel"
+
+
+def test_shapes_only_tracing_puts_the_autograd_engine_back(plain):
+    import torch
+    import torch.autograd.graph
+
+    assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward

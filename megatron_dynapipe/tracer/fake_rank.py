@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
-from ..compat.patching import Patches
+from ..compat.patching import Patches, UpstreamChanged
 from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
 from ..training import TrainingOptions
@@ -142,8 +142,11 @@ class MetaMode(TorchFunctionMode):
                               for original in filter(None, (getattr(c10d, name, None)
                                                             for name in self.OBJECT_COLLECTIVES))},
                              where=lambda module: module in ("torch.distributed", c10d.__name__))
-        self._patches.set(torch.autograd, "_engine_run_backward",
-                          self._engine_in_mode(torch.autograd._engine_run_backward))
+        engine = getattr(torch.autograd, "_engine_run_backward", None)
+        if engine is None:
+            raise UpstreamChanged("torch.autograd no longer calls _engine_run_backward; review "
+                                  "megatron_dynapipe/tracer/fake_rank.py MetaMode._engine_in_mode")
+        self._patches.set(torch.autograd, "_engine_run_backward", self._engine_in_mode(engine))
         return super().__enter__()
 
     def __exit__(self, *exc):
