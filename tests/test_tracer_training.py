@@ -219,3 +219,13 @@ def test_shapes_only_tracing_puts_the_autograd_engine_back(plain):
     import torch.autograd.graph
 
     assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward
+
+
+def test_print_ranks_skips_the_configs_the_training_flags_do_not_fit(capsys):
+    from megatron_dynapipe.tracer import cli as trace_cli
+
+    trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "16 2 1", "--sequence-parallel",
+                    "--print-ranks"])
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 2  # the header and the two stages of "16 2 2"
+    assert "(16 2 1) is invalid: --sequence-parallel needs tensor parallelism" in err

@@ -209,10 +209,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
                          micro_batch_size=args.micro_batch_size,
                          global_batch_size=getattr(args, "global_batch_size", None), seq_length=seq,
                          source="--is-scaling-mode")
-    reasons = validate(config)
-    problem = training.layout_problem(tp=config.tp, layers_per_stage=model.stage_layers(config.pp))
-    if problem:
-        reasons.append(problem)
+    reasons = validate(config, training)
     if reasons:
         raise DynapipeArgumentError(f"--is-scaling-mode: {'; '.join(reasons)}: change the fake layout or "
                                     "the model/batch flags")

@@ -23,9 +23,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from ..models import ModelSpec, get_model
+from ..training import TrainingOptions
 from .topology import (
     ParallelLayout,
     Representatives,
@@ -300,12 +301,13 @@ def read_config_file(path: str | os.PathLike, *, start_index: int = 0, unparsabl
 # validation
 
 
-def validate(config: TraceConfig) -> list[str]:
+def validate(config: TraceConfig, training: Optional[TrainingOptions] = None) -> list[str]:
     """Why ``config`` cannot be traced: one sentence per broken rule, empty when it is valid.
 
     Rules: positive sizes; the layout's (:func:`~.topology.layout_problems`); global batch
     divisible by micro-batch × DP (and consistent with the number of micro-batches when both are
-    given); the model's split (:func:`~.topology.model_problems`).
+    given); the model's split (:func:`~.topology.model_problems`); and, given ``training``, that
+    the options go with the layout (:meth:`~megatron_dynapipe.training.TrainingOptions.layout_problem`).
     """
     c = config
     batch = {"micro-batch size": c.micro_batch_size, "number of micro-batches": c.num_microbatches,
@@ -316,7 +318,11 @@ def validate(config: TraceConfig) -> list[str]:
     if reasons or not all(is_positive_int(v) for v in (c.world_size, c.tp, c.pp, c.cp, c.ep)):
         return layout + reasons  # sizes that are not counts: the rules below cannot be read
     reasons = layout or _global_batch_problems(c)
-    return reasons + model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
+    reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
+    if training is not None:
+        problem = training.layout_problem(tp=c.tp, layers_per_stage=c.model.stage_layers(c.pp))
+        reasons += [problem] if problem else []
+    return reasons
 
 
 def _global_batch_problems(c: TraceConfig) -> list[str]:

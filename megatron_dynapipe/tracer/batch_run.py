@@ -91,7 +91,7 @@ def run_batch(
     stream = sys.stderr if progress_stream is None else progress_stream
     results: list[ConfigResult] = []
     training = training or TrainingOptions()
-    checked = [(config, validate(config) + _training_problems(training, config)) for config in configs]
+    checked = [(config, validate(config, training)) for config in configs]
     valid = [config for config, reasons in checked if not reasons]
     if valid and tracer is None:
         tracer = _default_tracer()  # import torch/megatron once, before any fork
@@ -168,14 +168,9 @@ def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict
                    shapes_only=result.shapes_only, cost_model=cost_model)
     if opts["dtype"] is not None:  # else the tracer's default for the mode
         options["dtype"] = opts["dtype"]
-    if opts["training"] != TrainingOptions():
+    if opts["training"] != TrainingOptions():  # else the tracer's default, Megatron-LM's
         options["training"] = opts["training"]
     return options
-
-
-def _training_problems(training: TrainingOptions, config: TraceConfig) -> list[str]:
-    problem = training.layout_problem(tp=config.tp, layers_per_stage=config.model.stage_layers(config.pp))
-    return [problem] if problem else []
 
 
 def _run_ranks(tracer: Tracer, config: TraceConfig, layout: ParallelLayout, reps, folder: Path,

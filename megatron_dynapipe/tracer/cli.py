@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from .batch_config import TraceConfig, parse_configs, read_config_file, validate
 from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
 from ..models import MODELS, ModelSpec, add_model_arguments, model_from_args
-from ..training import add_training_arguments, training_from_args
+from ..training import TrainingOptions, add_training_arguments, training_from_args
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -176,7 +176,7 @@ def run_trace(args) -> int:
     for reason in unparsable:
         print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
     if args.print_ranks:
-        return max(_print_ranks(configs, args), 1 if unparsable else 0)
+        return max(_print_ranks(configs, training, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
 
     from .batch_run import run_batch
@@ -218,11 +218,11 @@ _RANK_COLUMNS = ("config", "world_size", "pp", "tp", "cp", "ep", "dp", "micro_ba
                  "experts", "folder")
 
 
-def _print_ranks(configs: Sequence[TraceConfig], args) -> int:
+def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args) -> int:
     """One line per representative rank (columns: :data:`_RANK_COLUMNS`), ``#`` header first."""
     results, rows = [], []
     for config in configs:
-        reasons = validate(config)
+        reasons = validate(config, training)
         if reasons:
             print(f"config {config.index} ({config.line}) is invalid: {'; '.join(reasons)}", file=sys.stderr)
             results.append(ConfigResult(config, INVALID, reasons=reasons))
