@@ -82,9 +82,16 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
     (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),
+    (["--hidden-dropout", "0.1"], "bench step runs without dropout"),
+    (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0)"),
 ])
-def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, args, message):
-    args = [str(tiny_profile[0]) if a == "PROFILE" else str(lengths_file) if a == "LENGTHS" else a for a in args]
+def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, tmp_path, args, message):
+    with_dropout = tmp_path / "dropout.json"  # the fixture's profile, as if made with Megatron's default dropout
+    doc = json.loads(tiny_profile[0].read_text())
+    doc["metadata"]["model"].update(hidden_dropout=0.1, attention_dropout=0.1)
+    with_dropout.write_text(json.dumps(doc))
+    given = {"PROFILE": tiny_profile[0], "LENGTHS": lengths_file, "DROPOUT_PROFILE": with_dropout}
+    args = [str(given.get(a, a)) for a in args]
     run = bench("--model", "tiny", *args, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -377,7 +377,7 @@ class _Fixed(CostModel):
     hidden_size = 1000
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
-        return {"encoder": 10.0, "postprocess": 3.0}[layer] * (2 if phase == "backward" else 1) * mbs
+        return {"encoder": 10.0, "postprocess": 3.0, "preprocess": 0.5}[layer] * (2 if phase == "backward" else 1) * mbs
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         return {"stored": 5.0, "peak": 7.0}[kind] * mbs
@@ -406,9 +406,13 @@ def test_layout_errors():
 
 def test_stage_time_and_memory():
     sc = StageCosts(_Fixed(), 10, 4)  # layers 3, 3, 2, 2
-    assert sc.forward_ms(0, 2, 64, R.NONE) == 3 * 10 * 2
+    assert sc.forward_ms(0, 2, 64, R.NONE) == 3 * 10 * 2 + 0.5 * 2  # + embedding
+    assert sc.forward_ms(1, 2, 64, R.NONE) == 3 * 10 * 2
     assert sc.forward_ms(3, 2, 64, R.NONE) == 2 * 10 * 2 + 3 * 2  # + LM head
     assert sc.backward_ms(3, 1, 64, R.FULL) == 2 * 20 + 6
+    assert sc.backward_ms(0, 1, 64, R.FULL) == 3 * 20 + 1
+    one = StageCosts(_Fixed(), 10, 1)  # the only stage holds the embedding and the head
+    assert one.forward_ms(0, 1, 64, R.NONE) == 10 * 10 + 3 + 0.5
     assert sc.stored_mb(1, 4, 64, R.NONE) == 3 * 5 * 4
     assert sc.peak_mb(1, 4, 64, R.NONE) == 7 * 4  # one layer at a time
 
@@ -622,10 +626,11 @@ def test_shape_costs_at_once_agree_with_each_quantity_asked_alone(models, rc):
     mbs = rng.integers(1, 3000, 400).astype(float)
     seqlen = rng.integers(1, 9000, 400).astype(float)
     together = models[2].shape_costs((rc,), mbs, seqlen)[0]
-    asked = [("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward")]
+    asked = [("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"),
+             ("preprocess", "forward"), ("preprocess", "backward")]
     for k, values in enumerate(together):
         for m, s, value in zip(mbs, seqlen, values):
-            alone = (models[2].layer_ms(*asked[k], rc, m, s) if k < 4
-                     else models[2].activation_mb(("stored", "peak")[k - 4], rc, m, s))
+            alone = (models[2].layer_ms(*asked[k], rc, m, s) if k < 6
+                     else models[2].activation_mb(("stored", "peak")[k - 6], rc, m, s))
             assert value == pytest.approx(alone, rel=1e-12) or (math.isinf(value) and math.isinf(alone))
     assert any(np.isinf(together[0])) and any(np.isfinite(together[0]))  # both regimes were exercised

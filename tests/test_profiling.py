@@ -10,13 +10,16 @@ a·s²·b elements per TP rank, plus the s² bytes of the causal mask).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from megatron_dynapipe.planning.cost_model import load_cost_model
+from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+from megatron_dynapipe.profiling.measure import time_step
 
 MB = 2**20
 FLOAT = 4  # fp32 bytes
@@ -63,6 +66,48 @@ def test_the_profile_loads_and_plans(tiny_profile, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert "predicted iteration" in plan.stdout
+
+
+def test_the_embedding_is_timed_and_priced_on_the_first_stage(tiny_profile):
+    out, doc = tiny_profile
+    times = {(r["tp"], r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]): r["ms"] for r in doc["layer_time"]}
+    encoder_points = {k[:2] + k[3:] for k in times if k[2] == "encoder"}
+    assert encoder_points == {k[:2] + k[3:] for k in times if k[2] == "preprocess"}  # every point, both phases
+    model = load_cost_model(out, tp=1)
+    stages = StageCosts(model, num_layers=4, pp=2)
+    for rc in ("none", "full"):
+        enc = times[(1, rc, "encoder", "backward", 128, 2)]
+        embedding = times[(1, rc, "preprocess", "backward", 128, 2)]
+        head = times[(1, rc, "postprocess", "backward", 128, 2)]
+        assert 0 < embedding < enc
+        assert stages.backward_ms(0, 2, 128, rc) == pytest.approx(2 * enc + embedding, rel=1e-12)
+        assert stages.backward_ms(1, 2, 128, rc) == pytest.approx(2 * enc + head, rel=1e-12)
+
+
+def test_a_profile_without_embedding_times_prices_the_embedding_at_nothing():
+    a100 = load_cost_model("gpt-6.7b-a100", tp=1)  # profiled before the embedding was timed
+    assert a100.layer_ms("preprocess", "forward", "none", 2, 1024) == 0.0
+    assert a100.layer_ms("preprocess", "forward", "none", 10_000, 1024) == math.inf  # where the layer is
+
+
+def test_short_points_are_timed_until_they_add_up_to_the_minimum_time():
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.004)
+        return torch.ones(1, requires_grad=True) * 2
+
+    timing = time_step(step, torch.device("cpu"), warmup=1, repeats=3, min_time_ms=100)
+    calls.pop()  # the warm-up run
+    assert 4 <= len(calls) <= 25  # at least 4 ms each: the 25th run passes 100 ms at the latest
+    assert timing.forward_ms >= 4
+    calls.clear()
+    time_step(step, torch.device("cpu"), warmup=0, repeats=3, min_time_ms=1000, max_repeats=6)
+    assert len(calls) == 6
+    calls.clear()
+    time_step(step, torch.device("cpu"), warmup=0, repeats=3)
+    assert len(calls) == 3
 
 
 def test_model_state_is_the_shard_of_megatron_cores_layer(tiny_profile):
@@ -185,8 +230,12 @@ def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
 
     out, _ = tiny_profile
     meta = load_cost_model(out, tp=1).metadata
-    tiny = get_model("tiny").to_json()
+    with_dropout = get_model("tiny").to_json()
+    tiny = dict(with_dropout, hidden_dropout=0.0, attention_dropout=0.0)  # as the fixture profiled it
     assert profile_mismatch(meta, model=tiny, dtype="fp32") is None
+    # drawing dropout masks is a fifth of a CPU layer's time: a profile without prices a job with it wrong
+    assert profile_mismatch(meta, model=with_dropout, dtype="fp32") == (
+        "hidden_dropout 0.0 (job: 0.1); attention_dropout 0.0 (job: 0.1)")
     assert profile_mismatch(meta, model=dict(tiny, num_layers=40), dtype="fp32") is None  # a profile is per layer
     assert profile_mismatch(meta, model=dict(tiny, hidden_size=256), dtype="fp32") == "hidden_size 128 (job: 256)"
     assert profile_mismatch(meta, model=dict(tiny, swiglu=True), dtype="bf16") == (

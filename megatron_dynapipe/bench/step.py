@@ -14,7 +14,8 @@ micro-batch size and uniform recompute the cost model finds fastest within the m
 ``megatron-dynapipe plan`` prices packing), so the methods differ only in how the samples are cut
 and padded; ``bench executor`` compares that executor with megatron-core's own schedule. A step
 is one forward-backward of the whole global batch (no optimizer step: the weights stay the same,
-so every method computes the same per-token losses but packing's, where samples see each other).
+so every method computes the same per-token losses but packing's, where samples see each other;
+the model runs without dropout for the same reason, and its profile must have been made so).
 Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
 slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
 the cost model's prediction for each method and its error, and peak memory (on CUDA the
@@ -23,6 +24,7 @@ allocator's peak; on the CPU the bytes of the tensors a step creates).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -101,7 +103,10 @@ def _checked(args) -> dict:
     from ..profiling.cli import resolve_device
     from ..tracer.topology import layers_problem
 
-    spec = model_from_args(args)
+    if args.hidden_dropout or args.attention_dropout:
+        raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
+                         "drop --hidden-dropout / --attention-dropout")
+    spec = dataclasses.replace(model_from_args(args), hidden_dropout=0.0, attention_dropout=0.0)
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
     if args.samples < 1:
@@ -229,9 +234,11 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
 
     from ..compat import cpu_compat
     from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+    from ..profiling.measure import steady_cpu_allocator
 
     on_cpu = job["device"] == "cpu"
     if on_cpu:
+        steady_cpu_allocator()  # as the profile was made: timings that do not hang on the steps before
         cpu_compat.enable_cpu_mode()
     init_model_parallel(1, world_size)
     try:
@@ -264,9 +271,7 @@ def _ddp_model(job: dict, device):
 
     spec: ModelSpec = job["model"]
     dtype, use_te = DTYPES[job["dtype"]], uses_transformer_engine(device.type)
-    # no dropout: every method must compute the same per-token losses for the loss check
     config = transformer_config(spec, dtype=dtype, pp=job["pp"], on_gpu=device.type == "cuda", use_te=use_te,
-                                hidden_dropout=0.0, attention_dropout=0.0,
                                 calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
     model = build_gpt(spec, config, tp=1, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
                       post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)

@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 MB = 2**20  # bytes in the "MB" every cost model speaks (the unit of the profile files)
-LAYERS = ("encoder", "postprocess")
+LAYERS = ("encoder", "postprocess", "preprocess")
+OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
 PHASES = ("forward", "backward")
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
@@ -48,7 +49,8 @@ ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a fe
 PROFILES_DIR = Path(__file__).with_name("profiles")  # profiles shipped with the package, by name
 
 # The (layer, phase) times CostModel.shape_costs returns, in order, before the activation KINDS.
-_TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"))
+_TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"),
+          ("preprocess", "forward"), ("preprocess", "backward"))
 
 _INF = math.inf
 _SCALARS = (int, float, np.integer, np.floating)
@@ -90,8 +92,9 @@ class CostModel(abc.ABC):
 
     @abc.abstractmethod
     def layer_ms(self, layer: str, phase: str, recompute: RecomputeType, mbs, seqlen):
-        """Milliseconds of one ``layer`` ("encoder" | "postprocess") in ``phase``
-        ("forward" | "backward") for one micro-batch; backward includes recomputation."""
+        """Milliseconds of one ``layer`` ("encoder", "postprocess": final norm, LM head and loss, or
+        "preprocess": the embedding) in ``phase`` ("forward" | "backward") for one micro-batch;
+        backward includes recomputation."""
 
     @abc.abstractmethod
     def activation_mb(self, kind: str, recompute: RecomputeType, mbs, seqlen):
@@ -104,8 +107,8 @@ class CostModel(abc.ABC):
 
     def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
         """Everything a pipeline stage needs of one micro-batch shape under each recompute type
-        in ``types``, in one call: a [len(types), 6, *shape] array of encoder and LM-head
-        forward and backward ms, then stored and peak activation MB.
+        in ``types``, in one call: a [len(types), 8, *shape] array of encoder, LM-head and
+        embedding forward and backward ms, then stored and peak activation MB.
         A model may share work between them; this one asks each in turn."""
         shape = np.broadcast_shapes(np.shape(mbs), np.shape(seqlen))
         rows = [[self.layer_ms(layer, phase, rc, mbs, seqlen) for layer, phase in _TIMED]
@@ -305,7 +308,7 @@ class ProfiledCostModel(CostModel):
 
     def shape_costs(self, types, mbs, seqlen):
         types = tuple(types)
-        if types not in self._stacks:  # grids in the returned order: per type, 4 times then 2 memories
+        if types not in self._stacks:  # grids in the returned order: per type, 6 times then 2 memories
             self._stacks[types] = _GridStack.of([grid for rc in types for grid in (
                 *(self._times.get((layer, phase, rc)) for layer, phase in _TIMED),
                 *(self._memory.get((kind, rc)) for kind in KINDS))])
@@ -489,8 +492,11 @@ class _ProfileReader:
         for rc in sorted({rc for _, _, rc in times}):
             for layer in LAYERS:
                 for phase in PHASES:
-                    if (layer, phase, rc) not in times:
+                    if (layer, phase, rc) in times:
+                        continue
+                    if layer not in OPTIONAL_LAYERS:
                         self.fail(f"has no {layer} {phase} times for tp={tp} recompute={rc.label}")
+                    times[layer, phase, rc] = dict.fromkeys(times["encoder", phase, rc], 0.0)
             for kind in KINDS:
                 if (kind, rc) not in memory:
                     self.fail(f"has no {kind} activation memory for tp={tp} recompute={rc.label}")
@@ -598,6 +604,8 @@ class AnalyticalCostModel(CostModel):
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         _check_choice("layer", layer, LAYERS)
+        if layer == "preprocess":  # a lookup: no FLOPs to price
+            return self._mask(0.0 * _as_float(mbs) * _as_float(seqlen), mbs, seqlen)
         if layer == "encoder":
             flops = self.encoder_flops(phase, recompute, mbs, seqlen)
         else:
@@ -696,6 +704,8 @@ class StageCosts:
 
     def _time(self, phase: str, stage: int, mbs, seqlen, recompute):
         ms = self.layers_on(stage) * self.model.layer_ms("encoder", phase, recompute, mbs, seqlen)
+        if stage == 0:
+            ms = ms + self.model.layer_ms("preprocess", phase, recompute, mbs, seqlen)
         if stage == self.pp - 1:
             ms = ms + self.model.layer_ms("postprocess", phase, recompute, mbs, seqlen)
         return ms
@@ -741,11 +751,12 @@ class StageCosts:
         column = (1, self.pp) + (1,) * len(shape)
         layers = np.array([self.layers_on(s) for s in range(self.pp)], dtype=float).reshape(column)
         is_last = (np.arange(self.pp) == self.pp - 1).reshape(column)
-        costs = np.asarray(self.model.shape_costs(types, mbs, seqlen), dtype=float)[:, :, None]  # [T, 6, 1, *shape]
-        encoder_fwd, encoder_bwd, head_fwd, head_bwd, stored, peak = (costs[:, k] for k in range(6))
+        is_first = (np.arange(self.pp) == 0).reshape(column)
+        costs = np.asarray(self.model.shape_costs(types, mbs, seqlen), dtype=float)[:, :, None]  # [T, 8, 1, *shape]
+        encoder_fwd, encoder_bwd, head_fwd, head_bwd, embed_fwd, embed_bwd, stored, peak = (costs[:, k] for k in range(8))
         out = {
-            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0),
-            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0),
+            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0) + np.where(is_first, embed_fwd, 0.0),
+            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0) + np.where(is_first, embed_bwd, 0.0),
             "stored": layers * stored,
             "peak": np.broadcast_to(peak, (len(types), self.pp) + shape),
         }
@@ -803,8 +814,9 @@ def resolve_cost_model_path(name_or_path: str | os.PathLike, flag: str = "--cost
 
 
 #: The model fields a layer's time and memory depend on (num_layers does not: a profile is per layer).
+#: Dropout is one: drawing its masks costs a CPU layer about a fifth of its time.
 ARCHITECTURE_FIELDS = ("hidden_size", "num_attention_heads", "query_groups", "ffn_hidden_size", "vocab_size",
-                       "swiglu", "normalization", "position_embedding_type")
+                       "swiglu", "normalization", "position_embedding_type", "hidden_dropout", "attention_dropout")
 
 
 def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype: "str | None" = None) -> "str | None":
@@ -822,7 +834,7 @@ def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype
 
 def _architecture(fields: Mapping) -> dict:
     defaults = dict(vocab_size=None, swiglu=False, normalization="LayerNorm",
-                    position_embedding_type="learned_absolute")
+                    position_embedding_type="learned_absolute", hidden_dropout=0.1, attention_dropout=0.1)
     arch = {k: fields.get(k, defaults.get(k)) for k in ARCHITECTURE_FIELDS}
     arch["ffn_hidden_size"] = arch["ffn_hidden_size"] or 4 * arch["hidden_size"]
     arch["query_groups"] = fields.get("num_query_groups") or fields.get("num_attention_heads")

@@ -31,6 +31,9 @@ def add_profile_parser(sub) -> None:
                         "stops where memory runs out)")
     p.add_argument("--repeats", type=positive_int_argument, default=3, metavar="N",
                    help="timed runs per point, of which the median is kept (default 3)")
+    p.add_argument("--min-time-ms", type=float, default=100.0, metavar="MS",
+                   help="more timed runs (up to 50) until a point's add up to this (default 100): short points "
+                        "are timed many times, against the machine's jitter")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed runs per point first (default 1)")
     p.add_argument("--output", "-o", required=True, metavar="FILE.json", help="the cost-model file to write")
     again = p.add_mutually_exclusive_group()
@@ -88,7 +91,7 @@ def _checked(args):
     settings = ProfileSettings(
         tp_sizes=tuple(dict.fromkeys(args.tp)), recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
         min_seq_length=args.min_seq_length, max_seq_length=max_seq, max_tokens=args.max_tokens or 16 * max_seq,
-        warmup=max(0, args.warmup), repeats=args.repeats)
+        warmup=max(0, args.warmup), repeats=args.repeats, min_time_ms=max(0.0, args.min_time_ms))
     return spec, output, settings, torch.device(device)
 
 

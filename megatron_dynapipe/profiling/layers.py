@@ -65,12 +65,14 @@ class Parts:
 
     ``encoders[rc](x)`` maps hidden states ``[seq, mbs, hidden]`` to the same shape (one layer,
     recompute type ``rc`` as Megatron runs it); ``postprocess(x, labels)`` is the final norm, the
-    LM head and the per-token loss, the same whatever the layers recompute.  Parameter counts
-    are of this rank's shards.
+    LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
+    token ids (word and learned positions), both the same whatever the layers recompute.
+    Parameter counts are of this rank's shards.
     """
 
     encoders: dict[RecomputeType, Callable[[torch.Tensor], torch.Tensor]]
     postprocess: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    preprocess: Callable[[torch.Tensor], torch.Tensor]
     encoder_params: int
     embedding_params: int
 
@@ -104,8 +106,12 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
         logits, _ = head.output_layer(hidden, weight=weight)
         return head.compute_language_model_loss(labels, logits)
 
+    def preprocess(tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return head.embedding(input_ids=tokens, position_ids=positions)
+
     return Parts(
-        encoders={rc: encoder(block) for rc, block in blocks.items()}, postprocess=postprocess,
+        encoders={rc: encoder(block) for rc, block in blocks.items()}, postprocess=postprocess, preprocess=preprocess,
         encoder_params=sum(p.numel() for p in head.decoder.layers[0].parameters()),
         embedding_params=sum(p.numel() for p in head.embedding.parameters()),
     )

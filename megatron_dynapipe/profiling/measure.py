@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory"]
+__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory", "steady_cpu_allocator"]
 
 
 @dataclass(frozen=True)
@@ -43,19 +43,48 @@ class Memory:
 
 
 Step = Callable[[], torch.Tensor]  # runs a forward, returns what backward starts from
+MAX_REPEATS = 50
+
+
+def steady_cpu_allocator() -> None:
+    """Make this process's CPU timings independent of what it allocated before.
+
+    glibc serves a block from its heap only once a block of that size has been freed (its mmap
+    threshold rises with them, up to 32 MB); until then every such allocation maps fresh pages and
+    faults them in.  So the same layer at the same shape timed 7 ms or 12 ms depending on whether a
+    larger micro-batch had run earlier, and a step's time hung on the order of the steps before
+    it.  A fixed threshold (and no trimming) takes the history out; elsewhere than glibc this does
+    nothing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    for option, value in ((_M_MMAP_THRESHOLD, 2**30), (_M_TRIM_THRESHOLD, 2**30), (_M_TOP_PAD, 2**28)):
+        mallopt(option, value)
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's options (malloc.h)
 
 
 def _backward(out: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))
 
 
-def time_step(forward: Step, device: torch.device, *, warmup: int = 1, repeats: int = 3) -> Timing:
-    """Time ``forward()`` and the backward of its result (a gradient of ones)."""
+def time_step(forward: Step, device: torch.device, *, warmup: int = 1, repeats: int = 3, min_time_ms: float = 0.0,
+              max_repeats: int = MAX_REPEATS) -> Timing:
+    """Time ``forward()`` and the backward of its result (a gradient of ones): ``repeats`` timed
+    runs, and more (up to ``max_repeats``) until they add up to ``min_time_ms``, since a median
+    of three runs of a few milliseconds is at the mercy of the machine's jitter."""
     for _ in range(warmup):
         _backward(forward())
     fwd, bwd = [], []
-    for _ in range(repeats):
-        f, b = (_time_cuda if device.type == "cuda" else _time_wall)(forward)
+    timed = _time_cuda if device.type == "cuda" else _time_wall
+    while len(fwd) < repeats or (sum(fwd) + sum(bwd) < min_time_ms and len(fwd) < max_repeats):
+        f, b = timed(forward)
         fwd.append(f)
         bwd.append(b)
     return Timing(statistics.median(fwd), statistics.median(bwd), max(fwd) - min(fwd), max(bwd) - min(bwd))

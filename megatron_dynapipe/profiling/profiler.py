@@ -2,7 +2,8 @@
 
 For each tensor-parallel size, each recompute type, and each point of a grid of sequence
 lengths and micro-batch sizes: the forward and backward time of one transformer layer and of the
-last stage's head (final norm, LM head and loss), the layer's stored and peak activation memory,
+last stage's head (final norm, LM head and loss) and of the first stage's embedding, the layer's
+stored and peak activation memory,
 and the 16-bit parameter memory of a layer and of the embeddings.
 
 The grid is geometric: sequence lengths double from ``min_seq_length`` to ``max_seq_length``,
@@ -32,7 +33,7 @@ from ..models import ModelSpec
 from ..planning.types import RecomputeType
 from ..gpt_build import uses_transformer_engine
 from .layers import DTYPES, Parts, build_parts, fake_tp_rank
-from .measure import is_out_of_memory, measure_memory, time_step
+from .measure import is_out_of_memory, measure_memory, steady_cpu_allocator, time_step
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
 
@@ -54,6 +55,7 @@ class ProfileSettings:
     max_tokens: int = 16384
     warmup: int = 1
     repeats: int = 3
+    min_time_ms: float = 100.0  # a point is timed until its runs add up to this (measure.time_step)
     refine_tolerance: float = 0.1  # interpolation error that earns a length between two profiled ones
     max_refinements: int = 2
 
@@ -125,6 +127,7 @@ class _Profile:
             "settings": {"tp_sizes": list(s.tp_sizes), "recompute": [r.label for r in s.recompute],
                          "min_seq_length": s.min_seq_length, "max_seq_length": s.max_seq_length,
                          "max_tokens": s.max_tokens, "warmup": s.warmup, "repeats": s.repeats,
+                         "min_time_ms": s.min_time_ms,
                          "refine_tolerance": s.refine_tolerance},
         }
 
@@ -174,6 +177,8 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
                   device: torch.device, resume: bool = False, progress: Progress | None = None) -> dict:
     """Profile ``spec`` on ``device`` into ``output`` (module docstring); returns the document."""
     output = Path(output)
+    if device.type == "cpu":
+        steady_cpu_allocator()
     profile = _Profile(spec, settings, device)
     if resume and output.exists():
         profile = _Profile.resumed(json.loads(output.read_text()), spec, settings, device)
@@ -191,10 +196,29 @@ def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) ->
     for rc in s.recompute:  # the same shards whatever the recompute type; the format wants each
         profile.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
         profile.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
+    _warm_up(profile, parts)
     seqs = s.seq_lengths()
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
     _refine(profile, parts, tp, seqs, output, progress)
+
+
+def _warm_up(profile: _Profile, parts: Parts) -> None:
+    """Run every part once, untimed, at the grid's largest micro-batch (where it fits): the
+    process's first runs (thread pools, kernel selection) are slower than later ones, and on the
+    CPU glibc serves a freed block's size from its heap only after a block that large was freed
+    (its mmap threshold rises with them), so a layer profiled before any large micro-batch ran
+    pays page faults a training process past its first step does not (11-12 ms against 7 ms at
+    256 tokens for the tiny GPT)."""
+    s = profile.settings
+    seq = s.max_seq_length
+    mbs = max(s.micro_batch_sizes(seq))
+    x = torch.randn(seq, mbs, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[s.dtype],
+                    requires_grad=True)
+    labels = torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=profile.device)
+    for step in [lambda: parts.postprocess(x, labels), lambda: parts.preprocess(labels),
+                 *(lambda e=e: e(x) for e in parts.encoders.values())]:
+        _fitting(profile, lambda: time_step(step, profile.device, warmup=0, repeats=1))
 
 
 def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
@@ -215,26 +239,26 @@ def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Pat
 
 def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence[RecomputeType], seq: int,
                    mbs: int) -> list[RecomputeType]:
-    """Measure one point for each recompute type into ``profile`` (the head once, for all of
-    them); returns the types that fit in memory there."""
+    """Measure one point for each recompute type into ``profile`` (the head and the embedding
+    once, for all of them); returns the types that fit in memory there."""
     s, device = profile.settings, profile.device
     inputs = _fitting(profile, lambda: (
         torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
         torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
     x, labels = inputs or (None, None)
     head = inputs and _fitting(profile, lambda: time_step(lambda: parts.postprocess(x, labels), device,
-                                                          warmup=s.warmup, repeats=s.repeats))
+                                                          **_timing(s)))
+    embedding = head and _fitting(profile, lambda: time_step(lambda: parts.preprocess(labels), device, **_timing(s)))
     fits = []
     for rc in recompute:
         encoder = parts.encoders[rc]
-        measured = head and _fitting(profile, lambda: (time_step(lambda: encoder(x), device, warmup=s.warmup,
-                                                                 repeats=s.repeats),
+        measured = embedding and _fitting(profile, lambda: (time_step(lambda: encoder(x), device, **_timing(s)),
                                                        measure_memory(lambda: encoder(x), device)))
         if not measured:
             profile.infeasible.add((tp, rc.label, seq, mbs))
             continue
         timing, memory = measured
-        for layer, t in (("encoder", timing), ("postprocess", head)):
+        for layer, t in (("encoder", timing), ("postprocess", head), ("preprocess", embedding)):
             for phase, ms, spread in (("forward", t.forward_ms, t.forward_spread_ms),
                                       ("backward", t.backward_ms, t.backward_spread_ms)):
                 profile.times[(tp, rc.label, layer, phase, seq, mbs)] = ms
@@ -243,6 +267,10 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
         profile.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
         fits.append(rc)
     return fits
+
+
+def _timing(s: ProfileSettings) -> dict:
+    return dict(warmup=s.warmup, repeats=s.repeats, min_time_ms=s.min_time_ms)
 
 
 def _fitting(profile: _Profile, measure: Callable[[], Any]) -> Any:
@@ -290,6 +318,6 @@ def _bends(profile: _Profile, parts: Parts, tp: int, short: int, middle: int, lo
         return False  # a row that does not reach mbs=1 there is not interpolated either
     x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[profile.settings.dtype],
                     requires_grad=True)
-    probe = time_step(lambda: parts.encoders[rc](x), profile.device, warmup=1, repeats=profile.settings.repeats)
+    probe = time_step(lambda: parts.encoders[rc](x), profile.device, **dict(_timing(profile.settings), warmup=1))
     line = a + (b - a) * (middle - short) / (long - short)
     return abs(probe.forward_ms - line) > profile.settings.refine_tolerance * probe.forward_ms
