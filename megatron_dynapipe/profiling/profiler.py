@@ -210,15 +210,18 @@ def _warm_up(profile: _Profile, parts: Parts) -> None:
     (its mmap threshold rises with them), so a layer profiled before any large micro-batch ran
     pays page faults a training process past its first step does not (11-12 ms against 7 ms at
     256 tokens for the tiny GPT)."""
-    s = profile.settings
+    s, device = profile.settings, profile.device
     seq = s.max_seq_length
     mbs = max(s.micro_batch_sizes(seq))
-    x = torch.randn(seq, mbs, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[s.dtype],
-                    requires_grad=True)
-    labels = torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=profile.device)
+    inputs = _fitting(profile, lambda: (
+        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
+        torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
+    if inputs is None:
+        return
+    x, labels = inputs
     for step in [lambda: parts.postprocess(x, labels), lambda: parts.preprocess(labels),
                  *(lambda e=e: e(x) for e in parts.encoders.values())]:
-        _fitting(profile, lambda: time_step(step, profile.device, warmup=0, repeats=1))
+        _fitting(profile, lambda: time_step(step, device, warmup=0, repeats=1))
 
 
 def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
