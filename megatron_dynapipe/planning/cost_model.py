@@ -814,7 +814,7 @@ def resolve_cost_model_path(name_or_path: str | os.PathLike, flag: str = "--cost
 
 
 #: The model fields a layer's time and memory depend on (num_layers does not: a profile is per layer).
-#: Dropout is one: drawing its masks costs a CPU layer about a fifth of its time.
+#: Dropout is one: drawing and applying its masks is work of its own.
 ARCHITECTURE_FIELDS = ("hidden_size", "num_attention_heads", "query_groups", "ffn_hidden_size", "vocab_size",
                        "swiglu", "normalization", "position_embedding_type", "hidden_dropout", "attention_dropout")
 
