@@ -205,23 +205,17 @@ def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) ->
 
 def _warm_up(profile: _Profile, parts: Parts) -> None:
     """Run every part once, untimed, at the grid's largest micro-batch (where it fits): the
-    process's first runs (thread pools, kernel selection) are slower than later ones, and on the
-    CPU glibc serves a freed block's size from its heap only after a block that large was freed
-    (its mmap threshold rises with them), so a layer profiled before any large micro-batch ran
-    pays page faults a training process past its first step does not (11-12 ms against 7 ms at
-    256 tokens for the tiny GPT)."""
-    s, device = profile.settings, profile.device
-    seq = s.max_seq_length
-    mbs = max(s.micro_batch_sizes(seq))
-    inputs = _fitting(profile, lambda: (
-        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
-        torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
+    process's first runs (thread pools, kernel selection, the allocator growing its pools; see
+    :func:`~.measure.steady_cpu_allocator` for the CPU's) are slower than any later one and would
+    inflate the first points measured."""
+    seq = profile.settings.max_seq_length
+    inputs = _inputs(profile, seq, max(profile.settings.micro_batch_sizes(seq)))
     if inputs is None:
         return
     x, labels = inputs
     for step in [lambda: parts.postprocess(x, labels), lambda: parts.preprocess(labels),
                  *(lambda e=e: e(x) for e in parts.encoders.values())]:
-        _fitting(profile, lambda: time_step(step, device, warmup=0, repeats=1))
+        _fitting(profile, lambda: time_step(step, profile.device, warmup=0, repeats=1))
 
 
 def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
@@ -245,9 +239,7 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
     """Measure one point for each recompute type into ``profile`` (the head and the embedding
     once, for all of them); returns the types that fit in memory there."""
     s, device = profile.settings, profile.device
-    inputs = _fitting(profile, lambda: (
-        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
-        torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
+    inputs = _inputs(profile, seq, mbs)
     x, labels = inputs or (None, None)
     head = inputs and _fitting(profile, lambda: time_step(lambda: parts.postprocess(x, labels), device,
                                                           **_timing(s)))
@@ -270,6 +262,15 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
         profile.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
         fits.append(rc)
     return fits
+
+
+def _inputs(profile: _Profile, seq: int, mbs: int) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """Hidden states ``[seq, mbs, hidden]`` and token ids ``[mbs, seq]`` of one point, or None
+    when they do not fit on the device."""
+    s, device = profile.settings, profile.device
+    return _fitting(profile, lambda: (
+        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
+        torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
 
 
 def _timing(s: ProfileSettings) -> dict:
