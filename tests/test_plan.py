@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from megatron_dynapipe.planning.plan import (
     check_deadlock_free,
     lower_to_instructions,
 )
+from megatron_dynapipe.planning.simulator import StageWork, simulate
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 NONE, SEL, FULL = RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL
@@ -457,3 +459,61 @@ def test_summary_lists_header_microbatches_and_instructions():
     assert "mb   2: 2 x 128 (256 tokens) recompute=selective" in text
     assert "RecvActFinish(0<-s0) F0[selective]" in text
     assert "more rows" in plan.summary(max_rows=2)
+
+
+# -- placing send FINISHes by a simulated timeline -----------------------------------------------
+
+def simulated_timeline(orders, n: int, rng: random.Random, zero_at=None):
+    """Start/end of every compute op when the orders run with random positive durations (and
+    random transfer times) on the planner's simulator: one valid timeline of these orders."""
+    pp = len(orders)
+    durations = [[rng.uniform(0.1, 5.0) for _ in range(n)] for _ in range(pp)]
+    if zero_at is not None:
+        durations[zero_at[0]][zero_at[1]] = 0.0
+    zeros = np.zeros((pp, n))
+    work = StageWork(forward=np.array(durations), backward=2 * np.array(durations), stored=zeros, peak=zeros,
+                     state=np.zeros(pp), comm=np.array([rng.uniform(0.0, 1.0) for _ in range(n)]))
+    result = simulate(orders, work)
+    return result.op_starts, result.op_ends
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.integers(1, 6), n=st.integers(1, 16), seed=st.integers(0, 2**32 - 1))
+def test_plans_placed_by_any_simulated_timeline_are_deadlock_free(pp, n, seed):
+    rng = random.Random(seed)
+    orders = random_fifo_orders(pp, n, rng)
+    timeline = simulated_timeline(orders, n, rng)
+    build_execution_plans(orders, microbatches(n), NONE, "random", timeline=timeline)  # runs the check
+
+
+def test_a_timeline_moves_a_send_finish_to_where_the_receive_is_posted():
+    # Stage 1 runs F0 B0 F1 B1 ... with backwards 100x its forwards; stage 0 forwards all first.
+    n = 5
+    orders = [gpipe(1, n)[0], [op for m in range(n) for op in (("F", m), ("B", m))]]
+    starts = [[0, 1, 2, 3, 4, 102, 203, 304, 405, 506], [1, 2, 102, 103, 203, 204, 304, 305, 405, 406]]
+    ends = [[1, 2, 3, 4, 5, 104, 205, 306, 407, 508], [2, 102, 103, 203, 204, 304, 305, 405, 406, 506]]
+    slow = names(build_execution_plans(orders, microbatches(n), NONE, "mixed", timeline=(starts, ends))[0].instructions)
+    # Stage 1 posts the receive of F2 (its op 4) after its op 2, F1. That ends at 103 here, and
+    # stage 0's first op to start no earlier is B1 (203): the FINISH of F2's send sits before it.
+    assert s0_between(slow, "SendActFinish(2->s1)", "B0", "B1")
+    # With unit durations F1 on stage 1 ends at 5 (F0 1-2, B0 2-4, F1 4-5) and stage 0's B0
+    # starts at 5 (after F4 ends): the FINISH sits before B0.
+    unit = names(build_execution_plans(orders, microbatches(n), NONE, "mixed")[0].instructions)
+    assert s0_between(unit, "SendActFinish(2->s1)", "F4", "B0")
+
+
+def s0_between(names_, item: str, after: str, before: str) -> bool:
+    return names_.index(after) < names_.index(item) < names_.index(before) and \
+        all(not n.startswith(("F", "B")) for n in names_[names_.index(item):names_.index(before)])
+
+
+def test_a_timeline_with_a_zero_length_op_is_not_trusted_and_a_wrong_one_is_refused():
+    rng = random.Random(3)
+    orders = random_fifo_orders(3, 4, rng)
+    unit = build_execution_plans(orders, microbatches(4), NONE, "random")
+    zero = simulated_timeline(orders, 4, rng, zero_at=(1, 2))
+    again = build_execution_plans(orders, microbatches(4), NONE, "random", timeline=zero)
+    assert [p.instructions for p in again] == [p.instructions for p in unit]
+    starts, ends = simulated_timeline(orders, 4, rng)
+    with pytest.raises(ValueError, match="every compute op of every stage"):
+        build_execution_plans(orders, microbatches(4), NONE, "random", timeline=(starts, ends[:2]))

@@ -30,9 +30,11 @@ before ``F4``) while stage 0 waits after ``F2`` for stage 1 to post the activati
 
 Placement rule. A FINISH of a send whose receiver posts its START after the receiver's compute
 op ``y`` may sit before the sender's compute op ``x`` only when ``end(y) <= start(x)`` in one
-fixed valid timeline of the compute ops (as-soon-as-possible, forward 1, backward 2 time units).
-Then every wait edge of the lowered plans (a RECV_FINISH waits for the producing op, a
-SEND_FINISH for such a ``y``, program order) points forward in that timeline, so the stage whose
+fixed valid timeline of the compute ops: the planner's simulated one, where the FINISH then
+sits where the receive is predicted to be posted, or else as-soon-as-possible with forward 1 and
+backward 2 time units (every op must take positive time). Then every wait edge of the lowered
+plans (a RECV_FINISH waits for the producing op, a SEND_FINISH for such a ``y``, program order)
+points forward in that timeline, so the stage whose
 next compute op starts earliest can always progress: no cycle, no deadlock, for *any* set of
 orders that is executable and FIFO-consistent (every stage forwards the micro-batches in the
 same order and runs the backwards in the same order -- needed anyway because untagged sends
@@ -50,7 +52,7 @@ import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar, Sequence, Union
+from typing import ClassVar, NamedTuple, NoReturn, Sequence, Union
 
 import numpy as np
 
@@ -59,6 +61,7 @@ from .types import MicroBatch, RecomputeType
 __all__ = [
     "Op",
     "Instruction",
+    "Instructions",
     "ExecutionPlan",
     "DeadlockError",
     "CommMismatchError",
@@ -250,6 +253,64 @@ _INSTR_DTYPE = np.dtype([("op", "u1"), ("recompute", "u1"), ("peer", "<i2"), ("m
 _U32_MAX = 2**32 - 1
 
 
+class Instructions(Sequence[Instruction]):
+    """A stage's instructions, held as the rows of the wire format (op, recompute, peer,
+    micro-batch): lowering and serialising thousands of them makes no object per instruction.
+    Reading them (indexing, iterating) makes the :class:`Instruction` objects, once."""
+
+    __slots__ = ("rows", "_objects")
+
+    def __init__(self, rows: np.ndarray, objects: "list[Instruction] | None" = None):
+        self.rows = rows  # structured array of _INSTR_DTYPE
+        self._objects = objects
+
+    @classmethod
+    def of(cls, instructions: "Sequence[Instruction] | Instructions") -> "Instructions":
+        if isinstance(instructions, Instructions):
+            return instructions
+        items = list(instructions)
+        try:
+            rows = np.array([(i.op, i.recompute, i.peer, i.microbatch) for i in items], dtype=_INSTR_DTYPE)
+        except OverflowError:
+            raise ValueError("an instruction's peer or micro-batch is outside the wire format's 16/32-bit "
+                             "fields: use stages below 32768 and micro-batch ids below 2**32") from None
+        return cls(rows, items)
+
+    def _list(self) -> list[Instruction]:
+        if self._objects is None:
+            ops, rcs, make, rows = list(Op), list(RecomputeType), Instruction._trusted, self.rows
+            self._objects = [make(ops[o], m, p, rcs[r]) for o, r, p, m in zip(
+                rows["op"].tolist(), rows["recompute"].tolist(), rows["peer"].tolist(), rows["microbatch"].tolist())]
+        return self._objects
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __add__(self, other) -> list[Instruction]:
+        return self._list() + list(other)
+
+    def __radd__(self, other) -> list[Instruction]:
+        return list(other) + self._list()
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Instructions):
+            return len(self) == len(other) and self.rows.tobytes() == other.rows.tobytes()
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return self._list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable rows
+
+    def __repr__(self) -> str:
+        return f"Instructions([{', '.join(map(str, self))}])"
+
+
 @dataclass
 class ExecutionPlan:
     """What one pipeline stage of one data-parallel rank runs for one global batch.
@@ -267,14 +328,14 @@ class ExecutionPlan:
     schedule: str
     microbatches: list[MicroBatch]
     recompute: list[RecomputeType]
-    instructions: list[Instruction]
+    instructions: Instructions  # any sequence of Instruction is taken
     predicted_makespan_ms: float = 0.0
     VERSION: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         self.microbatches = list(self.microbatches)
-        self.recompute = [RecomputeType.parse(int(r) if isinstance(r, np.integer) else r) for r in self.recompute]
-        self.instructions = list(self.instructions)
+        self.recompute = [_parse_recompute(r) for r in self.recompute]
+        self.instructions = Instructions.of(self.instructions)
         self.predicted_makespan_ms = float(self.predicted_makespan_ms)
         if not 0 <= self.stage < self.num_stages:
             raise ValueError(f"stage {self.stage} is outside a pipeline of {self.num_stages} stages")
@@ -377,9 +438,6 @@ class ExecutionPlan:
         for name, arr in (("sequence length", seq_lens), ("sample index", samples)):
             if arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):
                 raise ValueError(f"a micro-batch {name} is outside 0..{_U32_MAX}")
-        instrs = np.array(
-            [(i.op, i.recompute, i.peer, i.microbatch) for i in self.instructions], dtype=_INSTR_DTYPE
-        ) if self.instructions else np.zeros(0, dtype=_INSTR_DTYPE)
         header = _HEADER.pack(
             _MAGIC, self.VERSION, 0, self.stage, self.num_stages, n, samples.size,
             len(self.instructions), len(schedule), self.predicted_makespan_ms,
@@ -391,7 +449,7 @@ class ExecutionPlan:
             sizes.astype("<u4").tobytes(),
             np.array([int(r) for r in self.recompute], dtype="u1").tobytes(),
             samples.astype("<u4").tobytes(),
-            instrs.tobytes(),
+            self.instructions.rows.astype(_INSTR_DTYPE).tobytes(),
         ])
         return body + _CRC.pack(zlib.crc32(body))
 
@@ -463,14 +521,9 @@ class ExecutionPlan:
             raise ValueError(
                 f"corrupted ExecutionPlan: unknown op codes {sorted(bad_ops)} / recompute codes {sorted(bad_rc)}"
             )
-        ops, rcs = list(Op), list(RecomputeType)
-        instructions = [
-            Instruction(ops[o], m, p, rcs[r])
-            for o, r, p, m in zip(instrs["op"].tolist(), instrs["recompute"].tolist(),
-                                  instrs["peer"].tolist(), instrs["microbatch"].tolist())
-        ]
+        rcs = list(RecomputeType)
         return cls(stage=stage, num_stages=num_stages, schedule=schedule, microbatches=microbatches,
-                   recompute=[rcs[r] for r in rc_codes], instructions=instructions,
+                   recompute=[rcs[r] for r in rc_codes], instructions=Instructions(instrs),
                    predicted_makespan_ms=makespan)
 
     # -- display -----------------------------------------------------------------------------
@@ -510,8 +563,48 @@ class ExecutionPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def _parse_order(order: ComputeOrder, stage: int) -> list[tuple[str, int]]:
-    ops: list[tuple[str, int]] = []
+class _Order(NamedTuple):
+    """One stage's compute order as arrays: which ops are forwards, and of which micro-batch."""
+
+    forward: np.ndarray  # bool, per compute op
+    microbatch: np.ndarray  # int64, per compute op
+
+    def position(self, forward: bool, microbatches: np.ndarray) -> np.ndarray:
+        """Where F (or B) of each of ``microbatches`` sits in this order; -1 where it does not."""
+        where = np.flatnonzero(self.forward == forward)
+        by_id = np.argsort(self.microbatch[where], kind="stable")
+        ids, positions = self.microbatch[where][by_id], where[by_id]
+        found = np.minimum(np.searchsorted(ids, microbatches), max(len(ids) - 1, 0))
+        hit = (ids[found] == microbatches) if len(ids) else np.zeros(len(microbatches), bool)
+        return np.where(hit, positions[found] if len(ids) else -1, -1)
+
+
+def _parse_order(order: ComputeOrder, stage: int) -> _Order:
+    """The order as arrays, or ValueError naming the first item that breaks it."""
+    try:
+        kinds, ids = zip(*order) if len(order) else ((), ())
+        microbatch = np.array(ids, dtype=np.int64)
+        kinds = np.array(kinds, dtype=object)
+    except (TypeError, ValueError, OverflowError):
+        _explain_bad_order(order, stage)
+    forward, backward = kinds == "F", kinds == "B"
+    if _well_formed(forward, backward, microbatch):
+        return _Order(forward, microbatch)
+    _explain_bad_order(order, stage)
+
+
+def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarray) -> bool:
+    """Every item F or B of a micro-batch >= 0, each once, and each B after its F."""
+    if not np.all(forward | backward) or (microbatch.size and microbatch.min() < 0):
+        return False
+    positions = np.arange(len(microbatch))
+    f_order, b_order = np.argsort(microbatch[forward], kind="stable"), np.argsort(microbatch[backward], kind="stable")
+    f_ids, b_ids = microbatch[forward][f_order], microbatch[backward][b_order]
+    return (np.array_equal(f_ids, b_ids) and bool(np.all(np.diff(f_ids) > 0))
+            and bool(np.all(positions[backward][b_order] > positions[forward][f_order])))
+
+
+def _explain_bad_order(order: ComputeOrder, stage: int) -> NoReturn:
     seen: dict[tuple[str, int], int] = {}
     for i, item in enumerate(order):
         try:
@@ -528,106 +621,121 @@ def _parse_order(order: ComputeOrder, stage: int) -> list[tuple[str, int]]:
         if kind == "B" and ("F", m) not in seen:
             raise ValueError(f"stage {stage} order runs B{m} before F{m}")
         seen[kind, m] = i
-        ops.append((kind, m))
-    unmatched = sorted(m for kind, m in ops if kind == "F" and ("B", m) not in seen)
-    if unmatched:
-        raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
-    return ops
+    unmatched = sorted(m for kind, m in seen if kind == "F" and ("B", m) not in seen)
+    raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
 
 
-def _recompute_of(recompute: RecomputeSpec, m: int) -> RecomputeType:
+def _recompute_codes(recompute: RecomputeSpec, order: _Order) -> np.ndarray:
+    """The recompute code of every micro-batch the order forwards, indexed by micro-batch id."""
+    size = int(order.microbatch.max()) + 1 if order.microbatch.size else 0
     if isinstance(recompute, (RecomputeType, int, str, np.integer)):
-        return RecomputeType.parse(int(recompute) if isinstance(recompute, np.integer) else recompute)
-    if m >= len(recompute):
-        raise ValueError(f"no recompute choice for micro-batch {m} (got {len(recompute)})")
-    r = recompute[m]
-    return RecomputeType.parse(int(r) if isinstance(r, np.integer) else r)
+        return np.full(size, int(_parse_recompute(recompute)), dtype=np.int64)
+    if size > len(recompute):
+        raise ValueError(f"no recompute choice for micro-batch {size - 1} (got {len(recompute)})")
+    return _codes(recompute[:size])
 
 
-def _recompute_by_microbatch(recompute: RecomputeSpec, ops: list[tuple[str, int]]) -> dict[int, RecomputeType]:
-    """Each forwarded micro-batch's recompute choice, parsed once (not once per instruction)."""
-    return {m: _recompute_of(recompute, m) for kind, m in ops if kind == "F"}
+def _parse_recompute(r) -> RecomputeType:
+    return r if type(r) is RecomputeType else RecomputeType.parse(int(r) if isinstance(r, np.integer) else r)
 
 
-def _timeline(orders: Sequence[list[tuple[str, int]]]) -> tuple[list[list[float]], list[list[float]]]:
+def _timeline(orders: Sequence[_Order]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """As-soon-as-possible start/end of every compute op (forward 1, backward 2): F(m) waits for
     F(m) on the stage before, B(m) for B(m) on the stage after. Ops that never become runnable
     (the orders wait on each other) get +inf."""
     pp = len(orders)
     inf = float("inf")
-    start = [[inf] * len(o) for o in orders]
-    end = [[inf] * len(o) for o in orders]
-    done: list[dict[str, dict[int, float]]] = [{"F": {}, "B": {}} for _ in range(pp)]
+    ops = [list(zip(o.forward.tolist(), o.microbatch.tolist())) for o in orders]
+    start = [[inf] * len(o) for o in ops]
+    end = [[inf] * len(o) for o in ops]
+    done: list[dict[bool, dict[int, float]]] = [{True: {}, False: {}} for _ in range(pp)]
     pc = [0] * pp
     free = [0.0] * pp
     progressed = True
     while progressed:
         progressed = False
         for s in range(pp):
-            order, i, t = orders[s], pc[s], free[s]
-            before = done[s - 1]["F"] if s > 0 else None
-            after = done[s + 1]["B"] if s + 1 < pp else None
+            order, i, t = ops[s], pc[s], free[s]
+            before = done[s - 1][True] if s > 0 else None
+            after = done[s + 1][False] if s + 1 < pp else None
             mine = done[s]
             while i < len(order):
-                kind, m = order[i]
-                deps = before if kind == "F" else after
+                forward, m = order[i]
+                deps = before if forward else after
                 ready = 0.0 if deps is None else deps.get(m)
                 if ready is None:
                     break
                 t0 = t if t > ready else ready
-                t = t0 + (_FORWARD_TIME if kind == "F" else _BACKWARD_TIME)
+                t = t0 + (_FORWARD_TIME if forward else _BACKWARD_TIME)
                 start[s][i], end[s][i] = t0, t
-                mine[kind][m] = t
+                mine[forward][m] = t
                 i += 1
             if i > pc[s]:
                 pc[s], free[s], progressed = i, t, True
-    return start, end
+    return [np.array(x) for x in start], [np.array(x) for x in end]
 
 
 class _Reference:
-    """What placing send FINISHes against the other stages needs: every stage's order, the
-    reference timeline and each op's position in its stage's order (computed once per set)."""
+    """What placing send FINISHes against the other stages needs: every stage's order and one
+    valid timeline of their compute ops (start/end per stage, in order). Any timeline in which
+    each op starts after its inputs' producers end and after the op before it on its stage,
+    with every op of positive duration, keeps the plans deadlock-free (module docstring)."""
 
-    def __init__(self, orders: Sequence[list[tuple[str, int]]]):
+    def __init__(self, orders: Sequence[_Order], timeline: "tuple[Sequence, Sequence] | None" = None):
         self.orders = orders
+        if timeline is not None:
+            start, end = ([np.asarray(t, dtype=float) for t in times] for times in timeline)
+            if len(start) != len(orders) or len(end) != len(orders) or any(
+                    len(a) != len(o.microbatch) or len(b) != len(o.microbatch) for a, b, o in zip(start, end, orders)):
+                raise ValueError("the timeline must give a start and an end for every compute op of every stage")
+            # a zero-length op could tie two waits into a cycle: use the unit-duration timeline then
+            if all(np.all(b > a) for a, b in zip(start, end)):
+                self.start, self.end = start, end
+                return
         self.start, self.end = _timeline(orders)
-        self.position = [{op: i for i, op in enumerate(o)} for o in orders]
 
 
-def _send_finish_slots(ops: list[tuple[str, int]], stage: int, num_stages: int,
-                       ref: "_Reference | None") -> dict[int, int]:
-    """For each compute op index that sends, the compute op index its send FINISH goes before
-    (``len(ops)``: the end of the plan)."""
-    count = len(ops)
-    sends = [i for i, (kind, _) in enumerate(ops)
-             if (kind == "F" and stage < num_stages - 1) or (kind == "B" and stage > 0)]
-    slots: dict[int, int] = {}
-    if ref is not None:
-        start = ref.start[stage]
-        for p in sends:
-            kind, m = ops[p]
-            peer = stage + 1 if kind == "F" else stage - 1
-            c = ref.position[peer].get((kind, m))
-            if c is None:
-                raise ValueError(f"stage {peer} order has no {kind}{m} to receive stage {stage}'s send")
-            posted = -float("inf") if c <= 1 else ref.end[peer][c - 2]  # receive posted after op c - 2
-            slot = p + 1
-            while slot < count and start[slot] < posted:
-                slot += 1
-            slots[p] = slot
-        return slots
-    # Only this stage's order is known: use what it proves about the neighbours on its own.
-    f_rank = {m: r for r, m in enumerate(m for kind, m in ops if kind == "F")}
-    for p in sends:
-        kind, m = ops[p]
-        slot = count
-        if kind == "F":
-            if f_rank[m] <= 1:  # F of rank 0/1 is op 0/1 of the next stage: received from the start
-                slot = p + 1
-            else:  # B(k) here needs B(k) there, which follows F(k), hence F(m), there
-                slot = next(i for i in range(p + 1, count)
-                            if ops[i][0] == "B" and f_rank[ops[i][1]] >= f_rank[m])
-        slots[p] = slot
+def _send_finish_slots(order: _Order, sends: np.ndarray, stage: int, num_stages: int,
+                       ref: "_Reference | None") -> np.ndarray:
+    """For the compute ops at positions ``sends`` (those that send), the compute op index each
+    send's FINISH goes before (``len(order)``: the end of the plan)."""
+    count = len(order.microbatch)
+    forward, ids = order.forward[sends], order.microbatch[sends]
+    if ref is None:
+        return _send_finish_slots_alone(order, sends, forward, ids)
+    slots = np.empty(len(sends), dtype=np.int64)
+    for kind, mask, peer in (("F", forward, stage + 1), ("B", ~forward, stage - 1)):
+        if not mask.any():
+            continue
+        c = ref.orders[peer].position(kind == "F", ids[mask])
+        if np.any(c < 0):
+            raise ValueError(f"stage {peer} order has no {kind}{ids[mask][np.argmax(c < 0)]} "
+                             f"to receive stage {stage}'s send")
+        # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
+        posted = np.where(c <= 1, -np.inf, ref.end[peer][np.maximum(c - 2, 0)])
+        # start times rise along a stage's order, so the first op starting no earlier is a search
+        slots[mask] = np.maximum(sends[mask] + 1, np.searchsorted(ref.start[stage], posted, side="left"))
+    return np.minimum(slots, count)
+
+
+def _send_finish_slots_alone(order: _Order, sends, forward, ids) -> np.ndarray:
+    """Only this stage's order is known: use what it proves about the neighbours on its own.
+    An activation send of the first two forwards is received from the start (ops 0 and 1 of
+    the next stage); a later one finishes before the first backward of a micro-batch forwarded
+    no earlier (B(k) there needs F(k), hence F(m), there); a gradient send at the end."""
+    count = len(order.microbatch)
+    f_rank = np.empty(int(order.microbatch.max()) + 1, dtype=np.int64)
+    f_rank[order.microbatch[order.forward]] = np.arange(int(order.forward.sum()))
+    backwards = np.flatnonzero(~order.forward)
+    b_rank = f_rank[order.microbatch[backwards]]
+    slots = np.full(len(sends), count, dtype=np.int64)
+    for j in np.flatnonzero(forward):
+        p, rank = sends[j], f_rank[ids[j]]
+        if rank <= 1:
+            slots[j] = p + 1
+        else:
+            later = (backwards > p) & (b_rank >= rank)
+            slots[j] = backwards[np.argmax(later)]  # B(m) itself is one
     return slots
 
 
@@ -638,8 +746,8 @@ def lower_to_instructions(
     recompute: RecomputeSpec,
     *,
     orders: "Sequence[ComputeOrder] | None" = None,
-) -> list[Instruction]:
-    """Lower one stage's compute order to its instruction list (see the module docstring).
+) -> "Instructions":
+    """Lower one stage's compute order to its instructions (see the module docstring).
 
     ``recompute``: one choice for every micro-batch, or a sequence indexed by micro-batch id.
     ``orders``: every stage's order (``orders[stage]`` must be ``order``). With it, each send's
@@ -649,62 +757,62 @@ def lower_to_instructions(
     """
     if num_stages < 1 or not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
-    ops = _parse_order(order, stage)
+    parsed = _parse_order(order, stage)
     ref = None
     if orders is not None:
         if len(orders) != num_stages:
             raise ValueError(f"{len(orders)} orders for {num_stages} stages")
-        parsed = [ops if s == stage else _parse_order(o, s) for s, o in enumerate(orders)]
-        if _parse_order(orders[stage], stage) != ops:
+        all_parsed = [parsed if s == stage else _parse_order(o, s) for s, o in enumerate(orders)]
+        mine = _parse_order(orders[stage], stage)
+        if not (np.array_equal(mine.forward, parsed.forward) and np.array_equal(mine.microbatch, parsed.microbatch)):
             raise ValueError(f"orders[{stage}] differs from the order being lowered")
-        ref = _Reference(parsed)
-    return _lower(ops, stage, num_stages, recompute, ref)
+        ref = _Reference(all_parsed)
+    return _lower(parsed, stage, num_stages, _recompute_codes(recompute, parsed), ref)
 
 
-def _lower(ops: list[tuple[str, int]], stage: int, num_stages: int, recompute: RecomputeSpec,
-           ref: "_Reference | None") -> list[Instruction]:
+# Where an instruction sits within the block of compute op i (see _lower).
+_SEND_FINISHES, _RECV_FINISH, _LOAD, _COMPUTE, _SEND_START, _FREE, _NEXT_RECV_STARTS = range(7)
+
+
+def _lower(order: _Order, stage: int, num_stages: int, recompute: np.ndarray,
+           ref: "_Reference | None") -> "Instructions":
+    """Every instruction gets a sort key (block, place, tie): block i holds, in this order, the
+    send FINISHes placed before compute op i (by the op that sent), op i's receive FINISH, its
+    LOAD_INPUT, the op itself, its send START, its FREE_BUFFER, and the receive START of op
+    i + 2 (block -1 posts the receives of ops 0 and 1; block len(order) the last FINISHes).
+    One sort of the keys is the instruction list."""
     first, last = stage == 0, stage == num_stages - 1
-    count = len(ops)
-    rc_of = _recompute_by_microbatch(recompute, ops)
-    make = Instruction._trusted
-    # (START, FINISH, peer) of the receive each kind of compute op needs, None where it needs none.
-    recv_for = {"F": None if first else (Op.RECV_ACT_START, Op.RECV_ACT_FINISH, stage - 1),
-                "B": None if last else (Op.RECV_GRAD_START, Op.RECV_GRAD_FINISH, stage + 1)}
-    recvs = [recv_for[kind] for kind, _ in ops]
-    slots = _send_finish_slots(ops, stage, num_stages, ref)
-    finishes_before: list[list[Instruction]] = [[] for _ in range(count + 1)]
-    out: list[Instruction] = []
-    append = out.append
+    forward, ids = order.forward, order.microbatch
+    count = len(ids)
+    positions = np.arange(count)
+    parts = []  # (op, micro-batch, peer, recompute, sort key) arrays
 
-    def post_recv(i: int) -> None:
-        if recvs[i] is not None:
-            append(make(recvs[i][0], ops[i][1], recvs[i][2]))
+    def add(where, op, peer=-1, rc=0, block=None, place=0, tie=0):
+        key = (((where if block is None else block) + 1) * 7 + place) * (count + 1) + tie
+        parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
+                      for c in (op, ids[where], peer, rc, key)])
 
-    for i in range(min(2, count)):  # op 0 and op 1 have no op two before them
-        post_recv(i)
-    for i, (kind, m) in enumerate(ops):
-        out.extend(finishes_before[i])
-        recv = recvs[i]
-        if recv is not None:
-            append(make(recv[1], m, recv[2]))
-        rc = rc_of[m]
-        if kind == "F":
-            if first:
-                append(make(Op.LOAD_INPUT, m))
-            append(make(Op.FORWARD, m, -1, rc))
-            if not last:
-                append(make(Op.SEND_ACT_START, m, stage + 1))
-                finishes_before[slots[i]].append(make(Op.SEND_ACT_FINISH, m, stage + 1))
-        else:
-            append(make(Op.BACKWARD, m, -1, rc))
-            if not first:
-                append(make(Op.SEND_GRAD_START, m, stage - 1))
-                finishes_before[slots[i]].append(make(Op.SEND_GRAD_FINISH, m, stage - 1))
-            append(make(Op.FREE_BUFFER, m))
-        if i + 2 < count:
-            post_recv(i + 2)
-    out.extend(finishes_before[count])
-    return out
+    add(positions, np.where(forward, Op.FORWARD, Op.BACKWARD), rc=recompute[ids], place=_COMPUTE)
+    if first:
+        add(positions[forward], Op.LOAD_INPUT, place=_LOAD)
+    add(positions[~forward], Op.FREE_BUFFER, place=_FREE)
+    if not (first and last):
+        receives = positions[~forward] if first else positions[forward] if last else positions
+        start = np.where(forward[receives], Op.RECV_ACT_START, Op.RECV_GRAD_START)
+        peer = np.where(forward[receives], stage - 1, stage + 1)
+        add(receives, start, peer, block=np.maximum(receives - 2, -1), place=_NEXT_RECV_STARTS, tie=receives)
+        add(receives, start + 1, peer, place=_RECV_FINISH)
+        sends = positions[~forward] if last else positions[forward] if first else positions
+        start = np.where(forward[sends], Op.SEND_ACT_START, Op.SEND_GRAD_START)
+        peer = np.where(forward[sends], stage + 1, stage - 1)
+        add(sends, start, peer, place=_SEND_START)
+        add(sends, start + 1, peer, block=_send_finish_slots(order, sends, stage, num_stages, ref),
+            place=_SEND_FINISHES, tie=sends)
+    op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in parts]) for k in range(5))
+    sort = np.argsort(key, kind="stable")
+    rows = np.empty(len(sort), dtype=_INSTR_DTYPE)
+    rows["op"], rows["microbatch"], rows["peer"], rows["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
+    return Instructions(rows)
 
 
 def build_execution_plans(
@@ -714,15 +822,19 @@ def build_execution_plans(
     schedule: str,
     predicted_makespan_ms: float = 0.0,
     verify: bool = True,
+    timeline: "tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]] | None" = None,
 ) -> list[ExecutionPlan]:
     """One validated :class:`ExecutionPlan` per stage, proven deadlock-free.
 
-    ``verify=False`` skips the validation and the deadlock check, which cost about three times
-    the lowering itself; the planner does so for orders its schedules produce (FIFO-consistent
-    by construction, and checked by the test suite).
+    ``verify=False`` skips the validation and the deadlock check, which cost many times the
+    lowering itself; the planner does so for orders its schedules produce (FIFO-consistent by
+    construction, and checked by the test suite).
 
     ``recompute``: one choice for all, one per micro-batch, or one list per stage (``[s][m]``,
-    e.g. a ``(P, n)`` numpy array). Raises ValueError for malformed orders (every stage must run
+    e.g. a ``(P, n)`` numpy array). ``timeline``: start and end times of every stage's compute
+    ops in order, from a simulation of these orders (every op of positive duration); send
+    FINISHes are then placed where that timeline says the receive is posted, instead of by a
+    timeline of unit durations. Raises ValueError for malformed orders (every stage must run
     F and B of exactly the micro-batches ``0..n-1``) and :class:`DeadlockError` when the orders
     cannot run together (they wait on each other, or pair sends and receives differently).
     """
@@ -730,19 +842,20 @@ def build_execution_plans(
     if num_stages < 1:
         raise ValueError("need at least one stage order")
     n = len(microbatches)
-    per_stage = _per_stage_recompute(recompute, num_stages, n)
+    codes = _per_stage_recompute(recompute, num_stages, n)
     parsed = [_parse_order(o, s) for s, o in enumerate(orders)]
-    for s, ops in enumerate(parsed):
-        ids = sorted(m for kind, m in ops if kind == "F")
-        if ids != list(range(n)):
-            raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each, got {ids[:12]}")
-    ref = _Reference(parsed)
+    for s, order in enumerate(parsed):
+        ids = np.sort(order.microbatch[order.forward])
+        if not np.array_equal(ids, np.arange(n)):
+            raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each, got {ids[:12].tolist()}")
+    ref = _Reference(parsed, timeline)
+    rcs = list(RecomputeType)
     plans = []
-    for s, ops in enumerate(parsed):
+    for s, order in enumerate(parsed):
         plans.append(ExecutionPlan(
             stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
-            recompute=per_stage[s],
-            instructions=_lower(ops, s, num_stages, per_stage[s], ref),
+            recompute=[rcs[c] for c in codes[s].tolist()],
+            instructions=_lower(order, s, num_stages, codes[s], ref),
             predicted_makespan_ms=predicted_makespan_ms,
         ))
     if verify:
@@ -750,21 +863,29 @@ def build_execution_plans(
     return plans
 
 
-def _per_stage_recompute(recompute, num_stages: int, n: int) -> list[list[RecomputeType]]:
-    def parse(r) -> RecomputeType:
-        return RecomputeType.parse(int(r) if isinstance(r, np.integer) else r)
-
+def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
+    """[num_stages, n] recompute codes."""
     if isinstance(recompute, (RecomputeType, int, str, np.integer)):
-        return [[parse(recompute)] * n for _ in range(num_stages)]
-    rows = list(recompute)
-    nested = bool(rows) and not isinstance(rows[0], (RecomputeType, int, str, np.integer))
+        return np.full((num_stages, n), int(_parse_recompute(recompute)), dtype=np.int64)
+    rows = recompute if isinstance(recompute, np.ndarray) else list(recompute)
+    nested = len(rows) > 0 and not isinstance(rows[0], (RecomputeType, int, str, np.integer))
     if not nested:
         if len(rows) != n:
             raise ValueError(f"{len(rows)} recompute choices for {n} micro-batches")
-        return [[parse(r) for r in rows] for _ in range(num_stages)]
+        return np.tile(_codes(rows), (num_stages, 1))
     if len(rows) != num_stages or any(len(row) != n for row in rows):
         raise ValueError(f"per-stage recompute must be {num_stages} rows of {n} choices")
-    return [[parse(r) for r in row] for row in rows]
+    return np.stack([_codes(row) for row in rows]) if num_stages else np.zeros((0, n), dtype=np.int64)
+
+
+def _codes(choices) -> np.ndarray:
+    """Recompute codes of a sequence of choices (names, codes or RecomputeType)."""
+    if isinstance(choices, np.ndarray) and choices.dtype.kind in "iu":
+        if choices.size and not (choices.min() >= 0 and choices.max() <= max(RecomputeType)):
+            raise ValueError(f"unknown recompute code {choices.max() if choices.max() > 0 else choices.min()}: "
+                             "use 0 (none), 1 (selective) or 2 (full)")
+        return choices.astype(np.int64)
+    return np.array([int(_parse_recompute(r)) for r in choices], dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -333,10 +333,13 @@ def optimize_schedule(
 
 
 def execution_plans(choice: ScheduleChoice) -> list[ExecutionPlan]:
-    """One ExecutionPlan per stage for the chosen schedule (orders are FIFO-consistent by
-    construction, so the deadlock proof is left to `check_deadlock_free` and the tests)."""
+    """One ExecutionPlan per stage for the chosen schedule, send FINISHes placed by its simulated
+    timeline (orders are FIFO-consistent by construction, so the deadlock proof is left to
+    `check_deadlock_free` and the tests)."""
+    simulation = choice.simulation
     return build_execution_plans(choice.orders, list(choice.microbatches), choice.recompute,
-                                 choice.candidate.schedule, choice.makespan_ms, verify=False)
+                                 choice.candidate.schedule, choice.makespan_ms, verify=False,
+                                 timeline=(simulation.op_starts, simulation.op_ends))
 
 
 def resimulate(choice: ScheduleChoice, costs: StageCosts) -> SimulationResult:

@@ -111,6 +111,10 @@ class SimulationResult:
     # Micro-batches holding memory on each stage when its peak was reached (for recompute choice).
     peak_microbatches: list[tuple[int, ...]]
     events: list[Event] = field(default_factory=list)
+    # start and end of every stage's compute ops, in the order of `orders` (placing send
+    # FINISHes by the predicted timeline: plan.build_execution_plans)
+    op_starts: list[list[float]] = field(default_factory=list)
+    op_ends: list[list[float]] = field(default_factory=list)
 
     def fits(self, memory_limit_mb: float) -> bool:
         return bool(np.all(self.peak_memory <= memory_limit_mb + 1e-6))
@@ -149,6 +153,8 @@ class Timeline:
         self.peak = list(self.state)
         self.peak_mbs: list[tuple[int, ...]] = [() for _ in range(pp)]
         self.orders: list[Order] = [[] for _ in range(pp)]
+        self.op_starts: list[list[float]] = [[] for _ in range(pp)]
+        self.op_ends: list[list[float]] = [[] for _ in range(pp)]
 
     def run(self, s: int, kind: str, m: int, ready: float) -> float:
         """Execute op (kind, m) on stage s no earlier than `ready`; return its end time."""
@@ -171,6 +177,8 @@ class Timeline:
             if s > 0:
                 self.grad_arrival[s - 1][m] = self._send(self.link_up, s, m, end, "send-grad")
         self.orders[s].append((kind, m))
+        self.op_starts[s].append(start)
+        self.op_ends[s].append(end)
         if self.record:
             self.events.append(Event(s, kind, m, start, end))
         return end
@@ -197,6 +205,8 @@ class Timeline:
             orders=self.orders,
             peak_microbatches=self.peak_mbs,
             events=self.events,
+            op_starts=self.op_starts,
+            op_ends=self.op_ends,
         )
 
 
