@@ -80,7 +80,8 @@ def _sorted_samples(lengths: Sequence[int], indices: Sequence[int]) -> tuple[np.
 
 def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
     """Cost (ms) of a micro-batch of k = 1..max_mbs samples padded to each distinct length
-    (``max_mbs``: one bound for all, or one per distinct length).
+    (``max_mbs``: one bound for all, or one per distinct length), and which of the recompute
+    types that is (an index into them).
 
     Feasibility shrinks as k grows, so powers of two first bound the feasible width of each
     length and only the (length, k) pairs below that bound are evaluated.
@@ -92,10 +93,13 @@ def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
     first_bad = np.where(feasible.all(axis=1), most + 1, powers[np.argmin(feasible, axis=1)])
     width = np.minimum(first_bad - 1, max_mbs)  # no k >= first_bad fits
     table = np.full((len(seqs), max(1, int(width.max()))), np.inf)
+    cheapest = np.zeros(table.shape, dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), width)
     ks = np.concatenate([np.arange(1, w + 1) for w in width]) if rows.size else np.zeros(0, int)
-    table[rows, ks - 1] = _evaluate(costs, ks, seqs[rows], recompute, memory_limit_mb)
-    return seqs, table
+    times = _times_where_fit(costs, ks, seqs[rows], _types(recompute), memory_limit_mb)
+    cheapest[rows, ks - 1] = np.argmin(times, axis=0)
+    table[rows, ks - 1] = np.min(times, axis=0)
+    return seqs, table, cheapest
 
 
 def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
@@ -131,10 +135,25 @@ def partition_dp(
     num_thresholds: int = DP_THRESHOLDS,
     occurring_only: bool = False,
 ) -> list[MicroBatch]:
-    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t).
+    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t);
+    see `partition_dp_recompute`."""
+    return partition_dp_recompute(lengths, indices, costs, memory_limit_mb, recompute, round_to, num_thresholds,
+                                  occurring_only)[0]
 
-    With several recompute types each micro-batch is costed with the cheapest one that fits
-    (see `cheapest_recompute`).
+
+def partition_dp_recompute(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    costs: StageCosts,
+    memory_limit_mb: float,
+    recompute: RecomputeType | Sequence[RecomputeType] = RecomputeType.NONE,
+    round_to: int = 8,
+    num_thresholds: int = DP_THRESHOLDS,
+    occurring_only: bool = False,
+) -> tuple[list[MicroBatch], list[RecomputeType]]:
+    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t), and
+    the recompute type each was costed with: with several, the cheapest that fits (as
+    `cheapest_recompute` would choose).
 
     t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain.
     The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
@@ -161,7 +180,7 @@ def partition_dp(
             f"tensor/pipeline parallelism, or truncate long samples"
         )
     occurring = np.searchsorted(padded, np.unique(padded), side="right") if occurring_only else n
-    seqs, table = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
+    seqs, table, cheapest = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
     seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
     capped = _capped_costs(table, seq_row, caps)
@@ -189,7 +208,10 @@ def partition_dp(
         k = int(choice[row, j])
         bounds.append((j - k, j))
         j -= k
-    return [_microbatch(order, padded, lo, hi) for lo, hi in reversed(bounds)]
+    bounds.reverse()
+    types = _types(recompute)
+    return ([_microbatch(order, padded, lo, hi) for lo, hi in bounds],
+            [types[cheapest[seq_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
 
 
 def _capped_costs(table: np.ndarray, seq_row: list[int], caps: np.ndarray) -> dict[int, np.ndarray]:

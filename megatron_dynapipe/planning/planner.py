@@ -21,7 +21,7 @@ from .microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
-    partition_dp,
+    partition_dp_recompute,
     partition_token_based,
     partition_uniform,
     split_across_dp,
@@ -212,15 +212,16 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
     found, errors = [], []
     for label, types in options:
         try:
-            mbs = partition_dp(lengths, samples, costs, limit, types, spec.seqlen_round,
-                               FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, occurring_only=fast_mode)
+            mbs, recompute = partition_dp_recompute(
+                lengths, samples, costs, limit, types, spec.seqlen_round,
+                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, occurring_only=fast_mode)
         except MicroBatchingError as error:
             errors.append(error)
             continue
-        found.append(Microbatching(label, tuple(mbs), tuple(cheapest_recompute(costs, mbs, types, limit))))
+        found.append(Microbatching(label, tuple(mbs), tuple(recompute)))
     if not found:
         raise PlanningError(str(errors[-1]))
-    return sorted(found, key=lambda m: predicted_iteration_ms(costs, m))
+    return sorted(found, key=lambda m: predicted_iteration_ms(costs, m)) if len(found) > 1 else found
 
 
 def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> float:
@@ -230,13 +231,13 @@ def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> f
 
 
 def _times(costs, microbatches, recompute) -> np.ndarray:
-    """Bottleneck-stage time of each micro-batch under its own recompute type."""
+    """Bottleneck-stage time of each micro-batch under its own recompute type. Every type is
+    evaluated: the same query as the work table's (simulator.WorkTable), answered once."""
     mbs = np.array([mb.size for mb in microbatches])
     seq = np.array([mb.seq_len for mb in microbatches])
-    types = sorted(set(recompute))
-    stages = costs.by_recompute(mbs, seq, types)
+    stages = costs.by_recompute(mbs, seq, tuple(RecomputeType))
     per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
-    return per_type[[types.index(rc) for rc in recompute], np.arange(len(microbatches))]
+    return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
 
 
 def build_candidates(
