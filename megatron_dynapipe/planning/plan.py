@@ -579,8 +579,9 @@ class _Order(NamedTuple):
         return np.where(hit, positions[found] if len(ids) else -1, -1)
 
 
-def _parse_order(order: ComputeOrder, stage: int) -> _Order:
-    """The order as arrays, or ValueError naming the first item that breaks it."""
+def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
+    """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
+    an order a schedule made, trusted to be well formed)."""
     try:
         kinds, ids = zip(*order) if len(order) else ((), ())
         microbatch = np.array(ids, dtype=np.int64)
@@ -588,7 +589,7 @@ def _parse_order(order: ComputeOrder, stage: int) -> _Order:
     except (TypeError, ValueError, OverflowError):
         _explain_bad_order(order, stage)
     forward, backward = kinds == "F", kinds == "B"
-    if _well_formed(forward, backward, microbatch):
+    if not check or _well_formed(forward, backward, microbatch):
         return _Order(forward, microbatch)
     _explain_bad_order(order, stage)
 
@@ -770,6 +771,9 @@ def lower_to_instructions(
     return _lower(parsed, stage, num_stages, _recompute_codes(recompute, parsed), ref)
 
 
+_FORWARD, _BACKWARD, _LOAD_INPUT, _FREE_BUFFER = int(Op.FORWARD), int(Op.BACKWARD), int(Op.LOAD_INPUT), int(Op.FREE_BUFFER)
+_RECV_ACT, _RECV_GRAD = int(Op.RECV_ACT_START), int(Op.RECV_GRAD_START)
+_SEND_ACT, _SEND_GRAD = int(Op.SEND_ACT_START), int(Op.SEND_GRAD_START)
 # Where an instruction sits within the block of compute op i (see _lower).
 _SEND_FINISHES, _RECV_FINISH, _LOAD, _COMPUTE, _SEND_START, _FREE, _NEXT_RECV_STARTS = range(7)
 
@@ -792,18 +796,18 @@ def _lower(order: _Order, stage: int, num_stages: int, recompute: np.ndarray,
         parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
                       for c in (op, ids[where], peer, rc, key)])
 
-    add(positions, np.where(forward, Op.FORWARD, Op.BACKWARD), rc=recompute[ids], place=_COMPUTE)
+    add(positions, np.where(forward, _FORWARD, _BACKWARD), rc=recompute[ids], place=_COMPUTE)
     if first:
-        add(positions[forward], Op.LOAD_INPUT, place=_LOAD)
-    add(positions[~forward], Op.FREE_BUFFER, place=_FREE)
+        add(positions[forward], _LOAD_INPUT, place=_LOAD)
+    add(positions[~forward], _FREE_BUFFER, place=_FREE)
     if not (first and last):
         receives = positions[~forward] if first else positions[forward] if last else positions
-        start = np.where(forward[receives], Op.RECV_ACT_START, Op.RECV_GRAD_START)
+        start = np.where(forward[receives], _RECV_ACT, _RECV_GRAD)
         peer = np.where(forward[receives], stage - 1, stage + 1)
         add(receives, start, peer, block=np.maximum(receives - 2, -1), place=_NEXT_RECV_STARTS, tie=receives)
         add(receives, start + 1, peer, place=_RECV_FINISH)
         sends = positions[~forward] if last else positions[forward] if first else positions
-        start = np.where(forward[sends], Op.SEND_ACT_START, Op.SEND_GRAD_START)
+        start = np.where(forward[sends], _SEND_ACT, _SEND_GRAD)
         peer = np.where(forward[sends], stage + 1, stage - 1)
         add(sends, start, peer, place=_SEND_START)
         add(sends, start + 1, peer, block=_send_finish_slots(order, sends, stage, num_stages, ref),
@@ -843,7 +847,7 @@ def build_execution_plans(
         raise ValueError("need at least one stage order")
     n = len(microbatches)
     codes = _per_stage_recompute(recompute, num_stages, n)
-    parsed = [_parse_order(o, s) for s, o in enumerate(orders)]
+    parsed = [_parse_order(o, s, check=verify) for s, o in enumerate(orders)]
     for s, order in enumerate(parsed):
         ids = np.sort(order.microbatch[order.forward])
         if not np.array_equal(ids, np.arange(n)):
