@@ -47,6 +47,7 @@ forwards, whose receives are posted at the start), a gradient send before the en
 from __future__ import annotations
 
 import enum
+import functools
 import re
 import struct
 import zlib
@@ -569,15 +570,6 @@ class _Order(NamedTuple):
     forward: np.ndarray  # bool, per compute op
     microbatch: np.ndarray  # int64, per compute op
 
-    def position(self, forward: bool, microbatches: np.ndarray) -> np.ndarray:
-        """Where F (or B) of each of ``microbatches`` sits in this order; -1 where it does not."""
-        where = np.flatnonzero(self.forward == forward)
-        by_id = np.argsort(self.microbatch[where], kind="stable")
-        ids, positions = self.microbatch[where][by_id], where[by_id]
-        found = np.minimum(np.searchsorted(ids, microbatches), max(len(ids) - 1, 0))
-        hit = (ids[found] == microbatches) if len(ids) else np.zeros(len(microbatches), bool)
-        return np.where(hit, positions[found] if len(ids) else -1, -1)
-
 
 def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
     """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
@@ -695,36 +687,59 @@ class _Reference:
                 return
         self.start, self.end = _timeline(orders)
 
+    @functools.cached_property
+    def end_flat(self) -> np.ndarray:
+        return np.concatenate(self.end) if self.end else np.zeros(0)
 
-def _send_finish_slots(order: _Order, sends: np.ndarray, stage: int, num_stages: int,
-                       ref: "_Reference | None") -> np.ndarray:
-    """For the compute ops at positions ``sends`` (those that send), the compute op index each
-    send's FINISH goes before (``len(order)``: the end of the plan)."""
-    count = len(order.microbatch)
-    forward, ids = order.forward[sends], order.microbatch[sends]
-    if ref is None:
-        return _send_finish_slots_alone(order, sends, forward, ids)
-    slots = np.empty(len(sends), dtype=np.int64)
-    for kind, mask, peer in (("F", forward, stage + 1), ("B", ~forward, stage - 1)):
-        if not mask.any():
-            continue
-        c = ref.orders[peer].position(kind == "F", ids[mask])
-        if np.any(c < 0):
-            raise ValueError(f"stage {peer} order has no {kind}{ids[mask][np.argmax(c < 0)]} "
-                             f"to receive stage {stage}'s send")
-        # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
-        posted = np.where(c <= 1, -np.inf, ref.end[peer][np.maximum(c - 2, 0)])
-        # start times rise along a stage's order, so the first op starting no earlier is a search
-        slots[mask] = np.maximum(sends[mask] + 1, np.searchsorted(ref.start[stage], posted, side="left"))
-    return np.minimum(slots, count)
+    @functools.cached_property
+    def offset(self) -> np.ndarray:
+        """Where each stage's ops begin in the stages' orders laid end to end."""
+        return np.concatenate([[0], np.cumsum([len(o.microbatch) for o in self.orders])]).astype(np.int64)
+
+    @functools.cached_property
+    def _lookup(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Sorted keys (stage, kind, micro-batch) of every op and their positions in their stage."""
+        width = 1 + max((int(o.microbatch.max()) for o in self.orders if o.microbatch.size), default=0)
+        keys = np.concatenate([(2 * s + ~o.forward) * width + o.microbatch for s, o in enumerate(self.orders)])
+        positions = np.concatenate([np.arange(len(o.microbatch)) for o in self.orders])
+        by_key = np.argsort(keys, kind="stable")
+        return keys[by_key], positions[by_key], width
+
+    def position(self, stage: np.ndarray, forward: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
+        """Where F (forward) or B of each micro-batch sits in that stage's order; -1 where not."""
+        keys, positions, width = self._lookup
+        query = (2 * stage + ~forward) * width + microbatch
+        found = np.minimum(np.searchsorted(keys, query), max(len(keys) - 1, 0))
+        hit = (microbatch < width) & (keys[found] == query) if len(keys) else np.zeros(len(query), bool)
+        return np.where(hit, positions[found] if len(keys) else -1, -1)
 
 
-def _send_finish_slots_alone(order: _Order, sends, forward, ids) -> np.ndarray:
+def _send_finish_slots(ops: "_Ops", sends: np.ndarray, ref: _Reference) -> np.ndarray:
+    """For the compute ops ``sends`` (row indices into ``ops``, ops that send), the position in
+    their stage's order of the compute op each send's FINISH goes before (``len(order)``: the
+    end of the plan)."""
+    stage, forward, ids = ops.stage[sends], ops.forward[sends], ops.microbatch[sends]
+    peer = np.where(forward, stage + 1, stage - 1)
+    c = ref.position(peer, forward, ids)
+    if np.any(c < 0):
+        bad = int(np.argmax(c < 0))
+        raise ValueError(f"stage {peer[bad]} order has no {'F' if forward[bad] else 'B'}{ids[bad]} "
+                         f"to receive stage {stage[bad]}'s send")
+    # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
+    posted = np.where(c <= 1, -np.inf, ref.end_flat[ref.offset[peer] + np.maximum(c - 2, 0)])
+    slots = ops.position[sends] + 1
+    for s in np.unique(stage).tolist():  # start times rise along a stage's order: a search finds the op
+        mine = stage == s
+        slots[mine] = np.maximum(slots[mine], np.searchsorted(ref.start[s], posted[mine], side="left"))
+    return slots
+
+
+def _send_finish_slots_alone(order: _Order, sends: np.ndarray) -> np.ndarray:
     """Only this stage's order is known: use what it proves about the neighbours on its own.
     An activation send of the first two forwards is received from the start (ops 0 and 1 of
     the next stage); a later one finishes before the first backward of a micro-batch forwarded
     no earlier (B(k) there needs F(k), hence F(m), there); a gradient send at the end."""
-    count = len(order.microbatch)
+    count, forward, ids = len(order.microbatch), order.forward[sends], order.microbatch[sends]
     f_rank = np.empty(int(order.microbatch.max()) + 1, dtype=np.int64)
     f_rank[order.microbatch[order.forward]] = np.arange(int(order.forward.sum()))
     backwards = np.flatnonzero(~order.forward)
@@ -768,7 +783,7 @@ def lower_to_instructions(
         if not (np.array_equal(mine.forward, parsed.forward) and np.array_equal(mine.microbatch, parsed.microbatch)):
             raise ValueError(f"orders[{stage}] differs from the order being lowered")
         ref = _Reference(all_parsed)
-    return _lower(parsed, stage, num_stages, _recompute_codes(recompute, parsed), ref)
+    return _lower([(stage, parsed, _recompute_codes(recompute, parsed))], num_stages, ref)[0]
 
 
 _FORWARD, _BACKWARD, _LOAD_INPUT, _FREE_BUFFER = int(Op.FORWARD), int(Op.BACKWARD), int(Op.LOAD_INPUT), int(Op.FREE_BUFFER)
@@ -778,45 +793,74 @@ _SEND_ACT, _SEND_GRAD = int(Op.SEND_ACT_START), int(Op.SEND_GRAD_START)
 _SEND_FINISHES, _RECV_FINISH, _LOAD, _COMPUTE, _SEND_START, _FREE, _NEXT_RECV_STARTS = range(7)
 
 
-def _lower(order: _Order, stage: int, num_stages: int, recompute: np.ndarray,
-           ref: "_Reference | None") -> "Instructions":
-    """Every instruction gets a sort key (block, place, tie): block i holds, in this order, the
-    send FINISHes placed before compute op i (by the op that sent), op i's receive FINISH, its
-    LOAD_INPUT, the op itself, its send START, its FREE_BUFFER, and the receive START of op
-    i + 2 (block -1 posts the receives of ops 0 and 1; block len(order) the last FINISHes).
-    One sort of the keys is the instruction list."""
+class _Ops(NamedTuple):
+    """The compute ops of the stages being lowered, laid end to end, one row each."""
+
+    stage: np.ndarray
+    forward: np.ndarray
+    microbatch: np.ndarray
+    position: np.ndarray  # in its stage's order
+    recompute: np.ndarray  # code of its micro-batch's recompute on its stage
+
+    @classmethod
+    def of(cls, stages: Sequence[tuple[int, _Order, np.ndarray]]) -> "_Ops":
+        """From (stage, order, recompute codes by micro-batch id) of each stage to lower."""
+        return cls(np.concatenate([np.full(len(o.microbatch), s, dtype=np.int64) for s, o, _ in stages]),
+                   np.concatenate([o.forward for _, o, _ in stages]),
+                   np.concatenate([o.microbatch for _, o, _ in stages]),
+                   np.concatenate([np.arange(len(o.microbatch)) for _, o, _ in stages]),
+                   np.concatenate([codes[o.microbatch] for _, o, codes in stages]))
+
+
+def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
+           ref: "_Reference | None") -> list["Instructions"]:
+    """Every instruction gets a sort key (stage, block, place, tie): block i of a stage holds, in
+    this order, the send FINISHes placed before compute op i (by the op that sent), op i's
+    receive FINISH, its LOAD_INPUT, the op itself, its send START, its FREE_BUFFER, and the
+    receive START of op i + 2 (block -1 posts the receives of ops 0 and 1; block len(order) the
+    last FINISHes). One sort of the keys, over all stages at once, is every instruction list."""
+    ops = _Ops.of(stages)
+    stage, forward, position = ops.stage, ops.forward, ops.position
     first, last = stage == 0, stage == num_stages - 1
-    forward, ids = order.forward, order.microbatch
-    count = len(ids)
-    positions = np.arange(count)
+    rows = np.arange(len(stage))
+    longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
     parts = []  # (op, micro-batch, peer, recompute, sort key) arrays
 
     def add(where, op, peer=-1, rc=0, block=None, place=0, tie=0):
-        key = (((where if block is None else block) + 1) * 7 + place) * (count + 1) + tie
+        block = position[where] if block is None else block
+        key = ((stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
         parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
-                      for c in (op, ids[where], peer, rc, key)])
+                      for c in (op, ops.microbatch[where], peer, rc, key)])
 
-    add(positions, np.where(forward, _FORWARD, _BACKWARD), rc=recompute[ids], place=_COMPUTE)
-    if first:
-        add(positions[forward], _LOAD_INPUT, place=_LOAD)
-    add(positions[~forward], _FREE_BUFFER, place=_FREE)
-    if not (first and last):
-        receives = positions[~forward] if first else positions[forward] if last else positions
-        start = np.where(forward[receives], _RECV_ACT, _RECV_GRAD)
-        peer = np.where(forward[receives], stage - 1, stage + 1)
-        add(receives, start, peer, block=np.maximum(receives - 2, -1), place=_NEXT_RECV_STARTS, tie=receives)
-        add(receives, start + 1, peer, place=_RECV_FINISH)
-        sends = positions[~forward] if last else positions[forward] if first else positions
-        start = np.where(forward[sends], _SEND_ACT, _SEND_GRAD)
-        peer = np.where(forward[sends], stage + 1, stage - 1)
-        add(sends, start, peer, place=_SEND_START)
-        add(sends, start + 1, peer, block=_send_finish_slots(order, sends, stage, num_stages, ref),
-            place=_SEND_FINISHES, tie=sends)
+    add(rows, np.where(forward, _FORWARD, _BACKWARD), rc=ops.recompute, place=_COMPUTE)
+    add(rows[forward & first], _LOAD_INPUT, place=_LOAD)
+    add(rows[~forward], _FREE_BUFFER, place=_FREE)
+    receives = rows[np.where(forward, ~first, ~last)]
+    start = np.where(forward[receives], _RECV_ACT, _RECV_GRAD)
+    peer = np.where(forward[receives], stage[receives] - 1, stage[receives] + 1)
+    add(receives, start, peer, block=np.maximum(position[receives] - 2, -1), place=_NEXT_RECV_STARTS,
+        tie=position[receives])
+    add(receives, start + 1, peer, place=_RECV_FINISH)
+    sends = rows[np.where(forward, ~last, ~first)]
+    start = np.where(forward[sends], _SEND_ACT, _SEND_GRAD)
+    peer = np.where(forward[sends], stage[sends] + 1, stage[sends] - 1)
+    add(sends, start, peer, place=_SEND_START)
+    if ref is not None:
+        slots = _send_finish_slots(ops, sends, ref)
+    else:  # each stage on its own
+        slots = np.empty(len(sends), dtype=np.int64)
+        for s, order, _ in stages:
+            mine = stage[sends] == s
+            if mine.any():
+                slots[mine] = _send_finish_slots_alone(order, position[sends[mine]])
+    add(sends, start + 1, peer, block=slots, place=_SEND_FINISHES, tie=position[sends])
     op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in parts]) for k in range(5))
     sort = np.argsort(key, kind="stable")
-    rows = np.empty(len(sort), dtype=_INSTR_DTYPE)
-    rows["op"], rows["microbatch"], rows["peer"], rows["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
-    return Instructions(rows)
+    table = np.empty(len(sort), dtype=_INSTR_DTYPE)
+    table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
+    stage_of_key = key // (7 * longest * (longest + 1))
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=num_stages))])
+    return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in stages]
 
 
 def build_execution_plans(
@@ -854,14 +898,11 @@ def build_execution_plans(
             raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each, got {ids[:12].tolist()}")
     ref = _Reference(parsed, timeline)
     rcs = list(RecomputeType)
-    plans = []
-    for s, order in enumerate(parsed):
-        plans.append(ExecutionPlan(
-            stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
-            recompute=[rcs[c] for c in codes[s].tolist()],
-            instructions=_lower(order, s, num_stages, codes[s], ref),
-            predicted_makespan_ms=predicted_makespan_ms,
-        ))
+    lowered = _lower([(s, order, codes[s]) for s, order in enumerate(parsed)], num_stages, ref)
+    plans = [ExecutionPlan(stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
+                           recompute=[rcs[c] for c in codes[s].tolist()], instructions=instructions,
+                           predicted_makespan_ms=predicted_makespan_ms)
+             for s, instructions in enumerate(lowered)]
     if verify:
         check_deadlock_free(plans)
     return plans
