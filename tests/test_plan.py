@@ -517,3 +517,8 @@ def test_a_timeline_with_a_zero_length_op_is_not_trusted_and_a_wrong_one_is_refu
     starts, ends = simulated_timeline(orders, 4, rng)
     with pytest.raises(ValueError, match="every compute op of every stage"):
         build_execution_plans(orders, microbatches(4), NONE, "random", timeline=(starts, ends[:2]))
+
+
+def test_an_order_item_that_is_not_a_pair_is_refused_among_pairs():
+    with pytest.raises(ValueError, match=r"item #1 \('B', 0, 'x'\) is not a"):
+        lower_to_instructions([("F", 0), ("B", 0, "x")], 0, 1, NONE)

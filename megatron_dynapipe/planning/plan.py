@@ -575,6 +575,8 @@ def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
     """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
     an order a schedule made, trusted to be well formed)."""
     try:
+        if check and any(len(item) != 2 for item in order):
+            raise ValueError  # zip would drop a longer item's extras
         kinds, ids = zip(*order) if len(order) else ((), ())
         microbatch = np.array(ids, dtype=np.int64)
         kinds = np.array(kinds, dtype=object)
