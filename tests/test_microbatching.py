@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_dynapipe.planning.microbatching import (
+    cheapest_recompute,
     MicroBatchingError,
     microbatch_fits,
     microbatch_times,
@@ -42,7 +43,7 @@ def objective(costs, runs, sorted_lengths, rc):
 def test_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed, rc):
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.integers(20, 1000, size=9)]
-    found = partition_dp(lengths, range(len(lengths)), costs_pp4, LIMIT, rc, num_thresholds=10_000)
+    found, _ = partition_dp(lengths, range(len(lengths)), costs_pp4, LIMIT, rc, num_thresholds=10_000)
     sorted_lengths = sorted(lengths)
     best = min(objective(costs_pp4, runs, sorted_lengths, rc) for runs in compositions(len(lengths)))
     times = [float(microbatch_times(costs_pp4, mb.size, mb.seq_len, rc)) for mb in found]
@@ -52,7 +53,7 @@ def test_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed, rc):
 def test_microbatches_are_consecutive_runs_of_sorted_samples(costs_pp4):
     rng = np.random.default_rng(7)
     lengths = [int(x) for x in rng.integers(8, 2048, size=200)]
-    mbs = partition_dp(lengths, range(200), costs_pp4, LIMIT, RecomputeType.FULL)
+    mbs, _ = partition_dp(lengths, range(200), costs_pp4, LIMIT, RecomputeType.FULL)
     placed = [i for mb in mbs for i in mb.samples]
     assert sorted(placed) == list(range(200))
     assert [lengths[i] for i in placed] == sorted(lengths)
@@ -112,3 +113,12 @@ def test_the_long_mix_reaches_its_cap_often_and_stays_within_it():
     assert lengths.min() >= 8 and lengths.max() == LONG_MAX_LENGTH == 4096
     assert 0.15 < np.mean(lengths == 4096) < 0.3  # a sizeable share is cut at the context length
     assert np.median(lengths) < 2048  # and the rest spreads below it
+
+
+def test_the_dp_reports_the_recompute_each_microbatch_was_costed_with(costs_pp4):
+    rng = np.random.default_rng(11)
+    lengths = [int(x) for x in rng.integers(8, 4096, size=120)]
+    types = (RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL)
+    mbs, recompute = partition_dp(lengths, range(120), costs_pp4, LIMIT, types)
+    assert recompute == cheapest_recompute(costs_pp4, mbs, types, LIMIT)
+    assert partition_dp([], [], costs_pp4, LIMIT, types) == ([], [])

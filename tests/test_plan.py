@@ -522,3 +522,8 @@ def test_a_timeline_with_a_zero_length_op_is_not_trusted_and_a_wrong_one_is_refu
 def test_an_order_item_that_is_not_a_pair_is_refused_among_pairs():
     with pytest.raises(ValueError, match=r"item #1 \('B', 0, 'x'\) is not a"):
         lower_to_instructions([("F", 0), ("B", 0, "x")], 0, 1, NONE)
+
+
+def test_an_unknown_numpy_recompute_code_is_named():
+    with pytest.raises(ValueError, match="unknown recompute code -1"):
+        build_execution_plans(one_f_one_b(2, 2), microbatches(2), np.array([[1, -1], [0, 0]]), "1f1b")

@@ -134,22 +134,6 @@ def partition_dp(
     round_to: int = 8,
     num_thresholds: int = DP_THRESHOLDS,
     occurring_only: bool = False,
-) -> list[MicroBatch]:
-    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t);
-    see `partition_dp_recompute`."""
-    return partition_dp_recompute(lengths, indices, costs, memory_limit_mb, recompute, round_to, num_thresholds,
-                                  occurring_only)[0]
-
-
-def partition_dp_recompute(
-    lengths: Sequence[int],
-    indices: Sequence[int],
-    costs: StageCosts,
-    memory_limit_mb: float,
-    recompute: RecomputeType | Sequence[RecomputeType] = RecomputeType.NONE,
-    round_to: int = 8,
-    num_thresholds: int = DP_THRESHOLDS,
-    occurring_only: bool = False,
 ) -> tuple[list[MicroBatch], list[RecomputeType]]:
     """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t), and
     the recompute type each was costed with: with several, the cheapest that fits (as
@@ -166,7 +150,7 @@ def partition_dp_recompute(
     order, sorted_lengths = _sorted_samples(lengths, indices)
     n = len(order)
     if n == 0:
-        return []
+        return [], []
     padded = round_up(sorted_lengths, round_to)
     if not np.isfinite(_evaluate(costs, 1, padded[-1], recompute, memory_limit_mb)):
         longest = int(padded[-1])

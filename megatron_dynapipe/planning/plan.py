@@ -450,7 +450,7 @@ class ExecutionPlan:
             sizes.astype("<u4").tobytes(),
             np.array([int(r) for r in self.recompute], dtype="u1").tobytes(),
             samples.astype("<u4").tobytes(),
-            self.instructions.rows.astype(_INSTR_DTYPE).tobytes(),
+            self.instructions.rows.tobytes(),
         ])
         return body + _CRC.pack(zlib.crc32(body))
 
@@ -623,11 +623,14 @@ def _explain_bad_order(order: ComputeOrder, stage: int) -> NoReturn:
 def _recompute_codes(recompute: RecomputeSpec, order: _Order) -> np.ndarray:
     """The recompute code of every micro-batch the order forwards, indexed by micro-batch id."""
     size = int(order.microbatch.max()) + 1 if order.microbatch.size else 0
-    if isinstance(recompute, (RecomputeType, int, str, np.integer)):
+    if isinstance(recompute, _ONE_CHOICE):
         return np.full(size, int(_parse_recompute(recompute)), dtype=np.int64)
     if size > len(recompute):
         raise ValueError(f"no recompute choice for micro-batch {size - 1} (got {len(recompute)})")
     return _codes(recompute[:size])
+
+
+_ONE_CHOICE = (RecomputeType, int, str, np.integer)  # a recompute spec that is one choice, not one per micro-batch
 
 
 def _parse_recompute(r) -> RecomputeType:
@@ -912,10 +915,10 @@ def build_execution_plans(
 
 def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
     """[num_stages, n] recompute codes."""
-    if isinstance(recompute, (RecomputeType, int, str, np.integer)):
+    if isinstance(recompute, _ONE_CHOICE):
         return np.full((num_stages, n), int(_parse_recompute(recompute)), dtype=np.int64)
     rows = recompute if isinstance(recompute, np.ndarray) else list(recompute)
-    nested = len(rows) > 0 and not isinstance(rows[0], (RecomputeType, int, str, np.integer))
+    nested = len(rows) > 0 and not isinstance(rows[0], _ONE_CHOICE)
     if not nested:
         if len(rows) != n:
             raise ValueError(f"{len(rows)} recompute choices for {n} micro-batches")
@@ -928,9 +931,9 @@ def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
 def _codes(choices) -> np.ndarray:
     """Recompute codes of a sequence of choices (names, codes or RecomputeType)."""
     if isinstance(choices, np.ndarray) and choices.dtype.kind in "iu":
-        if choices.size and not (choices.min() >= 0 and choices.max() <= max(RecomputeType)):
-            raise ValueError(f"unknown recompute code {choices.max() if choices.max() > 0 else choices.min()}: "
-                             "use 0 (none), 1 (selective) or 2 (full)")
+        unknown = choices[(choices < 0) | (choices > max(RecomputeType))]
+        if unknown.size:
+            raise ValueError(f"unknown recompute code {unknown[0]}: use 0 (none), 1 (selective) or 2 (full)")
         return choices.astype(np.int64)
     return np.array([int(_parse_recompute(r)) for r in choices], dtype=np.int64)
 

@@ -21,7 +21,7 @@ from .microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
-    partition_dp_recompute,
+    partition_dp,
     partition_token_based,
     partition_uniform,
     split_across_dp,
@@ -212,7 +212,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
     found, errors = [], []
     for label, types in options:
         try:
-            mbs, recompute = partition_dp_recompute(
+            mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
                 FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, occurring_only=fast_mode)
         except MicroBatchingError as error:
