@@ -326,6 +326,9 @@ def test_minimal_file_loads_and_absent_recompute_is_infeasible(tmp_path):
          "no peak activation memory"),
         (lambda d: {**d, "model_state_memory": d["model_state_memory"][:1]},
          "no model_state_memory of the encoder"),
+        (lambda d: {**d, "microbatch_overhead": {}}, "'microbatch_overhead' is not a list"),
+        (lambda d: {**d, "microbatch_overhead": [_overhead(per="batch")]}, "a per of stage, layer"),
+        (lambda d: {**d, "microbatch_overhead": [_overhead(ms=-1.0)]}, "not a finite number >= 0"),
     ],
 )
 def test_malformed_files_give_one_line_errors(tmp_path, mutate, fragment):
@@ -335,6 +338,33 @@ def test_malformed_files_give_one_line_errors(tmp_path, mutate, fragment):
     msg = str(e.value)
     assert fragment in msg and str(path) in msg and "docs/cost_model.md" in msg
     assert "\n" not in msg
+
+
+def _overhead(**kw):
+    return {"tp": 1, "per": "stage", "phase": "forward", "ms": 1.0, "ms_per_token": 0.0, **kw}
+
+
+def test_the_microbatch_overhead_is_paid_once_per_stage_and_once_per_layer(tmp_path):
+    lines = {("stage", "forward"): (2.0, 0.01), ("stage", "backward"): (3.0, 0.0),
+             ("layer", "forward"): (0.5, 0.001), ("layer", "backward"): (0.25, 0.002)}
+    doc = dict(_minimal_doc(), microbatch_overhead=[
+        _overhead(per=per, phase=phase, ms=ms, ms_per_token=per_token) for (per, phase), (ms, per_token) in lines.items()]
+        + [_overhead(tp=2, ms=100.0)])  # another TP size's: not this one's
+    cm = ProfiledCostModel.from_json(_write(tmp_path, doc), 1, hidden_size=64)
+    bare = ProfiledCostModel.from_json(_write(tmp_path, _minimal_doc()), 1, hidden_size=64)
+    with_overhead, without = StageCosts(cm, num_layers=5, pp=2), StageCosts(bare, num_layers=5, pp=2)  # 3 + 2 layers
+    tokens = 2 * 32
+    for stage, layers in ((0, 3), (1, 2)):
+        forward = 2.0 + 0.01 * tokens + layers * (0.5 + 0.001 * tokens)
+        backward = 3.0 + layers * (0.25 + 0.002 * tokens)
+        assert with_overhead.forward_ms(stage, 2, 32, R.NONE) == pytest.approx(without.forward_ms(stage, 2, 32, R.NONE) + forward)
+        assert with_overhead.backward_ms(stage, 2, 32, R.NONE) == pytest.approx(without.backward_ms(stage, 2, 32, R.NONE) + backward)
+    every = with_overhead.all_stages(np.array([2, 1]), np.array([32, 16]), R.NONE)  # the planner's path agrees
+    for stage in (0, 1):
+        assert every["forward"][stage] == pytest.approx(
+            [with_overhead.forward_ms(stage, 2, 32, R.NONE), with_overhead.forward_ms(stage, 1, 16, R.NONE)])
+    assert math.isinf(with_overhead.forward_ms(0, 64, 32, R.NONE))  # infeasible stays infeasible
+    assert bare.microbatch_overhead_ms("forward", 2, 32, 3) == 0.0  # none measured: none paid
 
 
 def test_load_cost_model_picks_the_source(profile):

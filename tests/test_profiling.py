@@ -68,6 +68,12 @@ def test_the_profile_loads_and_plans(tiny_profile, tmp_path):
     assert "predicted iteration" in plan.stdout
 
 
+def overhead(doc, phase, tokens, layers, tp=1):
+    """What the profile's microbatch_overhead records charge a stage of ``layers`` layers."""
+    return sum((r["ms"] + r["ms_per_token"] * tokens) * (layers if r["per"] == "layer" else 1)
+               for r in records(doc, "microbatch_overhead", tp=tp, phase=phase))
+
+
 def test_the_embedding_is_timed_and_priced_on_the_first_stage(tiny_profile):
     out, doc = tiny_profile
     times = {(r["tp"], r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]): r["ms"] for r in doc["layer_time"]}
@@ -80,8 +86,22 @@ def test_the_embedding_is_timed_and_priced_on_the_first_stage(tiny_profile):
         embedding = times[(1, rc, "preprocess", "backward", 128, 2)]
         head = times[(1, rc, "postprocess", "backward", 128, 2)]
         assert 0 < embedding < enc
-        assert stages.backward_ms(0, 2, 128, rc) == pytest.approx(2 * enc + embedding, rel=1e-12)
-        assert stages.backward_ms(1, 2, 128, rc) == pytest.approx(2 * enc + head, rel=1e-12)
+        extra = overhead(doc, "backward", 2 * 128, layers=2)
+        assert stages.backward_ms(0, 2, 128, rc) == pytest.approx(2 * enc + embedding + extra, rel=1e-12)
+        assert stages.backward_ms(1, 2, 128, rc) == pytest.approx(2 * enc + head + extra, rel=1e-12)
+
+
+def test_a_whole_training_step_costs_more_than_its_parts(tiny_profile):
+    """Each TP size gets its per-micro-batch overhead, once per stage and once per layer, both
+    phases, fitted over several shapes; a stage of the model (its wrapper, DDP's hooks, the
+    executor, the loss) takes longer per micro-batch than its parts timed alone."""
+    _, doc = tiny_profile
+    for tp in (1, 2):
+        lines = records(doc, "microbatch_overhead", tp=tp)
+        assert sorted((r["per"], r["phase"]) for r in lines) == [
+            ("layer", "backward"), ("layer", "forward"), ("stage", "backward"), ("stage", "forward")]
+        assert all(r["ms"] >= 0 and r["ms_per_token"] >= 0 and r["points"] >= 3 for r in lines)
+        assert overhead(doc, "forward", 32, layers=1, tp=tp) + overhead(doc, "backward", 32, layers=1, tp=tp) > 0
 
 
 def test_a_profile_without_embedding_times_prices_the_embedding_at_nothing():
@@ -241,3 +261,23 @@ def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
     assert profile_mismatch(meta, model=dict(tiny, swiglu=True), dtype="bf16") == (
         "swiglu False (job: True); dtype fp32 (job: bf16)")
     assert profile_mismatch(load_cost_model("gpt-6.7b-a100", tp=1).metadata, model=tiny, dtype="bf16") is None
+
+
+@pytest.mark.parametrize("tokens, ms, line", [
+    ([32, 64, 256], [1.0 + 0.01 * t for t in (32, 64, 256)], (1.0, 0.01)),  # a line is found again
+    ([32, 64, 256], [3.0, 2.0, 1.0], (2.0, 0.0)),  # falling with tokens: their mean, constant
+    ([100, 200, 300], [0.0, 1.0, 2.0], (0.0, (200 * 1 + 300 * 2) / (100**2 + 200**2 + 300**2))),  # below zero at none: through the origin
+    ([64], [5.0], (0.0, 5.0 / 64)),  # one shape: through the origin
+])
+def test_the_overhead_line_is_the_least_squares_one_with_both_terms_at_least_zero(tokens, ms, line):
+    from megatron_dynapipe.profiling.overhead import fit_overhead
+
+    assert fit_overhead(tokens, ms) == pytest.approx(line)
+
+
+def test_overhead_is_timed_at_each_length_and_at_the_corners():
+    from megatron_dynapipe.profiling.overhead import overhead_shapes
+
+    measured = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1), (128, 2)]
+    assert overhead_shapes(measured) == [(32, 1), (32, 4), (64, 1), (128, 1), (128, 2)]
+    assert overhead_shapes([]) == []

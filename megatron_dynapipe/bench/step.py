@@ -230,10 +230,13 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     warnings.filterwarnings("ignore")
     import torch
 
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ..compat import cpu_compat
     from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+    from ..megatron.training_stage import build_training_stage, planned_step
+    from ..profiling.layers import DTYPES
     from ..profiling.measure import steady_cpu_allocator
 
     on_cpu = job["device"] == "cpu"
@@ -245,8 +248,10 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        ddp = _ddp_model(job, device)
-        runs = {name: _step_function(ddp, method, device, on_cpu) for name, method in methods.items()}
+        ddp = build_training_stage(job["model"], dtype=DTYPES[job["dtype"]], device=device, pp=job["pp"])
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        runs = {name: planned_step(ddp, method.plans[stage], method.microbatches, device)
+                for name, method in methods.items()}
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=ddp.zero_grad_buffer,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
         return {"times": times, "losses": _token_mean_losses(results), "threads": torch.get_num_threads(),
@@ -255,55 +260,6 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         destroy_model_parallel()
         if on_cpu:
             cpu_compat.disable_cpu_mode()
-
-
-def _ddp_model(job: dict, device):
-    """This stage of the GPT as Megatron-LM builds and wraps it (local layer spec, or TE's where
-    TE runs; Megatron's DDP, per-token loss, deallocated pipeline outputs)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
-    from ..profiling.layers import DTYPES
-
-    spec: ModelSpec = job["model"]
-    dtype, use_te = DTYPES[job["dtype"]], uses_transformer_engine(device.type)
-    config = transformer_config(spec, dtype=dtype, pp=job["pp"], on_gpu=device.type == "cuda", use_te=use_te,
-                                calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
-    model = build_gpt(spec, config, tp=1, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
-                      post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    return ddp
-
-
-def _step_function(ddp, method: Method, device, on_cpu: bool):
-    """One forward-backward of ``method``'s micro-batches on this stage; returns the loss dicts."""
-    import contextlib
-
-    import torch
-    from megatron.core import parallel_state
-
-    from ..compat import cpu_compat
-    from ..data.batch import PlannedBatch
-    from ..megatron.provider import forward_backward_dynapipe
-    from ..tracer.fake_rank import pretrain_gpt_forward_step
-
-    plan = method.plans[parallel_state.get_pipeline_model_parallel_rank()]
-    tensors = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in method.microbatches]
-    shape = dict(model=[ddp], num_microbatches=len(tensors), seq_length=plan.microbatches[0].seq_len,
-                 micro_batch_size=plan.microbatches[0].size)
-
-    def step() -> list:
-        with cpu_compat.cuda_as_cpu() if on_cpu else contextlib.nullcontext():
-            return forward_backward_dynapipe(forward_step_func=pretrain_gpt_forward_step,
-                                             data_iterator=iter([PlannedBatch(0, plan, tensors)]), **shape)
-
-    return step
 
 
 def _token_mean_losses(results: dict[str, list]) -> dict[str, float]:

@@ -42,6 +42,7 @@ MB = 2**20  # bytes in the "MB" every cost model speaks (the unit of the profile
 LAYERS = ("encoder", "postprocess", "preprocess")
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
 PHASES = ("forward", "backward")
+OVERHEAD_PER = ("stage", "layer")  # what a microbatch_overhead record is paid once per
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
@@ -104,6 +105,21 @@ class CostModel(abc.ABC):
     @abc.abstractmethod
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
+
+    def microbatch_overhead_ms(self, phase: str, mbs, seqlen, layers):
+        """Milliseconds a training step adds per micro-batch, in ``phase``, to the own times of
+        the parts of a stage of ``layers`` layers (GPTModel around them, the loss, DDP's gradient
+        hooks, the executor): once per stage and once per layer, each ``ms + ms_per_token *
+        mbs * seqlen`` as :attr:`microbatch_overhead` holds them (docs/cost_model.md)."""
+        _check_choice("phase", phase, PHASES)
+        tokens = _as_float(mbs) * _as_float(seqlen)
+        stage_ms, stage_per_token = self.microbatch_overhead.get(("stage", phase), (0.0, 0.0))
+        layer_ms, layer_per_token = self.microbatch_overhead.get(("layer", phase), (0.0, 0.0))
+        return stage_ms + stage_per_token * tokens + _as_float(layers) * (layer_ms + layer_per_token * tokens)
+
+    #: ("stage" | "layer", phase) -> (ms, ms per token) of :meth:`microbatch_overhead_ms`; none
+    #: unless measured
+    microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] = {}
 
     def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
         """Everything a pipeline stage needs of one micro-batch shape under each recompute type
@@ -291,6 +307,7 @@ class ProfiledCostModel(CostModel):
         params_mb: dict[str, float],
         name: str = "",
         metadata: dict | None = None,
+        microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
@@ -299,6 +316,7 @@ class ProfiledCostModel(CostModel):
         self._times = dict(times)
         self._memory = dict(memory)
         self._params = dict(params_mb)
+        self.microbatch_overhead = dict(microbatch_overhead or {})
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
         self._stacks: dict[tuple, _GridStack | None] = {}  # by tuple of recompute types, built on first use
 
@@ -391,6 +409,7 @@ class ProfiledCostModel(CostModel):
             params_mb=params,
             name=str(doc.get("name", os.path.basename(source))),
             metadata=doc.get("metadata") if isinstance(doc.get("metadata"), dict) else None,
+            microbatch_overhead=reader.overhead(tp),
         )
 
 
@@ -504,6 +523,25 @@ class _ProfileReader:
             if layer not in params:
                 self.fail(f"has no model_state_memory of the {layer} for tp={tp}")
         return times, memory, params
+
+    def overhead(self, tp: int) -> dict[tuple[str, str], tuple[float, float]]:
+        """The optional ``microbatch_overhead`` records of ``tp``: (per, phase) -> (ms, ms_per_token)."""
+        records = self.doc.get("microbatch_overhead", [])
+        if not isinstance(records, list):
+            self.fail("key 'microbatch_overhead' is not a list of records")
+        out = {}
+        for n, rec in enumerate(records):
+            where = f"microbatch_overhead record {n}"
+            if not isinstance(rec, dict) or rec.get("phase") not in PHASES or rec.get("per") not in OVERHEAD_PER:
+                self.fail(f"has a {where} that is not an object with a phase of {', '.join(PHASES)} and a per "
+                          f"of {', '.join(OVERHEAD_PER)}")
+            values = [rec.get(key) for key in ("tp", "ms", "ms_per_token")]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                       for v in values):
+                self.fail(f"has a {where} whose tp, ms or ms_per_token is not a finite number >= 0")
+            if values[0] == tp:
+                out[rec["per"], rec["phase"]] = (float(values[1]), float(values[2]))
+        return out
 
     def put(self, grid: dict, point: tuple[int, int], value: float, table: str) -> None:
         if point in grid and grid[point] != value:
@@ -671,7 +709,9 @@ class StageCosts:
 
     Layers are split as evenly as possible, earlier stages taking the remainder. Stage 0 also
     holds the embedding, the last stage the LM head (its time is ``postprocess``) and, when
-    ``pp > 1``, a tied copy of the embedding.
+    ``pp > 1``, a tied copy of the embedding. Every stage pays the model's per-micro-batch
+    overhead (:meth:`CostModel.microbatch_overhead_ms`) on top of its layers: each runs its own
+    executor, DDP hooks and model wrapper.
     """
 
     model: CostModel
@@ -708,7 +748,7 @@ class StageCosts:
             ms = ms + self.model.layer_ms("preprocess", phase, recompute, mbs, seqlen)
         if stage == self.pp - 1:
             ms = ms + self.model.layer_ms("postprocess", phase, recompute, mbs, seqlen)
-        return ms
+        return ms + self.model.microbatch_overhead_ms(phase, mbs, seqlen, self.layers_on(stage))
 
     def forward_ms(self, stage: int, mbs, seqlen, recompute):
         """Forward of one micro-batch through the stage's layers (+ LM head on the last)."""
@@ -754,9 +794,12 @@ class StageCosts:
         is_first = (np.arange(self.pp) == 0).reshape(column)
         costs = np.asarray(self.model.shape_costs(types, mbs, seqlen), dtype=float)[:, :, None]  # [T, 8, 1, *shape]
         encoder_fwd, encoder_bwd, head_fwd, head_bwd, embed_fwd, embed_bwd, stored, peak = (costs[:, k] for k in range(8))
+        overhead = {phase: self.model.microbatch_overhead_ms(phase, mbs, seqlen, layers) for phase in PHASES}
         out = {
-            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0) + np.where(is_first, embed_fwd, 0.0),
-            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0) + np.where(is_first, embed_bwd, 0.0),
+            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0) + np.where(is_first, embed_fwd, 0.0)
+            + overhead["forward"],
+            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0) + np.where(is_first, embed_bwd, 0.0)
+            + overhead["backward"],
             "stored": layers * stored,
             "peak": np.broadcast_to(peak, (len(types), self.pp) + shape),
         }

@@ -34,6 +34,7 @@ from ..planning.types import RecomputeType
 from ..gpt_build import uses_transformer_engine
 from .layers import DTYPES, Parts, build_parts, fake_tp_rank
 from .measure import is_out_of_memory, measure_memory, steady_cpu_allocator, time_step
+from .overhead import Overhead, measure_overhead, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
 
@@ -67,9 +68,10 @@ class ProfileSettings:
         return seqs + [self.max_seq_length]
 
     def grid_points(self) -> int:
-        """Points of the geometric grid (rows may stop earlier; refinement may add some)."""
+        """Points of the geometric grid (rows may stop earlier; refinement may add some), and
+        one whole-step measurement per TP size."""
         per_tp = sum(len(list(self.micro_batch_sizes(seq))) for seq in self.seq_lengths())
-        return per_tp * len(self.recompute) * len(self.tp_sizes)
+        return (per_tp * len(self.recompute) + 1) * len(self.tp_sizes)
 
     def micro_batch_sizes(self, seq: int) -> Iterable[int]:
         mbs = 1
@@ -90,6 +92,7 @@ class _Profile:
     params: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, layer) -> MB
     spread: dict[tuple, float] = field(default_factory=dict)  # same keys as times -> ms
     infeasible: set[tuple] = field(default_factory=set)  # (tp, rc, seq, mbs)
+    overhead: dict[int, Overhead] = field(default_factory=dict)  # tp -> what a step adds per micro-batch
 
     def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
         return (tp, rc.label, "encoder", "forward", seq, mbs) in self.times or (tp, rc.label, seq, mbs) in self.infeasible
@@ -108,6 +111,11 @@ class _Profile:
             "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
                                    for k, v in sorted(self.params.items())],
             "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
+            "microbatch_overhead": [dict(tp=tp, per=per, phase=phase, ms=round(ms, 4), ms_per_token=round(per_token, 7),
+                                         points=o.points)
+                                    for tp, o in sorted(self.overhead.items())
+                                    for per, lines in (("stage", o.stage), ("layer", o.layer))
+                                    for phase, (ms, per_token) in lines.items()],
         }
 
     def metadata(self, complete: bool) -> dict[str, Any]:
@@ -149,6 +157,14 @@ class _Profile:
         for r in doc.get("model_state_memory", []):
             profile.params[(r["tp"], r["recompute"], r["layer"])] = r["mb"]
         profile.infeasible = {(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc.get("infeasible", [])}
+        lines: dict[int, dict] = {}
+        for r in doc.get("microbatch_overhead", []):
+            lines.setdefault(r["tp"], {})[r["per"], r["phase"]] = (r["ms"], r["ms_per_token"])
+            lines[r["tp"]]["points"] = r.get("points", 0)
+        for tp, line in lines.items():
+            profile.overhead[tp] = Overhead(stage={phase: line["stage", phase] for phase in ("forward", "backward")},
+                                            layer={phase: line["layer", phase] for phase in ("forward", "backward")},
+                                            points=line["points"])
         return profile
 
 
@@ -201,6 +217,29 @@ def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) ->
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
     _refine(profile, parts, tp, seqs, output, progress)
+    if tp not in profile.overhead:
+        _measure_overhead(profile, tp, output, progress)
+
+
+def _measure_overhead(profile: _Profile, tp: int, output: Path, progress: Progress) -> None:
+    """What a whole training step adds per micro-batch (:mod:`.overhead`), measured with the
+    first recompute type profiled at the points its layers were measured."""
+    s, rc = profile.settings, profile.settings.recompute[0]
+
+    def ms(layer: str, phase: str, seq: int, mbs: int) -> float:
+        return profile.times[(tp, rc.label, layer, phase, seq, mbs)]
+
+    def parts_ms(phase: str, seq: int, mbs: int) -> tuple[float, float]:
+        return ms("encoder", phase, seq, mbs), ms("preprocess", phase, seq, mbs) + ms("postprocess", phase, seq, mbs)
+
+    measured = [(k[4], k[5]) for k in profile.times if k[:4] == (tp, rc.label, "encoder", "forward")]
+    progress(f"tp {tp} whole-step overhead")
+    found = measure_overhead(profile.spec, tp=tp, dtype=DTYPES[s.dtype], device=profile.device, recompute=rc,
+                             parts_ms=parts_ms, shapes=overhead_shapes(measured), repeats=s.repeats,
+                             min_time_ms=s.min_time_ms)
+    if found is not None:
+        profile.overhead[tp] = found
+        write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
 
 
 def _warm_up(profile: _Profile, parts: Parts) -> None:

@@ -1,0 +1,64 @@
+"""One pipeline stage of a GPT as Megatron-LM trains it, and one planned forward-backward of it.
+
+``bench step`` times these steps against the cost model's predictions, and the profiler times
+them to measure what a whole step adds per micro-batch to its layers' own times; both must run
+the same thing, so both build it here.  Imports torch and megatron-core when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+from ..models import ModelSpec
+
+__all__ = ["build_training_stage", "planned_step"]
+
+
+def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, num_layers: int | None = None):
+    """This rank's stage of ``spec`` (``num_layers`` of the whole model, default all) wrapped in
+    megatron-core's DDP as Megatron-LM trains it: local layer spec (TE's where TE runs), fp32
+    gradient buffer, per-token loss, deallocated pipeline outputs, gradients finalised at the end
+    of the step and not synchronised between micro-batches.  Needs megatron's parallel state."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
+
+    use_te = uses_transformer_engine(device.type)
+    config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
+                                use_te=use_te, calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
+    model = build_gpt(spec, config, tp=tp, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
+                      post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False) -> Callable[[], list]:
+    """A function running one forward-backward (or forward only) of ``plan`` over the
+    micro-batches ``tensors`` (dicts of numpy arrays, as ``gpt_microbatch`` makes them) through
+    DynaPipe's executor with Megatron-LM's GPT forward step; it returns the loss dicts."""
+    import torch
+
+    from ..compat import cpu_compat
+    from ..data.batch import PlannedBatch
+    from ..tracer.fake_rank import pretrain_gpt_forward_step
+    from .provider import forward_backward_dynapipe
+
+    on_device = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in tensors]
+    shape = dict(model=[ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,
+                 micro_batch_size=plan.microbatches[0].size, forward_only=forward_only)
+    cuda_as_cpu = cpu_compat.cuda_as_cpu if device.type == "cpu" else contextlib.nullcontext
+
+    def step() -> list:
+        with cuda_as_cpu():
+            return forward_backward_dynapipe(forward_step_func=pretrain_gpt_forward_step,
+                                             data_iterator=iter([PlannedBatch(0, plan, on_device)]), **shape)
+
+    return step

@@ -1,0 +1,160 @@
+"""What a whole training step adds per micro-batch to the times of the parts it runs.
+
+The profile times a transformer layer, the embedding and the head on their own.  A training step
+runs them inside GPTModel (positions, the causal mask, the layer stack), through Megatron's DDP
+(its gradient hooks, per parameter) and DynaPipe's executor, with the GPT forward step's loss
+mask and token count: work no part's time holds.  On the tiny GPT on a 2-core CPU a micro-batch
+of a 4-layer stage took 16.8 ms where its parts add up to 11.3 (32 tokens), and plans priced by
+the parts alone came out 6-23% short.  Some of it comes once per stage, some once per layer
+(a layer inside the model took 0.7-1.5 ms more than alone).
+
+So the profiler times the real thing: stages of 1 and of ``min(3, layers)`` layers, built as
+``bench step`` builds them (:mod:`..megatron.training_stage`), each running plans of 1 and of
+``MICROBATCHES`` identical micro-batches, forward only and forward-backward, all in turn so that
+the machine's drift hits all alike.  The difference of the two plans' times per added
+micro-batch leaves out what a step pays once (finalising the gradients); the two stages'
+difference per added layer, less the layer's profiled time, is the per-layer overhead; the rest
+of the 1-layer stage's time, less its parts', the per-stage one.  Each is fitted as ``ms +
+ms_per_token * tokens`` per phase over the shapes, by least squares with both terms >= 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..models import ModelSpec
+from ..planning.types import RecomputeType
+
+__all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
+
+MICROBATCHES = 3  # micro-batches of the longer plan; the shorter has one
+MOST_LAYERS = 3  # layers of the larger stage timed (the smaller has one)
+MAX_ROUNDS = 50  # of each run per shape, however short
+PHASES = ("forward", "backward")
+Line = tuple[float, float]  # (ms, ms per token)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """``(ms, ms per token)`` a step adds per micro-batch in each phase, once per stage and once
+    per layer of the stage; ``points`` shapes were fitted."""
+
+    stage: dict[str, Line]  # phase -> line
+    layer: dict[str, Line]
+    points: int
+
+
+def overhead_shapes(measured: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Shapes to time, among the (seq, mbs) the layers were measured at: one micro-batch of each
+    length, and the largest micro-batch of the shortest and of the longest length, so that the
+    fit spans the tokens a plan uses."""
+    if not measured:
+        return []
+    by_seq: dict[int, list[int]] = {}
+    for seq, mbs in measured:
+        by_seq.setdefault(seq, []).append(mbs)
+    shapes = {(seq, min(sizes)) for seq, sizes in by_seq.items()}
+    shapes |= {(seq, max(by_seq[seq])) for seq in (min(by_seq), max(by_seq))}
+    return sorted(shapes)
+
+
+def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` >= 0 minimising the squared error of ``a + b * tokens`` against ``ms``."""
+    t, y = np.asarray(tokens, dtype=float), np.asarray(ms, dtype=float)
+    if len(t) > 1 and np.ptp(t) > 0:
+        b, a = np.polyfit(t, y, 1)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+        if b < 0:  # no growth with tokens: a constant
+            return max(0.0, float(y.mean())), 0.0
+    b = max(0.0, float(t @ y / (t @ t))) if t.any() else 0.0  # through the origin
+    return 0.0, b
+
+
+def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, recompute: RecomputeType,
+                     parts_ms: Callable[[str, int, int], tuple[float, float]], shapes: Sequence[tuple[int, int]],
+                     repeats: int = 3, min_time_ms: float = 100.0) -> Overhead | None:
+    """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
+    :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
+    layer and of the embedding and head together there. None when no shape fits on the device."""
+    from ..megatron.training_stage import build_training_stage
+    from .measure import is_out_of_memory
+
+    counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
+    stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
+    tokens: list[int] = []
+    lines: dict[tuple[str, str], list[float]] = {(per, phase): [] for per in ("stage", "layer") for phase in PHASES}
+    for seq, mbs in shapes:
+        try:
+            per_microbatch = _per_microbatch_ms(stages, spec, recompute, seq, mbs, device, repeats, min_time_ms)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        tokens.append(seq * mbs)
+        for phase in PHASES:
+            layer_ms, ends_ms = parts_ms(phase, seq, mbs)
+            one = per_microbatch[1][phase]
+            added = (per_microbatch[counts[-1]][phase] - one) / (counts[-1] - 1) if len(counts) > 1 else layer_ms
+            lines["layer", phase].append(added - layer_ms)
+            lines["stage", phase].append(one - added - ends_ms)
+    if not tokens:
+        return None
+    fitted = {key: fit_overhead(tokens, values) for key, values in lines.items()}
+    return Overhead(stage={phase: fitted["stage", phase] for phase in PHASES},
+                    layer={phase: fitted["layer", phase] for phase in PHASES}, points=len(tokens))
+
+
+def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, seq: int, mbs: int,
+                       device: torch.device, repeats: int, min_time_ms: float) -> dict[int, dict[str, float]]:
+    """Per stage (by its layer count), the forward and backward ms one more micro-batch of
+    (seq, mbs) adds to a step: plans of 1 and of MICROBATCHES micro-batches, forward only and
+    forward-backward, run in turn until each has ``repeats`` runs and all add up to
+    ``min_time_ms``; the medians' differences."""
+    from ..data.preprocess import gpt_microbatch
+    from ..megatron.training_stage import planned_step
+    from ..planning.baselines import uniform_microbatches
+    from ..planning.plan import build_execution_plans
+    from ..planning.schedules import one_f_one_b_orders
+
+    rng = np.random.default_rng(seq * 1000 + mbs)
+    runs = {}
+    for count in (1, MICROBATCHES):
+        micro = uniform_microbatches(count * mbs, mbs, seq)
+        plan = build_execution_plans(one_f_one_b_orders(1, count), micro, recompute.label, "1f1b")[0]
+        tensors = [gpt_microbatch(list(rng.integers(0, spec.vocab_size, (mbs, seq))), seq) for _ in micro]
+        for layers, ddp in stages.items():
+            for forward_only in (True, False):
+                runs[layers, count, forward_only] = ddp, planned_step(ddp, plan, tensors, device,
+                                                                      forward_only=forward_only)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict = {key: [] for key in runs}
+    for ddp, run in runs.values():  # warm-up
+        ddp.zero_grad_buffer()
+        run()
+    while (min(map(len, times.values())) < repeats or sum(map(sum, times.values())) < min_time_ms / 1e3) \
+            and len(times[next(iter(times))]) < MAX_ROUNDS:
+        for key, (ddp, run) in runs.items():
+            ddp.zero_grad_buffer()
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times[key].append(time.perf_counter() - start)
+    ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+    added = MICROBATCHES - 1
+    out = {}
+    for layers in stages:
+        forward = (ms[layers, MICROBATCHES, True] - ms[layers, 1, True]) / added
+        step = (ms[layers, MICROBATCHES, False] - ms[layers, 1, False]) / added
+        out[layers] = {"forward": forward, "backward": step - forward}
+    return out
+
