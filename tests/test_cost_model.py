@@ -347,9 +347,9 @@ def _overhead(**kw):
 def test_the_microbatch_overhead_is_paid_once_per_stage_and_once_per_layer(tmp_path):
     lines = {("stage", "forward"): (2.0, 0.01), ("stage", "backward"): (3.0, 0.0),
              ("layer", "forward"): (0.5, 0.001), ("layer", "backward"): (0.25, 0.002)}
-    doc = dict(_minimal_doc(), microbatch_overhead=[
-        _overhead(per=per, phase=phase, ms=ms, ms_per_token=per_token) for (per, phase), (ms, per_token) in lines.items()]
-        + [_overhead(tp=2, ms=100.0)])  # another TP size's: not this one's
+    records = [_overhead(per=per, phase=phase, ms=ms, ms_per_token=per_token)
+               for (per, phase), (ms, per_token) in lines.items()]
+    doc = dict(_minimal_doc(), microbatch_overhead=records + [_overhead(tp=2, ms=100.0)])  # tp 2's: not tp 1's
     cm = ProfiledCostModel.from_json(_write(tmp_path, doc), 1, hidden_size=64)
     bare = ProfiledCostModel.from_json(_write(tmp_path, _minimal_doc()), 1, hidden_size=64)
     with_overhead, without = StageCosts(cm, num_layers=5, pp=2), StageCosts(bare, num_layers=5, pp=2)  # 3 + 2 layers
@@ -357,8 +357,10 @@ def test_the_microbatch_overhead_is_paid_once_per_stage_and_once_per_layer(tmp_p
     for stage, layers in ((0, 3), (1, 2)):
         forward = 2.0 + 0.01 * tokens + layers * (0.5 + 0.001 * tokens)
         backward = 3.0 + layers * (0.25 + 0.002 * tokens)
-        assert with_overhead.forward_ms(stage, 2, 32, R.NONE) == pytest.approx(without.forward_ms(stage, 2, 32, R.NONE) + forward)
-        assert with_overhead.backward_ms(stage, 2, 32, R.NONE) == pytest.approx(without.backward_ms(stage, 2, 32, R.NONE) + backward)
+        assert with_overhead.forward_ms(stage, 2, 32, R.NONE) == pytest.approx(
+            without.forward_ms(stage, 2, 32, R.NONE) + forward)
+        assert with_overhead.backward_ms(stage, 2, 32, R.NONE) == pytest.approx(
+            without.backward_ms(stage, 2, 32, R.NONE) + backward)
     every = with_overhead.all_stages(np.array([2, 1]), np.array([32, 16]), R.NONE)  # the planner's path agrees
     for stage in (0, 1):
         assert every["forward"][stage] == pytest.approx(

@@ -266,7 +266,8 @@ def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
 @pytest.mark.parametrize("tokens, ms, line", [
     ([32, 64, 256], [1.0 + 0.01 * t for t in (32, 64, 256)], (1.0, 0.01)),  # a line is found again
     ([32, 64, 256], [3.0, 2.0, 1.0], (2.0, 0.0)),  # falling with tokens: their mean, constant
-    ([100, 200, 300], [0.0, 1.0, 2.0], (0.0, (200 * 1 + 300 * 2) / (100**2 + 200**2 + 300**2))),  # below zero at none: through the origin
+    # a line below zero at no tokens: through the origin
+    ([100, 200, 300], [0.0, 1.0, 2.0], (0.0, (200 * 1 + 300 * 2) / (100**2 + 200**2 + 300**2))),
     ([64], [5.0], (0.0, 5.0 / 64)),  # one shape: through the origin
 ])
 def test_the_overhead_line_is_the_least_squares_one_with_both_terms_at_least_zero(tokens, ms, line):
@@ -281,3 +282,68 @@ def test_overhead_is_timed_at_each_length_and_at_the_corners():
     measured = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1), (128, 2)]
     assert overhead_shapes(measured) == [(32, 1), (32, 4), (64, 1), (128, 1), (128, 2)]
     assert overhead_shapes([]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# --calibrate: the analytical model fitted to a handful of points
+
+
+def test_a_calibration_finds_the_rates_overhead_and_saturation_that_made_the_times():
+    from megatron_dynapipe.models import get_model
+    from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
+    from megatron_dynapipe.profiling.calibrate import fit_analytical
+
+    spec = get_model("tiny")
+    truth = AnalyticalCostModel(hidden_size=128, num_heads=8, ffn_hidden_size=512, vocab_size=spec.padded_vocab_size(1),
+                                peak_tflops=0.2, mfu=1.0, attention_mfu=0.25, overhead_ms=0.4, saturation_tokens=256)
+    points = [dict(tp=1, layer=layer, phase=phase, seqlen=s, mbs=m,
+                   ms=truth.layer_ms(layer, phase, "none", m, s))
+              for layer in ("encoder", "postprocess") for phase in ("forward", "backward")
+              for s, m in ((32, 1), (32, 64), (64, 1), (128, 1), (256, 1), (256, 8))]
+    fit = fit_analytical(points, spec)
+    assert fit["peak_tflops"] == pytest.approx(0.2) and fit["attention_mfu"] == pytest.approx(0.25)
+    assert fit["overhead_ms"] == pytest.approx(0.4) and fit["saturation_tokens"] == 256
+    assert fit["max_error_pct"] < 1e-6
+
+
+def test_a_calibrated_model_plans_and_pays_its_measured_overhead(tmp_path):
+    from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
+
+    out = tmp_path / "calibrated.json"
+    run = profile("--model", "tiny", "--calibrate", "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1",
+                  "--hidden-dropout", "0", "--attention-dropout", "0", "-o", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "TFLOP/s" in run.stdout and "plan with --cost-model" in run.stdout
+    doc = json.loads(out.read_text())
+    model = load_cost_model(out, tp=1)
+    assert isinstance(model, AnalyticalCostModel) and model.metadata["dtype"] == "fp32"
+    calibration = doc["metadata"]["calibration"]
+    assert calibration["points"] == len(calibration["measured"]) >= 12  # 6 shapes x layer and head x 2 phases
+    errors = [abs(model.layer_ms(p["layer"], p["phase"], "none", p["mbs"], p["seqlen"]) / p["ms"] - 1) * 100
+              for p in calibration["measured"]]
+    assert max(errors) == pytest.approx(calibration["max_error_pct"], abs=0.01)  # the file holds what was fitted
+    stages = StageCosts(model, num_layers=4, pp=1)
+    bare = StageCosts(AnalyticalCostModel(**{k: getattr(model, k) for k in (
+        "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "peak_tflops", "mfu", "attention_mfu",
+        "overhead_ms", "saturation_tokens", "device_memory_mb")}), num_layers=4, pp=1)
+    assert stages.forward_ms(0, 2, 64, "none") == pytest.approx(
+        bare.forward_ms(0, 2, 64, "none") + overhead(doc, "forward", 128, layers=4))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(["17", "120", "64", "33", "99", "128", "8", "70"]))
+    plan = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "plan", "--cost-model", str(out),
+                           "--num-layers", "4", "--pp", "2", "--lengths", str(lengths), "--memory-limit", "500"],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and "predicted iteration" in plan.stdout, plan.stderr
+
+
+def test_a_calibration_cannot_resume_and_a_broken_one_is_named(tmp_path):
+    out = tmp_path / "c.json"
+    out.write_text("{}")
+    run = profile("--model", "tiny", "--calibrate", "--resume", "-o", str(out), timeout=60)
+    assert run.returncode == 2 and "drop --resume" in run.stderr
+    out.write_text(json.dumps({"analytical": {"peak_tflops": 1.0}, "metadata": {"model": {"hidden_size": 128}}}))
+    from megatron_dynapipe.planning.cost_model import CostModelError
+
+    with pytest.raises(CostModelError, match="cannot be built from") as error:
+        load_cost_model(out, tp=1)
+    assert "\n" not in str(error.value)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models import ModelSpec
 from .ranks import launch, time_alternating
 
 __all__ = ["add_arguments", "run"]

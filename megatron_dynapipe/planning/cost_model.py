@@ -43,6 +43,8 @@ LAYERS = ("encoder", "postprocess", "preprocess")
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
 PHASES = ("forward", "backward")
 OVERHEAD_PER = ("stage", "layer")  # what a microbatch_overhead record is paid once per
+# the keys of a calibrated model's `analytical` object
+CALIBRATED = ("peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens", "device_memory_mb")
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
@@ -387,6 +389,8 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def _from_document(cls, doc, tp: int, *, source: str, hidden_size: int | None = None):
+        if isinstance(doc, dict) and "analytical" in doc:
+            return AnalyticalCostModel.calibrated(doc, tp, source=source)
         reader = _ProfileReader(doc, source)
         tp = int(tp)
         available = reader.tps()
@@ -525,20 +529,24 @@ class _ProfileReader:
         return times, memory, params
 
     def overhead(self, tp: int) -> dict[tuple[str, str], tuple[float, float]]:
+        return self.overhead_of(self.doc, tp, self.fail)
+
+    @staticmethod
+    def overhead_of(doc: dict, tp: int, fail) -> dict[tuple[str, str], tuple[float, float]]:
         """The optional ``microbatch_overhead`` records of ``tp``: (per, phase) -> (ms, ms_per_token)."""
-        records = self.doc.get("microbatch_overhead", [])
+        records = doc.get("microbatch_overhead", [])
         if not isinstance(records, list):
-            self.fail("key 'microbatch_overhead' is not a list of records")
+            fail("key 'microbatch_overhead' is not a list of records")
         out = {}
         for n, rec in enumerate(records):
             where = f"microbatch_overhead record {n}"
             if not isinstance(rec, dict) or rec.get("phase") not in PHASES or rec.get("per") not in OVERHEAD_PER:
-                self.fail(f"has a {where} that is not an object with a phase of {', '.join(PHASES)} and a per "
+                fail(f"has a {where} that is not an object with a phase of {', '.join(PHASES)} and a per "
                           f"of {', '.join(OVERHEAD_PER)}")
             values = [rec.get(key) for key in ("tp", "ms", "ms_per_token")]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                        for v in values):
-                self.fail(f"has a {where} whose tp, ms or ms_per_token is not a finite number >= 0")
+                fail(f"has a {where} whose tp, ms or ms_per_token is not a finite number >= 0")
             if values[0] == tp:
                 out[rec["per"], rec["phase"]] = (float(values[1]), float(values[2]))
         return out
@@ -559,7 +567,9 @@ class _ProfileReader:
 class AnalyticalCostModel(CostModel):
     """GPT layer costs from FLOP counts and activation-memory formulas (docs/cost_model.md).
 
-    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase; a layer on
+    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase, where the
+    attention core's FLOPs (scores and their weighted sum, quadratic in the sequence) run at
+    ``attention_mfu`` (default: ``mfu``) and the matmuls at ``mfu``; a layer on
     fewer than ``saturation_tokens`` tokens takes as long as on that many, because small kernels
     leave the GPU under-used (the A100 profile flattens below about 1k tokens per layer). Memory is
     16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
@@ -576,9 +586,12 @@ class AnalyticalCostModel(CostModel):
         tp: int = 1,
         peak_tflops: float = 312.0,
         mfu: float = 0.5,
+        attention_mfu: float | None = None,
         device_memory_mb: float = 40960,
         overhead_ms: float = 0.0,
         saturation_tokens: int = 1024,
+        microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+        metadata: dict | None = None,
     ):
         ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
@@ -600,9 +613,14 @@ class AnalyticalCostModel(CostModel):
         self.tp = int(tp)
         self.peak_tflops = float(peak_tflops)
         self.mfu = float(mfu)
+        self.attention_mfu = self.mfu if attention_mfu is None else float(attention_mfu)
+        if not self.attention_mfu > 0:
+            raise ValueError(f"need attention_mfu > 0, got {attention_mfu}")
         self.device_memory_mb = float(device_memory_mb)
         self.overhead_ms = float(overhead_ms)
         self.saturation_tokens = int(saturation_tokens)
+        self.microbatch_overhead = dict(microbatch_overhead or {})
+        self.metadata = dict(metadata or {})  # a calibrated model's: what `profile --calibrate` recorded
         self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
         self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
         h, t = self.hidden_size, self.tp
@@ -614,25 +632,50 @@ class AnalyticalCostModel(CostModel):
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
                 f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
-                f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, "
+                f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, attention_mfu={self.attention_mfu}, "
                 f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms}, "
                 f"saturation_tokens={self.saturation_tokens})")
+
+    @classmethod
+    def calibrated(cls, doc: dict, tp: int, *, source: str) -> "AnalyticalCostModel":
+        """The model ``megatron-dynapipe profile --calibrate`` wrote (docs/cost_model.md): its
+        fitted ``analytical`` settings, the GPT of its ``metadata.model``, at any ``tp``."""
+        def fail(what: str):
+            raise CostModelError(f"cost model file {source} {what}: {FORMAT_HINT}")
+
+        settings, model = doc["analytical"], (doc.get("metadata") or {}).get("model")
+        if not isinstance(settings, dict) or not isinstance(model, dict):
+            fail("has an 'analytical' object but no metadata.model of the GPT it was calibrated for")
+        from ..models import ModelSpec
+
+        try:
+            spec = ModelSpec(**model)
+            return cls(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+                       ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.padded_vocab_size(tp), tp=tp,
+                       **{key: settings[key] for key in CALIBRATED}, metadata=doc.get("metadata"),
+                       microbatch_overhead=_ProfileReader.overhead_of(doc, tp, fail))
+        except (KeyError, TypeError, ValueError) as error:
+            fail(f"has an 'analytical' object this GPT cannot be built from ({error})")
 
     # -- FLOPs -----------------------------------------------------------------------------------
     def encoder_flops(self, phase: str, recompute, mbs, seqlen):
         """FLOPs of one encoder layer on one TP rank (MAC = 2 FLOPs)."""
+        matmul, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
+        return matmul + attention
+
+    def encoder_flop_parts(self, phase: str, recompute, mbs, seqlen):
+        """:meth:`encoder_flops` as (linear layers', attention core's)."""
         _check_choice("phase", phase, PHASES)
         rc = _recompute(recompute)
         b, s = _as_float(mbs), _as_float(seqlen)
-        attention = self._attention_flop * b * s * s
-        forward = self._matmul_flop_per_token * b * s + attention
+        matmul, attention = self._matmul_flop_per_token * b * s, self._attention_flop * b * s * s
         if phase == "forward":
-            return forward
+            return matmul, attention
         if rc == RecomputeType.NONE:
-            return 2.0 * forward
+            return 2.0 * matmul, 2.0 * attention
         if rc == RecomputeType.SELECTIVE:
-            return 2.0 * forward + attention
-        return 3.0 * forward
+            return 2.0 * matmul, 3.0 * attention
+        return 3.0 * matmul, 3.0 * attention
 
     def postprocess_flops(self, phase: str, mbs, seqlen):
         """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
@@ -645,7 +688,8 @@ class AnalyticalCostModel(CostModel):
         if layer == "preprocess":  # a lookup: no FLOPs to price
             return self._mask(0.0 * _as_float(mbs) * _as_float(seqlen), mbs, seqlen)
         if layer == "encoder":
-            flops = self.encoder_flops(phase, recompute, mbs, seqlen)
+            matmul, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
+            flops = matmul + attention * (self.mfu / self.attention_mfu)  # as matmul FLOPs at mfu
         else:
             flops = self.postprocess_flops(phase, mbs, seqlen)
         tokens = _as_float(mbs) * _as_float(seqlen)

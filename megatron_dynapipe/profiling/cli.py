@@ -39,6 +39,9 @@ def add_profile_parser(sub) -> None:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--force", action="store_true", help="overwrite an existing --output")
     again.add_argument("--resume", action="store_true", help="go on with an interrupted --output")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time a handful of points and fit the analytical model to them instead of profiling the "
+                        "grid: a quick cost model (seconds to minutes) where a full profile is too slow")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="draw no progress bar")
     p.set_defaults(func=run_profile)
 
@@ -97,20 +100,28 @@ def _checked(args):
 
 def run_profile(args: argparse.Namespace) -> int:
     from ..progress import progress_bar, progress_enabled
+    from .calibrate import calibrate_model, calibration_shapes
     from .profiler import profile_model
 
     spec, output, settings, device = _checked(args)
-    print(f"profiling {spec.label} ({spec.num_layers} layers, hidden {spec.hidden_size}) on {device.type}, "
-          f"{settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: about {settings.grid_points()} points",
-          file=sys.stderr)
+    if args.calibrate and args.resume:
+        raise ValueError("--calibrate writes its file in one go: drop --resume (or --calibrate to resume a profile)")
+    points = ((len(calibration_shapes(settings)) + 1) * len(settings.tp_sizes) if args.calibrate
+              else settings.grid_points())
+    print(f"{'calibrating' if args.calibrate else 'profiling'} {spec.label} ({spec.num_layers} layers, hidden "
+          f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: "
+          f"about {points} points", file=sys.stderr)
     stream = sys.stderr
     with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
-        task = bar.add_task("profile", total=settings.grid_points())
+        task = bar.add_task("profile", total=points)
 
         def progress(what: str) -> None:
             bar.update(task, description=what, advance=1)
 
         try:
+            if args.calibrate:
+                doc = calibrate_model(spec, output, settings, device=device, progress=progress)
+                return _report_calibration(doc, output)
             doc = profile_model(spec, output, settings, device=device, resume=args.resume, progress=progress)
         except KeyboardInterrupt:
             print(f"interrupted: {output} holds what was measured; run again with --resume to go on",
@@ -119,4 +130,15 @@ def run_profile(args: argparse.Namespace) -> int:
     points = len({(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]})
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
+    return 0
+
+
+def _report_calibration(doc: dict, output) -> int:
+    fit, calibration = doc["analytical"], doc["metadata"]["calibration"]
+    print(f"wrote {Path(output)}: the analytical model at {fit['peak_tflops']:.3g} TFLOP/s (attention "
+          f"at "
+          f"{fit['attention_mfu']:.2g} of that), {fit['overhead_ms']:.3g} ms "
+          f"a layer and phase, saturating at {fit['saturation_tokens']} tokens; off the {calibration['points']} "
+          f"measured times by {calibration['median_error_pct']:.1f}% (median), {calibration['max_error_pct']:.1f}% "
+          f"at most; plan with --cost-model {output}")
     return 0

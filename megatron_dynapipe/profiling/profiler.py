@@ -111,8 +111,8 @@ class _Profile:
             "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
                                    for k, v in sorted(self.params.items())],
             "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
-            "microbatch_overhead": [dict(tp=tp, per=per, phase=phase, ms=round(ms, 4), ms_per_token=round(per_token, 7),
-                                         points=o.points)
+            "microbatch_overhead": [dict(tp=tp, per=per, phase=phase, ms=round(ms, 4),
+                                         ms_per_token=round(per_token, 7), points=o.points)
                                     for tp, o in sorted(self.overhead.items())
                                     for per, lines in (("stage", o.stage), ("layer", o.layer))
                                     for phase, (ms, per_token) in lines.items()],
@@ -218,10 +218,11 @@ def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) ->
         _profile_row(profile, parts, tp, seq, output, progress)
     _refine(profile, parts, tp, seqs, output, progress)
     if tp not in profile.overhead:
-        _measure_overhead(profile, tp, output, progress)
+        _measure_overhead(profile, tp, progress)
+        write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
 
 
-def _measure_overhead(profile: _Profile, tp: int, output: Path, progress: Progress) -> None:
+def _measure_overhead(profile: _Profile, tp: int, progress: Progress) -> None:
     """What a whole training step adds per micro-batch (:mod:`.overhead`), measured with the
     first recompute type profiled at the points its layers were measured."""
     s, rc = profile.settings, profile.settings.recompute[0]
@@ -239,7 +240,6 @@ def _measure_overhead(profile: _Profile, tp: int, output: Path, progress: Progre
                              min_time_ms=s.min_time_ms)
     if found is not None:
         profile.overhead[tp] = found
-        write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
 
 
 def _warm_up(profile: _Profile, parts: Parts) -> None:
