@@ -341,9 +341,12 @@ def test_a_calibration_cannot_resume_and_a_broken_one_is_named(tmp_path):
     out.write_text("{}")
     run = profile("--model", "tiny", "--calibrate", "--resume", "-o", str(out), timeout=60)
     assert run.returncode == 2 and "drop --resume" in run.stderr
-    out.write_text(json.dumps({"analytical": {"peak_tflops": 1.0}, "metadata": {"model": {"hidden_size": 128}}}))
-    from megatron_dynapipe.planning.cost_model import CostModelError
+    from megatron_dynapipe.planning.cost_model import CALIBRATED, CostModelError
 
-    with pytest.raises(CostModelError, match="cannot be built from") as error:
-        load_cost_model(out, tp=1)
-    assert "\n" not in str(error.value)
+    settings = dict.fromkeys(CALIBRATED, 1.0)
+    for broken, fragment in (({"peak_tflops": 1.0}, "without 'hidden_size'"),
+                             ({**settings, "hidden_size": 64, "num_heads": 3}, "no model can be built from")):
+        out.write_text(json.dumps({"analytical": broken}))
+        with pytest.raises(CostModelError, match=fragment) as error:
+            load_cost_model(out, tp=1)
+        assert "\n" not in str(error.value) and "docs/cost_model.md" in str(error.value)

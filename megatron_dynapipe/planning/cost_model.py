@@ -43,8 +43,9 @@ LAYERS = ("encoder", "postprocess", "preprocess")
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
 PHASES = ("forward", "backward")
 OVERHEAD_PER = ("stage", "layer")  # what a microbatch_overhead record is paid once per
-# the keys of a calibrated model's `analytical` object
-CALIBRATED = ("peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens", "device_memory_mb")
+# the keys of a calibrated model's `analytical` object: the GPT's sizes, then what was fitted
+CALIBRATED = ("hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
+              "peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens", "device_memory_mb")
 KINDS = ("stored", "peak")
 PARAM_LAYERS = ("embedding", "encoder")
 FORMAT_HINT = "see docs/cost_model.md for the format"
@@ -638,24 +639,21 @@ class AnalyticalCostModel(CostModel):
 
     @classmethod
     def calibrated(cls, doc: dict, tp: int, *, source: str) -> "AnalyticalCostModel":
-        """The model ``megatron-dynapipe profile --calibrate`` wrote (docs/cost_model.md): its
-        fitted ``analytical`` settings, the GPT of its ``metadata.model``, at any ``tp``."""
+        """The model ``megatron-dynapipe profile --calibrate`` wrote (docs/cost_model.md): the
+        GPT sizes and fitted settings of its ``analytical`` object, at any ``tp``."""
         def fail(what: str):
             raise CostModelError(f"cost model file {source} {what}: {FORMAT_HINT}")
 
-        settings, model = doc["analytical"], (doc.get("metadata") or {}).get("model")
-        if not isinstance(settings, dict) or not isinstance(model, dict):
-            fail("has an 'analytical' object but no metadata.model of the GPT it was calibrated for")
-        from ..models import ModelSpec
-
+        settings = doc["analytical"]
+        missing = [key for key in CALIBRATED if not isinstance(settings, dict) or key not in settings]
+        if missing:
+            fail(f"has an 'analytical' object without {', '.join(map(repr, missing))}")
         try:
-            spec = ModelSpec(**model)
-            return cls(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                       ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.padded_vocab_size(tp), tp=tp,
-                       **{key: settings[key] for key in CALIBRATED}, metadata=doc.get("metadata"),
+            return cls(tp=tp, **{key: settings[key] for key in CALIBRATED},
+                       metadata=doc.get("metadata") if isinstance(doc.get("metadata"), dict) else None,
                        microbatch_overhead=_ProfileReader.overhead_of(doc, tp, fail))
-        except (KeyError, TypeError, ValueError) as error:
-            fail(f"has an 'analytical' object this GPT cannot be built from ({error})")
+        except (TypeError, ValueError) as error:
+            fail(f"has an 'analytical' object no model can be built from ({error})")
 
     # -- FLOPs -----------------------------------------------------------------------------------
     def encoder_flops(self, phase: str, recompute, mbs, seqlen):

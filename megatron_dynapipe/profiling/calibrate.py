@@ -140,7 +140,10 @@ def _document(profile: _Profile) -> dict:
         memory_mb = torch.cuda.get_device_properties(profile.device).total_memory / 2**20
     else:
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
-    analytical = {key: fit[key] for key in ("peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens")}
+    gpt = _analytical(profile.spec, 1)
+    analytical = {"hidden_size": gpt.hidden_size, "num_heads": gpt.num_heads, "ffn_hidden_size": gpt.ffn_hidden_size,
+                  "vocab_size": gpt.vocab_size,
+                  **{key: fit[key] for key in ("peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens")}}
     return {
         "name": f"{profile.spec.label} on {measured['metadata']['device']}, calibrated",
         "source": measured["source"] + ", calibrated analytical model",

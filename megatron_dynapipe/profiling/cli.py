@@ -135,10 +135,9 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _report_calibration(doc: dict, output) -> int:
     fit, calibration = doc["analytical"], doc["metadata"]["calibration"]
-    print(f"wrote {Path(output)}: the analytical model at {fit['peak_tflops']:.3g} TFLOP/s (attention "
-          f"at "
-          f"{fit['attention_mfu']:.2g} of that), {fit['overhead_ms']:.3g} ms "
-          f"a layer and phase, saturating at {fit['saturation_tokens']} tokens; off the {calibration['points']} "
+    print(f"wrote {Path(output)}: the analytical model at {fit['peak_tflops']:.3g} TFLOP/s (attention at "
+          f"{fit['attention_mfu']:.2g} of that), {fit['overhead_ms']:.3g} ms a layer and phase, saturating at "
+          f"{fit['saturation_tokens']} tokens; off the {calibration['points']} "
           f"measured times by {calibration['median_error_pct']:.1f}% (median), {calibration['max_error_pct']:.1f}% "
           f"at most; plan with --cost-model {output}")
     return 0
