@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from .models import ModelSpec
 
-__all__ = ["transformer_config", "layer_spec", "build_gpt", "uses_transformer_engine", "RECOMPUTE_CHOICES"]
+__all__ = ["transformer_config", "layer_spec", "build_gpt", "wrap_in_ddp", "uses_transformer_engine",
+           "RECOMPUTE_CHOICES"]
 
 #: Megatron-LM's ``--recompute-granularity`` values (``None``: no recomputation).
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -101,6 +102,18 @@ def build_gpt(spec: ModelSpec, config, *, tp: int, use_te: bool, pre_process: bo
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights,
         position_embedding_type=spec.position_embedding_type, vp_stage=vp_stage)
+
+
+def wrap_in_ddp(model, config, ddp_config=None):
+    """``model`` in megatron-core's DDP as Megatron-LM's ``get_model`` wraps it (an fp32 gradient
+    buffer unless ``ddp_config`` says otherwise), its gradients finalised at the end of a step and
+    not synchronised between micro-batches (``config``'s hooks for the schedules)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp = DistributedDataParallel(config, ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp
 
 
 class SequenceParallelTorchNorm:

@@ -104,12 +104,7 @@ def _forward_step(data_iterator, model):
 
 def _stage(tp, pp, per_token, ddp=True):
     """This rank's stage of the tiny GPT (DDP-wrapped) after initialising model parallelism."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
+    from megatron_dynapipe.gpt_build import wrap_in_ddp
     from megatron_dynapipe.megatron.tiny_gpt import (
         build_tiny_gpt,
         init_model_parallel,
@@ -123,10 +118,7 @@ def _stage(tp, pp, per_token, ddp=True):
     names = [(reference_name(model, n), p) for n, p in model.named_parameters()]
     if not ddp:
         return model, names
-    wrapped = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = wrapped.no_sync
-    return wrapped, names
+    return wrap_in_ddp(model, model.config), names
 
 
 def _reference(rank, cases):

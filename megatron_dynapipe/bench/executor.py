@@ -117,12 +117,7 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
 def _ddp_model(s: dict):
     """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
+    from ..gpt_build import wrap_in_ddp
     from ..megatron.tiny_gpt import build_tiny_gpt
     from ..models import ModelSpec
 
@@ -130,9 +125,7 @@ def _ddp_model(s: dict):
                      num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=VOCAB_SIZE,
                      max_sequence_length=s["seq_length"])
     model = build_tiny_gpt(spec)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
+    ddp = wrap_in_ddp(model, model.config)
     model.config.deallocate_pipeline_outputs = True  # as Megatron-LM runs
     return ddp
 

@@ -21,23 +21,15 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
     gradient buffer, per-token loss, deallocated pipeline outputs, gradients finalised at the end
     of the step and not synchronised between micro-batches.  Needs megatron's parallel state."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
 
-    from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
+    from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
     use_te = uses_transformer_engine(device.type)
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
                                 use_te=use_te, calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
     model = build_gpt(spec, config, tp=tp, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
                       post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    return ddp
+    return wrap_in_ddp(model, config)
 
 
 def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False) -> Callable[[], list]:

@@ -414,7 +414,7 @@ class ProfiledCostModel(CostModel):
             params_mb=params,
             name=str(doc.get("name", os.path.basename(source))),
             metadata=doc.get("metadata") if isinstance(doc.get("metadata"), dict) else None,
-            microbatch_overhead=reader.overhead(tp),
+            microbatch_overhead=_ProfileReader.overhead_of(doc, tp, reader.fail),
         )
 
 
@@ -529,9 +529,6 @@ class _ProfileReader:
                 self.fail(f"has no model_state_memory of the {layer} for tp={tp}")
         return times, memory, params
 
-    def overhead(self, tp: int) -> dict[tuple[str, str], tuple[float, float]]:
-        return self.overhead_of(self.doc, tp, self.fail)
-
     @staticmethod
     def overhead_of(doc: dict, tp: int, fail) -> dict[tuple[str, str], tuple[float, float]]:
         """The optional ``microbatch_overhead`` records of ``tp``: (per, phase) -> (ms, ms_per_token)."""
@@ -543,7 +540,7 @@ class _ProfileReader:
             where = f"microbatch_overhead record {n}"
             if not isinstance(rec, dict) or rec.get("phase") not in PHASES or rec.get("per") not in OVERHEAD_PER:
                 fail(f"has a {where} that is not an object with a phase of {', '.join(PHASES)} and a per "
-                          f"of {', '.join(OVERHEAD_PER)}")
+                     f"of {', '.join(OVERHEAD_PER)}")
             values = [rec.get(key) for key in ("tp", "ms", "ms_per_token")]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                        for v in values):

@@ -78,7 +78,8 @@ def fit_analytical(points: list[dict], spec: ModelSpec) -> dict:
     (dicts of tp, layer, phase, seqlen, mbs and ms; layers "encoder" and "postprocess", no
     recompute), with the median and largest relative error of the fit in percent."""
     ms = np.array([p["ms"] for p in points])
-    work = np.array([_flop_parts(spec, p) for p in points])  # [points, (matmul, attention)]
+    models = {tp: _analytical(spec, tp) for tp in {p["tp"] for p in points}}  # the FLOP counts at each TP size
+    work = np.array([_flop_parts(models[p["tp"]], p) for p in points])  # [points, (matmul, attention)]
     tokens = np.array([p["seqlen"] * p["mbs"] for p in points], dtype=float)
     best = None
     for saturation in SATURATION_LADDER:
@@ -119,8 +120,7 @@ def _nonnegative_relative_fit(design: np.ndarray, ms: np.ndarray) -> np.ndarray:
     return best
 
 
-def _flop_parts(spec: ModelSpec, point: dict) -> tuple[float, float]:
-    model = _analytical(spec, point["tp"])
+def _flop_parts(model: AnalyticalCostModel, point: dict) -> tuple[float, float]:
     if point["layer"] == "encoder":
         matmul, attention = model.encoder_flop_parts(point["phase"], RecomputeType.NONE, point["mbs"], point["seqlen"])
         return float(matmul), float(attention)

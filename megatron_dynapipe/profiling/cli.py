@@ -106,14 +106,14 @@ def run_profile(args: argparse.Namespace) -> int:
     spec, output, settings, device = _checked(args)
     if args.calibrate and args.resume:
         raise ValueError("--calibrate writes its file in one go: drop --resume (or --calibrate to resume a profile)")
-    points = ((len(calibration_shapes(settings)) + 1) * len(settings.tp_sizes) if args.calibrate
-              else settings.grid_points())
+    expected = ((len(calibration_shapes(settings)) + 1) * len(settings.tp_sizes) if args.calibrate
+                else settings.grid_points())
     print(f"{'calibrating' if args.calibrate else 'profiling'} {spec.label} ({spec.num_layers} layers, hidden "
           f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: "
-          f"about {points} points", file=sys.stderr)
+          f"about {expected} points", file=sys.stderr)
     stream = sys.stderr
     with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
-        task = bar.add_task("profile", total=points)
+        task = bar.add_task("profile", total=expected)
 
         def progress(what: str) -> None:
             bar.update(task, description=what, advance=1)

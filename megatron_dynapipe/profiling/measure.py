@@ -17,12 +17,13 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory", "steady_cpu_allocator"]
+__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory", "unless_out_of_memory",
+           "steady_cpu_allocator"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,19 @@ def _tensors(out):
     elif isinstance(out, (tuple, list)):
         for item in out:
             yield from _tensors(item)
+
+
+def unless_out_of_memory(device: torch.device, measure: Callable[[], Any]) -> Any:
+    """``measure()``, or None when the device runs out of memory (an infeasible point: the
+    allocator's cache is emptied for what comes next)."""
+    try:
+        return measure()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..models import ModelSpec
+from ..planning.cost_model import PHASES
 from ..planning.types import RecomputeType
 
 __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
@@ -36,7 +37,6 @@ __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
 MICROBATCHES = 3  # micro-batches of the longer plan; the shorter has one
 MOST_LAYERS = 3  # layers of the larger stage timed (the smaller has one)
 MAX_ROUNDS = 50  # of each run per shape, however short
-PHASES = ("forward", "backward")
 Line = tuple[float, float]  # (ms, ms per token)
 
 
@@ -84,20 +84,16 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
     layer and of the embedding and head together there. None when no shape fits on the device."""
     from ..megatron.training_stage import build_training_stage
-    from .measure import is_out_of_memory
+    from .measure import unless_out_of_memory
 
     counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
     stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
     tokens: list[int] = []
     lines: dict[tuple[str, str], list[float]] = {(per, phase): [] for per in ("stage", "layer") for phase in PHASES}
     for seq, mbs in shapes:
-        try:
-            per_microbatch = _per_microbatch_ms(stages, spec, recompute, seq, mbs, device, repeats, min_time_ms)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        per_microbatch = unless_out_of_memory(device, lambda: _per_microbatch_ms(
+            stages, spec, recompute, seq, mbs, device, repeats, min_time_ms))
+        if per_microbatch is None:
             continue
         tokens.append(seq * mbs)
         for phase in PHASES:

@@ -30,10 +30,11 @@ import torch
 
 from ..files import write_atomically
 from ..models import ModelSpec
+from ..planning.cost_model import PHASES
 from ..planning.types import RecomputeType
 from ..gpt_build import uses_transformer_engine
 from .layers import DTYPES, Parts, build_parts, fake_tp_rank
-from .measure import is_out_of_memory, measure_memory, steady_cpu_allocator, time_step
+from .measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from .overhead import Overhead, measure_overhead, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
@@ -162,8 +163,8 @@ class _Profile:
             lines.setdefault(r["tp"], {})[r["per"], r["phase"]] = (r["ms"], r["ms_per_token"])
             lines[r["tp"]]["points"] = r.get("points", 0)
         for tp, line in lines.items():
-            profile.overhead[tp] = Overhead(stage={phase: line["stage", phase] for phase in ("forward", "backward")},
-                                            layer={phase: line["layer", phase] for phase in ("forward", "backward")},
+            profile.overhead[tp] = Overhead(stage={phase: line["stage", phase] for phase in PHASES},
+                                            layer={phase: line["layer", phase] for phase in PHASES},
                                             points=line["points"])
         return profile
 
@@ -254,7 +255,7 @@ def _warm_up(profile: _Profile, parts: Parts) -> None:
     x, labels = inputs
     for step in [lambda: parts.postprocess(x, labels), lambda: parts.preprocess(labels),
                  *(lambda e=e: e(x) for e in parts.encoders.values())]:
-        _fitting(profile, lambda: time_step(step, profile.device, warmup=0, repeats=1))
+        unless_out_of_memory(profile.device, lambda: time_step(step, profile.device, warmup=0, repeats=1))
 
 
 def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
@@ -280,13 +281,13 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
     s, device = profile.settings, profile.device
     inputs = _inputs(profile, seq, mbs)
     x, labels = inputs or (None, None)
-    head = inputs and _fitting(profile, lambda: time_step(lambda: parts.postprocess(x, labels), device,
+    head = inputs and unless_out_of_memory(profile.device, lambda: time_step(lambda: parts.postprocess(x, labels), device,
                                                           **_timing(s)))
-    embedding = head and _fitting(profile, lambda: time_step(lambda: parts.preprocess(labels), device, **_timing(s)))
+    embedding = head and unless_out_of_memory(profile.device, lambda: time_step(lambda: parts.preprocess(labels), device, **_timing(s)))
     fits = []
     for rc in recompute:
         encoder = parts.encoders[rc]
-        measured = embedding and _fitting(profile, lambda: (time_step(lambda: encoder(x), device, **_timing(s)),
+        measured = embedding and unless_out_of_memory(profile.device, lambda: (time_step(lambda: encoder(x), device, **_timing(s)),
                                                        measure_memory(lambda: encoder(x), device)))
         if not measured:
             profile.infeasible.add((tp, rc.label, seq, mbs))
@@ -307,29 +308,13 @@ def _inputs(profile: _Profile, seq: int, mbs: int) -> "tuple[torch.Tensor, torch
     """Hidden states ``[seq, mbs, hidden]`` and token ids ``[mbs, seq]`` of one point, or None
     when they do not fit on the device."""
     s, device = profile.settings, profile.device
-    return _fitting(profile, lambda: (
+    return unless_out_of_memory(profile.device, lambda: (
         torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
         torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
 
 
 def _timing(s: ProfileSettings) -> dict:
     return dict(warmup=s.warmup, repeats=s.repeats, min_time_ms=s.min_time_ms)
-
-
-def _fitting(profile: _Profile, measure: Callable[[], Any]) -> Any:
-    """``measure()``, or None when the device runs out of memory (an infeasible point)."""
-    try:
-        return measure()
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        _release(profile.device)
-        return None
-
-
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _refine(profile: _Profile, parts: Parts, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:

@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from ..compat.patching import Patches, UpstreamChanged
-from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
+from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 from ..models import ModelSpec
 from ..training import TrainingOptions
 from .fake_groups import member_groups_only, symmetric_object_gathers
@@ -602,11 +602,7 @@ class _TraceRun:
     def build(self) -> _Job:
         """Model parallelism, this rank's stage of the GPT, DDP and megatron's optimizer."""
         from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -636,9 +632,7 @@ class _TraceRun:
 
             model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.training.ddp_fields())
-        ddp = DistributedDataParallel(config, ddp_config, model)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
+        ddp = wrap_in_ddp(model, config, ddp_config)
         # megatron all-gathers each rank's parameter-group keys over the world: W copies of ours
         with symmetric_object_gathers() if fake else contextlib.nullcontext():
             opt = get_megatron_optimizer(
