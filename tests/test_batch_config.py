@@ -29,7 +29,7 @@ from megatron_dynapipe.tracer.batch_config import (
     read_config_file,
     validate,
 )
-from megatron_dynapipe.tracer.batch_results import exit_code
+from megatron_dynapipe.tracer.batch_results import ConfigResult, RankResult, exit_code
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
 from megatron_dynapipe.models import MODELS, ModelSpec, get_model
@@ -316,6 +316,22 @@ def test_shapes_only_when_real_compute_would_take_too_long():
     assert trace_budget.estimated_compute_seconds(cfg("8192 2 2")) < 1
 
 
+def test_ranks_that_compute_on_a_gpu_are_budgeted_by_the_gpu(monkeypatch):
+    """Where torch sees a GPU the fake ranks compute on it: half its memory, at a GPU's rate."""
+    import types
+
+    import torch
+
+    on_cpu = trace_budget.estimated_compute_seconds(cfg("8192 4 8", model="6.7"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
+    assert trace_budget.memory_budget_bytes() == 40 * 2**30
+    on_gpu = trace_budget.estimated_compute_seconds(cfg("8192 4 8", model="6.7"))
+    assert on_gpu * trace_budget.GPU_FLOPS == pytest.approx(on_cpu * trace_budget.CPU_FLOPS)
+    only, why = decide_shapes_only(cfg("8192 4 8", model="6.7"))  # an H100 traces GPT-6.7B at TP 8 for real
+    assert not only, why
+
+
 # --------------------------------------------------------------------------------------------
 # run_batch with the stand-in
 
@@ -356,6 +372,16 @@ def test_run_batch_writes_a_folder_per_config(tmp_path, isolation):
         assert [c["rank"] for c in CALLS] == [0, 8, 0, 2, 4, 6]
         assert CALLS[0]["num_microbatches"] == 2 and CALLS[0]["micro_batch_size"] == 1
         assert CALLS[0]["seq_length"] == 256 and CALLS[0]["shapes_only"] is False
+
+
+def test_a_failed_config_names_its_first_failed_rank_whichever_finished_first():
+    result = ConfigResult(cfg("32 2 2"), "ok")
+    for rank, status in [(16, "failed"), (8, "ok"), (0, "failed")]:  # the order they finished in
+        result.ranks.append(RankResult(rank, rank // 16, 0, status, error=f"boom on rank {rank}"))
+        result.note(result.ranks[-1])
+    assert result.error == "rank 16: boom on rank 16"
+    result.order_ranks([0, 8, 16])
+    assert [r.rank for r in result.ranks] == [0, 8, 16] and result.error == "rank 0: boom on rank 0"
 
 
 @pytest.mark.parametrize("isolation", ["inline", "process"])
@@ -782,30 +808,30 @@ def _report_pid_and_argument(value):
 
 
 @pytest.mark.slow
-def test_ranks_start_from_a_forkserver_when_cuda_is_initialised_here(tmp_path, monkeypatch):
-    """Forking after CUDA is initialised fails on a GPU machine; a forkserver child has no CUDA
-    of this process. Run on CPU: the same rank work through a real forkserver."""
+def test_ranks_start_as_fresh_interpreters_when_cuda_is_seen_here(tmp_path, monkeypatch):
+    """A forked child cannot use CUDA once this process has so much as counted its GPUs; a
+    spawned child has no CUDA of this process. The same rank work through a real spawn."""
     import functools
 
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert isolation.rank_start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert isolation.rank_start_method() == "spawn"
     monkeypatch.undo()
-    assert isolation.rank_start_method() == "fork"  # no CUDA here: the cheap, warm fork
+    assert isolation.rank_start_method() == ("spawn" if torch.cuda.is_available() else "fork")
     log_path = tmp_path / "rank.log"
-    outcome = isolation.run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "forkserver")
+    outcome = isolation.run_forked(functools.partial(_report_pid_and_argument, 41), log_path, 120, "spawn")
     assert outcome["ok"] and outcome["value"] == 41 and outcome["pid"] != os.getpid()
     assert f"child {outcome['pid']} says 41" in log_path.read_text()
 
 
 def test_a_rank_whose_process_cannot_start_fails_alone(tmp_path):
-    """A forkserver child gets its work by pickling: a lambda cannot be sent, so that rank's
+    """A spawned child gets its work by pickling: a lambda cannot be sent, so that rank's
     process never starts; the rank beside it still runs."""
     import functools
 
     jobs = [(lambda: {}, tmp_path / "a.log"), (functools.partial(_report_pid_and_argument, 7), tmp_path / "b.log")]
-    outcomes = {i: o for i, o, _ in isolation.run_forked_many(jobs, 2, 120, "forkserver")}
+    outcomes = {i: o for i, o, _ in isolation.run_forked_many(jobs, 2, 120, "spawn")}
     assert not outcomes[0]["ok"] and outcomes[0]["error"].startswith("cannot start the rank process: ")
     assert outcomes[1]["ok"] and outcomes[1]["value"] == 7
 

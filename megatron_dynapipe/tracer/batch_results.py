@@ -69,10 +69,19 @@ class ConfigResult:
         return 100.0 * (1.0 - self.ranks_traced / self.config.world_size)
 
     def note(self, rank: RankResult) -> None:
-        """A failed rank fails its config; the first failure is the config's error."""
+        """A failed rank fails its config; the first failure is the config's error for now."""
         if rank.status != OK:
             self.status = FAILED
             self.error = self.error or f"rank {rank.rank}: {rank.error}"
+
+    def order_ranks(self, global_ranks: list[int]) -> None:
+        """List the ranks in the config's order (they finish in any order); the first failed one
+        in that order becomes the config's error, so a run reports the same rank every time."""
+        position = {rank: i for i, rank in enumerate(global_ranks)}
+        self.ranks.sort(key=lambda r: position[r.rank])
+        failed = [r for r in self.ranks if r.status != OK]
+        if failed:
+            self.error = f"rank {failed[0].rank}: {failed[0].error}"
 
     def to_dict(self) -> dict[str, Any]:
         return {

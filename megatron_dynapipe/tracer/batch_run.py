@@ -145,8 +145,7 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         write_summary(result, complete=False)
         return result
     bar.remove_task(ranks_task)
-    order = {rep.global_rank: i for i, rep in enumerate(reps)}
-    result.ranks.sort(key=lambda r: order[r.rank])  # finished in any order; listed in the config's
+    result.order_ranks([rep.global_rank for rep in reps])
     write_timeline(result)
     result.seconds = time.perf_counter() - start
     write_summary(result)

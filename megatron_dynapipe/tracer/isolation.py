@@ -118,12 +118,13 @@ def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
 
 def rank_start_method() -> str:
     """How rank processes start: forked from this process (its imports are already warm), unless
-    CUDA is initialised here, which a forked child cannot use ("Cannot re-initialize CUDA in
-    forked subprocess"); then from a forkserver, a fresh CUDA-free process that imports the
-    tracer modules once and forks each rank from itself."""
+    this torch sees a CUDA device.  A forked child cannot use CUDA ("Cannot re-initialize CUDA in
+    forked subprocess") once its parent has so much as counted the GPUs, and importing
+    megatron-core on a CUDA build does that; so there each rank starts as a fresh interpreter
+    (spawn), paying its own imports."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "forkserver"
+    if torch is not None and torch.cuda.is_available():
+        return "spawn"
     return "fork"
 
 
@@ -146,8 +147,6 @@ def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: i
     from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD_MODULES))
     waiting = list(enumerate(jobs))[::-1]
     running: dict[int, _Child] = {}
     try:
@@ -156,7 +155,7 @@ def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: i
                 index, (work, log_path) = waiting.pop()
                 try:
                     running[index] = _Child.start(ctx, work, log_path, timeout)
-                except Exception as error:  # e.g. fork failed, or work does not pickle for a forkserver
+                except Exception as error:  # e.g. fork failed, or work does not pickle for a spawn
                     yield index, {"ok": False, "error": f"cannot start the rank process: {error_line(error)}"}, 0.0
             if not running:
                 continue

@@ -1,7 +1,8 @@
 """Real compute or shapes only: what a config's busiest rank would need on this machine.
 
-A trace with real compute runs the model's math on the CPU; it is chosen by default only when
-the estimated memory of the busiest representative rank fits half of what is available and its
+A trace with real compute runs the model's math where the ranks run: on the GPU when this torch
+sees one (every rank shares GPU 0), else on the CPU.  It is chosen by default only when the
+estimated memory of the busiest representative rank fits half of that device's memory and its
 compute fits a time budget.  Shapes-only traces record the same ops on meta tensors.
 """
 
@@ -15,12 +16,27 @@ __all__ = ["memory_budget_bytes", "estimated_bytes", "estimated_compute_seconds"
 
 #: Floating-point operations per second assumed for real compute on a CPU (fp32, a few cores).
 CPU_FLOPS = 5e10
+#: ... and on a GPU: a fraction of a data-centre GPU's fp32/TF32 rate, as small traced
+#: micro-batches reach it (an H100 ran GPT-6.7B "8192 4 8" ranks at this rate or better).
+GPU_FLOPS = 2e13
 #: Longest real-compute trace of one rank the default accepts before it goes shapes-only.
 REAL_COMPUTE_BUDGET_S = 60.0
 
 
+def _on_gpu() -> bool:
+    """Whether traced ranks compute on a GPU (the fake rank's own rule: whenever torch sees one)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def memory_budget_bytes() -> int:
-    """Bytes a real-compute trace may use: half of the memory available now."""
+    """Bytes a real-compute trace may use: half of GPU 0's memory where the ranks compute on it,
+    else half of the memory available now."""
+    if _on_gpu():
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory // 2
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -44,12 +60,13 @@ def estimated_bytes(config: TraceConfig) -> int:
 
 
 def estimated_compute_seconds(config: TraceConfig, iterations: int = 2) -> float:
-    """Seconds of real compute for the busiest rank over ``iterations`` steps at :data:`CPU_FLOPS`."""
+    """Seconds of real compute for the busiest rank over ``iterations`` steps at :data:`GPU_FLOPS`
+    or :data:`CPU_FLOPS`, where the ranks compute."""
     flops = config.model.training_flops(
         config.pp, config.tp, config.ep, micro_batch_size=config.micro_batch_size,
         seq_length=config.seq, cp=config.cp,
     )
-    return flops * max(config.microbatches, 1) * iterations / CPU_FLOPS
+    return flops * max(config.microbatches, 1) * iterations / (GPU_FLOPS if _on_gpu() else CPU_FLOPS)
 
 
 def decide_shapes_only(
@@ -61,9 +78,9 @@ def decide_shapes_only(
 ) -> tuple[bool, str]:
     """Whether ``config`` is traced shapes-only by default, and why.
 
-    Shapes-only when the estimated bytes of the busiest rank exceed ``budget`` (default: half the
-    available memory) -- the model cannot run here -- or when its real compute over
-    ``iterations`` steps would take longer than ``time_budget_s`` on this CPU.
+    Shapes-only when the estimated bytes of the busiest rank exceed ``budget`` (default:
+    :func:`memory_budget_bytes`) -- the model cannot run here -- or when its real compute over
+    ``iterations`` steps would take longer than ``time_budget_s`` on this machine.
     """
     need = estimated_bytes(config)
     budget = memory_budget_bytes() if budget is None else budget
