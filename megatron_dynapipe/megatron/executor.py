@@ -369,14 +369,15 @@ class StageRunner:
         self.schedules.deallocate_output_tensor(self.outputs[m], self.config.deallocate_pipeline_outputs)
 
     # -- STARTs ---------------------------------------------------------------------------------
-    def _start(self, ins, tensor: torch.Tensor) -> None:
-        transfer = self.channels.transfer(ins, tensor if tensor.is_contiguous() else tensor.contiguous())
+    def _start(self, i: int, ins, tensor: torch.Tensor) -> None:
+        transfer = self.channels.transfer(ins, tensor if tensor.is_contiguous() else tensor.contiguous(),
+                                          where=f"plan instruction #{i} {ins}")
         self.transfers[ins.transfer] = transfer
         self.pending.append(transfer)
 
     def recv_start(self, i: int, ins) -> None:
-        self._start(ins, torch.empty(self.shape_of(ins.microbatch), requires_grad=True, device=self.device,
-                                     dtype=self.dtype))
+        self._start(i, ins, torch.empty(self.shape_of(ins.microbatch), requires_grad=True, device=self.device,
+                                        dtype=self.dtype))
 
     def send_act_start(self, i: int, ins) -> None:
         m = ins.microbatch
@@ -386,14 +387,14 @@ class StageRunner:
                 f"pipeline stage {self.stage}: micro-batch {m}'s output is {tuple(tensor.shape)} "
                 f"{tensor.dtype}, the plan's activation is {expected} {self.dtype} (sequence x batch x "
                 "hidden): the micro-batch's tensors do not have the plan's shape")
-        self._start(ins, tensor)
+        self._start(i, ins, tensor)
 
     def send_grad_start(self, i: int, ins) -> None:
         tensor = self.input_grads[ins.microbatch]
         if tensor is None:
             raise RuntimeError(f"pipeline stage {self.stage}: micro-batch {ins.microbatch}'s input received "
                                "no gradient")
-        self._start(ins, tensor)
+        self._start(i, ins, tensor)
 
     # -- FINISHes -------------------------------------------------------------------------------
     def _wait(self, key: tuple, i: int, ins) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Transfer:
     peer_stage: int
     peer_rank: int
     tensor: torch.Tensor
+    where: str = ""  # the START instruction, for errors
     work: object = None
     posted_at: float = 0.0
 
@@ -177,31 +178,37 @@ class PipelineChannels:
         else:
             work.wait(self.timeout)
 
-    def transfer(self, ins: Instruction, tensor: torch.Tensor) -> Transfer:
-        """A START instruction and its tensor (the data to send, or the buffer to receive into)."""
-        return Transfer(ins.op, ins.microbatch, ins.peer, self.ranks[ins.peer], tensor)
+    def transfer(self, ins: Instruction, tensor: torch.Tensor, where: str = "") -> Transfer:
+        """A START instruction and its tensor (the data to send, or the buffer to receive into);
+        ``where`` (the instruction) goes into errors."""
+        return Transfer(ins.op, ins.microbatch, ins.peer, self.ranks[ins.peer], tensor, where)
 
     def post(self, transfers: Sequence[Transfer]) -> None:
-        """Issue the transfers in order, each as its own non-blocking request."""
+        """Issue the transfers in order, each as its own non-blocking request.  A peer that is
+        already gone can fail the posting itself (gloo on a closed connection)."""
         now = time.monotonic()
         for t in transfers:
             fn = dist.isend if t.is_send else dist.irecv
-            t.work = fn(t.tensor, t.peer_rank, group=self._group(t.start))
             t.posted_at = now
+            try:
+                t.work = fn(t.tensor, t.peer_rank, group=self._group(t.start))
+            except Exception as exc:
+                raise self._failed(t, t.where, exc) from exc
 
     def finish(self, t: Transfer, where: str = "") -> torch.Tensor:
         """Wait for ``t``; return its tensor. ``where`` (e.g. the instruction) goes into errors."""
         try:
             self._wait_work(t.work)
         except Exception as exc:
-            waited = time.monotonic() - t.posted_at
-            raise PipelineCommError(
-                f"pipeline stage {self.stage} (global rank {self.rank}) failed {t.describe()}"
-                f"{f' [{where}]' if where else ''}, {waited:.1f} s after posting it: {_first_line(exc)} -- "
-                f"stage {t.peer_stage} has probably died or stalled; check its log"
-            ) from exc
+            raise self._failed(t, where, exc) from exc
         t.work = None
         return t.tensor
+
+    def _failed(self, t: Transfer, where: str, exc: BaseException) -> PipelineCommError:
+        return PipelineCommError(
+            f"pipeline stage {self.stage} (global rank {self.rank}) failed {t.describe()}"
+            f"{f' [{where}]' if where else ''}, {time.monotonic() - t.posted_at:.1f} s after posting it: "
+            f"{_first_line(exc)} -- stage {t.peer_stage} has probably died or stalled; check its log")
 
 
 def _first_line(exc: BaseException) -> str:
