@@ -89,13 +89,19 @@ def test_requested_only_with_the_flag():
     assert not scaling_mode.requested(["--num-layers", "2", "--dynapipe"])
 
 
+def _with_checkout_on_path() -> dict:
+    """This environment with the checkout first on PYTHONPATH, the caller's paths kept after it
+    (megatron-core may live only there, e.g. installed with pip --target)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 def _launch(tmp_path, *flags):
     script = tmp_path / "Megatron-LM" / "pretrain_gpt.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text("raise SystemExit('scaling mode must not run the script')\n")
     return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *flags],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=_with_checkout_on_path())
 
 
 def test_launcher_traces_instead_of_running_the_script(tmp_path):
@@ -143,7 +149,7 @@ def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
                           "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1.5e-4", "--train-iters", "2",
                           *FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=_with_checkout_on_path())
     assert out.returncode == 0, out.stdout + out.stderr
     assert header(tmp_path / "rank_0.trace.jsonl")["rank"] == 0
 
