@@ -54,6 +54,24 @@ def test_four_methods_run_real_steps_and_agree_on_the_loss(tiny_profile, lengths
     assert methods["DynaPipe"]["planning_s"] is not None and methods["packing"]["planning_s"] is None
 
 
+@pytest.mark.slow
+def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_profile, lengths_file):
+    """Two data-parallel ranks each run their share of the same 8 samples: every method's loss
+    over the global batch is the one a single rank computes on all of them."""
+    profile, _ = tiny_profile
+    rows = {}
+    for dp in (1, 2):
+        run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                    "--max-seq-length", str(SEQ), "--dp", str(dp), "--steps", "3", "--warmup", "0", "--json")
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[dp] = json.loads(run.stdout)
+    assert rows[2]["settings"]["dp"] == 2 and rows[2]["losses_agree"]
+    for name, one_rank in rows[1]["methods"].items():
+        assert rows[2]["methods"][name]["loss"] == pytest.approx(one_rank["loss"], rel=1e-5), name
+    assert rows[2]["methods"]["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ  # the same 8 rows, split
+    assert rows[2]["methods"]["packing"]["padded_tokens"] == 3 * SEQ
+
+
 def test_the_table_reports_speed_ups_and_prediction_error(tiny_profile, lengths_file):
     profile, _ = tiny_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
@@ -79,6 +97,8 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--max-seq-length", "100"], "--max-seq-length 100: pick a multiple of 8"),
     (["--pp", "3"], "4 layers do not split evenly into --pp = 3"),
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
+    (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
+    (["--lengths", "LENGTHS", "--max-seq-length", "128", "--dp", "4"], "3 sequences of 128 tokens cannot feed --dp 4"),
     (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
     (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),

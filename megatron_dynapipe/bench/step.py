@@ -50,7 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cost-model", metavar="NAME|FILE",
                    help="the planner's cost model: a profile of this model on this device (megatron-dynapipe "
                         "profile) or a shipped profile's name (default: the analytical GPT model)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages = local processes (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks (default 1); PP x DP local processes run the steps")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
                    help=f"samples in the global batch (default {DEFAULT_SAMPLES})")
     p.add_argument("--mix", choices=MIXES, default="multitask",
@@ -71,11 +73,12 @@ def add_arguments(p) -> None:
 
 @dataclass
 class Method:
-    """One way to run the global batch: per-stage plans, micro-batch tensors (numpy, pickled to
-    the ranks), the cost model's predicted step time and, for DynaPipe, the planning time."""
+    """One way to run the global batch: per data-parallel rank its per-stage plans and its
+    micro-batch tensors (numpy, pickled to the ranks), the cost model's predicted step time (the
+    slowest data-parallel rank) and, for DynaPipe, the planning time."""
 
-    plans: list  # ExecutionPlan per stage
-    microbatches: list  # dict of numpy arrays per micro-batch
+    plans: list  # [dp rank][stage] ExecutionPlan
+    microbatches: list  # [dp rank] dict of numpy arrays per micro-batch
     predicted_ms: float
     planning_s: float | None = None
 
@@ -85,9 +88,10 @@ def run(args) -> int:
     lengths = _lengths(args, job["max_seq_length"])
     methods = _methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
-          f"(PP={args.pp}) ...", file=sys.stderr, flush=True)
+          f"(PP={args.pp}, DP={args.dp}) ...", file=sys.stderr, flush=True)
     backend = "nccl" if job["device"] == "cuda" else "gloo"
-    per_rank = launch(_rank, args.pp, job, methods, args.warmup, args.steps, timeout=args.timeout, backend=backend)
+    per_rank = launch(_rank, args.pp * args.dp, job, methods, args.warmup, args.steps, timeout=args.timeout,
+                      backend=backend)
     row = summarize(per_rank, methods, lengths, job)
     print(json.dumps(row) if args.json else format_table(row))
     return 0
@@ -113,10 +117,15 @@ def _checked(args) -> dict:
     problem = layers_problem(spec.num_layers, args.pp, pp_name="--pp")
     if problem:
         raise ValueError(problem)
+    if args.dp < 1:
+        raise ValueError(f"--dp {args.dp}: give at least 1 data-parallel rank")
+    if args.samples < args.dp and not args.lengths:
+        raise ValueError(f"--samples {args.samples} cannot feed --dp {args.dp} ranks: give at least {args.dp}")
     device = resolve_device(args.device)
-    if device == "cuda" and torch.cuda.device_count() < args.pp:
-        raise ValueError(f"--device cuda with --pp {args.pp} needs {args.pp} GPUs (NCCL puts one rank on each), "
-                         f"this machine has {torch.cuda.device_count()}: lower --pp or use --device cpu")
+    ranks = args.pp * args.dp
+    if device == "cuda" and torch.cuda.device_count() < ranks:
+        raise ValueError(f"--device cuda with --pp {args.pp} --dp {args.dp} needs {ranks} GPUs (NCCL puts one rank "
+                         f"on each), this machine has {torch.cuda.device_count()}: lower them or use --device cpu")
     if device == "cpu" and args.dtype != "fp32":
         raise ValueError(f"--{args.dtype} on the CPU: megatron-core's CPU path is fp32, drop the flag or use --device cuda")
     max_seq_length = args.max_seq_length or spec.max_sequence_length
@@ -127,7 +136,7 @@ def _checked(args) -> dict:
                                          if device == "cuda" else 36_000.0)
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     return dict(model=spec, device=device, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, seed=args.seed,
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, dp=args.dp, seed=args.seed,
                 cost_model_name=args.cost_model or "analytical")
 
 
@@ -159,17 +168,16 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     from ..planning.planner import generate_execution_plan
     from ..planning.spec import TrainingSpec
 
-    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], memory_limit_mb=job["memory_limit_mb"],
-                        seed=args.seed)
+    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"],
+                        memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
     # built once, as a training job's data pipeline does: planning time is the planner's alone
     costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     for name, fast in ((DYNAPIPE, False), (FAST, True)):
         result = generate_execution_plan(lengths, spec, costs, fast_mode=fast)
-        plans = result.plans[0]
-        microbatches = [_padded(tokens, mb) for mb in plans[0].microbatches]
-        methods[name] = Method(plans, microbatches, result.makespan_ms, result.planning_seconds)
+        microbatches = [[_padded(tokens, mb) for mb in plans[0].microbatches] for plans in result.plans]
+        methods[name] = Method(result.plans, microbatches, result.makespan_ms, result.planning_seconds)
     seq = job["max_seq_length"]
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
     methods[PACK] = _fixed_length_method(pack_fixed_length(lengths, seq), tokens, seq, costs, spec)
@@ -177,19 +185,27 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
 
 
 def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, costs, spec) -> Method:
-    """Sequences of ``seq_len`` tokens (each the samples it lists, packed), run 1F1B with the
-    micro-batch size and recompute the cost model finds fastest."""
+    """Sequences of ``seq_len`` tokens (each the samples it lists, packed), dealt out in order to
+    the data-parallel ranks as evenly as they go, each rank's run 1F1B with the micro-batch size
+    and recompute the cost model finds fastest."""
     from ..planning.baselines import fixed_length_baseline, uniform_microbatches
     from ..planning.plan import build_execution_plans
     from ..planning.schedules import one_f_one_b_orders
 
+    if len(sequences) < spec.dp:
+        raise ValueError(f"{len(sequences)} sequences of {seq_len} tokens cannot feed --dp {spec.dp} ranks: "
+                         "give more samples or lower --max-seq-length")
     best = fixed_length_baseline(len(sequences), seq_len, costs, spec.memory_limit_mb)
     if best is None:
         raise ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {spec.memory_limit_mb:.0f} "
                          "MB by the cost model: raise the limit or lower --max-seq-length")
-    micro = uniform_microbatches(len(sequences), best.microbatch_size, seq_len)
-    plans = build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, best.recompute.name.lower(), "1f1b")
-    tensors = [_packed([[tokens[i] for i in sequences[s]] for s in mb.samples], seq_len) for mb in micro]
+    plans, tensors = [], []
+    for mine in np.array_split(np.arange(len(sequences)), spec.dp):  # sizes differ by one at most
+        micro = uniform_microbatches(len(mine), best.microbatch_size, seq_len)
+        plans.append(build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro,
+                                           best.recompute.name.lower(), "1f1b"))
+        tensors.append([_packed([[tokens[i] for i in sequences[mine[s]]] for s in mb.samples], seq_len)
+                        for mb in micro])
     return Method(plans, tensors, best.makespan_ms)
 
 
@@ -242,18 +258,18 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     if on_cpu:
         steady_cpu_allocator()  # as the profile was made: timings that do not hang on the steps before
         cpu_compat.enable_cpu_mode()
-    init_model_parallel(1, world_size)
+    init_model_parallel(1, job["pp"])  # the data-parallel size follows from the world
     try:
         model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         ddp = build_training_stage(job["model"], dtype=DTYPES[job["dtype"]], device=device, pp=job["pp"])
-        stage = parallel_state.get_pipeline_model_parallel_rank()
-        runs = {name: planned_step(ddp, method.plans[stage], method.microbatches, device)
+        stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+        runs = {name: planned_step(ddp, method.plans[dp_rank][stage], method.microbatches[dp_rank], device)
                 for name, method in methods.items()}
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=ddp.zero_grad_buffer,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
-        return {"times": times, "losses": _token_mean_losses(results), "threads": torch.get_num_threads(),
+        return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
                 "peak_mb": {name: _peak_mb(run, ddp, device) for name, run in runs.items()}}
     finally:
         destroy_model_parallel()
@@ -261,17 +277,24 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
             cpu_compat.disable_cpu_mode()
 
 
-def _token_mean_losses(results: dict[str, list]) -> dict[str, float]:
-    """Each method's loss on the last stage (other stages return no loss dicts): the mean over
-    the global batch's loss tokens of the per-token loss."""
+def _loss_sums(results: dict[str, list]) -> dict[str, tuple[float, float]]:
+    """Each method's (loss sum, loss tokens) over this rank's micro-batches, on a last stage
+    (other stages return no loss dicts); :func:`summarize` adds the data-parallel ranks' up."""
     import torch
 
-    losses = {}
+    sums = {}
     for name, dicts in results.items():
         if dicts:
             total = torch.stack([d["lm loss"] for d in dicts]).sum(dim=0)  # [loss sum, token count]
-            losses[name] = float(total[0] / total[1])
-    return losses
+            sums[name] = (float(total[0]), float(total[1]))
+    return sums
+
+
+def _global_loss(per_rank: list[dict], name: str) -> float:
+    """The mean over the global batch's loss tokens of the per-token loss: every last stage's
+    (one per data-parallel rank) sums added up."""
+    sums = [rank["losses"][name] for rank in per_rank if name in rank["losses"]]
+    return sum(s for s, _ in sums) / sum(n for _, n in sums)
 
 
 def _peak_mb(run, ddp, device) -> float:
@@ -308,12 +331,13 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         rows[name] = dict(
             median_ms=median * 1e3, spread_ms=(max(steps) - min(steps)) * 1e3, tokens_per_s=real_tokens / median,
             predicted_ms=method.predicted_ms, prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100,
-            microbatches=len(method.microbatches), padded_tokens=int(sum(mb["tokens"].size for mb in method.microbatches)),
+            microbatches=sum(map(len, method.microbatches)),
+            padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
             peak_mb=max(rank["peak_mb"][name] for rank in per_rank), planning_s=method.planning_s,
-            loss=next(rank["losses"][name] for rank in per_rank if rank["losses"].get(name) is not None))
+            loss=_global_loss(per_rank, name))
     loss_gap = abs(rows[DYNAPIPE]["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
     return dict(
-        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"], pp=job["pp"],
+        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"], pp=job["pp"], dp=job["dp"],
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
         methods=rows,
@@ -327,7 +351,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
 def format_table(row: dict) -> str:
     s = row["settings"]
     lines = [
-        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, {s['samples']} samples "
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, DP={s['dp']}, {s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), cost model {s['cost_model']}",
         "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error | peak MB | planning s |",
         "|---|---|---|---|---|---|---|---|---|",
