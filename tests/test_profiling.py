@@ -91,17 +91,17 @@ def test_the_embedding_is_timed_and_priced_on_the_first_stage(tiny_profile):
         assert stages.backward_ms(1, 2, 128, rc) == pytest.approx(2 * enc + head + extra, rel=1e-12)
 
 
-def test_a_whole_training_step_costs_more_than_its_parts(tiny_profile):
-    """Each TP size gets its per-micro-batch overhead, once per stage and once per layer, both
-    phases, fitted over several shapes; a stage of the model (its wrapper, DDP's hooks, the
-    executor, the loss) takes longer per micro-batch than its parts timed alone."""
+def test_a_whole_training_step_gets_its_per_microbatch_overhead(tiny_profile):
+    """Each TP size gets its per-micro-batch overhead (a stage's wrapper, DDP's hooks, the
+    executor, the loss, beyond its parts timed alone), once per stage and once per layer, both
+    phases, fitted over several shapes. How large it is is a measurement, for `bench step` to
+    show, not for a test: on a busy machine the fit may find none."""
     _, doc = tiny_profile
     for tp in (1, 2):
         lines = records(doc, "microbatch_overhead", tp=tp)
         assert sorted((r["per"], r["phase"]) for r in lines) == [
             ("layer", "backward"), ("layer", "forward"), ("stage", "backward"), ("stage", "forward")]
         assert all(r["ms"] >= 0 and r["ms_per_token"] >= 0 and r["points"] >= 3 for r in lines)
-        assert overhead(doc, "forward", 32, layers=1, tp=tp) + overhead(doc, "backward", 32, layers=1, tp=tp) > 0
 
 
 def test_a_profile_without_embedding_times_prices_the_embedding_at_nothing():
