@@ -337,7 +337,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             loss=_global_loss(per_rank, name))
     loss_gap = abs(rows[DYNAPIPE]["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
     return dict(
-        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"], pp=job["pp"], dp=job["dp"],
+        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
+                      pp=job["pp"], dp=job["dp"],
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
         methods=rows,
@@ -351,7 +352,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
 def format_table(row: dict) -> str:
     s = row["settings"]
     lines = [
-        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, DP={s['dp']}, {s['samples']} samples "
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, DP={s['dp']}, "
+        f"{s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), cost model {s['cost_model']}",
         "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error | peak MB | planning s |",
         "|---|---|---|---|---|---|---|---|---|",

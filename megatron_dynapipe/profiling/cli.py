@@ -96,7 +96,8 @@ def _checked(args):
         min_seq_length=args.min_seq_length, max_seq_length=max_seq, max_tokens=args.max_tokens or 16 * max_seq,
         warmup=max(0, args.warmup), repeats=args.repeats, min_time_ms=max(0.0, args.min_time_ms))
     # an index, not plain "cuda": torch.cuda.set_device refuses a device without one
-    return spec, output, settings, torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    indexed = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    return spec, output, settings, indexed
 
 
 def run_profile(args: argparse.Namespace) -> int:

@@ -119,9 +119,9 @@ def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
 def rank_start_method() -> str:
     """How rank processes start: forked from this process (its imports are already warm), unless
     this torch sees a CUDA device.  A forked child cannot use CUDA ("Cannot re-initialize CUDA in
-    forked subprocess") once its parent has so much as counted the GPUs, and importing
-    megatron-core on a CUDA build does that; so there each rank starts as a fresh interpreter
-    (spawn), paying its own imports."""
+    forked subprocess") once its parent has so much as counted the GPUs, and on an H100 ranks
+    forked from a forkserver that had imported megatron-core failed the same way; so there each
+    rank starts as a fresh interpreter (spawn), paying its own imports."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         return "spawn"
