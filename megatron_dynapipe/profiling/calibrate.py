@@ -31,7 +31,7 @@ import torch
 
 from ..files import write_atomically
 from ..models import ModelSpec
-from ..planning.cost_model import AnalyticalCostModel
+from ..planning.cost_model import CALIBRATED, AnalyticalCostModel
 from ..planning.types import RecomputeType
 from .layers import DTYPES, build_parts, fake_tp_rank
 from .overhead import overhead_shapes
@@ -141,9 +141,8 @@ def _document(profile: _Profile) -> dict:
     else:
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     gpt = _analytical(profile.spec, 1)
-    analytical = {"hidden_size": gpt.hidden_size, "num_heads": gpt.num_heads, "ffn_hidden_size": gpt.ffn_hidden_size,
-                  "vocab_size": gpt.vocab_size,
-                  **{key: fit[key] for key in ("peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens")}}
+    values = dict(fit, hidden_size=gpt.hidden_size, num_heads=gpt.num_heads, ffn_hidden_size=gpt.ffn_hidden_size,
+                  vocab_size=gpt.vocab_size, device_memory_mb=round(memory_mb, 1))
     return {
         "name": f"{profile.spec.label} on {measured['metadata']['device']}, calibrated",
         "source": measured["source"] + ", calibrated analytical model",
@@ -151,6 +150,6 @@ def _document(profile: _Profile) -> dict:
         "metadata": dict(measured["metadata"], calibration={
             "points": len(points), "median_error_pct": round(fit["median_error_pct"], 2),
             "max_error_pct": round(fit["max_error_pct"], 2), "measured": points}),
-        "analytical": dict(analytical, device_memory_mb=round(memory_mb, 1)),
+        "analytical": {key: values[key] for key in CALIBRATED},  # the keys the loader reads, in its order
         "microbatch_overhead": measured["microbatch_overhead"],
     }

@@ -279,16 +279,19 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
     """Measure one point for each recompute type into ``profile`` (the head and the embedding
     once, for all of them); returns the types that fit in memory there."""
     s, device = profile.settings, profile.device
+
+    def timed(step):  # its Timing, or None where the device runs out of memory
+        return unless_out_of_memory(device, lambda: time_step(step, device, **_timing(s)))
+
     inputs = _inputs(profile, seq, mbs)
     x, labels = inputs or (None, None)
-    head = inputs and unless_out_of_memory(profile.device, lambda: time_step(lambda: parts.postprocess(x, labels), device,
-                                                          **_timing(s)))
-    embedding = head and unless_out_of_memory(profile.device, lambda: time_step(lambda: parts.preprocess(labels), device, **_timing(s)))
+    head = inputs and timed(lambda: parts.postprocess(x, labels))
+    embedding = head and timed(lambda: parts.preprocess(labels))
     fits = []
     for rc in recompute:
         encoder = parts.encoders[rc]
-        measured = embedding and unless_out_of_memory(profile.device, lambda: (time_step(lambda: encoder(x), device, **_timing(s)),
-                                                       measure_memory(lambda: encoder(x), device)))
+        timing = embedding and timed(lambda: encoder(x))
+        measured = timing and unless_out_of_memory(device, lambda: (timing, measure_memory(lambda: encoder(x), device)))
         if not measured:
             profile.infeasible.add((tp, rc.label, seq, mbs))
             continue
