@@ -166,7 +166,7 @@ def partition_dp(
     occurring = np.searchsorted(padded, np.unique(padded), side="right") if occurring_only else n
     seqs, table, cheapest = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
     seq_row = np.searchsorted(seqs, padded).tolist()
-    caps = _candidate_caps(table[seq_row, :], float(table[seq_row[-1], 0]), num_thresholds)
+    caps = _candidate_caps(table, float(table[seq_row[-1], 0]), num_thresholds)
     capped = _capped_costs(table, seq_row, caps)
     # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
     # bests of the `width` prefixes a micro-batch ending at j can extend are one contiguous slice.
@@ -212,10 +212,11 @@ def _capped_costs(table: np.ndarray, seq_row: list[int], caps: np.ndarray) -> di
     return capped
 
 
-def _candidate_caps(per_end_costs: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:
-    """Caps between the unavoidable and the largest feasible time: every distinct time when
+def _candidate_caps(table: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:
+    """Caps between the unavoidable and the largest feasible time of a micro-batch in the cost
+    table (each of its rows is a padded length some sample ends at): every distinct time when
     there are at most `count`, else `count` geometrically spaced ones."""
-    finite = per_end_costs[np.isfinite(per_end_costs) & (per_end_costs >= smallest_cap)]
+    finite = table[np.isfinite(table) & (table >= smallest_cap)]
     distinct = np.unique(np.append(finite, smallest_cap))
     if len(distinct) <= count:  # few enough to try every one: the result is exactly optimal
         return distinct

@@ -310,16 +310,23 @@ def optimize_schedule(
     candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
     tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
               if any(c.microbatching == m.label for c in candidates)}
-    work = [(tables[c.microbatching].reordered(c.order), np.tile(np.array(c.recompute, dtype=np.int64), (costs.pp, 1)))
-            for c in candidates]
-    bounds = [table.makespan_lower_bound(recompute) for table, recompute in work]
+    bounds = np.empty(len(candidates))
+    for m in microbatchings:
+        mine = [i for i, c in enumerate(candidates) if c.microbatching == m.label]
+        if mine:
+            recompute = np.tile(np.array(m.recompute, dtype=np.int64), (costs.pp, 1))
+            bounds[mine] = tables[m.label].order_bounds(recompute, [candidates[i].order[0] for i in mine],
+                                                        [candidates[i].order[-1] for i in mine])
+    bounds = bounds.tolist()
     gap = FAST_MODE_GAP if fast_mode else -BOUND_SLACK
     best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)
     for i in sorted(range(len(candidates)), key=bounds.__getitem__):
         cutoff = math.inf if best is None else best[0] * (1 - gap)
         if bounds[i] > cutoff:
             break  # so are all later bounds
-        candidate, (table, recompute) = candidates[i], work[i]
+        candidate = candidates[i]
+        table = tables[candidate.microbatching].reordered(candidate.order)
+        recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
         fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, memory_limit_mb,
                                 fast_mode, table, give_up_above_ms=cutoff)
         if fitted and (best is None or (fitted.simulation.makespan, i) < best[:2]):

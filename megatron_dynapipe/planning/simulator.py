@@ -74,13 +74,20 @@ class WorkTable:
         through stages 0..s-1, is busy for all its own ops, and after its last op (the backward
         of micro-batch n-1) that gradient still passes back through stages s-1..0.
         """
+        return float(self.order_bounds(recompute, [0], [self.comm.size - 1])[0])
+
+    def order_bounds(self, recompute: np.ndarray, firsts: Sequence[int], lasts: Sequence[int]) -> np.ndarray:
+        """:meth:`makespan_lower_bound` of several entry orders of these micro-batches at once,
+        each given by the micro-batch it starts and the one it ends with: only those two depend
+        on the order (``recompute`` [pp, n] is per micro-batch, in this table's order)."""
         index = np.asarray(recompute, dtype=np.int64)[None]
         forward = np.take_along_axis(self.floors["forward"], index, axis=0)[0]
         backward = np.take_along_axis(self.floors["backward"], index, axis=0)[0]
         busy = forward.sum(axis=1) + backward.sum(axis=1)
-        head = np.cumsum(forward[:-1, 0] + self.comm[0])  # stage s: micro-batch 0 reaches it
-        tail = np.cumsum(backward[:-1, -1] + self.comm[-1])  # ... and n-1's gradient leaves it
-        return float(np.max(busy + np.concatenate([[0.0], head + tail])))
+        firsts, lasts = np.asarray(firsts, dtype=np.int64), np.asarray(lasts, dtype=np.int64)
+        head = np.cumsum(forward[:-1, firsts] + self.comm[firsts], axis=0)  # stage s: the first reaches it
+        tail = np.cumsum(backward[:-1, lasts] + self.comm[lasts], axis=0)  # ... and the last's gradient leaves it
+        return np.max(busy[:, None] + np.concatenate([np.zeros((1, len(firsts))), head + tail]), axis=0)
 
     def work(self, recompute: np.ndarray) -> StageWork:
         """StageWork for the recompute type of every (stage, micro-batch), recompute[pp, n]."""
