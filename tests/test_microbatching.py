@@ -122,3 +122,25 @@ def test_the_dp_reports_the_recompute_each_microbatch_was_costed_with(costs_pp4)
     mbs, recompute = partition_dp(lengths, range(120), costs_pp4, LIMIT, types)
     assert recompute == cheapest_recompute(costs_pp4, mbs, types, LIMIT)
     assert partition_dp([], [], costs_pp4, LIMIT, types) == ([], [])
+
+
+def test_fast_partition_costs_each_microbatch_with_the_lightest_recompute_that_fits(costs_pp4):
+    rng = np.random.default_rng(12)
+    lengths = [int(x) for x in rng.integers(8, 4096, size=120)]
+    types = (RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL)
+    mbs, recompute = partition_dp(lengths, range(120), costs_pp4, LIMIT, types, fast=True)
+    assert sorted(i for mb in mbs for i in mb.samples) == list(range(120))
+    lightest = [next(rc for rc in types if microbatch_fits(costs_pp4, mb.size, mb.seq_len, rc, LIMIT)) for mb in mbs]
+    assert recompute == lightest
+    assert set(recompute) != {RecomputeType.NONE}  # the memory limit made some micro-batch recompute
+
+
+@pytest.mark.parametrize("seq", [64, 512, 2048, 4096, 8192])
+def test_a_heavier_recompute_is_never_faster_in_the_shipped_profile(costs_pp4, seq):
+    """What the fast partition's lightest-that-fits rule relies on."""
+    sizes = np.arange(1, 257)
+    times = [microbatch_times(costs_pp4, sizes, seq, rc) for rc in RecomputeType]
+    for lighter, heavier in zip(times, times[1:]):
+        finite = np.isfinite(lighter) & np.isfinite(heavier)
+        assert finite.any() or seq == 8192
+        assert np.all(lighter[finite] <= heavier[finite])

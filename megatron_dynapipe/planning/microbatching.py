@@ -78,28 +78,51 @@ def _sorted_samples(lengths: Sequence[int], indices: Sequence[int]) -> tuple[np.
     return indices[order], np.asarray(lengths)[indices[order]]
 
 
-def _cost_table(costs, padded_seqs, max_mbs, recompute, memory_limit_mb):
-    """Cost (ms) of a micro-batch of k = 1..max_mbs samples padded to each distinct length
-    (``max_mbs``: one bound for all, or one per distinct length), and which of the recompute
-    types that is (an index into them).
-
-    Feasibility shrinks as k grows, so powers of two first bound the feasible width of each
-    length and only the (length, k) pairs below that bound are evaluated.
-    """
-    seqs = np.unique(padded_seqs)
+def _feasible_widths(costs, seqs, max_mbs, recompute, memory_limit_mb) -> np.ndarray:
+    """Per sequence length of ``seqs``, a size no micro-batch of that length fits at or above,
+    at most ``max_mbs`` (one bound for all, or one per length) -- 0 when one sample does not fit.
+    Feasibility shrinks as the size grows, so powers of two find it."""
     most = int(np.max(max_mbs))
     powers = np.unique(np.minimum(2 ** np.arange(int(np.log2(most)) + 2), most + 1))
     feasible = _evaluate(costs, powers[None, :], seqs[:, None], recompute, memory_limit_mb) < np.inf
     first_bad = np.where(feasible.all(axis=1), most + 1, powers[np.argmin(feasible, axis=1)])
-    width = np.minimum(first_bad - 1, max_mbs)  # no k >= first_bad fits
+    return np.minimum(first_bad - 1, max_mbs)
+
+
+def _cost_table(costs, seqs, width, recompute, memory_limit_mb, lightest: bool):
+    """Cost (ms) of a micro-batch of k = 1..width samples padded to each of ``seqs`` (inf past
+    a length's width or where it does not fit), and which of the recompute types that is (an
+    index into them): the cheapest that fits, or with ``lightest`` the first that fits."""
     table = np.full((len(seqs), max(1, int(width.max()))), np.inf)
     cheapest = np.zeros(table.shape, dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), width)
     ks = np.concatenate([np.arange(1, w + 1) for w in width]) if rows.size else np.zeros(0, int)
-    times = _times_where_fit(costs, ks, seqs[rows], _types(recompute), memory_limit_mb)
-    cheapest[rows, ks - 1] = np.argmin(times, axis=0)
-    table[rows, ks - 1] = np.min(times, axis=0)
-    return seqs, table, cheapest
+    choose = _lightest_times if lightest else _cheapest_times
+    table[rows, ks - 1], cheapest[rows, ks - 1] = choose(costs, ks, seqs[rows], _types(recompute), memory_limit_mb)
+    return table, cheapest
+
+
+def _cheapest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
+    """Per micro-batch, the time under the fastest of ``types`` that fits (inf where none
+    does), and that type's index."""
+    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb)
+    return np.min(times, axis=0), np.argmin(times, axis=0)
+
+
+def _lightest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_cheapest_times` taking the first of ``types`` that fits instead of comparing all:
+    a heavier recompute runs more, so it is slower wherever a lighter one fits, and each type
+    is evaluated only where the lighter ones do not fit."""
+    best, which = np.full(len(mbs), np.inf), np.zeros(len(mbs), dtype=np.int64)
+    todo = np.arange(len(mbs))
+    for index, rc in enumerate(types):
+        times = _times_where_fit(costs, mbs[todo], seqlen[todo], (rc,), memory_limit_mb)[0]
+        fits = times < np.inf
+        best[todo[fits]], which[todo[fits]] = times[fits], index
+        todo = todo[~fits]
+        if not todo.size:
+            break
+    return best, which
 
 
 def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
@@ -133,7 +156,7 @@ def partition_dp(
     recompute: RecomputeType | Sequence[RecomputeType] = RecomputeType.NONE,
     round_to: int = 8,
     num_thresholds: int = DP_THRESHOLDS,
-    occurring_only: bool = False,
+    fast: bool = False,
 ) -> tuple[list[MicroBatch], list[RecomputeType]]:
     """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t), and
     the recompute type each was costed with: with several, the cheapest that fits (as
@@ -143,8 +166,9 @@ def partition_dp(
     The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
     programme, and all caps are solved together as rows of one numpy array.
 
-    ``occurring_only`` (fast mode) costs only micro-batches that can occur -- at most as many
-    samples as there are of that padded length or shorter -- and draws the caps from those
+    ``fast`` (fast mode) costs only micro-batches that can occur -- at most as many samples as
+    there are of that padded length or shorter -- each under the first of the recompute types
+    (listed lightest first) that fits rather than the cheapest, and draws the caps from those
     alone; otherwise every size up to the whole batch is costed, and caps span them all.
     """
     order, sorted_lengths = _sorted_samples(lengths, indices)
@@ -152,19 +176,12 @@ def partition_dp(
     if n == 0:
         return [], []
     padded = round_up(sorted_lengths, round_to)
-    if not np.isfinite(_evaluate(costs, 1, padded[-1], recompute, memory_limit_mb)):
-        longest = int(padded[-1])
-        if not any(np.isfinite(costs.forward_ms(0, 1, longest, rc)) for rc in _types(recompute)):
-            raise MicroBatchingError(
-                f"the cost model has no times for a sample of {int(sorted_lengths[-1])} tokens (padded to {longest}): "
-                "profile longer sequences (megatron-dynapipe profile --max-seq-length) or truncate long samples")
-        raise MicroBatchingError(
-            f"a sample of {int(sorted_lengths[-1])} tokens fits no micro-batch with recompute "
-            f"{'/'.join(rc.label for rc in _types(recompute))} under {memory_limit_mb:.0f} MB: raise the memory limit, use more "
-            f"tensor/pipeline parallelism, or truncate long samples"
-        )
-    occurring = np.searchsorted(padded, np.unique(padded), side="right") if occurring_only else n
-    seqs, table, cheapest = _cost_table(costs, padded, occurring, recompute, memory_limit_mb)
+    seqs = np.unique(padded)
+    widths = _feasible_widths(costs, seqs, np.searchsorted(padded, seqs, side="right") if fast else n,
+                              recompute, memory_limit_mb)
+    if widths[-1] == 0:
+        raise _unfit(costs, int(sorted_lengths[-1]), int(padded[-1]), _types(recompute), memory_limit_mb)
+    table, cheapest = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
     seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table, float(table[seq_row[-1], 0]), num_thresholds)
     capped = _capped_costs(table, seq_row, caps)
@@ -196,6 +213,18 @@ def partition_dp(
     types = _types(recompute)
     return ([_microbatch(order, padded, lo, hi) for lo, hi in bounds],
             [types[cheapest[seq_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
+
+
+def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> MicroBatchingError:
+    """Why a sample of ``length`` tokens (``padded``) fits no micro-batch, and the fix."""
+    if not any(np.isfinite(costs.forward_ms(0, 1, padded, rc)) for rc in types):
+        return MicroBatchingError(
+            f"the cost model has no times for a sample of {length} tokens (padded to {padded}): "
+            "profile longer sequences (megatron-dynapipe profile --max-seq-length) or truncate long samples")
+    return MicroBatchingError(
+        f"a sample of {length} tokens fits no micro-batch with recompute {'/'.join(rc.label for rc in types)} "
+        f"under {memory_limit_mb:.0f} MB: raise the memory limit, use more tensor/pipeline parallelism, "
+        "or truncate long samples")
 
 
 def _capped_costs(table: np.ndarray, seq_row: list[int], caps: np.ndarray) -> dict[int, np.ndarray]:

@@ -214,7 +214,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
         try:
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
-                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, occurring_only=fast_mode)
+                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode)
         except MicroBatchingError as error:
             errors.append(error)
             continue
