@@ -34,7 +34,9 @@
 #   --context-parallel-size / --expert-model-parallel-size.  The ranks, the folder names and the
 #   model flags come from the package (`trace --print-ranks`, `trace --print-model-args`), never
 #   from arithmetic in this script.  Each rank's output goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log
-#   (moved into place when the rank ends).  DRY_RUN=1 prints the commands instead of running them.
+#   (moved into place when the rank ends).  Then `trace --collect` reads the ranks' traces back
+#   and writes each folder's summary.json and timeline.json, so both ways leave the same files.
+#   DRY_RUN=1 prints the commands instead of running them.
 #
 # Environment
 #   MODEL_SIZE        model name (default 6.7)
@@ -149,7 +151,7 @@ while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_ran
     fi
 done < <(grep -v '^#' <<<"$ranks")
 
-if [[ "${DRY_RUN:-0}" != 1 ]]; then
-    echo "$((total - failed)) of $total ranks ran; outputs under $OUTPUT_DIR" >&2
-fi
-[[ $failed -eq 0 ]]
+[[ "${DRY_RUN:-0}" == 1 ]] && exit 0
+echo "$((total - failed)) of $total ranks ran; outputs under $OUTPUT_DIR" >&2
+# Each folder's summary.json and timeline.json, as the default way writes them; exit 1 if a rank failed.
+trace "${args[@]}" --output-dir "$OUTPUT_DIR" --collect --no-progress

@@ -555,6 +555,37 @@ def test_trace_json_summary(tmp_path, stand_in, capsys):
     assert "\x1b[" not in err and "configs" not in err  # stderr is not a terminal: no progress bar
 
 
+def test_collect_writes_what_a_trace_run_writes_from_ranks_traced_elsewhere(tmp_path, stand_in, capsys):
+    """--collect (the MEGATRON_LM_DIR way of update_pretrain_gpt.sh): summary and timeline from the traces."""
+    argv = ["--model", "tiny", "--config", "16 2 2", "--config", "32 4 1", "--output-dir", str(tmp_path), "--json"]
+    assert trace_cli.main(argv + ["--isolation", "inline", "--config", "8 4 1"]) == 1  # 32 4 1 fails
+    traced = json.loads(capsys.readouterr().out)["configs"]
+    ok, failed = (tmp_path / ok_folder("16 2 2", 0)), (tmp_path / ok_folder("32 4 1", 1))
+    expected = json.loads((ok / "summary.json").read_text())
+    timeline = (ok / "timeline.json").read_text()
+    for folder in (ok, failed):
+        (folder / "summary.json").unlink()
+        (folder / "timeline.json").unlink(missing_ok=True)
+    # config 1's four ranks, traced elsewhere: all but rank 24
+    for rank in (0, 8, 16):
+        stand_in_trace(cfg("32 4 1").layout(), rank, cfg("32 4 1").model,
+                       {"shapes_only": True}).write(failed)
+    code = trace_cli.main(argv + ["--collect", "--config", "9 2 2"])
+    collected = json.loads(capsys.readouterr().out)["configs"]
+    assert code == 1 and [c["status"] for c in collected] == ["ok", "failed", "invalid"]
+    got = json.loads((ok / "summary.json").read_text())
+    same = ("status", "complete", "ranks_traced", "reduction_pct", "timeline", "folder")
+    assert {k: got[k] for k in same} == {k: expected[k] for k in same}
+    assert [(r["rank"], r["stage"], r["status"], r["files"], r["stats"]) for r in got["ranks"]] == [
+        (r["rank"], r["stage"], r["status"], r["files"], r["stats"]) for r in expected["ranks"]]
+    assert (ok / "timeline.json").read_text() == timeline
+    summary = json.loads((failed / "summary.json").read_text())
+    assert [r["status"] for r in summary["ranks"]] == ["ok", "ok", "ok", "failed"]
+    assert summary["error"] == "rank 24: no rank_24.trace.jsonl: see fake_rank_24.log"
+    assert summary["shapes_only"] is True and (failed / "timeline.json").is_file()
+    assert traced[1]["status"] == collected[1]["status"] == "failed"
+
+
 def ok_folder(line, index):
     return cfg(line, index=index).folder_name()
 

@@ -132,9 +132,16 @@ def test_update_pretrain_gpt_through_the_launcher(tmp_path):
                               "MEGATRON_LM_DIR": str(checkout), "OUTPUT_DIR": str(tmp_path / "out")})
     assert out.returncode == 0, out.stdout + out.stderr
     (folder,) = (tmp_path / "out").iterdir()
-    assert {"rank_0.trace.jsonl", "rank_4096.trace.jsonl", "fake_rank_0.log", "fake_rank_4096.log"} <= {
-        p.name for p in folder.iterdir()}
+    # the same files as the default way (test_batch_config: test_update_pretrain_gpt_default_run_on_cpu)
+    assert {p.name for p in folder.iterdir()} == {"rank_0.trace.jsonl", "rank_4096.trace.jsonl", "fake_rank_0.log",
+                                                   "fake_rank_4096.log", "summary.json", "timeline.json"}
     assert header(folder / "rank_4096.trace.jsonl")["layout"]["world_size"] == 8192
+    summary = json.loads((folder / "summary.json").read_text())
+    assert (summary["status"], summary["complete"], summary["shapes_only"]) == ("ok", True, False)
+    assert [(r["rank"], r["stage"], r["status"], r["log"]) for r in summary["ranks"]] == [
+        (0, 0, "ok", "fake_rank_0.log"), (4096, 1, "ok", "fake_rank_4096.log")]
+    timeline = json.loads((folder / "timeline.json").read_text())
+    assert {e["pid"] for e in timeline["traceEvents"]} == {0, 4096}
 
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")

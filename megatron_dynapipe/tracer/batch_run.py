@@ -29,7 +29,7 @@ from .isolation import finish_log, preload_tracer_modules, rank_start_method, ru
 from .topology import ParallelLayout, is_positive_int
 from .trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 
-__all__ = ["run_batch"]
+__all__ = ["run_batch", "collect_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,55 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         write_summary(result, complete=False)
         return result
     bar.remove_task(ranks_task)
+    result.order_ranks([rep.global_rank for rep in reps])
+    write_timeline(result)
+    result.seconds = time.perf_counter() - start
+    write_summary(result)
+    return result
+
+
+def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike = "traces", *,
+                  training: TrainingOptions | None = None) -> list[ConfigResult]:
+    """The results of configs whose ranks were traced elsewhere, one process each (``megatron-dynapipe
+    launch pretrain_gpt.py ... --is-scaling-mode --trace-dir <folder>``), read from their folders;
+    each folder gets the ``summary.json`` and ``timeline.json`` :func:`run_batch` writes. A rank
+    whose trace is missing or unreadable fails its config; invalid configs are skipped."""
+    output_dir, training = Path(output_dir), training or TrainingOptions()
+    results = []
+    for config in configs:
+        reasons = validate(config, training)
+        results.append(ConfigResult(config, INVALID, reasons=reasons) if reasons
+                       else _collect_config(config, output_dir))
+    return results
+
+
+def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
+    from .trace_format import RankTrace, TraceFormatError, trace_path
+
+    start = time.perf_counter()
+    result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
+    reps = config.representatives()
+    result.ranks_traced = len(reps)
+    if not result.folder.is_dir():
+        result.status, result.error = FAILED, f"{result.folder} does not exist: trace the config's ranks first"
+        return result
+    modes = set()
+    for rep in reps:
+        log_file = result.folder / f"fake_rank_{rep.global_rank}.log"
+        rank = RankResult(rep.global_rank, rep.stage, rep.ep_rank, OK, log=log_file.name if log_file.is_file() else None)
+        path = trace_path(result.folder, rep.global_rank)
+        try:
+            trace = RankTrace.read(path)
+            rank.files, rank.stats = [path.name], _trace_stats(trace)
+            modes.add(trace.mode)
+        except FileNotFoundError:
+            rank.status, rank.error = FAILED, f"no {path.name}" + (f": see {rank.log}" if rank.log else "")
+        except (OSError, TraceFormatError) as error:
+            rank.status, rank.error = FAILED, f"unreadable {path.name}: {error_line(error)}"
+        result.ranks.append(rank)
+        result.note(rank)
+    if len(modes) == 1:
+        result.shapes_only, result.shapes_only_reason = modes == {"shapes_only"}, "as the ranks were traced"
     result.order_ranks([rep.global_rank for rep in reps])
     write_timeline(result)
     result.seconds = time.perf_counter() - start

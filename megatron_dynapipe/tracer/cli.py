@@ -87,6 +87,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     out.add_argument("--print-ranks", action="store_true",
                      help="list each valid config's representative ranks, one a line, and trace nothing")
+    out.add_argument("--collect", action="store_true",
+                     help="trace nothing: read the rank traces already in each config's folder (written by "
+                          "`megatron-dynapipe launch pretrain_gpt.py ... --is-scaling-mode`, one run per rank) and "
+                          "write its summary.json and timeline.json, as a trace run does")
     out.add_argument("--print-model-args", action="store_true",
                      help="print the Megatron-LM flags that build --model and exit")
     out.add_argument("--list-models", action="store_true", help="list the model sizes and exit")
@@ -179,10 +183,10 @@ def run_trace(args) -> int:
         return max(_print_ranks(configs, training, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
 
-    from .batch_run import run_batch
+    from .batch_run import collect_batch, run_batch
 
     try:
-        results = run_batch(
+        results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(
             configs, args.output_dir,
             warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
             cost_model=args.cost_model, dtype=args.dtype, training=training,
