@@ -179,8 +179,9 @@ def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
         return result
     modes = set()
     for rep in reps:
-        log_file = result.folder / f"fake_rank_{rep.global_rank}.log"
-        rank = RankResult(rep.global_rank, rep.stage, rep.ep_rank, OK, log=log_file.name if log_file.is_file() else None)
+        log_file = result.folder / f"fake_rank_{rep.global_rank}.log"  # the launcher run's output
+        rank = RankResult(rep.global_rank, rep.stage, rep.ep_rank, OK,
+                          log=log_file.name if log_file.is_file() else None)
         path = trace_path(result.folder, rep.global_rank)
         try:
             trace = RankTrace.read(path)
@@ -192,10 +193,10 @@ def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
             rank.status, rank.error = FAILED, f"unreadable {path.name}: {error_line(error)}"
         result.ranks.append(rank)
         result.note(rank)
-    if len(modes) == 1:
+    if len(modes) == 1:  # each launcher run chose shapes-only or real compute by the same rule
         result.shapes_only, result.shapes_only_reason = modes == {"shapes_only"}, "as the ranks were traced"
     result.order_ranks([rep.global_rank for rep in reps])
-    write_timeline(result)
+    write_timeline(result)  # reads the good traces again to merge them, as after a trace run
     result.seconds = time.perf_counter() - start
     write_summary(result)
     return result
