@@ -94,12 +94,12 @@ def _cost_table(costs, seqs, width, recompute, memory_limit_mb, lightest: bool):
     a length's width or where it does not fit), and which of the recompute types that is (an
     index into them): the cheapest that fits, or with ``lightest`` the first that fits."""
     table = np.full((len(seqs), max(1, int(width.max()))), np.inf)
-    cheapest = np.zeros(table.shape, dtype=np.int64)
+    chosen = np.zeros(table.shape, dtype=np.int64)
     rows = np.repeat(np.arange(len(seqs)), width)
     ks = np.concatenate([np.arange(1, w + 1) for w in width]) if rows.size else np.zeros(0, int)
     choose = _lightest_times if lightest else _cheapest_times
-    table[rows, ks - 1], cheapest[rows, ks - 1] = choose(costs, ks, seqs[rows], _types(recompute), memory_limit_mb)
-    return table, cheapest
+    table[rows, ks - 1], chosen[rows, ks - 1] = choose(costs, ks, seqs[rows], _types(recompute), memory_limit_mb)
+    return table, chosen
 
 
 def _cheapest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +181,7 @@ def partition_dp(
                               recompute, memory_limit_mb)
     if widths[-1] == 0:
         raise _unfit(costs, int(sorted_lengths[-1]), int(padded[-1]), _types(recompute), memory_limit_mb)
-    table, cheapest = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
+    table, chosen = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
     seq_row = np.searchsorted(seqs, padded).tolist()
     caps = _candidate_caps(table, float(table[seq_row[-1], 0]), num_thresholds)
     capped = _capped_costs(table, seq_row, caps)
@@ -212,7 +212,7 @@ def partition_dp(
     bounds.reverse()
     types = _types(recompute)
     return ([_microbatch(order, padded, lo, hi) for lo, hi in bounds],
-            [types[cheapest[seq_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
+            [types[chosen[seq_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
 
 
 def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> MicroBatchingError:

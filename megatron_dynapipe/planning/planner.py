@@ -198,7 +198,7 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
 def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: one per uniform recompute type and a
     "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode: only
-    the mixed one, which the others rarely beat)."""
+    the mixed one, which the others rarely beat, with the lightest recompute that fits)."""
     limit = spec.memory_limit_mb
     if spec.partition in ("token_based", "uniform"):
         mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..chrome_trace import ChromeTrace
 from ..files import write_atomically
@@ -132,10 +132,10 @@ def write_summary(result: ConfigResult, complete: bool = True) -> None:
         result.error = result.error or f"cannot write {SUMMARY_FILE}: {error}"
 
 
-def write_timeline(result: ConfigResult) -> None:
+def write_timeline(result: ConfigResult, traces: "Mapping[int, Any] | None" = None) -> None:
     """Read every traced rank back (a check that its file is whole) and merge them into one
     Chrome/Perfetto timeline, ``timeline.json``: one process per rank.  A rank whose trace is
-    missing or unreadable fails."""
+    missing or unreadable fails. ``traces``: RankTraces already read, by rank (not read again)."""
     from .trace_format import RankTrace, TraceFormatError, trace_path
 
     assert result.folder is not None
@@ -146,7 +146,7 @@ def write_timeline(result: ConfigResult) -> None:
             continue
         path = trace_path(result.folder, rank.rank)
         try:
-            RankTrace.read(path).add_to(timeline)
+            (traces[rank.rank] if traces and rank.rank in traces else RankTrace.read(path)).add_to(timeline)
             merged += 1
         except FileNotFoundError:
             rank.status, rank.error = FAILED, f"the tracer wrote no {path.name}"

@@ -177,26 +177,25 @@ def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
     if not result.folder.is_dir():
         result.status, result.error = FAILED, f"{result.folder} does not exist: trace the config's ranks first"
         return result
-    modes = set()
+    traces = {}
     for rep in reps:
         log_file = result.folder / f"fake_rank_{rep.global_rank}.log"  # the launcher run's output
         rank = RankResult(rep.global_rank, rep.stage, rep.ep_rank, OK,
                           log=log_file.name if log_file.is_file() else None)
         path = trace_path(result.folder, rep.global_rank)
         try:
-            trace = RankTrace.read(path)
+            trace = traces[rep.global_rank] = RankTrace.read(path)
             rank.files, rank.stats = [path.name], _trace_stats(trace)
-            modes.add(trace.mode)
         except FileNotFoundError:
             rank.status, rank.error = FAILED, f"no {path.name}" + (f": see {rank.log}" if rank.log else "")
         except (OSError, TraceFormatError) as error:
             rank.status, rank.error = FAILED, f"unreadable {path.name}: {error_line(error)}"
-        result.ranks.append(rank)
+        result.ranks.append(rank)  # in the config's order: the first failure is the config's error
         result.note(rank)
+    modes = {trace.mode for trace in traces.values()}
     if len(modes) == 1:  # each launcher run chose shapes-only or real compute by the same rule
         result.shapes_only, result.shapes_only_reason = modes == {"shapes_only"}, "as the ranks were traced"
-    result.order_ranks([rep.global_rank for rep in reps])
-    write_timeline(result)  # reads the good traces again to merge them, as after a trace run
+    write_timeline(result, traces)
     result.seconds = time.perf_counter() - start
     write_summary(result)
     return result
