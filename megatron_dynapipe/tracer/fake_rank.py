@@ -20,8 +20,8 @@ then teardown (``destroy_model_parallel`` + ``destroy_process_group``) so the ne
 
 The fake backend's collectives return at once and receives leave garbage; the recorder fills
 them with the values a job of identical peers would see (:mod:`.recorder`, ``fill=True``), so
-forward passes stay finite and MoE routing counts stay consistent.  Shapes decide every traced
-byte; values never do (except MoE routing, which the fill keeps deterministic).
+forward passes stay finite.  Shapes decide every traced byte; values never do: MoE routes each
+token by its position (:func:`_balanced_routing`), so every rank routes the same counts.
 
 Shapes-only mode
 ----------------
@@ -295,6 +295,40 @@ def _moe_cpu_shims() -> Iterator[None]:
 
 
 
+@contextlib.contextmanager
+def _balanced_routing() -> Iterator[None]:
+    """Route every token by :func:`_balanced_logits` (put back on exit; the router calls it when
+    the config asks for ``moe_router_force_load_balancing``, Megatron-LM's benchmark switch).
+
+    Why: with dropless routing the expert all-to-alls are sized by how many tokens each rank
+    routes to each expert, and a traced rank sees only its own routing (its fake peers answer
+    the count all-gather with copies of its own counts). Megatron's own switch draws random
+    scores from a per-rank seed, so the peers' counts would still be unknowable. Routing that
+    depends only on a token's position gives every rank the same counts, so what a rank expects
+    to receive is what its peers send -- the balanced routing a trained router's auxiliary loss
+    aims at; the weights of a model traced with random weights on random tokens say nothing
+    about real routing anyway.
+    """
+    from megatron.core.transformer.moe import moe_utils, router
+
+    with Patches() as patches:
+        patches.replace(moe_utils, "apply_random_logits", _balanced_logits)
+        if vars(router).get("apply_random_logits") is not _balanced_logits:
+            raise UpstreamChanged("megatron.core.transformer.moe.router no longer calls apply_random_logits: "
+                                  "review tracer/fake_rank.py _balanced_routing")
+        yield
+
+
+def _balanced_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Router scores that make token t (in flattened order) pick experts t, t+1, ... (mod E) as
+    its top-k: over any E consecutive tokens every expert is picked k times. Straight through:
+    the forward sees the scores, the router's gradient is the one its own logits get."""
+    experts = logits.shape[-1]
+    token = torch.arange(logits.numel() // experts, device=logits.device).reshape(*logits.shape[:-1], 1)
+    scores = -torch.remainder(torch.arange(experts, device=logits.device) - token, experts).to(logits.dtype)
+    return logits + (scores - logits).detach()
+
+
 # ---------------------------------------------------------------------------------------------
 # one rank
 
@@ -478,6 +512,8 @@ def trace_initialized_rank(
             stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
         if run.moe_on_cpu:
             stack.enter_context(_moe_cpu_shims())
+        if run.spec.num_experts:
+            stack.enter_context(_balanced_routing())
         if shapes_only:
             stack.enter_context(MetaMode())
             stack.enter_context(MetaKernelCache())
@@ -593,6 +629,10 @@ class _TraceRun:
     def moe_on_cpu(self) -> bool:
         return not self.on_gpu and bool(self.spec.num_experts)
 
+    def routing_fields(self) -> dict[str, Any]:
+        """MoE routes by :func:`_balanced_logits` (see :func:`_balanced_routing`)."""
+        return {"moe_router_force_load_balancing": True} if self.spec.num_experts else {}
+
     def device_scope(self):
         """Where MoE on CPU builds and runs its forward/backward (see :func:`_moe_cpu_shims`)."""
         from megatron_dynapipe.compat import cpu_compat
@@ -620,7 +660,7 @@ class _TraceRun:
         config = transformer_config(
             self.spec, dtype=self.torch_dtype, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
             expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only,
-            **self.training.transformer_fields())
+            **self.training.transformer_fields(), **self.routing_fields())
         with self.device_scope():
             model = build_gpt(self.spec, config, tp=layout.tp, use_te=self.use_te,
                               pre_process=parallel_state.is_pipeline_first_stage(),
