@@ -39,8 +39,9 @@ read -r -d '' BUILT_IN <<'EOF'
 1024    8   8   2                : 0 128 256 384 512 640 768 896
 16      4   1                    : 0 4 8 12
 8       1   8                    : 0
-# MoE: expert ranks are etp + ETP*(ep + EP*(edp + EDP*pp)), traced for every EP rank
-64      2   2   1   4  experts=8 : 0 2 4 6 32 34 36 38
+# MoE: expert ranks are etp + ETP*(ep + EP*(edp + EDP*pp)), traced for every EP rank (at TP > 1
+# Megatron trains MoE only with sequence parallelism and, with linear biases, expert TP 1)
+64      2   1   1   4  experts=8 : 0 1 2 3 32 33 34 35
 # rejected layouts
 100     3   2                    : invalid
 8       4   4                    : invalid
@@ -87,10 +88,10 @@ while IFS= read -r raw || [[ -n "$raw" ]]; do
         continue
     fi
 
-    # columns: config world_size pp tp cp ep dp mbs nmb gbs seq rank stage ep_rank model experts folder
+    # columns: config world_size pp tp cp ep dp mbs nmb gbs seq rank stage ep_rank model experts expert_tp folder
     actual=""
     formula_errors=""
-    while read -r _idx _w pp tp cp ep dp _mbs _nmb _gbs _seq rank stage ep_rank _model experts _folder; do
+    while read -r _idx _w pp tp cp ep dp _mbs _nmb _gbs _seq rank stage ep_rank _model experts _etp _folder; do
         actual+="$rank "
         if [[ $ep -eq 1 && $experts -eq 0 ]]; then
             want=$((stage * tp * cp * dp))

@@ -6,7 +6,7 @@
 #   MODEL_SIZE=175 examples/update_pretrain_gpt.sh "8192 16 8"
 #   MEGATRON_LM_DIR=~/Megatron-LM examples/update_pretrain_gpt.sh
 #
-# Configs are "WORLD_SIZE PP TP [CP [EP]] [key=value ...]" (keys: cp ep mbs nmb gbs seq experts
+# Configs are "WORLD_SIZE PP TP [CP [EP]] [key=value ...]" (keys: cp ep etp mbs nmb gbs seq experts
 # model); with none, the one default config is 8192 ranks, PP 2, TP 2.  MODEL_SIZE names a row
 # of the package's model table (hidden/heads/layers):
 #   tiny 128/8/4, 6.7 4096/32/32, 13 5120/32/40, 30 7680/48/40, 40 9216/72/40, 70 8192/64/80,
@@ -30,11 +30,11 @@
 #   plain process (no torchrun: Megatron's distributed start-up never runs; the checkout's
 #   megatron-core builds the model) and writes <folder>/rank_<R>.trace.jsonl -- shapes-only
 #   unless the model fits this machine, by the same rule as the default way
-#   (megatron_dynapipe/megatron/scaling_mode.py).  CP and EP go through Megatron's
-#   --context-parallel-size / --expert-model-parallel-size.  The ranks, the folder names and the
-#   model flags come from the package (`trace --print-ranks`, `trace --print-model-args`), never
-#   from arithmetic in this script.  Each rank's output goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log
-#   (moved into place when the rank ends).  Then `trace --collect` reads the ranks' traces back
+#   (megatron_dynapipe/megatron/scaling_mode.py).  CP, EP and expert TP go through Megatron's
+#   --context-parallel-size / --expert-model-parallel-size / --expert-tensor-parallel-size.  The
+#   ranks, the folder names and the model flags come from the package (`trace --print-ranks`,
+#   `trace --print-model-args`), never from arithmetic in this script.  Each rank's output goes to
+#   <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when the rank ends).  Then `trace --collect` reads the ranks' traces back
 #   and writes each folder's summary.json and timeline.json, so both ways leave the same files.
 #   DRY_RUN=1 prints the commands instead of running them.
 #
@@ -108,7 +108,7 @@ ranks="$(trace "${args[@]}" --print-ranks)" || {
 failed=0
 total=0
 declare -A model_args_of=()
-while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_rank model experts folder; do
+while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_rank model experts etp folder; do
     key="$model $experts $seq"
     if [[ -z "${model_args_of[$key]:-}" ]]; then
         extra=()
@@ -123,6 +123,7 @@ while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_ran
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp")
     [[ "$cp" -gt 1 ]] && cmd+=(--context-parallel-size "$cp")
     [[ "$ep" -gt 1 ]] && cmd+=(--expert-model-parallel-size "$ep")
+    [[ "$etp" -ne "$tp" ]] && cmd+=(--expert-tensor-parallel-size "$etp")
     cmd+=(--train-iters $((WARMUP_ITERS + TRACE_ITERS)) --lr 1.5e-4 --eval-iters 0 --log-interval 1
         --mock-data --tokenizer-type NullTokenizer
         --is-scaling-mode --fake-world-size "$world" --fake-pp "$pp" --fake-tp "$tp"

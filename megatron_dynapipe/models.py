@@ -105,9 +105,22 @@ class ModelSpec:
                 raise ValueError(f"{field} must be a probability in [0, 1), got {value!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization {self.normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
+        self._check_moe()
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r}: use one of "
                              f"{', '.join(POSITION_EMBEDDINGS)}")
+
+    def _check_moe(self) -> None:
+        if not _is_pos_int(self.moe_router_topk):
+            raise ValueError(f"moe_router_topk must be a positive int, got {self.moe_router_topk!r}")
+        if self.moe_ffn_hidden_size is not None and not _is_pos_int(self.moe_ffn_hidden_size):
+            raise ValueError(f"moe_ffn_hidden_size must be a positive int, got {self.moe_ffn_hidden_size!r}")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise ValueError(f"moe_expert_capacity_factor must be a positive number, got {factor!r}")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity pads to a capacity: give moe_expert_capacity_factor "
+                             "(--moe-expert-capacity-factor F) too")
 
     @property
     def head_dim(self) -> int:
@@ -157,7 +170,8 @@ class ModelSpec:
             add_bias_linear=getattr(args, "add_bias_linear", None),
             hidden_dropout=getattr(args, "hidden_dropout", None),
             attention_dropout=getattr(args, "attention_dropout", None),
-            make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
+            make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None),
+            **{name: getattr(args, name, None) for name in MOE_FIELDS})
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
@@ -303,7 +317,13 @@ class ModelSpec:
         if not self.share_embeddings_and_output_weights:
             args.append("--untie-embeddings-and-output-weights")
         if self.num_experts:
-            args += ["--num-experts", str(self.num_experts)]
+            args += ["--num-experts", str(self.num_experts), "--moe-router-topk", str(self.moe_router_topk)]
+            if self.moe_ffn_hidden_size:
+                args += ["--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size)]
+            if self.moe_expert_capacity_factor is not None:
+                args += ["--moe-expert-capacity-factor", f"{self.moe_expert_capacity_factor:g}"]
+            if self.moe_pad_expert_input_to_capacity:
+                args.append("--moe-pad-expert-input-to-capacity")
         if self.num_query_groups:
             args += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
         if self.swiglu:
@@ -320,6 +340,10 @@ class ModelSpec:
         if self.make_vocab_size_divisible_by != 128:
             args += ["--make-vocab-size-divisible-by", str(self.make_vocab_size_divisible_by)]
         return args
+
+
+#: the MoE fields of a ModelSpec, named as Megatron-LM's flags (``--moe-router-topk``, ...)
+MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
 
 
 def _registry(*specs: ModelSpec) -> dict[str, ModelSpec]:
@@ -380,9 +404,9 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
 # the model as command-line flags: a named size, Megatron-LM's own flags, or both
 
 
-def add_model_arguments(parser) -> None:
-    """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning);
-    :func:`model_from_args` reads them back."""
+def add_model_arguments(parser, moe: bool = False) -> None:
+    """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning),
+    with ``moe`` those of its experts too; :func:`model_from_args` reads them back."""
     g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
     g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)}")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
@@ -397,6 +421,18 @@ def add_model_arguments(parser) -> None:
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, metavar="P", help="default 0.1")
+    if moe:
+        _add_moe_arguments(parser)
+
+
+def _add_moe_arguments(parser) -> None:
+    moe = parser.add_argument_group("mixture of experts (Megatron-LM's flags; with --num-experts)")
+    moe.add_argument("--moe-router-topk", type=int, metavar="K", help="experts each token is routed to (default 2)")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, metavar="N", help="an expert's FFN width (default --ffn-hidden-size)")
+    moe.add_argument("--moe-expert-capacity-factor", type=float, metavar="F",
+                     help="tokens an expert takes, as a multiple of its fair share (default: dropless)")
+    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
+                     help="pad every expert's input to its capacity (fixed all-to-all sizes)")
 
 
 def model_from_args(args) -> ModelSpec:
@@ -409,6 +445,7 @@ def model_from_args(args) -> ModelSpec:
         ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by"), ("add_bias_linear", "add_bias_linear"),
         ("hidden_dropout", "hidden_dropout"), ("attention_dropout", "attention_dropout"),
     ) if getattr(args, flag, None) is not None}
+    fields.update({name: getattr(args, name) for name in MOE_FIELDS if getattr(args, name, None) is not None})
     if getattr(args, "untie_embeddings_and_output_weights", None):
         fields["share_embeddings_and_output_weights"] = False
     if getattr(args, "group_query_attention", None):

@@ -7,6 +7,8 @@ fail on purpose; the example scripts and the end-to-end tests use the real fake-
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
 import json
 import os
@@ -32,13 +34,16 @@ from megatron_dynapipe.tracer.batch_config import (
 from megatron_dynapipe.tracer.batch_results import ConfigResult, RankResult, exit_code
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
-from megatron_dynapipe.models import MODELS, ModelSpec, get_model
+from megatron_dynapipe.megatron import scaling_mode
+from megatron_dynapipe.models import MODELS, ModelSpec, add_model_arguments, get_model, model_from_args
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
+from megatron_dynapipe.training import TrainingOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 TINY = get_model("tiny")
+NO_BIAS = dataclasses.replace(TINY, add_bias_linear=False)  # MoE at expert TP > 1 allows no biases
 
 
 def cfg(line: str, **kw) -> TraceConfig:
@@ -214,7 +219,7 @@ def test_parse_configs_from_lines():
 def test_valid_configs_have_no_reasons():
     assert validate(cfg("8192 16 8", model="175")) == []
     assert validate(cfg("8192 2 2")) == []
-    assert validate(cfg("64 2 2 1 4 experts=8")) == []
+    assert validate(cfg("64 2 2 1 4 experts=8", model=NO_BIAS)) == []
     assert validate(cfg("64 2 2 2 gbs=64")) == []
 
 
@@ -257,13 +262,50 @@ def test_rule_ffn_divisible_by_tp():
 
 def test_rule_experts_divisible_by_ep():
     assert validate(cfg("64 2 2 1 4")) == ["EP 4 needs a mixture-of-experts model: give experts=N, a multiple of 4"]
-    assert validate(cfg("64 2 2 1 4 experts=6")) == ["experts=6 is not divisible by EP 4: use a multiple of 4"]
+    assert validate(cfg("64 2 2 1 4 experts=6", model=NO_BIAS)) == ["experts=6 is not divisible by EP 4: use a multiple of 4"]
 
 
 def test_rule_world_divisible_by_tp_ep_pp():
     # dense: 48 / (2*2) ok; expert: 48 / (2*8*2) not
-    assert validate(cfg("48 2 2 1 8 experts=8")) == [
+    assert validate(cfg("48 2 2 1 8 experts=8", model=NO_BIAS)) == [
         "world size 48 is not divisible by TP·EP·PP = 2·8·2 = 32: make it a multiple of 32 or change TP, EP, PP"]
+    # expert TP given: expert 48 / (1*8*2) ok; 32 / (4*8*2) not
+    assert validate(cfg("48 2 2 1 8 experts=8 etp=1", model=NO_BIAS)) == []
+    assert validate(cfg("32 2 2 1 8 experts=8 etp=4", model=NO_BIAS)) == [
+        "world size 32 is not divisible by ETP·EP·PP = 4·8·2 = 64: make it a multiple of 64 or change ETP, EP, PP"]
+
+
+def test_rule_moe_biases_need_expert_tp_1():
+    fix = ": add --disable-bias-linear, or set expert TP 1 (etp=1 on a config line, --expert-tensor-parallel-size 1)"
+    rule = "MoE with linear biases needs expert tensor parallelism 1 (megatron-core's rule), but it is 2"
+    assert validate(cfg("8 1 2 1 2 experts=4")) == [rule + " (by default, TP)" + fix]
+    assert validate(cfg("8 1 2 1 2 experts=4 etp=2")) == [rule + fix]
+    assert validate(cfg("8 1 2 1 2 experts=4 etp=1")) == []
+    assert validate(cfg("8 1 2 1 2 experts=4", model=NO_BIAS)) == []
+    assert validate(cfg("8 1 1 1 2 experts=4")) == []  # TP 1, so expert TP 1
+
+
+def test_rule_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    moe = cfg("8 1 2 1 2 experts=4", model=NO_BIAS)
+    assert validate(moe, TrainingOptions()) == [
+        "MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): add --sequence-parallel"]
+    assert validate(moe, TrainingOptions(sequence_parallel=True)) == []
+    assert validate(cfg("8 1 2"), TrainingOptions()) == []  # dense
+
+
+def test_etp_sets_the_experts_tensor_parallelism():
+    """Megatron's expert ranks: global = etp + ETP * (ep + EP * (edp + EDP * pp)); the traced ones
+    have etp = edp = 0, one per (stage, EP rank)."""
+    c = cfg("16 2 2 1 2 experts=4 etp=1", model=NO_BIAS)
+    layout = c.layout()
+    assert (layout.expert_tp, layout.expert_dp) == (1, 16 // (1 * 2 * 2))
+    edp = 16 // (1 * 2 * 2)
+    assert [r.global_rank for r in c.representatives()] == [1 * (ep + 2 * edp * pp) for pp in (0, 1) for ep in (0, 1)]
+    default = cfg("16 2 2 1 2 experts=4", model=NO_BIAS)
+    assert [r.global_rank for r in default.representatives()] == [2 * (ep + 2 * 2 * pp) for pp in (0, 1) for ep in (0, 1)]
+    assert "_EP2_ETP1_DP4_" in c.folder_name() and "ETP" not in default.folder_name()
+    assert cfg("16 2 2 1 2 experts=4 etp=2", model=NO_BIAS).folder_name() == default.folder_name()
+    assert c.to_dict()["expert_tp"] == 1 and default.to_dict()["expert_tp"] == 2
 
 
 def test_rule_sequence_divisible_by_two_cp():
@@ -275,6 +317,59 @@ def test_all_reasons_are_listed_together():
     assert len(reasons) == 3
     assert any("world size 40 is not divisible by TP·PP·CP = 16·3·1 = 48" in r for r in reasons)
     assert any("layers" in r for r in reasons) and any("heads" in r for r in reasons)
+
+
+def test_moe_flags_describe_the_experts():
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser, moe=True)
+    args = parser.parse_args(["--model", "tiny", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "96",
+                              "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"])
+    spec = model_from_args(args).with_experts(4)
+    assert (spec.moe_router_topk, spec.moe_ffn_hidden_size, spec.moe_expert_capacity_factor,
+            spec.moe_pad_expert_input_to_capacity) == (1, 96, 1.5, True)
+    # Megatron-LM's flags of the model, read back as scaling mode reads a pretrain_gpt.py command line
+    back = ModelSpec.from_megatron_args(scaling_mode.parse_args(spec.megatron_args()))
+    assert back == dataclasses.replace(spec, name="")
+    with pytest.raises(ValueError, match=r"give moe_expert_capacity_factor \(--moe-expert-capacity-factor F\)"):
+        model_from_args(parser.parse_args(["--model", "tiny", "--moe-pad-expert-input-to-capacity"]))
+
+
+def test_shapes_only_dropless_moe_fails_its_config_before_any_rank_starts(tmp_path):
+    CALLS.clear()
+    configs = parse_configs(["8 2 1 1 2 experts=4", "8 4 1"])
+    results = run_batch(configs, tmp_path, tracer=stand_in_tracer, shapes_only=True, isolation="inline", progress=False)
+    assert [r.status for r in results] == ["failed", "ok"]
+    assert "add --moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity" in results[0].error
+    assert [c["rank"] for c in CALLS] == [0, 2, 4, 6]  # the dense config's stages only (s x TP x DP)
+    assert not (tmp_path / configs[0].folder_name()).exists()
+    padded = dataclasses.replace(TINY, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    results = run_batch(parse_configs(["8 2 1 1 2 experts=4"], model=padded), tmp_path, tracer=stand_in_tracer,
+                        shapes_only=True, isolation="inline", progress=False)
+    assert results[0].status == "ok"
+
+
+@pytest.mark.slow
+def test_moe_at_expert_tp_1_traces_and_its_all_to_alls_pair_up(tmp_path):
+    """TP 2 with sequence parallelism, EP 2, expert TP 1: each rank routes its 64 / 2 tokens to
+    top-2 of 4 experts, 2 on each EP rank, so it sends 32 x 2 / 2 = 32 rows to each EP peer."""
+    code = trace_cli.main(["--model", "tiny", "--num-experts", "4", "--disable-bias-linear", "--sequence-parallel",
+                           "--config", "8 1 2 1 2 etp=1", "--seq-length", "64", "--real-compute",
+                           "--output-dir", str(tmp_path), "--no-progress"])
+    assert code == 0
+    (folder,) = tmp_path.iterdir()
+    traces = {t.rank: t for t in map(RankTrace.read, folder.glob("rank_*.trace.jsonl"))}
+    assert sorted(traces) == [0, 1]  # etp + ETP x ep with etp = 0, ETP = 1
+    routed = {rank: [op for op in t.ops if op.kind == "all_to_all" and op.splits] for rank, t in traces.items()}
+    assert routed[0] and len(routed[0]) == len(routed[1])
+    for rank, ops in routed.items():
+        assert traces[rank].layout["expert_tp"] == 1 and traces[rank].expert_coords["ep"] == rank
+        # the dispatch sends the tokens' hidden states (64 x 128 float32) and their routing
+        # probabilities (64 float32); the combine sends the hidden states back
+        assert {op.bytes for op in ops} == {64 * 128 * 4, 64 * 4}
+        for k, op in enumerate(ops):
+            assert op.group == (0, 1) and op.splits["in"] == op.splits["out"] == [32, 32]
+            peer = routed[1 - rank][k]
+            assert op.splits["in"][1 - rank] == peer.splits["out"][rank]
 
 
 # --------------------------------------------------------------------------------------------
@@ -631,9 +726,11 @@ def test_print_ranks(capsys):
     assert code == 0
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
     assert [int(r[11]) for r in rows] == [512 * s for s in range(16)]
-    assert {(r[14], r[15], r[16]) for r in rows} == {("175B", "0", cfg("8192 16 8", model="175").folder_name())}
+    assert {(r[14], r[15], r[16], r[17]) for r in rows} == {
+        ("175B", "0", "8", cfg("8192 16 8", model="175").folder_name())}
     assert "config 1 (100 3 2) is invalid" in err
-    trace_cli.main(["--config", "64 2 2 1 4", "--num-experts", "8", "--print-ranks", "--json"])
+    trace_cli.main(["--config", "64 2 2 1 4", "--num-experts", "8", "--disable-bias-linear", "--sequence-parallel",
+                    "--print-ranks", "--json"])
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     assert [(r["rank"], r["stage"], r["ep_rank"]) for r in ranks] == [
         (0, 0, 0), (2, 0, 1), (4, 0, 2), (6, 0, 3), (32, 1, 0), (34, 1, 1), (36, 1, 2), (38, 1, 3)]

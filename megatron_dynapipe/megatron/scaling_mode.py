@@ -20,12 +20,14 @@ What is read from the script's arguments (:func:`build_parser`, ``parse_known_ar
 other ``pretrain_gpt.py`` flag is ignored)
     * the layout: ``--fake-world-size/--fake-pp/--fake-tp`` (required), ``--fake-cp/--fake-ep``
       (else Megatron's ``--context-parallel-size/--expert-model-parallel-size``),
-      ``--fake-num-experts`` (else ``--num-experts``), ``--fake-rank-order``; ``--fake-dp`` is
-      checked, not needed. Megatron's own ``--tensor/pipeline-model-parallel-size`` are not used:
+      ``--fake-num-experts`` (else ``--num-experts``), ``--fake-rank-order``, Megatron's
+      ``--expert-tensor-parallel-size`` (default TP); ``--fake-dp`` is checked, not needed. Megatron's own ``--tensor/pipeline-model-parallel-size`` are not used:
       the fake sizes describe the job.
     * the model: ``--num-layers --hidden-size --num-attention-heads --ffn-hidden-size``
       (default 4 x hidden) ``--vocab-size`` (the tracer pads it as Megatron does, to a multiple of
-      128 x TP) ``--seq-length`` ``--untie-embeddings-and-output-weights``.
+      128 x TP) ``--seq-length`` ``--untie-embeddings-and-output-weights``, the experts'
+      ``--moe-router-topk --moe-ffn-hidden-size --moe-expert-capacity-factor
+      --moe-pad-expert-input-to-capacity``.
     * the batch: ``--micro-batch-size``, ``--global-batch-size`` (default: one micro-batch per
       stage); micro-batches per iteration = global / (micro x fake DP).
     * the iterations: ``--trace-start`` warm-up iterations (default 1), ``--trace-iters``
@@ -79,7 +81,7 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     from ..models import add_model_arguments
     from ..training import add_training_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, moe=True)
     add_training_arguments(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)
@@ -94,6 +96,7 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     return parser
 
 
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     """
     from ..tracer.batch_config import TraceConfig, validate
     from ..tracer.trace_budget import decide_shapes_only
-    from ..tracer.topology import ParallelLayout
+    from ..tracer.topology import ParallelLayout, shapes_only_problem
 
     if not getattr(args, "is_scaling_mode", False):
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")
@@ -205,7 +208,8 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     _require(args, ("micro_batch_size",))
     seq = int(args.seq_length)
     config = TraceConfig(world_size=args.fake_world_size, pp=args.fake_pp, tp=args.fake_tp,
-                         cp=_get(args, "fake_cp", 1), ep=_get(args, "fake_ep", 1), model=model,
+                         cp=_get(args, "fake_cp", 1), ep=_get(args, "fake_ep", 1),
+                         expert_tp=getattr(args, "expert_tensor_parallel_size", None), model=model,
                          micro_batch_size=args.micro_batch_size,
                          global_batch_size=getattr(args, "global_batch_size", None), seq_length=seq,
                          source="--is-scaling-mode")
@@ -214,11 +218,14 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
         raise DynapipeArgumentError(f"--is-scaling-mode: {'; '.join(reasons)}: change the fake layout or "
                                     "the model/batch flags")
     layout = ParallelLayout(config.world_size, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
-                            order=_get(args, "fake_rank_order", "tp-cp-ep-dp-pp"))
+                            expert_tp=config.expert_tp, order=_get(args, "fake_rank_order", "tp-cp-ep-dp-pp"))
     if shapes_only is None:
         shapes_only, reason = decide_shapes_only(config)
     else:
         reason = "forced " + ("shapes-only" if shapes_only else "real compute")
+    problem = shapes_only and shapes_only_problem(model)
+    if problem:
+        raise DynapipeArgumentError(f"--is-scaling-mode: {problem}")
     from ..tracer.fake_rank import trace_fake_rank
 
     started = time.perf_counter()

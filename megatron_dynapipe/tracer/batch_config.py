@@ -8,7 +8,7 @@ optionally followed by ``key=value`` overrides of the run-wide defaults::
     4096     16  4   2          gbs=4096
     1024      4  2   1   8      model=6.7 mbs=2
 
-Keys: ``cp``, ``ep``, ``mbs`` (micro-batch size), ``nmb`` (micro-batches per iteration),
+Keys: ``cp``, ``ep``, ``etp`` (expert tensor parallelism, default TP), ``mbs`` (micro-batch size), ``nmb`` (micro-batches per iteration),
 ``gbs`` (global batch size), ``seq`` (sequence length), ``experts`` (number of experts) and
 ``model``.  ``#`` starts a comment; blank lines are skipped.
 
@@ -78,6 +78,8 @@ class TraceConfig:
     tp: int
     cp: int = 1
     ep: int = 1
+    #: expert tensor-parallel size (None: TP, as Megatron-LM defaults it)
+    expert_tp: int | None = None
     model: ModelSpec = field(default_factory=lambda: get_model(DEFAULT_MODEL))
     micro_batch_size: int = 1
     num_microbatches: int | None = None
@@ -131,7 +133,7 @@ class TraceConfig:
 
     def layout(self) -> ParallelLayout:
         """The :class:`ParallelLayout`; raises ``ValueError`` for an invalid config."""
-        return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, expert_tp=self.expert_tp)
 
     def representatives(self) -> Representatives:
         """The ranks traced for this config (one per stage, times EP for MoE)."""
@@ -144,6 +146,8 @@ class TraceConfig:
             name += f"_CP{self.cp}"
         if self.ep != 1:
             name += f"_EP{self.ep}"
+        if self.expert_tp not in (None, self.tp):
+            name += f"_ETP{self.expert_tp}"
         name += (
             f"_DP{self.dp}_nMICROB{self.microbatches}_MICROB_SIZE{self.micro_batch_size}"
             f"_GLOBAL_BATCH{self.global_batch}"
@@ -160,6 +164,7 @@ class TraceConfig:
             "tp": self.tp,
             "cp": self.cp,
             "ep": self.ep,
+            "expert_tp": self.expert_tp or self.tp,
             "dp": self.dp,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.microbatches,
@@ -179,6 +184,8 @@ LINE_NAMES = {"world_size": "world size", "tp": "TP", "pp": "PP", "cp": "CP", "e
 _KEYS = {
     "cp": "cp",
     "ep": "ep",
+    "etp": "expert_tp",
+    "expert_tp": "expert_tp",
     "mbs": "micro_batch_size",
     "micro_batch_size": "micro_batch_size",
     "nmb": "num_microbatches",
@@ -314,13 +321,15 @@ def validate(config: TraceConfig, training: Optional[TrainingOptions] = None) ->
              "global batch size": c.global_batch_size, "sequence length": c.seq_length}
     reasons = [f"{label} must be a positive integer, got {_describe_value(value)}" for label, value in batch.items()
                if not (value is None and label != "micro-batch size") and not is_positive_int(value)]
-    layout = layout_problems(c.world_size, c.tp, c.pp, c.cp, c.ep, names=LINE_NAMES)
+    names = {**LINE_NAMES, "expert_tp": "ETP"} if c.expert_tp is not None else LINE_NAMES
+    layout = layout_problems(c.world_size, c.tp, c.pp, c.cp, c.ep, expert_tp=c.expert_tp, names=names)
     if reasons or not all(is_positive_int(v) for v in (c.world_size, c.tp, c.pp, c.cp, c.ep)):
         return layout + reasons  # sizes that are not counts: the rules below cannot be read
     reasons = layout or _global_batch_problems(c)
-    reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=LINE_NAMES)
+    reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=names, expert_tp=c.expert_tp)
     if training is not None:
-        problem = training.layout_problem(tp=c.tp, layers_per_stage=c.model.stage_layers(c.pp))
+        problem = training.layout_problem(tp=c.tp, layers_per_stage=c.model.stage_layers(c.pp),
+                                          moe=bool(c.model.num_experts))
         reasons += [problem] if problem else []
     return reasons
 

@@ -26,7 +26,7 @@ from .batch_results import (
     FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
 )
 from .isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
-from .topology import ParallelLayout, is_positive_int
+from .topology import ParallelLayout, is_positive_int, shapes_only_problem
 from .trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 
 __all__ = ["run_batch", "collect_batch"]
@@ -121,6 +121,9 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         layout, reps = config.layout(), config.representatives()
         result.ranks_traced = len(reps)
         options = _rank_options(config, result, opts)
+        problem = result.shapes_only and shapes_only_problem(config.model)
+        if problem:  # every rank would fail the same way: none is started
+            raise ValueError(problem)
         result.folder.mkdir(parents=True, exist_ok=True)
     except Exception as error:  # a config that cannot even start fails alone
         result.status, result.error = FAILED, error_line(error)

@@ -32,7 +32,7 @@ DEFAULT_MODEL = "6.7"
 
 _HELP = "trace the representative ranks of one or more parallel layouts with fake ranks"
 _EPILOG = (
-    "A config is 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (keys: cp ep mbs nmb gbs seq experts "
+    "A config is 'WORLD_SIZE PP TP [CP [EP]] [key=value ...]' (keys: cp ep etp mbs nmb gbs seq experts "
     "model); a configs file holds one a line, '#' starts a comment. Models: "
     + ", ".join(f"{n} ({m.hidden_size}/{m.num_attention_heads}/{m.num_layers})" for n, m in MODELS.items())
     + " (hidden/heads/layers); without --model or model flags, " + DEFAULT_MODEL + "B. Without --config/--configs "
@@ -49,9 +49,11 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="FILE", help="a file of config lines (repeatable)")
     src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
 
-    add_model_arguments(p)
+    add_model_arguments(p, moe=True)
     model = p.add_argument_group("experts, precision and batch (defaults for every config)")
     model.add_argument("--num-experts", type=int, metavar="N", help="make the model mixture-of-experts with N experts")
+    model.add_argument("--expert-tensor-parallel-size", dest="expert_tp", type=int, metavar="N",
+                       help="tensor parallelism of the experts (default TP; a config line's etp=)")
     precision = model.add_mutually_exclusive_group()
     precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
                            help="train in bfloat16 (default: bfloat16 shapes-only, float32 with real compute on CPU)")
@@ -120,7 +122,7 @@ def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
     ``model`` unless its line names another, and why each line that could not be parsed was
     skipped (one bad line never stops the others)."""
     defaults: dict[str, Any] = dict(
-        model=model, num_experts=args.num_experts,
+        model=model, num_experts=args.num_experts, expert_tp=args.expert_tp,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
     )
@@ -219,7 +221,7 @@ def run_trace(args) -> int:
 
 _RANK_COLUMNS = ("config", "world_size", "pp", "tp", "cp", "ep", "dp", "micro_batch_size",
                  "num_microbatches", "global_batch_size", "seq_length", "rank", "stage", "ep_rank", "model",
-                 "experts", "folder")
+                 "experts", "expert_tp", "folder")
 
 
 def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args) -> int:
@@ -241,7 +243,7 @@ def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args
                 "global_batch_size": config.global_batch, "seq_length": config.seq,
                 "rank": rep.global_rank, "stage": rep.stage, "ep_rank": rep.ep_rank,
                 "model": config.model.label, "experts": config.model.num_experts,
-                "folder": config.folder_name(),
+                "expert_tp": config.expert_tp or config.tp, "folder": config.folder_name(),
             })
     if args.json:
         print(json.dumps({"ranks": rows, "invalid": [r.to_dict() for r in results if r.status == INVALID]}))

@@ -74,6 +74,7 @@ from .topology import (
     dense_coords,
     expert_coords,
     experts_problem,
+    shapes_only_problem,
     rank_groups,
     representative_ranks,
 )
@@ -591,7 +592,8 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
-        problem = fields["training"].layout_problem(tp=layout.tp, layers_per_stage=spec.stage_layers(layout.pp))
+        problem = fields["training"].layout_problem(tp=layout.tp, layers_per_stage=spec.stage_layers(layout.pp),
+                                                    moe=bool(spec.num_experts))
         if problem:
             raise ValueError(problem)
         use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
@@ -762,15 +764,9 @@ def _check_model_fits(spec: ModelSpec, layout: ParallelLayout, shapes_only: bool
     if layout.is_moe and not spec.num_experts:  # expert TP differs from TP without experts
         raise ValueError(f"layout {layout.describe()} has expert parallelism but the model has "
                          "no experts; give the model num_experts")
-    if shapes_only and spec.num_experts and not (
-        spec.moe_expert_capacity_factor and spec.moe_pad_expert_input_to_capacity
-    ):
-        raise ValueError(
-            "shapes-only MoE needs fixed all-to-all sizes: meta tensors carry no routing, and "
-            "dropless routing decides how many tokens go to each expert; give the model "
-            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity=True "
-            "(drop-and-pad), or trace it for real"
-        )
+    problem = shapes_only and shapes_only_problem(spec)
+    if problem:
+        raise ValueError(problem)
 
 
 def _static_tensors(ddp_models, optimizer):

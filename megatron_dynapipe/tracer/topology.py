@@ -47,6 +47,7 @@ __all__ = [
     "layers_problem",
     "layout_problems",
     "model_problems",
+    "shapes_only_problem",
     "representative_ranks",
     "reduction",
 ]
@@ -136,9 +137,10 @@ def layers_problem(num_layers: int, pp: int, what: str = "", pp_name: str = "pp"
 
 
 def model_problems(model, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seq_length: "int | None" = None,
-                   names: "dict[str, str] | None" = None) -> list[str]:
+                   names: "dict[str, str] | None" = None, expert_tp: "int | None" = None) -> list[str]:
     """Why ``model`` (a :class:`~megatron_dynapipe.models.ModelSpec`) cannot be split this way:
-    layers over PP, heads and FFN width over TP, experts over EP, sequences over 2·CP."""
+    layers over PP, heads and FFN width over TP, experts over EP (their linear biases only
+    without expert TP), sequences over 2·CP."""
     n = {**KWARG_NAMES, **(names or {})}
     problems = [layers_problem(model.num_layers, pp, f" of model {model.label}", n["pp"])]
     if model.num_attention_heads % tp:
@@ -147,6 +149,10 @@ def model_problems(model, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, se
     elif model.ffn_hidden_size % tp:
         problems.append(f"FFN width {model.ffn_hidden_size} of model {model.label} is not divisible by {n['tp']} = {tp}")
     problems.append(experts_problem(model.num_experts, ep, n))
+    if model.num_experts and model.add_bias_linear and (expert_tp or tp) > 1:
+        problems.append(f"MoE with linear biases needs expert tensor parallelism 1 (megatron-core's rule), but it "
+                        f"is {expert_tp or tp}{'' if expert_tp else ' (by default, TP)'}: add --disable-bias-linear, "
+                        "or set expert TP 1 (etp=1 on a config line, --expert-tensor-parallel-size 1)")
     if seq_length is not None and cp > 1 and seq_length % (2 * cp):
         problems.append(f"{n['seq_length']} {seq_length} is not divisible by 2·{n['cp']} = {2 * cp}")
     return [p for p in problems if p]
@@ -158,6 +164,16 @@ def experts_problem(num_experts: int, ep: int, names: "dict[str, str] | None" = 
         return f"{n['ep']} {ep} needs a mixture-of-experts model: give {_set(n['num_experts'], 'N')}, a multiple of {ep}"
     if num_experts and num_experts % ep:
         return (f"{_set(n['num_experts'], num_experts)} is not divisible by {n['ep']} {ep}: use a multiple of {ep}")
+    return None
+
+
+def shapes_only_problem(model) -> "str | None":
+    """Why ``model`` cannot be traced shapes-only: dropless MoE sizes its all-to-alls by the
+    routing, which meta tensors do not compute."""
+    if model.num_experts and not (model.moe_expert_capacity_factor and model.moe_pad_expert_input_to_capacity):
+        return ("shapes-only MoE needs fixed all-to-all sizes, and dropless routing sizes them from values "
+                "meta tensors do not hold: add --moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity "
+                "(drop-and-pad), or trace with real compute (--real-compute)")
     return None
 
 
