@@ -33,6 +33,8 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 #: Bytes per parameter while training in fp32 on CPU: weight, gradient, Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
+#: ... of which Adam's two fp32 moments, what the distributed optimizer shards over data parallelism.
+ADAM_MOMENT_BYTES = 8
 #: Bytes per activation element kept for backward (fp32 on CPU).
 ACTIVATION_BYTES = 4
 
@@ -255,25 +257,37 @@ class ModelSpec:
         seq_length: int | None = None,
         in_flight: int | None = None,
         cp: int = 1,
+        recomputed_layers: int = 0,
+        selective_recompute: bool = False,
+        optimizer_shards: int = 1,
     ) -> int:
         """Estimated bytes the busiest rank needs to really run a training step on CPU (fp32).
 
-        Weights, gradients and Adam state (16 bytes per parameter) of the larger of the first and
-        last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
-        1F1B keeps on the first stage) and the logits of one micro-batch.  An order-of-magnitude
-        figure for deciding whether a model can run for real on this machine, not a profile.
+        Weights, gradients and Adam state (16 bytes per parameter; the 8 of Adam's moments split
+        over ``optimizer_shards`` ranks by the distributed optimizer) of the larger of the first
+        and last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
+        1F1B keeps on the first stage) and the logits of one micro-batch.  A layer whose forward
+        is recomputed (``recomputed_layers`` of the stage's) keeps only its input, and one layer's
+        activations come back at a time; selective recompute drops the attention scores. An
+        order-of-magnitude figure for deciding whether a model can run for real on this machine,
+        not a profile.
         """
         seq = self.rank_seq_length(seq_length, cp)
         in_flight = pp if in_flight is None else in_flight
         params = max(self.stage_params(pp, tp, ep, stage=0), self.stage_params(pp, tp, ep, stage=pp - 1))
         layers = self.stage_layers(pp)
+        recomputed_layers = min(recomputed_layers, layers)
         b, s, h, a = micro_batch_size, seq, self.hidden_size, self.num_attention_heads
         # Korthikanti et al. (2022): 34*s*b*h + 5*a*s^2*b 16-bit bytes per layer without TP;
-        # in fp32 elements that is 17*s*b*h + 2.5*a*s*s*b, split by TP.
-        elements = (17 * s * b * h + 5 * a * s * s * b // 2) // tp
-        activations = layers * elements * ACTIVATION_BYTES * in_flight
+        # in fp32 elements that is 17*s*b*h + 2.5*a*s*s*b, split by TP (the second term is what
+        # selective recompute drops).
+        elements = (17 * s * b * h + (0 if selective_recompute else 5 * a * s * s * b // 2)) // tp
+        kept = (layers - recomputed_layers) * elements + recomputed_layers * s * b * h
+        rematerialised = elements if recomputed_layers else 0
+        activations = (kept * in_flight + rematerialised) * ACTIVATION_BYTES
         logits = b * s * self.vocab_size // tp * ACTIVATION_BYTES * 3  # logits, softmax, its gradient
-        return params * TRAIN_BYTES_PER_PARAM + activations + logits
+        state = TRAIN_BYTES_PER_PARAM - ADAM_MOMENT_BYTES + ADAM_MOMENT_BYTES / optimizer_shards
+        return int(params * state) + activations + logits
 
     def training_flops(
         self,
@@ -284,10 +298,12 @@ class ModelSpec:
         micro_batch_size: int = 1,
         seq_length: int | None = None,
         cp: int = 1,
+        recomputed_layers: int = 0,
     ) -> int:
         """Floating-point operations of one micro-batch's forward and backward on the busiest
         rank: ``6 * parameters * tokens`` for the layers (MoE: the ``top-2`` experts a token
-        visits, at most all), the causal attention scores, and the output layer on the last stage.
+        visits, at most all), the causal attention scores, and the output layer on the last stage;
+        a recomputed layer runs its forward twice.
         """
         seq = self.rank_seq_length(seq_length, cp)
         tokens = micro_batch_size * seq
@@ -298,7 +314,7 @@ class ModelSpec:
             dense_params = 4 * h * h + 2 * h * f * min(2, self.num_experts)
         layer = 2 * dense_params * tokens // tp + 2 * micro_batch_size * seq * seq * h // tp
         logits = 2 * tokens * h * self.vocab_size // tp  # the last stage's; counted for the busiest rank
-        return 3 * (layers * layer + logits)
+        return (3 * layers + min(recomputed_layers, layers)) * layer + 3 * logits
 
     # ---- Megatron ----------------------------------------------------------------------------
 

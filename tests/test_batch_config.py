@@ -411,6 +411,26 @@ def test_shapes_only_when_real_compute_would_take_too_long():
     assert trace_budget.estimated_compute_seconds(cfg("8192 2 2")) < 1
 
 
+def test_the_choice_counts_recompute_and_the_distributed_optimizer():
+    c = cfg("64 2 1 seq=2048 mbs=4 nmb=8", model="6.7")  # DP 32
+    options = {"plain": TrainingOptions(), "selective": TrainingOptions(recompute_granularity="selective"),
+               "full": TrainingOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+               "distributed": TrainingOptions(distributed_optimizer=True)}
+    need = {name: trace_budget.estimated_bytes(c, training) for name, training in options.items()}
+    assert need["full"] < need["selective"] < need["plain"]
+    # Adam's two fp32 moments (8 bytes a parameter) split over DP 32, on the busiest stage: the
+    # first, 16 layers of 12h^2 + 13h parameters, the word (51200) and position (2048) embeddings
+    h = 4096
+    stage0 = 16 * (12 * h * h + 13 * h) + (51200 + 2048) * h
+    assert need["plain"] - need["distributed"] == pytest.approx(8 * (1 - 1 / 32) * stage0, abs=1)
+    budget = (need["full"] + need["selective"]) // 2
+    assert decide_shapes_only(c, budget=budget, time_budget_s=1e9, training=options["full"])[0] is False
+    assert decide_shapes_only(c, budget=budget, time_budget_s=1e9, training=options["selective"])[0] is True
+    # full recompute runs every layer's forward twice: the layers' compute grows by a third
+    seconds = {name: trace_budget.estimated_compute_seconds(c, training=options[name]) for name in ("plain", "full")}
+    assert 1 < seconds["full"] / seconds["plain"] < 4 / 3
+
+
 def test_ranks_that_compute_on_a_gpu_are_budgeted_by_the_gpu(monkeypatch):
     """Where torch sees a GPU the fake ranks compute on it: half its memory, at a GPU's rate."""
     import types

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     layout = ParallelLayout(config.world_size, tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep,
                             expert_tp=config.expert_tp, order=_get(args, "fake_rank_order", "tp-cp-ep-dp-pp"))
     if shapes_only is None:
-        shapes_only, reason = decide_shapes_only(config)
+        shapes_only, reason = decide_shapes_only(config, training=training)
     else:
         reason = "forced " + ("shapes-only" if shapes_only else "real compute")
     problem = shapes_only and shapes_only_problem(model)

@@ -208,7 +208,7 @@ def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict
     """The tracer's options for this config's ranks; notes the shapes-only choice in ``result``."""
     if opts["shapes_only"] is None:
         result.shapes_only, result.shapes_only_reason = decide_shapes_only(
-            config, iterations=opts["warmup_iters"] + opts["trace_iters"])
+            config, iterations=opts["warmup_iters"] + opts["trace_iters"], training=opts["training"])
     else:
         result.shapes_only = bool(opts["shapes_only"])
         result.shapes_only_reason = "forced " + ("shapes-only" if result.shapes_only else "real compute")
@@ -255,7 +255,8 @@ def _parallel_ranks(config: TraceConfig, options: dict, jobs: int, ranks: int) -
     fit in the memory budget together."""
     parallel = min(jobs, ranks)
     if not options["shapes_only"]:
-        parallel = min(parallel, max(1, memory_budget_bytes() // max(1, estimated_bytes(config))))
+        need = estimated_bytes(config, options.get("training"))
+        parallel = min(parallel, max(1, memory_budget_bytes() // max(1, need)))
     return max(1, parallel)
 
 

@@ -9,7 +9,9 @@ compute fits a time budget.  Shapes-only traces record the same ops on meta tens
 from __future__ import annotations
 
 import os
+from typing import Optional
 
+from ..training import TrainingOptions
 from .batch_config import TraceConfig
 
 __all__ = ["memory_budget_bytes", "estimated_bytes", "estimated_compute_seconds", "decide_shapes_only"]
@@ -50,21 +52,29 @@ def memory_budget_bytes() -> int:
         return 4 * 2**30
 
 
-def estimated_bytes(config: TraceConfig) -> int:
-    """Bytes the busiest representative rank of ``config`` needs to really train on CPU."""
+def estimated_bytes(config: TraceConfig, training: Optional[TrainingOptions] = None) -> int:
+    """Bytes the busiest representative rank of ``config`` needs to really train on CPU, with
+    ``training``'s recompute and distributed optimizer."""
+    training = training or TrainingOptions()
     return config.model.training_bytes(
         config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,
         in_flight=min(config.pp, config.microbatches or 1), cp=config.cp,
+        recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
+        selective_recompute=training.recompute_granularity == "selective",
+        optimizer_shards=config.dp if training.distributed_optimizer else 1,
     )
 
 
-def estimated_compute_seconds(config: TraceConfig, iterations: int = 2) -> float:
+def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,
+                              training: Optional[TrainingOptions] = None) -> float:
     """Seconds of real compute for the busiest rank over ``iterations`` steps at :data:`GPU_FLOPS`
-    or :data:`CPU_FLOPS`, where the ranks compute."""
+    or :data:`CPU_FLOPS`, where the ranks compute (recomputed layers run their forward twice)."""
+    training = training or TrainingOptions()
     flops = config.model.training_flops(
         config.pp, config.tp, config.ep, micro_batch_size=config.micro_batch_size,
         seq_length=config.seq, cp=config.cp,
+        recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
     )
     return flops * max(config.microbatches, 1) * iterations / (GPU_FLOPS if _on_gpu() else CPU_FLOPS)
 
@@ -75,19 +85,21 @@ def decide_shapes_only(
     *,
     iterations: int = 2,
     time_budget_s: float = REAL_COMPUTE_BUDGET_S,
+    training: Optional[TrainingOptions] = None,
 ) -> tuple[bool, str]:
     """Whether ``config`` is traced shapes-only by default, and why.
 
-    Shapes-only when the estimated bytes of the busiest rank exceed ``budget`` (default:
-    :func:`memory_budget_bytes`) -- the model cannot run here -- or when its real compute over
-    ``iterations`` steps would take longer than ``time_budget_s`` on this machine.
+    Shapes-only when the estimated bytes of the busiest rank (trained with ``training``'s
+    options) exceed ``budget`` (default: :func:`memory_budget_bytes`) -- the model cannot run
+    here -- or when its real compute over ``iterations`` steps would take longer than
+    ``time_budget_s`` on this machine.
     """
-    need = estimated_bytes(config)
+    need = estimated_bytes(config, training)
     budget = memory_budget_bytes() if budget is None else budget
     gib = 2**30
     if need > budget:
         return True, f"estimated {need / gib:.1f} GiB per rank > memory budget {budget / gib:.1f} GiB"
-    seconds = estimated_compute_seconds(config, iterations)
+    seconds = estimated_compute_seconds(config, iterations, training)
     if seconds > time_budget_s:
         return True, (f"fits in memory ({need / gib:.1f} GiB) but real compute would take about "
                       f"{seconds:.0f} s per rank > {time_budget_s:.0f} s")
