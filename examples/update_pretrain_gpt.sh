@@ -34,8 +34,9 @@
 #   --context-parallel-size / --expert-model-parallel-size / --expert-tensor-parallel-size.  The
 #   ranks, the folder names and the model flags come from the package (`trace --print-ranks`,
 #   `trace --print-model-args`), never from arithmetic in this script.  Each rank's output goes to
-#   <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when the rank ends).  Then `trace --collect` reads the ranks' traces back
-#   and writes each folder's summary.json and timeline.json, so both ways leave the same files.
+#   <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when the rank ends).  Then
+#   `trace --collect` reads the ranks' traces back and writes each folder's summary.json and
+#   timeline.json, so both ways leave the same files.
 #   DRY_RUN=1 prints the commands instead of running them.
 #
 # Environment

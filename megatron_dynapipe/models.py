@@ -359,7 +359,8 @@ class ModelSpec:
 
 
 #: the MoE fields of a ModelSpec, named as Megatron-LM's flags (``--moe-router-topk``, ...)
-MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity")
+MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_expert_capacity_factor",
+              "moe_pad_expert_input_to_capacity")
 
 
 def _registry(*specs: ModelSpec) -> dict[str, ModelSpec]:
@@ -444,7 +445,8 @@ def add_model_arguments(parser, moe: bool = False) -> None:
 def _add_moe_arguments(parser) -> None:
     moe = parser.add_argument_group("mixture of experts (Megatron-LM's flags; with --num-experts)")
     moe.add_argument("--moe-router-topk", type=int, metavar="K", help="experts each token is routed to (default 2)")
-    moe.add_argument("--moe-ffn-hidden-size", type=int, metavar="N", help="an expert's FFN width (default --ffn-hidden-size)")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, metavar="N",
+                     help="an expert's FFN width (default --ffn-hidden-size)")
     moe.add_argument("--moe-expert-capacity-factor", type=float, metavar="F",
                      help="tokens an expert takes, as a multiple of its fair share (default: dropless)")
     moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,

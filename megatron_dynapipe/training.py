@@ -79,7 +79,8 @@ class TrainingOptions:
         if self.sequence_parallel and tp == 1:
             return "--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"
         if moe and tp > 1 and not self.sequence_parallel:
-            return "MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): add --sequence-parallel"
+            return ("MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): "
+                    "add --sequence-parallel")
         if self.recompute_num_layers is not None and self.recompute_method == "block" \
                 and self.recompute_num_layers > layers_per_stage:
             return (f"--recompute-num-layers {self.recompute_num_layers} is more than the {layers_per_stage} "

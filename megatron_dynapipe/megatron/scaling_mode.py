@@ -21,8 +21,9 @@ other ``pretrain_gpt.py`` flag is ignored)
     * the layout: ``--fake-world-size/--fake-pp/--fake-tp`` (required), ``--fake-cp/--fake-ep``
       (else Megatron's ``--context-parallel-size/--expert-model-parallel-size``),
       ``--fake-num-experts`` (else ``--num-experts``), ``--fake-rank-order``, Megatron's
-      ``--expert-tensor-parallel-size`` (default TP); ``--fake-dp`` is checked, not needed. Megatron's own ``--tensor/pipeline-model-parallel-size`` are not used:
-      the fake sizes describe the job.
+      ``--expert-tensor-parallel-size`` (default TP); ``--fake-dp`` is checked, not needed.
+      Megatron's own ``--tensor/pipeline-model-parallel-size`` are not used: the fake sizes
+      describe the job.
     * the model: ``--num-layers --hidden-size --num-attention-heads --ffn-hidden-size``
       (default 4 x hidden) ``--vocab-size`` (the tracer pads it as Megatron does, to a multiple of
       128 x TP) ``--seq-length`` ``--untie-embeddings-and-output-weights``, the experts'

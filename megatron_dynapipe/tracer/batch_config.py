@@ -8,9 +8,9 @@ optionally followed by ``key=value`` overrides of the run-wide defaults::
     4096     16  4   2          gbs=4096
     1024      4  2   1   8      model=6.7 mbs=2
 
-Keys: ``cp``, ``ep``, ``etp`` (expert tensor parallelism, default TP), ``mbs`` (micro-batch size), ``nmb`` (micro-batches per iteration),
-``gbs`` (global batch size), ``seq`` (sequence length), ``experts`` (number of experts) and
-``model``.  ``#`` starts a comment; blank lines are skipped.
+Keys: ``cp``, ``ep``, ``etp`` (expert tensor parallelism, default TP), ``mbs`` (micro-batch
+size), ``nmb`` (micro-batches per iteration), ``gbs`` (global batch size), ``seq`` (sequence
+length), ``experts`` (number of experts) and ``model``.  ``#`` starts a comment; blank lines are skipped.
 
 :func:`validate` lists why a configuration cannot run (every rule, each with the numbers that
 break it).  Tracing a batch is :func:`~.batch_run.run_batch`; whether a config runs real

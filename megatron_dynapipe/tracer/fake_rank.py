@@ -74,9 +74,9 @@ from .topology import (
     dense_coords,
     expert_coords,
     experts_problem,
-    shapes_only_problem,
     rank_groups,
     representative_ranks,
+    shapes_only_problem,
 )
 from .trace_format import RankTrace
 
@@ -292,8 +292,6 @@ def _moe_cpu_shims() -> Iterator[None]:
         for name, standin in CPU_STREAM_STANDINS.items():
             patches.set(torch.cuda, name, standin)
         yield
-
-
 
 
 @contextlib.contextmanager
