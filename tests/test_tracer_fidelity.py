@@ -427,8 +427,14 @@ def test_model_descriptions():
     parser.add_argument("--position-embedding-type", default="learned_absolute")
     parser.add_argument("--hidden-dropout", type=float, default=0.1)
     parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    parser.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    parser.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     untied = ModelSpec(num_layers=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=200, vocab_size=1000,
-                       max_sequence_length=512, num_experts=4, share_embeddings_and_output_weights=False)
+                       max_sequence_length=512, num_experts=4, share_embeddings_and_output_weights=False,
+                       moe_router_topk=1, moe_ffn_hidden_size=48, moe_expert_capacity_factor=1.25,
+                       moe_pad_expert_input_to_capacity=True)
     llama = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
                       swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                       hidden_dropout=0.0, attention_dropout=0.05, make_vocab_size_divisible_by=64)
