@@ -118,6 +118,11 @@ class TraceConfig:
         return self.seq_length if self.seq_length is not None else self.model.max_sequence_length
 
     @property
+    def expert_tp_size(self) -> int:
+        """The experts' tensor-parallel size: ``expert_tp``, else TP (Megatron-LM's default)."""
+        return self.expert_tp or self.tp
+
+    @property
     def moe(self) -> bool:
         return self.ep > 1 or self.model.num_experts > 0
 
@@ -146,8 +151,8 @@ class TraceConfig:
             name += f"_CP{self.cp}"
         if self.ep != 1:
             name += f"_EP{self.ep}"
-        if self.expert_tp not in (None, self.tp):
-            name += f"_ETP{self.expert_tp}"
+        if self.expert_tp_size != self.tp:
+            name += f"_ETP{self.expert_tp_size}"
         name += (
             f"_DP{self.dp}_nMICROB{self.microbatches}_MICROB_SIZE{self.micro_batch_size}"
             f"_GLOBAL_BATCH{self.global_batch}"
@@ -164,7 +169,7 @@ class TraceConfig:
             "tp": self.tp,
             "cp": self.cp,
             "ep": self.ep,
-            "expert_tp": self.expert_tp or self.tp,
+            "expert_tp": self.expert_tp_size,
             "dp": self.dp,
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.microbatches,

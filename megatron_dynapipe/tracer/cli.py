@@ -243,7 +243,7 @@ def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args
                 "global_batch_size": config.global_batch, "seq_length": config.seq,
                 "rank": rep.global_rank, "stage": rep.stage, "ep_rank": rep.ep_rank,
                 "model": config.model.label, "experts": config.model.num_experts,
-                "expert_tp": config.expert_tp or config.tp, "folder": config.folder_name(),
+                "expert_tp": config.expert_tp_size, "folder": config.folder_name(),
             })
     if args.json:
         print(json.dumps({"ranks": rows, "invalid": [r.to_dict() for r in results if r.status == INVALID]}))
