@@ -184,6 +184,23 @@ def test_model_and_precision_flags_reach_the_trace(tmp_path, precision, dtype, e
     assert tp_forward_all_reduce_bytes(result.path) == {256 * 1 * 128 * element_bytes}  # [seq, mbs, hidden]
 
 
+@pytest.mark.parametrize("flag, dtype", [("--bf16", "bfloat16"), ("--fp16", "float16")])
+def test_16_bit_training_traces_with_real_compute_on_cpu(tmp_path, flag, dtype):
+    """Megatron's mixed-precision optimizer and fp16 loss scaler are built for CUDA tensors; on
+    CPU a --bf16/--fp16 command line still traces for real, issuing the shapes-only trace's ops,
+    with 16-bit pipeline activations [seq, mbs, hidden]."""
+    traces = {}
+    for mode in ("real", "shapes"):
+        argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path / mode), *TINY_FLAGS, flag]
+        traces[mode] = scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=mode == "shapes",
+                                        verbose=False).trace
+    real, shapes = traces["real"], traces["shapes"]
+    assert (real.mode, real.model["dtype"]) == ("real", dtype)
+    assert real.signatures() == shapes.signatures()
+    p2p = {p["bytes"] for op in real.ops if op.parts for p in op.parts}
+    assert p2p == {256 * 1 * 128 * 2}
+
+
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage=1", "--fp8-format=hybrid"])
 def test_a_flag_the_tracer_cannot_represent_is_refused_not_ignored(tmp_path, flag):
     argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, flag]

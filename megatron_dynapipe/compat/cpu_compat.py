@@ -400,6 +400,24 @@ SPOTS: tuple[Spot, ...] = (
         "(16-bit optimizers, the distributed optimizer)",
     ),
     _scope(
+        "megatron.core.optimizer.grad_scaler",
+        "MegatronGradScaler.__init__",
+        ("device='cuda'",),
+        "the loss scale is a CUDA tensor (fp16)",
+    ),
+    _scope(
+        "megatron.core.optimizer.grad_scaler",
+        "DynamicGradScaler.__init__",
+        ("device='cuda'",),
+        "the dynamic loss scale's bounds and factors are CUDA tensors (fp16)",
+    ),
+    _scope(
+        "megatron.core.optimizer.optimizer",
+        "Float16OptimizerWithFloat16Params.__init__",
+        ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",),
+        "tells 16-bit from fp32 parameters by their CUDA type names (16-bit weights, plain optimizer)",
+    ),
+    _scope(
         "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer.__init__",
         ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",),
