@@ -255,7 +255,7 @@ class ModelSpec:
         *,
         micro_batch_size: int = 1,
         seq_length: int | None = None,
-        in_flight: int | None = None,
+        in_flight: float | None = None,
         cp: int = 1,
         recomputed_layers: int = 0,
         selective_recompute: bool = False,
@@ -266,7 +266,7 @@ class ModelSpec:
         Weights, gradients and Adam state (16 bytes per parameter; the 8 of Adam's moments split
         over ``optimizer_shards`` ranks by the distributed optimizer) of the larger of the first
         and last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
-        1F1B keeps on the first stage) and the logits of one micro-batch.  A layer whose forward
+        1F1B keeps on the first stage; a fraction under interleaving) and the logits of one micro-batch.  A layer whose forward
         is recomputed (``recomputed_layers`` of the stage's) keeps only its input, and one layer's
         activations come back at a time; selective recompute drops the attention scores. An
         order-of-magnitude figure for deciding whether a model can run for real on this machine,
@@ -284,7 +284,7 @@ class ModelSpec:
         elements = (17 * s * b * h + (0 if selective_recompute else 5 * a * s * s * b // 2)) // tp
         kept = (layers - recomputed_layers) * elements + recomputed_layers * s * b * h
         rematerialised = elements if recomputed_layers else 0
-        activations = (kept * in_flight + rematerialised) * ACTIVATION_BYTES
+        activations = int((kept * in_flight + rematerialised) * ACTIVATION_BYTES)
         logits = b * s * self.vocab_size // tp * ACTIVATION_BYTES * 3  # logits, softmax, its gradient
         state = TRAIN_BYTES_PER_PARAM - ADAM_MOMENT_BYTES + ADAM_MOMENT_BYTES / optimizer_shards
         return int(params * state) + activations + logits

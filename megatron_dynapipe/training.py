@@ -15,6 +15,12 @@ which ops a rank issues without changing the model.
 * ``--sequence-parallel``: activations outside the TP regions are split along the sequence, so
   each TP all-reduce becomes an all-gather before and a reduce-scatter after, and pipeline
   activations shrink by TP.
+* ``--num-layers-per-virtual-pipeline-stage N`` / ``--num-virtual-stages-per-pipeline-rank V``:
+  interleaved 1F1B.  Each pipeline rank holds V model chunks of N layers (the model's layers
+  go round the ranks V times), every micro-batch crosses the pipeline V times, and with
+  Megatron-LM's default the chunks' sends and receives are posted one by one so that they
+  overlap compute (``--no-overlap-p2p-communication`` batches them, and then needs PP > 2).
+  The number of micro-batches must be a multiple of PP (megatron-core's micro-batch groups).
 
 :class:`TrainingOptions` carries them from the command line (:func:`add_training_arguments`,
 :func:`training_from_args`) to megatron-core's ``TransformerConfig`` (:meth:`transformer_fields`)
@@ -48,6 +54,9 @@ class TrainingOptions:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     sequence_parallel: bool = False
+    layers_per_virtual_stage: Optional[int] = None
+    virtual_stages: Optional[int] = None
+    overlap_p2p_comm: bool = True
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -72,10 +81,32 @@ class TrainingOptions:
             return f"--ddp-bucket-size must be a positive integer, got {self.bucket_size!r}"
         if self.overlap_param_gather and not self.distributed_optimizer:
             return "--overlap-param-gather needs --use-distributed-optimizer"
+        return self._virtual_problem()
+
+    def _virtual_problem(self) -> Optional[str]:
+        if self.layers_per_virtual_stage is not None and self.virtual_stages is not None:
+            return ("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                    "(Megatron-LM's rule)")
+        for flag, value in (("--num-layers-per-virtual-pipeline-stage", self.layers_per_virtual_stage),
+                            ("--num-virtual-stages-per-pipeline-rank", self.virtual_stages)):
+            if value is not None and not _positive_int(value):
+                return f"{flag} must be a positive integer, got {value!r}"
         return None
 
-    def layout_problem(self, *, tp: int, layers_per_stage: int, moe: bool = False) -> Optional[str]:
+    def virtual_size(self, layers_per_stage: int) -> int:
+        """Model chunks per pipeline rank (1 without interleaving), as Megatron-LM derives it."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        if self.layers_per_virtual_stage is not None:
+            return max(1, layers_per_stage // self.layers_per_virtual_stage)
+        return 1
+
+    def layout_problem(self, *, tp: int, layers_per_stage: int, moe: bool = False, pp: int = 1,
+                       num_microbatches: Optional[int] = None) -> Optional[str]:
         """Why these options do not go with a layout (one sentence naming the fix), or None."""
+        problem = self._interleaving_problem(pp, layers_per_stage, num_microbatches)
+        if problem:
+            return problem
         if self.sequence_parallel and tp == 1:
             return "--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"
         if moe and tp > 1 and not self.sequence_parallel:
@@ -87,12 +118,37 @@ class TrainingOptions:
                     "layers of a pipeline stage (--recompute-method block)")
         return None
 
+    def _interleaving_problem(self, pp: int, layers_per_stage: int, num_microbatches: Optional[int]) -> Optional[str]:
+        """Megatron-LM's and megatron-core's rules for interleaved 1F1B at this layout."""
+        if self.layers_per_virtual_stage is None and self.virtual_stages is None:
+            return None
+        if self.layers_per_virtual_stage is not None and layers_per_stage % self.layers_per_virtual_stage:
+            return (f"--num-layers-per-virtual-pipeline-stage {self.layers_per_virtual_stage} does not divide the "
+                    f"{layers_per_stage} layers of a pipeline stage: pick a divisor")
+        v = self.virtual_size(layers_per_stage)
+        if v == 1:
+            return None  # one chunk per rank: Megatron-LM runs plain 1F1B
+        if layers_per_stage % v:
+            return (f"--num-virtual-stages-per-pipeline-rank {v} does not divide the {layers_per_stage} layers "
+                    "of a pipeline stage: pick a divisor")
+        if pp < (2 if self.overlap_p2p_comm else 3):
+            return ("interleaved 1F1B needs PP > 1 (PP > 2 with --no-overlap-p2p-communication): raise PP or "
+                    "drop the virtual pipeline flags")
+        if num_microbatches is not None and (num_microbatches < pp or num_microbatches % pp):
+            return (f"interleaved 1F1B runs micro-batches in groups of PP={pp}: use a multiple of {pp} "
+                    f"micro-batches, not {num_microbatches}")
+        return None
+
     def recomputed_layers(self, stage_layers: int) -> int:
         """How many of a stage's ``stage_layers`` layers run their forward again in the backward
-        pass: all of them with ``uniform`` (in chunks of N), the first N with ``block``."""
+        pass: all of them with ``uniform`` (in chunks of N), the first N of each model chunk with
+        ``block`` (one chunk per stage without interleaving)."""
         if self.recompute_granularity != "full":
             return 0
-        return stage_layers if self.recompute_method == "uniform" else min(self.recompute_num_layers, stage_layers)
+        if self.recompute_method == "uniform":
+            return stage_layers
+        chunks = self.virtual_size(stage_layers)
+        return chunks * min(self.recompute_num_layers, stage_layers // chunks)
 
     def transformer_fields(self) -> dict[str, Any]:
         """``TransformerConfig`` fields."""
@@ -101,6 +157,15 @@ class TrainingOptions:
             fields.update(recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
                           recompute_num_layers=self.recompute_num_layers)
         return fields
+
+    def virtual_fields(self, layers_per_stage: int) -> dict[str, Any]:
+        """``TransformerConfig`` fields of interleaving: none without it (Megatron-LM then turns
+        p2p overlap off and batches the sends and receives, megatron-core's default)."""
+        v = self.virtual_size(layers_per_stage)
+        if v == 1:
+            return {}
+        return dict(virtual_pipeline_model_parallel_size=v, overlap_p2p_comm=self.overlap_p2p_comm,
+                    batch_p2p_comm=not self.overlap_p2p_comm)
 
     def ddp_fields(self) -> dict[str, Any]:
         """``DistributedDataParallelConfig`` fields (the optimizer's ``use_distributed_optimizer``
@@ -127,9 +192,13 @@ class TrainingOptions:
         for flag, value in (("--ddp-bucket-size", self.bucket_size),
                             ("--recompute-granularity", self.recompute_granularity),
                             ("--recompute-method", self.recompute_method),
-                            ("--recompute-num-layers", self.recompute_num_layers)):
+                            ("--recompute-num-layers", self.recompute_num_layers),
+                            ("--num-layers-per-virtual-pipeline-stage", self.layers_per_virtual_stage),
+                            ("--num-virtual-stages-per-pipeline-rank", self.virtual_stages)):
             if value is not None:
                 out += [flag, str(value)]
+        if not self.overlap_p2p_comm and (self.layers_per_virtual_stage or self.virtual_stages):
+            out.append("--no-overlap-p2p-communication")
         return out
 
 
@@ -153,6 +222,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, metavar="N")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split activations outside TP regions along the sequence (TP > 1)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
+                   help="interleaved 1F1B: model chunks of N layers on each pipeline rank")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V",
+                   help="interleaved 1F1B: V model chunks on each pipeline rank")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                   help="interleaved 1F1B: batch the pipeline's sends and receives (needs PP > 2)")
 
 
 def training_from_args(args: argparse.Namespace) -> TrainingOptions:
@@ -173,4 +248,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingOptions:
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+        virtual_stages=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
+        overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", True)),
     )

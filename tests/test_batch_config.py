@@ -431,6 +431,24 @@ def test_the_choice_counts_recompute_and_the_distributed_optimizer():
     assert 1 < seconds["full"] / seconds["plain"] < 4 / 3
 
 
+def test_the_choice_counts_the_interleaved_warm_up_the_tracer_sees():
+    """Interleaving holds more micro-batches on the first stage: megatron-core's warm-up of
+    2 (PP - 1) + (V - 1) PP chunk passes, plus one, each of 1/V of the stage's layers; a
+    shapes-only trace of that rank sees as many passes in flight."""
+    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
+
+    model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=64)
+    c = dataclasses.replace(cfg("4 4 1 nmb=8 seq=16"), model=ModelSpec.from_any(model))
+    interleaved = TrainingOptions(layers_per_virtual_stage=1)  # PP 4, V 2
+    passes = 2 * (4 - 1) + (2 - 1) * 4 + 1
+    assert trace_budget.in_flight_microbatches(c, interleaved) == passes / 2
+    assert trace_budget.in_flight_microbatches(c, TrainingOptions()) == 4
+    assert trace_budget.estimated_bytes(c, interleaved) > trace_budget.estimated_bytes(c)
+    trace = trace_fake_rank(c.layout(), 0, model, micro_batch_size=1, num_microbatches=8, seq_length=16,
+                            shapes_only=True, training=interleaved)
+    assert trace.memory["peak_in_flight_microbatches"] == passes
+
+
 def test_ranks_that_compute_on_a_gpu_are_budgeted_by_the_gpu(monkeypatch):
     """Where torch sees a GPU the fake ranks compute on it: half its memory, at a GPU's rate."""
     import types

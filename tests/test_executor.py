@@ -542,7 +542,7 @@ def test_get_forward_backward_func_falls_back_to_megatron_core_when_off(provider
     assert provider.get_forward_backward_func(2, None) is schedules.forward_backward_pipelining_without_interleaving
     assert provider.get_forward_backward_func(1, None) is schedules.forward_backward_no_pipelining
     assert provider.get_forward_backward_func(2, None, dynapipe=True) is provider.forward_backward_dynapipe
-    with pytest.raises(ValueError, match="drop --virtual-pipeline-model-parallel-size"):
+    with pytest.raises(ValueError, match="drop --num-layers-per-virtual-pipeline-stage"):
         provider.get_forward_backward_func(2, 2, dynapipe=True)
 
 

@@ -201,7 +201,7 @@ def test_16_bit_training_traces_with_real_compute_on_cpu(tmp_path, flag, dtype):
     assert p2p == {256 * 1 * 128 * 2}
 
 
-@pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage=1", "--fp8-format=hybrid"])
+@pytest.mark.parametrize("flag", ["--fp8-format=hybrid"])
 def test_a_flag_the_tracer_cannot_represent_is_refused_not_ignored(tmp_path, flag):
     argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, flag]
     with pytest.raises(DynapipeArgumentError) as info:
@@ -219,7 +219,8 @@ def test_training_flags_reach_the_trace(tmp_path):
     h = header(result.path)
     assert h["iteration"]["training"] == dict(
         distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None,
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True)
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True,
+        layers_per_virtual_stage=None, virtual_stages=None, overlap_p2p_comm=True)
     ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
     kinds = {(op["kind"], op.get("group_name")) for op in ops if op["cat"] == "comm"}
     assert ("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP") in kinds and ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP") in kinds
@@ -227,9 +228,32 @@ def test_training_flags_reach_the_trace(tmp_path):
     assert p2p == {256 * 1 * 128 * 2 // 2}  # [seq / TP, mbs, hidden] bf16
 
 
+def test_interleaving_flags_trace_megatron_lms_interleaved_schedule(tmp_path):
+    """Two one-layer chunks per stage of PP=2: each of the 2 micro-batches runs forward through
+    both chunks; stage 0 sends its activations out of both chunks (the second to stage 1's
+    second chunk) and its gradients out of the second only: 2 x (2 + 1) = 6 separate isends
+    (Megatron-LM overlaps interleaved p2p, so they are not batched) of [seq, mbs, hidden] fp32."""
+    argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS,
+            "--num-layers-per-virtual-pipeline-stage", "1"]
+    result = scaling_mode.run(scaling_mode.parse_args(argv), shapes_only=True, verbose=False)
+    h = header(result.path)
+    assert h["iteration"]["schedule"] == "forward_backward_pipelining_with_interleaving"
+    assert h["iteration"]["training"]["layers_per_virtual_stage"] == 1
+    ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
+    assert sorted(op["chunk"] for op in ops if op["kind"] == "forward") == [0, 0, 1, 1]
+    sends = [op for op in ops if op["kind"] == "isend"]
+    assert len(sends) == 6 and {op["bytes"] for op in sends} == {256 * 1 * 128 * 4}
+    assert not any(op["kind"] == "batch_isend_irecv" for op in ops)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--recompute-granularity", "full"], "needs --recompute-method"),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], "does not divide the 2 layers of a pipeline stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"],
+     r"needs PP > 1 \(PP > 2 with --no-overlap-p2p-communication\)"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6144"],
+     "use a multiple of 2 micro-batches, not 3"),
 ])
 def test_training_flags_megatron_refuses_are_refused_before_tracing(tmp_path, flags, message):
     argv = [*FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path), *TINY_FLAGS, *flags]

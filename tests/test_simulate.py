@@ -14,6 +14,7 @@ from megatron_dynapipe.simulate.flops import step_flops
 from megatron_dynapipe.simulate.hardware import Hardware, HardwareFileError, Link, hardware_names, load_hardware
 from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
 from megatron_dynapipe.simulate.report import report, timeline
+from megatron_dynapipe.simulate.variants import derive
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError
 from tiny_traces import uniform
 
@@ -139,6 +140,34 @@ def test_a_uniform_pipeline_takes_the_1f1b_closed_form(tiny_traces):
     assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
     for stage in result.stages:  # every stage computes m forwards and backwards
         assert stage.compute_s == pytest.approx(m * (F + B) / 1e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("m", [4, 6, 8])
+def test_an_interleaved_pipeline_takes_the_interleaved_closed_form(tmp_path, m):
+    """Narayanan et al. (2021): with V model chunks per rank the bubble shrinks V-fold, so an
+    iteration of m micro-batches over p stages takes (V m + p - 1) chunk passes of F + B each.
+    The tiny GPT's 4 layers over p = 2 stages in one-layer chunks: V = 2.  The derived
+    full-recompute variant keeps the form with a backward of F + B."""
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+    from megatron_dynapipe.training import TrainingOptions
+
+    p, v, F, B = 2, 2, 1000.0, 2000.0
+    (traced,) = run_batch(parse_configs([f"4 2 1 nmb={m}"], model="tiny"), tmp_path, shapes_only=True,
+                          progress=False, training=TrainingOptions(layers_per_virtual_stage=1))
+    assert traced.status == "ok", traced.error
+    job = uniform(load_job(traced.folder), F, B)
+    replay = simulate_job(job, FREE)
+    assert replay.iteration_us == pytest.approx((v * m + p - 1) * (F + B), rel=1e-6)
+    assert report(replay).bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-6)
+    # full recompute runs each chunk's own forward again before its backward: B' = F + B
+    derived = derive(job, recompute="full")
+    for trace in derived.traces.values():
+        top = [op for op in trace.ops if op.parent is None and op.cat == "compute"]
+        pairs = [(a.microbatch, a.chunk, b.kind, b.microbatch, b.chunk) for a, b in zip(top, top[1:])
+                 if a.kind == "recompute"]
+        assert len(pairs) == v * m and all(pair[:2] == pair[3:] and pair[2] == "backward" for pair in pairs)
+    assert simulate_job(derived, FREE).iteration_us == pytest.approx((v * m + p - 1) * (F + F + B), rel=1e-6)
 
 
 def test_one_compute_slot_per_node_serialises_the_pipeline(tiny_traces):

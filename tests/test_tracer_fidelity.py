@@ -7,7 +7,7 @@ phase, process group (global ranks), peer, bytes and dtype (times excluded), and
 figures.  The shapes-only mode (meta tensors, cost-model durations) must match too.  The same
 for a Llama-style GPT, alone and trained with every training option at once (distributed
 optimizer, overlapped bucketed reduction and parameter gather, sequence parallelism, full
-recompute).
+recompute), and for interleaved 1F1B (two model chunks per pipeline rank).
 
 The same for mixture-of-experts (TP=1 x PP=2 x EP=2 x DP=4, all-to-all token dispatcher):
 
@@ -55,6 +55,7 @@ CASES = {
                    dict(TINY_MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
     "moe-dropless": (dict(world_size=WORLD, tp=1, pp=2, ep=2), TINY_MOE),
     "trained": (dict(world_size=WORLD, tp=2, pp=2), TINY_LLAMA),
+    "interleaved": (dict(world_size=WORLD, tp=2, pp=2), TINY),
 }
 #: every training option at once: distributed optimizer with overlapped, bucketed reduction and
 #: parameter gather, sequence parallelism, full recompute
@@ -62,8 +63,12 @@ TRAINING = {
     "trained": TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
                                bucket_size=4000, sequence_parallel=True, recompute_granularity="full",
                                recompute_method="uniform", recompute_num_layers=1),
+    # interleaved 1F1B, two one-layer chunks per stage, with overlapped gradient reduction and
+    # parameter gathers (Megatron-LM then hands the schedule each chunk's sync functions)
+    "interleaved": TrainingOptions(layers_per_virtual_stage=1, distributed_optimizer=True, overlap_grad_reduce=True,
+                                   overlap_param_gather=True),
 }
-SHAPES_ONLY_CASES = ("dense", "moe-padded", "llama", "trained")
+SHAPES_ONLY_CASES = ("dense", "moe-padded", "llama", "trained", "interleaved")
 TIMEOUT = 400  # 8 ranks import megatron-core (~10 s each) on 2 shared cores, then 3 jobs
 
 
@@ -235,11 +240,49 @@ def test_training_options_trace_as_the_real_job_runs_them(real, fake):
             for key in ("model_state_bytes", "activation_peak_bytes", "peak_bytes"):
                 assert f.memory[key] == r.memory[key], key
         kinds = {(op.kind, op.group_name, op.phase) for op in r.comm_ops}
-        assert {("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP", "backward"),
+        # Megatron-LM's --align-grad-reduce: the first stage reduces during its last backward,
+        # later stages once their backward passes are done (in the pipeline's drain bubble)
+        grad_sync = "backward" if r.stage == 0 else None
+        assert {("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP", grad_sync),
                 ("all_gather", "DATA_PARALLEL_GROUP_WITH_CP", "forward"),
                 ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP", "forward"),
                 ("reduce_scatter", "TENSOR_MODEL_PARALLEL_GROUP", "backward")} <= kinds
         assert r.iteration["training"] == dataclasses.asdict(TRAINING["trained"])
+
+
+# --------------------------------------------------------------------------------------------
+# interleaved 1F1B: TP=2 x PP=2 x DP=2, two chunks of one layer per pipeline rank
+
+
+def test_interleaved_fake_ranks_match_the_real_job(real, fake):
+    for rank in range(WORLD):
+        r = real["interleaved"][rank]
+        assert r.iteration["schedule"] == "forward_backward_pipelining_with_interleaving"
+        for f in (fake["interleaved"][rank], fake["interleaved/shapes"][rank]):
+            _assert_same_ops(f, r)
+            for key in ("model_state_bytes", "activation_peak_bytes", "peak_bytes"):
+                assert f.memory[key] == r.memory[key], key
+
+
+def test_interleaved_pipeline_traffic_follows_the_chunks(real):
+    """Every micro-batch runs forward and backward once per chunk (the loss only in the last
+    stage's last chunk); it crosses the pipeline V = 2 times, so a stage s of P = 2 sends each
+    micro-batch's activations V - [s = P-1] times and its gradients V - [s = 0] times, and receives
+    them as often as its neighbours send.  Each transfer is one [seq, mbs, hidden] fp32 tensor."""
+    v, pp, m = 2, 2, RUN["num_microbatches"]
+    transfer = RUN["seq_length"] * RUN["micro_batch_size"] * TINY["hidden_size"] * 4
+    for rank, trace in real["interleaved"].items():
+        s = trace.stage
+        passes = collections.Counter((op.kind, op.chunk) for op in trace.ops if op.cat == "compute")
+        expected = {("forward", c): m for c in range(v)} | {("backward", c): m for c in range(v)}
+        if s == pp - 1:
+            expected[("loss", v - 1)] = m
+        assert {k: n for k, n in passes.items() if k[0] != "optimizer_step"} == expected
+        p2p = [op for op in trace.comm_ops if op.kind in ("isend", "irecv")]
+        sends = m * ((v - (s == pp - 1)) + (v - (s == 0)))
+        assert collections.Counter(op.kind for op in p2p) == {"isend": sends, "irecv": sends}
+        assert {op.bytes for op in p2p} == {transfer}
+        assert trace.iteration["training"]["layers_per_virtual_stage"] == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +365,7 @@ def _p2p_streams(traces):
     return sends, recvs
 
 
-@pytest.mark.parametrize("case", ["dense", "moe-padded"])
+@pytest.mark.parametrize("case", ["dense", "moe-padded", "interleaved"])
 @pytest.mark.parametrize("source", ["real", "fake"])
 def test_traces_satisfy_the_replay_contract(real, fake, source, case):
     traces = (real if source == "real" else fake)[case]

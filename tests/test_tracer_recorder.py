@@ -162,7 +162,7 @@ def test_dry_run_records_meta_collectives_without_the_backend(fake_group):
     from megatron_dynapipe.tracer.recorder import Recorder
 
     recorder = Recorder(hook_schedules=False, execute=False, clock="cost_model",
-                        cost_fn=lambda kind, mb: 1.0)
+                        cost_fn=lambda kind, mb, chunk: 1.0)
     with recorder, recorder.iteration(0):
         group = dist.new_group([0, 1, 2, 3])
         with _coalescing_manager(group, async_ops=True) as cm:

@@ -99,9 +99,11 @@ def test_overlapped_reduction_and_gather_run_per_bucket_inside_the_passes():
     assert sorted(op.bytes for op in scatters) == sorted(2 * op.bytes for op in gathers)  # fp32 grads, bf16 params
     total = sum(op.bytes for op in scatters) // 4
     assert stage_params(0) <= total < stage_params(0) + len(scatters) * 128  # each bucket padded by < 128
-    # Megatron buckets only the first stage: later stages' reduction is off the critical path
+    # Megatron buckets only the first stage: later stages' reduction is off the critical path;
+    # Megatron-LM's --align-grad-reduce launches it once their last backward is done
     (last,) = dp_ops(trace(4, **options), "reduce_scatter")
-    assert last.phase == "backward" and last.bytes == 4 * bucket_elements(stage_params(1))
+    assert last.phase is None and last.parent is None and last.name.endswith("start_grad_sync")
+    assert last.bytes == 4 * bucket_elements(stage_params(1))
 
 
 @pytest.mark.parametrize("method, layers, recomputed", [("uniform", 1, 2), ("block", 1, 1)])
@@ -229,3 +231,83 @@ def test_print_ranks_skips_the_configs_the_training_flags_do_not_fit(capsys):
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 + 2  # the header and the two stages of "16 2 2"
     assert "(16 2 1) is invalid: --sequence-parallel needs tensor parallelism" in err
+
+
+# --------------------------------------------------------------------------------------------
+# interleaved 1F1B
+
+
+def test_interleaving_flags_come_from_megatron_flags_and_print_back():
+    import argparse
+
+    from megatron_dynapipe.training import add_training_arguments
+
+    parser = argparse.ArgumentParser()
+    add_training_arguments(parser)
+    for argv, options in (
+            (["--num-layers-per-virtual-pipeline-stage", "2"], TrainingOptions(layers_per_virtual_stage=2)),
+            (["--num-virtual-stages-per-pipeline-rank", "3", "--no-overlap-p2p-communication"],
+             TrainingOptions(virtual_stages=3, overlap_p2p_comm=False))):
+        assert training_from_args(parser.parse_args(argv)) == options
+        assert options.megatron_args() == argv
+    assert training_from_args(parser.parse_args([])).overlap_p2p_comm  # Megatron-LM's default
+
+
+@pytest.mark.parametrize("options, layout, message", [
+    (dict(layers_per_virtual_stage=1, virtual_stages=2), dict(pp=4, layers_per_stage=2),
+     "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
+    (dict(layers_per_virtual_stage=0), dict(pp=4, layers_per_stage=2), "must be a positive integer, got 0"),
+    (dict(layers_per_virtual_stage=2), dict(pp=4, layers_per_stage=3), "does not divide the 3 layers"),
+    (dict(virtual_stages=2), dict(pp=4, layers_per_stage=3), "does not divide the 3 layers"),
+    (dict(layers_per_virtual_stage=1), dict(pp=1, layers_per_stage=4), "needs PP > 1"),
+    (dict(layers_per_virtual_stage=1, overlap_p2p_comm=False), dict(pp=2, layers_per_stage=4),
+     "PP > 2 with --no-overlap-p2p-communication"),
+    (dict(layers_per_virtual_stage=1), dict(pp=4, layers_per_stage=2, num_microbatches=6),
+     "use a multiple of 4 micro-batches, not 6"),
+    (dict(layers_per_virtual_stage=1), dict(pp=4, layers_per_stage=2, num_microbatches=2),
+     "use a multiple of 4 micro-batches, not 2"),
+])
+def test_interleaving_megatron_refuses_is_refused_in_one_line(options, layout, message):
+    def problem():
+        return TrainingOptions(**options).layout_problem(tp=1, **layout)
+
+    try:
+        found = problem()
+    except ValueError as exc:  # the options alone are wrong
+        found = str(exc)
+    assert found is not None and message in found and "\n" not in found
+
+
+def test_interleaving_that_megatron_accepts_passes():
+    # one chunk per rank is plain 1F1B for Megatron-LM, whatever PP and the number of micro-batches
+    assert TrainingOptions(layers_per_virtual_stage=2).layout_problem(tp=1, pp=1, layers_per_stage=2,
+                                                                      num_microbatches=3) is None
+    assert TrainingOptions(virtual_stages=2).layout_problem(tp=1, pp=2, layers_per_stage=4, num_microbatches=8) is None
+    assert TrainingOptions(layers_per_virtual_stage=1, overlap_p2p_comm=False).layout_problem(
+        tp=1, pp=3, layers_per_stage=2, num_microbatches=3) is None
+
+
+def test_block_recompute_counts_its_layers_in_every_chunk():
+    """--recompute-method block recomputes the first N layers of each transformer block, and under
+    interleaving every model chunk is a block: 4 layers a stage in two chunks of 2, N = 1 -> 2."""
+    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    assert TrainingOptions(**block).recomputed_layers(4) == 1
+    assert TrainingOptions(**block, layers_per_virtual_stage=2).recomputed_layers(4) == 2
+    assert TrainingOptions(**dict(block, recompute_num_layers=3), virtual_stages=2).recomputed_layers(4) == 4
+
+
+def test_interleaved_chunks_price_their_own_layers(plain):
+    """Shapes-only durations: with one layer a chunk, the LM head runs in the last stage's last
+    chunk only (the analytical model prices stage 0's embedding lookup at nothing, so its chunks
+    cost the same), and a stage's chunks add up to its 1F1B forward and backward (that model
+    adds nothing per call)."""
+    for rank in (0, 4):
+        t = trace(rank, layers_per_virtual_stage=1)
+        for kind in ("forward", "backward"):
+            per_chunk = {op.chunk: op.dur_us for op in t.compute_ops if op.kind == kind}
+            (whole,) = {op.dur_us for op in plain[rank].compute_ops if op.kind == kind}
+            assert sum(per_chunk.values()) == pytest.approx(whole, rel=1e-9)
+            if rank == 0:
+                assert per_chunk[0] == pytest.approx(per_chunk[1], rel=1e-9)
+            else:
+                assert per_chunk[1] > per_chunk[0]

@@ -236,11 +236,12 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
 
 def _check_megatron_flags(args: argparse.Namespace) -> None:
     """Megatron flags that cannot go with variable-length planned micro-batches."""
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+    if any(getattr(args, name, None) is not None for name in (
+            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank")):
         raise DynapipeArgumentError(
             "--dynapipe runs one model chunk per pipeline stage: drop --num-layers-per-virtual-pipeline-stage "
-            "/ --virtual-pipeline-model-parallel-size"
+            "/ --num-virtual-stages-per-pipeline-rank"
         )
     granularity = getattr(args, "recompute_granularity", None)
     if granularity is not None:

@@ -87,7 +87,7 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     if vp_size is not None:
         raise ValueError(
             f"DynaPipe runs one model chunk per pipeline stage, but the virtual pipeline size is {vp_size}: "
-            "drop --virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage"
+            "drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
     return forward_backward_dynapipe
 

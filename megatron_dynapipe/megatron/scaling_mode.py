@@ -69,7 +69,6 @@ def requested(script_args: Sequence[str]) -> bool:
 #: Megatron-LM flags that change what a rank does but that the tracer does not trace yet: refused
 #: in one line rather than silently traced without (flag -> its dest in Megatron's namespace).
 UNTRACED_FLAGS = {
-    "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
     "--fp8-format": "fp8",
 }
 

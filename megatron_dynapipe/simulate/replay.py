@@ -14,8 +14,9 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
   that run the same ops at the same time, so it only costs time;
 * point-to-point transfers match by order per (sender, receiver) pair; a batch of them ends when
   its slowest part has arrived, a part starts when both sides have posted it;
-* with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches run on a
-  separate stream, and the first step after the last backward waits for them;
+* with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches (or, on
+  later pipeline stages, the schedule launches right after the last backward) run on a separate
+  stream, and the first step after the last backward waits for them;
 * an optimizer step the trace did not time (shapes-only) streams the rank's model state through
   device memory once to read and once to write.
 
@@ -189,6 +190,11 @@ class _StepBuilder:
                 self.steps.append(self._comm(op))
         return self.steps
 
+    def _launches_overlapped_reduction(self, op: TraceOp) -> bool:
+        """A DP bucket reduction DDP starts asynchronously: from a backward pass, or right after
+        the last one (later pipeline stages under Megatron-LM's --align-grad-reduce)."""
+        return self.overlap and op.name.endswith("start_grad_sync")
+
     def _compute_us(self, op: TraceOp, nested: list[TraceOp]) -> float:
         if op.kind == "optimizer_step" and op.dur_us == 0:
             state = self.trace.memory.get("model_state_bytes") or 0
@@ -202,10 +208,7 @@ class _StepBuilder:
         for index, segment in enumerate(segments):
             self.steps.append(Step("compute", op.kind, segment, op.phase, op.microbatch))
             if index < len(nested):
-                comm = self._comm(nested[index])
-                if self.overlap and nested[index].name.endswith("start_grad_sync") and op.kind == "backward":
-                    comm.what = "async"
-                self.steps.append(comm)
+                self.steps.append(self._comm(nested[index]))
 
     def _segments(self, op: TraceOp, nested: list[TraceOp], total: float) -> list[float]:
         if not nested:
@@ -230,7 +233,8 @@ class _StepBuilder:
             index = self.group_count[group]
             self.group_count[group] += 1
             members = frozenset(self.job.representative_of(r) for r in group)
-            return Step("collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group), op.phase, op.microbatch,
+            what = "async" if self._launches_overlapped_reduction(op) else "collective"
+            return Step(what, op.kind, self.hw.collective_us(op.kind, op.bytes, group), op.phase, op.microbatch,
                         key=(group, index), members=members, bytes=op.bytes)
         parts = op.parts if op.kind == "batch_isend_irecv" else [{"kind": op.kind, "peer": op.peer, "bytes": op.bytes}]
         transfers = tuple(self._transfer(part) for part in parts)

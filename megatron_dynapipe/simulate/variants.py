@@ -82,12 +82,13 @@ def _core_share(model: AnalyticalCostModel, seq: int) -> float:
 
 def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[TraceOp]:
     trees = subtrees(ops)
-    forwards = {(op.iteration, op.microbatch): op for op in ops
+    # a micro-batch's pass through one model chunk (one per stage without interleaving)
+    forwards = {(op.iteration, op.microbatch, op.chunk): op for op in ops
                 if op.parent is None and op.cat == "compute" and op.kind == "forward"}
     next_seq = max((op.seq for op in ops), default=-1) + 1
     out: list[TraceOp] = []
     for op in ops:
-        forward = forwards.get((op.iteration, op.microbatch))
+        forward = forwards.get((op.iteration, op.microbatch, op.chunk))
         if op.parent is None and op.cat == "compute" and op.kind == "backward" and forward is not None:
             if recompute == "full":
                 clone = trees[forward.seq]
@@ -170,5 +171,7 @@ def _recomputed_activation(job: TracedJob, costs: StageCosts, trace: RankTrace, 
     analytical cost model; the embedding and the LM head keep what they traced)."""
     seq, mbs = _seq(job), int(job.iteration["micro_batch_size"])
     freed_mb = costs.stored_mb(trace.stage, mbs, seq, "none") - costs.stored_mb(trace.stage, mbs, seq, recompute)
-    in_flight = int(trace.memory.get("peak_in_flight_microbatches") or 1)
+    # under interleaving the meter counts passes through a chunk, each holding a chunk's layers
+    chunks = len({op.chunk for op in trace.compute_ops if op.kind == "forward"}) or 1
+    in_flight = int(trace.memory.get("peak_in_flight_microbatches") or 1) / chunks
     return max(activation - in_flight * freed_mb * MB, 0.0) + costs.peak_mb(trace.stage, mbs, seq, recompute) * MB

@@ -333,8 +333,8 @@ def validate(config: TraceConfig, training: Optional[TrainingOptions] = None) ->
     reasons = layout or _global_batch_problems(c)
     reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=names, expert_tp=c.expert_tp)
     if training is not None:
-        problem = training.layout_problem(tp=c.tp, layers_per_stage=c.model.stage_layers(c.pp),
-                                          moe=bool(c.model.num_experts))
+        problem = training.layout_problem(tp=c.tp, pp=c.pp, layers_per_stage=c.model.stage_layers(c.pp),
+                                          num_microbatches=c.microbatches, moe=bool(c.model.num_experts))
         reasons += [problem] if problem else []
     return reasons
 

@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from ..compat.patching import Patches, UpstreamChanged
-from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
+from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
 from ..models import ModelSpec
 from ..training import TrainingOptions
 from .fake_groups import member_groups_only, symmetric_object_gathers
@@ -396,39 +396,50 @@ def _torch_optimizers(optimizer) -> list:
 
 def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
              training: TrainingOptions):
-    from megatron_dynapipe.planning.cost_model import as_stage_costs
+    """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
+    chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
+    ``c pp + s``: the embedding in the very first, the head in the very last)."""
+    from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
 
+    chunks = training.virtual_size(spec.stage_layers(layout.pp))
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
                            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
+    if chunks > 1:
+        costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
+                           zero_stage=costs.zero_stage)
     seq_local = max(1, seq // layout.cp)
-    table = {
-        "forward": float(costs.forward_ms(stage, mbs, seq_local, "none")),
-        "backward": _backward_ms(costs, stage, mbs, seq_local, training, spec.stage_layers(layout.pp)),
-    }
-    for kind, ms in table.items():
-        if not math.isfinite(ms):
-            raise ValueError(
-                f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
-                f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
-                "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
-                "cost model"
-            )
+    table = {}
+    for chunk in range(chunks):
+        virtual = chunk * layout.pp + stage
+        table[chunk] = {
+            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
+            "backward": _backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp)),
+        }
+        for kind, ms in table[chunk].items():
+            if not math.isfinite(ms):
+                raise ValueError(
+                    f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
+                    f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
+                    "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
+                    "cost model"
+                )
 
-    def cost(kind: str, microbatch: Optional[int]) -> float:
-        return table.get(kind, 0.0)
+    def cost(kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
+        return table[chunk or 0].get(kind, 0.0)
 
     return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
 
 
 def _backward_ms(costs, stage: int, mbs: int, seq: int, training: TrainingOptions, stage_layers: int) -> float:
-    """A micro-batch's backward with the recompute asked for: the cost model's selective or full
-    price, and for full recompute of some of a stage's layers (``block``) that share of the
-    difference between full and none."""
+    """A micro-batch's backward through one model chunk (the whole stage without interleaving)
+    with the recompute asked for: the cost model's selective or full price, and for full
+    recompute of some of the chunk's layers (``block``) that share of the difference between
+    full and none."""
     if training.recompute_granularity == "selective":
         return float(costs.backward_ms(stage, mbs, seq, "selective"))
     none = float(costs.backward_ms(stage, mbs, seq, "none"))
-    recomputed = training.recomputed_layers(stage_layers)
+    recomputed = training.recomputed_layers(stage_layers)  # the same share of every chunk
     if not recomputed:
         return none
     return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
@@ -527,9 +538,9 @@ def trace_initialized_rank(
         for i in range(warmup_iters):
             step(i, record=False)
         recorder.meter.reset()
-        static = _model_state([job.model], [job.ddp], job.optimizer)
-        recorder.meter.set_static(p for p in job.model.parameters())
-        recorder.meter.set_static(_static_tensors([job.ddp], job.optimizer))
+        static = _model_state(job.models, job.ddps, job.optimizer)
+        recorder.meter.set_static(p for m in job.models for p in m.parameters())
+        recorder.meter.set_static(_static_tensors(job.ddps, job.optimizer))
         if run.on_gpu and not shapes_only:
             torch.cuda.reset_peak_memory_stats()
         for i in range(trace_iters):
@@ -542,11 +553,12 @@ def trace_initialized_rank(
 
 @dataclass
 class _Job:
-    """What one traced rank built: its stage (``model``, DDP-wrapped as ``ddp``), the optimizer,
-    the transformer and DDP configs, the groups it checked."""
+    """What one traced rank built: its stage's model chunks (one, or one per virtual stage with
+    interleaving; ``models``, each DDP-wrapped in ``ddps``), the optimizer, the transformer and
+    DDP configs, the groups it checked."""
 
-    model: Any
-    ddp: Any
+    models: list
+    ddps: list
     optimizer: Any
     config: Any
     ddp_config: Any
@@ -590,8 +602,9 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
-        problem = fields["training"].layout_problem(tp=layout.tp, layers_per_stage=spec.stage_layers(layout.pp),
-                                                    moe=bool(spec.num_experts))
+        problem = fields["training"].layout_problem(
+            tp=layout.tp, pp=layout.pp, layers_per_stage=spec.stage_layers(layout.pp),
+            num_microbatches=fields["num_microbatches"], moe=bool(spec.num_experts))
         if problem:
             raise ValueError(problem)
         use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
@@ -626,6 +639,11 @@ class _TraceRun:
         return self.spec.padded_vocab_size(self.layout.tp)
 
     @property
+    def chunks(self) -> int:
+        """Model chunks on this rank: the virtual pipeline size with interleaving, else 1."""
+        return self.training.virtual_size(self.spec.stage_layers(self.layout.pp))
+
+    @property
     def moe_on_cpu(self) -> bool:
         return not self.on_gpu and bool(self.spec.num_experts)
 
@@ -642,7 +660,7 @@ class _TraceRun:
     def build(self) -> _Job:
         """Model parallelism, this rank's stage of the GPT, DDP and megatron's optimizer."""
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -653,26 +671,24 @@ class _TraceRun:
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                 context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-                expert_tensor_parallel_size=layout.expert_tp, order=layout.order, create_gloo_process_groups=False)
+                expert_tensor_parallel_size=layout.expert_tp, order=layout.order, create_gloo_process_groups=False,
+                virtual_pipeline_model_parallel_size=self.chunks if self.chunks > 1 else None)
         groups = _check_groups(layout, self.rank)
         torch.manual_seed(self.seed)
         model_parallel_cuda_manual_seed(self.seed)
         config = transformer_config(
             self.spec, dtype=self.torch_dtype, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
             expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only,
-            **self.training.transformer_fields(), **self.routing_fields())
-        with self.device_scope():
-            model = build_gpt(self.spec, config, tp=layout.tp, use_te=self.use_te,
-                              pre_process=parallel_state.is_pipeline_first_stage(),
-                              post_process=parallel_state.is_pipeline_last_stage())
-        if self.on_gpu and not self.shapes_only:
-            model = model.cuda()
-        if self.torch_dtype != torch.float32:  # as Megatron-LM's get_model: 16-bit weights and norms
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)
+            **self.training.transformer_fields(), **self.routing_fields(),
+            **self.training.virtual_fields(self.spec.stage_layers(layout.pp)))
+        models = [self._chunk(config, vp_stage) for vp_stage in self._vp_stages()]
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.training.ddp_fields())
-        ddp = wrap_in_ddp(model, config, ddp_config)
+        # Megatron-LM's default --align-param-gather, which it keeps only for interleaving
+        ddp_config.align_param_gather = ddp_config.overlap_param_gather and len(models) > 1
+        # Megatron-LM's get_model: later chunks' reductions overlap compute anyway, so one bucket each
+        ddps = [DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0)
+                for index, model in enumerate(models)]
+        _set_sync_funcs(config, ddps, ddp_config)
         # megatron all-gathers each rank's parameter-group keys over the world: W copies of ours
         with symmetric_object_gathers() if fake else contextlib.nullcontext():
             opt = get_megatron_optimizer(
@@ -680,8 +696,30 @@ class _TraceRun:
                                 bf16=self.torch_dtype == torch.bfloat16, fp16=self.torch_dtype == torch.float16,
                                 params_dtype=self.torch_dtype,
                                 use_distributed_optimizer=ddp_config.use_distributed_optimizer),
-                [ddp], use_gloo_process_groups=False)
-        return _Job(model, ddp, opt, config, ddp_config, groups)
+                ddps, use_gloo_process_groups=False)
+        return _Job(models, ddps, opt, config, ddp_config, groups)
+
+    def _vp_stages(self) -> list[Optional[int]]:
+        return list(range(self.chunks)) if self.chunks > 1 else [None]
+
+    def _chunk(self, config, vp_stage: Optional[int]):
+        """One model chunk of this rank (the whole stage without interleaving), as Megatron-LM's
+        ``get_model`` builds it: the embedding only in the first virtual stage, the head only in
+        the last, 16-bit weights and norms in a ``Float16Module``."""
+        from megatron.core import parallel_state
+
+        with self.device_scope():
+            model = build_gpt(self.spec, config, tp=self.layout.tp, use_te=self.use_te, vp_stage=vp_stage,
+                              pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                              post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+        if self.on_gpu and not self.shapes_only:
+            model = model.cuda()
+        if self.torch_dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        model.vp_stage = vp_stage
+        return model
 
     def recorder(self, cost, fill: bool) -> Recorder:
         """Shapes-only: ops timed by the cost model, nothing executed; else real, timed ops."""
@@ -709,11 +747,14 @@ class _TraceRun:
 
         def step(index: int, record: bool) -> None:
             with recorder.iteration(index, record=record):
-                job.ddp.zero_grad_buffer()
+                for ddp in job.ddps:
+                    ddp.zero_grad_buffer()
                 job.optimizer.zero_grad()
+                # interleaving takes an iterator per chunk; each chunk reads the batches it needs
+                iterators = [iter(batches) for _ in job.ddps] if len(job.ddps) > 1 else iter(batches)
                 with self.device_scope():
                     losses = forward_backward(
-                        forward_step_func=pretrain_gpt_forward_step, data_iterator=iter(batches), model=[job.ddp],
+                        forward_step_func=pretrain_gpt_forward_step, data_iterator=iterators, model=job.ddps,
                         num_microbatches=self.num_microbatches, seq_length=self.seq_length,
                         micro_batch_size=self.micro_batch_size, forward_only=False)
                 with recorder.compute("optimizer_step", name="optimizer.step"):
@@ -753,6 +794,26 @@ class _TraceRun:
                   "run_seconds": round(run_seconds, 4)},
             ops=recorder.ops,
         )
+
+
+def _set_sync_funcs(config, ddps: list, ddp_config) -> None:
+    """The schedule's hooks as Megatron-LM's ``train`` sets them: with overlapped gradient
+    reduction each chunk's ``no_sync`` and (``--align-grad-reduce``, its default) its
+    ``start_grad_sync``, so that later pipeline stages reduce in the bubble after their last
+    backward; with aligned parameter gathers each chunk's ``start_param_sync``; a list only
+    for several chunks."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(name: str):
+        funcs = [getattr(ddp, name) for ddp in ddps]
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    if ddp_config.overlap_grad_reduce:
+        config.no_sync_func = per_chunk("no_sync")
+        config.grad_sync_func = per_chunk("start_grad_sync")
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.param_sync_func = per_chunk("start_param_sync")
+    config.finalize_model_grads_func = finalize_model_grads
 
 
 def _check_model_fits(spec: ModelSpec, layout: ParallelLayout, shapes_only: bool) -> None:

@@ -19,8 +19,8 @@ inside another wrapped call (the isends inside ``batch_isend_irecv``) is not rec
 ``forward_step_calc_loss`` through module globals of ``megatron.core.pipeline_parallel.schedules``,
 so wrapping those three names records one op per micro-batch forward, backward and loss, with the
 micro-batch index the schedule itself passes (``current_microbatch``); megatron-core's
-schedules (no pipelining, 1F1B, interleaved) all call these names (the fake-rank runner and its
-tests use 1F1B).  Module forward/backward hooks would see
+schedules (no pipelining, 1F1B, interleaved) all call these names; under interleaving the op
+also records the model chunk the schedule passes (``vp_stage``).  Module forward/backward hooks would see
 every layer but not the micro-batch, and a backward hook cannot bracket a whole backward pass;
 the schedule functions are exactly the units a pipeline simulator replays.  Regions that are not
 schedule steps (the optimizer step, gradient finalisation) are marked by the caller with
@@ -31,7 +31,7 @@ Durations
 ``clock="wall"`` (CPU): ``time.perf_counter_ns`` around each op.  ``clock="cuda_events"``: a
 pair of CUDA events around each op, resolved after each iteration (``torch.cuda.synchronize``);
 for an asynchronous collective that is the launch, not the transfer.  ``clock="cost_model"``
-(shapes-only): compute durations come from ``cost_fn(kind, microbatch)`` (milliseconds), comm
+(shapes-only): compute durations come from ``cost_fn(kind, microbatch, chunk)`` (milliseconds), comm
 durations are 0, and ``start_us`` is a serial replay clock (each compute op starts when the
 previous one ends), not a measurement.
 
@@ -196,7 +196,8 @@ class ActivationMeter:
     keeps for the backward pass; the bytes of their distinct storages (parameters, gradient
     buffers and optimizer state excluded: they are registered with :meth:`set_static`) are that
     micro-batch's activations, held until its backward finishes.  ``peak_bytes`` is the largest
-    sum over micro-batches in flight at once (1F1B keeps up to ``pp - stage`` of them).
+    sum over forward passes in flight at once (1F1B keeps up to ``pp - stage`` micro-batches;
+    interleaving counts each micro-batch once per model chunk it has passed).
     Transient buffers that are freed within the forward or the backward, and tensors a custom
     autograd function stashes on ``ctx`` without ``save_for_backward``, are not counted.
     Works on meta tensors (it reads sizes, not data).
@@ -269,7 +270,7 @@ class Recorder:
 
     ``stage`` is written into every op; ``clock`` is ``"wall"``, ``"cuda_events"``,
     ``"cost_model"`` or ``"auto"`` (CUDA events when CUDA is available, else wall);
-    ``cost_fn(kind, microbatch) -> ms`` prices compute ops for ``clock="cost_model"``;
+    ``cost_fn(kind, microbatch, chunk) -> ms`` prices compute ops for ``clock="cost_model"``;
     ``fill``/``execute`` control fake process groups (module docstring); ``seed`` seeds the
     noise written into receive buffers when ``fill`` is on; ``track_activations`` turns the
     :class:`ActivationMeter` on; ``hook_schedules=False`` records communication only (and does
@@ -284,7 +285,7 @@ class Recorder:
         fill: bool = False,
         execute: bool = True,
         seed: int = 0,
-        cost_fn: Optional[Callable[[str, Optional[int]], float]] = None,
+        cost_fn: Optional[Callable[[str, Optional[int], Optional[int]], float]] = None,
         track_activations: bool = True,
         hook_schedules: bool = True,
     ) -> None:
@@ -293,7 +294,7 @@ class Recorder:
         if clock not in ("wall", "cuda_events", "cost_model"):
             raise ValueError(f"clock must be wall, cuda_events, cost_model or auto, got {clock!r}")
         if clock == "cost_model" and cost_fn is None:
-            raise ValueError("clock='cost_model' needs cost_fn(kind, microbatch) -> milliseconds")
+            raise ValueError("clock='cost_model' needs cost_fn(kind, microbatch, chunk) -> milliseconds")
         self.stage = stage
         self.clock = clock
         self.fill = fill
@@ -313,8 +314,9 @@ class Recorder:
         self._coalesce_stack: list[int] = []
         self._next_coalesce = 0
         self._forward_count = 0
-        self._pending_backward: dict[int, tuple[Any, int]] = {}
-        self._fifo: list[int] = []
+        # forward passes awaiting their backward, as (micro-batch, model chunk)
+        self._pending_backward: dict[int, tuple[Any, tuple]] = {}
+        self._fifo: list[tuple] = []
         self._origin_ns: Optional[int] = None
         self._virtual_us = 0.0
         self._events: list[tuple[TraceOp, Any, Any]] = []
@@ -392,7 +394,8 @@ class Recorder:
             self._phase_stack.pop()
 
     @contextlib.contextmanager
-    def compute(self, kind: str, microbatch: Optional[int] = None, name: str = "") -> Iterator[Optional[TraceOp]]:
+    def compute(self, kind: str, microbatch: Optional[int] = None, name: str = "",
+                chunk: Optional[int] = None) -> Iterator[Optional[TraceOp]]:
         """Record a compute op around the block (if recording); yields the op or None."""
         if not self.recording:
             self._phase_stack.append(kind)
@@ -401,7 +404,7 @@ class Recorder:
             finally:
                 self._phase_stack.pop()
             return
-        op = self._new_op("compute", kind, name=name or kind, microbatch=microbatch, phase=kind)
+        op = self._new_op("compute", kind, name=name or kind, microbatch=microbatch, chunk=chunk, phase=kind)
         timer = self._begin(op)
         self._compute_stack.append(op)
         self._phase_stack.append(kind)
@@ -417,8 +420,10 @@ class Recorder:
             parent = self._compute_stack[-1] if self._compute_stack else None
             if fields.get("phase") is None:
                 fields["phase"] = self._phase_stack[-1] if self._phase_stack else None
-            if fields.get("microbatch") is None and parent is not None and cat == "comm":
-                fields["microbatch"] = parent.microbatch
+            if parent is not None and cat == "comm":
+                for inherited in ("microbatch", "chunk"):
+                    if fields.get(inherited) is None:
+                        fields[inherited] = getattr(parent, inherited)
             op = TraceOp(
                 seq=len(self.ops),
                 iteration=self._iteration if self._iteration is not None else -1,
@@ -460,7 +465,7 @@ class Recorder:
             end.record()
             self._events.append((op, timer, end))
         else:
-            ms = self.cost_fn(op.kind, op.microbatch) if op.cat == "compute" else 0.0
+            ms = self.cost_fn(op.kind, op.microbatch, op.chunk) if op.cat == "compute" else 0.0
             op.dur_us = float(ms or 0.0) * 1e3
             # children of a compute op are priced inside it: only top-level ops move the clock
             if op.parent is None:
@@ -687,18 +692,22 @@ class Recorder:
 
     # -- compute wrappers -------------------------------------------------------------------------
     def _wrap_forward_step(self, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def forward_step(*args, **kwargs):
-            microbatch = kwargs.get("current_microbatch")
+            a = signature.bind(*args, **kwargs).arguments
+            microbatch = a.get("current_microbatch")
             if microbatch is None:
                 microbatch = self._forward_count
             self._forward_count += 1
-            with self.compute("forward", microbatch, name="schedules.forward_step"):
-                with self.meter.forward(microbatch):
+            pass_ = (microbatch, a.get("vp_stage"))  # one micro-batch through one model chunk
+            with self.compute("forward", microbatch, name="schedules.forward_step", chunk=pass_[1]):
+                with self.meter.forward(pass_):
                     result = original(*args, **kwargs)
             output = result[0]
-            self._pending_backward[id(output)] = (output, microbatch)
-            self._fifo.append(microbatch)
+            self._pending_backward[id(output)] = (output, pass_)
+            self._fifo.append(pass_)
             return result
 
         return forward_step
@@ -711,13 +720,13 @@ class Recorder:
             a = signature.bind(*args, **kwargs).arguments
             entry = self._pending_backward.pop(id(a.get("output_tensor")), None)
             if entry is not None:
-                microbatch = entry[1]
-                self._fifo.remove(microbatch)
+                pass_ = entry[1]
+                self._fifo.remove(pass_)
             else:
-                microbatch = self._fifo.pop(0) if self._fifo else None
-            with self.compute("backward", microbatch, name="schedules.backward_step"):
+                pass_ = self._fifo.pop(0) if self._fifo else (None, None)
+            with self.compute("backward", pass_[0], name="schedules.backward_step", chunk=pass_[1]):
                 result = original(*args, **kwargs)
-            self.meter.backward_done(microbatch)
+            self.meter.backward_done(pass_)
             return result
 
         return backward_step
@@ -738,8 +747,8 @@ class Recorder:
             if not (is_last and a.get("loss_func") is not None):
                 return original(*args, **kwargs)
             parent = self._compute_stack[-1] if self._compute_stack else None
-            microbatch = parent.microbatch if parent is not None else None
-            with self.compute("loss", microbatch, name="schedules.forward_step_calc_loss"):
+            microbatch, chunk = (parent.microbatch, parent.chunk) if parent is not None else (None, None)
+            with self.compute("loss", microbatch, name="schedules.forward_step_calc_loss", chunk=chunk):
                 return original(*args, **kwargs)
 
         return forward_step_calc_loss

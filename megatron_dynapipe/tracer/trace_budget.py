@@ -14,7 +14,8 @@ from typing import Optional
 from ..training import TrainingOptions
 from .batch_config import TraceConfig
 
-__all__ = ["memory_budget_bytes", "estimated_bytes", "estimated_compute_seconds", "decide_shapes_only"]
+__all__ = ["memory_budget_bytes", "estimated_bytes", "in_flight_microbatches", "estimated_compute_seconds",
+           "decide_shapes_only"]
 
 #: Floating-point operations per second assumed for real compute on a CPU (fp32, a few cores).
 CPU_FLOPS = 5e10
@@ -59,11 +60,23 @@ def estimated_bytes(config: TraceConfig, training: Optional[TrainingOptions] = N
     return config.model.training_bytes(
         config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,
-        in_flight=min(config.pp, config.microbatches or 1), cp=config.cp,
+        in_flight=in_flight_microbatches(config, training), cp=config.cp,
         recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
         selective_recompute=training.recompute_granularity == "selective",
         optimizer_shards=config.dp if training.distributed_optimizer else 1,
     )
+
+
+def in_flight_microbatches(config: TraceConfig, training: TrainingOptions) -> float:
+    """Micro-batches whose activations the first stage holds at once: 1F1B's warm-up of PP; under
+    interleaving megatron-core's warm-up of 2 (PP - 1) + (V - 1) PP chunk passes plus the one in
+    flight, each holding 1/V of the stage's layers."""
+    microbatches = max(config.microbatches, 1)
+    chunks = training.virtual_size(config.model.stage_layers(config.pp))
+    if chunks == 1:
+        return min(config.pp, microbatches)
+    passes = min(2 * (config.pp - 1) + (chunks - 1) * config.pp + 1, microbatches * chunks)
+    return passes / chunks
 
 
 def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,

@@ -98,6 +98,8 @@ class TraceOp:
     the op was issued and ``dur_us`` how long it took (see the header's ``clock`` for what that
     means).  ``parent`` is the ``seq`` of the compute op this op was issued from (a TP all-reduce
     inside a forward, the loss inside the last stage's forward), ``None`` at top level.
+    ``chunk`` is the model chunk (virtual pipeline stage on this rank) a forward, backward or
+    loss ran, and that of the comm ops issued inside it; ``None`` without interleaving.
     ``phase`` names the region of the step it belongs to (``forward``, ``backward``,
     ``finalize_grads``, ``optimizer_step``).
 
@@ -116,6 +118,7 @@ class TraceOp:
     kind: str
     name: str = ""
     microbatch: Optional[int] = None
+    chunk: Optional[int] = None
     phase: Optional[str] = None
     parent: Optional[int] = None
     group: Optional[tuple[int, ...]] = None
@@ -158,7 +161,7 @@ class TraceOp:
 
     def signature(self) -> tuple:
         """What two traces of the same rank must agree on: everything but times, the call site
-        and the shape split of the buffer (``kind, cat, microbatch, phase, group, peer, bytes,
+        and the shape split of the buffer (``kind, cat, microbatch, chunk, phase, group, peer, bytes,
         dtype, parts``)."""
         parts = None
         if self.parts is not None:
@@ -167,6 +170,7 @@ class TraceOp:
             self.cat,
             self.kind,
             self.microbatch,
+            self.chunk,
             self.phase,
             self.group,
             self.peer,
