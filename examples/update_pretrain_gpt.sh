@@ -32,9 +32,9 @@
 #   unless the model fits this machine, by the same rule as the default way
 #   (megatron_dynapipe/megatron/scaling_mode.py).  CP, EP and expert TP go through Megatron's
 #   --context-parallel-size / --expert-model-parallel-size / --expert-tensor-parallel-size.  The
-#   ranks, the folder names and the model flags come from the package (`trace --print-ranks`,
-#   `trace --print-model-args`), never from arithmetic in this script.  Each rank's output goes to
-#   <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when the rank ends).  Then
+#   ranks, the folder names and the model and training flags come from the package (`trace
+#   --print-ranks` with TRACE_ARGS), never from arithmetic in this script.  Each rank's output
+#   goes to <OUTPUT_DIR>/<folder>/fake_rank_<R>.log (moved into place when the rank ends).  Then
 #   `trace --collect` reads the ranks' traces back and writes each folder's summary.json and
 #   timeline.json, so both ways leave the same files.
 #   DRY_RUN=1 prints the commands instead of running them.
@@ -47,7 +47,9 @@
 #   SEQ_LENGTH        default: the model's (tiny 256, others 2048)
 #   WARMUP_ITERS, TRACE_ITERS   default 1 and 1
 #   PYTHON            default: the checkout's .venv, else python3
-#   TRACE_ARGS        extra `trace` options (e.g. "--shapes-only --json")
+#   TRACE_ARGS        extra `trace` options: model and training flags, both ways (e.g. "--bf16
+#                     --sequence-parallel --num-layers-per-virtual-pipeline-stage 2"); the default
+#                     way also takes how to trace ("--shapes-only --json")
 #   MEGATRON_LM_DIR   a Megatron-LM checkout: run its pretrain_gpt.py (see above)
 #   MEGATRON_ARGS     extra pretrain_gpt.py flags
 #   DRY_RUN=1         with MEGATRON_LM_DIR: print the commands only
@@ -101,22 +103,18 @@ if [[ "${DRY_RUN:-0}" != 1 && ! -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]]; then
     exit 2
 fi
 
-ranks="$(trace "${args[@]}" --print-ranks)" || {
+# shellcheck disable=SC2086
+ranks="$(trace "${args[@]}" ${TRACE_ARGS:-} --print-ranks)" || {
     status=$?
     [[ -z "$(grep -v '^#' <<<"$ranks")" ]] && exit "$status"  # nothing valid (reasons on stderr)
 }
 
 failed=0
 total=0
-declare -A model_args_of=()
-while read -r _config world pp tp cp ep _dp mbs _nmb gbs seq rank _stage _ep_rank model experts etp folder; do
-    key="$model $experts $seq"
-    if [[ -z "${model_args_of[$key]:-}" ]]; then
-        extra=()
-        [[ "$experts" -gt 0 ]] && extra=(--num-experts "$experts")
-        model_args_of[$key]="$(trace --model "$model" --seq-length "$seq" "${extra[@]}" --print-model-args)"
-    fi
-    read -r -a model_args <<<"${model_args_of[$key]}"
+# the last column, the rest of each line, holds the config's model and training flags
+while read -r _config world pp tp cp ep _dp mbs _nmb gbs _seq rank _stage _ep_rank _model _experts etp folder \
+        megatron_args; do
+    read -r -a model_args <<<"$megatron_args"
 
     cmd=("$PYTHON" -m megatron_dynapipe.megatron.launcher  # = megatron-dynapipe launch
         "$MEGATRON_LM_DIR/pretrain_gpt.py" "${model_args[@]}"
@@ -156,4 +154,5 @@ done < <(grep -v '^#' <<<"$ranks")
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 echo "$((total - failed)) of $total ranks ran; outputs under $OUTPUT_DIR" >&2
 # Each folder's summary.json and timeline.json, as the default way writes them; exit 1 if a rank failed.
-trace "${args[@]}" --output-dir "$OUTPUT_DIR" --collect --no-progress
+# shellcheck disable=SC2086
+trace "${args[@]}" ${TRACE_ARGS:-} --output-dir "$OUTPUT_DIR" --collect --no-progress

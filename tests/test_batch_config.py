@@ -766,6 +766,9 @@ def test_print_ranks(capsys):
     assert [int(r[11]) for r in rows] == [512 * s for s in range(16)]
     assert {(r[14], r[15], r[16], r[17]) for r in rows} == {
         ("175B", "0", "8", cfg("8192 16 8", model="175").folder_name())}
+    # the rest of the line: the pretrain_gpt.py flags of the model
+    flags = {" ".join(r[18:]) for r in rows}
+    assert len(flags) == 1 and flags.pop().startswith("--num-layers 96 --hidden-size 12288 --num-attention-heads 96")
     assert "config 1 (100 3 2) is invalid" in err
     trace_cli.main(["--config", "64 2 2 1 4", "--num-experts", "8", "--disable-bias-linear", "--sequence-parallel",
                     "--print-ranks", "--json"])
@@ -850,6 +853,22 @@ def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
     assert "--fake-current-rank-id 4096" in commands[1]
     assert [c.split("--fake-current-rank-id ")[1].split()[0] for c in commands[2:]] == [
         str(256 * s) for s in range(16)]
+
+
+def test_update_pretrain_gpt_passes_the_model_and_training_flags_to_megatron(tmp_path):
+    """TRACE_ARGS describe the model and how it trains on both ways: each rank's pretrain_gpt.py
+    command carries them, and the configs they do not fit are skipped before any command."""
+    flags = "--bf16 --disable-bias-linear --sequence-parallel --num-layers-per-virtual-pipeline-stage 1"
+    out = run_script("update_pretrain_gpt.sh", "64 2 2 1 4 experts=8", "64 2 2 nmb=3",
+                     env={"MEGATRON_LM_DIR": str(tmp_path / "Megatron-LM"), "DRY_RUN": "1", "MODEL_SIZE": "tiny",
+                          "TRACE_ARGS": flags, "OUTPUT_DIR": str(tmp_path / "out")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    commands = [line for line in out.stdout.splitlines() if " -m megatron_dynapipe.megatron.launcher " in line]
+    assert len(commands) == 2 * 4  # PP 2 x EP 4
+    for command in commands:
+        for flag in (*flags.split(" --"), "--num-experts 8", "--expert-model-parallel-size 4"):
+            assert (flag if flag.startswith("--") else "--" + flag) in command
+    assert "config 1 (64 2 2) is invalid: interleaved 1F1B runs micro-batches in groups of PP=2" in out.stderr
 
 
 @pytest.mark.slow

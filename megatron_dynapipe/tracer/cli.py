@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from .batch_config import TraceConfig, parse_configs, read_config_file, validate
 from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
@@ -163,10 +163,8 @@ def run_trace(args) -> int:
         return 0
     model = cli_model(args)
     if args.print_model_args:
-        shape = model
-        if args.num_experts:
-            shape = shape.with_experts(args.num_experts)
-        print(" ".join(shape.megatron_args(args.seq_length) + training_from_args(args).megatron_args()))
+        shape = model.with_experts(args.num_experts) if args.num_experts else model
+        print(" ".join(_megatron_args(shape, args.seq_length, training_from_args(args), args.dtype)))
         return 0
     for name in ("warmup_iters", "trace_iters"):
         if getattr(args, name) < 0:
@@ -221,11 +219,19 @@ def run_trace(args) -> int:
 
 _RANK_COLUMNS = ("config", "world_size", "pp", "tp", "cp", "ep", "dp", "micro_batch_size",
                  "num_microbatches", "global_batch_size", "seq_length", "rank", "stage", "ep_rank", "model",
-                 "experts", "expert_tp", "folder")
+                 "experts", "expert_tp", "folder", "megatron_args")
+_PRECISION_FLAGS = {"bfloat16": "--bf16", "float16": "--fp16"}
+
+
+def _megatron_args(model, seq_length: Optional[int], training: TrainingOptions, dtype: Optional[str]) -> list[str]:
+    """The ``pretrain_gpt.py`` flags that describe the model and how it trains."""
+    precision = [_PRECISION_FLAGS[dtype]] if dtype in _PRECISION_FLAGS else []
+    return model.megatron_args(seq_length) + training.megatron_args() + precision
 
 
 def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args) -> int:
-    """One line per representative rank (columns: :data:`_RANK_COLUMNS`), ``#`` header first."""
+    """One line per representative rank (columns: :data:`_RANK_COLUMNS`, the last one the rest of
+    the line: the ``pretrain_gpt.py`` flags of the config's model and training), ``#`` header first."""
     results, rows = [], []
     for config in configs:
         reasons = validate(config, training)
@@ -244,13 +250,14 @@ def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args
                 "rank": rep.global_rank, "stage": rep.stage, "ep_rank": rep.ep_rank,
                 "model": config.model.label, "experts": config.model.num_experts,
                 "expert_tp": config.expert_tp_size, "folder": config.folder_name(),
+                "megatron_args": _megatron_args(config.model, config.seq, training, args.dtype),
             })
     if args.json:
         print(json.dumps({"ranks": rows, "invalid": [r.to_dict() for r in results if r.status == INVALID]}))
     else:
         print("# " + " ".join(_RANK_COLUMNS))
         for row in rows:
-            print(" ".join(str(row[c]) for c in _RANK_COLUMNS))
+            print(" ".join(" ".join(row[c]) if c == "megatron_args" else str(row[c]) for c in _RANK_COLUMNS))
     return exit_code(results, strict=args.strict)
 
 
