@@ -266,8 +266,9 @@ class ModelSpec:
         Weights, gradients and Adam state (16 bytes per parameter; the 8 of Adam's moments split
         over ``optimizer_shards`` ranks by the distributed optimizer) of the larger of the first
         and last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
-        1F1B keeps on the first stage; a fraction under interleaving) and the logits of one micro-batch.  A layer whose forward
-        is recomputed (``recomputed_layers`` of the stage's) keeps only its input, and one layer's
+        1F1B keeps on the first stage; a fraction under interleaving) and the logits of one
+        micro-batch.  A layer whose forward is recomputed (``recomputed_layers`` of the stage's)
+        keeps only its input, and one layer's
         activations come back at a time; selective recompute drops the attention scores. An
         order-of-magnitude figure for deciding whether a model can run for real on this machine,
         not a profile.

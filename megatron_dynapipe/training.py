@@ -239,6 +239,8 @@ def training_from_args(args: argparse.Namespace) -> TrainingOptions:
             raise ValueError("--recompute-activations is selective recompute: drop it or "
                              "--recompute-granularity full")
         granularity = "selective"
+    interleaved = any(getattr(args, name, None) is not None for name in (
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"))
     return TrainingOptions(
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
@@ -250,5 +252,6 @@ def training_from_args(args: argparse.Namespace) -> TrainingOptions:
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
         virtual_stages=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
-        overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", True)),
+        # Megatron-LM turns the overlap off without interleaving, where it means nothing
+        overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", True)) or not interleaved,
     )

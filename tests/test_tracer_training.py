@@ -251,6 +251,8 @@ def test_interleaving_flags_come_from_megatron_flags_and_print_back():
         assert training_from_args(parser.parse_args(argv)) == options
         assert options.megatron_args() == argv
     assert training_from_args(parser.parse_args([])).overlap_p2p_comm  # Megatron-LM's default
+    # without interleaving Megatron-LM turns the overlap off: the flag means nothing there
+    assert training_from_args(parser.parse_args(["--no-overlap-p2p-communication"])) == TrainingOptions()
 
 
 @pytest.mark.parametrize("options, layout, message", [

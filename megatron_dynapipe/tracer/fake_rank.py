@@ -708,10 +708,11 @@ class _TraceRun:
         the last, 16-bit weights and norms in a ``Float16Module``."""
         from megatron.core import parallel_state
 
+        where = dict(ignore_virtual=False, vp_stage=vp_stage)
         with self.device_scope():
             model = build_gpt(self.spec, config, tp=self.layout.tp, use_te=self.use_te, vp_stage=vp_stage,
-                              pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                              post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+                              pre_process=parallel_state.is_pipeline_first_stage(**where),
+                              post_process=parallel_state.is_pipeline_last_stage(**where))
         if self.on_gpu and not self.shapes_only:
             model = model.cuda()
         if self.torch_dtype != torch.float32:
