@@ -268,10 +268,9 @@ class ModelSpec:
         and last stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what
         1F1B keeps on the first stage; a fraction under interleaving) and the logits of one
         micro-batch.  A layer whose forward is recomputed (``recomputed_layers`` of the stage's)
-        keeps only its input, and one layer's
-        activations come back at a time; selective recompute drops the attention scores. An
-        order-of-magnitude figure for deciding whether a model can run for real on this machine,
-        not a profile.
+        keeps only its input, and one layer's activations come back at a time; selective
+        recompute drops the attention scores.  An order-of-magnitude figure for deciding whether a
+        model can run for real on this machine, not a profile.
         """
         seq = self.rank_seq_length(seq_length, cp)
         in_flight = pp if in_flight is None else in_flight

@@ -95,7 +95,8 @@ def run_batch(
     valid = [config for config, reasons in checked if not reasons]
     if valid and tracer is None:
         tracer = _default_tracer()  # import torch/megatron once, before any fork
-        preload_tracer_modules()
+        if rank_start_method() == "fork":  # spawned ranks (a GPU here) import for themselves
+            preload_tracer_modules()
     with progress_bar(progress_enabled(progress, stream), stream) as bar:
         configs_task = bar.add_task("configs", total=len(valid))
         for config, reasons in checked:
