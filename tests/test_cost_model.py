@@ -20,7 +20,9 @@ from megatron_dynapipe.planning.cost_model import (
     ProfiledCostModel,
     StageCosts,
     load_cost_model,
+    profile_mismatch,
 )
+from megatron_dynapipe.models import get_model
 from megatron_dynapipe.planning.types import RecomputeType as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,6 +387,29 @@ def test_a_shipped_profile_loads_by_name_from_any_directory(name, tmp_path, monk
     assert cm.layer_ms("encoder", "forward", "none", 4, 2048) == times[(2, "none", "encoder", "forward", 2048, 4)]
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_the_shipped_h100_profile_runs_compute_bound_layers_between_an_a100_and_the_h100_peak(tp):
+    """GPT-6.7B's textbook layer FLOPs (24*b*s*h^2 + 4*b*s^2*h forward, twice that backward, split
+    over TP) over the shipped H100 profile's times at compute-bound points: under the H100's dense
+    bf16 peak of 989 TFLOP/s, and faster than the shipped A100 profile at the same points."""
+    h100, a100 = load_cost_model("gpt-6.7b-h100", tp), load_cost_model("gpt-6.7b-a100", tp)
+    hidden = 4096
+    for mbs, seq in ((8, 2048), (16, 1024)):
+        forward_flops = (24 * mbs * seq * hidden**2 + 4 * mbs * seq**2 * hidden) / tp
+        for phase, flops in (("forward", forward_flops), ("backward", 2 * forward_flops)):
+            ms = h100.layer_ms("encoder", phase, "none", mbs, seq)
+            assert flops / (ms * 1e-3) < 989e12
+            assert ms < a100.layer_ms("encoder", phase, "none", mbs, seq)
+
+
+def test_the_shipped_h100_profile_is_taken_for_gpt_6_7b_in_bf16_only():
+    metadata = load_cost_model("gpt-6.7b-h100", 1).metadata
+    gpt = get_model("6.7").to_json()
+    assert profile_mismatch(metadata, model=gpt, dtype="bf16") is None
+    assert profile_mismatch(metadata, model=gpt, dtype="fp16") == "dtype bf16 (job: fp16)"
+    assert profile_mismatch(metadata, model=get_model("13").to_json(), dtype="bf16").startswith("hidden_size 4096")
+
+
 def test_a_file_in_the_working_directory_wins_over_a_shipped_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     doc = json.loads(PROFILE.read_text())
@@ -395,7 +420,7 @@ def test_a_file_in_the_working_directory_wins_over_a_shipped_name(tmp_path, monk
 
 def test_an_unknown_name_lists_the_shipped_profiles(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CostModelError, match=r"not found: .*shipped profile \(gpt-6\.7b-a100\)"):
+    with pytest.raises(CostModelError, match=r"not found: .*shipped profile \(gpt-6\.7b-a100, gpt-6\.7b-h100\)"):
         load_cost_model("gpt-1t-h100", 1)
 
 
