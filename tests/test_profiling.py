@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,15 +266,28 @@ def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
 
 @pytest.mark.parametrize("tokens, ms, line", [
     ([32, 64, 256], [1.0 + 0.01 * t for t in (32, 64, 256)], (1.0, 0.01)),  # a line is found again
-    ([32, 64, 256], [3.0, 2.0, 1.0], (2.0, 0.0)),  # falling with tokens: their mean, constant
-    # a line below zero at no tokens: through the origin
-    ([100, 200, 300], [0.0, 1.0, 2.0], (0.0, (200 * 1 + 300 * 2) / (100**2 + 200**2 + 300**2))),
+    ([32, 64, 256], [3.0, 2.0, 1.0], (2.0, 0.0)),  # falling with tokens: their median, constant
+    # a line below zero at no tokens: through the origin, the median of ms per token
+    ([100, 200, 300], [0.0, 1.0, 2.0], (0.0, 1.0 / 200)),
     ([64], [5.0], (0.0, 5.0 / 64)),  # one shape: through the origin
+    ([64, 64], [5.0, 7.0], (0.0, 6.0 / 64)),  # one length twice: no slope between them
 ])
-def test_the_overhead_line_is_the_least_squares_one_with_both_terms_at_least_zero(tokens, ms, line):
+def test_the_overhead_line_has_both_terms_at_least_zero(tokens, ms, line):
     from megatron_dynapipe.profiling.overhead import fit_overhead
 
     assert fit_overhead(tokens, ms) == pytest.approx(line)
+
+
+def test_one_wild_shape_does_not_set_the_overhead_slope():
+    """As measured at 1024 positions on the CPU: twelve shapes on a line, and the largest one's
+    memory faults adding 726 ms there. Least squares would take a slope of 0.04 ms a token from it."""
+    from megatron_dynapipe.profiling.overhead import fit_overhead
+
+    tokens = [32, 48, 64, 80, 96, 112, 128, 192, 256, 512, 768, 1024]
+    ms = [0.4 + 0.0005 * t for t in tokens]
+    a, b = fit_overhead(tokens + [16384], ms + [0.4 + 0.0005 * 16384 + 726])
+    assert a == pytest.approx(0.4, abs=0.05) and b == pytest.approx(0.0005, rel=0.2)
+    assert np.polyfit(tokens + [16384], ms + [726 + 8.6], 1)[0] > 0.04  # the least-squares slope
 
 
 def test_overhead_is_timed_at_each_length_and_at_the_corners():
