@@ -70,8 +70,8 @@ def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, f
 
     Least squares let the largest shape decide: at 16 sequences of 1024 tokens, where a 3-layer
     stage faults in gigabytes that one layer alone does not, one point's +726 ms made a slope
-    that priced every shorter micro-batch's layers 20-80% high (and the stage line's -728 ms at
-    the same shape, which cancelled it, was cut to zero)."""
+    that priced every shorter micro-batch's layer forwards 80-140% high (and the stage line's
+    -728 ms at the same shape, which cancelled it, was cut to zero)."""
     t, y = np.asarray(tokens, dtype=float), np.asarray(ms, dtype=float)
     first, second = np.triu_indices(len(t), 1)
     apart = t[first] != t[second]
@@ -82,8 +82,8 @@ def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, f
             return a, b
         if b < 0:  # no growth with tokens: a constant
             return max(0.0, float(np.median(y))), 0.0
-    positive = t > 0
-    return 0.0, (max(0.0, float(np.median(y[positive] / t[positive]))) if positive.any() else 0.0)  # through the origin
+    positive = t > 0  # through the origin
+    return 0.0, max(0.0, float(np.median(y[positive] / t[positive]))) if positive.any() else 0.0
 
 
 def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, recompute: RecomputeType,
