@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["TrainingOptions", "add_training_arguments", "training_from_args", "RECOMPUTE_GRANULARITIES",
-           "RECOMPUTE_METHODS"]
+           "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+#: Megatron-LM's namespace names of the flags that turn interleaved 1F1B on
+INTERLEAVING_DESTS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingOptions:
             raise ValueError("--recompute-activations is selective recompute: drop it or "
                              "--recompute-granularity full")
         granularity = "selective"
-    interleaved = any(getattr(args, name, None) is not None for name in (
-        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"))
+    interleaved = any(getattr(args, name, None) is not None for name in INTERLEAVING_DESTS)
     return TrainingOptions(
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),

@@ -37,6 +37,7 @@ from ..planning.spec import (
     planner_settings,
     positive_int_argument,
 )
+from ..training import INTERLEAVING_DESTS
 
 __all__ = [
     "DynapipeArgumentError",
@@ -236,9 +237,9 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
 
 def _check_megatron_flags(args: argparse.Namespace) -> None:
     """Megatron flags that cannot go with variable-length planned micro-batches."""
-    if any(getattr(args, name, None) is not None for name in (
-            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-            "num_virtual_stages_per_pipeline_rank")):
+    # the interleaving flags, or the virtual pipeline size Megatron-LM derives from them
+    if any(getattr(args, name, None) is not None
+           for name in (*INTERLEAVING_DESTS, "virtual_pipeline_model_parallel_size")):
         raise DynapipeArgumentError(
             "--dynapipe runs one model chunk per pipeline stage: drop --num-layers-per-virtual-pipeline-stage "
             "/ --num-virtual-stages-per-pipeline-rank"
