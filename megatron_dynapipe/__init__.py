@@ -21,7 +21,7 @@ __all__ = ["__version__", *_MEGATRON_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     if name in _MEGATRON_EXPORTS:
-        from . import megatron
+        from megatron_dynapipe import megatron
 
         value = getattr(megatron, name)
         globals()[name] = value

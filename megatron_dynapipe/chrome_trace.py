@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .files import write_atomically
+from megatron_dynapipe.files import write_atomically
 
 __all__ = ["ChromeTrace"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .models import ModelSpec
+from megatron_dynapipe.models import ModelSpec
 
 __all__ = ["transformer_config", "layer_spec", "build_gpt", "wrap_in_ddp", "uses_transformer_engine",
            "RECOMPUTE_CHOICES"]

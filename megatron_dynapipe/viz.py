@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .chrome_trace import ChromeTrace
-from .files import atomic_path
-from .planning.simulator import Event
+from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.files import atomic_path
+from megatron_dynapipe.planning.simulator import Event
 
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes by suffix
 _ROWS = {"F": "compute", "B": "compute", "send-act": "send activations", "send-grad": "send gradients"}

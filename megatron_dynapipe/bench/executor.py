@@ -21,7 +21,7 @@ import json
 import statistics
 from typing import Any, Callable
 
-from .ranks import launch, time_alternating
+from megatron_dynapipe.bench.ranks import launch, time_alternating
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
 #: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
@@ -100,8 +100,8 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from ..compat import cpu_compat
-    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel, random_micro_batches
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel, init_model_parallel, random_micro_batches
 
     cpu_compat.enable_cpu_mode()
     init_model_parallel(1, world_size)
@@ -117,9 +117,9 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
 def _ddp_model(s: dict):
     """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
-    from ..gpt_build import wrap_in_ddp
-    from ..megatron.tiny_gpt import build_tiny_gpt
-    from ..models import ModelSpec
+    from megatron_dynapipe.gpt_build import wrap_in_ddp
+    from megatron_dynapipe.megatron.tiny_gpt import build_tiny_gpt
+    from megatron_dynapipe.models import ModelSpec
 
     spec = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
                      num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=VOCAB_SIZE,
@@ -136,13 +136,13 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
-    from ..compat import cpu_compat
-    from ..data.batch import PlannedBatch
-    from ..megatron.provider import forward_backward_dynapipe
-    from ..megatron.tiny_gpt import mean_loss_forward_step
-    from ..planning.plan import build_execution_plans
-    from ..planning.schedules import one_f_one_b_orders
-    from ..planning.types import MicroBatch
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.data.batch import PlannedBatch
+    from megatron_dynapipe.megatron.provider import forward_backward_dynapipe
+    from megatron_dynapipe.megatron.tiny_gpt import mean_loss_forward_step
+    from megatron_dynapipe.planning.plan import build_execution_plans
+    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+    from megatron_dynapipe.planning.types import MicroBatch
 
     n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
     micro = [MicroBatch(tuple(range(i * b, (i + 1) * b)), seq) for i in range(n)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ranks import launch, time_alternating
+from megatron_dynapipe.bench.ranks import launch, time_alternating
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,9 +42,9 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPip
 
 
 def add_arguments(p) -> None:
-    from ..models import add_model_arguments
-    from ..planning.samples import MIXES
-    from ..profiling.cli import add_device_arguments
+    from megatron_dynapipe.models import add_model_arguments
+    from megatron_dynapipe.planning.samples import MIXES
+    from megatron_dynapipe.profiling.cli import add_device_arguments
 
     add_model_arguments(p)
     p.add_argument("--cost-model", metavar="NAME|FILE",
@@ -101,10 +101,10 @@ def _checked(args) -> dict:
     """Everything refusable before any work, one line each that names the fix."""
     import torch
 
-    from ..models import model_from_args
-    from ..planning.cost_model import load_job_cost_model
-    from ..profiling.cli import resolve_device
-    from ..tracer.topology import layers_problem
+    from megatron_dynapipe.models import model_from_args
+    from megatron_dynapipe.planning.cost_model import load_job_cost_model
+    from megatron_dynapipe.profiling.cli import resolve_device
+    from megatron_dynapipe.tracer.topology import layers_problem
 
     if args.hidden_dropout or args.attention_dropout:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
@@ -143,7 +143,7 @@ def _checked(args) -> dict:
 def _lengths(args, max_seq_length: int) -> list[int]:
     """The file's lengths, or the mix scaled from its cap to ``max_seq_length`` (so a short-context
     model sees the mix's shape, not a batch of samples all cut to its length)."""
-    from ..planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, read_lengths, synthetic_lengths
+    from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, read_lengths, synthetic_lengths
 
     if args.lengths:
         lengths = read_lengths(args.lengths)
@@ -163,10 +163,10 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
-    from ..planning.cost_model import StageCosts
-    from ..planning.microbatching import pack_fixed_length
-    from ..planning.planner import generate_execution_plan
-    from ..planning.spec import TrainingSpec
+    from megatron_dynapipe.planning.cost_model import StageCosts
+    from megatron_dynapipe.planning.microbatching import pack_fixed_length
+    from megatron_dynapipe.planning.planner import generate_execution_plan
+    from megatron_dynapipe.planning.spec import TrainingSpec
 
     spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"],
                         memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
@@ -188,9 +188,9 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     """Sequences of ``seq_len`` tokens (each the samples it lists, packed), dealt out in order to
     the data-parallel ranks as evenly as they go, each rank's run 1F1B with the micro-batch size
     and recompute the cost model finds fastest."""
-    from ..planning.baselines import fixed_length_baseline, uniform_microbatches
-    from ..planning.plan import build_execution_plans
-    from ..planning.schedules import one_f_one_b_orders
+    from megatron_dynapipe.planning.baselines import fixed_length_baseline, uniform_microbatches
+    from megatron_dynapipe.planning.plan import build_execution_plans
+    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 
     if len(sequences) < spec.dp:
         raise ValueError(f"{len(sequences)} sequences of {seq_len} tokens cannot feed --dp {spec.dp} ranks: "
@@ -215,7 +215,7 @@ def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.nd
 
 
 def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
-    from ..data.preprocess import gpt_microbatch
+    from megatron_dynapipe.data.preprocess import gpt_microbatch
 
     return gpt_microbatch([tokens[i] for i in mb.samples], mb.seq_len)
 
@@ -223,7 +223,7 @@ def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
 def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
     """GPT tensors of packed rows: each row's samples back to back, then padding; positions run
     through the row (Megatron's default), labels and loss mask are each sample's own."""
-    from ..data.preprocess import gpt_microbatch
+    from megatron_dynapipe.data.preprocess import gpt_microbatch
 
     out = gpt_microbatch([np.concatenate(row) for row in rows], seq_len)
     for r, row in enumerate(rows):
@@ -248,11 +248,11 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from ..compat import cpu_compat
-    from ..megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
-    from ..megatron.training_stage import build_training_stage, planned_step
-    from ..profiling.layers import DTYPES
-    from ..profiling.measure import steady_cpu_allocator
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
+    from megatron_dynapipe.megatron.training_stage import build_training_stage, planned_step
+    from megatron_dynapipe.profiling.layers import DTYPES
+    from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
     on_cpu = job["device"] == "cpu"
     if on_cpu:
@@ -301,7 +301,7 @@ def _peak_mb(run, ddp, device) -> float:
     """The allocator's peak during one step on CUDA; on the CPU the bytes of the tensors it creates."""
     import torch
 
-    from ..profiling.measure import LiveBytes
+    from megatron_dynapipe.profiling.measure import LiveBytes
 
     ddp.zero_grad_buffer()
     if device.type == "cuda":

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .patching import Patches, Spot, check_spots
+from megatron_dynapipe.compat.patching import Patches, Spot, check_spots
 
 __all__ = [
     "CPU_STREAM_STANDINS",

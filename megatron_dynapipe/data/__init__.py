@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planning.spec import TrainingSpec
-from .batch import MICROBATCH_KEYS, PlannedBatch
-from .datasets import (
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.data.batch import MICROBATCH_KEYS, PlannedBatch
+from megatron_dynapipe.data.datasets import (
     IndexedTokenDataset,
     JsonlTokenDataset,
     SampleTooLongError,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch stays out of the import path of the planning core
     import torch
 
-    from ..planning.plan import ExecutionPlan
+    from megatron_dynapipe.planning.plan import ExecutionPlan
 
 # Keys of one micro-batch, each a tensor of shape [micro-batch size, padded sequence length],
 # named as Megatron's GPT get_batch names them.

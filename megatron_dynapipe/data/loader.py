@@ -45,17 +45,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planning.plan import ExecutionPlan
-from ..planning.spec import TrainingSpec, resolve_fast_mode_setting
-from .batch import PlannedBatch
-from .kv_store import (
+from megatron_dynapipe.planning.plan import ExecutionPlan
+from megatron_dynapipe.planning.spec import TrainingSpec, resolve_fast_mode_setting
+from megatron_dynapipe.data.batch import PlannedBatch
+from megatron_dynapipe.data.kv_store import (
     DEFAULT_NAMESPACE,
     DataPipelineError,
     HeartbeatWatch,
     KVStoreClient,
     KVStoreMetaKeys,
 )
-from .preprocess import PipelineSettings, decode_microbatches
+from megatron_dynapipe.data.preprocess import PipelineSettings, decode_microbatches
 
 __all__ = ["DataPipelineHost", "DynaPipeDataLoader", "RankLayout", "from_parallel_state"]
 

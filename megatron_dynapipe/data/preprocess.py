@@ -52,10 +52,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..planning.cost_model import StageCosts
-from ..planning.planner import generate_execution_plan, stage_costs
-from ..planning.spec import TrainingSpec
-from .kv_store import KVStoreClient, KVStoreMetaKeys
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.planner import generate_execution_plan, stage_costs
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.data.kv_store import KVStoreClient, KVStoreMetaKeys
 
 __all__ = [
     "DecodedMicrobatches",

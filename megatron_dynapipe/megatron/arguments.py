@@ -30,14 +30,14 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from ..planning.spec import (
+from megatron_dynapipe.planning.spec import (
     TrainingSpec,
     add_planner_arguments,
     fast_mode_from_env,
     planner_settings,
     positive_int_argument,
 )
-from ..training import INTERLEAVING_DESTS
+from megatron_dynapipe.training import INTERLEAVING_DESTS
 
 __all__ = [
     "DynapipeArgumentError",
@@ -212,7 +212,7 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
         raise DynapipeArgumentError(f"--dynapipe-memory-limit must be positive, got {limit}: pass the per-GPU MB")
     cost_model = getattr(args, "dynapipe_cost_model", None)
     if cost_model is not None:
-        from ..planning.cost_model import CostModelError, resolve_cost_model_path
+        from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 
         try:
             resolve_cost_model_path(cost_model, flag="--dynapipe-cost-model")
@@ -315,7 +315,7 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
     order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
 
-    from ..tracer.topology import experts_problem, layout_problems
+    from megatron_dynapipe.tracer.topology import experts_problem, layout_problems
 
     problems = layout_problems(world, tp, pp, cp, ep, dp=getattr(args, "fake_dp", None),
                                order=order, names=FAKE_FLAGS)

@@ -47,11 +47,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..compat.patching import Spot, check_spots
-from ..data.batch import PlannedBatch
-from ..planning.plan import ExecutionPlan, Op
-from ..planning.types import RecomputeType
-from .p2p import PipelineChannels, PipelineCommError, Transfer
+from megatron_dynapipe.compat.patching import Spot, check_spots
+from megatron_dynapipe.data.batch import PlannedBatch
+from megatron_dynapipe.planning.plan import ExecutionPlan, Op
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.megatron.p2p import PipelineChannels, PipelineCommError, Transfer
 
 __all__ = [
     "ExecutorOptions",

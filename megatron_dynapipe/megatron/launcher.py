@@ -45,7 +45,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..compat.patching import Patches, Spot, UpstreamChanged, check_spots
+from megatron_dynapipe.compat.patching import Patches, Spot, UpstreamChanged, check_spots
 
 __all__ = [
     "CPU_FLAGS",
@@ -279,7 +279,7 @@ LM_CPU_SPOTS: tuple[Spot, ...] = (
 def _cpu_answers() -> dict[str, Callable]:
     import torch
 
-    from ..compat.cpu_compat import CPU_STREAM_STANDINS
+    from megatron_dynapipe.compat.cpu_compat import CPU_STREAM_STANDINS
 
     return {
         "device_count": lambda: 1,  # one device: the CPU
@@ -332,7 +332,7 @@ def _body_mode_class():
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from ..compat.cpu_compat import cpu_arguments
+    from megatron_dynapipe.compat.cpu_compat import cpu_arguments
 
     class BodyCudaAsCpu(TorchFunctionMode):
         """CUDA device requests made directly by a ``"body"`` spot land on the CPU."""
@@ -376,7 +376,7 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[Spot] = LM_CPU_SPOTS) -> None:
 
     import torch
 
-    from ..compat import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     with _cpu.lock:
         if _cpu.mode is not None:
@@ -406,7 +406,7 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[Spot] = LM_CPU_SPOTS) -> None:
 
 def disable_megatron_lm_cpu_mode() -> None:
     """Undo :func:`enable_megatron_lm_cpu_mode` (call from the thread that enabled it)."""
-    from ..compat import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     with _cpu.lock:
         if _cpu.mode is None:
@@ -449,7 +449,7 @@ def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) ->
     wrappers (each falls through to the script's own without ``--dynapipe``), and re-binds the
     ``get_batch`` global of the module ``forward_step_func`` was defined in.
     """
-    from . import pretrain_hooks as hooks
+    from megatron_dynapipe.megatron import pretrain_hooks as hooks
 
     installed = installed if installed is not None else _Installed()
 
@@ -517,8 +517,8 @@ def _check_megatron_is_the_checkouts(options: LaunchOptions) -> None:
 def launch(options: LaunchOptions) -> int:
     """Run ``options.script`` as ``__main__`` with DynaPipe's hooks installed (see the module
     docstring). Returns 0 when the script returns (``SystemExit`` passes through)."""
-    from . import pretrain_hooks, scaling_mode
-    from .arguments import DynapipeArgumentError
+    from megatron_dynapipe.megatron import pretrain_hooks, scaling_mode
+    from megatron_dynapipe.megatron.arguments import DynapipeArgumentError
 
     if options.cpu:
         import torch

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..planning.plan import Instruction, Op
+from megatron_dynapipe.planning.plan import Instruction, Op
 
 __all__ = ["PipelineCommError", "PipelineChannels", "Transfer"]
 

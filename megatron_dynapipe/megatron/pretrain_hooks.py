@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from .arguments import DynapipeArgumentError, add_arguments, chain_providers
+from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments, chain_providers
 
 __all__ = [
     "LoggedLoader",
@@ -123,7 +123,7 @@ _setup_done: dict[int, Any] = {}  # id(args) -> InstallReport
 
 def enabled() -> bool:
     """Whether DynaPipe's schedule is installed and on (after :func:`setup` with ``--dynapipe``)."""
-    from .provider import is_enabled
+    from megatron_dynapipe.megatron.provider import is_enabled
 
     return is_enabled()
 
@@ -197,8 +197,8 @@ def setup(args: Optional[argparse.Namespace] = None):
     ``args.dataloader_type = "external"``, then :func:`~.provider.install`. Without it, installs
     nothing (Megatron's own schedule and data path stay). Returns the install report.
     """
-    from .arguments import validate_dynapipe_args
-    from .provider import install
+    from megatron_dynapipe.megatron.arguments import validate_dynapipe_args
+    from megatron_dynapipe.megatron.provider import install
 
     if args is None:
         args = _get_args()
@@ -330,7 +330,7 @@ def mock_dataset(num_samples: int, max_seq_len: int, vocab_size: int, seed: int 
     """``--mock-data`` for DynaPipe: ``num_samples`` samples of random length in
     ``[max(2, max_seq_len // 8), max_seq_len]``; sample ``k`` counts up from a random start,
     modulo ``vocab_size``, so a model can learn it and the loss falls."""
-    from ..data import TokenListDataset
+    from megatron_dynapipe.data import TokenListDataset
 
     rng = np.random.default_rng([int(seed), 0x6D6F636B])
     low = max(2, max_seq_len // 8)
@@ -343,7 +343,7 @@ def mock_dataset(num_samples: int, max_seq_len: int, vocab_size: int, seed: int 
 def _open_data(args):
     """(train, valid, test) variable-length datasets from Megatron's data flags: ``--data-path``
     cut by ``--split``, or for ``--mock-data`` one mock dataset per split (distinct seeds)."""
-    from ..data import open_dataset
+    from megatron_dynapipe.data import open_dataset
 
     if getattr(args, "mock_data", False):
         n = args.dynapipe_mock_samples if getattr(args, "dynapipe_mock_samples", None) else max(
@@ -356,8 +356,8 @@ def _open_data(args):
 
 
 def _cost_model(args):
-    from ..models import ModelSpec
-    from ..planning.cost_model import load_job_cost_model
+    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), ModelSpec.from_megatron_args(args).to_json(),
@@ -422,8 +422,8 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
     only connect. Every loader is closed at exit (:func:`close_loaders`).
     """
     global _atexit_registered
-    from ..data import DynaPipeDataLoader, from_parallel_state
-    from .arguments import training_spec_from_args
+    from megatron_dynapipe.data import DynaPipeDataLoader, from_parallel_state
+    from megatron_dynapipe.megatron.arguments import training_spec_from_args
 
     if args is None:
         args = _get_args()

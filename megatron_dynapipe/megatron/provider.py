@@ -26,8 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..compat.patching import Patches
-from .executor import ExecutorOptions
+from megatron_dynapipe.compat.patching import Patches
+from megatron_dynapipe.megatron.executor import ExecutorOptions
 
 __all__ = [
     "InstallReport",
@@ -116,8 +116,8 @@ def forward_backward_dynapipe(
     their shapes); anything else goes, with the rest of the iterator, to megatron-core's schedule.
     Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
     """
-    from ..data.batch import PlannedBatch
-    from .executor import run_plan
+    from megatron_dynapipe.data.batch import PlannedBatch
+    from megatron_dynapipe.megatron.executor import run_plan
 
     wrapped = isinstance(data_iterator, list)
     if wrapped:

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .arguments import DynapipeArgumentError, _validate_tracer, add_arguments
+from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
 
 __all__ = ["FLAG", "ScalingResult", "build_parser", "parse_args", "requested", "run", "run_from_argv"]
 
@@ -78,8 +78,8 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     the model's (:func:`~megatron_dynapipe.models.add_model_arguments`), the training options
     (:func:`~megatron_dynapipe.training.add_training_arguments`), the precision, the batch and the
     layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
-    from ..models import add_model_arguments
-    from ..training import add_training_arguments
+    from megatron_dynapipe.models import add_model_arguments
+    from megatron_dynapipe.training import add_training_arguments
 
     add_model_arguments(parser, moe=True)
     add_training_arguments(parser)
@@ -165,7 +165,7 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def _training(args: argparse.Namespace):
-    from ..training import training_from_args
+    from megatron_dynapipe.training import training_from_args
 
     try:
         return training_from_args(args)
@@ -174,7 +174,7 @@ def _training(args: argparse.Namespace):
 
 
 def _model(args: argparse.Namespace):
-    from ..models import ModelSpec
+    from megatron_dynapipe.models import ModelSpec
 
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
     if not (getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)):
@@ -194,9 +194,9 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     Megatron's ``parse_args`` with :func:`~.arguments.add_arguments`). ``shapes_only=None`` decides
     by the ``trace`` rule (module docstring). Prints the summary line when ``verbose``.
     """
-    from ..tracer.batch_config import TraceConfig, validate
-    from ..tracer.trace_budget import decide_shapes_only
-    from ..tracer.topology import ParallelLayout, shapes_only_problem
+    from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+    from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
+    from megatron_dynapipe.tracer.topology import ParallelLayout, shapes_only_problem
 
     if not getattr(args, "is_scaling_mode", False):
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     problem = shapes_only and shapes_only_problem(model)
     if problem:
         raise DynapipeArgumentError(f"--is-scaling-mode: {problem}")
-    from ..tracer.fake_rank import trace_fake_rank
+    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
 
     started = time.perf_counter()
     trace = trace_fake_rank(layout, int(args.fake_current_rank_id), model,

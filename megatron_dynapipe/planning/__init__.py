@@ -3,8 +3,8 @@
     from megatron_dynapipe.planning import TrainingSpec, generate_execution_plan
 """
 
-from .plan import ExecutionPlan, Instruction, Op, check_deadlock_free
-from .planner import (
+from megatron_dynapipe.planning.plan import ExecutionPlan, Instruction, Op, check_deadlock_free
+from megatron_dynapipe.planning.planner import (
     PlanningError,
     PlanResult,
     adjust_rc_plan,
@@ -12,8 +12,8 @@ from .planner import (
     generate_execution_plan,
     optimize_schedule,
 )
-from .spec import TrainingSpec, fast_mode_from_env, resolve_fast_mode
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.spec import TrainingSpec, fast_mode_from_env, resolve_fast_mode
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 __all__ = [
     "ExecutionPlan", "Instruction", "Op", "check_deadlock_free", "PlanningError", "PlanResult",

@@ -7,11 +7,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .microbatching import pack_fixed_length, round_up
-from .cost_model import StageCosts
-from .schedules import one_f_one_b
-from .simulator import SimulationResult, simulate, stage_work
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.schedules import one_f_one_b
+from megatron_dynapipe.planning.simulator import SimulationResult, simulate, stage_work
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 

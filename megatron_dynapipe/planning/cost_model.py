@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .types import RecomputeType
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = [
     "AnalyticalCostModel",

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost_model import StageCosts
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 DP_THRESHOLDS = 32  # candidate caps on the largest micro-batch time tried by partition_dp
 

@@ -57,7 +57,7 @@ from typing import ClassVar, NamedTuple, NoReturn, Sequence, Union
 
 import numpy as np
 
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 __all__ = [
     "Op",

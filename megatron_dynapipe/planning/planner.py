@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost_model import CostModel, StageCosts, as_stage_costs
-from .microbatching import (
+from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs
+from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
@@ -26,12 +26,12 @@ from .microbatching import (
     partition_uniform,
     split_across_dp,
 )
-from .plan import ExecutionPlan, build_execution_plans
-from .recompute import RecomputePlan, adjust_rc_plan
-from .schedules import SCHEDULES
-from .simulator import SimulationResult, WorkTable, simulate, stage_work
-from .spec import FastMode, TrainingSpec, resolve_fast_mode
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
+from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
+from megatron_dynapipe.planning.schedules import SCHEDULES
+from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
+from megatron_dynapipe.planning.spec import FastMode, TrainingSpec, resolve_fast_mode
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
 FAST_MODE_CANDIDATES = 1  # micro-batchings fast mode schedules (best predicted first)

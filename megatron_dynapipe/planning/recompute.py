@@ -8,10 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost_model import StageCosts
-from .schedules import simulate_schedule
-from .simulator import Order, SimulationResult, WorkTable
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.schedules import simulate_schedule
+from megatron_dynapipe.planning.simulator import Order, SimulationResult, WorkTable
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 FAST_MODE_ROUNDS = 3
 FAST_MODE_MICROBATCHES_PER_ROUND = 2

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from .baselines import default_pack_length, ideal_gain, lower_bound_ms, packing_baseline
-from .planner import PlanResult
-from .spec import TrainingSpec
-from .types import RecomputeType
+from megatron_dynapipe.planning.baselines import default_pack_length, ideal_gain, lower_bound_ms, packing_baseline
+from megatron_dynapipe.planning.planner import PlanResult
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
 
 
 def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .simulator import Order, SimulationResult, StageWork, simulate
+from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, simulate
 
 
 def one_f_one_b(work: StageWork, memory_limit_mb: float) -> list[Order]:

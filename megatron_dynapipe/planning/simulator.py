@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost_model import StageCosts
-from .types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 Order = list[tuple[str, int]]  # ("F" | "B", micro-batch) in execution order, one list per stage
 

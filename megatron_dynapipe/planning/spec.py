@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from .types import RecomputeType
+from megatron_dynapipe.planning.types import RecomputeType
 
 FAST_MODE_ENV = "DYNAPIPE_FAST_MODE"
 AUTO_FAST_MODE_MIN_SAMPLES = 17  # "auto": fast when the global batch has more than 16 samples

@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..files import write_atomically
-from ..models import ModelSpec
-from ..planning.cost_model import CALIBRATED, AnalyticalCostModel
-from ..planning.types import RecomputeType
-from .layers import DTYPES, build_parts, fake_tp_rank
-from .overhead import overhead_shapes
-from .profiler import Progress, ProfileError, ProfileSettings, _measure_overhead, _measure_point, _Profile
-from .measure import steady_cpu_allocator
+from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.planning.cost_model import CALIBRATED, AnalyticalCostModel
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.layers import DTYPES, build_parts, fake_tp_rank
+from megatron_dynapipe.profiling.overhead import overhead_shapes
+from megatron_dynapipe.profiling.profiler import Progress, ProfileError, ProfileSettings, _measure_overhead, _measure_point, _Profile
+from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
 __all__ = ["calibrate_model", "fit_analytical", "SATURATION_LADDER"]
 

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..models import add_model_arguments
-from ..planning.spec import positive_int_argument, recompute_argument
-from ..planning.types import RecomputeType
+from megatron_dynapipe.models import add_model_arguments
+from megatron_dynapipe.planning.spec import positive_int_argument, recompute_argument
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["add_device_arguments", "add_profile_parser", "resolve_device", "run_profile"]
 
@@ -71,9 +71,9 @@ def _checked(args):
     """Everything refusable before any work, one line each that names the fix."""
     import torch
 
-    from ..files import check_output_file
-    from ..models import model_from_args
-    from .profiler import ProfileSettings
+    from megatron_dynapipe.files import check_output_file
+    from megatron_dynapipe.models import model_from_args
+    from megatron_dynapipe.profiling.profiler import ProfileSettings
 
     spec = model_from_args(args)
     output = check_output_file(args.output, "--output", (".json",))
@@ -101,9 +101,9 @@ def _checked(args):
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from ..progress import progress_bar, progress_enabled
-    from .calibrate import calibrate_model, calibration_shapes
-    from .profiler import profile_model
+    from megatron_dynapipe.progress import progress_bar, progress_enabled
+    from megatron_dynapipe.profiling.calibrate import calibrate_model, calibration_shapes
+    from megatron_dynapipe.profiling.profiler import profile_model
 
     spec, output, settings, device = _checked(args)
     if args.calibrate and args.resume:

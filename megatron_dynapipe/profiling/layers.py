@@ -16,9 +16,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..gpt_build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
-from ..models import ModelSpec
-from ..planning.types import RecomputeType
+from megatron_dynapipe.gpt_build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["DTYPES", "RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]
 
@@ -34,7 +34,7 @@ def fake_tp_rank(tp: int, device: torch.device) -> Iterator[None]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..compat import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised here; profile in a fresh process")
@@ -138,6 +138,6 @@ def _cuda_requests_here(device: torch.device):
     answered with the CPU."""
     if device.type == "cuda":
         return contextlib.nullcontext()
-    from ..compat import cpu_compat
+    from megatron_dynapipe.compat import cpu_compat
 
     return cpu_compat.cuda_as_cpu()

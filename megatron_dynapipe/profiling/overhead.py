@@ -28,9 +28,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..models import ModelSpec
-from ..planning.cost_model import PHASES
-from ..planning.types import RecomputeType
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.planning.cost_model import PHASES
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
 
@@ -92,8 +92,8 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
     layer and of the embedding and head together there. None when no shape fits on the device."""
-    from ..megatron.training_stage import build_training_stage
-    from .measure import unless_out_of_memory
+    from megatron_dynapipe.megatron.training_stage import build_training_stage
+    from megatron_dynapipe.profiling.measure import unless_out_of_memory
 
     counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
     stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
@@ -124,11 +124,11 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
     (seq, mbs) adds to a step: plans of 1 and of MICROBATCHES micro-batches, forward only and
     forward-backward, run in turn until each has ``repeats`` runs and all add up to
     ``min_time_ms``; the medians' differences."""
-    from ..data.preprocess import gpt_microbatch
-    from ..megatron.training_stage import planned_step
-    from ..planning.baselines import uniform_microbatches
-    from ..planning.plan import build_execution_plans
-    from ..planning.schedules import one_f_one_b_orders
+    from megatron_dynapipe.data.preprocess import gpt_microbatch
+    from megatron_dynapipe.megatron.training_stage import planned_step
+    from megatron_dynapipe.planning.baselines import uniform_microbatches
+    from megatron_dynapipe.planning.plan import build_execution_plans
+    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 
     rng = np.random.default_rng(seq * 1000 + mbs)
     runs = {}

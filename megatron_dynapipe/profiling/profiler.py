@@ -28,14 +28,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..files import write_atomically
-from ..models import ModelSpec
-from ..planning.cost_model import PHASES
-from ..planning.types import RecomputeType
-from ..gpt_build import uses_transformer_engine
-from .layers import DTYPES, Parts, build_parts, fake_tp_rank
-from .measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
-from .overhead import Overhead, measure_overhead, overhead_shapes
+from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.planning.cost_model import PHASES
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.gpt_build import uses_transformer_engine
+from megatron_dynapipe.profiling.layers import DTYPES, Parts, build_parts, fake_tp_rank
+from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
+from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
 

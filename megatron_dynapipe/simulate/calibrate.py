@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .hardware import Hardware, Link, flat_collective_us, ring_terms
+from megatron_dynapipe.simulate.hardware import Hardware, Link, flat_collective_us, ring_terms
 
 __all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
 
@@ -74,7 +74,7 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import check_output_file
+    from megatron_dynapipe.files import check_output_file
 
     path = check_output_file(args.output, "--output", (".json",))
     nproc, backend, sizes = _settings(args)
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0):
     """Time every kind at every size on ``nproc`` local ranks: ``({kind: [(bytes, seconds)]}, device)``."""
-    from ..bench.ranks import launch
+    from megatron_dynapipe.bench.ranks import launch
 
     results = launch(_rank, nproc, sizes, repeats, timeout=timeout, backend=backend)
     points, device = results[0]

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from .hardware import hardware_names
+from megatron_dynapipe.simulate.hardware import hardware_names
 
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
@@ -20,7 +20,7 @@ def add_hardware_arguments(group, default_note: str) -> None:
 
 def hardware_from_args(args: argparse.Namespace):
     """The hardware model ``--hardware`` names, with ``--gpus-per-node`` applied."""
-    from .hardware import load_hardware
+    from megatron_dynapipe.simulate.hardware import load_hardware
 
     hardware = load_hardware(args.hardware)
     if args.gpus_per_node is None:
@@ -43,8 +43,8 @@ def add_simulate_parser(sub) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .replay import job_folders, load_job, simulate_job
-    from .report import format_report, report, timeline
+    from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
+    from megatron_dynapipe.simulate.report import format_report, report, timeline
 
     hardware = hardware_from_args(args)
     folders = job_folders(args.trace_dir)
@@ -61,7 +61,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(sub) -> None:
-    from .calibrate import add_arguments, run
+    from megatron_dynapipe.simulate.calibrate import add_arguments, run
 
     p = sub.add_parser("calibrate", help="measure this machine's collectives and write a hardware file",
                        description="Start N local processes on one process group (gloo on CPU, NCCL on GPUs), "
@@ -83,7 +83,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_search_parser(sub) -> None:
-    from ..models import add_model_arguments
+    from megatron_dynapipe.models import add_model_arguments
 
     p = sub.add_parser("search", help="find the fastest parallel layout that fits: estimate, trace, simulate",
                        description="Enumerate the layouts (TP, PP, DP, micro-batch size, recompute, distributed "
@@ -129,10 +129,10 @@ def add_search_parser(sub) -> None:
 def run_search_cli(args: argparse.Namespace) -> int:
     import sys
 
-    from ..files import check_output_folder, write_atomically
-    from ..tracer.cli import cli_model
-    from .search import SearchSpace, run_search
-    from .search_report import format_search, plot_search
+    from megatron_dynapipe.files import check_output_folder, write_atomically
+    from megatron_dynapipe.tracer.cli import cli_model
+    from megatron_dynapipe.simulate.search import SearchSpace, run_search
+    from megatron_dynapipe.simulate.search_report import format_search, plot_search
 
     hardware = hardware_from_args(args)
     for flag in ("top", "max_traced"):

@@ -12,7 +12,7 @@ FLOPs add the forward that full activation recomputation runs again.
 
 from __future__ import annotations
 
-from ..models import ModelSpec
+from megatron_dynapipe.models import ModelSpec
 
 __all__ = ["forward_flops_per_token", "step_flops"]
 

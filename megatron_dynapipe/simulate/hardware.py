@@ -39,7 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..files import write_atomically
+from megatron_dynapipe.files import write_atomically
 
 __all__ = [
     "FORMAT_NAME",

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..models import ModelSpec
-from ..tracer.topology import ParallelLayout, expert_coords
-from ..tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces, subtrees
-from .hardware import Hardware
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.tracer.topology import ParallelLayout, expert_coords
+from megatron_dynapipe.tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces, subtrees
+from megatron_dynapipe.simulate.hardware import Hardware
 
 __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
            "simulate_job", "job_folders"]

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..chrome_trace import ChromeTrace
-from .flops import step_flops
-from .replay import Replay
+from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.simulate.flops import step_flops
+from megatron_dynapipe.simulate.replay import Replay
 
 __all__ = ["StageReport", "SimulationReport", "report", "format_report", "timeline"]
 

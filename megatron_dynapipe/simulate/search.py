@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from ..models import ModelSpec
-from ..planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
-from ..tracer.batch_config import TraceConfig, validate
-from .hardware import Hardware
-from .variants import RECOMPUTE_CHOICES
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
+from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.simulate.hardware import Hardware
+from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
            "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
@@ -377,7 +377,7 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
            progress: bool, result: SearchResult) -> dict[tuple, Any]:
     """Trace each shape once (reusing a complete trace of the same config in ``folder``);
     returns key -> config folder, or key -> error line for a shape that failed."""
-    from ..tracer.batch_run import run_batch
+    from megatron_dynapipe.tracer.batch_run import run_batch
 
     out, todo = {}, []
     for key in keys:
@@ -412,10 +412,10 @@ def _complete(folder: Path, config: TraceConfig) -> bool:
 
 def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Optional[Candidate],
               progress: bool) -> None:
-    from ..progress import progress_bar, progress_enabled
-    from .replay import load_job, simulate_job
-    from .report import report
-    from .variants import derive
+    from megatron_dynapipe.progress import progress_bar, progress_enabled
+    from megatron_dynapipe.simulate.replay import load_job, simulate_job
+    from megatron_dynapipe.simulate.report import report
+    from megatron_dynapipe.simulate.variants import derive
 
     todo = [o for o in result.outcomes if o.candidate.trace_key in folders
             and (o.status == "estimated" or o.candidate == rule)]

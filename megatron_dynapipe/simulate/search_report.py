@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..files import atomic_path
-from .search import Outcome, SearchResult
+from megatron_dynapipe.files import atomic_path
+from megatron_dynapipe.simulate.search import Outcome, SearchResult
 
 __all__ = ["format_search", "plot_search"]
 

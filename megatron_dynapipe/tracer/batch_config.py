@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..models import ModelSpec, get_model
-from ..training import TrainingOptions
-from .topology import (
+from megatron_dynapipe.models import ModelSpec, get_model
+from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.tracer.topology import (
     ParallelLayout,
     Representatives,
     is_positive_int,

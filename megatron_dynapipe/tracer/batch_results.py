@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..chrome_trace import ChromeTrace
-from ..files import write_atomically
-from .batch_config import TraceConfig
-from .topology import is_positive_int
+from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.tracer.batch_config import TraceConfig
+from megatron_dynapipe.tracer.topology import is_positive_int
 
 __all__ = ["RankResult", "ConfigResult", "batch_summary", "exit_code", "write_summary", "write_timeline"]
 
@@ -136,7 +136,7 @@ def write_timeline(result: ConfigResult, traces: "Mapping[int, Any] | None" = No
     """Read every traced rank back (a check that its file is whole) and merge them into one
     Chrome/Perfetto timeline, ``timeline.json``: one process per rank.  A rank whose trace is
     missing or unreadable fails. ``traces``: RankTraces already read, by rank (not read again)."""
-    from .trace_format import RankTrace, TraceFormatError, trace_path
+    from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
 
     assert result.folder is not None
     timeline = ChromeTrace(config=result.config.to_dict(), ranks=[r.rank for r in result.ranks])

@@ -18,16 +18,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ..planning.cost_model import CostModel
-from ..progress import progress_bar, progress_enabled
-from ..training import TrainingOptions
-from .batch_config import TraceConfig, validate
-from .batch_results import (
+from megatron_dynapipe.planning.cost_model import CostModel
+from megatron_dynapipe.progress import progress_bar, progress_enabled
+from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.tracer.batch_results import (
     FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
 )
-from .isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
-from .topology import ParallelLayout, is_positive_int, shapes_only_problem
-from .trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
+from megatron_dynapipe.tracer.isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
+from megatron_dynapipe.tracer.topology import ParallelLayout, is_positive_int, shapes_only_problem
+from megatron_dynapipe.tracer.trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 
 __all__ = ["run_batch", "collect_batch"]
 
@@ -172,7 +172,7 @@ def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike 
 
 
 def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
-    from .trace_format import RankTrace, TraceFormatError, trace_path
+    from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
 
     start = time.perf_counter()
     result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
@@ -304,7 +304,7 @@ def _rank_result(rep, folder: Path, outcome: dict, seconds: float) -> RankResult
 
 
 def _default_tracer() -> Tracer:
-    from .fake_rank import trace_fake_rank  # imports torch and megatron: only when tracing
+    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank  # imports torch and megatron: only when tracing
 
     return trace_fake_rank
 

@@ -18,10 +18,10 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from .batch_config import TraceConfig, parse_configs, read_config_file, validate
-from .batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
-from ..models import MODELS, ModelSpec, add_model_arguments, model_from_args
-from ..training import TrainingOptions, add_training_arguments, training_from_args
+from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
+from megatron_dynapipe.tracer.batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
+from megatron_dynapipe.models import MODELS, ModelSpec, add_model_arguments, model_from_args
+from megatron_dynapipe.training import TrainingOptions, add_training_arguments, training_from_args
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -145,11 +145,11 @@ def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
 
 def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
     """What would fail every rank, refused before any rank starts (one line naming the fix)."""
-    from ..files import check_output_folder
+    from megatron_dynapipe.files import check_output_folder
 
     check_output_folder(args.output_dir, "--output-dir")
     if args.cost_model:
-        from ..planning.cost_model import load_cost_model
+        from megatron_dynapipe.planning.cost_model import load_cost_model
 
         for tp in sorted({c.tp for c in configs if not validate(c)}):
             load_cost_model(args.cost_model, tp=tp)  # missing file, bad format or no profile of this TP
@@ -183,7 +183,7 @@ def run_trace(args) -> int:
         return max(_print_ranks(configs, training, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
 
-    from .batch_run import collect_batch, run_batch
+    from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 
     try:
         results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(

@@ -57,7 +57,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from ..compat.patching import Patches, UpstreamChanged, check_signature
+from megatron_dynapipe.compat.patching import Patches, UpstreamChanged, check_signature
 
 __all__ = [
     "FakeGroupStats",

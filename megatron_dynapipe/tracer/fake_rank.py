@@ -61,15 +61,15 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ..compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
-from ..compat.patching import Patches, UpstreamChanged
-from ..gpt_build import build_gpt, transformer_config, uses_transformer_engine
-from ..models import ModelSpec
-from ..training import TrainingOptions
-from .fake_groups import member_groups_only, symmetric_object_gathers
-from .meta_cache import MetaKernelCache
-from .recorder import Recorder, storage_key
-from .topology import (
+from megatron_dynapipe.compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
+from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
+from megatron_dynapipe.gpt_build import build_gpt, transformer_config, uses_transformer_engine
+from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
+from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
+from megatron_dynapipe.tracer.recorder import Recorder, storage_key
+from megatron_dynapipe.tracer.topology import (
     ParallelLayout,
     dense_coords,
     expert_coords,
@@ -78,7 +78,7 @@ from .topology import (
     representative_ranks,
     shapes_only_problem,
 )
-from .trace_format import RankTrace
+from megatron_dynapipe.tracer.trace_format import RankTrace
 
 __all__ = [
     "RankTrace",

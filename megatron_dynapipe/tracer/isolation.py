@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdo
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from .batch_results import error_line
+from megatron_dynapipe.tracer.batch_results import error_line
 
 __all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_forked_many",
            "run_inline", "finish_log"]

@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..compat.patching import Patches
-from .trace_format import TraceOp
+from megatron_dynapipe.compat.patching import Patches
+from megatron_dynapipe.tracer.trace_format import TraceOp
 
 __all__ = ["ActivationMeter", "Recorder", "WRAPPED_COLLECTIVES", "storage_key", "tensor_bytes"]
 

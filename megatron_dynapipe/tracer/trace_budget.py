@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..training import TrainingOptions
-from .batch_config import TraceConfig
+from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.tracer.batch_config import TraceConfig
 
 __all__ = ["memory_budget_bytes", "estimated_bytes", "in_flight_microbatches", "estimated_compute_seconds",
            "decide_shapes_only"]

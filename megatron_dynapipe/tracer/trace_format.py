@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..chrome_trace import ChromeTrace
-from ..files import write_atomically
+from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.files import write_atomically
 
 __all__ = [
     "FORMAT_NAME",
