@@ -47,7 +47,7 @@ def paper_flops(batch: int, layers: int, hidden: int) -> float:
 
 
 def predict(row, cost_model, out: str) -> dict:
-    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.simulate.hardware import load_hardware
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
 

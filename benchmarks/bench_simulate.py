@@ -35,7 +35,7 @@ LAYOUTS = [dict(tp=2, pp=2), dict(pp=4), dict(tp=2), dict(pp=8)]
 
 def _real_job(rank: int, world: int, iters: int) -> dict:
     from megatron_dynapipe.tracer.fake_rank import trace_initialized_rank
-    from megatron_dynapipe.tracer.topology import ParallelLayout
+    from megatron_dynapipe.config.layout import ParallelLayout
 
     return {str(layout): trace_initialized_rank(ParallelLayout(world_size=world, **layout), MODEL, trace_iters=iters,
                                                 **RUN).dumps() for layout in LAYOUTS}
@@ -49,7 +49,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from megatron_dynapipe.bench.ranks import launch
-    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.simulate.calibrate import hardware_from, measure
     from megatron_dynapipe.simulate.replay import load_job, simulate_job
     from megatron_dynapipe.tracer.batch_config import TraceConfig

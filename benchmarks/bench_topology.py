@@ -22,12 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dynapipe.tracer import topology  # noqa: E402
-from megatron_dynapipe.tracer.topology import (  # noqa: E402
-    ParallelLayout,
-    rank_groups,
-    representative_ranks,
-)
+from megatron_dynapipe.config import layout as topology  # noqa: E402
+from megatron_dynapipe.config.layout import ParallelLayout, rank_groups
+from megatron_dynapipe.tracer.representatives import representative_ranks
 
 WORLDS = (1024, 2048, 4096, 8192)
 PIPELINES = (2, 4, 8, 16, 32)

@@ -37,7 +37,7 @@ def _check_plan_args(args) -> None:
     import math
 
     from megatron_dynapipe.files import check_output_file
-    from megatron_dynapipe.tracer.topology import layers_problem
+    from megatron_dynapipe.config.layout import layers_problem
     from megatron_dynapipe.viz import GANTT_SUFFIXES
 
     for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):

@@ -1,4 +1,4 @@
-"""A :class:`~megatron_dynapipe.models.ModelSpec` as megatron-core builds it.
+"""A :class:`~megatron_dynapipe.config.model.ModelSpec` as megatron-core builds it.
 
 The one place that turns a model description into megatron-core's ``TransformerConfig``, layer
 spec and ``GPTModel``, as Megatron-LM's ``pretrain_gpt.py`` does from the same flags: the tracer,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 
 __all__ = ["transformer_config", "layer_spec", "build_gpt", "wrap_in_ddp", "uses_transformer_engine",
            "RECOMPUTE_CHOICES"]

@@ -35,9 +35,12 @@ from megatron_dynapipe.tracer.batch_results import ConfigResult, RankResult, exi
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
 from megatron_dynapipe.megatron import scaling_mode
-from megatron_dynapipe.models import MODELS, ModelSpec, add_model_arguments, get_model, model_from_args
+from megatron_dynapipe.config.model import MODELS, ModelSpec, get_model
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
-from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model_flags import megatron_model_args, model_from_megatron_args
+from megatron_dynapipe.config.accounting import stage_params, total_params, training_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -132,15 +135,15 @@ def test_unknown_model_lists_the_valid_names():
 
 
 def test_model_sizes_are_plausible():
-    assert abs(get_model("6.7").total_params() / 6.7e9 - 1) < 0.02
-    assert abs(get_model("175").total_params() / 175e9 - 1) < 0.02
+    assert abs(total_params(get_model("6.7")) / 6.7e9 - 1) < 0.02
+    assert abs(total_params(get_model("175")) / 175e9 - 1) < 0.02
     m = get_model("6.7")
-    assert m.stage_params(pp=2, tp=2, stage=0) < m.total_params() / 3
-    assert get_model("tiny").training_bytes(2, 2) < 2**30 < m.training_bytes(2, 2)
+    assert stage_params(m, pp=2, tp=2, stage=0) < total_params(m) / 3
+    assert training_bytes(get_model("tiny"), 2, 2) < 2**30 < training_bytes(m, 2, 2)
 
 
 def test_megatron_args_of_a_model():
-    args = get_model("13").megatron_args(4096)
+    args = megatron_model_args(get_model("13"), 4096)
     assert args[args.index("--hidden-size") + 1] == "5120"
     assert args[args.index("--num-layers") + 1] == "40"
     assert args[args.index("--seq-length") + 1] == "4096"
@@ -287,10 +290,10 @@ def test_rule_moe_biases_need_expert_tp_1():
 
 def test_rule_moe_with_tensor_parallelism_needs_sequence_parallelism():
     moe = cfg("8 1 2 1 2 experts=4", model=NO_BIAS)
-    assert validate(moe, TrainingOptions()) == [
+    assert validate(moe, MegatronOptions()) == [
         "MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): add --sequence-parallel"]
-    assert validate(moe, TrainingOptions(sequence_parallel=True)) == []
-    assert validate(cfg("8 1 2"), TrainingOptions()) == []  # dense
+    assert validate(moe, MegatronOptions(sequence_parallel=True)) == []
+    assert validate(cfg("8 1 2"), MegatronOptions()) == []  # dense
 
 
 def test_etp_sets_the_experts_tensor_parallelism():
@@ -328,7 +331,7 @@ def test_moe_flags_describe_the_experts():
     assert (spec.moe_router_topk, spec.moe_ffn_hidden_size, spec.moe_expert_capacity_factor,
             spec.moe_pad_expert_input_to_capacity) == (1, 96, 1.5, True)
     # Megatron-LM's flags of the model, read back as scaling mode reads a pretrain_gpt.py command line
-    back = ModelSpec.from_megatron_args(scaling_mode.parse_args(spec.megatron_args()))
+    back = model_from_megatron_args(scaling_mode.parse_args(megatron_model_args(spec)))
     assert back == dataclasses.replace(spec, name="")
     with pytest.raises(ValueError, match=r"give moe_expert_capacity_factor \(--moe-expert-capacity-factor F\)"):
         model_from_args(parser.parse_args(["--model", "tiny", "--moe-pad-expert-input-to-capacity"]))
@@ -413,9 +416,9 @@ def test_shapes_only_when_real_compute_would_take_too_long():
 
 def test_the_choice_counts_recompute_and_the_distributed_optimizer():
     c = cfg("64 2 1 seq=2048 mbs=4 nmb=8", model="6.7")  # DP 32
-    options = {"plain": TrainingOptions(), "selective": TrainingOptions(recompute_granularity="selective"),
-               "full": TrainingOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-               "distributed": TrainingOptions(distributed_optimizer=True)}
+    options = {"plain": MegatronOptions(), "selective": MegatronOptions(recompute_granularity="selective"),
+               "full": MegatronOptions(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+               "distributed": MegatronOptions(distributed_optimizer=True)}
     need = {name: trace_budget.estimated_bytes(c, training) for name, training in options.items()}
     assert need["full"] < need["selective"] < need["plain"]
     # Adam's two fp32 moments (8 bytes a parameter) split over DP 32, on the busiest stage: the
@@ -439,10 +442,10 @@ def test_the_choice_counts_the_interleaved_warm_up_the_tracer_sees():
 
     model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=64)
     c = dataclasses.replace(cfg("4 4 1 nmb=8 seq=16"), model=ModelSpec.from_any(model))
-    interleaved = TrainingOptions(layers_per_virtual_stage=1)  # PP 4, V 2
+    interleaved = MegatronOptions(layers_per_virtual_stage=1)  # PP 4, V 2
     passes = 2 * (4 - 1) + (2 - 1) * 4 + 1
     assert trace_budget.in_flight_microbatches(c, interleaved) == passes / 2
-    assert trace_budget.in_flight_microbatches(c, TrainingOptions()) == 4
+    assert trace_budget.in_flight_microbatches(c, MegatronOptions()) == 4
     assert trace_budget.estimated_bytes(c, interleaved) > trace_budget.estimated_bytes(c)
     trace = trace_fake_rank(c.layout(), 0, model, micro_batch_size=1, num_microbatches=8, seq_length=16,
                             shapes_only=True, training=interleaved)

@@ -22,7 +22,7 @@ from megatron_dynapipe.planning.cost_model import (
     load_cost_model,
     profile_mismatch,
 )
-from megatron_dynapipe.models import get_model
+from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.planning.types import RecomputeType as R
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ def _train_one_iteration(
         reference_shard,
     )
 
-    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.config.model import ModelSpec
 
     cfg = ModelSpec(**CFG_KW)
     cpu_compat.enable_cpu_mode()

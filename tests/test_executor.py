@@ -112,7 +112,7 @@ def _stage(tp, pp, per_token, ddp=True):
     )
 
     init_model_parallel(tp, pp)
-    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.config.model import ModelSpec
 
     model = build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=per_token)
     names = [(reference_name(model, n), p) for n, p in model.named_parameters()]

@@ -4,7 +4,7 @@
 state its unaided ``initialize_model_parallel`` leaves: every group global (ranks, torch's group
 name, description), every rank list, ``_global_process_group_list`` and torch's group counter.
 At W = 8192 (too slow to compare against the unaided set-up over and over) the groups megatron
-reports must be the ones :func:`~megatron_dynapipe.tracer.topology.rank_groups` computes, and the
+reports must be the ones :func:`~megatron_dynapipe.config.layout.rank_groups` computes, and the
 number of groups created must not depend on W.
 """
 
@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 
-from megatron_dynapipe.tracer.topology import ParallelLayout, rank_groups
+from megatron_dynapipe.config.layout import ParallelLayout, rank_groups
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron-core warns that transformer-engine/apex are absent

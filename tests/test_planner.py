@@ -17,7 +17,7 @@ from megatron_dynapipe.planning.recompute import FAST_MODE_MICROBATCHES_PER_ROUN
 from megatron_dynapipe.planning.samples import synthetic_lengths
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch
 
 # A small GPT (hidden 1024, 8 layers) on a 16 GB device keeps each example fast while the
 # memory limit still binds for long samples.

@@ -246,7 +246,7 @@ def test_live_bytes_counts_what_operations_create_while_it_lives():
 
 
 def test_a_profile_of_another_model_or_dtype_is_told_apart(tiny_profile):
-    from megatron_dynapipe.models import get_model
+    from megatron_dynapipe.config.model import get_model
     from megatron_dynapipe.planning.cost_model import profile_mismatch
 
     out, _ = tiny_profile
@@ -303,7 +303,7 @@ def test_overhead_is_timed_at_each_length_and_at_the_corners():
 
 
 def test_a_calibration_finds_the_rates_overhead_and_saturation_that_made_the_times():
-    from megatron_dynapipe.models import get_model
+    from megatron_dynapipe.config.model import get_model
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
     from megatron_dynapipe.profiling.calibrate import fit_analytical
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dynapipe.megatron import launcher, scaling_mode
+from megatron_dynapipe.megatron import scaling_mode
 from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_dynapipe.models import get_model
-from megatron_dynapipe.simulate.flops import step_flops
+from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.simulate.hardware import Hardware, HardwareFileError, Link, hardware_names, load_hardware
 from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
 from megatron_dynapipe.simulate.report import report, timeline
@@ -150,11 +150,11 @@ def test_an_interleaved_pipeline_takes_the_interleaved_closed_form(tmp_path, m):
     full-recompute variant keeps the form with a backward of F + B."""
     from megatron_dynapipe.tracer.batch_config import parse_configs
     from megatron_dynapipe.tracer.batch_run import run_batch
-    from megatron_dynapipe.training import TrainingOptions
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
 
     p, v, F, B = 2, 2, 1000.0, 2000.0
     (traced,) = run_batch(parse_configs([f"4 2 1 nmb={m}"], model="tiny"), tmp_path, shapes_only=True,
-                          progress=False, training=TrainingOptions(layers_per_virtual_stage=1))
+                          progress=False, training=MegatronOptions(layers_per_virtual_stage=1))
     assert traced.status == "ok", traced.error
     job = uniform(load_job(traced.folder), F, B)
     replay = simulate_job(job, FREE)

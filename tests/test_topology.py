@@ -1,4 +1,4 @@
-"""megatron_dynapipe.tracer.topology against megatron-core's own rank generator.
+"""megatron_dynapipe.config.layout against megatron-core's own rank generator.
 
 megatron-core builds its groups with two ``RankGenerator``s inside
 ``parallel_state.initialize_model_parallel``: the decoder one (tp, cp, dp, pp; ep=1) and the
@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     from megatron.core import parallel_state as ps
     from megatron.core.parallel_state import RankGenerator
 
-from megatron_dynapipe.tracer.topology import (
+from megatron_dynapipe.config.layout import (
     GROUP_KINDS,
     ORDERS,
     DenseCoords,
@@ -37,9 +37,8 @@ from megatron_dynapipe.tracer.topology import (
     expert_rank,
     group_ranks,
     rank_groups,
-    reduction,
-    representative_ranks,
 )
+from megatron_dynapipe.tracer.representatives import reduction, representative_ranks
 
 # our kind -> (which megatron generator, the token passed to RankGenerator.get_ranks)
 MEGATRON_TOKENS = {

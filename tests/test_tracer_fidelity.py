@@ -33,9 +33,10 @@ import time
 import pytest
 
 from distributed import run_distributed
-from megatron_dynapipe.tracer.topology import ParallelLayout
+from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.tracer.trace_format import RankTrace
-from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model_flags import megatron_model_args, model_from_megatron_args
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +61,12 @@ CASES = {
 #: every training option at once: distributed optimizer with overlapped, bucketed reduction and
 #: parameter gather, sequence parallelism, full recompute
 TRAINING = {
-    "trained": TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+    "trained": MegatronOptions(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
                                bucket_size=4000, sequence_parallel=True, recompute_granularity="full",
                                recompute_method="uniform", recompute_num_layers=1),
     # interleaved 1F1B, two one-layer chunks per stage, with overlapped gradient reduction and
     # parameter gathers (Megatron-LM then hands the schedule each chunk's sync functions)
-    "interleaved": TrainingOptions(layers_per_virtual_stage=1, distributed_optimizer=True, overlap_grad_reduce=True,
+    "interleaved": MegatronOptions(layers_per_virtual_stage=1, distributed_optimizer=True, overlap_grad_reduce=True,
                                    overlap_param_gather=True),
 }
 SHAPES_ONLY_CASES = ("dense", "moe-padded", "llama", "trained", "interleaved")
@@ -390,7 +391,7 @@ def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
 
     from megatron_dynapipe.planning.cost_model import ProfiledCostModel, StageCosts
     from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
-    from megatron_dynapipe.tracer.topology import representative_ranks
+    from megatron_dynapipe.tracer.representatives import representative_ranks
 
     layout = ParallelLayout(1024, tp=8, pp=4)
     rank = representative_ranks(layout)[-1].global_rank
@@ -442,7 +443,7 @@ def test_representatives_are_written_one_file_per_stage(fake, tmp_path):
 def test_model_descriptions():
     import argparse
 
-    from megatron_dynapipe.models import ModelSpec, get_model
+    from megatron_dynapipe.config.model import ModelSpec, get_model
 
     by_name = ModelSpec.from_any("6.7B")
     assert by_name is get_model("gpt-6.7b")
@@ -482,9 +483,9 @@ def test_model_descriptions():
                       swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                       hidden_dropout=0.0, attention_dropout=0.05, make_vocab_size_divisible_by=64)
     for spec in (untied, llama, get_model("175B")):
-        args = parser.parse_args(spec.megatron_args(seq_length=128))
+        args = parser.parse_args(megatron_model_args(spec, seq_length=128))
         assert args.seq_length == 128
-        assert ModelSpec.from_megatron_args(args) == dataclasses.replace(spec, name="")
+        assert model_from_megatron_args(args) == dataclasses.replace(spec, name="")
 
 
 # --------------------------------------------------------------------------------------------

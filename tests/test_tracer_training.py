@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from megatron_dynapipe.tracer.topology import ParallelLayout
-from megatron_dynapipe.training import TrainingOptions, training_from_args
+from megatron_dynapipe.config.layout import ParallelLayout
+from megatron_dynapipe.config.megatron_options import MegatronOptions, megatron_options_from_args
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def trace(rank: int, **options):
     with cpu_compat.cpu_mode():
         return trace_fake_rank(ParallelLayout(**LAYOUT), rank, MODEL, micro_batch_size=MBS,
                                num_microbatches=MICROBATCHES, seq_length=SEQ, shapes_only=True, dtype="bfloat16",
-                               training=TrainingOptions(**options))
+                               training=MegatronOptions(**options))
 
 
 def comm_bytes(t, group: str) -> dict:
@@ -150,7 +150,7 @@ def test_sequence_parallel_needs_tensor_parallelism():
 
     with cpu_compat.cpu_mode(), pytest.raises(ValueError, match="--sequence-parallel needs tensor parallelism"):
         trace_fake_rank(ParallelLayout(world_size=4, tp=1, pp=2), 0, MODEL, micro_batch_size=1, num_microbatches=2,
-                        seq_length=SEQ, shapes_only=True, training=TrainingOptions(sequence_parallel=True))
+                        seq_length=SEQ, shapes_only=True, training=MegatronOptions(sequence_parallel=True))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -162,26 +162,26 @@ def test_sequence_parallel_needs_tensor_parallelism():
 ])
 def test_options_megatron_would_refuse_are_refused_in_one_line(options, message):
     with pytest.raises(ValueError, match=message) as info:
-        TrainingOptions(**options)
+        MegatronOptions(**options)
     assert "\n" not in str(info.value)
 
 
 def test_options_come_from_megatron_flags_and_print_back():
     import argparse
 
-    from megatron_dynapipe.training import add_training_arguments
+    from megatron_dynapipe.config.megatron_options import add_megatron_options
 
     parser = argparse.ArgumentParser()
-    add_training_arguments(parser)
+    add_megatron_options(parser)
     argv = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "1000",
             "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
             "--sequence-parallel"]
-    options = training_from_args(parser.parse_args(argv))
-    assert options == TrainingOptions(distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=1000,
+    options = megatron_options_from_args(parser.parse_args(argv))
+    assert options == MegatronOptions(distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=1000,
                                       recompute_granularity="full", recompute_method="block",
                                       recompute_num_layers=2, sequence_parallel=True)
-    assert training_from_args(parser.parse_args(options.megatron_args())) == options
-    assert training_from_args(parser.parse_args(["--recompute-activations"])).recompute_granularity == "selective"
+    assert megatron_options_from_args(parser.parse_args(options.megatron_args())) == options
+    assert megatron_options_from_args(parser.parse_args(["--recompute-activations"])).recompute_granularity == "selective"
     assert options.layout_problem(tp=2, layers_per_stage=1).startswith("--recompute-num-layers 2 is more than")
 
 
@@ -240,19 +240,19 @@ def test_print_ranks_skips_the_configs_the_training_flags_do_not_fit(capsys):
 def test_interleaving_flags_come_from_megatron_flags_and_print_back():
     import argparse
 
-    from megatron_dynapipe.training import add_training_arguments
+    from megatron_dynapipe.config.megatron_options import add_megatron_options
 
     parser = argparse.ArgumentParser()
-    add_training_arguments(parser)
+    add_megatron_options(parser)
     for argv, options in (
-            (["--num-layers-per-virtual-pipeline-stage", "2"], TrainingOptions(layers_per_virtual_stage=2)),
+            (["--num-layers-per-virtual-pipeline-stage", "2"], MegatronOptions(layers_per_virtual_stage=2)),
             (["--num-virtual-stages-per-pipeline-rank", "3", "--no-overlap-p2p-communication"],
-             TrainingOptions(virtual_stages=3, overlap_p2p_comm=False))):
-        assert training_from_args(parser.parse_args(argv)) == options
+             MegatronOptions(virtual_stages=3, overlap_p2p_comm=False))):
+        assert megatron_options_from_args(parser.parse_args(argv)) == options
         assert options.megatron_args() == argv
-    assert training_from_args(parser.parse_args([])).overlap_p2p_comm  # Megatron-LM's default
+    assert megatron_options_from_args(parser.parse_args([])).overlap_p2p_comm  # Megatron-LM's default
     # without interleaving Megatron-LM turns the overlap off: the flag means nothing there
-    assert training_from_args(parser.parse_args(["--no-overlap-p2p-communication"])) == TrainingOptions()
+    assert megatron_options_from_args(parser.parse_args(["--no-overlap-p2p-communication"])) == MegatronOptions()
 
 
 @pytest.mark.parametrize("options, layout, message", [
@@ -271,7 +271,7 @@ def test_interleaving_flags_come_from_megatron_flags_and_print_back():
 ])
 def test_interleaving_megatron_refuses_is_refused_in_one_line(options, layout, message):
     def problem():
-        return TrainingOptions(**options).layout_problem(tp=1, **layout)
+        return MegatronOptions(**options).layout_problem(tp=1, **layout)
 
     try:
         found = problem()
@@ -282,10 +282,10 @@ def test_interleaving_megatron_refuses_is_refused_in_one_line(options, layout, m
 
 def test_interleaving_that_megatron_accepts_passes():
     # one chunk per rank is plain 1F1B for Megatron-LM, whatever PP and the number of micro-batches
-    assert TrainingOptions(layers_per_virtual_stage=2).layout_problem(tp=1, pp=1, layers_per_stage=2,
+    assert MegatronOptions(layers_per_virtual_stage=2).layout_problem(tp=1, pp=1, layers_per_stage=2,
                                                                       num_microbatches=3) is None
-    assert TrainingOptions(virtual_stages=2).layout_problem(tp=1, pp=2, layers_per_stage=4, num_microbatches=8) is None
-    assert TrainingOptions(layers_per_virtual_stage=1, overlap_p2p_comm=False).layout_problem(
+    assert MegatronOptions(virtual_stages=2).layout_problem(tp=1, pp=2, layers_per_stage=4, num_microbatches=8) is None
+    assert MegatronOptions(layers_per_virtual_stage=1, overlap_p2p_comm=False).layout_problem(
         tp=1, pp=3, layers_per_stage=2, num_microbatches=3) is None
 
 
@@ -293,9 +293,9 @@ def test_block_recompute_counts_its_layers_in_every_chunk():
     """--recompute-method block recomputes the first N layers of each transformer block, and under
     interleaving every model chunk is a block: 4 layers a stage in two chunks of 2, N = 1 -> 2."""
     block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
-    assert TrainingOptions(**block).recomputed_layers(4) == 1
-    assert TrainingOptions(**block, layers_per_virtual_stage=2).recomputed_layers(4) == 2
-    assert TrainingOptions(**dict(block, recompute_num_layers=3), virtual_stages=2).recomputed_layers(4) == 4
+    assert MegatronOptions(**block).recomputed_layers(4) == 1
+    assert MegatronOptions(**block, layers_per_virtual_stage=2).recomputed_layers(4) == 2
+    assert MegatronOptions(**dict(block, recompute_num_layers=3), virtual_stages=2).recomputed_layers(4) == 4
 
 
 def test_interleaved_chunks_price_their_own_layers(plain):

@@ -119,7 +119,7 @@ def _ddp_model(s: dict):
     """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
     from megatron_dynapipe.gpt_build import wrap_in_ddp
     from megatron_dynapipe.megatron.tiny_gpt import build_tiny_gpt
-    from megatron_dynapipe.models import ModelSpec
+    from megatron_dynapipe.config.model import ModelSpec
 
     spec = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
                      num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=VOCAB_SIZE,

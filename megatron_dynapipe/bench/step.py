@@ -42,7 +42,7 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPip
 
 
 def add_arguments(p) -> None:
-    from megatron_dynapipe.models import add_model_arguments
+    from megatron_dynapipe.config.model_flags import add_model_arguments
     from megatron_dynapipe.planning.samples import MIXES
     from megatron_dynapipe.profiling.cli import add_device_arguments
 
@@ -101,10 +101,10 @@ def _checked(args) -> dict:
     """Everything refusable before any work, one line each that names the fix."""
     import torch
 
-    from megatron_dynapipe.models import model_from_args
+    from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.planning.cost_model import load_job_cost_model
     from megatron_dynapipe.profiling.cli import resolve_device
-    from megatron_dynapipe.tracer.topology import layers_problem
+    from megatron_dynapipe.config.layout import layers_problem
 
     if args.hidden_dropout or args.attention_dropout:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "

@@ -37,7 +37,7 @@ from megatron_dynapipe.planning.spec import (
     planner_settings,
     positive_int_argument,
 )
-from megatron_dynapipe.training import INTERLEAVING_DESTS
+from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
 
 __all__ = [
     "DynapipeArgumentError",
@@ -315,7 +315,7 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
     order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
 
-    from megatron_dynapipe.tracer.topology import experts_problem, layout_problems
+    from megatron_dynapipe.config.layout import experts_problem, layout_problems
 
     problems = layout_problems(world, tp, pp, cp, ep, dp=getattr(args, "fake_dp", None),
                                order=order, names=FAKE_FLAGS)

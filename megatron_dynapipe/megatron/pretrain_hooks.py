@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments, chain_providers
+from megatron_dynapipe.config.model_flags import model_from_megatron_args
 
 __all__ = [
     "LoggedLoader",
@@ -356,11 +357,10 @@ def _open_data(args):
 
 
 def _cost_model(args):
-    from megatron_dynapipe.models import ModelSpec
     from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-    return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), ModelSpec.from_megatron_args(args).to_json(),
+    return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), model_from_megatron_args(args).to_json(),
                                tp=args.tensor_model_parallel_size, dtype=dtype, flag="--dynapipe-cost-model")
 
 

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
+from megatron_dynapipe.config.model_flags import model_from_megatron_args
 
 __all__ = ["FLAG", "ScalingResult", "build_parser", "parse_args", "requested", "run", "run_from_argv"]
 
@@ -75,14 +76,14 @@ UNTRACED_FLAGS = {
 
 def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The Megatron-LM flags scaling mode reads (same names, dests and defaults as Megatron's):
-    the model's (:func:`~megatron_dynapipe.models.add_model_arguments`), the training options
-    (:func:`~megatron_dynapipe.training.add_training_arguments`), the precision, the batch and the
+    the model's (:func:`~megatron_dynapipe.config.model_flags.add_model_arguments`), the training options
+    (:func:`~megatron_dynapipe.config.megatron_options.add_megatron_options`), the precision, the batch and the
     layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
-    from megatron_dynapipe.models import add_model_arguments
-    from megatron_dynapipe.training import add_training_arguments
+    from megatron_dynapipe.config.model_flags import add_model_arguments
+    from megatron_dynapipe.config.megatron_options import add_megatron_options
 
     add_model_arguments(parser, moe=True)
-    add_training_arguments(parser)
+    add_megatron_options(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--num-experts", type=int, default=None)
@@ -165,23 +166,22 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def _training(args: argparse.Namespace):
-    from megatron_dynapipe.training import training_from_args
+    from megatron_dynapipe.config.megatron_options import megatron_options_from_args
 
     try:
-        return training_from_args(args)
+        return megatron_options_from_args(args)
     except ValueError as exc:
         raise DynapipeArgumentError(f"--is-scaling-mode: {exc}") from None
 
 
 def _model(args: argparse.Namespace):
-    from megatron_dynapipe.models import ModelSpec
 
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
     if not (getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)):
         raise DynapipeArgumentError("--is-scaling-mode needs --vocab-size N (the tokenizer's vocabulary; "
                                     "the tracer pads it like Megatron)")
     try:
-        return ModelSpec.from_megatron_args(args).with_experts(_get(args, "fake_num_experts", 0) or 0)
+        return model_from_megatron_args(args).with_experts(_get(args, "fake_num_experts", 0) or 0)
     except ValueError as exc:
         raise DynapipeArgumentError(f"--is-scaling-mode model: {exc}") from None
 
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     """
     from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
     from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
-    from megatron_dynapipe.tracer.topology import ParallelLayout, shapes_only_problem
+    from megatron_dynapipe.config.layout import ParallelLayout, shapes_only_problem
 
     if not getattr(args, "is_scaling_mode", False):
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 
 __all__ = ["build_training_stage", "planned_step"]
 

@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from megatron_dynapipe.config.accounting import activation_bytes, layer_flops_per_token, output_flops_per_token
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = [
@@ -622,9 +624,12 @@ class AnalyticalCostModel(CostModel):
         self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
         self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
         h, t = self.hidden_size, self.tp
-        self._matmul_flop_per_token = 2.0 * (4 * h * h + 2 * h * self.ffn_hidden_size) / t
-        self._attention_flop = 4.0 * h / t  # times b * s^2
-        self._head_flop_per_token = 2.0 * h * self.vocab_size / t
+        layer = layer_flops_per_token(ModelSpec(num_layers=1, hidden_size=h, num_attention_heads=self.num_heads,
+                                                ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size),
+                                      1, causal=False)  # an unfused attention core computes the whole square
+        self._matmul_flop_per_token = layer.linear / t
+        self._attention_flop = layer.attention / t  # times b * s^2
+        self._head_flop_per_token = output_flops_per_token(h, self.vocab_size) / t
         self._encoder_state_mb = 8.0 * self.param_mb("encoder")
 
     def __repr__(self) -> str:
@@ -693,13 +698,7 @@ class AnalyticalCostModel(CostModel):
 
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
-        h, a, t = self.hidden_size, self.num_heads, self.tp
-        sbh = s * b * h
-        if rc == RecomputeType.NONE:
-            return sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t))
-        if rc == RecomputeType.SELECTIVE:
-            return sbh * (10.0 + 24.0 / t)
-        return 2.0 * sbh
+        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=rc.label)
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         _check_choice("activation kind", kind, KINDS)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from megatron_dynapipe.files import write_atomically
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import CALIBRATED, AnalyticalCostModel
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.layers import DTYPES, build_parts, fake_tp_rank

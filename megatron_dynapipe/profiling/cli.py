@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_dynapipe.models import add_model_arguments
+from megatron_dynapipe.config.model_flags import add_model_arguments
 from megatron_dynapipe.planning.spec import positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -72,7 +72,7 @@ def _checked(args):
     import torch
 
     from megatron_dynapipe.files import check_output_file
-    from megatron_dynapipe.models import model_from_args
+    from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.profiling.profiler import ProfileSettings
 
     spec = model_from_args(args)

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import PHASES
 from megatron_dynapipe.planning.types import RecomputeType
 

@@ -29,13 +29,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from megatron_dynapipe.files import write_atomically
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import PHASES
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.gpt_build import uses_transformer_engine
 from megatron_dynapipe.profiling.layers import DTYPES, Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
+from megatron_dynapipe.config.model_flags import megatron_model_args
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
 
@@ -132,7 +133,7 @@ class _Profile:
             "versions": _versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": self.spec.to_json(),
-            "megatron_args": self.spec.megatron_args(),
+            "megatron_args": megatron_model_args(self.spec),
             "settings": {"tp_sizes": list(s.tp_sizes), "recompute": [r.label for r in s.recompute],
                          "min_seq_length": s.min_seq_length, "max_seq_length": s.max_seq_length,
                          "max_tokens": s.max_tokens, "warmup": s.warmup, "repeats": s.repeats,

@@ -83,7 +83,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_search_parser(sub) -> None:
-    from megatron_dynapipe.models import add_model_arguments
+    from megatron_dynapipe.config.model_flags import add_model_arguments
 
     p = sub.add_parser("search", help="find the fastest parallel layout that fits: estimate, trace, simulate",
                        description="Enumerate the layouts (TP, PP, DP, micro-batch size, recompute, distributed "

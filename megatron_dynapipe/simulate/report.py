@@ -6,7 +6,7 @@
   of the iteration (1F1B with equal stages: ``(p-1) / (m+p-1)``);
 * **exposed communication**: per kind, the busiest rank's blocking communication time (what
   compute did not hide); ``overlapped`` is what ran behind compute;
-* **TFLOP/s per GPU and MFU**: model FLOPs of the global batch (:mod:`.flops`, causal attention
+* **TFLOP/s per GPU and MFU**: model FLOPs of the global batch (:mod:`megatron_dynapipe.config.accounting`, causal attention
   as megatron-core counts) over iteration time and world size, and over the dtype's peak;
   *hardware* FLOP/s add what recomputation runs again;
 * **memory**: each stage's traced peak (``memory.peak_bytes``) against the device's memory.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
-from megatron_dynapipe.simulate.flops import step_flops
+from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.simulate.replay import Replay
 
 __all__ = ["StageReport", "SimulationReport", "report", "format_report", "timeline"]

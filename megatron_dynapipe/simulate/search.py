@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from megatron_dynapipe.models import ModelSpec
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.simulate.hardware import Hardware
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES
+from megatron_dynapipe.config.accounting import total_params
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
            "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
@@ -242,7 +243,7 @@ def rule_of_thumb(space: SearchSpace) -> Optional[Candidate]:
     rank, PP below the number of micro-batches, CP 2 from 8192 tokens, micro-batch 1, selective
     recompute (full if selective does not fit) and the distributed optimizer.  ``None`` when the
     rules lead to no valid layout."""
-    model_parallel = max(1, math.ceil(space.model.total_params() / RULE_PARAMS_PER_RANK))
+    model_parallel = max(1, math.ceil(total_params(space.model) / RULE_PARAMS_PER_RANK))
     cp = 2 if space.seq_length >= RULE_CP_FROM_TOKENS else 1
     tps = [t for t in space.tp_values() if t <= max(1, 2 ** math.ceil(math.log2(model_parallel)))]
     for tp in sorted(tps, reverse=True):

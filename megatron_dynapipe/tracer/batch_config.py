@@ -25,16 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megatron_dynapipe.models import ModelSpec, get_model
-from megatron_dynapipe.training import TrainingOptions
-from megatron_dynapipe.tracer.topology import (
-    ParallelLayout,
-    Representatives,
-    is_positive_int,
-    layout_problems,
-    model_problems,
-    representative_ranks,
-)
+from megatron_dynapipe.config.model import ModelSpec, get_model
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, layout_problems, model_problems
+from megatron_dynapipe.tracer.representatives import Representatives, representative_ranks
 
 __all__ = [
     "ConfigParseError",
@@ -313,13 +307,13 @@ def read_config_file(path: str | os.PathLike, *, start_index: int = 0, unparsabl
 # validation
 
 
-def validate(config: TraceConfig, training: Optional[TrainingOptions] = None) -> list[str]:
+def validate(config: TraceConfig, training: Optional[MegatronOptions] = None) -> list[str]:
     """Why ``config`` cannot be traced: one sentence per broken rule, empty when it is valid.
 
     Rules: positive sizes; the layout's (:func:`~.topology.layout_problems`); global batch
     divisible by micro-batch × DP (and consistent with the number of micro-batches when both are
     given); the model's split (:func:`~.topology.model_problems`); and, given ``training``, that
-    the options go with the layout (:meth:`~megatron_dynapipe.training.TrainingOptions.layout_problem`).
+    the options go with the layout (:meth:`~megatron_dynapipe.config.megatron_options.MegatronOptions.layout_problem`).
     """
     c = config
     batch = {"micro-batch size": c.micro_batch_size, "number of micro-batches": c.num_microbatches,

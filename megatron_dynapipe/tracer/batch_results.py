@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.tracer.batch_config import TraceConfig
-from megatron_dynapipe.tracer.topology import is_positive_int
+from megatron_dynapipe.config.layout import is_positive_int
 
 __all__ = ["RankResult", "ConfigResult", "batch_summary", "exit_code", "write_summary", "write_timeline"]
 

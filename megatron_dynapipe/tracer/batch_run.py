@@ -20,13 +20,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 from megatron_dynapipe.planning.cost_model import CostModel
 from megatron_dynapipe.progress import progress_bar, progress_enabled
-from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.tracer.batch_results import (
     FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
 )
 from megatron_dynapipe.tracer.isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
-from megatron_dynapipe.tracer.topology import ParallelLayout, is_positive_int, shapes_only_problem
+from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, shapes_only_problem
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 
 __all__ = ["run_batch", "collect_batch"]
@@ -47,7 +47,7 @@ def run_batch(
     shapes_only: bool | None = None,
     cost_model: Any = None,
     dtype: str | None = None,
-    training: TrainingOptions | None = None,
+    training: MegatronOptions | None = None,
     isolation: str = "process",
     jobs: int | None = None,
     rank_timeout: float | None = None,
@@ -90,7 +90,7 @@ def run_batch(
     output_dir = Path(output_dir)
     stream = sys.stderr if progress_stream is None else progress_stream
     results: list[ConfigResult] = []
-    training = training or TrainingOptions()
+    training = training or MegatronOptions()
     checked = [(config, validate(config, training)) for config in configs]
     valid = [config for config, reasons in checked if not reasons]
     if valid and tracer is None:
@@ -157,12 +157,12 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
 
 
 def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike = "traces", *,
-                  training: TrainingOptions | None = None) -> list[ConfigResult]:
+                  training: MegatronOptions | None = None) -> list[ConfigResult]:
     """The results of configs whose ranks were traced elsewhere, one process each (``megatron-dynapipe
     launch pretrain_gpt.py ... --is-scaling-mode --trace-dir <folder>``), read from their folders;
     each folder gets the ``summary.json`` and ``timeline.json`` :func:`run_batch` writes. A rank
     whose trace is missing or unreadable fails its config; invalid configs are skipped."""
-    output_dir, training = Path(output_dir), training or TrainingOptions()
+    output_dir, training = Path(output_dir), training or MegatronOptions()
     results = []
     for config in configs:
         reasons = validate(config, training)
@@ -220,7 +220,7 @@ def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict
                    shapes_only=result.shapes_only, cost_model=cost_model)
     if opts["dtype"] is not None:  # else the tracer's default for the mode
         options["dtype"] = opts["dtype"]
-    if opts["training"] != TrainingOptions():  # else the tracer's default, Megatron-LM's
+    if opts["training"] != MegatronOptions():  # else the tracer's default, Megatron-LM's
         options["training"] = opts["training"]
     return options
 

@@ -20,8 +20,11 @@ from typing import Any, Optional, Sequence
 
 from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
 from megatron_dynapipe.tracer.batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
-from megatron_dynapipe.models import MODELS, ModelSpec, add_model_arguments, model_from_args
-from megatron_dynapipe.training import TrainingOptions, add_training_arguments, training_from_args
+from megatron_dynapipe.config.model import MODELS, ModelSpec
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.config.megatron_options import MegatronOptions, add_megatron_options, megatron_options_from_args
+from megatron_dynapipe.config.model_flags import megatron_model_args
+from megatron_dynapipe.config.accounting import total_params
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -64,7 +67,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--global-batch-size", type=int, metavar="G",
                        help="global batch; must be divisible by micro-batch size x DP")
     model.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
-    add_training_arguments(p)
+    add_megatron_options(p)
 
     run = p.add_argument_group("tracing")
     run.add_argument("--output-dir", default="traces", metavar="DIR", help="one folder per config under DIR (default traces)")
@@ -111,7 +114,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 
 def cli_model(args) -> ModelSpec:
     """The model of the command line: ``--model`` and Megatron-LM's model flags (see
-    :func:`~megatron_dynapipe.models.add_model_arguments`); GPT-6.7B when none is given."""
+    :func:`~megatron_dynapipe.config.model_flags.add_model_arguments`); GPT-6.7B when none is given."""
     if args.model is None and all(getattr(args, f) is None for f in ("num_layers", "hidden_size", "num_attention_heads")):
         args = argparse.Namespace(**{**vars(args), "model": DEFAULT_MODEL})
     return model_from_args(args)
@@ -159,12 +162,12 @@ def run_trace(args) -> int:
     if args.list_models:
         for name, m in MODELS.items():
             print(f"{name:>5}  hidden {m.hidden_size:>5}  heads {m.num_attention_heads:>3}  layers {m.num_layers:>3}  "
-                  f"{m.total_params() / 1e9:9.3f} B parameters")
+                  f"{total_params(m) / 1e9:9.3f} B parameters")
         return 0
     model = cli_model(args)
     if args.print_model_args:
         shape = model.with_experts(args.num_experts) if args.num_experts else model
-        print(" ".join(_megatron_args(shape, args.seq_length, training_from_args(args), args.dtype)))
+        print(" ".join(_megatron_args(shape, args.seq_length, megatron_options_from_args(args), args.dtype)))
         return 0
     for name in ("warmup_iters", "trace_iters"):
         if getattr(args, name) < 0:
@@ -175,7 +178,7 @@ def run_trace(args) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.jobs not in (None, 1) and args.isolation == "inline":
         raise ValueError("--jobs runs ranks in parallel processes: drop --isolation inline, or use --jobs 1")
-    training = training_from_args(args)
+    training = megatron_options_from_args(args)
     configs, unparsable = load_configs(args, model)
     for reason in unparsable:
         print(f"skipping a config that cannot be parsed: {reason}", file=sys.stderr)
@@ -223,13 +226,13 @@ _RANK_COLUMNS = ("config", "world_size", "pp", "tp", "cp", "ep", "dp", "micro_ba
 _PRECISION_FLAGS = {"bfloat16": "--bf16", "float16": "--fp16"}
 
 
-def _megatron_args(model, seq_length: Optional[int], training: TrainingOptions, dtype: Optional[str]) -> list[str]:
+def _megatron_args(model, seq_length: Optional[int], training: MegatronOptions, dtype: Optional[str]) -> list[str]:
     """The ``pretrain_gpt.py`` flags that describe the model and how it trains."""
     precision = [_PRECISION_FLAGS[dtype]] if dtype in _PRECISION_FLAGS else []
-    return model.megatron_args(seq_length) + training.megatron_args() + precision
+    return megatron_model_args(model, seq_length) + training.megatron_args() + precision
 
 
-def _print_ranks(configs: Sequence[TraceConfig], training: TrainingOptions, args) -> int:
+def _print_ranks(configs: Sequence[TraceConfig], training: MegatronOptions, args) -> int:
     """One line per representative rank (columns: :data:`_RANK_COLUMNS`, the last one the rest of
     the line: the ``pretrain_gpt.py`` flags of the config's model and training), ``#`` header first."""
     results, rows = [], []

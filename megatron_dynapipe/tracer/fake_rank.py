@@ -64,20 +64,20 @@ from torch.overrides import TorchFunctionMode
 from megatron_dynapipe.compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
 from megatron_dynapipe.gpt_build import build_gpt, transformer_config, uses_transformer_engine
-from megatron_dynapipe.models import ModelSpec
-from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.recorder import Recorder, storage_key
-from megatron_dynapipe.tracer.topology import (
+from megatron_dynapipe.config.layout import (
     ParallelLayout,
     dense_coords,
     expert_coords,
     experts_problem,
     rank_groups,
-    representative_ranks,
     shapes_only_problem,
 )
+from megatron_dynapipe.tracer.representatives import representative_ranks
 from megatron_dynapipe.tracer.trace_format import RankTrace
 
 __all__ = [
@@ -395,7 +395,7 @@ def _torch_optimizers(optimizer) -> list:
 
 
 def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
-             training: TrainingOptions):
+             training: MegatronOptions):
     """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
     chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
     ``c pp + s``: the embedding in the very first, the head in the very last)."""
@@ -431,7 +431,7 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
     return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
 
 
-def _backward_ms(costs, stage: int, mbs: int, seq: int, training: TrainingOptions, stage_layers: int) -> float:
+def _backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, stage_layers: int) -> float:
     """A micro-batch's backward through one model chunk (the whole stage without interleaving)
     with the recompute asked for: the cost model's selective or full price, and for full
     recompute of some of the chunk's layers (``block``) that share of the difference between
@@ -494,7 +494,7 @@ def trace_initialized_rank(
     dtype: Optional[str] = None,
     optimizer: str = "adam",
     clip_grad: float = 1.0,
-    training: Optional[TrainingOptions] = None,
+    training: Optional[MegatronOptions] = None,
     fill: bool = False,
     seed: int = 1234,
 ) -> RankTrace:
@@ -506,7 +506,7 @@ def trace_initialized_rank(
     ``get_forward_backward_func()`` (its ``finalize_model_grads`` reduces gradients over DP,
     the tied embedding over the embedding group), ``optimizer.step()`` (grad-norm all-reduce with
     ``clip_grad > 0``), and on the last stage the all-reduce of the reported loss over DP x CP.
-    ``training`` (:class:`~megatron_dynapipe.training.TrainingOptions`: distributed optimizer,
+    ``training`` (:class:`~megatron_dynapipe.config.megatron_options.MegatronOptions`: distributed optimizer,
     overlap, recompute, sequence parallelism) is Megatron-LM's defaults when None.
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
     """
@@ -516,7 +516,7 @@ def trace_initialized_rank(
     run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
                             num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
                             trace_iters=trace_iters, shapes_only=shapes_only, dtype=dtype, optimizer=optimizer,
-                            clip_grad=clip_grad, training=training or TrainingOptions(), seed=seed)
+                            clip_grad=clip_grad, training=training or MegatronOptions(), seed=seed)
     with contextlib.ExitStack() as stack:
         if not run.on_gpu:
             stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
@@ -580,7 +580,7 @@ class _TraceRun:
     dtype_name: str
     optimizer: str
     clip_grad: float
-    training: TrainingOptions
+    training: MegatronOptions
     seed: int
     use_te: bool
     on_gpu: bool

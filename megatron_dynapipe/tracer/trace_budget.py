@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_dynapipe.training import TrainingOptions
+from megatron_dynapipe.config.accounting import microbatch_flops, training_bytes
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.tracer.batch_config import TraceConfig
 
 __all__ = ["memory_budget_bytes", "estimated_bytes", "in_flight_microbatches", "estimated_compute_seconds",
@@ -53,21 +54,22 @@ def memory_budget_bytes() -> int:
         return 4 * 2**30
 
 
-def estimated_bytes(config: TraceConfig, training: Optional[TrainingOptions] = None) -> int:
+def estimated_bytes(config: TraceConfig, training: Optional[MegatronOptions] = None) -> int:
     """Bytes the busiest representative rank of ``config`` needs to really train on CPU, with
     ``training``'s recompute and distributed optimizer."""
-    training = training or TrainingOptions()
-    return config.model.training_bytes(
-        config.pp, config.tp, config.ep,
+    training = training or MegatronOptions()
+    return training_bytes(
+        config.model, config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,
         in_flight=in_flight_microbatches(config, training), cp=config.cp,
         recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
         selective_recompute=training.recompute_granularity == "selective",
+        sequence_parallel=training.sequence_parallel,
         optimizer_shards=config.dp if training.distributed_optimizer else 1,
     )
 
 
-def in_flight_microbatches(config: TraceConfig, training: TrainingOptions) -> float:
+def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> float:
     """Micro-batches whose activations the first stage holds at once: 1F1B's warm-up of PP; under
     interleaving megatron-core's warm-up of 2 (PP - 1) + (V - 1) PP chunk passes plus the one in
     flight, each holding 1/V of the stage's layers."""
@@ -80,12 +82,12 @@ def in_flight_microbatches(config: TraceConfig, training: TrainingOptions) -> fl
 
 
 def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,
-                              training: Optional[TrainingOptions] = None) -> float:
+                              training: Optional[MegatronOptions] = None) -> float:
     """Seconds of real compute for the busiest rank over ``iterations`` steps at :data:`GPU_FLOPS`
     or :data:`CPU_FLOPS`, where the ranks compute (recomputed layers run their forward twice)."""
-    training = training or TrainingOptions()
-    flops = config.model.training_flops(
-        config.pp, config.tp, config.ep, micro_batch_size=config.micro_batch_size,
+    training = training or MegatronOptions()
+    flops = microbatch_flops(
+        config.model, config.pp, config.tp, micro_batch_size=config.micro_batch_size,
         seq_length=config.seq, cp=config.cp,
         recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
     )
@@ -98,7 +100,7 @@ def decide_shapes_only(
     *,
     iterations: int = 2,
     time_budget_s: float = REAL_COMPUTE_BUDGET_S,
-    training: Optional[TrainingOptions] = None,
+    training: Optional[MegatronOptions] = None,
 ) -> tuple[bool, str]:
     """Whether ``config`` is traced shapes-only by default, and why.
 

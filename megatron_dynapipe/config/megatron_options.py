@@ -22,8 +22,8 @@ which ops a rank issues without changing the model.
   overlap compute (``--no-overlap-p2p-communication`` batches them, and then needs PP > 2).
   The number of micro-batches must be a multiple of PP (megatron-core's micro-batch groups).
 
-:class:`TrainingOptions` carries them from the command line (:func:`add_training_arguments`,
-:func:`training_from_args`) to megatron-core's ``TransformerConfig`` (:meth:`transformer_fields`)
+:class:`MegatronOptions` carries them from the command line (:func:`add_megatron_options`,
+:func:`megatron_options_from_args`) to megatron-core's ``TransformerConfig`` (:meth:`transformer_fields`)
 and ``DistributedDataParallelConfig`` (:meth:`ddp_fields`).  Nothing here imports torch.
 """
 
@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["TrainingOptions", "add_training_arguments", "training_from_args", "RECOMPUTE_GRANULARITIES",
+__all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "RECOMPUTE_GRANULARITIES",
            "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -44,7 +44,7 @@ INTERLEAVING_DESTS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stag
 
 
 @dataclass(frozen=True)
-class TrainingOptions:
+class MegatronOptions:
     """Megatron-LM's training flags the tracer honours (module docstring); the defaults are
     Megatron-LM's."""
 
@@ -208,8 +208,8 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's flags for :class:`TrainingOptions` (same names, dests and defaults)."""
+def add_megatron_options(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags for :class:`MegatronOptions` (same names, dests and defaults)."""
     g = parser.add_argument_group("training (Megatron-LM's flags; default: as Megatron-LM)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over DP: gradient reduce-scatter, parameter all-gather")
@@ -232,8 +232,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="interleaved 1F1B: batch the pipeline's sends and receives (needs PP > 2)")
 
 
-def training_from_args(args: argparse.Namespace) -> TrainingOptions:
-    """The :class:`TrainingOptions` of :func:`add_training_arguments`' flags (ValueError, one line,
+def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
+    """The :class:`MegatronOptions` of :func:`add_megatron_options`' flags (ValueError, one line,
     when megatron-core would refuse them)."""
     granularity = getattr(args, "recompute_granularity", None)
     if getattr(args, "recompute_activations", False):  # Megatron-LM: shorthand for selective
@@ -242,7 +242,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingOptions:
                              "--recompute-granularity full")
         granularity = "selective"
     interleaved = any(getattr(args, name, None) is not None for name in INTERLEAVING_DESTS)
-    return TrainingOptions(
+    return MegatronOptions(
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),

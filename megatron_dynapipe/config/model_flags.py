@@ -1,0 +1,141 @@
+"""A :class:`~megatron_dynapipe.config.model.ModelSpec` as Megatron-LM's flags, both ways.
+
+* :func:`add_model_arguments` / :func:`model_from_args`: this package's commands take a named
+  size (``--model 6.7``), Megatron-LM's own flags, or a size with flags that change it;
+* :func:`model_from_megatron_args`: the model a parsed ``pretrain_gpt.py`` namespace builds;
+* :func:`megatron_model_args`: the ``pretrain_gpt.py`` flags that build a model.
+
+Both readers take the same flag names through one table, so a flag understood once is
+understood everywhere.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_dynapipe.config.model import MODELS, MOE_FIELDS, NORMALIZATIONS, POSITION_EMBEDDINGS, ModelSpec, get_model
+
+__all__ = ["add_model_arguments", "model_from_args", "model_from_megatron_args", "megatron_model_args"]
+
+#: ModelSpec field -> the namespace name of the Megatron-LM flag that sets it
+_FLAG_FIELDS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size", "swiglu": "swiglu",
+    "normalization": "normalization", "position_embedding_type": "position_embedding_type",
+    "kv_channels": "kv_channels", "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+    "add_bias_linear": "add_bias_linear", "hidden_dropout": "hidden_dropout",
+    "attention_dropout": "attention_dropout", **{name: name for name in MOE_FIELDS},
+}
+
+
+def add_model_arguments(parser, moe: bool = False) -> None:
+    """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning),
+    with ``moe`` those of its experts too; :func:`model_from_args` reads them back."""
+    g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
+    g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)}")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
+                 "--vocab-size", "--max-position-embeddings", "--kv-channels", "--make-vocab-size-divisible-by"):
+        g.add_argument(flag, type=int, metavar="N")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="key/value heads shared by --num-query-groups (default 1) groups of query heads")
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--normalization", choices=NORMALIZATIONS)
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        g.add_argument(flag, type=float, metavar="P", help="default 0.1")
+    if moe:
+        _add_moe_arguments(parser)
+
+
+def _add_moe_arguments(parser) -> None:
+    moe = parser.add_argument_group("mixture of experts (Megatron-LM's flags; with --num-experts)")
+    moe.add_argument("--moe-router-topk", type=int, metavar="K", help="experts each token is routed to (default 2)")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, metavar="N",
+                     help="an expert's FFN width (default --ffn-hidden-size)")
+    moe.add_argument("--moe-expert-capacity-factor", type=float, metavar="F",
+                     help="tokens an expert takes, as a multiple of its fair share (default: dropless)")
+    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
+                     help="pad every expert's input to its capacity (fixed all-to-all sizes)")
+
+
+def _flag_fields(args: Any) -> dict[str, Any]:
+    """The ModelSpec fields the flags in ``args`` set (a flag not given, or None, sets nothing)."""
+    fields = {name: getattr(args, flag) for name, flag in _FLAG_FIELDS.items() if getattr(args, flag, None) is not None}
+    if getattr(args, "untie_embeddings_and_output_weights", None):
+        fields["share_embeddings_and_output_weights"] = False
+    if getattr(args, "group_query_attention", None):
+        fields["num_query_groups"] = getattr(args, "num_query_groups", None) or 1  # Megatron-LM's default
+    return fields
+
+
+def model_from_args(args) -> ModelSpec:
+    """The model of :func:`add_model_arguments`' flags; ValueError (one line) when they describe none."""
+    fields = _flag_fields(args)
+    if getattr(args, "max_position_embeddings", None) is not None:
+        fields["max_sequence_length"] = args.max_position_embeddings
+    if getattr(args, "num_query_groups", None) is not None and "num_query_groups" not in fields:
+        raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it without)")
+    if args.model:
+        base = get_model(args.model)
+        if "hidden_size" in fields:
+            fields.setdefault("ffn_hidden_size", None)  # 4 x the new hidden size, as Megatron-LM defaults
+        return dataclasses.replace(base, **fields, name=base.name if not fields else "")
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads") if n not in fields]
+    if missing:
+        raise ValueError(f"no model given: pass --model NAME ({', '.join(MODELS)}) or {', '.join(missing)}")
+    return ModelSpec(**fields)
+
+
+def model_from_megatron_args(args: Any) -> ModelSpec:
+    """The model Megatron-LM's parsed arguments build (``--num-layers``, ``--hidden-size``, ...):
+    sequences up to the longer of ``--seq-length`` and ``--max-position-embeddings``, the
+    vocabulary as given or as Megatron padded it, ``--num-experts`` experts."""
+    fields = _flag_fields(args)
+    seq = getattr(args, "seq_length", None) or 0
+    fields["max_sequence_length"] = max(seq, getattr(args, "max_position_embeddings", None) or seq)
+    fields.setdefault("vocab_size", getattr(args, "padded_vocab_size", None))
+    fields["num_experts"] = getattr(args, "num_experts", None) or 0
+    return ModelSpec(**{k: v for k, v in fields.items() if v is not None})
+
+
+def megatron_model_args(spec: ModelSpec, seq_length: int | None = None) -> list[str]:
+    """The Megatron-LM flags that build ``spec`` (``pretrain_gpt.py``)."""
+    seq = seq_length or spec.max_sequence_length
+    args = [
+        "--num-layers", str(spec.num_layers),
+        "--hidden-size", str(spec.hidden_size),
+        "--num-attention-heads", str(spec.num_attention_heads),
+        "--ffn-hidden-size", str(spec.ffn_hidden_size),
+        "--seq-length", str(seq),
+        "--max-position-embeddings", str(max(seq, spec.max_sequence_length)),
+        "--vocab-size", str(spec.vocab_size),
+    ]
+    if not spec.share_embeddings_and_output_weights:
+        args.append("--untie-embeddings-and-output-weights")
+    if spec.num_experts:
+        args += ["--num-experts", str(spec.num_experts), "--moe-router-topk", str(spec.moe_router_topk)]
+        if spec.moe_ffn_hidden_size:
+            args += ["--moe-ffn-hidden-size", str(spec.moe_ffn_hidden_size)]
+        if spec.moe_expert_capacity_factor is not None:
+            args += ["--moe-expert-capacity-factor", f"{spec.moe_expert_capacity_factor:g}"]
+        if spec.moe_pad_expert_input_to_capacity:
+            args.append("--moe-pad-expert-input-to-capacity")
+    if spec.num_query_groups:
+        args += ["--group-query-attention", "--num-query-groups", str(spec.num_query_groups)]
+    if spec.swiglu:
+        args.append("--swiglu")
+    if spec.normalization != "LayerNorm":
+        args += ["--normalization", spec.normalization]
+    if spec.position_embedding_type != "learned_absolute":
+        args += ["--position-embedding-type", spec.position_embedding_type]
+    if spec.kv_channels:
+        args += ["--kv-channels", str(spec.kv_channels)]
+    if not spec.add_bias_linear:
+        args.append("--disable-bias-linear")
+    args += ["--hidden-dropout", f"{spec.hidden_dropout:g}", "--attention-dropout", f"{spec.attention_dropout:g}"]
+    if spec.make_vocab_size_divisible_by != 128:
+        args += ["--make-vocab-size-divisible-by", str(spec.make_vocab_size_divisible_by)]
+    return args
