@@ -8,7 +8,7 @@ import json
 import sys
 
 from megatron_dynapipe.planning.samples import MIXES
-from megatron_dynapipe.planning.spec import add_planner_arguments
+from megatron_dynapipe.planning.flags import add_planner_arguments
 
 
 def _plan_parser(sub) -> None:
@@ -59,9 +59,10 @@ def _check_plan_args(args) -> None:
 
 def _run_plan(args) -> int:
     from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
-    from megatron_dynapipe.planning.report import format_summary, summarize
+    from megatron_dynapipe.planning.summary import format_summary, summarize
     from megatron_dynapipe.planning.samples import read_lengths, synthetic_lengths
-    from megatron_dynapipe.planning.spec import TrainingSpec, planner_settings
+    from megatron_dynapipe.planning.spec import TrainingSpec
+    from megatron_dynapipe.planning.flags import planner_settings
 
     _check_plan_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)

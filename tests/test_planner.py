@@ -221,7 +221,7 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses_on_chosen
 
 
 def test_a_jobs_fast_mode_setting_is_resolved_once_where_its_settings_are_read(monkeypatch):
-    from megatron_dynapipe.planning.spec import resolve_fast_mode_setting
+    from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 
     monkeypatch.delenv("DYNAPIPE_FAST_MODE", raising=False)
     assert resolve_fast_mode_setting(None) is False

@@ -305,7 +305,7 @@ def test_overhead_is_timed_at_each_length_and_at_the_corners():
 def test_a_calibration_finds_the_rates_overhead_and_saturation_that_made_the_times():
     from megatron_dynapipe.config.model import get_model
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
-    from megatron_dynapipe.profiling.calibrate import fit_analytical
+    from megatron_dynapipe.profiling.analytical_fit import fit_analytical
 
     spec = get_model("tiny")
     truth = AnalyticalCostModel(hidden_size=128, num_heads=8, ffn_hidden_size=512, vocab_size=spec.padded_vocab_size(1),

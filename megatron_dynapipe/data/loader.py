@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dynapipe.planning.plan import ExecutionPlan
-from megatron_dynapipe.planning.spec import TrainingSpec, resolve_fast_mode_setting
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.data.kv_store import (
     DEFAULT_NAMESPACE,

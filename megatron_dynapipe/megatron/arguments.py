@@ -30,13 +30,9 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_dynapipe.planning.spec import (
-    TrainingSpec,
-    add_planner_arguments,
-    fast_mode_from_env,
-    planner_settings,
-    positive_int_argument,
-)
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
+from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
 
 __all__ = [

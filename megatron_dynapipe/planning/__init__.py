@@ -12,7 +12,8 @@ from megatron_dynapipe.planning.planner import (
     generate_execution_plan,
     optimize_schedule,
 )
-from megatron_dynapipe.planning.spec import TrainingSpec, fast_mode_from_env, resolve_fast_mode
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.fast_mode import fast_mode_from_env, resolve_fast_mode
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 __all__ = [

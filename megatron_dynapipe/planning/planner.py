@@ -30,7 +30,8 @@ from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
-from megatron_dynapipe.planning.spec import FastMode, TrainingSpec, resolve_fast_mode
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost

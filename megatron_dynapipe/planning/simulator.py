@@ -1,12 +1,16 @@
 """Event simulation of a pipeline schedule on a cost model.
 
 Each stage has one compute stream; activations and gradients travel on separate per-link
-communication streams, so a transfer overlaps the next computation. The simulator turns
-per-stage orders of compute ops into start/end times, the makespan and per-stage peak memory.
+communication streams, so a transfer overlaps the next computation. One event loop
+(:func:`run_timeline`) turns either fixed per-stage orders of compute ops (:func:`simulate`) or
+wait-free-cyclic's greedy policy into start/end times, the makespan and per-stage peak memory.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -131,110 +135,168 @@ class ScheduleDeadlock(RuntimeError):
     """The per-stage orders wait on each other."""
 
 
-UNKNOWN = None  # an arrival time not yet known
-
-
-class Timeline:
-    """Shared book-keeping of both the fixed-order and the greedy simulation.
-
-    Plain Python lists on purpose: the loop touches one scalar at a time, where numpy
-    indexing costs several times more.
-    """
-
-    def __init__(self, work: StageWork, record: bool):
-        pp, n = work.pp, work.n
-        self.pp, self.n = pp, n
-        self.forward, self.backward = work.forward.tolist(), work.backward.tolist()
-        self.stored, self.peak_of = work.stored.tolist(), work.peak.tolist()
-        self.state, self.comm = work.state.tolist(), work.comm.tolist()
-        self.record = record
-        self.events: list[Event] = []
-        self.stage_free = [0.0] * pp
-        self.act_arrival = [[UNKNOWN] * n for _ in range(pp)]  # activation of m available on s
-        self.grad_arrival = [[UNKNOWN] * n for _ in range(pp)]  # gradient of m available on s
-        self.fwd_end = [[UNKNOWN] * n for _ in range(pp)]
-        self.link_down = [0.0] * pp  # stage s -> s + 1 (activations)
-        self.link_up = [0.0] * pp  # stage s -> s - 1 (gradients)
-        self.held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
-        self.held_total = [0.0] * pp
-        self.peak = list(self.state)
-        self.peak_mbs: list[tuple[int, ...]] = [() for _ in range(pp)]
-        self.orders: list[Order] = [[] for _ in range(pp)]
-        self.op_starts: list[list[float]] = [[] for _ in range(pp)]
-        self.op_ends: list[list[float]] = [[] for _ in range(pp)]
-
-    def run(self, s: int, kind: str, m: int, ready: float) -> float:
-        """Execute op (kind, m) on stage s no earlier than `ready`; return its end time."""
-        start = max(self.stage_free[s], ready)
-        forward = kind == "F"
-        end = start + (self.forward[s][m] if forward else self.backward[s][m])
-        self.stage_free[s] = end
-        in_use = self.state[s] + self.held_total[s] + self.peak_of[s][m]
-        if in_use > self.peak[s]:
-            self.peak[s] = in_use
-            self.peak_mbs[s] = tuple(self.held[s]) + ((m,) if forward else ())
-        if forward:
-            self.held[s][m] = self.stored[s][m]
-            self.held_total[s] += self.stored[s][m]
-            self.fwd_end[s][m] = end
-            if s + 1 < self.pp:
-                self.act_arrival[s + 1][m] = self._send(self.link_down, s, m, end, "send-act")
-        else:
-            self.held_total[s] -= self.held[s].pop(m)
-            if s > 0:
-                self.grad_arrival[s - 1][m] = self._send(self.link_up, s, m, end, "send-grad")
-        self.orders[s].append((kind, m))
-        self.op_starts[s].append(start)
-        self.op_ends[s].append(end)
-        if self.record:
-            self.events.append(Event(s, kind, m, start, end))
-        return end
-
-    def _send(self, link: list, s: int, m: int, ready: float, kind: str) -> float:
-        start = max(link[s], ready)
-        link[s] = start + self.comm[m]
-        if self.record:
-            self.events.append(Event(s, kind, m, start, link[s]))
-        return link[s]
-
-    def input_ready(self, s: int, kind: str, m: int):
-        """When op (kind, m) on stage s has its input; None while unknown."""
-        if kind == "F":
-            return 0.0 if s == 0 else self.act_arrival[s][m]
-        if s == self.pp - 1:
-            return self.fwd_end[s][m]
-        return self.grad_arrival[s][m]
-
-    def result(self) -> SimulationResult:
-        return SimulationResult(
-            makespan=max(self.stage_free) if self.n else 0.0,
-            peak_memory=np.array(self.peak),
-            orders=self.orders,
-            peak_microbatches=self.peak_mbs,
-            events=self.events,
-            op_starts=self.op_starts,
-            op_ends=self.op_ends,
-        )
-
-
 def simulate(orders: Sequence[Order], work: StageWork, record: bool = False) -> SimulationResult:
     """Run fixed per-stage orders; raises ScheduleDeadlock if they wait on each other."""
-    timeline = Timeline(work, record)
-    position = [0] * work.pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for s, order in enumerate(orders):
-            while position[s] < len(order):
-                kind, m = order[position[s]]
-                ready = timeline.input_ready(s, kind, m)
-                if ready is UNKNOWN:
-                    break
-                timeline.run(s, kind, m, ready)
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {s: orders[s][position[s]] for s in range(work.pp) if position[s] < len(orders[s])}
-            raise ScheduleDeadlock(f"stages wait on each other at {stuck}")
-    return timeline.result()
+    return run_timeline(work, orders=orders, record=record)
+
+
+def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, memory_limit_mb: float = math.inf,
+                 give_up_above_ms: float = math.inf, record: bool = False) -> "SimulationResult | None":
+    """The one event loop every schedule is simulated with.
+
+    Stages decide in time order (earliest first, ties by stage).  With ``orders`` each stage
+    runs its own order, an op as soon as the stage is free and its input has arrived.  Without,
+    each stage follows wait-free-cyclic's greedy policy (:func:`_wait_free_pick`) under
+    ``memory_limit_mb``, and the orders are what it ran; the loop then returns None as soon as a
+    stage cannot end by ``give_up_above_ms`` (its end plus its remaining compute passes it).
+
+    One loop over local lists on purpose: it runs once per candidate and recompute round, for
+    thousands of ops, and method calls and attribute lookups were most of its time.
+    """
+    pp, n, last = work.pp, work.n, work.pp - 1
+    forward, backward = work.forward.tolist(), work.backward.tolist()
+    stored, peak_of = work.stored.tolist(), work.peak.tolist()
+    state, comm = work.state.tolist(), work.comm.tolist()
+    greedy = orders is None
+    if greedy:
+        remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).tolist()  # each stage's compute to run
+        total = 2 * pp * n
+    else:
+        give_up_above_ms, remaining = math.inf, [0.0] * pp
+        total = sum(len(o) for o in orders)
+    act = [[None] * n for _ in range(pp)]  # when the activation of m is on stage s
+    grad = [[None] * n for _ in range(pp)]  # when the gradient of m is on stage s
+    last_forward_end = [None] * n  # the last stage's backward of m needs its own forward
+    free, link_down, link_up = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
+    held_total, peak, peak_mbs = [0.0] * pp, list(state), [()] * pp
+    ran: list[Order] = [[] for _ in range(pp)]
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    ends: list[list[float]] = [[] for _ in range(pp)]
+    events: list[Event] = []
+    position = [0] * pp  # fixed orders: the next op of each stage
+    next_forward = [0] * pp  # greedy: the next micro-batch to enter each stage
+    backlog = [deque() for _ in range(pp)]  # greedy: micro-batches whose gradient is due, FIFO
+    wake: list = [0.0] * pp  # when each stage next decides; None: waits for a neighbour
+    heap = [(0.0, s) for s in range(pp)]
+
+    def wake_at(s: int, time: float) -> None:
+        if time < free[s]:
+            time = free[s]
+        if wake[s] is None or time < wake[s]:
+            wake[s] = time
+            heapq.heappush(heap, (time, s))
+
+    for _ in range(total):
+        kind = None
+        while kind is None:
+            if not heap:
+                raise _stuck(orders, position, pp)
+            now, s = heapq.heappop(heap)
+            if wake[s] != now:
+                continue  # superseded by an earlier wake-up
+            wake[s] = None
+            if greedy:
+                kind, m = _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held[s], backlog[s],
+                                          next_forward, state[s] + held_total[s], stored[s], peak_of[s],
+                                          memory_limit_mb)
+                due = [] if kind else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
+            elif position[s] < len(orders[s]):
+                kind, m = orders[s][position[s]]
+                if kind == "F":
+                    ready = 0.0 if s == 0 else act[s][m]
+                else:
+                    ready = last_forward_end[m] if s == last else grad[s][m]
+                if ready is None or ready > now:
+                    kind, due = None, [ready]
+                else:
+                    position[s] += 1
+            else:
+                due = []
+            if kind is None:  # sleep until an input it knows of is due; else a neighbour wakes it
+                due = [d for d in due if d is not None and d > now]
+                if due:
+                    wake_at(s, min(due))
+        start = free[s] if free[s] > now else now
+        duration = forward[s][m] if kind == "F" else backward[s][m]
+        end = free[s] = start + duration
+        in_use = state[s] + held_total[s] + peak_of[s][m]
+        if in_use > peak[s]:
+            peak[s] = in_use
+            peak_mbs[s] = tuple(held[s]) + ((m,) if kind == "F" else ())
+        ran[s].append((kind, m))
+        starts[s].append(start)
+        ends[s].append(end)
+        if record:
+            events.append(Event(s, kind, m, start, end))
+        remaining[s] -= duration
+        if end + remaining[s] > give_up_above_ms:
+            return None
+        if kind == "F":
+            held[s][m] = stored[s][m]
+            held_total[s] += stored[s][m]
+            if s < last:
+                begin = link_down[s] if link_down[s] > end else end
+                sent = link_down[s] = begin + comm[m]
+                if record:
+                    events.append(Event(s, "send-act", m, begin, sent))
+                act[s + 1][m] = sent
+                wake_at(s + 1, sent)
+            else:
+                last_forward_end[m] = end
+                backlog[s].append(m)  # the last stage turns straight to its own backward
+        else:
+            held_total[s] -= held[s].pop(m)
+            if s > 0:
+                begin = link_up[s] if link_up[s] > end else end
+                sent = link_up[s] = begin + comm[m]
+                if record:
+                    events.append(Event(s, "send-grad", m, begin, sent))
+                grad[s - 1][m] = sent
+                backlog[s - 1].append(m)
+                wake_at(s - 1, sent)
+        wake_at(s, end)
+    return SimulationResult(makespan=max(free) if n else 0.0, peak_memory=np.array(peak), orders=ran,
+                            peak_microbatches=peak_mbs, events=events, op_starts=starts, op_ends=ends)
+
+
+def _stuck(orders, position, pp) -> Exception:
+    """Why no stage can run its next op."""
+    if orders is None:
+        return RuntimeError("wait-free-cyclic found no runnable op: a micro-batch fits no stage alone")
+    stuck = {s: orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])}
+    return ScheduleDeadlock(f"stages wait on each other at {stuck}")
+
+
+def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, backlog, next_forward, in_use, stored,
+                    peak, limit):
+    """wait-free-cyclic's choice for stage s at ``now``: keep 1F1B's pp - s micro-batches in flight
+    first (a starved pipeline idles downstream), then backwards, then extra forwards while memory
+    lasts: (kind, micro-batch) or (None, None)."""
+    m = next_forward[s]
+    ready = (0.0 if s == 0 else act[s][m]) if m < n else None
+    forward_due = ready is not None and ready <= now
+    if forward_due and len(held) < pp - s:
+        next_forward[s] += 1
+        return "F", m
+    if backlog:
+        b = backlog[0]
+        ready = last_forward_end[b] if s == last else grad[s][b]
+        if ready is not None and ready <= now:
+            return "B", backlog.popleft()
+    if forward_due:
+        # Admit m only if every op until the next free still fits: m's forward, and the
+        # backward of any held micro-batch, which then runs with m's activations held too.
+        transient = max(peak[m], max(peak[h] for h in held)) if held else peak[m]
+        if in_use + stored[m] + transient <= limit:
+            next_forward[s] += 1
+            return "F", m
+    return None, None
+
+
+def _inputs_due(s, n, last, act, last_forward_end, grad, backlog, next_forward) -> list:
+    """When the inputs of stage s's next backward and next forward arrive (None: not yet known)."""
+    due = [last_forward_end[backlog[0]] if s == last else grad[s][backlog[0]]] if backlog else []
+    if next_forward[s] < n:
+        due.append(0.0 if s == 0 else act[s][next_forward[s]])
+    return due

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from megatron_dynapipe.config.model_flags import add_model_arguments
-from megatron_dynapipe.planning.spec import positive_int_argument, recompute_argument
+from megatron_dynapipe.planning.flags import positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["add_device_arguments", "add_profile_parser", "resolve_device", "run_profile"]
@@ -102,7 +102,7 @@ def _checked(args):
 
 def run_profile(args: argparse.Namespace) -> int:
     from megatron_dynapipe.progress import progress_bar, progress_enabled
-    from megatron_dynapipe.profiling.calibrate import calibrate_model, calibration_shapes
+    from megatron_dynapipe.profiling.analytical_fit import calibrate_model, calibration_shapes
     from megatron_dynapipe.profiling.profiler import profile_model
 
     spec, output, settings, device = _checked(args)

@@ -19,7 +19,6 @@ metadata; a profile that stopped (Ctrl-C, a crash) resumes from it where it stop
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 from dataclasses import dataclass, field
@@ -30,7 +29,8 @@ import torch
 
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import PHASES
+from megatron_dynapipe.planning.cost_model import MB
+from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.gpt_build import uses_transformer_engine
 from megatron_dynapipe.profiling.layers import DTYPES, Parts, build_parts, fake_tp_rank
@@ -38,10 +38,8 @@ from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_alloc
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
 from megatron_dynapipe.config.model_flags import megatron_model_args
 
-__all__ = ["ProfileSettings", "ProfileError", "profile_model", "FORMAT_VERSION"]
+__all__ = ["ProfileSettings", "ProfileError", "profile_model"]
 
-FORMAT_VERSION = 1
-MB = 2**20
 
 
 class ProfileError(ValueError):
@@ -83,21 +81,18 @@ class ProfileSettings:
 
 
 @dataclass
-class _Profile:
-    """The file being written: its records, keyed so that a resumed profile skips what it has."""
+class ProfileRun:
+    """The file being written: its records (keyed so that a resumed profile skips what it has) and
+    what it was made of."""
 
     spec: ModelSpec
     settings: ProfileSettings
     device: torch.device
-    times: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, layer, phase, seq, mbs) -> ms
-    memory: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, kind, seq, mbs) -> MB
-    params: dict[tuple, float] = field(default_factory=dict)  # (tp, rc, layer) -> MB
-    spread: dict[tuple, float] = field(default_factory=dict)  # same keys as times -> ms
-    infeasible: set[tuple] = field(default_factory=set)  # (tp, rc, seq, mbs)
-    overhead: dict[int, Overhead] = field(default_factory=dict)  # tp -> what a step adds per micro-batch
+    records: ProfileRecords = field(default_factory=ProfileRecords)
 
     def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
-        return (tp, rc.label, "encoder", "forward", seq, mbs) in self.times or (tp, rc.label, seq, mbs) in self.infeasible
+        return ((tp, rc.label, "encoder", "forward", seq, mbs) in self.records.times
+                or (tp, rc.label, seq, mbs) in self.records.infeasible)
 
     def document(self, complete: bool) -> dict[str, Any]:
         return {
@@ -105,19 +100,7 @@ class _Profile:
             "source": f"megatron-dynapipe profile, {device_name(self.device)}, {self.settings.dtype}",
             "hidden_size": self.spec.hidden_size,
             "metadata": self.metadata(complete),
-            "layer_time": [dict(tp=k[0], recompute=k[1], layer=k[2], phase=k[3], seqlen=k[4], mbs=k[5],
-                                ms=round(v, 4), spread_ms=round(self.spread.get(k, 0.0), 4))
-                           for k, v in sorted(self.times.items())],
-            "activation_memory": [dict(tp=k[0], recompute=k[1], layer="encoder", kind=k[2], seqlen=k[3], mbs=k[4],
-                                       mb=round(v, 4)) for k, v in sorted(self.memory.items())],
-            "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
-                                   for k, v in sorted(self.params.items())],
-            "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
-            "microbatch_overhead": [dict(tp=tp, per=per, phase=phase, ms=round(ms, 4),
-                                         ms_per_token=round(per_token, 7), points=o.points)
-                                    for tp, o in sorted(self.overhead.items())
-                                    for per, lines in (("stage", o.stage), ("layer", o.layer))
-                                    for phase, (ms, per_token) in lines.items()],
+            **self.records.records(),
         }
 
     def metadata(self, complete: bool) -> dict[str, Any]:
@@ -141,8 +124,16 @@ class _Profile:
                          "refine_tolerance": s.refine_tolerance},
         }
 
+    def set_overhead(self, tp: int, overhead: Overhead) -> None:
+        self.records.overhead[tp] = {(per, phase): line for per, lines in (("stage", overhead.stage),
+                                                                           ("layer", overhead.layer))
+                                     for phase, line in lines.items()}
+        self.records.overhead_points[tp] = overhead.points
+
     @classmethod
-    def resumed(cls, doc: dict, spec: ModelSpec, settings: ProfileSettings, device: torch.device) -> "_Profile":
+    def resumed(cls, path: Path, spec: ModelSpec, settings: ProfileSettings, device: torch.device) -> "ProfileRun":
+        """The interrupted profile in ``path``, if it was made of the same model, dtype and device."""
+        doc = read_document(path)
         meta = doc.get("metadata") or {}
         mismatch = [what for what, mine, theirs in (
             ("model", spec.to_json(), meta.get("model")), ("dtype", settings.dtype, meta.get("dtype")),
@@ -150,24 +141,7 @@ class _Profile:
         if mismatch:
             raise ProfileError(f"cannot resume: the existing profile has another {', '.join(mismatch)}; "
                                "pass --force to start over or another --output")
-        profile = cls(spec, settings, device)
-        for r in doc.get("layer_time", []):
-            key = (r["tp"], r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"])
-            profile.times[key], profile.spread[key] = r["ms"], r.get("spread_ms", 0.0)
-        for r in doc.get("activation_memory", []):
-            profile.memory[(r["tp"], r["recompute"], r["kind"], r["seqlen"], r["mbs"])] = r["mb"]
-        for r in doc.get("model_state_memory", []):
-            profile.params[(r["tp"], r["recompute"], r["layer"])] = r["mb"]
-        profile.infeasible = {(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc.get("infeasible", [])}
-        lines: dict[int, dict] = {}
-        for r in doc.get("microbatch_overhead", []):
-            lines.setdefault(r["tp"], {})[r["per"], r["phase"]] = (r["ms"], r["ms_per_token"])
-            lines[r["tp"]]["points"] = r.get("points", 0)
-        for tp, line in lines.items():
-            profile.overhead[tp] = Overhead(stage={phase: line["stage", phase] for phase in PHASES},
-                                            layer={phase: line["layer", phase] for phase in PHASES},
-                                            points=line["points"])
-        return profile
+        return cls(spec, settings, device, ProfileRecords.from_document(doc, str(path)))
 
 
 def device_name(device: torch.device) -> str:
@@ -197,54 +171,54 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     output = Path(output)
     if device.type == "cpu":
         steady_cpu_allocator()
-    profile = _Profile(spec, settings, device)
+    profile = ProfileRun(spec, settings, device)
     if resume and output.exists():
-        profile = _Profile.resumed(json.loads(output.read_text()), spec, settings, device)
+        profile = ProfileRun.resumed(output, spec, settings, device)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             _profile_tp(profile, tp, output, progress or (lambda what: None))
     doc = profile.document(complete=True)
-    write_atomically(output, json.dumps(doc, indent=1) + "\n")
+    write_atomically(output, to_text(doc))
     return doc
 
 
-def _profile_tp(profile: _Profile, tp: int, output: Path, progress: Progress) -> None:
+def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) -> None:
     s = profile.settings
     parts = build_parts(profile.spec, tp, DTYPES[s.dtype], profile.device, s.recompute)
     for rc in s.recompute:  # the same shards whatever the recompute type; the format wants each
-        profile.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
-        profile.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
+        profile.records.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
+        profile.records.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
     _warm_up(profile, parts)
     seqs = s.seq_lengths()
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
     _refine(profile, parts, tp, seqs, output, progress)
-    if tp not in profile.overhead:
-        _measure_overhead(profile, tp, progress)
-        write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
+    if tp not in profile.records.overhead:
+        measure_step_overhead(profile, tp, progress)
+        write_atomically(output, to_text(profile.document(complete=False)))
 
 
-def _measure_overhead(profile: _Profile, tp: int, progress: Progress) -> None:
+def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> None:
     """What a whole training step adds per micro-batch (:mod:`.overhead`), measured with the
     first recompute type profiled at the points its layers were measured."""
     s, rc = profile.settings, profile.settings.recompute[0]
 
     def ms(layer: str, phase: str, seq: int, mbs: int) -> float:
-        return profile.times[(tp, rc.label, layer, phase, seq, mbs)]
+        return profile.records.times[(tp, rc.label, layer, phase, seq, mbs)]
 
     def parts_ms(phase: str, seq: int, mbs: int) -> tuple[float, float]:
         return ms("encoder", phase, seq, mbs), ms("preprocess", phase, seq, mbs) + ms("postprocess", phase, seq, mbs)
 
-    measured = [(k[4], k[5]) for k in profile.times if k[:4] == (tp, rc.label, "encoder", "forward")]
+    measured = [(k[4], k[5]) for k in profile.records.times if k[:4] == (tp, rc.label, "encoder", "forward")]
     progress(f"tp {tp} whole-step overhead")
     found = measure_overhead(profile.spec, tp=tp, dtype=DTYPES[s.dtype], device=profile.device, recompute=rc,
                              parts_ms=parts_ms, shapes=overhead_shapes(measured), repeats=s.repeats,
                              min_time_ms=s.min_time_ms)
     if found is not None:
-        profile.overhead[tp] = found
+        profile.set_overhead(tp, found)
 
 
-def _warm_up(profile: _Profile, parts: Parts) -> None:
+def _warm_up(profile: ProfileRun, parts: Parts) -> None:
     """Run every part once, untimed, at the grid's largest micro-batch (where it fits): the
     process's first runs (thread pools, kernel selection, the allocator growing its pools; see
     :func:`~.measure.steady_cpu_allocator` for the CPU's) are slower than any later one and would
@@ -259,23 +233,23 @@ def _warm_up(profile: _Profile, parts: Parts) -> None:
         unless_out_of_memory(profile.device, lambda: time_step(step, profile.device, warmup=0, repeats=1))
 
 
-def _profile_row(profile: _Profile, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
+def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:
     """Every micro-batch size of one sequence length, each recompute type until it runs out."""
     open_rows = list(profile.settings.recompute)
     for mbs in profile.settings.micro_batch_sizes(seq):
         done = [rc for rc in open_rows if profile.has(tp, rc, seq, mbs)]  # measured before a resume
-        open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.infeasible]
+        open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.records.infeasible]
         todo = [rc for rc in open_rows if rc not in done]
         if todo:
             progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}")
-            fits = _measure_point(profile, parts, tp, todo, seq, mbs)
+            fits = measure_point(profile, parts, tp, todo, seq, mbs)
             open_rows = [rc for rc in open_rows if rc not in todo or rc in fits]
         if not open_rows:
             break
-    write_atomically(output, json.dumps(profile.document(complete=False), indent=1) + "\n")
+    write_atomically(output, to_text(profile.document(complete=False)))
 
 
-def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence[RecomputeType], seq: int,
+def measure_point(profile: ProfileRun, parts: Parts, tp: int, recompute: Sequence[RecomputeType], seq: int,
                    mbs: int) -> list[RecomputeType]:
     """Measure one point for each recompute type into ``profile`` (the head and the embedding
     once, for all of them); returns the types that fit in memory there."""
@@ -294,21 +268,21 @@ def _measure_point(profile: _Profile, parts: Parts, tp: int, recompute: Sequence
         timing = embedding and timed(lambda: encoder(x))
         measured = timing and unless_out_of_memory(device, lambda: (timing, measure_memory(lambda: encoder(x), device)))
         if not measured:
-            profile.infeasible.add((tp, rc.label, seq, mbs))
+            profile.records.infeasible.add((tp, rc.label, seq, mbs))
             continue
         timing, memory = measured
         for layer, t in (("encoder", timing), ("postprocess", head), ("preprocess", embedding)):
             for phase, ms, spread in (("forward", t.forward_ms, t.forward_spread_ms),
                                       ("backward", t.backward_ms, t.backward_spread_ms)):
-                profile.times[(tp, rc.label, layer, phase, seq, mbs)] = ms
-                profile.spread[(tp, rc.label, layer, phase, seq, mbs)] = spread
-        profile.memory[(tp, rc.label, "stored", seq, mbs)] = memory.stored_bytes / MB
-        profile.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
+                profile.records.times[(tp, rc.label, layer, phase, seq, mbs)] = ms
+                profile.records.spread[(tp, rc.label, layer, phase, seq, mbs)] = spread
+        profile.records.memory[(tp, rc.label, "stored", seq, mbs)] = memory.stored_bytes / MB
+        profile.records.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
         fits.append(rc)
     return fits
 
 
-def _inputs(profile: _Profile, seq: int, mbs: int) -> "tuple[torch.Tensor, torch.Tensor] | None":
+def _inputs(profile: ProfileRun, seq: int, mbs: int) -> "tuple[torch.Tensor, torch.Tensor] | None":
     """Hidden states ``[seq, mbs, hidden]`` and token ids ``[mbs, seq]`` of one point, or None
     when they do not fit on the device."""
     s, device = profile.settings, profile.device
@@ -321,7 +295,7 @@ def _timing(s: ProfileSettings) -> dict:
     return dict(warmup=s.warmup, repeats=s.repeats, min_time_ms=s.min_time_ms)
 
 
-def _refine(profile: _Profile, parts: Parts, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
+def _refine(profile: ProfileRun, parts: Parts, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
     """Profile a length between two profiled ones wherever the linear interpolation the cost
     model does between them misses a probe there by more than the tolerance."""
     seqs = sorted(seqs)
@@ -340,12 +314,12 @@ def _midpoint(short: int, long: int) -> int | None:
     return middle if short < middle < long else None
 
 
-def _bends(profile: _Profile, parts: Parts, tp: int, short: int, middle: int, long: int) -> bool:
+def _bends(profile: ProfileRun, parts: Parts, tp: int, short: int, middle: int, long: int) -> bool:
     """Whether one layer's forward at ``middle`` tokens (``mbs=1``, the first recompute type)
     is off the straight line between ``short`` and ``long`` by more than the tolerance."""
     rc = profile.settings.recompute[0]
-    a = profile.times.get((tp, rc.label, "encoder", "forward", short, 1))
-    b = profile.times.get((tp, rc.label, "encoder", "forward", long, 1))
+    a = profile.records.times.get((tp, rc.label, "encoder", "forward", short, 1))
+    b = profile.records.times.get((tp, rc.label, "encoder", "forward", long, 1))
     if a is None or b is None:
         return False  # a row that does not reach mbs=1 there is not interpolated either
     x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[profile.settings.dtype],

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 from pathlib import Path
 
@@ -31,11 +30,12 @@ import torch
 
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import CALIBRATED, AnalyticalCostModel
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
+from megatron_dynapipe.planning.cost_model.profile_file import calibrated_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.layers import DTYPES, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.overhead import overhead_shapes
-from megatron_dynapipe.profiling.profiler import Progress, ProfileError, ProfileSettings, _measure_overhead, _measure_point, _Profile
+from megatron_dynapipe.profiling.profiler import Progress, ProfileError, ProfileSettings, measure_step_overhead, measure_point, ProfileRun
 from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
 __all__ = ["calibrate_model", "fit_analytical", "SATURATION_LADDER"]
@@ -54,7 +54,7 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
     if device.type == "cpu":
         steady_cpu_allocator()
     settings = dataclasses.replace(settings, recompute=(RecomputeType.NONE,))
-    profile = _Profile(spec, settings, device)
+    profile = ProfileRun(spec, settings, device)
     progress = progress or (lambda what: None)
     output = Path(output)
     for tp in settings.tp_sizes:
@@ -62,13 +62,13 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
             parts = build_parts(spec, tp, DTYPES[settings.dtype], device, settings.recompute)
             for seq, mbs in calibration_shapes(settings):
                 progress(f"tp {tp} seq {seq} mbs {mbs}")
-                _measure_point(profile, parts, tp, settings.recompute, seq, mbs)
-            if not profile.times:
+                measure_point(profile, parts, tp, settings.recompute, seq, mbs)
+            if not profile.records.times:
                 raise ProfileError(f"not even one micro-batch of {settings.min_seq_length} tokens fits on this "
                                    "device: lower --min-seq-length or use a larger device")
-            _measure_overhead(profile, tp, progress)
+            measure_step_overhead(profile, tp, progress)
     doc = _document(profile)
-    write_atomically(output, json.dumps(doc, indent=1) + "\n")
+    write_atomically(output, to_text(doc))
     return doc
 
 
@@ -132,7 +132,7 @@ def _analytical(spec: ModelSpec, tp: int) -> AnalyticalCostModel:
                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.padded_vocab_size(tp), tp=tp)
 
 
-def _document(profile: _Profile) -> dict:
+def _document(profile: ProfileRun) -> dict:
     measured = profile.document(complete=True)
     points = [r for r in measured["layer_time"] if r["layer"] in ("encoder", "postprocess")]
     fit = fit_analytical(points, profile.spec)
@@ -143,13 +143,11 @@ def _document(profile: _Profile) -> dict:
     gpt = _analytical(profile.spec, 1)
     values = dict(fit, hidden_size=gpt.hidden_size, num_heads=gpt.num_heads, ffn_hidden_size=gpt.ffn_hidden_size,
                   vocab_size=gpt.vocab_size, device_memory_mb=round(memory_mb, 1))
-    return {
-        "name": f"{profile.spec.label} on {measured['metadata']['device']}, calibrated",
-        "source": measured["source"] + ", calibrated analytical model",
-        "hidden_size": profile.spec.hidden_size,
-        "metadata": dict(measured["metadata"], calibration={
+    return calibrated_document(
+        name=f"{profile.spec.label} on {measured['metadata']['device']}, calibrated",
+        source=measured["source"] + ", calibrated analytical model",
+        hidden_size=profile.spec.hidden_size,
+        metadata=dict(measured["metadata"], calibration={
             "points": len(points), "median_error_pct": round(fit["median_error_pct"], 2),
             "max_error_pct": round(fit["max_error_pct"], 2), "measured": points}),
-        "analytical": {key: values[key] for key in CALIBRATED},  # the keys the loader reads, in its order
-        "microbatch_overhead": measured["microbatch_overhead"],
-    }
+        settings=values, overhead=measured["microbatch_overhead"])

@@ -1,0 +1,194 @@
+"""GPT layer costs from FLOP counts and activation-memory formulas
+(:mod:`megatron_dynapipe.config.accounting`), for a model too large to profile in the time at
+hand or a device not at hand; ``profile --calibrate`` fits its rates to a few measured points."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from megatron_dynapipe.config.accounting import activation_bytes, layer_flops_per_token, output_flops_per_token
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.planning.cost_model import profile_file
+from megatron_dynapipe.planning.cost_model.base import (
+    INF,
+    KINDS,
+    LAYERS,
+    MB,
+    PARAM_LAYERS,
+    PHASES,
+    CostModel,
+    CostModelError,
+    as_float,
+    as_recompute,
+    check_choice,
+)
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["AnalyticalCostModel"]
+
+
+class AnalyticalCostModel(CostModel):
+    """GPT layer costs from FLOP counts and activation-memory formulas (docs/cost_model.md).
+
+    Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase, where the
+    attention core's FLOPs (scores and their weighted sum, quadratic in the sequence) run at
+    ``attention_mfu`` (default: ``mfu``) and the matmuls at ``mfu``; a layer on
+    fewer than ``saturation_tokens`` tokens takes as long as on that many, because small kernels
+    leave the GPU under-used (the A100 profile flattens below about 1k tokens per layer). Memory is
+    16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
+    single encoder layer (its stored and peak activations plus the 16-byte-per-parameter model
+    state of that layer) exceeds ``device_memory_mb`` is infeasible (``inf``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 4096,
+        num_heads: int = 32,
+        ffn_hidden_size: int | None = None,
+        vocab_size: int = 50257,
+        tp: int = 1,
+        peak_tflops: float = 312.0,
+        mfu: float = 0.5,
+        attention_mfu: float | None = None,
+        device_memory_mb: float = 40960,
+        overhead_ms: float = 0.0,
+        saturation_tokens: int = 1024,
+        microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+        metadata: dict | None = None,
+    ):
+        ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                        ("ffn_hidden_size", ffn), ("vocab_size", vocab_size), ("tp", tp)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        if num_heads % tp:
+            raise ValueError(f"num_heads {num_heads} is not divisible by tp {tp}")
+        if not (peak_tflops > 0 and 0 < mfu <= 1 and device_memory_mb > 0 and overhead_ms >= 0
+                and saturation_tokens >= 0):
+            raise ValueError("need peak_tflops > 0, 0 < mfu <= 1, device_memory_mb > 0, overhead_ms >= 0, "
+                             "saturation_tokens >= 0")
+        self.hidden_size = int(hidden_size)
+        self.num_heads = int(num_heads)
+        self.ffn_hidden_size = int(ffn)
+        self.vocab_size = int(vocab_size)
+        self.tp = int(tp)
+        self.peak_tflops = float(peak_tflops)
+        self.mfu = float(mfu)
+        self.attention_mfu = self.mfu if attention_mfu is None else float(attention_mfu)
+        if not self.attention_mfu > 0:
+            raise ValueError(f"need attention_mfu > 0, got {attention_mfu}")
+        self.device_memory_mb = float(device_memory_mb)
+        self.overhead_ms = float(overhead_ms)
+        self.saturation_tokens = int(saturation_tokens)
+        self.microbatch_overhead = dict(microbatch_overhead or {})
+        self.metadata = dict(metadata or {})  # a calibrated model's: what `profile --calibrate` recorded
+        self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
+        self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
+        h, t = self.hidden_size, self.tp
+        layer = layer_flops_per_token(ModelSpec(num_layers=1, hidden_size=h, num_attention_heads=self.num_heads,
+                                                ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size),
+                                      1, causal=False)  # an unfused attention core computes the whole square
+        self._matmul_flop_per_token = layer.linear / t
+        self._attention_flop = layer.attention / t  # times b * s^2
+        self._head_flop_per_token = output_flops_per_token(h, self.vocab_size) / t
+        self._encoder_state_mb = 8.0 * self.param_mb("encoder")
+
+    def __repr__(self) -> str:
+        return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
+                f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, attention_mfu={self.attention_mfu}, "
+                f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms}, "
+                f"saturation_tokens={self.saturation_tokens})")
+
+    @classmethod
+    def calibrated(cls, doc: dict, tp: int, *, source: str) -> "AnalyticalCostModel":
+        """The model ``megatron-dynapipe profile --calibrate`` wrote (docs/cost_model.md): the
+        GPT sizes and fitted settings of its ``analytical`` object, at any ``tp``."""
+        settings = profile_file.calibrated_settings(doc, source)
+        try:
+            return cls(tp=tp, **settings, metadata=profile_file.metadata_of(doc),
+                       microbatch_overhead=profile_file.overhead_of(doc, tp, source))
+        except (TypeError, ValueError) as error:
+            if isinstance(error, CostModelError):
+                raise
+            raise CostModelError(f"cost model file {source} has an 'analytical' object no model can be built from "
+                                 f"({error}): {profile_file.FORMAT_HINT}") from None
+
+    # -- FLOPs -----------------------------------------------------------------------------------
+    def encoder_flops(self, phase: str, recompute, mbs, seqlen):
+        """FLOPs of one encoder layer on one TP rank (MAC = 2 FLOPs)."""
+        matmul, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
+        return matmul + attention
+
+    def encoder_flop_parts(self, phase: str, recompute, mbs, seqlen):
+        """:meth:`encoder_flops` as (linear layers', attention core's)."""
+        check_choice("phase", phase, PHASES)
+        rc = as_recompute(recompute)
+        b, s = as_float(mbs), as_float(seqlen)
+        matmul, attention = self._matmul_flop_per_token * b * s, self._attention_flop * b * s * s
+        if phase == "forward":
+            return matmul, attention
+        if rc == RecomputeType.NONE:
+            return 2.0 * matmul, 2.0 * attention
+        if rc == RecomputeType.SELECTIVE:
+            return 2.0 * matmul, 3.0 * attention
+        return 3.0 * matmul, 3.0 * attention
+
+    def postprocess_flops(self, phase: str, mbs, seqlen):
+        """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
+        check_choice("phase", phase, PHASES)
+        forward = self._head_flop_per_token * as_float(mbs) * as_float(seqlen)
+        return forward if phase == "forward" else 2.0 * forward
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        check_choice("layer", layer, LAYERS)
+        if layer == "preprocess":  # a lookup: no FLOPs to price
+            return self._mask(0.0 * as_float(mbs) * as_float(seqlen), mbs, seqlen)
+        if layer == "encoder":
+            matmul, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
+            flops = matmul + attention * (self.mfu / self.attention_mfu)  # as matmul FLOPs at mfu
+        else:
+            flops = self.postprocess_flops(phase, mbs, seqlen)
+        tokens = as_float(mbs) * as_float(seqlen)
+        under_used = np.maximum(1.0, self.saturation_tokens / tokens)
+        return self._mask(flops * under_used / self._flop_per_ms + self.overhead_ms, mbs, seqlen)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def _activation_bytes(self, rc: RecomputeType, b, s):
+        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=rc.label)
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        check_choice("activation kind", kind, KINDS)
+        rc = as_recompute(recompute)
+        b, s = as_float(mbs), as_float(seqlen)
+        stored = self._activation_bytes(rc, b, s)
+        if kind == "stored":
+            value = stored
+        else:  # backward materialises the whole layer plus as much again in gradients
+            value = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) - stored
+        return self._mask(value / MB, mbs, seqlen)
+
+    def param_mb(self, layer):
+        check_choice("parameter layer", layer, PARAM_LAYERS)
+        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        if layer == "embedding":
+            params = self.vocab_size * h / t
+        else:  # TP-split QKV, projection, FFN weights and split biases; replicated biases + 2 LNs
+            params = (4 * h * h + 2 * h * f + 3 * h + f) / t + 6 * h
+        return 2.0 * params / MB
+
+    def fits(self, mbs, seqlen):
+        """Whether one micro-batch can run one encoder layer on the device at all."""
+        b, s = as_float(mbs), as_float(seqlen)
+        need = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) / MB + self._encoder_state_mb
+        return need <= self.device_memory_mb
+
+    def _mask(self, value, mbs, seqlen):
+        ok = self.fits(mbs, seqlen)
+        if isinstance(value, np.ndarray) or isinstance(ok, np.ndarray):
+            return np.where(ok, value, INF)
+        return float(value) if ok else INF

@@ -1,0 +1,111 @@
+"""The question every cost model answers, in the units every one speaks.
+
+A :class:`CostModel` prices one GPT layer (and the embedding and LM head) for one micro-batch
+shape at one tensor-parallel size: time per phase, activation memory, parameter memory.  Every
+query is vectorised: ``mbs`` and ``seqlen`` may be scalars or broadcastable arrays, and
+``np.inf`` marks a micro-batch shape that cannot run at all.  Scalar queries take a pure-Python
+path because the planner issues many of them.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["CostModel", "CostModelError", "MB", "LAYERS", "PHASES", "KINDS", "PARAM_LAYERS"]
+
+MB = 2**20  # bytes in the "MB" every cost model speaks (the unit of the profile files)
+LAYERS = ("encoder", "postprocess", "preprocess")
+PHASES = ("forward", "backward")
+KINDS = ("stored", "peak")
+PARAM_LAYERS = ("embedding", "encoder")
+# The (layer, phase) times CostModel.shape_costs returns, in order, before the activation KINDS.
+TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forward"), ("postprocess", "backward"),
+         ("preprocess", "forward"), ("preprocess", "backward"))
+
+INF = math.inf
+SCALARS = (int, float, np.integer, np.floating)
+
+
+class CostModelError(ValueError):
+    """A cost model file cannot be used; the message says what to fix."""
+
+
+def as_recompute(value) -> RecomputeType:
+    return value if isinstance(value, RecomputeType) else RecomputeType.parse(value)
+
+
+def is_scalar(x) -> bool:
+    return isinstance(x, SCALARS) or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+
+def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(choices)}")
+
+
+def full_inf(mbs, seqlen):
+    if is_scalar(mbs) and is_scalar(seqlen):
+        return INF
+    return np.full(np.broadcast_shapes(np.shape(mbs), np.shape(seqlen)), INF)
+
+
+class CostModel(abc.ABC):
+    """Per-layer costs of one model at one tensor-parallel size.
+
+    ``layer_ms`` and ``activation_mb`` return a ``float`` when both ``mbs`` and ``seqlen`` are
+    scalars and a float ``np.ndarray`` of their broadcast shape otherwise.
+    """
+
+    tp: int
+    hidden_size: int  # activation width: p2p messages are mbs * seqlen * hidden_size elements
+    name: str = ""
+
+    @abc.abstractmethod
+    def layer_ms(self, layer: str, phase: str, recompute: RecomputeType, mbs, seqlen):
+        """Milliseconds of one ``layer`` ("encoder", "postprocess": final norm, LM head and loss, or
+        "preprocess": the embedding) in ``phase`` ("forward" | "backward") for one micro-batch;
+        backward includes recomputation."""
+
+    @abc.abstractmethod
+    def activation_mb(self, kind: str, recompute: RecomputeType, mbs, seqlen):
+        """MB of one encoder layer: ``kind`` "stored" is kept from its forward until its
+        backward, "peak" is the transient extra while the layer runs."""
+
+    @abc.abstractmethod
+    def param_mb(self, layer: str) -> float:
+        """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
+
+    def microbatch_overhead_ms(self, phase: str, mbs, seqlen, layers):
+        """Milliseconds a training step adds per micro-batch, in ``phase``, to the own times of
+        the parts of a stage of ``layers`` layers (GPTModel around them, the loss, DDP's gradient
+        hooks, the executor): once per stage and once per layer, each ``ms + ms_per_token *
+        mbs * seqlen`` as :attr:`microbatch_overhead` holds them (docs/cost_model.md)."""
+        check_choice("phase", phase, PHASES)
+        tokens = as_float(mbs) * as_float(seqlen)
+        stage_ms, stage_per_token = self.microbatch_overhead.get(("stage", phase), (0.0, 0.0))
+        layer_ms, layer_per_token = self.microbatch_overhead.get(("layer", phase), (0.0, 0.0))
+        return stage_ms + stage_per_token * tokens + as_float(layers) * (layer_ms + layer_per_token * tokens)
+
+    #: ("stage" | "layer", phase) -> (ms, ms per token) of :meth:`microbatch_overhead_ms`; none
+    #: unless measured
+    microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] = {}
+
+    def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
+        """Everything a pipeline stage needs of one micro-batch shape under each recompute type
+        in ``types``, in one call: a [len(types), 8, *shape] array of encoder, LM-head and
+        embedding forward and backward ms, then stored and peak activation MB.
+        A model may share work between them; this one asks each in turn."""
+        shape = np.broadcast_shapes(np.shape(mbs), np.shape(seqlen))
+        rows = [[self.layer_ms(layer, phase, rc, mbs, seqlen) for layer, phase in TIMED]
+                + [self.activation_mb(kind, rc, mbs, seqlen) for kind in KINDS] for rc in types]
+        return np.array([[np.broadcast_to(np.asarray(v, dtype=float), shape) for v in row] for row in rows])
+
+
+def as_float(x):
+    return float(x) if is_scalar(x) else np.asarray(x, dtype=float)

@@ -1,0 +1,154 @@
+"""Costs interpolated from a profile: what ``megatron-dynapipe profile`` measured on a device
+(or the DynaPipe authors' published A100 table), read through :mod:`.profile_file`."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+
+from megatron_dynapipe.planning.cost_model import profile_file
+from megatron_dynapipe.planning.cost_model.base import (
+    KINDS,
+    LAYERS,
+    MB,
+    PARAM_LAYERS,
+    PHASES,
+    TIMED,
+    CostModel,
+    CostModelError,
+    as_recompute,
+    check_choice,
+    full_inf,
+    is_scalar,
+)
+from megatron_dynapipe.planning.cost_model.grid import Grid, GridStack
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["ProfiledCostModel"]
+
+
+class ProfiledCostModel(CostModel):
+    """Costs interpolated from a profile (docs/cost_model.md).
+
+    Within a profiled sequence length, cost is linear in the micro-batch size between profiled
+    sizes; between two profiled sequence lengths it is linear in the sequence length. Shorter
+    sequences than the shortest profiled cost as much as the shortest; longer sequences than the
+    longest profiled, and micro-batches larger than a bracketing row profiled, are ``inf``.
+    A recompute type absent from the profile is ``inf`` everywhere.
+    """
+
+    def __init__(
+        self,
+        *,
+        tp: int,
+        hidden_size: int,
+        times: dict[tuple[str, str, RecomputeType], Grid],
+        memory: dict[tuple[str, RecomputeType], Grid],
+        params_mb: dict[str, float],
+        name: str = "",
+        metadata: dict | None = None,
+        microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+    ):
+        self.tp = int(tp)
+        self.hidden_size = int(hidden_size)
+        self.name = name
+        self.metadata = dict(metadata or {})  # what `megatron-dynapipe profile` records: model, dtype, device
+        self._times = dict(times)
+        self._memory = dict(memory)
+        self._params = dict(params_mb)
+        self.microbatch_overhead = dict(microbatch_overhead or {})
+        self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
+        self._stacks: dict[tuple, GridStack | None] = {}  # by tuple of recompute types, built on first use
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(rc.label for rc in self.recompute_types)
+        return f"ProfiledCostModel({self.name!r}, tp={self.tp}, recompute: {kinds})"
+
+    def shape_costs(self, types, mbs, seqlen):
+        types = tuple(types)
+        if types not in self._stacks:  # grids in the returned order: per type, 6 times then 2 memories
+            self._stacks[types] = GridStack.of([grid for rc in types for grid in (
+                *(self._times.get((layer, phase, rc)) for layer, phase in TIMED),
+                *(self._memory.get((kind, rc)) for kind in KINDS))])
+        stack = self._stacks[types]
+        if stack is None or is_scalar(seqlen):  # scalar sequence lengths take the grids' own fast paths
+            return super().shape_costs(types, mbs, seqlen)
+        values = stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
+        return values.reshape((len(types), len(TIMED) + len(KINDS)) + values.shape[1:])
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        rc = as_recompute(recompute)
+        grid = self._times.get((layer, phase, rc))
+        if grid is None:
+            check_choice("layer", layer, LAYERS)
+            check_choice("phase", phase, PHASES)
+            return full_inf(mbs, seqlen)
+        return grid(mbs, seqlen)
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        rc = as_recompute(recompute)
+        grid = self._memory.get((kind, rc))
+        if grid is None:
+            check_choice("activation kind", kind, KINDS)
+            return full_inf(mbs, seqlen)
+        return grid(mbs, seqlen)
+
+    def param_mb(self, layer):
+        try:
+            return self._params[layer]
+        except KeyError:
+            check_choice("parameter layer", layer, PARAM_LAYERS)
+            raise
+
+    @classmethod
+    def from_json(cls, path, tp: int, *, hidden_size: int | None = None) -> "ProfiledCostModel":
+        """Load the profile of tensor-parallel size ``tp`` from a JSON file.
+
+        ``hidden_size`` (for p2p message sizes) comes from this argument, else from the file's
+        optional ``hidden_size`` key, else it is estimated from the encoder parameter memory.
+        """
+        path = os.fspath(path)
+        return cls.from_document(profile_file.read_document(path), tp, source=path, hidden_size=hidden_size)
+
+    @classmethod
+    def from_document(cls, doc, tp: int, *, source: str, hidden_size: int | None = None) -> "ProfiledCostModel":
+        """The profile of tensor-parallel size ``tp`` in a measured profile's JSON object."""
+        if profile_file.is_calibrated(doc):
+            raise CostModelError(f"cost model file {source} is a calibrated analytical model, not a measured "
+                                 "profile: load it with load_cost_model")
+        records = profile_file.ProfileRecords.from_document(doc, source)
+        tp = int(tp)
+        available = records.tps()
+        if tp not in available:
+            listed = ", ".join(str(t) for t in sorted(available)) or "none"
+            raise CostModelError(
+                f"cost model {source} has no profile for tp={tp} (profiled: {listed}): choose one "
+                "of those tensor-parallel sizes or profile this one"
+            )
+        times, memory, params = records.tables(tp, source)
+        if hidden_size is None:
+            hidden_size = profile_file.hidden_size_of(doc, source)
+        if hidden_size is None:
+            hidden_size = _estimate_hidden_size(params["encoder"], tp)
+        return cls(
+            tp=tp,
+            hidden_size=hidden_size,
+            times={k: Grid(v) for k, v in times.items()},
+            memory={k: Grid(v) for k, v in memory.items()},
+            params_mb=params,
+            name=str(doc.get("name", os.path.basename(source))),
+            metadata=profile_file.metadata_of(doc),
+            microbatch_overhead=records.overhead.get(tp, {}),
+        )
+
+
+def _estimate_hidden_size(encoder_param_mb: float, tp: int) -> int:
+    """Hidden size of a GPT layer with a 4h FFN (about 12 h^2 parameters) from its 16-bit
+    parameter MB at ``tp``, rounded to a multiple of 256."""
+    params = encoder_param_mb * MB / 2 * tp
+    return max(256, int(round(math.sqrt(params / 12) / 256)) * 256)
+
+

@@ -1,0 +1,147 @@
+"""A cost model seen from one pipeline layout: what each stage of it costs per micro-batch, the
+question the planner asks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_float, as_recompute
+
+__all__ = ["StageCosts"]
+
+ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a few dozen)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A :class:`CostModel` seen from one pipeline layout: what each stage costs.
+
+    Layers are split as evenly as possible, earlier stages taking the remainder. Stage 0 also
+    holds the embedding, the last stage the LM head (its time is ``postprocess``) and, when
+    ``pp > 1``, a tied copy of the embedding. Every stage pays the model's per-micro-batch
+    overhead (:meth:`CostModel.microbatch_overhead_ms`) on top of its layers: each runs its own
+    executor, DDP hooks and model wrapper.
+    """
+
+    model: CostModel
+    num_layers: int
+    pp: int
+    dp: int = 1
+    zero_stage: int = 0  # 0..3; Megatron's distributed optimizer is ZeRO-1
+    p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
+    # all_stages answers by query: one plan asks the same micro-batch shapes several times
+    # (recompute choice, candidate orders, work tables), and interpolation dominates small plans.
+    _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"pp and dp must be >= 1, got pp={self.pp} dp={self.dp}")
+        if self.num_layers < self.pp:
+            raise ValueError(
+                f"{self.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= num_layers"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if not self.p2p_gbps > 0:
+            raise ValueError(f"p2p_gbps must be > 0, got {self.p2p_gbps}")
+
+    def layers_on(self, stage: int) -> int:
+        if not 0 <= stage < self.pp:
+            raise ValueError(f"stage {stage} is outside 0..{self.pp - 1}")
+        base, extra = divmod(self.num_layers, self.pp)
+        return base + (stage < extra)
+
+    def _time(self, phase: str, stage: int, mbs, seqlen, recompute):
+        ms = self.layers_on(stage) * self.model.layer_ms("encoder", phase, recompute, mbs, seqlen)
+        if stage == 0:
+            ms = ms + self.model.layer_ms("preprocess", phase, recompute, mbs, seqlen)
+        if stage == self.pp - 1:
+            ms = ms + self.model.layer_ms("postprocess", phase, recompute, mbs, seqlen)
+        return ms + self.model.microbatch_overhead_ms(phase, mbs, seqlen, self.layers_on(stage))
+
+    def forward_ms(self, stage: int, mbs, seqlen, recompute):
+        """Forward of one micro-batch through the stage's layers (+ LM head on the last)."""
+        return self._time("forward", stage, mbs, seqlen, recompute)
+
+    def backward_ms(self, stage: int, mbs, seqlen, recompute):
+        """Backward (including recomputation) of one micro-batch through the stage."""
+        return self._time("backward", stage, mbs, seqlen, recompute)
+
+    def stored_mb(self, stage: int, mbs, seqlen, recompute):
+        """Activations one micro-batch keeps on the stage from its forward to its backward."""
+        return self.layers_on(stage) * self.model.activation_mb("stored", recompute, mbs, seqlen)
+
+    def peak_mb(self, stage: int, mbs, seqlen, recompute):
+        """Transient memory on top of the stored activations while one of its layers runs."""
+        self.layers_on(stage)  # validates the stage
+        return self.model.activation_mb("peak", recompute, mbs, seqlen)
+
+    def all_stages(self, mbs, seqlen, recompute) -> dict[str, np.ndarray]:
+        """forward/backward ms and stored/peak MB of every stage at once, as read-only
+        [pp, *shape] arrays, evaluating each per-layer quantity once instead of once per stage
+        (the planner's hot path); a query asked before is answered from memory."""
+        return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
+
+    def by_recompute(self, mbs, seqlen, types) -> dict[str, np.ndarray]:
+        """:meth:`all_stages` under each recompute type of ``types`` in one evaluation, as
+        read-only [len(types), pp, *shape] arrays."""
+        mbs, seqlen = np.asarray(mbs), np.asarray(seqlen)
+        types = tuple(as_recompute(rc) for rc in types)
+        key = (types, mbs.dtype.str, mbs.shape, mbs.tobytes(), seqlen.dtype.str, seqlen.shape, seqlen.tobytes())
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= ANSWERS_KEPT:
+                self._answers.clear()
+            answer = self._answers[key] = self._by_recompute(mbs, seqlen, types)
+        return answer
+
+    def _by_recompute(self, mbs: np.ndarray, seqlen: np.ndarray, types: tuple) -> dict[str, np.ndarray]:
+        shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
+        column = (1, self.pp) + (1,) * len(shape)
+        layers = np.array([self.layers_on(s) for s in range(self.pp)], dtype=float).reshape(column)
+        is_last = (np.arange(self.pp) == self.pp - 1).reshape(column)
+        is_first = (np.arange(self.pp) == 0).reshape(column)
+        costs = np.asarray(self.model.shape_costs(types, mbs, seqlen), dtype=float)[:, :, None]  # [T, 8, 1, *shape]
+        encoder_fwd, encoder_bwd, head_fwd, head_bwd, embed_fwd, embed_bwd, stored, peak = (costs[:, k] for k in range(8))
+        overhead = {phase: self.model.microbatch_overhead_ms(phase, mbs, seqlen, layers) for phase in PHASES}
+        out = {
+            "forward": layers * encoder_fwd + np.where(is_last, head_fwd, 0.0) + np.where(is_first, embed_fwd, 0.0)
+            + overhead["forward"],
+            "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0) + np.where(is_first, embed_bwd, 0.0)
+            + overhead["backward"],
+            "stored": layers * stored,
+            "peak": np.broadcast_to(peak, (len(types), self.pp) + shape),
+        }
+        for array in out.values():
+            array.flags.writeable = False
+        return out
+
+    def param_mb(self, stage: int) -> float:
+        """16-bit parameter MB on one rank of the stage."""
+        mb = self.layers_on(stage) * self.model.param_mb("encoder")
+        embeddings = (stage == 0) + (stage == self.pp - 1 and self.pp > 1)
+        return mb + embeddings * self.model.param_mb("embedding")
+
+    def model_state_mb(self, stage: int) -> float:
+        """Parameters, gradients and Adam states of one rank of the stage.
+
+        Per parameter: 2 B 16-bit weight, 2 B gradient, 12 B fp32 master weight + two moments.
+        ZeRO-1 shards the 12 B over dp, ZeRO-2 also the gradient, ZeRO-3 all 16 B.
+        """
+        p, dp = self.param_mb(stage), self.dp  # p MB holds 2 B per parameter
+        if self.zero_stage == 0:
+            return 8.0 * p
+        if self.zero_stage == 1:
+            return p * (2.0 + 6.0 / dp)
+        if self.zero_stage == 2:
+            return p * (1.0 + 7.0 / dp)
+        return 8.0 * p / dp
+
+    def p2p_ms(self, mbs, seqlen):
+        """Time to send one micro-batch's 16-bit activation (or its gradient) to the next stage."""
+        nbytes = 2.0 * as_float(mbs) * as_float(seqlen) * self.model.hidden_size
+        return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
+
+

@@ -1,0 +1,95 @@
+"""The planner's search settings as command-line flags, the same on every surface:
+``megatron-dynapipe plan`` adds them bare, a Megatron job with the ``--dynapipe-`` prefix."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from megatron_dynapipe.planning.fast_mode import AUTO_FAST_MODE_MIN_SAMPLES, FAST_MODE_ENV, parse_fast_mode
+from megatron_dynapipe.planning.spec import PARTITION_METHODS, SCHEDULES, TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
+           "add_planner_arguments", "planner_settings"]
+
+
+def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` as an argparse ``type``: its ValueError becomes argparse's one-line message."""
+    def parsed(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parsed.__name__ = getattr(parse, "__name__", "value")
+    return parsed
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{value} must be a positive integer")
+    return value
+
+
+#: argparse ``type`` of a count that must be at least 1
+positive_int_argument = argument_type(_positive_int)
+#: argparse ``type`` of a recompute choice (none, selective, full)
+recompute_argument = argument_type(RecomputeType.parse)
+#: argparse ``type`` of every fast-mode flag (``plan --fast-mode``, ``--dynapipe-fast-mode``)
+fast_mode_argument = argument_type(parse_fast_mode)
+
+
+def add_planner_arguments(group, prefix: str = "") -> None:
+    """Add the planner's search settings to an argparse parser or group: ``--{prefix}fast-mode``,
+    ``cost-model``, ``schedule``, ``partition``, ``recompute``, ``seed``, ``seqlen-round``,
+    ``max-permutations`` and ``tokens-per-microbatch``.  ``megatron-dynapipe plan`` adds them bare,
+    a Megatron job with ``prefix="dynapipe-"``; :func:`planner_settings` reads them back."""
+    d = TrainingSpec
+
+    def add(name: str, **kwargs) -> None:
+        group.add_argument(f"--{prefix}{name}", **kwargs)
+
+    add("fast-mode", nargs="?", const=True, default=None, type=fast_mode_argument, metavar="{true,false,auto}",
+        help=f"trim the planner's search (bare flag: true; auto: fast above {AUTO_FAST_MODE_MIN_SAMPLES - 1} "
+             f"samples); without the flag {FAST_MODE_ENV} applies, else off")
+    add("cost-model", default=None, metavar="NAME|FILE",
+        help="profiled cost model: a JSON file (docs/cost_model.md) or a shipped profile's name, e.g. "
+             "gpt-6.7b-a100 (default: the analytical GPT cost model)")
+    add("schedule", nargs="+", choices=SCHEDULES, default=list(d.schedules), metavar="NAME",
+        help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} (default: all)")
+    add("partition", choices=PARTITION_METHODS, default=d.partition,
+        help="micro-batching: dynamic programming (dp, default), token_based or uniform")
+    add("recompute", nargs="+", type=recompute_argument, default=list(d.recompute_types),
+        metavar="{none,selective,full}", help="recompute choices the planner may give a micro-batch (default: all)")
+    add("seed", type=int, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
+    add("seqlen-round", type=positive_int_argument, default=d.seqlen_round, metavar="N",
+        help=f"pad each micro-batch's sequence length to a multiple of N (default {d.seqlen_round})")
+    add("max-permutations", type=positive_int_argument, default=d.max_permutations, metavar="N",
+        help=f"micro-batch orders the planner tries per candidate (default {d.max_permutations})")
+    add("tokens-per-microbatch", type=positive_int_argument, default=d.tokens_per_microbatch, metavar="N",
+        help=f"token budget of a micro-batch with --{prefix}partition token_based (default {d.tokens_per_microbatch})")
+
+
+def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
+    """The :class:`TrainingSpec` search fields from flags added by :func:`add_planner_arguments`
+    (a flag missing from ``args`` keeps the field's default)."""
+    def get(name: str, default):
+        value = getattr(args, (prefix + name).replace("-", "_"), None)
+        return default if value is None else value
+
+    d = TrainingSpec
+    return dict(
+        fast_mode=get("fast-mode", None),
+        schedules=tuple(get("schedule", d.schedules)),
+        recompute_types=tuple(get("recompute", d.recompute_types)),
+        partition=get("partition", d.partition),
+        seed=get("seed", d.seed),
+        seqlen_round=get("seqlen-round", d.seqlen_round),
+        max_permutations=get("max-permutations", d.max_permutations),
+        tokens_per_microbatch=get("tokens-per-microbatch", d.tokens_per_microbatch),
+    )

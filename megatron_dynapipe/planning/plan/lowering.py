@@ -1,0 +1,441 @@
+"""Lowering: each stage's compute order becomes its instruction list, deadlock-free by construction.
+
+A schedule arrives as one *order* per pipeline stage, e.g. ``[("F", 0), ("F", 1), ("B", 0), ...]``.
+:func:`lower_to_instructions` turns one stage's order into the instructions an executor runs
+with non-blocking point-to-point calls (``isend``/``irecv`` + ``wait``) on the pipeline group;
+:func:`build_execution_plans` does it for every stage, wraps each list in an
+:class:`ExecutionPlan` and proves the set deadlock-free with :func:`check_deadlock_free`.
+
+Lowering (stage ``s`` of ``P``; compute ops ``F(m)``/``B(m)`` in the stage's order):
+
+* ``F(m)``: stage 0 ``LOAD_INPUT(m)``, other stages ``RECV_ACT_START(m, s-1)`` ...
+  ``RECV_ACT_FINISH(m, s-1)``; ``FORWARD(m)``; non-last stages ``SEND_ACT_START(m, s+1)`` ...
+  ``SEND_ACT_FINISH(m, s+1)``.
+* ``B(m)``: non-last stages ``RECV_GRAD_START(m, s+1)`` ... ``RECV_GRAD_FINISH(m, s+1)``;
+  ``BACKWARD(m)``; stages > 0 ``SEND_GRAD_START(m, s-1)``; ``FREE_BUFFER(m)``; later
+  ``SEND_GRAD_FINISH(m, s-1)``.
+* Between two compute ops every START (non-blocking) comes before every FINISH (blocking), so a
+  stage never waits while holding back a post its peers need.
+* Each receive is posted one compute op ahead: the START for the stage's compute op ``i`` sits
+  just before compute op ``i - 1`` (ops 0 and 1 receive from the very start).
+* Each send's FINISH goes as early as it provably cannot close a wait cycle: just before the
+  next compute op in 1F1B and GPipe, later where the neighbour's order needs it (see below).
+
+Why a send's FINISH cannot always sit before the next compute op: take stage 0 running
+``F0 F1 F2 F3 F4 B0 ...`` and stage 1 running ``F0 B0 F1 B1 F2 ...`` (both keep forwards and
+backwards in the same micro-batch order, and the pair is executable). With every send finished
+before the next op, stage 1 waits after ``B0`` for stage 0 to post its gradient receive (just
+before ``F4``) while stage 0 waits after ``F2`` for stage 1 to post the activation receive for
+``F2`` (just before ``F1`` on stage 1) -- a deadlock the compute order itself does not have.
+
+Placement rule. A FINISH of a send whose receiver posts its START after the receiver's compute
+op ``y`` may sit before the sender's compute op ``x`` only when ``end(y) <= start(x)`` in one
+fixed valid timeline of the compute ops: the planner's simulated one, where the FINISH then
+sits where the receive is predicted to be posted, or else as-soon-as-possible with forward 1 and
+backward 2 time units (every op must take positive time). Then every wait edge of the lowered
+plans (a RECV_FINISH waits for the producing op, a SEND_FINISH for such a ``y``, program order)
+points forward in that timeline, so the stage whose
+next compute op starts earliest can always progress: no cycle, no deadlock, for *any* set of
+orders that is executable and FIFO-consistent (every stage forwards the micro-batches in the
+same order and runs the backwards in the same order -- needed anyway because untagged sends
+and receives pair up in posting order). Without the other stages' orders, the rule falls back
+to what this stage's order proves alone: an activation send finishes before the first backward
+of a micro-batch forwarded no earlier (at latest its own ``B(m)``; right away for the first two
+forwards, whose receives are posted at the start), a gradient send before the end.
+"""
+
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, NoReturn, Sequence, Union
+
+import numpy as np
+
+from megatron_dynapipe.planning.plan.deadlock import check_deadlock_free
+from megatron_dynapipe.planning.plan.execution_plan import ExecutionPlan
+from megatron_dynapipe.planning.plan.instructions import ROW, Instructions, Op, as_recompute
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+
+__all__ = ["ComputeOrder", "lower_to_instructions", "build_execution_plans"]
+
+ComputeOrder = Sequence[tuple[str, int]]  # ("F" | "B", micro-batch), in execution order
+RecomputeSpec = Union[RecomputeType, int, str, Sequence["RecomputeType | int | str"]]
+
+# Durations of the reference timeline used to place send FINISHes. Any positive values keep the
+# plans deadlock-free; these only decide how early a FINISH may sit in unusual orders.
+_FORWARD_TIME, _BACKWARD_TIME = 1.0, 2.0
+
+
+
+
+class _Order(NamedTuple):
+    """One stage's compute order as arrays: which ops are forwards, and of which micro-batch."""
+
+    forward: np.ndarray  # bool, per compute op
+    microbatch: np.ndarray  # int64, per compute op
+
+
+def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
+    """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
+    an order a schedule made, trusted to be well formed)."""
+    try:
+        if check and any(len(item) != 2 for item in order):
+            raise ValueError  # zip would drop a longer item's extras
+        kinds, ids = zip(*order) if len(order) else ((), ())
+        microbatch = np.array(ids, dtype=np.int64)
+        kinds = np.array(kinds, dtype=object)
+    except (TypeError, ValueError, OverflowError):
+        _explain_bad_order(order, stage)
+    forward, backward = kinds == "F", kinds == "B"
+    if not check or _well_formed(forward, backward, microbatch):
+        return _Order(forward, microbatch)
+    _explain_bad_order(order, stage)
+
+
+def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarray) -> bool:
+    """Every item F or B of a micro-batch >= 0, each once, and each B after its F."""
+    if not np.all(forward | backward) or (microbatch.size and microbatch.min() < 0):
+        return False
+    positions = np.arange(len(microbatch))
+    f_order, b_order = np.argsort(microbatch[forward], kind="stable"), np.argsort(microbatch[backward], kind="stable")
+    f_ids, b_ids = microbatch[forward][f_order], microbatch[backward][b_order]
+    return (np.array_equal(f_ids, b_ids) and bool(np.all(np.diff(f_ids) > 0))
+            and bool(np.all(positions[backward][b_order] > positions[forward][f_order])))
+
+
+def _explain_bad_order(order: ComputeOrder, stage: int) -> NoReturn:
+    seen: dict[tuple[str, int], int] = {}
+    for i, item in enumerate(order):
+        try:
+            kind, m = item
+            kind, m = str(kind), int(m)
+        except (TypeError, ValueError):
+            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
+        if kind not in ("F", "B"):
+            raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
+        if m < 0:
+            raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
+        if (kind, m) in seen:
+            raise ValueError(f"stage {stage} order has {kind}{m} twice (#{seen[kind, m]} and #{i})")
+        if kind == "B" and ("F", m) not in seen:
+            raise ValueError(f"stage {stage} order runs B{m} before F{m}")
+        seen[kind, m] = i
+    unmatched = sorted(m for kind, m in seen if kind == "F" and ("B", m) not in seen)
+    raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
+
+
+def _recompute_codes(recompute: RecomputeSpec, order: _Order) -> np.ndarray:
+    """The recompute code of every micro-batch the order forwards, indexed by micro-batch id."""
+    size = int(order.microbatch.max()) + 1 if order.microbatch.size else 0
+    if isinstance(recompute, _ONE_CHOICE):
+        return np.full(size, int(as_recompute(recompute)), dtype=np.int64)
+    if size > len(recompute):
+        raise ValueError(f"no recompute choice for micro-batch {size - 1} (got {len(recompute)})")
+    return _codes(recompute[:size])
+
+
+_ONE_CHOICE = (RecomputeType, int, str, np.integer)  # a recompute spec that is one choice, not one per micro-batch
+
+
+def _timeline(orders: Sequence[_Order]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """As-soon-as-possible start/end of every compute op (forward 1, backward 2): F(m) waits for
+    F(m) on the stage before, B(m) for B(m) on the stage after. Ops that never become runnable
+    (the orders wait on each other) get +inf."""
+    pp = len(orders)
+    inf = float("inf")
+    ops = [list(zip(o.forward.tolist(), o.microbatch.tolist())) for o in orders]
+    start = [[inf] * len(o) for o in ops]
+    end = [[inf] * len(o) for o in ops]
+    done: list[dict[bool, dict[int, float]]] = [{True: {}, False: {}} for _ in range(pp)]
+    pc = [0] * pp
+    free = [0.0] * pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(pp):
+            order, i, t = ops[s], pc[s], free[s]
+            before = done[s - 1][True] if s > 0 else None
+            after = done[s + 1][False] if s + 1 < pp else None
+            mine = done[s]
+            while i < len(order):
+                forward, m = order[i]
+                deps = before if forward else after
+                ready = 0.0 if deps is None else deps.get(m)
+                if ready is None:
+                    break
+                t0 = t if t > ready else ready
+                t = t0 + (_FORWARD_TIME if forward else _BACKWARD_TIME)
+                start[s][i], end[s][i] = t0, t
+                mine[forward][m] = t
+                i += 1
+            if i > pc[s]:
+                pc[s], free[s], progressed = i, t, True
+    return [np.array(x) for x in start], [np.array(x) for x in end]
+
+
+class _Reference:
+    """What placing send FINISHes against the other stages needs: every stage's order and one
+    valid timeline of their compute ops (start/end per stage, in order). Any timeline in which
+    each op starts after its inputs' producers end and after the op before it on its stage,
+    with every op of positive duration, keeps the plans deadlock-free (module docstring)."""
+
+    def __init__(self, orders: Sequence[_Order], timeline: "tuple[Sequence, Sequence] | None" = None):
+        self.orders = orders
+        if timeline is not None:
+            start, end = ([np.asarray(t, dtype=float) for t in times] for times in timeline)
+            if len(start) != len(orders) or len(end) != len(orders) or any(
+                    len(a) != len(o.microbatch) or len(b) != len(o.microbatch) for a, b, o in zip(start, end, orders)):
+                raise ValueError("the timeline must give a start and an end for every compute op of every stage")
+            # a zero-length op could tie two waits into a cycle: use the unit-duration timeline then
+            if all(np.all(b > a) for a, b in zip(start, end)):
+                self.start, self.end = start, end
+                return
+        self.start, self.end = _timeline(orders)
+
+    @functools.cached_property
+    def end_flat(self) -> np.ndarray:
+        return np.concatenate(self.end) if self.end else np.zeros(0)
+
+    @functools.cached_property
+    def offset(self) -> np.ndarray:
+        """Where each stage's ops begin in the stages' orders laid end to end."""
+        return np.concatenate([[0], np.cumsum([len(o.microbatch) for o in self.orders])]).astype(np.int64)
+
+    @functools.cached_property
+    def _lookup(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Sorted keys (stage, kind, micro-batch) of every op and their positions in their stage."""
+        width = 1 + max((int(o.microbatch.max()) for o in self.orders if o.microbatch.size), default=0)
+        keys = np.concatenate([(2 * s + ~o.forward) * width + o.microbatch for s, o in enumerate(self.orders)])
+        positions = np.concatenate([np.arange(len(o.microbatch)) for o in self.orders])
+        by_key = np.argsort(keys, kind="stable")
+        return keys[by_key], positions[by_key], width
+
+    def position(self, stage: np.ndarray, forward: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
+        """Where F (forward) or B of each micro-batch sits in that stage's order; -1 where not."""
+        keys, positions, width = self._lookup
+        query = (2 * stage + ~forward) * width + microbatch
+        found = np.minimum(np.searchsorted(keys, query), max(len(keys) - 1, 0))
+        hit = (microbatch < width) & (keys[found] == query) if len(keys) else np.zeros(len(query), bool)
+        return np.where(hit, positions[found] if len(keys) else -1, -1)
+
+
+def _send_finish_slots(ops: "_Ops", sends: np.ndarray, ref: _Reference) -> np.ndarray:
+    """For the compute ops ``sends`` (row indices into ``ops``, ops that send), the position in
+    their stage's order of the compute op each send's FINISH goes before (``len(order)``: the
+    end of the plan)."""
+    stage, forward, ids = ops.stage[sends], ops.forward[sends], ops.microbatch[sends]
+    peer = np.where(forward, stage + 1, stage - 1)
+    c = ref.position(peer, forward, ids)
+    if np.any(c < 0):
+        bad = int(np.argmax(c < 0))
+        raise ValueError(f"stage {peer[bad]} order has no {'F' if forward[bad] else 'B'}{ids[bad]} "
+                         f"to receive stage {stage[bad]}'s send")
+    # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
+    posted = np.where(c <= 1, -np.inf, ref.end_flat[ref.offset[peer] + np.maximum(c - 2, 0)])
+    slots = ops.position[sends] + 1
+    for s in np.unique(stage).tolist():  # start times rise along a stage's order: a search finds the op
+        mine = stage == s
+        slots[mine] = np.maximum(slots[mine], np.searchsorted(ref.start[s], posted[mine], side="left"))
+    return slots
+
+
+def _send_finish_slots_alone(order: _Order, sends: np.ndarray) -> np.ndarray:
+    """Only this stage's order is known: use what it proves about the neighbours on its own.
+    An activation send of the first two forwards is received from the start (ops 0 and 1 of
+    the next stage); a later one finishes before the first backward of a micro-batch forwarded
+    no earlier (B(k) there needs F(k), hence F(m), there); a gradient send at the end."""
+    count, forward, ids = len(order.microbatch), order.forward[sends], order.microbatch[sends]
+    f_rank = np.empty(int(order.microbatch.max()) + 1, dtype=np.int64)
+    f_rank[order.microbatch[order.forward]] = np.arange(int(order.forward.sum()))
+    backwards = np.flatnonzero(~order.forward)
+    b_rank = f_rank[order.microbatch[backwards]]
+    slots = np.full(len(sends), count, dtype=np.int64)
+    for j in np.flatnonzero(forward):
+        p, rank = sends[j], f_rank[ids[j]]
+        if rank <= 1:
+            slots[j] = p + 1
+        else:
+            later = (backwards > p) & (b_rank >= rank)
+            slots[j] = backwards[np.argmax(later)]  # B(m) itself is one
+    return slots
+
+
+def lower_to_instructions(
+    order: ComputeOrder,
+    stage: int,
+    num_stages: int,
+    recompute: RecomputeSpec,
+    *,
+    orders: "Sequence[ComputeOrder] | None" = None,
+) -> "Instructions":
+    """Lower one stage's compute order to its instructions (see the module docstring).
+
+    ``recompute``: one choice for every micro-batch, or a sequence indexed by micro-batch id.
+    ``orders``: every stage's order (``orders[stage]`` must be ``order``). With it, each send's
+    FINISH sits as early as the neighbour's order allows (before the very next compute op in
+    1F1B and GPipe); without it, where this stage's order alone proves it safe, which can keep
+    send buffers longer. Both are deadlock-free for executable FIFO-consistent orders.
+    """
+    if num_stages < 1 or not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
+    parsed = _parse_order(order, stage)
+    ref = None
+    if orders is not None:
+        if len(orders) != num_stages:
+            raise ValueError(f"{len(orders)} orders for {num_stages} stages")
+        all_parsed = [parsed if s == stage else _parse_order(o, s) for s, o in enumerate(orders)]
+        mine = _parse_order(orders[stage], stage)
+        if not (np.array_equal(mine.forward, parsed.forward) and np.array_equal(mine.microbatch, parsed.microbatch)):
+            raise ValueError(f"orders[{stage}] differs from the order being lowered")
+        ref = _Reference(all_parsed)
+    return _lower([(stage, parsed, _recompute_codes(recompute, parsed))], num_stages, ref)[0]
+
+
+_FORWARD, _BACKWARD, _LOAD_INPUT, _FREE_BUFFER = int(Op.FORWARD), int(Op.BACKWARD), int(Op.LOAD_INPUT), int(Op.FREE_BUFFER)
+_RECV_ACT, _RECV_GRAD = int(Op.RECV_ACT_START), int(Op.RECV_GRAD_START)
+_SEND_ACT, _SEND_GRAD = int(Op.SEND_ACT_START), int(Op.SEND_GRAD_START)
+# Where an instruction sits within the block of compute op i (see _lower).
+_SEND_FINISHES, _RECV_FINISH, _LOAD, _COMPUTE, _SEND_START, _FREE, _NEXT_RECV_STARTS = range(7)
+
+
+class _Ops(NamedTuple):
+    """The compute ops of the stages being lowered, laid end to end, one row each."""
+
+    stage: np.ndarray
+    forward: np.ndarray
+    microbatch: np.ndarray
+    position: np.ndarray  # in its stage's order
+    recompute: np.ndarray  # code of its micro-batch's recompute on its stage
+
+    @classmethod
+    def of(cls, stages: Sequence[tuple[int, _Order, np.ndarray]]) -> "_Ops":
+        """From (stage, order, recompute codes by micro-batch id) of each stage to lower."""
+        return cls(np.concatenate([np.full(len(o.microbatch), s, dtype=np.int64) for s, o, _ in stages]),
+                   np.concatenate([o.forward for _, o, _ in stages]),
+                   np.concatenate([o.microbatch for _, o, _ in stages]),
+                   np.concatenate([np.arange(len(o.microbatch)) for _, o, _ in stages]),
+                   np.concatenate([codes[o.microbatch] for _, o, codes in stages]))
+
+
+def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
+           ref: "_Reference | None") -> list["Instructions"]:
+    """Every instruction gets a sort key (stage, block, place, tie): block i of a stage holds, in
+    this order, the send FINISHes placed before compute op i (by the op that sent), op i's
+    receive FINISH, its LOAD_INPUT, the op itself, its send START, its FREE_BUFFER, and the
+    receive START of op i + 2 (block -1 posts the receives of ops 0 and 1; block len(order) the
+    last FINISHes). One sort of the keys, over all stages at once, is every instruction list."""
+    ops = _Ops.of(stages)
+    stage, forward, position = ops.stage, ops.forward, ops.position
+    first, last = stage == 0, stage == num_stages - 1
+    rows = np.arange(len(stage))
+    longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
+    parts = []  # (op, micro-batch, peer, recompute, sort key) arrays
+
+    def add(where, op, peer=-1, rc=0, block=None, place=0, tie=0):
+        block = position[where] if block is None else block
+        key = ((stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
+        parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
+                      for c in (op, ops.microbatch[where], peer, rc, key)])
+
+    add(rows, np.where(forward, _FORWARD, _BACKWARD), rc=ops.recompute, place=_COMPUTE)
+    add(rows[forward & first], _LOAD_INPUT, place=_LOAD)
+    add(rows[~forward], _FREE_BUFFER, place=_FREE)
+    receives = rows[np.where(forward, ~first, ~last)]
+    start = np.where(forward[receives], _RECV_ACT, _RECV_GRAD)
+    peer = np.where(forward[receives], stage[receives] - 1, stage[receives] + 1)
+    add(receives, start, peer, block=np.maximum(position[receives] - 2, -1), place=_NEXT_RECV_STARTS,
+        tie=position[receives])
+    add(receives, start + 1, peer, place=_RECV_FINISH)
+    sends = rows[np.where(forward, ~last, ~first)]
+    start = np.where(forward[sends], _SEND_ACT, _SEND_GRAD)
+    peer = np.where(forward[sends], stage[sends] + 1, stage[sends] - 1)
+    add(sends, start, peer, place=_SEND_START)
+    if ref is not None:
+        slots = _send_finish_slots(ops, sends, ref)
+    else:  # each stage on its own
+        slots = np.empty(len(sends), dtype=np.int64)
+        for s, order, _ in stages:
+            mine = stage[sends] == s
+            if mine.any():
+                slots[mine] = _send_finish_slots_alone(order, position[sends[mine]])
+    add(sends, start + 1, peer, block=slots, place=_SEND_FINISHES, tie=position[sends])
+    op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in parts]) for k in range(5))
+    sort = np.argsort(key, kind="stable")
+    table = np.empty(len(sort), dtype=ROW)
+    table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
+    stage_of_key = key // (7 * longest * (longest + 1))
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=num_stages))])
+    return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in stages]
+
+
+def build_execution_plans(
+    orders: Sequence[ComputeOrder],
+    microbatches: Sequence[MicroBatch],
+    recompute: "RecomputeSpec | Sequence[Sequence[RecomputeType | int | str]]",
+    schedule: str,
+    predicted_makespan_ms: float = 0.0,
+    verify: bool = True,
+    timeline: "tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]] | None" = None,
+) -> list[ExecutionPlan]:
+    """One validated :class:`ExecutionPlan` per stage, proven deadlock-free.
+
+    ``verify=False`` skips the validation and the deadlock check, which cost many times the
+    lowering itself; the planner does so for orders its schedules produce (FIFO-consistent by
+    construction, and checked by the test suite).
+
+    ``recompute``: one choice for all, one per micro-batch, or one list per stage (``[s][m]``,
+    e.g. a ``(P, n)`` numpy array). ``timeline``: start and end times of every stage's compute
+    ops in order, from a simulation of these orders (every op of positive duration); send
+    FINISHes are then placed where that timeline says the receive is posted, instead of by a
+    timeline of unit durations. Raises ValueError for malformed orders (every stage must run
+    F and B of exactly the micro-batches ``0..n-1``) and :class:`DeadlockError` when the orders
+    cannot run together (they wait on each other, or pair sends and receives differently).
+    """
+    num_stages = len(orders)
+    if num_stages < 1:
+        raise ValueError("need at least one stage order")
+    n = len(microbatches)
+    codes = _per_stage_recompute(recompute, num_stages, n)
+    parsed = [_parse_order(o, s, check=verify) for s, o in enumerate(orders)]
+    for s, order in enumerate(parsed):
+        ids = np.sort(order.microbatch[order.forward])
+        if not np.array_equal(ids, np.arange(n)):
+            raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each, got {ids[:12].tolist()}")
+    ref = _Reference(parsed, timeline)
+    rcs = list(RecomputeType)
+    lowered = _lower([(s, order, codes[s]) for s, order in enumerate(parsed)], num_stages, ref)
+    plans = [ExecutionPlan(stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
+                           recompute=[rcs[c] for c in codes[s].tolist()], instructions=instructions,
+                           predicted_makespan_ms=predicted_makespan_ms)
+             for s, instructions in enumerate(lowered)]
+    if verify:
+        check_deadlock_free(plans)
+    return plans
+
+
+def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
+    """[num_stages, n] recompute codes."""
+    if isinstance(recompute, _ONE_CHOICE):
+        return np.full((num_stages, n), int(as_recompute(recompute)), dtype=np.int64)
+    rows = recompute if isinstance(recompute, np.ndarray) else list(recompute)
+    nested = len(rows) > 0 and not isinstance(rows[0], _ONE_CHOICE)
+    if not nested:
+        if len(rows) != n:
+            raise ValueError(f"{len(rows)} recompute choices for {n} micro-batches")
+        return np.tile(_codes(rows), (num_stages, 1))
+    if len(rows) != num_stages or any(len(row) != n for row in rows):
+        raise ValueError(f"per-stage recompute must be {num_stages} rows of {n} choices")
+    return np.stack([_codes(row) for row in rows]) if num_stages else np.zeros((0, n), dtype=np.int64)
+
+
+def _codes(choices) -> np.ndarray:
+    """Recompute codes of a sequence of choices (names, codes or RecomputeType)."""
+    if isinstance(choices, np.ndarray) and choices.dtype.kind in "iu":
+        unknown = choices[(choices < 0) | (choices > max(RecomputeType))]
+        if unknown.size:
+            raise ValueError(f"unknown recompute code {unknown[0]}: use 0 (none), 1 (selective) or 2 (full)")
+        return choices.astype(np.int64)
+    return np.array([int(as_recompute(r)) for r in choices], dtype=np.int64)
+
+
