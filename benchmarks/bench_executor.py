@@ -4,7 +4,7 @@ megatron-core's 1F1B on identical fixed-shape micro-batches (CPU, tiny GPT)."""
 import argparse
 import sys
 
-from megatron_dynapipe.bench import executor
+from megatron_dynapipe.bench import executor_bench as executor
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=executor.__doc__)

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from megatron_dynapipe.bench import planner
+from megatron_dynapipe.bench import planner_bench as planner
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=planner.__doc__)

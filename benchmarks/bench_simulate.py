@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from megatron_dynapipe.bench.ranks import launch
+    from megatron_dynapipe.local_ranks import run_local_ranks
     from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.simulate.calibrate import hardware_from, measure
     from megatron_dynapipe.simulate.replay import load_job, simulate_job
@@ -64,7 +64,7 @@ def main() -> int:
     print(f"calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     started = time.perf_counter()
-    results = launch(_real_job, args.nproc, args.iters, timeout=1800)
+    results = run_local_ranks(_real_job, args.nproc, args.iters, timeout=1800)
     print(f"real job, {len(LAYOUTS)} layouts: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     model = ModelSpec(**MODEL)

@@ -4,7 +4,7 @@ batch as DynaPipe, pad-to-max and packing plans; real tokens/s and predicted vs 
 import argparse
 import sys
 
-from megatron_dynapipe.bench import step
+from megatron_dynapipe.bench import step_bench as step
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=step.__doc__)

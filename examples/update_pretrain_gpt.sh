@@ -30,7 +30,7 @@
 #   plain process (no torchrun: Megatron's distributed start-up never runs; the checkout's
 #   megatron-core builds the model) and writes <folder>/rank_<R>.trace.jsonl -- shapes-only
 #   unless the model fits this machine, by the same rule as the default way
-#   (megatron_dynapipe/megatron/scaling_mode.py).  CP, EP and expert TP go through Megatron's
+#   (megatron_dynapipe/megatron_lm/scaling_mode.py).  CP, EP and expert TP go through Megatron's
 #   --context-parallel-size / --expert-model-parallel-size / --expert-tensor-parallel-size.  The
 #   ranks, the folder names and the model and training flags come from the package (`trace
 #   --print-ranks` with TRACE_ARGS), never from arithmetic in this script.  Each rank's output

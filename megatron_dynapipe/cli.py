@@ -93,18 +93,18 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
     which = p.add_subparsers(dest="benchmark", required=True)
     planner = which.add_parser("planner", help="planning time and quality, normal vs fast mode")
-    from megatron_dynapipe.bench import planner as planner_bench
+    from megatron_dynapipe.bench import planner_bench
 
     planner_bench.add_arguments(planner)
     planner.set_defaults(func=planner_bench.run)
     executor = which.add_parser("executor", help="planned-schedule executor vs megatron-core 1F1B (CPU, PP=2)")
-    from megatron_dynapipe.bench import executor as executor_bench
+    from megatron_dynapipe.bench import executor_bench
 
     executor_bench.add_arguments(executor)
     executor.set_defaults(func=executor_bench.run)
     step = which.add_parser("step", help="real training steps: DynaPipe vs pad-to-max vs packing, "
                                          "real tokens/s and predicted vs measured time")
-    from megatron_dynapipe.bench import step as step_bench
+    from megatron_dynapipe.bench import step_bench
 
     step_bench.add_arguments(step)
     step.set_defaults(func=step_bench.run)
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_dynapipe.tracer.cli import add_trace_parser
 
     add_trace_parser(sub)
-    from megatron_dynapipe.megatron.launcher import add_launch_parser
+    from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 
     add_launch_parser(sub)
     from megatron_dynapipe.profiling.cli import add_profile_parser

@@ -1,21 +1,50 @@
-"""The package's shape: the planning core stays free of torch and Megatron, and no two packages
-import each other (directly or round a longer loop). Read from the source with ast, so that an
-import inside a function counts as much as one at the top."""
+"""The package's shape, read from the source with ast (an import inside a function counts as much
+as one at the top): the ground floors import nothing above them and stay free of torch and
+Megatron, every package imports only what the map below allows, no two packages import each other,
+no feature imports another's command line or a benchmark, and nothing inside the package goes
+through ``megatron_dynapipe.megatron``, the face kept for Megatron-LM users."""
 
 import ast
 import pkgutil
 import subprocess
 import sys
 
+import megatron_dynapipe.config as config
 import megatron_dynapipe.planning as planning
 from conftest import ROOT
 
 PACKAGE = ROOT / "megatron_dynapipe"
 
+#: what each unit (a sub-package or a top-level module) may import, the arrows of the README's map
+ALLOWED = {
+    "config": set(),
+    "compat": set(),
+    "files": set(),
+    "progress": set(),
+    "local_ranks": set(),
+    "chrome_trace": {"files"},
+    "planning": {"config"},
+    "viz": {"planning", "chrome_trace", "files"},
+    "gpt": {"config", "compat"},
+    "data": {"config", "planning"},
+    "runtime": {"config", "planning", "compat", "gpt", "data"},
+    "profiling": {"config", "planning", "compat", "gpt", "runtime", "data", "files", "progress"},
+    "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace"},
+    "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks"},
+    "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
+    "megatron": {"megatron_lm", "runtime"},
+    "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files"},
+    "cli": {"config", "planning", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files", "viz"},
+}
 
-def test_no_planning_module_imports_torch_or_megatron():
-    modules = sorted(f"megatron_dynapipe.planning.{m.name}" for m in pkgutil.iter_modules(planning.__path__))
-    assert "megatron_dynapipe.planning.planner" in modules and len(modules) >= 10
+
+def _modules(package) -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."))
+
+
+def test_the_ground_floors_import_neither_torch_nor_megatron():
+    modules = _modules(planning) + _modules(config)
+    assert "megatron_dynapipe.planning.planner" in modules and "megatron_dynapipe.config.accounting" in modules
     code = ("import importlib, sys\n"
             f"for name in {modules!r}: importlib.import_module(name)\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
@@ -37,6 +66,7 @@ def _imports(path, module: str, is_package: bool) -> set[str]:
                 found.add(".".join(base + ([node.module] if node.module else [])))
             elif node.module:
                 found.add(node.module)
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}  # a module imported by name
     return {name for name in found if name.split(".")[0] == "megatron_dynapipe"}
 
 
@@ -45,16 +75,23 @@ def _unit(module: str) -> str:
     return module.split(".")[1] if module.count(".") else module
 
 
-def package_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
+def module_imports() -> dict[str, set[str]]:
+    """module -> the package's modules (or names within them) it imports."""
+    out: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         is_package = parts[-1] == "__init__"
         module = ".".join(parts[:-1] if is_package else parts)
-        if module == "megatron_dynapipe":
-            continue  # the package's own lazy re-exports
+        if module != "megatron_dynapipe":  # the package's own lazy re-exports
+            out[module] = _imports(path, module, is_package)
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in module_imports().items():
         source = _unit(module)
-        for target in _imports(path, module, is_package):
+        for target in targets:
             if target != "megatron_dynapipe" and _unit(target) != source:
                 graph.setdefault(source, set()).add(_unit(target))
     return graph
@@ -91,13 +128,38 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_no_two_packages_import_each_other():
     graph = package_graph()
-    assert {"planning", "tracer", "megatron", "compat"} <= set(graph) | {t for ts in graph.values() for t in ts}
+    assert {"planning", "tracer", "runtime", "megatron_lm", "compat", "config"} <= set(graph) | set(ALLOWED)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
 
 
-def test_the_ground_floors_import_nothing_above_them():
+def test_every_package_imports_only_what_the_map_allows():
     graph = package_graph()
-    assert graph.get("config", set()) == set()
-    assert graph.get("planning", set()) <= {"config"}
-    assert graph.get("compat", set()) == set()
+    assert set(graph) <= set(ALLOWED), f"units missing from ALLOWED: {sorted(set(graph) - set(ALLOWED))}"
+    extra = {unit: sorted(targets - ALLOWED[unit]) for unit, targets in graph.items() if targets - ALLOWED[unit]}
+    assert not extra, f"imports the map does not allow: {extra}"
+
+
+def test_the_map_catches_a_forbidden_arrow():
+    """The checks above can fail: a planning module that imported torch-side code would be refused."""
+    assert "tracer" not in ALLOWED["planning"] and "cli" not in ALLOWED["tracer"]
+    assert _unit("megatron_dynapipe.tracer.cli") == "tracer" and _unit("megatron_dynapipe.cli") == "cli"
+    assert find_cycle({"tracer": {"simulate"}, "simulate": {"tracer"}}) == ["simulate", "tracer", "simulate"]
+
+
+def test_no_feature_imports_another_features_command_line_or_a_benchmark():
+    bad = []
+    for module, targets in module_imports().items():
+        for target in targets:
+            other_package = _unit(target) != _unit(module)
+            if other_package and target.endswith(".cli") and module != "megatron_dynapipe.cli":
+                bad.append(f"{module} -> {target}")
+            if _unit(target) == "bench" and _unit(module) not in ("bench", "cli"):
+                bad.append(f"{module} -> {target}")
+    assert not bad, f"command lines and benchmarks are imported only by the top-level command: {bad}"
+
+
+def test_nothing_inside_the_package_goes_through_the_megatron_face():
+    users = sorted(module for module, targets in module_imports().items()
+                   if _unit(module) != "megatron" and any(_unit(t) == "megatron" for t in targets))
+    assert users == [], f"import megatron_lm or runtime directly, not the megatron face: {users}"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_dynapipe import add_arguments, chain_providers, validate_dynapipe_args
-from megatron_dynapipe.megatron.arguments import (
+from megatron_dynapipe.megatron_lm.arguments import (
     DYNAPIPE_GROUP,
     TRACER_GROUP,
     DynapipeArgumentError,

@@ -34,7 +34,7 @@ from megatron_dynapipe.tracer.batch_config import (
 from megatron_dynapipe.tracer.batch_results import ConfigResult, RankResult, exit_code
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
-from megatron_dynapipe.megatron import scaling_mode
+from megatron_dynapipe.megatron_lm import scaling_mode
 from megatron_dynapipe.config.model import MODELS, ModelSpec, get_model
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp

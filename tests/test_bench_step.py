@@ -82,7 +82,7 @@ def test_the_table_reports_speed_ups_and_prediction_error(tiny_profile, lengths_
 
 
 def test_packed_rows_keep_each_samples_own_labels():
-    from megatron_dynapipe.bench.step import _packed
+    from megatron_dynapipe.bench.step_bench import _packed
 
     a, b = np.array([5, 6, 7]), np.array([8, 9])
     out = _packed([[a, b]], 8)

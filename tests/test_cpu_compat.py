@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from distributed import DistributedError, run_distributed
+from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.compat.patching import UpstreamChanged, megatron_core_version
 
@@ -56,7 +56,7 @@ def _train_one_iteration(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dynapipe.megatron.tiny_gpt import (
+    from megatron_dynapipe.gpt.tiny import (
         build_tiny_gpt,
         mean_loss_forward_step,
         random_micro_batches,
@@ -227,7 +227,7 @@ def _assert_matches_reference(results: list[dict], reference: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference():
-    (runs,) = run_distributed(_reference_runs, 1, timeout=TIMEOUT)
+    (runs,) = run_local_ranks(_reference_runs, 1, timeout=TIMEOUT)
     return runs
 
 
@@ -268,7 +268,7 @@ def test_reference_is_sane_and_recompute_matches(reference):
 
 @pytest.fixture(scope="module")
 def two_ranks(reference):
-    runs = run_distributed(_two_rank_runs, 2, reference["plain"]["weights"], timeout=TIMEOUT)
+    runs = run_local_ranks(_two_rank_runs, 2, reference["plain"]["weights"], timeout=TIMEOUT)
     return {layout: [run[layout] for run in runs] for layout in runs[0]}
 
 
@@ -348,8 +348,8 @@ def _fail_or_block(rank, world_size, how):
 )
 def test_harness_reports_failures_and_kills_the_rest(how, timeout, expected):
     start = time.monotonic()
-    with pytest.raises(DistributedError, match=expected):
-        run_distributed(_fail_or_block, 2, how, timeout=timeout)
+    with pytest.raises(LocalRanksError, match=expected):
+        run_local_ranks(_fail_or_block, 2, how, timeout=timeout)
     # a failure is reported as soon as it happens (start-up takes a few seconds here), not at the
     # timeout; a hang is cut at the timeout
     assert time.monotonic() - start < (30 if how != "sleep" else timeout + 10)

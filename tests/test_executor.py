@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from distributed import DistributedError, run_distributed
+from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 
 CFG_KW = dict(hidden_size=64, num_attention_heads=4, num_layers=4, vocab_size=128,
               max_sequence_length=64)
@@ -104,8 +104,8 @@ def _forward_step(data_iterator, model):
 
 def _stage(tp, pp, per_token, ddp=True):
     """This rank's stage of the tiny GPT (DDP-wrapped) after initialising model parallelism."""
-    from megatron_dynapipe.gpt_build import wrap_in_ddp
-    from megatron_dynapipe.megatron.tiny_gpt import (
+    from megatron_dynapipe.gpt.build import wrap_in_ddp
+    from megatron_dynapipe.gpt.tiny import (
         build_tiny_gpt,
         init_model_parallel,
         reference_name,
@@ -126,7 +126,7 @@ def _reference(rank, cases):
     same micro-batches; per-token gradients divided by the token count as finalize does."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel
 
     out = {}
     model, names = _stage(1, 1, per_token=True, ddp=False)
@@ -222,7 +222,7 @@ def _pp2_work(rank, world_size):
 
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.megatron import get_forward_backward_func
-    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel
 
     cpu_compat.enable_cpu_mode()
     batches = _microbatches(SHAPES_A, seed=11)
@@ -259,7 +259,7 @@ def _handlers_alone(model):
     from megatron.core import parallel_state
 
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.megatron.executor import PlanMismatchError, StageRunner
+    from megatron_dynapipe.runtime.executor import PlanMismatchError, StageRunner
     from megatron_dynapipe.planning.plan import Instruction, Op
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -307,7 +307,7 @@ def _four_rank_work(rank, world_size):
     """Four ranks: the references (rank 0), then TP=2 x PP=2, then PP=2 x DP=2 (every DP rank
     plans its own micro-batches; per-token loss over both)."""
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel
 
     cpu_compat.enable_cpu_mode()
     a, b = _microbatches(SHAPES_A, seed=11), _microbatches(SHAPES_B, seed=12)
@@ -359,12 +359,12 @@ def _assert_equivalent(runs, reference, key, layout=None):
 
 @pytest.fixture(scope="module")
 def pp2():
-    return run_distributed(_pp2_work, 2, timeout=TIMEOUT)
+    return run_local_ranks(_pp2_work, 2, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_four_rank_work, 4, timeout=TIMEOUT)
+    return run_local_ranks(_four_rank_work, 4, timeout=TIMEOUT)
 
 
 @pytest.mark.slow
@@ -418,7 +418,7 @@ def test_forward_only_gives_the_losses_and_no_gradients(pp2):
 
 
 def test_every_instruction_kind_has_one_handler():
-    from megatron_dynapipe.megatron.executor import HANDLERS
+    from megatron_dynapipe.runtime.executor import HANDLERS
     from megatron_dynapipe.planning.plan import Op
 
     assert set(HANDLERS) == set(Op)
@@ -499,8 +499,8 @@ def _die_or_stall(rank, world_size, how):
 @pytest.mark.parametrize("how", ["die", "stall"])
 def test_dead_or_stalled_peer_fails_fast_with_a_clear_error(how):
     started = time.monotonic()
-    with pytest.raises(DistributedError) as info:
-        run_distributed(_die_or_stall, 2, how, timeout=90)
+    with pytest.raises(LocalRanksError) as info:
+        run_local_ranks(_die_or_stall, 2, how, timeout=90)
     elapsed = time.monotonic() - started
     text = str(info.value)
     assert "failed on rank 0" in text, text
@@ -522,7 +522,7 @@ def test_dead_or_stalled_peer_fails_fast_with_a_clear_error(how):
 
 @pytest.fixture
 def provider():
-    from megatron_dynapipe.megatron import provider
+    from megatron_dynapipe.runtime import provider
 
     yield provider
     provider.uninstall()
@@ -590,7 +590,7 @@ def test_install_rebinds_megatron_training_name_and_uninstall_restores(provider,
 
 
 def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
-    from megatron_dynapipe.megatron import executor
+    from megatron_dynapipe.runtime import executor
 
     from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
 
@@ -598,13 +598,13 @@ def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
     monkeypatch.setattr(executor, "RECOMPUTE_READS", (
         Spot("megatron.core.transformer.attention", "Attention.forward", ("self.checkpoint_core_attention_v2",)),))
     with pytest.raises(UpstreamChanged, match=r"Attention\.forward: expected 'self\.checkpoint_core_attention_v2'"
-                                              r".*review megatron_dynapipe/megatron/executor\.py"):
+                                              r".*review megatron_dynapipe/runtime/executor\.py"):
         executor._check_recompute_reads()
     executor._check_recompute_reads.cache_clear()
 
 
 def test_executor_benchmark_summary():
-    from megatron_dynapipe.bench.executor import SCHEDULES, format_table, summarize
+    from megatron_dynapipe.bench.executor_bench import SCHEDULES, format_table, summarize
 
     core, ours = SCHEDULES
     settings = dict(pp=2, microbatches=8, micro_batch_size=2, seq_length=64, hidden_size=64, num_layers=4,

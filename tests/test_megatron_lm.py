@@ -32,8 +32,10 @@ from pathlib import Path
 import pytest
 
 from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
-from megatron_dynapipe.megatron import launcher, pretrain_hooks
-from megatron_dynapipe.megatron.arguments import DynapipeArgumentError
+from megatron_dynapipe.megatron_lm import launcher, pretrain_hooks
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
+from megatron_dynapipe.compat import megatron_lm_cpu
+from megatron_dynapipe.megatron_lm.arguments import check_data_pipeline_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch"
@@ -191,7 +193,7 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
         base.update(kw)
         return argparse.Namespace(**base)
 
-    pretrain_hooks.check_megatron_args(args())
+    check_data_pipeline_args(args())
     for bad, pattern in ((dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
                          (dict(context_parallel_size=2), "context parallelism"),
                          (dict(eod_mask_loss=True), "--eod-mask-loss"),
@@ -203,9 +205,9 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
                          (dict(mock_data=False, data_path=["x"], train_data_path=["t"]), "--data-path"),
                          (dict(eval_iters=2, eval_interval=None), "--eval-interval")):
         with pytest.raises(DynapipeArgumentError, match=re.escape(pattern)):
-            pretrain_hooks.check_megatron_args(args(**bad))
-    pretrain_hooks.check_megatron_args(args(mock_data=False, data_path=["1.0", "prefix"]))
-    pretrain_hooks.check_megatron_args(args(train_iters=None, train_samples=640))  # iterations derived later
+            check_data_pipeline_args(args(**bad))
+    check_data_pipeline_args(args(mock_data=False, data_path=["1.0", "prefix"]))
+    check_data_pipeline_args(args(train_iters=None, train_samples=640))  # iterations derived later
 
 
 def test_split_and_mock_datasets():
@@ -286,7 +288,7 @@ def _fake_checkout(tmp_path) -> Path:
 def _launch_fake(tmp_path, *args):
     script = _fake_checkout(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *args],
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron_lm.launcher", str(script), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -344,12 +346,12 @@ def test_cpu_redirection_reaches_only_the_named_bodies(tmp_path, monkeypatch):
     )
     stale = Spot("fake_lm_spots", "not_a_spot", ("torch.cuda.Stream()",), "test", kind="body")
     with pytest.raises(UpstreamChanged, match=r"fake_lm_spots\.py:not_a_spot.*torch\.cuda\.Stream.*LM_CPU_SPOTS"):
-        launcher.enable_megatron_lm_cpu_mode(spots + (stale,))
-    assert launcher._cpu.mode is None  # a failed check patches nothing
+        megatron_lm_cpu.enable_megatron_lm_cpu_mode(spots + (stale,))
+    assert megatron_lm_cpu._cpu.mode is None  # a failed check patches nothing
 
     import torch
 
-    launcher.enable_megatron_lm_cpu_mode(spots)
+    megatron_lm_cpu.enable_megatron_lm_cpu_mode(spots)
     try:
         assert m.spot_body() == ("cpu", "cpu")
         assert m.needs_cuda() == "replaced"
@@ -359,10 +361,10 @@ def test_cpu_redirection_reaches_only_the_named_bodies(tmp_path, monkeypatch):
             m.not_a_spot()
         with pytest.raises((AssertionError, RuntimeError)):
             torch.cuda.current_device()  # only inside spot_body
-        calls = launcher.cpu_spot_calls()
+        calls = megatron_lm_cpu.cpu_spot_calls()
         assert calls["fake_lm_spots.py:spot_body"] == 2 and calls["fake_lm_spots.py:needs_cuda"] == 1
     finally:
-        launcher.disable_megatron_lm_cpu_mode()
+        megatron_lm_cpu.disable_megatron_lm_cpu_mode()
     with pytest.raises(AssertionError, match="Megatron requires CUDA"):
         m.needs_cuda()
     with pytest.raises((AssertionError, RuntimeError)):
@@ -416,7 +418,7 @@ def training_ready(checkout) -> Path:
         except ModuleNotFoundError as exc:
             print("MISSING", exc.name); raise SystemExit(3)
         from megatron_dynapipe.compat.patching import check_spots
-        from megatron_dynapipe.megatron.launcher import LM_CPU_SPOTS, REVIEW
+        from megatron_dynapipe.compat.megatron_lm_cpu import LM_CPU_SPOTS, REVIEW
         check_spots(LM_CPU_SPOTS, REVIEW)
         print("SPOTS-OK", len(LM_CPU_SPOTS))
     """)
@@ -472,7 +474,7 @@ PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batch
 def _smoke(script: Path, data_args: list[str], *, pythonpath=(), timeout=240):
     master, kv, _kv_valid = _free_ports(3)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(master), "-m", "megatron_dynapipe.megatron.launcher", "--cpu", str(script),
+               "--master-port", str(master), "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
                *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv)]
     proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
                           timeout=timeout, cwd=script.parent)

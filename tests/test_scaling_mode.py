@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dynapipe.megatron import scaling_mode
-from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments
+from megatron_dynapipe.megatron_lm import scaling_mode
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, add_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, vocab_size=1024,
@@ -99,7 +99,7 @@ def _launch(tmp_path, *flags):
     script = tmp_path / "Megatron-LM" / "pretrain_gpt.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text("raise SystemExit('scaling mode must not run the script')\n")
-    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *flags],
+    return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron_lm.launcher", str(script), *flags],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env=_with_checkout_on_path())
 
@@ -152,7 +152,7 @@ MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
                     reason="needs a Megatron-LM checkout: set MEGATRON_LM_DIR to one (with pretrain_gpt.py)")
 def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
     script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
-    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron.launcher", str(script), *TINY_FLAGS,
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron_lm.launcher", str(script), *TINY_FLAGS,
                           "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1.5e-4", "--train-iters", "2",
                           *FAKE, "--fake-current-rank-id", "0", "--trace-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,

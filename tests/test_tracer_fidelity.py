@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from distributed import run_distributed
+from megatron_dynapipe.local_ranks import run_local_ranks
 from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.tracer.trace_format import RankTrace
 from megatron_dynapipe.config.megatron_options import MegatronOptions
@@ -87,7 +87,7 @@ def _real_job(rank, world_size):
 @pytest.fixture(scope="module")
 def real():
     start = time.perf_counter()
-    results = run_distributed(_real_job, WORLD, timeout=TIMEOUT)
+    results = run_local_ranks(_real_job, WORLD, timeout=TIMEOUT)
     print(f"real {WORLD}-rank gloo job, {len(CASES)} cases: {time.perf_counter() - start:.1f} s")
     return {
         name: {rank: RankTrace.loads(result[name]) for rank, result in enumerate(results)}

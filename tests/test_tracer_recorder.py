@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
+from megatron_dynapipe.local_ranks import run_local_ranks
 from megatron_dynapipe.tracer import trace_format
 from megatron_dynapipe.tracer.trace_format import (
     FORMAT_VERSION,
@@ -76,7 +76,7 @@ def _record_known_ops(rank, world_size):
 
 @pytest.mark.slow
 def test_recorder_captures_collectives_and_p2p_on_gloo():
-    results = run_distributed(_record_known_ops, 2, timeout=90)
+    results = run_local_ranks(_record_known_ops, 2, timeout=90)
     for rank, result in enumerate(results):
         assert result["patched"] and result["restored"]
         assert result["sum"] == 3.0  # the real collective still ran
@@ -192,7 +192,7 @@ def test_recorder_rejects_a_cost_clock_without_costs():
 
 
 def test_activation_meter_counts_saved_tensors_but_not_model_state():
-    from megatron_dynapipe.tracer.recorder import ActivationMeter
+    from megatron_dynapipe.tracer.activation_meter import ActivationMeter
 
     meter = ActivationMeter()
     weight = torch.randn(16, 32, requires_grad=True)
@@ -328,7 +328,7 @@ def test_reader_rejects_empty_and_non_json(tmp_path):
 def test_activation_meter_counts_storages_at_addresses_that_freed_ones_had():
     """A saved tensor whose graph is dropped within the forward frees its storage, and the next
     one of the same size usually lands at the same address: each must still count once."""
-    from megatron_dynapipe.tracer.recorder import ActivationMeter
+    from megatron_dynapipe.tracer.activation_meter import ActivationMeter
 
     meter = ActivationMeter()
     weight = torch.ones(1024, requires_grad=True)

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["MODELS", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS"]
+__all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -195,6 +195,10 @@ MODELS: dict[str, ModelSpec] = _registry(
     _gpt("1T", 25600, 160, 128),
     _gpt("2T", 25600, 160, 256),
 )
+
+
+#: The model the commands (trace, search) use when the command line names none.
+DEFAULT_MODEL = "6.7"
 
 
 def model_names() -> list[str]:

@@ -71,15 +71,17 @@ def _flag_fields(args: Any) -> dict[str, Any]:
     return fields
 
 
-def model_from_args(args) -> ModelSpec:
-    """The model of :func:`add_model_arguments`' flags; ValueError (one line) when they describe none."""
+def model_from_args(args, default: "str | None" = None) -> ModelSpec:
+    """The model of :func:`add_model_arguments`' flags, the named model ``default`` when they name
+    none; ValueError (one line) when they describe none and there is no default."""
     fields = _flag_fields(args)
     if getattr(args, "max_position_embeddings", None) is not None:
         fields["max_sequence_length"] = args.max_position_embeddings
     if getattr(args, "num_query_groups", None) is not None and "num_query_groups" not in fields:
         raise ValueError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it without)")
-    if args.model:
-        base = get_model(args.model)
+    name = args.model or (default if not {"num_layers", "hidden_size", "num_attention_heads"} & set(fields) else None)
+    if name:
+        base = get_model(name)
         if "hidden_size" in fields:
             fields.setdefault("ffn_hidden_size", None)  # 4 x the new hidden size, as Megatron-LM defaults
         return dataclasses.replace(base, **fields, name=base.name if not fields else "")

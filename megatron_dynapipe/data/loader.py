@@ -56,7 +56,8 @@ from megatron_dynapipe.data.kv_store import (
     KVStoreClient,
     KVStoreMetaKeys,
 )
-from megatron_dynapipe.data.preprocess import PipelineSettings, decode_microbatches
+from megatron_dynapipe.data.preprocess import PipelineSettings
+from megatron_dynapipe.data.microbatches import decode_microbatches
 
 __all__ = ["DataPipelineHost", "DynaPipeDataLoader", "RankLayout", "from_parallel_state"]
 

@@ -33,7 +33,8 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.cost_model.profile_file import calibrated_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.profiling.layers import DTYPES, build_parts, fake_tp_rank
+from megatron_dynapipe.gpt.device import torch_dtype
+from megatron_dynapipe.profiling.layers import build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.overhead import overhead_shapes
 from megatron_dynapipe.profiling.profiler import Progress, ProfileError, ProfileSettings, measure_step_overhead, measure_point, ProfileRun
 from megatron_dynapipe.profiling.measure import steady_cpu_allocator
@@ -59,7 +60,7 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
     output = Path(output)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
-            parts = build_parts(spec, tp, DTYPES[settings.dtype], device, settings.recompute)
+            parts = build_parts(spec, tp, torch_dtype(settings.dtype), device, settings.recompute)
             for seq, mbs in calibration_shapes(settings):
                 progress(f"tp {tp} seq {seq} mbs {mbs}")
                 measure_point(profile, parts, tp, settings.recompute, seq, mbs)

@@ -9,8 +9,9 @@ from pathlib import Path
 from megatron_dynapipe.config.model_flags import add_model_arguments
 from megatron_dynapipe.planning.flags import positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device
 
-__all__ = ["add_device_arguments", "add_profile_parser", "resolve_device", "run_profile"]
+__all__ = ["add_profile_parser", "run_profile"]
 
 
 def add_profile_parser(sub) -> None:
@@ -44,27 +45,6 @@ def add_profile_parser(sub) -> None:
                         "grid: a quick cost model (seconds to minutes) where a full profile is too slow")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="draw no progress bar")
     p.set_defaults(func=run_profile)
-
-
-def add_device_arguments(p, verb: str) -> None:
-    """``--bf16``/``--fp16`` (``args.dtype``, fp32 without either) and ``--device``; read back
-    with :func:`resolve_device`."""
-    dtype = p.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
-    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help=f"where to {verb} (default: cuda when there is one, else cpu)")
-    p.set_defaults(dtype="fp32")
-
-
-def resolve_device(choice: str) -> str:
-    """``--device``'s choice as "cuda" or "cpu"; "cuda" without a CUDA device is refused."""
-    import torch
-
-    device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this torch sees no CUDA device; use --device cpu")
-    return device
 
 
 def _checked(args):

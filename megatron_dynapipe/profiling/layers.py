@@ -16,14 +16,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_dynapipe.gpt_build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
+from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["DTYPES", "RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
+__all__ = ["RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]
 
 @contextlib.contextmanager
 def fake_tp_rank(tp: int, device: torch.device) -> Iterator[None]:

@@ -9,7 +9,7 @@ the parts alone came out 6-23% short.  Some of it comes once per stage, some onc
 (a layer inside the model took 0.7-1.5 ms more than alone).
 
 So the profiler times the real thing: stages of 1 and of ``min(3, layers)`` layers, built as
-``bench step`` builds them (:mod:`..megatron.training_stage`), each running plans of 1 and of
+``bench step`` builds them (:mod:`megatron_dynapipe.runtime.stage`), each running plans of 1 and of
 ``MICROBATCHES`` identical micro-batches, forward only and forward-backward, all in turn so that
 the machine's drift hits all alike.  The difference of the two plans' times per added
 micro-batch leaves out what a step pays once (finalising the gradients); the two stages'
@@ -92,7 +92,7 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
     layer and of the embedding and head together there. None when no shape fits on the device."""
-    from megatron_dynapipe.megatron.training_stage import build_training_stage
+    from megatron_dynapipe.runtime.stage import build_training_stage
     from megatron_dynapipe.profiling.measure import unless_out_of_memory
 
     counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
@@ -124,8 +124,8 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
     (seq, mbs) adds to a step: plans of 1 and of MICROBATCHES micro-batches, forward only and
     forward-backward, run in turn until each has ``repeats`` runs and all add up to
     ``min_time_ms``; the medians' differences."""
-    from megatron_dynapipe.data.preprocess import gpt_microbatch
-    from megatron_dynapipe.megatron.training_stage import planned_step
+    from megatron_dynapipe.data.microbatches import gpt_microbatch
+    from megatron_dynapipe.runtime.stage import planned_step
     from megatron_dynapipe.planning.baselines import uniform_microbatches
     from megatron_dynapipe.planning.plan import build_execution_plans
     from megatron_dynapipe.planning.schedules import one_f_one_b_orders

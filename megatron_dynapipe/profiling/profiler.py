@@ -32,8 +32,9 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.gpt_build import uses_transformer_engine
-from megatron_dynapipe.profiling.layers import DTYPES, Parts, build_parts, fake_tp_rank
+from megatron_dynapipe.gpt.build import uses_transformer_engine
+from megatron_dynapipe.gpt.device import torch_dtype
+from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
 from megatron_dynapipe.config.model_flags import megatron_model_args
@@ -184,7 +185,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
 
 def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) -> None:
     s = profile.settings
-    parts = build_parts(profile.spec, tp, DTYPES[s.dtype], profile.device, s.recompute)
+    parts = build_parts(profile.spec, tp, torch_dtype(s.dtype), profile.device, s.recompute)
     for rc in s.recompute:  # the same shards whatever the recompute type; the format wants each
         profile.records.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
         profile.records.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
@@ -211,7 +212,7 @@ def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> N
 
     measured = [(k[4], k[5]) for k in profile.records.times if k[:4] == (tp, rc.label, "encoder", "forward")]
     progress(f"tp {tp} whole-step overhead")
-    found = measure_overhead(profile.spec, tp=tp, dtype=DTYPES[s.dtype], device=profile.device, recompute=rc,
+    found = measure_overhead(profile.spec, tp=tp, dtype=torch_dtype(s.dtype), device=profile.device, recompute=rc,
                              parts_ms=parts_ms, shapes=overhead_shapes(measured), repeats=s.repeats,
                              min_time_ms=s.min_time_ms)
     if found is not None:
@@ -287,7 +288,7 @@ def _inputs(profile: ProfileRun, seq: int, mbs: int) -> "tuple[torch.Tensor, tor
     when they do not fit on the device."""
     s, device = profile.settings, profile.device
     return unless_out_of_memory(profile.device, lambda: (
-        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=DTYPES[s.dtype], requires_grad=True),
+        torch.randn(seq, mbs, profile.spec.hidden_size, device=device, dtype=torch_dtype(s.dtype), requires_grad=True),
         torch.randint(0, profile.spec.vocab_size, (mbs, seq), device=device)))
 
 
@@ -322,7 +323,7 @@ def _bends(profile: ProfileRun, parts: Parts, tp: int, short: int, middle: int, 
     b = profile.records.times.get((tp, rc.label, "encoder", "forward", long, 1))
     if a is None or b is None:
         return False  # a row that does not reach mbs=1 there is not interpolated either
-    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=DTYPES[profile.settings.dtype],
+    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=torch_dtype(profile.settings.dtype),
                     requires_grad=True)
     probe = time_step(lambda: parts.encoders[rc](x), profile.device, **dict(_timing(profile.settings), warmup=1))
     line = a + (b - a) * (middle - short) / (long - short)

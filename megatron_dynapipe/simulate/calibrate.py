@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0):
     """Time every kind at every size on ``nproc`` local ranks: ``({kind: [(bytes, seconds)]}, device)``."""
-    from megatron_dynapipe.bench.ranks import launch
+    from megatron_dynapipe.local_ranks import run_local_ranks
 
-    results = launch(_rank, nproc, sizes, repeats, timeout=timeout, backend=backend)
+    results = run_local_ranks(_rank, nproc, sizes, repeats, timeout=timeout, backend=backend)
     points, device = results[0]
     device["peak_tflops"] = {dtype: statistics.median(r[1]["peak_tflops"][dtype] for r in results)
                              for dtype in device["peak_tflops"]}

@@ -130,7 +130,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
     import sys
 
     from megatron_dynapipe.files import check_output_folder, write_atomically
-    from megatron_dynapipe.tracer.cli import cli_model
+    from megatron_dynapipe.config.model import DEFAULT_MODEL
+    from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
     from megatron_dynapipe.simulate.search_report import format_search, plot_search
 
@@ -138,7 +139,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
     for flag in ("top", "max_traced"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    model = cli_model(args)
+    model = model_from_args(args, default=DEFAULT_MODEL)
     space = SearchSpace(model=model, world_size=args.world_size, global_batch_size=args.global_batch_size,
                         seq_length=args.seq_length or model.max_sequence_length, hardware=hardware, dtype=args.dtype,
                         tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
 from megatron_dynapipe.tracer.batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
-from megatron_dynapipe.config.model import MODELS, ModelSpec
+from megatron_dynapipe.config.model import DEFAULT_MODEL, MODELS, ModelSpec
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.config.megatron_options import MegatronOptions, add_megatron_options, megatron_options_from_args
 from megatron_dynapipe.config.model_flags import megatron_model_args
@@ -31,7 +31,6 @@ __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFA
 #: The config traced when none is given.
 DEFAULT_CONFIG = "8192 2 2"
 #: The model traced when none is given: the same as examples/update_pretrain_gpt.sh.
-DEFAULT_MODEL = "6.7"
 
 _HELP = "trace the representative ranks of one or more parallel layouts with fake ranks"
 _EPILOG = (
@@ -112,14 +111,6 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def cli_model(args) -> ModelSpec:
-    """The model of the command line: ``--model`` and Megatron-LM's model flags (see
-    :func:`~megatron_dynapipe.config.model_flags.add_model_arguments`); GPT-6.7B when none is given."""
-    if args.model is None and all(getattr(args, f) is None for f in ("num_layers", "hidden_size", "num_attention_heads")):
-        args = argparse.Namespace(**{**vars(args), "model": DEFAULT_MODEL})
-    return model_from_args(args)
-
-
 def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
     """The configs named on the command line, in order (``--config`` lines, then files), each of
     ``model`` unless its line names another, and why each line that could not be parsed was
@@ -164,7 +155,7 @@ def run_trace(args) -> int:
             print(f"{name:>5}  hidden {m.hidden_size:>5}  heads {m.num_attention_heads:>3}  layers {m.num_layers:>3}  "
                   f"{total_params(m) / 1e9:9.3f} B parameters")
         return 0
-    model = cli_model(args)
+    model = model_from_args(args, default=DEFAULT_MODEL)
     if args.print_model_args:
         shape = model.with_experts(args.num_experts) if args.num_experts else model
         print(" ".join(_megatron_args(shape, args.seq_length, megatron_options_from_args(args), args.dtype)))

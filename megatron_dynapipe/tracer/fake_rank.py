@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -59,16 +58,16 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-from megatron_dynapipe.compat.cpu_compat import CPU_STREAM_STANDINS, cuda_type_name
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
-from megatron_dynapipe.gpt_build import build_gpt, transformer_config, uses_transformer_engine
+from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
+from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
-from megatron_dynapipe.tracer.recorder import Recorder, storage_key
+from megatron_dynapipe.tracer.recorder import Recorder
+from megatron_dynapipe.tracer.tensor_sizes import storage_key
 from megatron_dynapipe.config.layout import (
     ParallelLayout,
     dense_coords,
@@ -79,6 +78,9 @@ from megatron_dynapipe.config.layout import (
 )
 from megatron_dynapipe.tracer.representatives import representative_ranks
 from megatron_dynapipe.tracer.trace_format import RankTrace
+from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
+from megatron_dynapipe.compat.moe_cpu import moe_on_cpu
+from megatron_dynapipe.tracer.meta_mode import MetaMode
 
 __all__ = [
     "RankTrace",
@@ -89,209 +91,9 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# the model
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 # ---------------------------------------------------------------------------------------------
-# shapes-only: everything on the meta device
-
-
-_FACTORIES = {
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint,
-    torch.randperm, torch.arange, torch.linspace, torch.eye, torch.tensor, torch.as_tensor,
-    torch.empty_strided, torch.scalar_tensor,
-}
-#: integer tensors these build from Python values are routing/split metadata (e.g. the MoE
-#: dispatcher's per-expert capacities): they keep their values, on the CPU
-_VALUE_FACTORIES = {torch.full, torch.tensor, torch.as_tensor}
-_MAX_HOST_METADATA = 1 << 16
-_ITEM_METHODS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
-                 torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
-_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
-
-
-def _is_meta(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type == "meta"
-
-
-class MetaMode(TorchFunctionMode):
-    """Every tensor a factory creates or a device move produces lands on ``meta``; 0-dim
-    factory results stay on the CPU (scalars such as Adam's step count keep real values), and so
-    do small integer tensors built from Python values (``torch.full``/``torch.tensor``: split
-    sizes and capacities, which must keep their values);
-    reading a value back from a meta tensor (``.item()``, ``.tolist()``, ``bool()``) answers 0;
-    boolean-mask assignment on a meta tensor becomes ``masked_fill_`` (same shape, no data)."""
-
-    #: torch.distributed helpers that pickle Python objects into real byte tensors: they run
-    #: with the mode suspended (megatron's optimizer compares parameter-group keys this way).
-    OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object",
-                          "scatter_object_list", "send_object_list", "recv_object_list")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._suspended = 0
-        self._patches = Patches()
-
-    def __enter__(self):
-        import torch.distributed.distributed_c10d as c10d
-
-        self._patches.rebind({original: self._suspending(original)
-                              for original in filter(None, (getattr(c10d, name, None)
-                                                            for name in self.OBJECT_COLLECTIVES))},
-                             where=lambda module: module in ("torch.distributed", c10d.__name__))
-        engine = getattr(torch.autograd, "_engine_run_backward", None)
-        if engine is None:
-            raise UpstreamChanged("torch.autograd no longer calls _engine_run_backward; review "
-                                  "megatron_dynapipe/tracer/fake_rank.py MetaMode._engine_in_mode")
-        self._patches.set(torch.autograd, "_engine_run_backward", self._engine_in_mode(engine))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._patches.undo()
-
-    def _engine_in_mode(self, run_backward):
-        """``torch.autograd.backward`` and ``grad`` reach this mode first, and torch takes a mode
-        off its stack while the mode handles a call: the autograd engine would then run backward
-        functions (activation recompute, sequence parallelism's all-gather) without the mode, and
-        their factories would allocate on the CPU.  The engine runs with the mode put back."""
-        from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
-
-        @functools.wraps(run_backward)
-        def run_backward_in_mode(*args, **kwargs):
-            if self in _get_current_function_mode_stack():
-                return run_backward(*args, **kwargs)
-            _push_mode(self)
-            try:
-                return run_backward(*args, **kwargs)
-            finally:
-                _pop_mode()
-
-        return run_backward_in_mode
-
-    def _suspending(self, original):
-        @functools.wraps(original)  # keeps the signature readable (fake_groups checks it)
-        def run_unsuspended(*args, **kwargs):
-            self._suspended += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._suspended -= 1
-
-        return run_unsuspended
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self._suspended:
-            return func(*args, **kwargs)
-        if func in _FACTORIES:
-            result = func(*args, **dict(kwargs, device="meta"))
-            if result.dim() == 0 or (
-                func in _VALUE_FACTORIES
-                and not result.is_floating_point()
-                and result.numel() <= _MAX_HOST_METADATA
-            ):
-                return func(*args, **dict(kwargs, device="cpu"))
-            return result
-        if func in _MOVES:
-            return self._move(func, args, kwargs)
-        if func in _ITEM_METHODS and _is_meta(args[0]):
-            t = args[0]
-            if func is torch.Tensor.tolist:
-                return torch.zeros(t.shape, dtype=t.dtype, device="cpu").tolist()
-            if func is torch.Tensor.__bool__:
-                return False
-            return 0.0 if t.is_floating_point() and func is not torch.Tensor.__index__ else 0
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and _is_meta(args[0]):
-            return cuda_type_name(args[0])
-        if func is torch.Tensor.__setitem__ and _is_meta(args[0]):
-            index = args[1]
-            if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
-                value = args[2]
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    return None  # a data-dependent number of values: nothing to write on meta
-                args[0].masked_fill_(index.to("meta"), value)
-                return None
-        return func(*args, **kwargs)
-
-
-    @staticmethod
-    def _move(func, args, kwargs):
-        """``.to(device)``, ``.cuda()``, ``.cpu()``: a real CPU tensor that stays on the host
-        (``.cpu()``, ``.to("cpu")``) or is a scalar keeps its values; everything else goes to
-        meta, where a meta tensor stays."""
-        t = args[0]
-        if func is torch.Tensor.cpu:
-            return t
-        if func is torch.Tensor.cuda:
-            return t if _is_meta(t) or t.dim() == 0 else t.to("meta")
-        target = kwargs.get("device")
-        rest = []
-        for a in args[1:]:
-            if _is_device(a) and target is None:
-                target = a
-            else:
-                rest.append(a)
-        if target is None:  # .to(dtype) or .to(other_tensor)
-            return func(*args, **kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        to_cpu = torch.device(target).type == "cpu" if not isinstance(target, int) else False
-        keep_host = t.device.type == "cpu" and (to_cpu or t.dim() == 0)
-        return func(t, "cpu" if keep_host else "meta", *rest, **kwargs)
-
-
-def _is_device(x: Any) -> bool:
-    if isinstance(x, torch.device):
-        return True
-    if isinstance(x, str):
-        return x.split(":")[0] in ("cpu", "cuda", "meta")
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE on CPU
-
-
-@contextlib.contextmanager
-def _moe_cpu_shims() -> Iterator[None]:
-    """What megatron-core 0.16 MoE needs on a machine without CUDA and transformer-engine,
-    beyond :mod:`megatron_dynapipe.compat.cpu_compat` (put back on exit):
-
-    * ``moe_utils.router_gating_linear`` tests ``te_general_gemm is not None``, a name that is
-      only defined when transformer-engine imports (NameError otherwise): it is defined as None;
-    * the all-to-all dispatcher creates a ``torch.cuda.Stream()`` and records/waits events on it
-      to overlap device-to-host copies of the routing counts: on CPU those copies are
-      synchronous, so a stream that does nothing stands in;
-    * the dispatcher turns its all-to-all split sizes into numpy arrays only for CUDA tensors
-      (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` checks ``tensor.is_cuda``); on CPU they
-      stay tensors, which ``all_to_all_single`` refuses: CPU tensors are converted too;
-    * the router moves its weights with ``.to(device=torch.cuda.current_device())`` and the aux
-      loss tracker allocates on ``device="cuda"``: the caller builds the model and runs the
-      forward/backward passes inside ``cpu_compat.cuda_as_cpu()`` (not the optimizer step:
-      nested scopes would rename a grad's type twice, ``torch.cuda.cuda.FloatTensor``).
-    """
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401
-
-    with Patches() as patches:
-        if "te_general_gemm" not in vars(moe_utils):
-            patches.set(moe_utils, "te_general_gemm", None)
-        move = moe_utils.maybe_move_tensor_to_cpu
-
-        def move_to_cpu(tensor, as_numpy=False, record_stream=False):
-            if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
-                return tensor.numpy()
-            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-        patches.replace(moe_utils, "maybe_move_tensor_to_cpu", move_to_cpu)
-        for name, standin in CPU_STREAM_STANDINS.items():
-            patches.set(torch.cuda, name, standin)
-        yield
+# MoE: routing every rank can predict
 
 
 @contextlib.contextmanager
@@ -445,24 +247,6 @@ def _backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOption
     return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
 
 
-def pretrain_gpt_forward_step(data_iterator, model):
-    """Megatron-LM's ``pretrain_gpt`` forward step, minus the data loader: tokens, labels and
-    positions of one micro-batch, the causal mask from megatron (``attention_mask=None``), a
-    per-token loss masked and summed, and the token count (the 3-tuple loss convention)."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss_mask = batch["loss_mask"]
-
-    def loss_func(per_token_loss):
-        losses = per_token_loss.float().view(-1)
-        loss = torch.sum(losses * loss_mask.view(-1))
-        num_tokens = loss_mask.sum().to(torch.int)
-        report = torch.cat([loss.detach().view(1), num_tokens.detach().view(1).float()])
-        return loss, num_tokens, {"lm loss": report}
-
-    return output, loss_func
-
-
 def _batches(spec: ModelSpec, mbs: int, seq: int, count: int, seed: int, device):
     """``count`` micro-batches of random tokens (the same on every rank: values do not matter,
     shapes do)."""
@@ -521,7 +305,7 @@ def trace_initialized_rank(
         if not run.on_gpu:
             stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
         if run.moe_on_cpu:
-            stack.enter_context(_moe_cpu_shims())
+            stack.enter_context(moe_on_cpu())
         if run.spec.num_experts:
             stack.enter_context(_balanced_routing())
         if shapes_only:
@@ -617,14 +401,14 @@ class _TraceRun:
             spec = dataclasses.replace(spec, max_sequence_length=fields["seq_length"])
         on_gpu = torch.cuda.is_available()
         dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype_name!r}")
+        if dtype_name not in TRACE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(TRACE_DTYPES)}, got {dtype_name!r}")
         return cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
                    **fields)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype_name]
+        return torch_dtype(self.dtype_name)
 
     @property
     def rank(self) -> int:
@@ -652,7 +436,7 @@ class _TraceRun:
         return {"moe_router_force_load_balancing": True} if self.spec.num_experts else {}
 
     def device_scope(self):
-        """Where MoE on CPU builds and runs its forward/backward (see :func:`_moe_cpu_shims`)."""
+        """Where MoE on CPU builds and runs its forward/backward (see :func:`megatron_dynapipe.compat.moe_cpu.moe_on_cpu`)."""
         from megatron_dynapipe.compat import cpu_compat
 
         return cpu_compat.cuda_as_cpu() if self.moe_on_cpu else contextlib.nullcontext()

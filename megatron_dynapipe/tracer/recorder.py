@@ -47,7 +47,7 @@ all (used with meta tensors, which the backends cannot take).
 
 Memory
 ------
-See :class:`ActivationMeter` and :meth:`Recorder.memory`.
+See :class:`~.activation_meter.ActivationMeter` and :meth:`Recorder.memory`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ import inspect
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -66,76 +65,22 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from megatron_dynapipe.compat.patching import Patches
+from megatron_dynapipe.tracer.activation_meter import ActivationMeter
+from megatron_dynapipe.tracer.collectives import (
+    WRAPPED_COLLECTIVES,
+    CollectiveSpec,
+    DoneCoalesced,
+    describe,
+    dry_result,
+    fill,
+)
 from megatron_dynapipe.tracer.trace_format import TraceOp
 
-__all__ = ["ActivationMeter", "Recorder", "WRAPPED_COLLECTIVES", "storage_key", "tensor_bytes"]
+__all__ = ["Recorder"]
 
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def storage_key(t: torch.Tensor) -> tuple[int, Any]:
-    """An id of the storage ``t`` views (shared by all its views; works for meta tensors), and
-    the object that keeps it alive: an id is unique only while its storage lives, so whoever keeps
-    ids must keep that object too (a freed storage's address is soon reused)."""
-    try:
-        storage = t.untyped_storage()
-        return storage._cdata, storage
-    except Exception:  # tensor subclasses without a plain storage
-        return id(t), t
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
-
-
-class _DoneWork:
-    """What a collective returns when the backend was not called: already complete."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def result(self) -> list:
-        return []
-
-    def get_future(self):
-        future = torch.futures.Future()
-        future.set_result([])
-        return future
-
-
-class _DoneCoalesced:
-    """Stand-in for ``_coalescing_manager``'s handle when the backend is not called."""
-
-    def __init__(self) -> None:
-        self.works: list = []
-
-    def append(self, work) -> None:
-        self.works.append(work)
-
-    def wait(self) -> None:
-        return None
 
 
 _SKIP_FRAME_PREFIXES = ("torch", "contextlib", "functools", __name__)
@@ -150,107 +95,6 @@ def _call_site() -> str:
             return f"{module.rsplit('.', 1)[-1]}.{frame.f_code.co_name}"
         frame = frame.f_back
     return ""
-
-
-# ---------------------------------------------------------------------------------------------
-# what each wrapped collective looks like
-
-
-@dataclass(frozen=True)
-class _Spec:
-    kind: str  # op kind in the trace
-    style: str  # how to read its arguments (see Recorder._describe)
-
-
-#: torch.distributed function -> (trace kind, argument style).
-WRAPPED_COLLECTIVES: dict[str, _Spec] = {
-    "all_reduce": _Spec("all_reduce", "inplace"),
-    "broadcast": _Spec("broadcast", "rooted"),
-    "reduce": _Spec("reduce", "rooted"),
-    "all_gather": _Spec("all_gather", "gather_list"),
-    "all_gather_into_tensor": _Spec("all_gather", "gather_tensor"),
-    "_all_gather_base": _Spec("all_gather", "gather_tensor"),
-    "reduce_scatter": _Spec("reduce_scatter", "scatter_list"),
-    "reduce_scatter_tensor": _Spec("reduce_scatter", "scatter_tensor"),
-    "_reduce_scatter_base": _Spec("reduce_scatter", "scatter_tensor"),
-    "all_to_all_single": _Spec("all_to_all", "a2a_single"),
-    "all_to_all": _Spec("all_to_all", "a2a_list"),
-    "barrier": _Spec("barrier", "barrier"),
-    "send": _Spec("send", "p2p"),
-    "recv": _Spec("recv", "p2p"),
-    "isend": _Spec("isend", "p2p"),
-    "irecv": _Spec("irecv", "p2p"),
-    "batch_isend_irecv": _Spec("batch_isend_irecv", "batch"),
-}
-
-
-
-# ---------------------------------------------------------------------------------------------
-# activation memory
-
-
-class ActivationMeter:
-    """Activation bytes a rank holds, counted from what autograd saves for backward.
-
-    Around each micro-batch forward a ``saved_tensors_hooks`` pair sees every tensor autograd
-    keeps for the backward pass; the bytes of their distinct storages (parameters, gradient
-    buffers and optimizer state excluded: they are registered with :meth:`set_static`) are that
-    micro-batch's activations, held until its backward finishes.  ``peak_bytes`` is the largest
-    sum over forward passes in flight at once (1F1B keeps up to ``pp - stage`` micro-batches;
-    interleaving counts each micro-batch once per model chunk it has passed).
-    Transient buffers that are freed within the forward or the backward, and tensors a custom
-    autograd function stashes on ``ctx`` without ``save_for_backward``, are not counted.
-    Works on meta tensors (it reads sizes, not data).
-    """
-
-    def __init__(self) -> None:
-        self.static: dict[int, Any] = {}  # storage id -> the storage, kept alive with its id
-        self.live = 0
-        self.peak_bytes = 0
-        self.peak_in_flight = 0
-        self.per_microbatch: dict[Any, int] = {}
-        self.enabled = True
-
-    def set_static(self, tensors) -> None:
-        for t in tensors:
-            if _is_tensor(t):
-                key, storage = storage_key(t)
-                self.static[key] = storage
-
-    def reset(self) -> None:
-        self.live = 0
-        self.peak_bytes = 0
-        self.peak_in_flight = 0
-        self.per_microbatch.clear()
-
-    @contextlib.contextmanager
-    def forward(self, key) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        seen: dict[int, Any] = {}  # as static: held until the forward ends, so no id is reused
-        total = [0]
-
-        def pack(t):
-            k, storage = storage_key(t)
-            if k not in self.static and k not in seen:
-                seen[k] = storage
-                try:
-                    total[0] += t.untyped_storage().nbytes()
-                except Exception:
-                    total[0] += tensor_bytes(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self.per_microbatch[key] = self.per_microbatch.get(key, 0) + total[0]
-        self.live += total[0]
-        if self.live > self.peak_bytes:
-            self.peak_bytes = self.live
-        self.peak_in_flight = max(self.peak_in_flight, len(self.per_microbatch))
-
-    def backward_done(self, key) -> None:
-        self.live -= self.per_microbatch.pop(key, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,7 +341,7 @@ class Recorder:
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
 
-    def _wrap_collective(self, api: str, spec: _Spec, original: Callable) -> Callable:
+    def _wrap_collective(self, api: str, spec: CollectiveSpec, original: Callable) -> Callable:
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -511,16 +355,16 @@ class Recorder:
             a = bound.arguments
             op = None
             if self.recording:
-                op = self._new_op("comm", spec.kind, name=_call_site(), **self._describe(spec, a))
+                op = self._new_op("comm", spec.kind, name=_call_site(), **describe(spec, a, self._group_info))
                 timer = self._begin(op)
             self._local.depth = self._depth() + 1
             try:
                 if self.execute:
                     result = original(*args, **kwargs)
                 else:
-                    result = self._dry_result(spec, a)
+                    result = dry_result(spec, a)
                 if self.fill:
-                    self._fill(spec, a)
+                    fill(spec, a, self._generator)
             finally:
                 self._local.depth -= 1
             if op is not None:
@@ -541,154 +385,12 @@ class Recorder:
                     with original(group, device, async_ops) as cm:
                         yield cm
                 else:
-                    yield _DoneCoalesced()
+                    yield DoneCoalesced()
             finally:
                 self._coalesce_stack.pop()
 
         functools.update_wrapper(coalescing_manager, original)
         return coalescing_manager
-
-    def _dry_result(self, spec: _Spec, a: dict):
-        if spec.style == "batch":
-            return [_DoneWork() for _ in a["p2p_op_list"]]
-        if spec.kind in ("isend", "irecv"):
-            return _DoneWork()
-        if spec.kind == "recv":
-            return a.get("src")
-        return _DoneWork() if a.get("async_op") else None
-
-    def _describe(self, spec: _Spec, a: dict) -> dict[str, Any]:
-        style = spec.style
-        if style == "batch":
-            ops = a["p2p_op_list"]
-            _, ranks, gname = self._group_info(ops[0].group if ops else None)
-            parts = []
-            for p2p in ops:
-                fn = getattr(p2p.op, "__recorder_original__", p2p.op)
-                kind = "isend" if fn is _ORIGINAL_ISEND or fn is c10d.isend else "irecv"
-                t = p2p.tensor
-                parts.append({
-                    "kind": kind,
-                    "peer": int(p2p.peer),
-                    "shape": list(t.shape),
-                    "dtype": _dtype_name(t.dtype),
-                    "bytes": tensor_bytes(t),
-                })
-            return {
-                "group": ranks,
-                "group_name": gname,
-                "bytes": sum(p["bytes"] for p in parts),
-                "parts": parts,
-            }
-        group, ranks, gname = self._group_info(a.get("group"))
-        out: dict[str, Any] = {"group": ranks, "group_name": gname}
-        size = len(ranks)
-        if style == "inplace":
-            t = a["tensor"]
-        elif style == "rooted":
-            t = a["tensor"]
-            key, gkey = ("src", "group_src") if spec.kind == "broadcast" else ("dst", "group_dst")
-            peer = a.get(key)
-            if peer is None and a.get(gkey) is not None:
-                peer = dist.get_global_rank(group, a[gkey])
-            out["peer"] = peer
-        elif style == "gather_list":
-            t = a["tensor"]
-            out.update(shape=(size, *t.shape), dtype=_dtype_name(t.dtype), bytes=tensor_bytes(t) * size)
-            return out
-        elif style == "gather_tensor":
-            t = a["output_tensor"]
-        elif style == "scatter_list":
-            t = a["output"]
-            out.update(shape=(size, *t.shape), dtype=_dtype_name(t.dtype), bytes=tensor_bytes(t) * size)
-            return out
-        elif style == "scatter_tensor":
-            t = a["input"]
-        elif style == "a2a_single":
-            t = a["input"]
-            ins, outs = a.get("input_split_sizes"), a.get("output_split_sizes")
-            if ins is not None or outs is not None:
-                out["splits"] = {
-                    "in": None if ins is None else [int(x) for x in ins],
-                    "out": None if outs is None else [int(x) for x in outs],
-                }
-        elif style == "a2a_list":
-            tensors = a["input_tensor_list"]
-            out.update(
-                shape=(len(tensors),),
-                dtype=_dtype_name(tensors[0].dtype) if tensors else None,
-                bytes=sum(tensor_bytes(x) for x in tensors),
-            )
-            return out
-        elif style == "barrier":
-            return out
-        elif style == "p2p":
-            t = a["tensor"]
-            key, gkey = ("dst", "group_dst") if spec.kind in ("send", "isend") else ("src", "group_src")
-            peer = a.get(key)
-            if peer is None and a.get(gkey) is not None:
-                peer = dist.get_global_rank(group, a[gkey])
-            out["peer"] = peer
-        else:  # pragma: no cover - every style is handled above
-            raise AssertionError(style)
-        out.update(shape=tuple(t.shape), dtype=_dtype_name(t.dtype), bytes=tensor_bytes(t))
-        return out
-
-    # -- fake-backend values ----------------------------------------------------------------------
-    def _noise(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            return
-        if t.is_floating_point():
-            noise = torch.randn(t.shape, generator=self._generator, dtype=torch.float32)
-            t.copy_(noise.to(t.device))
-        else:
-            t.zero_()
-
-    @staticmethod
-    def _is_sum(op) -> bool:
-        return op is None or op == dist.ReduceOp.SUM
-
-    def _fill(self, spec: _Spec, a: dict) -> None:
-        style = spec.style
-        with torch.no_grad():
-            if style == "batch":
-                for p2p in a["p2p_op_list"]:
-                    fn = getattr(p2p.op, "__recorder_original__", p2p.op)
-                    if fn is _ORIGINAL_IRECV or fn is c10d.irecv:
-                        self._noise(p2p.tensor)
-                return
-            tensors = [v for v in a.values() if _is_tensor(v)]
-            if any(t.device.type == "meta" for t in tensors):
-                return
-            group = a.get("group")
-            if style == "p2p":
-                if spec.kind in ("recv", "irecv"):
-                    self._noise(a["tensor"])
-            elif style == "inplace":
-                if self._is_sum(a.get("op")):
-                    a["tensor"].mul_(dist.get_world_size(group))
-            elif style == "gather_list":
-                for out in a["tensor_list"]:
-                    out.copy_(a["tensor"])
-            elif style == "gather_tensor":
-                out, inp = a["output_tensor"], a["input_tensor"]
-                size = out.numel() // max(1, inp.numel())
-                out.copy_(inp.reshape(1, -1).expand(size, -1).reshape(out.shape))
-            elif style == "scatter_list":
-                out = a["output"]
-                out.copy_(a["input_list"][dist.get_rank(group)])
-                if self._is_sum(a.get("op")):
-                    out.mul_(dist.get_world_size(group))
-            elif style == "scatter_tensor":
-                out, inp = a["output"], a["input"]
-                out.copy_(inp.reshape(-1, out.numel())[dist.get_rank(group)].reshape(out.shape))
-                if self._is_sum(a.get("op")):
-                    out.mul_(dist.get_world_size(group))
-            elif style == "a2a_single":
-                _cycle_rows(a["output"], a["input"])
-            elif style == "a2a_list":
-                for out, inp in zip(a["output_tensor_list"], a["input_tensor_list"]):
-                    _cycle_rows(out, inp)
 
     # -- compute wrappers -------------------------------------------------------------------------
     def _wrap_forward_step(self, original: Callable) -> Callable:
@@ -789,16 +491,3 @@ class Recorder:
         return out
 
 
-def _cycle_rows(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """Fill ``out`` with the rows of ``inp`` repeated (what a symmetric all-to-all delivers)."""
-    if out.numel() == 0:
-        return
-    if inp.numel() == 0 or out.dim() == 0 or inp.dim() == 0 or out.shape[1:] != inp.shape[1:]:
-        out.zero_()
-        return
-    index = torch.arange(out.shape[0], device=inp.device) % inp.shape[0]
-    out.copy_(inp.index_select(0, index))
-
-
-_ORIGINAL_ISEND = c10d.isend
-_ORIGINAL_IRECV = c10d.irecv

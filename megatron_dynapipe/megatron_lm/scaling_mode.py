@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
 
 __all__ = ["FLAG", "ScalingResult", "build_parser", "parse_args", "requested", "run", "run_from_argv"]

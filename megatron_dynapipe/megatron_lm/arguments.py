@@ -275,6 +275,69 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
         )
 
 
+def check_data_pipeline_args(args: argparse.Namespace) -> None:
+    """Megatron-LM settings DynaPipe's data pipeline (:mod:`.pretrain_hooks`) cannot honour, each
+    refused in one line that names the fix (with ``--dynapipe`` only).  :func:`validate_dynapipe_args`
+    checks what the planned schedule itself needs, for megatron-core users who bring their own data
+    too: it runs context-parallel micro-batches split by the caller, which this pipeline does not do."""
+    def refuse(message: str) -> None:
+        raise DynapipeArgumentError(message)
+
+    if getattr(args, "rampup_batch_size", None):
+        refuse("--dynapipe plans a fixed global batch of --global-batch-size samples per iteration: "
+               "drop --rampup-batch-size")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        refuse("the DynaPipe data pipeline does not split samples for context parallelism: "
+               "drop --context-parallel-size")
+    for flag, name in (("--sft", "sft"), ("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
+                       ("--hybrid-context-parallel", "hybrid_context_parallel"),
+                       ("--reset-position-ids", "reset_position_ids"),
+                       ("--reset-attention-mask", "reset_attention_mask"), ("--eod-mask-loss", "eod_mask_loss")):
+        if getattr(args, name, False):
+            refuse(f"{flag} is a feature of Megatron's packed GPT datasets; --dynapipe trains on whole "
+                   f"variable-length samples: drop {flag}")
+    if getattr(args, "mtp_num_layers", None):
+        refuse("--dynapipe does not feed multi-token-prediction layers on middle stages: drop --mtp-num-layers")
+    if getattr(args, "iterations_to_skip", None):
+        refuse("--iterations-to-skip fast-forwards Megatron's own batches: drop it with --dynapipe")
+    if getattr(args, "phase_transition_iterations", None):
+        refuse("--phase-transition-iterations restarts Megatron's own data loaders: drop it with --dynapipe")
+    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is None:
+        refuse("--dynapipe needs the length of the run: pass --train-iters (or --train-samples)")
+    for flag, name in (("--full-validation", "full_validation"),
+                       ("--multiple-validation-sets", "multiple_validation_sets")):
+        if getattr(args, name, False):
+            refuse(f"{flag} is not supported with --dynapipe (validation runs --eval-iters planned batches of the "
+                   f"--split valid range): drop {flag}")
+    if not getattr(args, "mock_data", False):
+        paths = getattr(args, "data_path", None)
+        if getattr(args, "train_data_path", None) or getattr(args, "data_args_path", None) or \
+                getattr(args, "per_split_data_args_path", None):
+            refuse("--dynapipe reads one dataset given by --data-path PREFIX (split by --split): "
+                   "use --data-path instead of per-split paths")
+        if not paths:
+            refuse("--dynapipe needs data: pass --data-path PREFIX (a Megatron .bin/.idx prefix or a "
+                   ".jsonl file of token lists) or --mock-data")
+        data_prefix(paths)  # refuses blends
+    if (getattr(args, "eval_iters", 0) or 0) > 0 and getattr(args, "eval_interval", None) is None:
+        refuse("--eval-iters > 0 needs --eval-interval")
+
+
+def data_prefix(paths) -> str:
+    paths = list(paths)
+    if len(paths) == 2:  # "1.0 PREFIX": a blend of one
+        try:
+            float(paths[0])
+            paths = paths[1:]
+        except ValueError:
+            pass
+    if len(paths) != 1:
+        raise DynapipeArgumentError(
+            f"--dynapipe reads one dataset, --data-path names {len(paths)} ({' '.join(paths)}): "
+            "merge them into one prefix (tools/merge_datasets.py) or pass one")
+    return paths[0]
+
+
 def _resolve_fast_mode(args: argparse.Namespace) -> None:
     flag = getattr(args, "dynapipe_fast_mode", None)
     if flag is not None:

@@ -21,7 +21,8 @@ import json
 import statistics
 from typing import Any, Callable
 
-from megatron_dynapipe.bench.ranks import launch, time_alternating
+from megatron_dynapipe.bench.timing import time_alternating
+from megatron_dynapipe.local_ranks import run_local_ranks
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
 #: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
@@ -50,7 +51,7 @@ def run(args) -> int:
         raise ValueError(f"--num-layers {args.num_layers} cannot fill {args.pp} stages")
     settings = {k: getattr(args, k) for k in ("pp", "microbatches", "micro_batch_size", "seq_length",
                                                "hidden_size", "num_layers", "steps", "warmup")}
-    per_rank = launch(_bench_rank, args.pp, settings, timeout=args.timeout)
+    per_rank = run_local_ranks(_bench_rank, args.pp, settings, timeout=args.timeout)
     row = summarize(per_rank, settings)
     print(json.dumps(row) if args.json else format_table(row))
     return 0
@@ -101,7 +102,7 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
     warnings.filterwarnings("ignore")
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel, init_model_parallel, random_micro_batches
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel, random_micro_batches
 
     cpu_compat.enable_cpu_mode()
     init_model_parallel(1, world_size)
@@ -117,8 +118,8 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
 def _ddp_model(s: dict):
     """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
-    from megatron_dynapipe.gpt_build import wrap_in_ddp
-    from megatron_dynapipe.megatron.tiny_gpt import build_tiny_gpt
+    from megatron_dynapipe.gpt.build import wrap_in_ddp
+    from megatron_dynapipe.gpt.tiny import build_tiny_gpt
     from megatron_dynapipe.config.model import ModelSpec
 
     spec = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
@@ -138,8 +139,8 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
 
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.megatron.provider import forward_backward_dynapipe
-    from megatron_dynapipe.megatron.tiny_gpt import mean_loss_forward_step
+    from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
+    from megatron_dynapipe.gpt.tiny import mean_loss_forward_step
     from megatron_dynapipe.planning.plan import build_execution_plans
     from megatron_dynapipe.planning.schedules import one_f_one_b_orders
     from megatron_dynapipe.planning.types import MicroBatch

@@ -51,7 +51,7 @@ from megatron_dynapipe.compat.patching import Spot, check_spots
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.planning.plan import ExecutionPlan, Op
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.megatron.p2p import PipelineChannels, PipelineCommError, Transfer
+from megatron_dynapipe.runtime.p2p import PipelineChannels, PipelineCommError, Transfer
 
 __all__ = [
     "ExecutorOptions",
@@ -94,7 +94,7 @@ RECOMPUTE_READS = (
 
 @functools.lru_cache(maxsize=1)
 def _check_recompute_reads() -> None:
-    check_spots(RECOMPUTE_READS, review="megatron_dynapipe/megatron/executor.py:RecomputeSwitch")
+    check_spots(RECOMPUTE_READS, review="megatron_dynapipe/runtime/executor.py:RecomputeSwitch")
 
 
 class RecomputeSwitch:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_dynapipe.compat.patching import Patches
-from megatron_dynapipe.megatron.executor import ExecutorOptions
+from megatron_dynapipe.runtime.executor import ExecutorOptions
 
 __all__ = [
     "InstallReport",
@@ -117,7 +117,7 @@ def forward_backward_dynapipe(
     Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
     """
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.megatron.executor import run_plan
+    from megatron_dynapipe.runtime.executor import run_plan
 
     wrapped = isinstance(data_iterator, list)
     if wrapped:

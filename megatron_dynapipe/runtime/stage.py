@@ -22,7 +22,7 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
     of the step and not synchronised between micro-batches.  Needs megatron's parallel state."""
     from megatron.core import parallel_state
 
-    from megatron_dynapipe.gpt_build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
+    from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
     use_te = uses_transformer_engine(device.type)
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
@@ -40,8 +40,8 @@ def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False
 
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.tracer.fake_rank import pretrain_gpt_forward_step
-    from megatron_dynapipe.megatron.provider import forward_backward_dynapipe
+    from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
+    from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
 
     on_device = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in tensors]
     shape = dict(model=[ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,

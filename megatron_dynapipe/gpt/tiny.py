@@ -41,7 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_dynapipe.compat import cpu_compat
-from megatron_dynapipe.gpt_build import build_gpt, layer_spec, transformer_config
+from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config
 from megatron_dynapipe.config.model import ModelSpec
 
 __all__ = [

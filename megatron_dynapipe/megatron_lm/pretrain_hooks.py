@@ -14,7 +14,7 @@ Why each piece exists:
   the model's ``TransformerConfig`` is built from the arguments. It runs :func:`setup` once:
   DynaPipe's validation (:func:`~.arguments.validate_dynapipe_args`, which turns
   ``variable_seq_lengths`` back on after Megatron forced it off), the Megatron-LM checks of
-  :func:`check_megatron_args`, ``--dataloader-type external`` (so Megatron passes DynaPipe's
+  :func:`~.arguments.check_data_pipeline_args`, ``--dataloader-type external`` (so Megatron passes DynaPipe's
   loaders through untouched) and :func:`~.provider.install` (Megatron-LM's ``train_step`` and
   ``evaluate`` then run the planned schedule).
 * :func:`datasets_provider` -- instead of fixed-length GPT datasets, every rank (all pipeline
@@ -49,15 +49,15 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from megatron_dynapipe.megatron.arguments import DynapipeArgumentError, add_arguments, chain_providers
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, add_arguments, chain_providers
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
+from megatron_dynapipe.megatron_lm.arguments import check_data_pipeline_args, data_prefix
 
 __all__ = [
     "LoggedLoader",
     "SplitDataset",
     "add_data_arguments",
     "build_data_loaders",
-    "check_megatron_args",
     "close_loaders",
     "datasets_provider",
     "describe_plan",
@@ -124,82 +124,21 @@ _setup_done: dict[int, Any] = {}  # id(args) -> InstallReport
 
 def enabled() -> bool:
     """Whether DynaPipe's schedule is installed and on (after :func:`setup` with ``--dynapipe``)."""
-    from megatron_dynapipe.megatron.provider import is_enabled
+    from megatron_dynapipe.runtime.provider import is_enabled
 
     return is_enabled()
-
-
-def check_megatron_args(args: argparse.Namespace) -> None:
-    """Megatron-LM settings the DynaPipe data path cannot honour, each refused in one line that
-    names the fix (run with ``--dynapipe`` only)."""
-    def refuse(message: str) -> None:
-        raise DynapipeArgumentError(message)
-
-    if getattr(args, "rampup_batch_size", None):
-        refuse("--dynapipe plans a fixed global batch of --global-batch-size samples per iteration: "
-               "drop --rampup-batch-size")
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        refuse("the DynaPipe data pipeline does not split samples for context parallelism: "
-               "drop --context-parallel-size")
-    for flag, name in (("--sft", "sft"), ("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
-                       ("--hybrid-context-parallel", "hybrid_context_parallel"),
-                       ("--reset-position-ids", "reset_position_ids"),
-                       ("--reset-attention-mask", "reset_attention_mask"), ("--eod-mask-loss", "eod_mask_loss")):
-        if getattr(args, name, False):
-            refuse(f"{flag} is a feature of Megatron's packed GPT datasets; --dynapipe trains on whole "
-                   f"variable-length samples: drop {flag}")
-    if getattr(args, "mtp_num_layers", None):
-        refuse("--dynapipe does not feed multi-token-prediction layers on middle stages: drop --mtp-num-layers")
-    if getattr(args, "iterations_to_skip", None):
-        refuse("--iterations-to-skip fast-forwards Megatron's own batches: drop it with --dynapipe")
-    if getattr(args, "phase_transition_iterations", None):
-        refuse("--phase-transition-iterations restarts Megatron's own data loaders: drop it with --dynapipe")
-    if getattr(args, "train_iters", None) is None and getattr(args, "train_samples", None) is None:
-        refuse("--dynapipe needs the length of the run: pass --train-iters (or --train-samples)")
-    for flag, name in (("--full-validation", "full_validation"),
-                       ("--multiple-validation-sets", "multiple_validation_sets")):
-        if getattr(args, name, False):
-            refuse(f"{flag} is not supported with --dynapipe (validation runs --eval-iters planned batches of the "
-                   f"--split valid range): drop {flag}")
-    if not getattr(args, "mock_data", False):
-        paths = getattr(args, "data_path", None)
-        if getattr(args, "train_data_path", None) or getattr(args, "data_args_path", None) or \
-                getattr(args, "per_split_data_args_path", None):
-            refuse("--dynapipe reads one dataset given by --data-path PREFIX (split by --split): "
-                   "use --data-path instead of per-split paths")
-        if not paths:
-            refuse("--dynapipe needs data: pass --data-path PREFIX (a Megatron .bin/.idx prefix or a "
-                   ".jsonl file of token lists) or --mock-data")
-        _data_prefix(paths)  # refuses blends
-    if (getattr(args, "eval_iters", 0) or 0) > 0 and getattr(args, "eval_interval", None) is None:
-        refuse("--eval-iters > 0 needs --eval-interval")
-
-
-def _data_prefix(paths) -> str:
-    paths = list(paths)
-    if len(paths) == 2:  # "1.0 PREFIX": a blend of one
-        try:
-            float(paths[0])
-            paths = paths[1:]
-        except ValueError:
-            pass
-    if len(paths) != 1:
-        raise DynapipeArgumentError(
-            f"--dynapipe reads one dataset, --data-path names {len(paths)} ({' '.join(paths)}): "
-            "merge them into one prefix (tools/merge_datasets.py) or pass one")
-    return paths[0]
 
 
 def setup(args: Optional[argparse.Namespace] = None):
     """Validate DynaPipe's arguments and install its schedule, once per ``args`` (idempotent).
 
     Runs after Megatron's ``validate_args`` (``args``: Megatron's global arguments by default).
-    With ``--dynapipe``: :func:`~.arguments.validate_dynapipe_args`, :func:`check_megatron_args`,
+    With ``--dynapipe``: :func:`~.arguments.validate_dynapipe_args`, :func:`~.arguments.check_data_pipeline_args`,
     ``args.dataloader_type = "external"``, then :func:`~.provider.install`. Without it, installs
     nothing (Megatron's own schedule and data path stay). Returns the install report.
     """
-    from megatron_dynapipe.megatron.arguments import validate_dynapipe_args
-    from megatron_dynapipe.megatron.provider import install
+    from megatron_dynapipe.megatron_lm.arguments import validate_dynapipe_args
+    from megatron_dynapipe.runtime.provider import install
 
     if args is None:
         args = _get_args()
@@ -208,7 +147,7 @@ def setup(args: Optional[argparse.Namespace] = None):
             return _setup_done[id(args)]
         if getattr(args, "dynapipe", False):
             validate_dynapipe_args(args)
-            check_megatron_args(args)
+            check_data_pipeline_args(args)
             if getattr(args, "dataloader_type", None) not in (None, "single", "external"):
                 warnings.warn(f"--dataloader-type {args.dataloader_type} is replaced by DynaPipe's loaders", stacklevel=2)
             args.dataloader_type = "external"  # Megatron passes the loaders through as they are
@@ -351,7 +290,7 @@ def _open_data(args):
             256, 8 * args.global_batch_size)
         vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 128
         return [mock_dataset(n, args.seq_length, vocab, seed=args.seed + k) for k in range(3)]
-    dataset = open_dataset(_data_prefix(args.data_path), args.seq_length,
+    dataset = open_dataset(data_prefix(args.data_path), args.seq_length,
                            truncate=bool(getattr(args, "dynapipe_truncate_samples", False)))
     return split_dataset(dataset, getattr(args, "split", None))
 
@@ -423,7 +362,7 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
     """
     global _atexit_registered
     from megatron_dynapipe.data import DynaPipeDataLoader, from_parallel_state
-    from megatron_dynapipe.megatron.arguments import training_spec_from_args
+    from megatron_dynapipe.megatron_lm.arguments import training_spec_from_args
 
     if args is None:
         args = _get_args()

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_dynapipe.bench.ranks import launch, time_alternating
+from megatron_dynapipe.bench.timing import time_alternating
+from megatron_dynapipe.local_ranks import run_local_ranks
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,7 +45,7 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPip
 def add_arguments(p) -> None:
     from megatron_dynapipe.config.model_flags import add_model_arguments
     from megatron_dynapipe.planning.samples import MIXES
-    from megatron_dynapipe.profiling.cli import add_device_arguments
+    from megatron_dynapipe.gpt.device import add_device_arguments
 
     add_model_arguments(p)
     p.add_argument("--cost-model", metavar="NAME|FILE",
@@ -90,7 +91,7 @@ def run(args) -> int:
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
           f"(PP={args.pp}, DP={args.dp}) ...", file=sys.stderr, flush=True)
     backend = "nccl" if job["device"] == "cuda" else "gloo"
-    per_rank = launch(_rank, args.pp * args.dp, job, methods, args.warmup, args.steps, timeout=args.timeout,
+    per_rank = run_local_ranks(_rank, args.pp * args.dp, job, methods, args.warmup, args.steps, timeout=args.timeout,
                       backend=backend)
     row = summarize(per_rank, methods, lengths, job)
     print(json.dumps(row) if args.json else format_table(row))
@@ -103,7 +104,7 @@ def _checked(args) -> dict:
 
     from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.planning.cost_model import load_job_cost_model
-    from megatron_dynapipe.profiling.cli import resolve_device
+    from megatron_dynapipe.gpt.device import resolve_device
     from megatron_dynapipe.config.layout import layers_problem
 
     if args.hidden_dropout or args.attention_dropout:
@@ -215,7 +216,7 @@ def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.nd
 
 
 def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
-    from megatron_dynapipe.data.preprocess import gpt_microbatch
+    from megatron_dynapipe.data.microbatches import gpt_microbatch
 
     return gpt_microbatch([tokens[i] for i in mb.samples], mb.seq_len)
 
@@ -223,7 +224,7 @@ def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
 def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
     """GPT tensors of packed rows: each row's samples back to back, then padding; positions run
     through the row (Megatron's default), labels and loss mask are each sample's own."""
-    from megatron_dynapipe.data.preprocess import gpt_microbatch
+    from megatron_dynapipe.data.microbatches import gpt_microbatch
 
     out = gpt_microbatch([np.concatenate(row) for row in rows], seq_len)
     for r, row in enumerate(rows):
@@ -249,9 +250,9 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.megatron.tiny_gpt import destroy_model_parallel, init_model_parallel
-    from megatron_dynapipe.megatron.training_stage import build_training_stage, planned_step
-    from megatron_dynapipe.profiling.layers import DTYPES
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
+    from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
+    from megatron_dynapipe.gpt.device import torch_dtype
     from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
     on_cpu = job["device"] == "cpu"
@@ -263,7 +264,7 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        ddp = build_training_stage(job["model"], dtype=DTYPES[job["dtype"]], device=device, pp=job["pp"])
+        ddp = build_training_stage(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"])
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
         runs = {name: planned_step(ddp, method.plans[dp_rank][stage], method.microbatches[dp_rank], device)
                 for name, method in methods.items()}

@@ -1,0 +1,27 @@
+"""Megatron-LM's GPT forward step, shared by everything here that trains or traces a GPT the way
+``pretrain_gpt.py`` does: the executor's training stage, ``bench step``, the profiler's whole-step
+overhead and the fake-rank tracer."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pretrain_gpt_forward_step"]
+
+
+def pretrain_gpt_forward_step(data_iterator, model):
+    """Megatron-LM's ``pretrain_gpt`` forward step, minus the data loader: tokens, labels and
+    positions of one micro-batch, the causal mask from megatron (``attention_mask=None``), a
+    per-token loss masked and summed, and the token count (the 3-tuple loss convention)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(per_token_loss):
+        losses = per_token_loss.float().view(-1)
+        loss = torch.sum(losses * loss_mask.view(-1))
+        num_tokens = loss_mask.sum().to(torch.int)
+        report = torch.cat([loss.detach().view(1), num_tokens.detach().view(1).float()])
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, loss_func

@@ -1,0 +1,318 @@
+"""``megatron-dynapipe launch``: run Megatron-LM's ``pretrain_gpt.py`` with DynaPipe, checkout untouched.
+
+Under torchrun, one process per rank::
+
+    torchrun --nproc-per-node 8 $(which megatron-dynapipe) launch /path/to/Megatron-LM/pretrain_gpt.py \\
+        --dynapipe --dynapipe-memory-limit 36000 ... (every other pretrain_gpt.py flag as usual)
+    torchrun --nproc-per-node 8 -m megatron_dynapipe.megatron.launcher /path/to/pretrain_gpt.py ...
+
+What it does, in this order, in each process:
+
+1. puts the script's folder first on ``sys.path`` (as ``python pretrain_gpt.py`` would, so the
+   checkout's ``megatron`` package is the one imported) and the script's arguments in
+   ``sys.argv``;
+2. with ``--cpu``, redirects the CUDA-only spots of megatron-core
+   (:mod:`~megatron_dynapipe.compat.cpu_compat`) and of Megatron-LM's training loop
+   (:data:`LM_CPU_SPOTS`, each checked against the checkout's source first) and appends the
+   flags a CPU run needs (:data:`CPU_FLAGS`);
+3. replaces ``megatron.training.pretrain`` with a wrapper, then runs the script as
+   ``__main__`` (``runpy``). When the script calls ``pretrain(...)``, the wrapper swaps in the
+   hooks of :mod:`~megatron_dynapipe.megatron_lm.pretrain_hooks` -- the datasets provider, the model
+   provider (which validates DynaPipe's arguments and installs its schedule once Megatron has
+   validated its own), the extra-arguments provider -- and re-binds the script's global
+   ``get_batch`` (the name its ``forward_step`` calls) before handing over to Megatron's real
+   ``pretrain``. The ``patches/`` file makes the same changes, explicitly, in the script.
+
+Without ``--dynapipe`` among the script's arguments every hook falls through to the script's own
+function: the run is plain Megatron-LM.
+
+With ``--is-scaling-mode`` among the script's arguments nothing trains and the script does not run:
+the launcher traces the fake rank ``--fake-current-rank-id`` of the ``--fake-*`` layout in this
+one process (no torchrun needed) and writes its trace to ``--trace-dir``
+(:mod:`~megatron_dynapipe.megatron_lm.scaling_mode`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
+
+__all__ = [
+    "CPU_FLAGS",
+    "LaunchError",
+    "LaunchOptions",
+    "add_launch_parser",
+    "launch",
+    "main",
+    "parse_launch_args",
+    "wrap_pretrain",
+]
+
+PROG = "megatron-dynapipe launch"
+
+# Flags a CPU run needs: gloo instead of NCCL, weights made on the CPU, megatron-core's local
+# (non-Transformer-Engine) layers, none of the fused CUDA kernels, and no rerun state machine.
+CPU_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo",
+    "--use-cpu-initialization",
+    "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-persist-layer-norm",
+    "--no-rope-fusion",
+    "--rerun-mode", "disabled",  # its result validation saves and compares CUDA RNG state
+)
+
+
+class LaunchError(RuntimeError):
+    """The script or checkout cannot be launched; the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """What the launcher was asked: the script, its arguments (verbatim), and ``cpu``."""
+
+    script: Path
+    script_args: tuple[str, ...]
+    cpu: bool = False
+
+    @property
+    def megatron_lm_dir(self) -> Path:
+        return self.script.parent
+
+
+def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = ("Run a Megatron-LM training script (pretrain_gpt.py) with DynaPipe's data loader, "
+                          "get_batch and planned pipeline schedule installed; the checkout stays unmodified. "
+                          "Run it under torchrun, one process per rank.")
+    parser.epilog = ("Everything after SCRIPT goes to the script unchanged (add --dynapipe "
+                     "--dynapipe-memory-limit MB to switch DynaPipe on). Example: torchrun --nproc-per-node 2 "
+                     "$(which megatron-dynapipe) launch Megatron-LM/pretrain_gpt.py --dynapipe ...")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on CPU over gloo (small smoke runs): redirect the CUDA-only spots of "
+                             "megatron-core and Megatron-LM's training loop and append the CPU flags "
+                             f"({' '.join(CPU_FLAGS)})")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script, e.g. Megatron-LM/pretrain_gpt.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="the script's arguments, passed through unchanged")
+    return parser
+
+
+def add_launch_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``launch`` subcommand to ``megatron-dynapipe``'s subparsers; returns its parser
+    (``func`` set to :func:`run_from_namespace`)."""
+    parser = subparsers.add_parser("launch", help="run Megatron-LM's pretrain_gpt.py with DynaPipe (under torchrun)")
+    _configure(parser)
+    parser.set_defaults(func=run_from_namespace)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _configure(argparse.ArgumentParser(prog=PROG))
+
+
+def _options(ns: argparse.Namespace) -> LaunchOptions:
+    script = Path(ns.script)
+    if not script.is_file():
+        raise LaunchError(f"{ns.script}: no such script; pass the path of Megatron-LM's pretrain_gpt.py "
+                          "(e.g. $MEGATRON_LM_DIR/pretrain_gpt.py)")
+    if script.suffix != ".py":
+        raise LaunchError(f"{ns.script} is not a Python script: pass Megatron-LM's pretrain_gpt.py")
+    args = list(ns.script_args or ())
+    if args and args[0] == "--":
+        args = args[1:]
+    half = [flag for flag in ("--bf16", "--fp16") if flag in args]
+    if ns.cpu and half:
+        raise LaunchError(f"--cpu runs in fp32 only: with {half[0]} megatron-core's optimizer and grad scaler "
+                          f"keep their state on CUDA; drop {half[0]} for a CPU smoke run")
+    return LaunchOptions(script=script.resolve(), script_args=tuple(args), cpu=bool(ns.cpu))
+
+
+def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
+    """Parse ``[--cpu] SCRIPT ARGS...`` (launcher options come before SCRIPT; everything after it
+    is the script's). Raises :class:`LaunchError` for a missing script."""
+    return _options(build_parser().parse_args(list(argv)))
+
+
+def run_from_namespace(ns: argparse.Namespace) -> int:
+    """``func`` of the ``launch`` subcommand (a :class:`LaunchError` is a ValueError-like,
+    one-line error: the CLI prints it and exits with 2)."""
+    try:
+        return launch(_options(ns))
+    except (LaunchError, UpstreamChanged) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megatron_dynapipe.megatron.launcher [--cpu] SCRIPT ARGS...``."""
+    try:
+        return launch(parse_launch_args(sys.argv[1:] if argv is None else argv))
+    except (LaunchError, UpstreamChanged) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+# --------------------------------------------------------------------------------------------
+# The pretrain wrapper and the launch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Installed:
+    """What :func:`wrap_pretrain`'s wrapper swapped in when the script called ``pretrain``."""
+
+    called: bool = False
+    patched: list = dataclasses.field(default_factory=list)
+
+
+def _print_rank0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) -> Callable:
+    """A ``pretrain`` that installs :mod:`.pretrain_hooks` before calling ``pretrain``.
+
+    Replaces its datasets provider, model provider and ``extra_args_provider`` with the hooks'
+    wrappers (each falls through to the script's own without ``--dynapipe``), and re-binds the
+    ``get_batch`` global of the module ``forward_step_func`` was defined in.
+    """
+    from megatron_dynapipe.megatron_lm import pretrain_hooks as hooks
+
+    installed = installed if installed is not None else _Installed()
+
+    def dynapipe_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                          *args, extra_args_provider=None, **kwargs):
+        installed.called = True
+        if hooks.is_hook(train_valid_test_dataset_provider) and hooks.is_hook(model_provider):
+            installed.patched = []  # a patched script (patches/): it calls the hooks itself
+            _print_rank0("> megatron-dynapipe launch: the script calls megatron_dynapipe's pretrain hooks itself "
+                         "(patched); nothing to install")
+            return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                            *args, extra_args_provider=extra_args_provider, **kwargs)
+        script_globals = getattr(forward_step_func, "__globals__", None)
+        if script_globals is None or not callable(script_globals.get("get_batch")):
+            raise LaunchError(
+                f"{getattr(forward_step_func, '__qualname__', forward_step_func)!r} is not defined next to a "
+                "get_batch function: the launcher supports pretrain_gpt.py-style scripts (forward_step calls "
+                "the module's get_batch); apply patches/pretrain_gpt_core_v0.16.1.patch-style changes instead")
+        if not hooks.is_hook(script_globals["get_batch"]):
+            script_globals["get_batch"] = hooks.make_get_batch(script_globals["get_batch"])
+        installed.patched = ["get_batch", "train_valid_test_datasets_provider", "model_provider",
+                             "extra_args_provider"]
+        _print_rank0(f"> megatron-dynapipe launch: hooked the script's {', '.join(installed.patched)}")
+        return pretrain(
+            hooks.datasets_provider(train_valid_test_dataset_provider),
+            hooks.model_provider(model_provider),
+            model_type,
+            forward_step_func,
+            *args,
+            extra_args_provider=hooks.extra_args_provider(extra_args_provider),
+            **kwargs,
+        )
+
+    dynapipe_pretrain.__wrapped__ = pretrain  # type: ignore[attr-defined]
+    return dynapipe_pretrain
+
+
+@contextlib.contextmanager
+def _script_environment(options: LaunchOptions) -> Iterator[list[str]]:
+    """sys.path[0] = the script's folder, sys.argv = [script, *args] (plus the CPU flags);
+    restored afterwards."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    argv = [str(options.script), *options.script_args]
+    if options.cpu:
+        argv += list(CPU_FLAGS)
+    sys.argv = argv
+    sys.path.insert(0, str(options.megatron_lm_dir))
+    try:
+        yield argv
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _check_megatron_is_the_checkouts(options: LaunchOptions) -> None:
+    loaded = sys.modules.get("megatron")
+    if loaded is None:
+        return
+    where = Path(getattr(loaded, "__path__", [""])[0]).resolve()
+    if options.megatron_lm_dir.resolve() not in where.parents:
+        raise LaunchError(
+            f"megatron was imported from {where} before the launcher could put {options.megatron_lm_dir} first "
+            "on sys.path: launch in a fresh process (torchrun ... megatron-dynapipe launch SCRIPT ...)")
+
+
+def launch(options: LaunchOptions) -> int:
+    """Run ``options.script`` as ``__main__`` with DynaPipe's hooks installed (see the module
+    docstring). Returns 0 when the script returns (``SystemExit`` passes through)."""
+    from megatron_dynapipe.megatron_lm import pretrain_hooks
+    from megatron_dynapipe.megatron_lm import scaling_mode
+    from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
+
+    if options.cpu:
+        import torch
+
+        if torch.cuda.is_available():
+            raise LaunchError("--cpu is for machines without CUDA (it answers Megatron-LM's CUDA calls for the "
+                              "CPU, which would mix devices here): drop --cpu")
+    if scaling_mode.requested(options.script_args):
+        # Before the script runs: Megatron's pretrain would initialise a real distributed job,
+        # and the fake-rank tracer opens its own fake process group (see scaling_mode).
+        with _script_environment(options) as argv:
+            _check_megatron_is_the_checkouts(options)
+            try:
+                scaling_mode.run_from_argv(argv[1:])
+            except DynapipeArgumentError as error:
+                raise LaunchError(str(error)) from None
+        return 0
+    installed = _Installed()
+    with _script_environment(options) as argv:
+        _check_megatron_is_the_checkouts(options)
+        try:
+            import megatron.training as training_package
+        except ImportError as exc:
+            raise LaunchError(
+                f"cannot import megatron.training from {options.megatron_lm_dir} ({exc}): the script must sit in a "
+                "Megatron-LM checkout (core_v0.16.1) whose training dependencies are installed") from exc
+        if options.cpu:
+            from megatron_dynapipe.compat import megatron_lm_cpu  # torch and megatron: only for a CPU run
+
+            megatron_lm_cpu.enable_megatron_lm_cpu_mode()
+            _print_rank0(f"> megatron-dynapipe launch --cpu: appended {' '.join(CPU_FLAGS)}")
+        patches = Patches()
+        patches.set(training_package, "pretrain", wrap_pretrain(training_package.pretrain, installed))
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        finally:
+            patches.undo()
+            pretrain_hooks.close_loaders()
+            if options.cpu:
+                counts = megatron_lm_cpu.cpu_spot_calls()
+                _print_rank0("> megatron-dynapipe launch --cpu: redirected "
+                             + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "nothing"))
+                megatron_lm_cpu.disable_megatron_lm_cpu_mode()
+    if not installed.called:
+        raise LaunchError(f"{options.script} never called megatron.training.pretrain: the launcher installs DynaPipe "
+                          "through that call (run pretrain_gpt.py, or a script that calls pretrain the same way)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
