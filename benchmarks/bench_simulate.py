@@ -34,8 +34,8 @@ LAYOUTS = [dict(tp=2, pp=2), dict(pp=4), dict(tp=2), dict(pp=8)]
 
 
 def _real_job(rank: int, world: int, iters: int) -> dict:
-    from megatron_dynapipe.tracer.fake_rank import trace_initialized_rank
     from megatron_dynapipe.config.layout import ParallelLayout
+    from megatron_dynapipe.tracer.fake_rank import trace_initialized_rank
 
     return {str(layout): trace_initialized_rank(ParallelLayout(world_size=world, **layout), MODEL, trace_iters=iters,
                                                 **RUN).dumps() for layout in LAYOUTS}
@@ -48,8 +48,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from megatron_dynapipe.local_ranks import run_local_ranks
     from megatron_dynapipe.config.model import ModelSpec
+    from megatron_dynapipe.local_ranks import run_local_ranks
     from megatron_dynapipe.simulate.calibrate import hardware_from, measure
     from megatron_dynapipe.simulate.replay import load_job, simulate_job
     from megatron_dynapipe.tracer.batch_config import TraceConfig

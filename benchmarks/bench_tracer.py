@@ -41,9 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_dynapipe.config.model import get_model  # noqa: E402
 from megatron_dynapipe.tracer.batch_config import TraceConfig  # noqa: E402
 from megatron_dynapipe.tracer.batch_run import run_batch  # noqa: E402
-from megatron_dynapipe.config.model import get_model  # noqa: E402
 
 
 def median_of(fn, repeat: int) -> tuple[float, list[float]]:

@@ -102,10 +102,10 @@ def main(argv=None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.data import DynaPipeDataLoader, KVStoreMetaKeys, TrainingSpec
-    from megatron_dynapipe.megatron import configure, get_forward_backward_func
-    from megatron_dynapipe.gpt.tiny import build_tiny_gpt, destroy_model_parallel, init_model_parallel
     from megatron_dynapipe.config.model import ModelSpec
+    from megatron_dynapipe.data import DynaPipeDataLoader, KVStoreMetaKeys, TrainingSpec
+    from megatron_dynapipe.gpt.tiny import build_tiny_gpt, destroy_model_parallel, init_model_parallel
+    from megatron_dynapipe.megatron import configure, get_forward_backward_func
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 
     cpu_compat.enable_cpu_mode()  # megatron-core's CUDA-only spots, redirected to the CPU

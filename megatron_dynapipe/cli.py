@@ -7,8 +7,19 @@ import argparse
 import json
 import sys
 
-from megatron_dynapipe.planning.samples import MIXES
-from megatron_dynapipe.planning.flags import add_planner_arguments
+from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
+from megatron_dynapipe.config.layout import layers_problem
+from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
+from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings
+from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
+from megatron_dynapipe.planning.samples import MIXES, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.summary import format_summary, summarize
+from megatron_dynapipe.profiling.cli import add_profile_parser
+from megatron_dynapipe.simulate.cli import add_calibrate_parser, add_search_parser, add_simulate_parser
+from megatron_dynapipe.tracer.cli import add_trace_parser
+from megatron_dynapipe.viz import GANTT_SUFFIXES, write_chrome_trace, write_gantt
 
 
 def _plan_parser(sub) -> None:
@@ -36,10 +47,6 @@ def _check_plan_args(args) -> None:
     """Everything the plan command can refuse before it works, one line each naming the fix."""
     import math
 
-    from megatron_dynapipe.files import check_output_file
-    from megatron_dynapipe.config.layout import layers_problem
-    from megatron_dynapipe.viz import GANTT_SUFFIXES
-
     for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -58,12 +65,6 @@ def _check_plan_args(args) -> None:
 
 
 def _run_plan(args) -> int:
-    from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
-    from megatron_dynapipe.planning.summary import format_summary, summarize
-    from megatron_dynapipe.planning.samples import read_lengths, synthetic_lengths
-    from megatron_dynapipe.planning.spec import TrainingSpec
-    from megatron_dynapipe.planning.flags import planner_settings
-
     _check_plan_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
     spec = TrainingSpec(num_layers=args.num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
@@ -71,7 +72,6 @@ def _run_plan(args) -> int:
     result = generate_execution_plan(lengths, spec, args.cost_model)
     summary = summarize(result, lengths, spec, args.pack_length)
     if args.chrome_trace or args.gantt:
-        from megatron_dynapipe.viz import write_chrome_trace, write_gantt
 
         timelines = [resimulate(choice, result.costs).events for choice in result.choices]
         if args.chrome_trace:
@@ -93,18 +93,15 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
     which = p.add_subparsers(dest="benchmark", required=True)
     planner = which.add_parser("planner", help="planning time and quality, normal vs fast mode")
-    from megatron_dynapipe.bench import planner_bench
 
     planner_bench.add_arguments(planner)
     planner.set_defaults(func=planner_bench.run)
     executor = which.add_parser("executor", help="planned-schedule executor vs megatron-core 1F1B (CPU, PP=2)")
-    from megatron_dynapipe.bench import executor_bench
 
     executor_bench.add_arguments(executor)
     executor.set_defaults(func=executor_bench.run)
     step = which.add_parser("step", help="real training steps: DynaPipe vs pad-to-max vs packing, "
                                          "real tokens/s and predicted vs measured time")
-    from megatron_dynapipe.bench import step_bench
 
     step_bench.add_arguments(step)
     step.set_defaults(func=step_bench.run)
@@ -114,16 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dynapipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
-    from megatron_dynapipe.tracer.cli import add_trace_parser
 
     add_trace_parser(sub)
-    from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 
     add_launch_parser(sub)
-    from megatron_dynapipe.profiling.cli import add_profile_parser
 
     add_profile_parser(sub)
-    from megatron_dynapipe.simulate.cli import add_calibrate_parser, add_search_parser, add_simulate_parser
 
     add_simulate_parser(sub)
     add_search_parser(sub)

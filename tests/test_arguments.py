@@ -249,8 +249,8 @@ def _flags(prefix: str) -> list[str]:
 
 def test_plan_and_megatron_flags_give_the_same_search_settings():
     from megatron_dynapipe.cli import build_parser
-    from megatron_dynapipe.planning.spec import TrainingSpec
     from megatron_dynapipe.planning.flags import planner_settings
+    from megatron_dynapipe.planning.spec import TrainingSpec
 
     plan_args = build_parser().parse_args(["plan", *_flags("")])
     job_args = validated(*ON, *_flags("dynapipe-"), num_layers=4, pipeline_model_parallel_size=2,

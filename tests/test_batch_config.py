@@ -21,6 +21,16 @@ from pathlib import Path
 import pytest
 
 from megatron_dynapipe import progress
+from megatron_dynapipe.config.accounting import stage_params, total_params, training_bytes
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model import MODELS, ModelSpec, get_model
+from megatron_dynapipe.config.model_flags import (
+    add_model_arguments,
+    megatron_model_args,
+    model_from_args,
+    model_from_megatron_args,
+)
+from megatron_dynapipe.megatron_lm import scaling_mode
 from megatron_dynapipe.tracer import batch_run, isolation, trace_budget
 from megatron_dynapipe.tracer import cli as trace_cli
 from megatron_dynapipe.tracer.batch_config import (
@@ -34,13 +44,7 @@ from megatron_dynapipe.tracer.batch_config import (
 from megatron_dynapipe.tracer.batch_results import ConfigResult, RankResult, exit_code
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
-from megatron_dynapipe.megatron_lm import scaling_mode
-from megatron_dynapipe.config.model import MODELS, ModelSpec, get_model
-from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
-from megatron_dynapipe.config.megatron_options import MegatronOptions
-from megatron_dynapipe.config.model_flags import megatron_model_args, model_from_megatron_args
-from megatron_dynapipe.config.accounting import stage_params, total_params, training_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

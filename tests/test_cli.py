@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import GPT_6_7B_A100
 
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.planning.cost_model import (
     AnalyticalCostModel,
     CostModel,
@@ -22,7 +23,6 @@ from megatron_dynapipe.planning.cost_model import (
     load_cost_model,
     profile_mismatch,
 )
-from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.planning.types import RecomputeType as R
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.compat.patching import UpstreamChanged, megatron_core_version
+from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 
 CFG_KW = dict(
     hidden_size=64,
@@ -56,17 +56,16 @@ def _train_one_iteration(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.gpt.tiny import (
         build_tiny_gpt,
-        mean_loss_forward_step,
-        random_micro_batches,
         destroy_model_parallel,
         init_model_parallel,
+        mean_loss_forward_step,
+        random_micro_batches,
         reference_name,
         reference_shard,
     )
-
-    from megatron_dynapipe.config.model import ModelSpec
 
     cfg = ModelSpec(**CFG_KW)
     cpu_compat.enable_cpu_mode()

@@ -30,8 +30,8 @@ from megatron_dynapipe.data import (
     sample_ids,
 )
 from megatron_dynapipe.data.kv_store import HeartbeatWatch
-from megatron_dynapipe.data.preprocess import build_iteration
 from megatron_dynapipe.data.microbatches import decode_microbatches, encode_microbatches, gpt_microbatch
+from megatron_dynapipe.data.preprocess import build_iteration
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
 from megatron_dynapipe.planning.planner import generate_execution_plan

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-
 from conftest import GPT_6_7B_A100, ROOT
 
 

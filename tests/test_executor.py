@@ -150,9 +150,10 @@ def _reference(rank, cases):
 
 def _run_cases(model, names, cases, dp_rank):
     """Run each case through DynaPipe's forward-backward function; grads from DDP's buffers."""
+    from megatron.core import parallel_state
+
     from megatron_dynapipe.data.batch import PlannedBatch
     from megatron_dynapipe.megatron import get_forward_backward_func
-    from megatron.core import parallel_state
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     results = {}
@@ -221,8 +222,8 @@ def _pp2_work(rank, world_size):
     from megatron.core import parallel_state
 
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.megatron import get_forward_backward_func
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel
+    from megatron_dynapipe.megatron import get_forward_backward_func
 
     cpu_compat.enable_cpu_mode()
     batches = _microbatches(SHAPES_A, seed=11)
@@ -259,8 +260,8 @@ def _handlers_alone(model):
     from megatron.core import parallel_state
 
     from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.runtime.executor import PlanMismatchError, StageRunner
     from megatron_dynapipe.planning.plan import Instruction, Op
+    from megatron_dynapipe.runtime.executor import PlanMismatchError, StageRunner
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     plans = _plans("1f1b", SHAPES_A[:2], "none")
@@ -418,8 +419,8 @@ def test_forward_only_gives_the_losses_and_no_gradients(pp2):
 
 
 def test_every_instruction_kind_has_one_handler():
-    from megatron_dynapipe.runtime.executor import HANDLERS
     from megatron_dynapipe.planning.plan import Op
+    from megatron_dynapipe.runtime.executor import HANDLERS
 
     assert set(HANDLERS) == set(Op)
 
@@ -590,9 +591,8 @@ def test_install_rebinds_megatron_training_name_and_uninstall_restores(provider,
 
 
 def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
-    from megatron_dynapipe.runtime import executor
-
     from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
+    from megatron_dynapipe.runtime import executor
 
     executor._check_recompute_reads.cache_clear()
     monkeypatch.setattr(executor, "RECOMPUTE_READS", (

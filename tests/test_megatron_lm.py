@@ -31,11 +31,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dynapipe.compat import megatron_lm_cpu
 from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
 from megatron_dynapipe.megatron_lm import launcher, pretrain_hooks
-from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
-from megatron_dynapipe.compat import megatron_lm_cpu
-from megatron_dynapipe.megatron_lm.arguments import check_data_pipeline_args
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, check_data_pipeline_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch"

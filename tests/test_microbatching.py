@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from megatron_dynapipe.planning.microbatching import (
-    cheapest_recompute,
     MicroBatchingError,
+    cheapest_recompute,
     microbatch_fits,
     microbatch_times,
     pack_fixed_length,

@@ -6,16 +6,21 @@ import json
 import math
 
 import pytest
+from tiny_traces import uniform
 
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.simulate.hardware import Hardware, Link, load_hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.search import (
-    Candidate, SearchError, SearchSpace, enumerate_candidates, estimate, rule_of_thumb,
+    Candidate,
+    SearchError,
+    SearchSpace,
+    enumerate_candidates,
+    estimate,
+    rule_of_thumb,
 )
 from megatron_dynapipe.simulate.variants import derive
-from tiny_traces import uniform
 
 FREE = Hardware(name="free", peak_tflops={"bfloat16": 100.0}, memory_gib=80.0, memory_bandwidth_GBps=1e12,
                 gpus_per_node=8, intra_node=Link(1e12, 0.0), inter_node=Link(1e12, 0.0))

@@ -8,15 +8,15 @@ import subprocess
 import sys
 
 import pytest
+from tiny_traces import uniform
 
-from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.config.accounting import step_flops
+from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.simulate.hardware import Hardware, HardwareFileError, Link, hardware_names, load_hardware
 from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
 from megatron_dynapipe.simulate.report import report, timeline
 from megatron_dynapipe.simulate.variants import derive
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError
-from tiny_traces import uniform
 
 GB = 1e9
 
@@ -148,9 +148,9 @@ def test_an_interleaved_pipeline_takes_the_interleaved_closed_form(tmp_path, m):
     iteration of m micro-batches over p stages takes (V m + p - 1) chunk passes of F + B each.
     The tiny GPT's 4 layers over p = 2 stages in one-layer chunks: V = 2.  The derived
     full-recompute variant keeps the form with a backward of F + B."""
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
     from megatron_dynapipe.tracer.batch_config import parse_configs
     from megatron_dynapipe.tracer.batch_run import run_batch
-    from megatron_dynapipe.config.megatron_options import MegatronOptions
 
     p, v, F, B = 2, 2, 1000.0, 2000.0
     (traced,) = run_batch(parse_configs([f"4 2 1 nmb={m}"], model="tiny"), tmp_path, shapes_only=True,

@@ -32,11 +32,11 @@ import time
 
 import pytest
 
-from megatron_dynapipe.local_ranks import run_local_ranks
 from megatron_dynapipe.config.layout import ParallelLayout
-from megatron_dynapipe.tracer.trace_format import RankTrace
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model_flags import megatron_model_args, model_from_megatron_args
+from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.tracer.trace_format import RankTrace
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,13 @@ import statistics
 from typing import Any, Callable
 
 from megatron_dynapipe.bench.timing import time_alternating
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.data.batch import PlannedBatch
+from megatron_dynapipe.gpt.build import wrap_in_ddp
 from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.planning.plan import build_execution_plans
+from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+from megatron_dynapipe.planning.types import MicroBatch
 
 SCHEDULES = ("megatron-core 1F1B", "DynaPipe executor")
 #: Vocabulary of the benchmark GPT: small, so that the transformer layers dominate.
@@ -118,9 +124,7 @@ def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
 
 def _ddp_model(s: dict):
     """The benchmark GPT wrapped in Megatron's DDP, configured as Megatron-LM trains it."""
-    from megatron_dynapipe.gpt.build import wrap_in_ddp
     from megatron_dynapipe.gpt.tiny import build_tiny_gpt
-    from megatron_dynapipe.config.model import ModelSpec
 
     spec = ModelSpec(hidden_size=s["hidden_size"], num_layers=s["num_layers"],
                      num_attention_heads=max(1, s["hidden_size"] // 16), vocab_size=VOCAB_SIZE,
@@ -138,12 +142,8 @@ def _schedule_steps(ddp, batches: list[dict], s: dict, pp: int) -> dict[str, Cal
     from megatron.core.pipeline_parallel import schedules
 
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.data.batch import PlannedBatch
-    from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
     from megatron_dynapipe.gpt.tiny import mean_loss_forward_step
-    from megatron_dynapipe.planning.plan import build_execution_plans
-    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
-    from megatron_dynapipe.planning.types import MicroBatch
+    from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
 
     n, b, seq = s["microbatches"], s["micro_batch_size"], s["seq_length"]
     micro = [MicroBatch(tuple(range(i * b, (i + 1) * b)), seq) for i in range(n)]

@@ -12,7 +12,11 @@ import json
 import os
 import statistics
 
-from megatron_dynapipe.planning.samples import MIXES
+from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, packing_baseline
+from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+from megatron_dynapipe.planning.planner import generate_execution_plan
+from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 DEFAULT_COST_MODEL = "gpt-6.7b-a100"  # shipped with the package
 SIZES = (8, 16, 32, 64, 256, 1024)
@@ -39,11 +43,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
-    from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, packing_baseline
-    from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
-    from megatron_dynapipe.planning.planner import generate_execution_plan
-    from megatron_dynapipe.planning.samples import synthetic_lengths
-    from megatron_dynapipe.planning.spec import TrainingSpec
 
     spec = TrainingSpec(pp=args.pp, memory_limit_mb=args.memory_limit)
     model = load_cost_model(args.cost_model, tp=1)

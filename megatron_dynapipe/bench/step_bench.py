@@ -33,7 +33,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dynapipe.bench.timing import time_alternating
+from megatron_dynapipe.config.layout import layers_problem
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.data.microbatches import gpt_microbatch
+from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.planning.baselines import fixed_length_baseline, uniform_microbatches
+from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model
+from megatron_dynapipe.planning.microbatching import pack_fixed_length
+from megatron_dynapipe.planning.plan import build_execution_plans
+from megatron_dynapipe.planning.planner import generate_execution_plan
+from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, MIXES, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,10 +56,6 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPip
 
 
 def add_arguments(p) -> None:
-    from megatron_dynapipe.config.model_flags import add_model_arguments
-    from megatron_dynapipe.planning.samples import MIXES
-    from megatron_dynapipe.gpt.device import add_device_arguments
-
     add_model_arguments(p)
     p.add_argument("--cost-model", metavar="NAME|FILE",
                    help="the planner's cost model: a profile of this model on this device (megatron-dynapipe "
@@ -77,7 +86,6 @@ class Method:
     """One way to run the global batch: per data-parallel rank its per-stage plans and its
     micro-batch tensors (numpy, pickled to the ranks), the cost model's predicted step time (the
     slowest data-parallel rank) and, for DynaPipe, the planning time."""
-
     plans: list  # [dp rank][stage] ExecutionPlan
     microbatches: list  # [dp rank] dict of numpy arrays per micro-batch
     predicted_ms: float
@@ -101,11 +109,6 @@ def run(args) -> int:
 def _checked(args) -> dict:
     """Everything refusable before any work, one line each that names the fix."""
     import torch
-
-    from megatron_dynapipe.config.model_flags import model_from_args
-    from megatron_dynapipe.planning.cost_model import load_job_cost_model
-    from megatron_dynapipe.gpt.device import resolve_device
-    from megatron_dynapipe.config.layout import layers_problem
 
     if args.hidden_dropout or args.attention_dropout:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
@@ -144,8 +147,6 @@ def _checked(args) -> dict:
 def _lengths(args, max_seq_length: int) -> list[int]:
     """The file's lengths, or the mix scaled from its cap to ``max_seq_length`` (so a short-context
     model sees the mix's shape, not a batch of samples all cut to its length)."""
-    from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, read_lengths, synthetic_lengths
-
     if args.lengths:
         lengths = read_lengths(args.lengths)
         too_long = [n for n in lengths if n > max_seq_length]
@@ -164,11 +165,6 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
-    from megatron_dynapipe.planning.cost_model import StageCosts
-    from megatron_dynapipe.planning.microbatching import pack_fixed_length
-    from megatron_dynapipe.planning.planner import generate_execution_plan
-    from megatron_dynapipe.planning.spec import TrainingSpec
-
     spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"],
                         memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
     # built once, as a training job's data pipeline does: planning time is the planner's alone
@@ -189,10 +185,6 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     """Sequences of ``seq_len`` tokens (each the samples it lists, packed), dealt out in order to
     the data-parallel ranks as evenly as they go, each rank's run 1F1B with the micro-batch size
     and recompute the cost model finds fastest."""
-    from megatron_dynapipe.planning.baselines import fixed_length_baseline, uniform_microbatches
-    from megatron_dynapipe.planning.plan import build_execution_plans
-    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
-
     if len(sequences) < spec.dp:
         raise ValueError(f"{len(sequences)} sequences of {seq_len} tokens cannot feed --dp {spec.dp} ranks: "
                          "give more samples or lower --max-seq-length")
@@ -216,16 +208,12 @@ def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.nd
 
 
 def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
-    from megatron_dynapipe.data.microbatches import gpt_microbatch
-
     return gpt_microbatch([tokens[i] for i in mb.samples], mb.seq_len)
 
 
 def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
     """GPT tensors of packed rows: each row's samples back to back, then padding; positions run
     through the row (Megatron's default), labels and loss mask are each sample's own."""
-    from megatron_dynapipe.data.microbatches import gpt_microbatch
-
     out = gpt_microbatch([np.concatenate(row) for row in rows], seq_len)
     for r, row in enumerate(rows):
         alone = [gpt_microbatch([sample], len(sample)) for sample in row]
@@ -245,14 +233,11 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
 
     warnings.filterwarnings("ignore")
     import torch
-
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
-    from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
-    from megatron_dynapipe.gpt.device import torch_dtype
     from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
     on_cpu = job["device"] == "cpu"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.data.batch import MICROBATCH_KEYS, PlannedBatch
 from megatron_dynapipe.data.datasets import (
     IndexedTokenDataset,
@@ -25,6 +24,7 @@ from megatron_dynapipe.data.datasets import (
     VariableLengthDataset,
     open_dataset,
 )
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 # The store, workers and loader need torch: imported on first use, so that importing
 # ``megatron_dynapipe.data.batch`` or the datasets stays torch-free.

@@ -45,9 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dynapipe.planning.plan import ExecutionPlan
-from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.data.kv_store import (
     DEFAULT_NAMESPACE,
@@ -56,8 +53,11 @@ from megatron_dynapipe.data.kv_store import (
     KVStoreClient,
     KVStoreMetaKeys,
 )
-from megatron_dynapipe.data.preprocess import PipelineSettings
 from megatron_dynapipe.data.microbatches import decode_microbatches
+from megatron_dynapipe.data.preprocess import PipelineSettings
+from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
+from megatron_dynapipe.planning.plan import ExecutionPlan
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 __all__ = ["DataPipelineHost", "DynaPipeDataLoader", "RankLayout", "from_parallel_state"]
 

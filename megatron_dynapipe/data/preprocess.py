@@ -38,11 +38,11 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_dynapipe.data.kv_store import KVStoreClient, KVStoreMetaKeys
+from megatron_dynapipe.data.microbatches import encode_microbatches
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.planner import generate_execution_plan, stage_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.data.kv_store import KVStoreClient, KVStoreMetaKeys
-from megatron_dynapipe.data.microbatches import encode_microbatches
 
 __all__ = [
     "DecodedMicrobatches",

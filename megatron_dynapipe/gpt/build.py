@@ -145,7 +145,11 @@ def _sequence_parallel_block(local_layer_spec, config, vp_stage: Optional[int]):
 
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     norms = {f.name: SequenceParallelTorchNorm for f in dataclasses.fields(local_layer_spec.submodules)
              if getattr(local_layer_spec.submodules, f.name) is WrappedTorchNorm}

@@ -30,7 +30,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -41,8 +40,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_dynapipe.compat import cpu_compat
-from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config
 
 __all__ = [
     "TINY_TEST_GPT",

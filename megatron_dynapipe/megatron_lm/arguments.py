@@ -30,10 +30,12 @@ import os
 import warnings
 from typing import Any, Callable, Optional
 
-from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
-from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
+from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
+from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
+from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
+from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 __all__ = [
     "DynapipeArgumentError",
@@ -208,7 +210,6 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
         raise DynapipeArgumentError(f"--dynapipe-memory-limit must be positive, got {limit}: pass the per-GPU MB")
     cost_model = getattr(args, "dynapipe_cost_model", None)
     if cost_model is not None:
-        from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 
         try:
             resolve_cost_model_path(cost_model, flag="--dynapipe-cost-model")
@@ -373,8 +374,6 @@ def _validate_tracer(args: argparse.Namespace) -> None:
         raise DynapipeArgumentError(f"--is-scaling-mode needs {', '.join(missing)}")
     cp, ep = _get(args, "fake_cp", 1), _get(args, "fake_ep", 1)
     order = _get(args, "fake_rank_order", "tp-cp-ep-dp-pp")
-
-    from megatron_dynapipe.config.layout import experts_problem, layout_problems
 
     problems = layout_problems(world, tp, pp, cp, ep, dp=getattr(args, "fake_dp", None),
                                order=order, names=FAKE_FLAGS)

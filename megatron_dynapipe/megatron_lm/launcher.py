@@ -44,6 +44,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
+from megatron_dynapipe.megatron_lm import pretrain_hooks, scaling_mode
+from megatron_dynapipe.megatron_lm import pretrain_hooks as hooks
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
 __all__ = [
     "CPU_FLAGS",
@@ -87,7 +90,6 @@ class LaunchError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
     """What the launcher was asked: the script, its arguments (verbatim), and ``cpu``."""
-
     script: Path
     script_args: tuple[str, ...]
     cpu: bool = False
@@ -177,7 +179,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @dataclasses.dataclass
 class _Installed:
     """What :func:`wrap_pretrain`'s wrapper swapped in when the script called ``pretrain``."""
-
     called: bool = False
     patched: list = dataclasses.field(default_factory=list)
 
@@ -194,8 +195,6 @@ def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) ->
     wrappers (each falls through to the script's own without ``--dynapipe``), and re-binds the
     ``get_batch`` global of the module ``forward_step_func`` was defined in.
     """
-    from megatron_dynapipe.megatron_lm import pretrain_hooks as hooks
-
     installed = installed if installed is not None else _Installed()
 
     def dynapipe_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
@@ -262,10 +261,6 @@ def _check_megatron_is_the_checkouts(options: LaunchOptions) -> None:
 def launch(options: LaunchOptions) -> int:
     """Run ``options.script`` as ``__main__`` with DynaPipe's hooks installed (see the module
     docstring). Returns 0 when the script returns (``SystemExit`` passes through)."""
-    from megatron_dynapipe.megatron_lm import pretrain_hooks
-    from megatron_dynapipe.megatron_lm import scaling_mode
-    from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
-
     if options.cpu:
         import torch
 

@@ -49,9 +49,18 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, add_arguments, chain_providers
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
-from megatron_dynapipe.megatron_lm.arguments import check_data_pipeline_args, data_prefix
+from megatron_dynapipe.data import TokenListDataset, open_dataset
+from megatron_dynapipe.megatron_lm.arguments import (
+    DynapipeArgumentError,
+    add_arguments,
+    chain_providers,
+    check_data_pipeline_args,
+    data_prefix,
+    training_spec_from_args,
+    validate_dynapipe_args,
+)
+from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
 __all__ = [
     "LoggedLoader",
@@ -137,7 +146,6 @@ def setup(args: Optional[argparse.Namespace] = None):
     ``args.dataloader_type = "external"``, then :func:`~.provider.install`. Without it, installs
     nothing (Megatron's own schedule and data path stay). Returns the install report.
     """
-    from megatron_dynapipe.megatron_lm.arguments import validate_dynapipe_args
     from megatron_dynapipe.runtime.provider import install
 
     if args is None:
@@ -221,7 +229,6 @@ def make_get_batch(original: Callable) -> Callable:
 class SplitDataset:
     """Samples ``begin .. end - 1`` of a variable-length dataset (a train/valid/test split by
     sample index, as Megatron's ``--split`` cuts documents). Pickles with its parent."""
-
     def __init__(self, parent, begin: int, end: int):
         if not 0 <= begin <= end <= len(parent):
             raise ValueError(f"split [{begin}, {end}) is outside a dataset of {len(parent)} samples")
@@ -270,8 +277,6 @@ def mock_dataset(num_samples: int, max_seq_len: int, vocab_size: int, seed: int 
     """``--mock-data`` for DynaPipe: ``num_samples`` samples of random length in
     ``[max(2, max_seq_len // 8), max_seq_len]``; sample ``k`` counts up from a random start,
     modulo ``vocab_size``, so a model can learn it and the loss falls."""
-    from megatron_dynapipe.data import TokenListDataset
-
     rng = np.random.default_rng([int(seed), 0x6D6F636B])
     low = max(2, max_seq_len // 8)
     lengths = rng.integers(low, max_seq_len + 1, size=int(num_samples))
@@ -283,8 +288,6 @@ def mock_dataset(num_samples: int, max_seq_len: int, vocab_size: int, seed: int 
 def _open_data(args):
     """(train, valid, test) variable-length datasets from Megatron's data flags: ``--data-path``
     cut by ``--split``, or for ``--mock-data`` one mock dataset per split (distinct seeds)."""
-    from megatron_dynapipe.data import open_dataset
-
     if getattr(args, "mock_data", False):
         n = args.dynapipe_mock_samples if getattr(args, "dynapipe_mock_samples", None) else max(
             256, 8 * args.global_batch_size)
@@ -296,8 +299,6 @@ def _open_data(args):
 
 
 def _cost_model(args):
-    from megatron_dynapipe.planning.cost_model import load_job_cost_model
-
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), model_from_megatron_args(args).to_json(),
                                tp=args.tensor_model_parallel_size, dtype=dtype, flag="--dynapipe-cost-model")
@@ -316,7 +317,6 @@ def describe_plan(batch) -> str:
 class LoggedLoader:
     """Iterates a loader; on the hosting rank prints :func:`describe_plan` every ``interval``
     iterations (Megatron's ``--log-interval``), so a run's log shows its planned micro-batches."""
-
     def __init__(self, loader, interval: int, label: str = "train", verbose: bool = True):
         self.loader, self.interval, self.label, self.verbose = loader, max(1, int(interval)), label, verbose
 
@@ -360,10 +360,9 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
     The hosting rank (global rank 0: DP 0, stage 0, TP 0) opens the data and plans; the others
     only connect. Every loader is closed at exit (:func:`close_loaders`).
     """
-    global _atexit_registered
-    from megatron_dynapipe.data import DynaPipeDataLoader, from_parallel_state
-    from megatron_dynapipe.megatron_lm.arguments import training_spec_from_args
+    from megatron_dynapipe.data import DynaPipeDataLoader, from_parallel_state  # torch: only when loaders are built
 
+    global _atexit_registered
     if args is None:
         args = _get_args()
     layout = from_parallel_state()
@@ -411,7 +410,6 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
 
 class _DatasetsProvider:
     """See :func:`datasets_provider`."""
-
     __dynapipe_hook__ = True
 
     def __init__(self, original: Optional[Callable]):

@@ -54,8 +54,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_dynapipe.config.layout import ParallelLayout, shapes_only_problem
+from megatron_dynapipe.config.megatron_options import add_megatron_options, megatron_options_from_args
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_megatron_args
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
-from megatron_dynapipe.config.model_flags import model_from_megatron_args
+from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
 
 __all__ = ["FLAG", "ScalingResult", "build_parser", "parse_args", "requested", "run", "run_from_argv"]
 
@@ -79,9 +83,6 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     the model's (:func:`~megatron_dynapipe.config.model_flags.add_model_arguments`), the training options
     (:func:`~megatron_dynapipe.config.megatron_options.add_megatron_options`), the precision, the batch and the
     layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
-    from megatron_dynapipe.config.model_flags import add_model_arguments
-    from megatron_dynapipe.config.megatron_options import add_megatron_options
-
     add_model_arguments(parser, moe=True)
     add_megatron_options(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
@@ -116,7 +117,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 @dataclasses.dataclass
 class ScalingResult:
     """What :func:`run` did: the trace, where it went, and the shapes-only decision."""
-
     trace: Any
     path: Path
     layout: Any
@@ -166,8 +166,6 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def _training(args: argparse.Namespace):
-    from megatron_dynapipe.config.megatron_options import megatron_options_from_args
-
     try:
         return megatron_options_from_args(args)
     except ValueError as exc:
@@ -175,7 +173,6 @@ def _training(args: argparse.Namespace):
 
 
 def _model(args: argparse.Namespace):
-
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
     if not (getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)):
         raise DynapipeArgumentError("--is-scaling-mode needs --vocab-size N (the tokenizer's vocabulary; "
@@ -194,10 +191,6 @@ def run(args: argparse.Namespace, *, shapes_only: Optional[bool] = None, cost_mo
     Megatron's ``parse_args`` with :func:`~.arguments.add_arguments`). ``shapes_only=None`` decides
     by the ``trace`` rule (module docstring). Prints the summary line when ``verbose``.
     """
-    from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
-    from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
-    from megatron_dynapipe.config.layout import ParallelLayout, shapes_only_problem
-
     if not getattr(args, "is_scaling_mode", False):
         raise DynapipeArgumentError("scaling mode runs only with --is-scaling-mode")
     _resolve_fake_sizes(args)

@@ -3,6 +3,7 @@
     from megatron_dynapipe.planning import TrainingSpec, generate_execution_plan
 """
 
+from megatron_dynapipe.planning.fast_mode import fast_mode_from_env, resolve_fast_mode
 from megatron_dynapipe.planning.plan import ExecutionPlan, Instruction, Op, check_deadlock_free
 from megatron_dynapipe.planning.planner import (
     PlanningError,
@@ -13,7 +14,6 @@ from megatron_dynapipe.planning.planner import (
     optimize_schedule,
 )
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.fast_mode import fast_mode_from_env, resolve_fast_mode
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 __all__ = [

@@ -7,8 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.schedules import one_f_one_b
 from megatron_dynapipe.planning.simulator import SimulationResult, simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType

@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs
+from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
@@ -31,7 +32,6 @@ from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-
 from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, run_timeline, simulate
 
 

@@ -28,16 +28,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.cost_model.profile_file import calibrated_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.profiling.layers import build_parts, fake_tp_rank
-from megatron_dynapipe.profiling.overhead import overhead_shapes
-from megatron_dynapipe.profiling.profiler import Progress, ProfileError, ProfileSettings, measure_step_overhead, measure_point, ProfileRun
 from megatron_dynapipe.profiling.measure import steady_cpu_allocator
+from megatron_dynapipe.profiling.overhead import overhead_shapes
+from megatron_dynapipe.profiling.profiler import (
+    ProfileError,
+    ProfileRun,
+    ProfileSettings,
+    Progress,
+    measure_point,
+    measure_step_overhead,
+)
 
 __all__ = ["calibrate_model", "fit_analytical", "SATURATION_LADDER"]
 

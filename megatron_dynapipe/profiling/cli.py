@@ -6,10 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_dynapipe.config.model_flags import add_model_arguments
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device
 from megatron_dynapipe.planning.flags import positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device
+from megatron_dynapipe.progress import progress_bar, progress_enabled
 
 __all__ = ["add_profile_parser", "run_profile"]
 
@@ -51,8 +53,6 @@ def _checked(args):
     """Everything refusable before any work, one line each that names the fix."""
     import torch
 
-    from megatron_dynapipe.files import check_output_file
-    from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.profiling.profiler import ProfileSettings
 
     spec = model_from_args(args)
@@ -81,7 +81,6 @@ def _checked(args):
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from megatron_dynapipe.progress import progress_bar, progress_enabled
     from megatron_dynapipe.profiling.analytical_fit import calibrate_model, calibration_shapes
     from megatron_dynapipe.profiling.profiler import profile_model
 

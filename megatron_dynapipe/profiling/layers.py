@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]

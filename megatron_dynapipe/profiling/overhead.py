@@ -29,8 +29,13 @@ import numpy as np
 import torch
 
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.data.microbatches import gpt_microbatch
+from megatron_dynapipe.planning.baselines import uniform_microbatches
 from megatron_dynapipe.planning.cost_model import PHASES
+from megatron_dynapipe.planning.plan import build_execution_plans
+from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
 __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
 
@@ -44,7 +49,6 @@ Line = tuple[float, float]  # (ms, ms per token)
 class Overhead:
     """``(ms, ms per token)`` a step adds per micro-batch in each phase, once per stage and once
     per layer of the stage; ``points`` shapes were fitted."""
-
     stage: dict[str, Line]  # phase -> line
     layer: dict[str, Line]
     points: int
@@ -92,7 +96,6 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
     layer and of the embedding and head together there. None when no shape fits on the device."""
-    from megatron_dynapipe.runtime.stage import build_training_stage
     from megatron_dynapipe.profiling.measure import unless_out_of_memory
 
     counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
@@ -124,12 +127,6 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
     (seq, mbs) adds to a step: plans of 1 and of MICROBATCHES micro-batches, forward only and
     forward-backward, run in turn until each has ``repeats`` runs and all add up to
     ``min_time_ms``; the medians' differences."""
-    from megatron_dynapipe.data.microbatches import gpt_microbatch
-    from megatron_dynapipe.runtime.stage import planned_step
-    from megatron_dynapipe.planning.baselines import uniform_microbatches
-    from megatron_dynapipe.planning.plan import build_execution_plans
-    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
-
     rng = np.random.default_rng(seq * 1000 + mbs)
     runs = {}
     for count in (1, MICROBATCHES):

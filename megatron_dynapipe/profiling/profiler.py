@@ -27,17 +27,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.config.model_flags import megatron_model_args
+from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.gpt.build import uses_transformer_engine
+from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.gpt.build import uses_transformer_engine
-from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
-from megatron_dynapipe.config.model_flags import megatron_model_args
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model"]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_dynapipe.compat.patching import Patches
+from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.runtime.executor import ExecutorOptions
 
 __all__ = [
@@ -116,7 +117,6 @@ def forward_backward_dynapipe(
     their shapes); anything else goes, with the rest of the iterator, to megatron-core's schedule.
     Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
     """
-    from megatron_dynapipe.data.batch import PlannedBatch
     from megatron_dynapipe.runtime.executor import run_plan
 
     wrapped = isinstance(data_iterator, list)
@@ -169,7 +169,6 @@ def _global_rank() -> int:
 class InstallReport:
     """What :func:`install` did: ``enabled``, the ``module.attribute`` bindings it replaced, and
     a one-paragraph ``message`` (also logged)."""
-
     enabled: bool
     patched: list[str]
     message: str

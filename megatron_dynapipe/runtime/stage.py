@@ -11,6 +11,8 @@ import contextlib
 from typing import Callable
 
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.data.batch import PlannedBatch
+from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
 __all__ = ["build_training_stage", "planned_step"]
 
@@ -21,8 +23,6 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
     gradient buffer, per-token loss, deallocated pipeline outputs, gradients finalised at the end
     of the step and not synchronised between micro-batches.  Needs megatron's parallel state."""
     from megatron.core import parallel_state
-
-    from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
     use_te = uses_transformer_engine(device.type)
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
@@ -39,7 +39,6 @@ def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False
     import torch
 
     from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.data.batch import PlannedBatch
     from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
     from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.local_ranks import run_local_ranks
 from megatron_dynapipe.simulate.hardware import Hardware, Link, flat_collective_us, ring_terms
 
 __all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
@@ -74,8 +76,6 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_dynapipe.files import check_output_file
-
     path = check_output_file(args.output, "--output", (".json",))
     nproc, backend, sizes = _settings(args)
     started = time.perf_counter()
@@ -96,8 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0):
     """Time every kind at every size on ``nproc`` local ranks: ``({kind: [(bytes, seconds)]}, device)``."""
-    from megatron_dynapipe.local_ranks import run_local_ranks
-
     results = run_local_ranks(_rank, nproc, sizes, repeats, timeout=timeout, backend=backend)
     points, device = results[0]
     device["peak_tflops"] = {dtype: statistics.median(r[1]["peak_tflops"][dtype] for r in results)

@@ -6,7 +6,15 @@ import argparse
 import dataclasses
 import json
 
-from megatron_dynapipe.simulate.hardware import hardware_names
+from megatron_dynapipe.config.model import DEFAULT_MODEL
+from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.files import check_output_folder, write_atomically
+from megatron_dynapipe.simulate.calibrate import add_arguments, run
+from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
+from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
+from megatron_dynapipe.simulate.report import format_report, report, timeline
+from megatron_dynapipe.simulate.search import SearchSpace, run_search
+from megatron_dynapipe.simulate.search_report import format_search, plot_search
 
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
@@ -20,8 +28,6 @@ def add_hardware_arguments(group, default_note: str) -> None:
 
 def hardware_from_args(args: argparse.Namespace):
     """The hardware model ``--hardware`` names, with ``--gpus-per-node`` applied."""
-    from megatron_dynapipe.simulate.hardware import load_hardware
-
     hardware = load_hardware(args.hardware)
     if args.gpus_per_node is None:
         return hardware
@@ -43,9 +49,6 @@ def add_simulate_parser(sub) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
-    from megatron_dynapipe.simulate.report import format_report, report, timeline
-
     hardware = hardware_from_args(args)
     folders = job_folders(args.trace_dir)
     jobs = [load_job(folder) for folder in folders]  # every folder is checked before any is simulated
@@ -61,8 +64,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(sub) -> None:
-    from megatron_dynapipe.simulate.calibrate import add_arguments, run
-
     p = sub.add_parser("calibrate", help="measure this machine's collectives and write a hardware file",
                        description="Start N local processes on one process group (gloo on CPU, NCCL on GPUs), "
                                    "time all-reduce, all-gather, reduce-scatter, all-to-all and p2p over message "
@@ -83,8 +84,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_search_parser(sub) -> None:
-    from megatron_dynapipe.config.model_flags import add_model_arguments
-
     p = sub.add_parser("search", help="find the fastest parallel layout that fits: estimate, trace, simulate",
                        description="Enumerate the layouts (TP, PP, DP, micro-batch size, recompute, distributed "
                                    "optimizer) of a model on --world-size GPUs, prune those whose estimated memory "
@@ -128,12 +127,6 @@ def add_search_parser(sub) -> None:
 
 def run_search_cli(args: argparse.Namespace) -> int:
     import sys
-
-    from megatron_dynapipe.files import check_output_folder, write_atomically
-    from megatron_dynapipe.config.model import DEFAULT_MODEL
-    from megatron_dynapipe.config.model_flags import model_from_args
-    from megatron_dynapipe.simulate.search import SearchSpace, run_search
-    from megatron_dynapipe.simulate.search_report import format_search, plot_search
 
     hardware = hardware_from_args(args)
     for flag in ("top", "max_traced"):

@@ -34,10 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.config.layout import ParallelLayout, expert_coords
-from megatron_dynapipe.tracer.trace_format import P2P_RECV_KINDS, P2P_SEND_KINDS, RankTrace, TraceOp, read_traces, subtrees
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.simulate.hardware import Hardware
+from megatron_dynapipe.tracer.trace_format import (
+    P2P_RECV_KINDS,
+    P2P_SEND_KINDS,
+    RankTrace,
+    TraceOp,
+    read_traces,
+    subtrees,
+)
 
 __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
            "simulate_job", "job_folders"]

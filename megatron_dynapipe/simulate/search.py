@@ -31,12 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from megatron_dynapipe.config.accounting import total_params
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
-from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.progress import progress_bar, progress_enabled
 from megatron_dynapipe.simulate.hardware import Hardware
-from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES
-from megatron_dynapipe.config.accounting import total_params
+from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.report import report
+from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
+from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.tracer.batch_run import run_batch
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
            "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
@@ -58,7 +62,6 @@ class SearchSpace:
     ``micro_batch_sizes``, ``recompute`` and ``distributed_optimizer`` fixes that dimension to
     the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
     name for compute times (``None``: the analytical model at the hardware's peak)."""
-
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -138,7 +141,6 @@ def _powers_of_two(limit: int) -> list[int]:
 @dataclass(frozen=True, order=True)
 class Candidate:
     """One layout: how the job is split, and how each micro-batch runs."""
-
     tp: int
     pp: int
     cp: int
@@ -189,7 +191,6 @@ def trace_config(space: SearchSpace, tp: int, pp: int, cp: int, mbs: int) -> Tra
 @dataclass(frozen=True)
 class Estimate:
     """A layout's closed-form 1F1B iteration time and its busiest stage's memory."""
-
     iteration_s: float
     memory_bytes: float
 
@@ -267,7 +268,6 @@ def rule_of_thumb(space: SearchSpace) -> Optional[Candidate]:
 class Outcome:
     """What the search learnt of one candidate: ``status`` is ``pruned`` (its estimated memory
     does not fit), ``estimated`` (not among the traced), ``simulated`` or ``failed``."""
-
     candidate: Candidate
     estimate: Estimate
     status: str
@@ -378,8 +378,6 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
            progress: bool, result: SearchResult) -> dict[tuple, Any]:
     """Trace each shape once (reusing a complete trace of the same config in ``folder``);
     returns key -> config folder, or key -> error line for a shape that failed."""
-    from megatron_dynapipe.tracer.batch_run import run_batch
-
     out, todo = {}, []
     for key in keys:
         config = trace_config(space, *key)
@@ -413,11 +411,6 @@ def _complete(folder: Path, config: TraceConfig) -> bool:
 
 def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Optional[Candidate],
               progress: bool) -> None:
-    from megatron_dynapipe.progress import progress_bar, progress_enabled
-    from megatron_dynapipe.simulate.replay import load_job, simulate_job
-    from megatron_dynapipe.simulate.report import report
-    from megatron_dynapipe.simulate.variants import derive
-
     todo = [o for o in result.outcomes if o.candidate.trace_key in folders
             and (o.status == "estimated" or o.candidate == rule)]
     started = time.perf_counter()

@@ -26,9 +26,10 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts
-from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
 from megatron_dynapipe.simulate.replay import TracedJob
+from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
 
 __all__ = ["RECOMPUTE_CHOICES", "derive"]
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megatron_dynapipe.config.model import ModelSpec, get_model
-from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, layout_problems, model_problems
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model import ModelSpec, get_model
 from megatron_dynapipe.tracer.representatives import Representatives, representative_ranks
 
 __all__ = [

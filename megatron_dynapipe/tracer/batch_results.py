@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.config.layout import is_positive_int
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.tracer.batch_config import TraceConfig
-from megatron_dynapipe.config.layout import is_positive_int
+from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
 
 __all__ = ["RankResult", "ConfigResult", "batch_summary", "exit_code", "write_summary", "write_timeline"]
 
@@ -30,7 +31,6 @@ TIMELINE_FILE = "timeline.json"
 @dataclass
 class RankResult:
     """What tracing one representative rank gave: ``status`` is "ok" or "failed"."""
-
     rank: int
     stage: int
     ep_rank: int
@@ -48,7 +48,6 @@ class RankResult:
 @dataclass
 class ConfigResult:
     """One config of a batch: "ok", "failed" (a rank or the config failed) or "invalid" (skipped)."""
-
     config: TraceConfig
     status: str
     reasons: list[str] = field(default_factory=list)
@@ -136,8 +135,6 @@ def write_timeline(result: ConfigResult, traces: "Mapping[int, Any] | None" = No
     """Read every traced rank back (a check that its file is whole) and merge them into one
     Chrome/Perfetto timeline, ``timeline.json``: one process per rank.  A rank whose trace is
     missing or unreadable fails. ``traces``: RankTraces already read, by rank (not read again)."""
-    from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
-
     assert result.folder is not None
     timeline = ChromeTrace(config=result.config.to_dict(), ranks=[r.rank for r in result.ranks])
     merged = 0

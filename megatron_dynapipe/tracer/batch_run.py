@@ -18,16 +18,31 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, shapes_only_problem
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.planning.cost_model import CostModel
 from megatron_dynapipe.progress import progress_bar, progress_enabled
-from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.tracer.batch_results import (
-    FAILED, INTERRUPTED, INVALID, OK, ConfigResult, RankResult, error_line, write_summary, write_timeline,
+    FAILED,
+    INTERRUPTED,
+    INVALID,
+    OK,
+    ConfigResult,
+    RankResult,
+    error_line,
+    write_summary,
+    write_timeline,
 )
-from megatron_dynapipe.tracer.isolation import finish_log, preload_tracer_modules, rank_start_method, run_forked_many, run_inline
-from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, shapes_only_problem
+from megatron_dynapipe.tracer.isolation import (
+    finish_log,
+    preload_tracer_modules,
+    rank_start_method,
+    run_forked_many,
+    run_inline,
+)
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
+from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
 
 __all__ = ["run_batch", "collect_batch"]
 
@@ -172,8 +187,6 @@ def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike 
 
 
 def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
-    from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
-
     start = time.perf_counter()
     result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
     reps = config.representatives()

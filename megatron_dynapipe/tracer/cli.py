@@ -18,13 +18,23 @@ import json
 import sys
 from typing import Any, Optional, Sequence
 
-from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
-from megatron_dynapipe.tracer.batch_results import FAILED, INTERRUPTED, INVALID, OK, ConfigResult, batch_summary, exit_code
-from megatron_dynapipe.config.model import DEFAULT_MODEL, MODELS, ModelSpec
-from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
-from megatron_dynapipe.config.megatron_options import MegatronOptions, add_megatron_options, megatron_options_from_args
-from megatron_dynapipe.config.model_flags import megatron_model_args
 from megatron_dynapipe.config.accounting import total_params
+from megatron_dynapipe.config.megatron_options import MegatronOptions, add_megatron_options, megatron_options_from_args
+from megatron_dynapipe.config.model import DEFAULT_MODEL, MODELS, ModelSpec
+from megatron_dynapipe.config.model_flags import add_model_arguments, megatron_model_args, model_from_args
+from megatron_dynapipe.files import check_output_folder
+from megatron_dynapipe.planning.cost_model import load_cost_model
+from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
+from megatron_dynapipe.tracer.batch_results import (
+    FAILED,
+    INTERRUPTED,
+    INVALID,
+    OK,
+    ConfigResult,
+    batch_summary,
+    exit_code,
+)
+from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -139,11 +149,8 @@ def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
 
 def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
     """What would fail every rank, refused before any rank starts (one line naming the fix)."""
-    from megatron_dynapipe.files import check_output_folder
-
     check_output_folder(args.output_dir, "--output-dir")
     if args.cost_model:
-        from megatron_dynapipe.planning.cost_model import load_cost_model
 
         for tp in sorted({c.tp for c in configs if not validate(c)}):
             load_cost_model(args.cost_model, tp=tp)  # missing file, bad format or no profile of this TP
@@ -176,8 +183,6 @@ def run_trace(args) -> int:
     if args.print_ranks:
         return max(_print_ranks(configs, training, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
-
-    from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 
     try:
         results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(

@@ -59,15 +59,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynapipe.compat.moe_cpu import moe_on_cpu
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
-from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
-from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
-from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.config.megatron_options import MegatronOptions
-from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
-from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
-from megatron_dynapipe.tracer.recorder import Recorder
-from megatron_dynapipe.tracer.tensor_sizes import storage_key
 from megatron_dynapipe.config.layout import (
     ParallelLayout,
     dense_coords,
@@ -76,11 +69,19 @@ from megatron_dynapipe.config.layout import (
     rank_groups,
     shapes_only_problem,
 )
-from megatron_dynapipe.tracer.representatives import representative_ranks
-from megatron_dynapipe.tracer.trace_format import RankTrace
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
+from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
 from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
-from megatron_dynapipe.compat.moe_cpu import moe_on_cpu
+from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
+from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
+from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.meta_mode import MetaMode
+from megatron_dynapipe.tracer.recorder import Recorder
+from megatron_dynapipe.tracer.representatives import representative_ranks
+from megatron_dynapipe.tracer.tensor_sizes import storage_key
+from megatron_dynapipe.tracer.trace_format import RankTrace
 
 __all__ = [
     "RankTrace",
@@ -201,8 +202,6 @@ def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mb
     """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
     chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
     ``c pp + s``: the embedding in the very first, the head in the very last)."""
-    from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
-
     chunks = training.virtual_size(spec.stage_layers(layout.pp))
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
@@ -340,7 +339,6 @@ class _Job:
     """What one traced rank built: its stage's model chunks (one, or one per virtual stage with
     interleaving; ``models``, each DDP-wrapped in ``ddps``), the optimizer, the transformer and
     DDP configs, the groups it checked."""
-
     models: list
     ddps: list
     optimizer: Any
@@ -352,7 +350,6 @@ class _Job:
 @dataclass
 class _TraceRun:
     """One rank's trace request, checked (:meth:`checked`), and the steps that carry it out."""
-
     layout: ParallelLayout
     spec: ModelSpec
     micro_batch_size: int

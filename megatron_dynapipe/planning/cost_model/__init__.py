@@ -13,7 +13,15 @@ read and written in :mod:`.profile_file` only; :mod:`.loading` picks the model a
 """
 
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel
-from megatron_dynapipe.planning.cost_model.base import KINDS, LAYERS, MB, PARAM_LAYERS, PHASES, CostModel, CostModelError
+from megatron_dynapipe.planning.cost_model.base import (
+    KINDS,
+    LAYERS,
+    MB,
+    PARAM_LAYERS,
+    PHASES,
+    CostModel,
+    CostModelError,
+)
 from megatron_dynapipe.planning.cost_model.loading import (
     as_stage_costs,
     load_cost_model,
