@@ -1,10 +1,9 @@
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from project import GPT_6_7B_A100
 
 # The suite means the CPU: real megatron-core models over gloo in several processes, and checks of
 # the CPU redirection. On a machine with GPUs it still runs on the CPU (every process it starts
@@ -12,9 +11,6 @@ import pytest
 if os.environ.get("DYNAPIPE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-ROOT = Path(__file__).resolve().parents[1]
-# The profile shipped inside the package: every test that plans on it runs on a fresh clone.
-GPT_6_7B_A100 = ROOT / "megatron_dynapipe" / "planning" / "profiles" / "gpt-6.7b-a100.json"
 
 
 @pytest.fixture(scope="session")
@@ -34,12 +30,20 @@ def costs_pp4(profiled_model):
 @pytest.fixture(scope="session")
 def tiny_profile(tmp_path_factory):
     """A profile of the tiny GPT on this CPU (tp 1 and 2, lengths up to 128), without dropout (so
-    that stored activations follow the dropout-free formulas): its path and content."""
+    that stored activations follow the dropout-free formulas), made in this process as
+    ``megatron-dynapipe profile --model tiny --tp 1 2 --max-seq-length 128 --max-tokens 256 --repeats 1
+    --warmup 0`` makes it: its path and content."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dynapipe.config.model_flags import model_from_args
+    from megatron_dynapipe.profiling.profiler import ProfileSettings, profile_model
+
     out = tmp_path_factory.mktemp("profile") / "tiny.json"
-    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "profile", "--no-progress", "--model", "tiny",
-                          "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1",
-                          "--warmup", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "-o", str(out)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    spec = model_from_args(SimpleNamespace(model="tiny", hidden_dropout=0.0, attention_dropout=0.0))  # as the CLI reads it
+    settings = ProfileSettings(tp_sizes=(1, 2), max_seq_length=128, max_tokens=256, repeats=1, warmup=0)
+    profile_model(spec, out, settings, device=torch.device("cpu"))
     return out, json.loads(out.read_text())
 
 

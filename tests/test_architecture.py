@@ -9,10 +9,10 @@ import pkgutil
 import subprocess
 import sys
 
-from conftest import ROOT
-
 import megatron_dynapipe.config as config
 import megatron_dynapipe.planning as planning
+
+from project import ROOT
 
 PACKAGE = ROOT / "megatron_dynapipe"
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import GPT_6_7B_A100
+
+from project import GPT_6_7B_A100
 
 
 def run_cli(*args, env=None):
@@ -148,7 +149,7 @@ def test_a_plan_slower_than_packing_says_why():
 
 
 def test_the_readme_plan_example_runs_as_written(tmp_path):
-    from conftest import ROOT
+    from project import ROOT
 
     text = (ROOT / "README.md").read_text()
     start = text.index("megatron-dynapipe plan --lengths")

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
 from megatron_dynapipe.planning.types import RecomputeType
@@ -30,8 +31,6 @@ def fake_tp_rank(tp: int, device: torch.device) -> Iterator[None]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from megatron_dynapipe.compat import cpu_compat
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised here; profile in a fresh process")
@@ -135,6 +134,4 @@ def _cuda_requests_here(device: torch.device):
     answered with the CPU."""
     if device.type == "cuda":
         return contextlib.nullcontext()
-    from megatron_dynapipe.compat import cpu_compat
-
     return cpu_compat.cuda_as_cpu()

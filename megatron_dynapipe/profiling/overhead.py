@@ -35,6 +35,7 @@ from megatron_dynapipe.planning.cost_model import PHASES
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.measure import unless_out_of_memory
 from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
 __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
@@ -96,8 +97,6 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
     layer and of the embedding and head together there. None when no shape fits on the device."""
-    from megatron_dynapipe.profiling.measure import unless_out_of_memory
-
     counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
     stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
     tokens: list[int] = []

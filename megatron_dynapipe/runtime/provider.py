@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from megatron_dynapipe.compat.patching import Patches
 from megatron_dynapipe.data.batch import PlannedBatch
-from megatron_dynapipe.runtime.executor import ExecutorOptions
+from megatron_dynapipe.runtime.executor import ExecutorOptions, run_plan
 
 __all__ = [
     "InstallReport",
@@ -117,8 +117,6 @@ def forward_backward_dynapipe(
     their shapes); anything else goes, with the rest of the iterator, to megatron-core's schedule.
     Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
     """
-    from megatron_dynapipe.runtime.executor import run_plan
-
     wrapped = isinstance(data_iterator, list)
     if wrapped:
         if len(data_iterator) != 1:

@@ -44,7 +44,7 @@ Guards: the stand-ins refuse to install (:class:`UpstreamChanged`) when the func
 no longer look like the ones they were written against (parameters, the names ``create_group``
 uses, the generator's output on small layouts compared with megatron's own), when the torch
 internals they touch are gone, when the default process group is not the fake backend, or when
-they are already installed.  Tests: ``tests/test_fake_groups.py`` compares a set-up under
+they are already installed.  Tests: ``tests/tracer/test_fake_groups.py`` compares a set-up under
 :func:`member_groups_only` with megatron's unaided one, group for group, and the object gathers
 with torch's.
 """

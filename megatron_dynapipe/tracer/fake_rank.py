@@ -59,6 +59,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.compat.moe_cpu import moe_on_cpu
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
 from megatron_dynapipe.config.layout import (
@@ -293,8 +294,6 @@ def trace_initialized_rank(
     overlap, recompute, sequence parallelism) is Megatron-LM's defaults when None.
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
     """
-    from megatron_dynapipe.compat import cpu_compat
-
     started = time.perf_counter()
     run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
                             num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
@@ -434,8 +433,6 @@ class _TraceRun:
 
     def device_scope(self):
         """Where MoE on CPU builds and runs its forward/backward (see :func:`megatron_dynapipe.compat.moe_cpu.moe_on_cpu`)."""
-        from megatron_dynapipe.compat import cpu_compat
-
         return cpu_compat.cuda_as_cpu() if self.moe_on_cpu else contextlib.nullcontext()
 
     def build(self) -> _Job:
@@ -702,8 +699,6 @@ def trace_ranks(
 ) -> list[RankTrace]:
     """:func:`trace_fake_rank` for each rank in turn (one process); writes each trace into
     ``out_dir`` as soon as it is done when given."""
-    from megatron_dynapipe.compat import cpu_compat
-
     traces = []
     # CPU mode stays on across the ranks (switching it costs a scan of megatron's modules)
     with cpu_compat.cpu_mode() if not torch.cuda.is_available() else contextlib.nullcontext():

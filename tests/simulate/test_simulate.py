@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from tiny_traces import uniform
 
 from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.config.model import get_model
@@ -17,6 +16,8 @@ from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_
 from megatron_dynapipe.simulate.report import report, timeline
 from megatron_dynapipe.simulate.variants import derive
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError
+
+from tiny_traces import uniform
 
 GB = 1e9
 

@@ -387,11 +387,11 @@ def test_traces_satisfy_the_replay_contract(real, fake, source, case):
 def test_gpt_6_7b_traces_in_shapes_only_mode(tmp_path):
     """Last stage of GPT-6.7B at W=1024, TP=8, PP=4 (DP=32): bf16 on the meta device, durations
     from the A100 profile; a couple of seconds and no real weights."""
-    from conftest import GPT_6_7B_A100
-
     from megatron_dynapipe.planning.cost_model import ProfiledCostModel, StageCosts
     from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
     from megatron_dynapipe.tracer.representatives import representative_ranks
+
+    from project import GPT_6_7B_A100
 
     layout = ParallelLayout(1024, tp=8, pp=4)
     rank = representative_ranks(layout)[-1].global_rank

@@ -8,11 +8,11 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from project import ROOT
+
 EXAMPLE = ROOT / "examples" / "megatron_fast_mode_example.py"
 BUDGET_S = 110  # the example must run in under 2 minutes here, start-up included
 

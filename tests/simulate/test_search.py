@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-from tiny_traces import uniform
 
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.config.model import get_model
@@ -21,6 +20,8 @@ from megatron_dynapipe.simulate.search import (
     rule_of_thumb,
 )
 from megatron_dynapipe.simulate.variants import derive
+
+from tiny_traces import uniform
 
 FREE = Hardware(name="free", peak_tflops={"bfloat16": 100.0}, memory_gib=80.0, memory_bandwidth_GBps=1e12,
                 gpus_per_node=8, intra_node=Link(1e12, 0.0), inter_node=Link(1e12, 0.0))

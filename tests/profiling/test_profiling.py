@@ -24,7 +24,7 @@ from megatron_dynapipe.profiling.measure import time_step
 
 MB = 2**20
 FLOAT = 4  # fp32 bytes
-TINY = dict(h=128, f=512, a=8, vocab=1024, positions=256)  # models.py "tiny"
+TINY = dict(h=128, f=512, a=8, vocab=1024, positions=256)  # config/model.py "tiny"
 
 
 def profile(*args, timeout=300):

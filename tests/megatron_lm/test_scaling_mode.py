@@ -12,7 +12,8 @@ import pytest
 from megatron_dynapipe.megatron_lm import scaling_mode
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, add_arguments
 
-ROOT = Path(__file__).resolve().parents[1]
+from project import ROOT
+
 TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, vocab_size=1024,
             seq_length=256, max_position_embeddings=256, micro_batch_size=1, global_batch_size=4096)
 TINY_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size",

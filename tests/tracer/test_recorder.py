@@ -101,7 +101,7 @@ def test_recorder_captures_collectives_and_p2p_on_gloo():
             {"kind": "isend", "peer": 1 - rank, "shape": [2, 3], "dtype": "float32", "bytes": 24},
             {"kind": "irecv", "peer": 1 - rank, "shape": [2, 3], "dtype": "float32", "bytes": 24},
         ]
-        assert all(op.name.startswith("test_tracer_recorder.") for op in ops)
+        assert all(op.name.startswith("test_recorder.") for op in ops)
         assert all(op.dur_us >= 0 and op.start_us >= 0 for op in ops)
 
 

@@ -25,7 +25,8 @@ from megatron_dynapipe.planning.cost_model import (
 )
 from megatron_dynapipe.planning.types import RecomputeType as R
 
-ROOT = Path(__file__).resolve().parents[1]
+from project import ROOT
+
 PROFILE = ROOT / "megatron_dynapipe" / "planning" / "profiles" / "gpt-6.7b-a100.json"
 SEQLENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144, 8192]
 

@@ -1,0 +1,52 @@
+"""The one GPT description: named sizes, their parameter counts, and a model as Megatron-LM's flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dynapipe.config.accounting import stage_params, total_params, training_bytes
+from megatron_dynapipe.config.model import MODELS, get_model
+from megatron_dynapipe.config.model_flags import megatron_model_args
+
+TINY = get_model("tiny")
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def test_model_table_matches_the_issue():
+    table = {"tiny": (128, 8, 4), "6.7B": (4096, 32, 32), "13B": (5120, 32, 40), "30B": (7680, 48, 40),
+             "40B": (9216, 72, 40), "70B": (8192, 64, 80), "175B": (12288, 96, 96),
+             "485B": (20480, 160, 96), "1T": (25600, 160, 128), "2T": (25600, 160, 256)}
+    assert {n: (m.hidden_size, m.num_attention_heads, m.num_layers) for n, m in MODELS.items()} == table
+    assert all(m.ffn_hidden_size == 4 * m.hidden_size for m in MODELS.values())
+
+
+@pytest.mark.parametrize("name", ["6.7", "6.7b", "6.7B", "gpt-6.7b", " GPT-6.7B "])
+def test_model_aliases(name):
+    assert get_model(name) is MODELS["6.7B"]
+
+
+def test_unknown_model_lists_the_valid_names():
+    with pytest.raises(ValueError) as e:
+        get_model("7b")
+    for name in MODELS:
+        assert name in str(e.value)
+
+
+def test_model_sizes_are_plausible():
+    assert abs(total_params(get_model("6.7")) / 6.7e9 - 1) < 0.02
+    assert abs(total_params(get_model("175")) / 175e9 - 1) < 0.02
+    m = get_model("6.7")
+    assert stage_params(m, pp=2, tp=2, stage=0) < total_params(m) / 3
+    assert training_bytes(get_model("tiny"), 2, 2) < 2**30 < training_bytes(m, 2, 2)
+
+
+def test_megatron_args_of_a_model():
+    args = megatron_model_args(get_model("13"), 4096)
+    assert args[args.index("--hidden-size") + 1] == "5120"
+    assert args[args.index("--num-layers") + 1] == "40"
+    assert args[args.index("--seq-length") + 1] == "4096"
+
+

@@ -1,0 +1,73 @@
+"""The cost-model file, written and read by the one module that knows its format."""
+
+import json
+
+import pytest
+
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModelError, load_cost_model
+from megatron_dynapipe.planning.cost_model.profile_file import (
+    CALIBRATED,
+    ProfileRecords,
+    calibrated_document,
+    calibrated_settings,
+    read_document,
+    to_text,
+)
+from megatron_dynapipe.planning.types import RecomputeType
+
+
+def _records() -> ProfileRecords:
+    records = ProfileRecords()
+    for rc, scale in (("none", 1.0), ("full", 1.5)):
+        for s in (64, 128):
+            for m in (1, 2):
+                for layer, ms in (("encoder", 1.0), ("postprocess", 0.5), ("preprocess", 0.25)):
+                    for phase, factor in (("forward", 1.0), ("backward", 2.0)):
+                        records.times[(1, rc, layer, phase, s, m)] = ms * factor * scale * s * m / 64
+                        records.spread[(1, rc, layer, phase, s, m)] = 0.0625
+                records.memory[(1, rc, "stored", s, m)] = 3.0 * s * m / 64 / scale
+                records.memory[(1, rc, "peak", s, m)] = 1.0 * s * m / 64
+        records.params[(1, rc, "encoder")] = 2.0
+        records.params[(1, rc, "embedding")] = 8.0
+    records.infeasible.add((1, "none", 128, 4))
+    records.overhead[1] = {(per, phase): (0.5, 0.001) for per in ("stage", "layer") for phase in ("forward", "backward")}
+    records.overhead_points[1] = 4
+    return records
+
+
+def test_records_survive_the_file(tmp_path):
+    records = _records()
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    back = ProfileRecords.from_document(read_document(path), str(path))
+    assert back == records
+    model = load_cost_model(path, tp=1)
+    assert model.layer_ms("encoder", "backward", RecomputeType.FULL, 2, 128) == pytest.approx(1.0 * 2.0 * 1.5 * 4)
+    assert model.microbatch_overhead_ms("forward", 1, 100, 3) == pytest.approx(0.5 + 0.1 + 3 * (0.5 + 0.1))
+
+
+def test_a_broken_record_is_named_with_its_table_and_number(tmp_path):
+    doc = {"name": "test", **_records().records()}
+    doc["layer_time"][3]["mbs"] = 0
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CostModelError, match=r"bad\.json has a layer_time record 3 whose 'mbs' is not a positive "
+                                             r"integer: see docs/cost_model\.md"):
+        load_cost_model(path, tp=1)
+
+
+def test_a_calibrated_file_round_trips_to_the_analytical_model(tmp_path):
+    settings = dict(hidden_size=128, num_heads=8, ffn_hidden_size=512, vocab_size=1024, peak_tflops=2.0, mfu=1.0,
+                    attention_mfu=0.5, overhead_ms=0.1, saturation_tokens=256, device_memory_mb=8192.0)
+    doc = calibrated_document(name="c", source="test", hidden_size=128, metadata={"dtype": "fp32"}, settings=settings,
+                              overhead=_records().overhead_records())
+    assert list(doc["analytical"]) == list(CALIBRATED) and calibrated_settings(doc, "c") == settings
+    path = tmp_path / "c.json"
+    path.write_text(to_text(doc))
+    model = load_cost_model(path, tp=2)  # a calibrated model prices any TP size
+    assert isinstance(model, AnalyticalCostModel) and model.tp == 2 and model.peak_tflops == 2.0
+    assert load_cost_model(path, tp=1).microbatch_overhead[("layer", "backward")] == (0.5, 0.001)  # measured at TP 1
+    del doc["analytical"]["mfu"]
+    path.write_text(to_text(doc))
+    with pytest.raises(CostModelError, match="has an 'analytical' object without 'mfu'"):
+        load_cost_model(path, tp=1)

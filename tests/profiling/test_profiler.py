@@ -1,0 +1,39 @@
+"""The profiler called as a library (``profile_model``), in this process: the grid it measures,
+the file the planner reads, and a resume that measures nothing twice."""
+
+import dataclasses
+import json
+
+import torch
+
+from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.planning.cost_model import ProfiledCostModel
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.profiler import ProfileSettings, profile_model
+
+TINY = dataclasses.replace(get_model("tiny"), hidden_dropout=0.0, attention_dropout=0.0)
+SETTINGS = ProfileSettings(tp_sizes=(1,), recompute=(RecomputeType.NONE, RecomputeType.FULL), max_seq_length=64,
+                           max_tokens=128, repeats=1, warmup=0, min_time_ms=0.0, max_refinements=0)
+# lengths double from 32 to 64; micro-batches double from 1 while mbs x seqlen <= 128 tokens
+GRID = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2)]
+
+
+def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(tmp_path):
+    out = tmp_path / "tiny.json"
+    seen: list[str] = []
+    doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), progress=seen.append)
+    assert seen == [f"tp 1 none/full seq {s} mbs {m}" for s, m in GRID] + ["tp 1 whole-step overhead"]
+    points = {(r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]}
+    assert points == {(rc, layer, phase, s, m) for rc in ("none", "full") for layer in ("encoder", "postprocess",
+                      "preprocess") for phase in ("forward", "backward") for s, m in GRID}
+    assert json.loads(out.read_text()) == doc and doc["metadata"]["complete"]
+
+    model = ProfiledCostModel.from_json(out, tp=1)
+    for rc in SETTINGS.recompute:
+        assert 0 < model.layer_ms("encoder", "forward", rc, 2, 64) < float("inf")
+    assert model.layer_ms("encoder", "forward", RecomputeType.NONE, 4, 64) == float("inf")  # past the grid
+
+    again: list[str] = []
+    resumed = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), resume=True, progress=again.append)
+    assert again == []  # every point and the overhead were there already
+    assert resumed["layer_time"] == doc["layer_time"] and resumed["microbatch_overhead"] == doc["microbatch_overhead"]
