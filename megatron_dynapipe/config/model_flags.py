@@ -85,7 +85,8 @@ def model_from_args(args, default: "str | None" = None) -> ModelSpec:
         if "hidden_size" in fields:
             fields.setdefault("ffn_hidden_size", None)  # 4 x the new hidden size, as Megatron-LM defaults
         return dataclasses.replace(base, **fields, name=base.name if not fields else "")
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads") if n not in fields]
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads")
+               if n not in fields]
     if missing:
         raise ValueError(f"no model given: pass --model NAME ({', '.join(MODELS)}) or {', '.join(missing)}")
     return ModelSpec(**fields)

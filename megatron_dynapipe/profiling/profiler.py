@@ -323,7 +323,8 @@ def _bends(profile: ProfileRun, parts: Parts, tp: int, short: int, middle: int, 
     b = profile.records.times.get((tp, rc.label, "encoder", "forward", long, 1))
     if a is None or b is None:
         return False  # a row that does not reach mbs=1 there is not interpolated either
-    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device, dtype=torch_dtype(profile.settings.dtype),
+    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device,
+                    dtype=torch_dtype(profile.settings.dtype),
                     requires_grad=True)
     probe = time_step(lambda: parts.encoders[rc](x), profile.device, **dict(_timing(profile.settings), warmup=1))
     line = a + (b - a) * (middle - short) / (long - short)

@@ -21,7 +21,7 @@ then teardown (``destroy_model_parallel`` + ``destroy_process_group``) so the ne
 The fake backend's collectives return at once and receives leave garbage; the recorder fills
 them with the values a job of identical peers would see (:mod:`.recorder`, ``fill=True``), so
 forward passes stay finite.  Shapes decide every traced byte; values never do: MoE routes each
-token by its position (:func:`_balanced_routing`), so every rank routes the same counts.
+token by its position (:func:`~.moe_routing.balanced_routing`), so every rank routes the same counts.
 
 Shapes-only mode
 ----------------
@@ -50,18 +50,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.compat.moe_cpu import moe_on_cpu
-from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
 from megatron_dynapipe.config.layout import (
     ParallelLayout,
     dense_coords,
@@ -75,12 +73,13 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
 from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
 from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
-from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
 from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.meta_mode import MetaMode
+from megatron_dynapipe.tracer.moe_routing import balanced_routing
 from megatron_dynapipe.tracer.recorder import Recorder
 from megatron_dynapipe.tracer.representatives import representative_ranks
+from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
 from megatron_dynapipe.tracer.tensor_sizes import storage_key
 from megatron_dynapipe.tracer.trace_format import RankTrace
 
@@ -92,44 +91,6 @@ __all__ = [
     "trace_representatives",
 ]
 
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE: routing every rank can predict
-
-
-@contextlib.contextmanager
-def _balanced_routing() -> Iterator[None]:
-    """Route every token by :func:`_balanced_logits` (put back on exit; the router calls it when
-    the config asks for ``moe_router_force_load_balancing``, Megatron-LM's benchmark switch).
-
-    Why: with dropless routing the expert all-to-alls are sized by how many tokens each rank
-    routes to each expert, and a traced rank sees only its own routing (its fake peers answer
-    the count all-gather with copies of its own counts). Megatron's own switch draws random
-    scores from a per-rank seed, so the peers' counts would still be unknowable. Routing that
-    depends only on a token's position gives every rank the same counts, so what a rank expects
-    to receive is what its peers send -- the balanced routing a trained router's auxiliary loss
-    aims at; the weights of a model traced with random weights on random tokens say nothing
-    about real routing anyway.
-    """
-    from megatron.core.transformer.moe import moe_utils, router
-
-    with Patches() as patches:
-        patches.replace(moe_utils, "apply_random_logits", _balanced_logits)
-        if vars(router).get("apply_random_logits") is not _balanced_logits:
-            raise UpstreamChanged("megatron.core.transformer.moe.router no longer calls apply_random_logits: "
-                                  "review tracer/fake_rank.py _balanced_routing")
-        yield
-
-
-def _balanced_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Router scores that make token t (in flattened order) pick experts t, t+1, ... (mod E) as
-    its top-k: over any E consecutive tokens every expert is picked k times. Straight through:
-    the forward sees the scores, the router's gradient is the one its own logits get."""
-    experts = logits.shape[-1]
-    token = torch.arange(logits.numel() // experts, device=logits.device).reshape(*logits.shape[:-1], 1)
-    scores = -torch.remainder(torch.arange(experts, device=logits.device) - token, experts).to(logits.dtype)
-    return logits + (scores - logits).detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,55 +159,6 @@ def _torch_optimizers(optimizer) -> list:
     return [inner] if inner is not None else []
 
 
-def _cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
-             training: MegatronOptions):
-    """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
-    chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
-    ``c pp + s``: the embedding in the very first, the head in the very last)."""
-    chunks = training.virtual_size(spec.stage_layers(layout.pp))
-    costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
-                           hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                           ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
-    if chunks > 1:
-        costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
-                           zero_stage=costs.zero_stage)
-    seq_local = max(1, seq // layout.cp)
-    table = {}
-    for chunk in range(chunks):
-        virtual = chunk * layout.pp + stage
-        table[chunk] = {
-            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
-            "backward": _backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp)),
-        }
-        for kind, ms in table[chunk].items():
-            if not math.isfinite(ms):
-                raise ValueError(
-                    f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
-                    f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
-                    "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
-                    "cost model"
-                )
-
-    def cost(kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
-        return table[chunk or 0].get(kind, 0.0)
-
-    return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
-
-
-def _backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, stage_layers: int) -> float:
-    """A micro-batch's backward through one model chunk (the whole stage without interleaving)
-    with the recompute asked for: the cost model's selective or full price, and for full
-    recompute of some of the chunk's layers (``block``) that share of the difference between
-    full and none."""
-    if training.recompute_granularity == "selective":
-        return float(costs.backward_ms(stage, mbs, seq, "selective"))
-    none = float(costs.backward_ms(stage, mbs, seq, "none"))
-    recomputed = training.recomputed_layers(stage_layers)  # the same share of every chunk
-    if not recomputed:
-        return none
-    return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
-
-
 def _batches(spec: ModelSpec, mbs: int, seq: int, count: int, seed: int, device):
     """``count`` micro-batches of random tokens (the same on every rank: values do not matter,
     shapes do)."""
@@ -305,14 +217,14 @@ def trace_initialized_rank(
         if run.moe_on_cpu:
             stack.enter_context(moe_on_cpu())
         if run.spec.num_experts:
-            stack.enter_context(_balanced_routing())
+            stack.enter_context(balanced_routing())
         if shapes_only:
             stack.enter_context(MetaMode())
             stack.enter_context(MetaKernelCache())
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
-        cost, cost_name = (_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
+        cost, cost_name = (compute_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
                                     run.training)
                            if shapes_only else (None, None))
         recorder = stack.enter_context(run.recorder(cost, fill))
@@ -428,11 +340,12 @@ class _TraceRun:
         return not self.on_gpu and bool(self.spec.num_experts)
 
     def routing_fields(self) -> dict[str, Any]:
-        """MoE routes by :func:`_balanced_logits` (see :func:`_balanced_routing`)."""
+        """MoE routes by :func:`~.moe_routing.balanced_logits` (see :func:`~.moe_routing.balanced_routing`)."""
         return {"moe_router_force_load_balancing": True} if self.spec.num_experts else {}
 
     def device_scope(self):
-        """Where MoE on CPU builds and runs its forward/backward (see :func:`megatron_dynapipe.compat.moe_cpu.moe_on_cpu`)."""
+        """Where MoE on CPU builds and runs its forward/backward (see
+        :func:`megatron_dynapipe.compat.moe_cpu.moe_on_cpu`)."""
         return cpu_compat.cuda_as_cpu() if self.moe_on_cpu else contextlib.nullcontext()
 
     def build(self) -> _Job:

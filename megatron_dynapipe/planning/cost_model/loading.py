@@ -82,7 +82,8 @@ def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs
     doc = profile_file.read_document(path)
     if profile_file.is_calibrated(doc):
         return AnalyticalCostModel.calibrated(doc, tp, source=os.fspath(path))
-    return ProfiledCostModel.from_document(doc, tp, source=os.fspath(path), hidden_size=analytical_kwargs.get("hidden_size"))
+    return ProfiledCostModel.from_document(doc, tp, source=os.fspath(path),
+                                           hidden_size=analytical_kwargs.get("hidden_size"))
 
 
 def load_job_cost_model(path: "str | os.PathLike | None", model: Mapping, *, tp: int, dtype: str,

@@ -114,7 +114,8 @@ def _header(data: bytes) -> tuple:
     if len(data) < expected:
         raise ValueError(f"truncated ExecutionPlan: the header announces {expected} bytes, got {len(data)}")
     if len(data) > expected:
-        raise ValueError(f"malformed ExecutionPlan: {len(data) - expected} trailing bytes after the announced {expected}")
+        raise ValueError(f"malformed ExecutionPlan: {len(data) - expected} trailing bytes after the announced "
+                         f"{expected}")
     (crc,) = _CRC.unpack_from(data, expected - _CRC.size)
     if zlib.crc32(memoryview(data)[: expected - _CRC.size]) != crc:
         raise ValueError("corrupted ExecutionPlan: checksum mismatch")
@@ -126,4 +127,5 @@ def _check_codes(rc_codes: list[int], rows: np.ndarray) -> None:
     bad_rc = (set(rc_codes) | set(np.unique(rows["recompute"]).tolist())) - rc_values
     bad_ops = set(np.unique(rows["op"]).tolist()) - {int(o) for o in Op}
     if bad_rc or bad_ops:
-        raise ValueError(f"corrupted ExecutionPlan: unknown op codes {sorted(bad_ops)} / recompute codes {sorted(bad_rc)}")
+        raise ValueError(f"corrupted ExecutionPlan: unknown op codes {sorted(bad_ops)} / recompute codes "
+                         f"{sorted(bad_rc)}")

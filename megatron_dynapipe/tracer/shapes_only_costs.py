@@ -1,0 +1,64 @@
+"""How long a shapes-only rank's compute ops take: its stage's forward and backward under the
+traced recompute, priced by a cost model (the analytical model of the traced GPT unless one is
+given), per model chunk under interleaving."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron_dynapipe.config.layout import ParallelLayout
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
+
+__all__ = ["compute_cost_fn", "backward_ms"]
+
+
+def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
+             training: MegatronOptions):
+    """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
+    chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
+    ``c pp + s``: the embedding in the very first, the head in the very last)."""
+    chunks = training.virtual_size(spec.stage_layers(layout.pp))
+    costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
+                           hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+                           ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
+    if chunks > 1:
+        costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
+                           zero_stage=costs.zero_stage)
+    seq_local = max(1, seq // layout.cp)
+    table = {}
+    for chunk in range(chunks):
+        virtual = chunk * layout.pp + stage
+        table[chunk] = {
+            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
+            "backward": backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp)),
+        }
+        for kind, ms in table[chunk].items():
+            if not math.isfinite(ms):
+                raise ValueError(
+                    f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
+                    f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
+                    "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
+                    "cost model"
+                )
+
+    def cost(kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
+        return table[chunk or 0].get(kind, 0.0)
+
+    return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
+
+
+def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, stage_layers: int) -> float:
+    """A micro-batch's backward through one model chunk (the whole stage without interleaving)
+    with the recompute asked for: the cost model's selective or full price, and for full
+    recompute of some of the chunk's layers (``block``) that share of the difference between
+    full and none."""
+    if training.recompute_granularity == "selective":
+        return float(costs.backward_ms(stage, mbs, seq, "selective"))
+    none = float(costs.backward_ms(stage, mbs, seq, "none"))
+    recomputed = training.recomputed_layers(stage_layers)  # the same share of every chunk
+    if not recomputed:
+        return none
+    return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
