@@ -9,12 +9,19 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.schedules import simulate_schedule
-from megatron_dynapipe.planning.simulator import Order, SimulationResult, WorkTable
+from megatron_dynapipe.planning.schedules import SCHEDULES, simulate_schedule
+from megatron_dynapipe.planning.simulator import (
+    MEMORY_TOLERANCE_MB,
+    Order,
+    OverLimit,
+    SimulationResult,
+    WorkTable,
+    over_limit,
+)
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 FAST_MODE_ROUNDS = 3
-FAST_MODE_MICROBATCHES_PER_ROUND = 2
+
 
 @dataclass
 class RecomputePlan:
@@ -33,55 +40,134 @@ def adjust_rc_plan(
     fast_mode: bool = False,
     work_table: WorkTable | None = None,
     give_up_above_ms: float = math.inf,
+    types: Sequence[RecomputeType] = tuple(RecomputeType),
 ) -> RecomputePlan | None:
-    """Raise recompute (none -> selective -> full) of chosen micro-batches on the stages whose
-    simulated peak exceeds the limit, re-simulating after each round, until the plan fits.
+    """Raise recompute (each step to the next of ``types``) of the micro-batches whose memory the
+    ops above the limit count, re-simulating after each round, until the schedule fits.
 
-    On an over-limit stage the micro-batches held at its peak are raised, largest memory saving
-    first, until the saving covers the excess. Fast mode stops after 3 rounds of at most 2
-    micro-batches. Returns None when the plan cannot be made to fit, or as soon as its makespan
-    cannot stay at or below `give_up_above_ms` (a search's best so far) whatever recompute is
-    raised -- in fast mode also once the simulation of the current recompute cannot.
-    `work_table` (of these micro-batches, in this order) saves evaluating the cost model again.
+    A round brings every op above the limit under it, worst first (:func:`_raise_recompute`).
+    Where what a wait-free-cyclic stage holds can be lightened no further, the schedule stops
+    filling stages past the limit instead (``strict_memory``); 1F1B's fixed orders cannot, and such
+    a plan cannot fit. Fast mode stops after FAST_MODE_ROUNDS rounds. Returns None when the plan
+    cannot be made to fit, or as soon as its makespan cannot stay at or below ``give_up_above_ms``
+    (a search's best so far): when its lower bound under any raised recompute passes it, or the
+    simulation of the current recompute does -- for fixed orders, whose ops only lengthen as
+    recompute rises, and in fast mode (wait-free-cyclic may end sooner with more recompute).
+    ``work_table`` (of these micro-batches, in this order) saves evaluating the cost model.
     """
     table = work_table or WorkTable(costs, microbatches)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
     max_rounds = FAST_MODE_ROUNDS if fast_mode else costs.pp * len(microbatches) * len(RecomputeType)
-    per_round = FAST_MODE_MICROBATCHES_PER_ROUND if fast_mode else None
-    rounds = 0
+    heavier = _next_types(types)
+    fixed = schedule != "wait-free-cyclic"
+    rounds, strict = 0, False
     while True:
         if table.makespan_lower_bound(recompute) > give_up_above_ms:
             return None
         work = table.work(recompute)
         if not np.all(np.isfinite(work.forward + work.backward)):
             return None
-        # Fast mode also stops a simulation once it cannot end by the cutoff. Not in normal mode:
-        # raising recompute of a plan over the cutoff that does not fit could, rarely, end sooner.
-        result = simulate_schedule(schedule, work, memory_limit_mb, give_up_above_ms if fast_mode else math.inf)
-        if result is None:
-            return None
-        if result.fits(memory_limit_mb):
+        result, over = _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict)
+        if result is not None:
             return RecomputePlan(recompute, result.orders, result, rounds)
-        if rounds == max_rounds or not _raise_recompute(recompute, table, result, memory_limit_mb, per_round):
+        if not over:
+            return None  # passed the cutoff
+        if rounds == max_rounds:
+            return None
+        raised, stuck = _raise_recompute(recompute, table, over, memory_limit_mb, heavier)
+        if stuck and fixed:
+            return None  # fixed orders hold the same micro-batches there, however they are recomputed
+        if stuck and not strict:
+            strict = True  # what a stage holds cannot be lightened further: fill it only while memory lasts
+        elif not raised:
             return None
         rounds += 1
 
 
-def _raise_recompute(recompute, table: WorkTable, result, memory_limit_mb, per_round) -> bool:
-    budget = per_round
-    changed = False
-    stored = table.tables["stored"]  # [recompute, pp, n]
-    for s in np.argsort(-result.peak_memory):  # worst stage first
-        excess = result.peak_memory[s] - memory_limit_mb
-        if excess <= 1e-6:
-            break
-        held = [m for m in result.peak_microbatches[s] if recompute[s, m] < RecomputeType.FULL]
-        saving = {m: stored[recompute[s, m], s, m] - stored[recompute[s, m] + 1, s, m] for m in held}
-        for m in sorted(held, key=lambda m: -saving[m]):  # largest memory saving first
-            if budget == 0 or excess <= 0:
+def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict):
+    """(the simulation, []) when the schedule fits, (None, the ops above the limit) when it does
+    not, (None, []) when it is sure to end after ``give_up_above_ms``."""
+    if schedule != "wait-free-cyclic":
+        # Memory under fixed orders follows from the orders: time them only once they fit. Their
+        # ops only lengthen as recompute rises, so that simulation may stop at the cutoff.
+        over = over_limit(SCHEDULES[schedule](work, memory_limit_mb), work, memory_limit_mb)
+        return (None, over) if over else (simulate_schedule(schedule, work, memory_limit_mb, give_up_above_ms), [])
+    # wait-free-cyclic's greedy may end sooner with more recompute (it then holds less and runs
+    # ahead more): only fast mode stops it at the cutoff.
+    cut = give_up_above_ms if fast_mode else math.inf
+    result = simulate_schedule(schedule, work, memory_limit_mb, cut, strict_memory=strict)
+    if result is None:
+        return None, []
+    if result.fits(memory_limit_mb):
+        return (result if result.makespan <= give_up_above_ms else None), []
+    return None, result.over_limit
+
+
+def _next_types(types: Sequence[RecomputeType]) -> list[int | None]:
+    """Per recompute code, the next heavier code among ``types`` (None past the heaviest)."""
+    allowed = sorted(int(rc) for rc in types)
+    return [next((a for a in allowed if a > rc), None) for rc in range(len(RecomputeType))]
+
+
+def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit], memory_limit_mb, heavier
+                     ) -> tuple[bool, bool]:
+    """One round: bring every op the simulation ran above the limit under it, worst first, by
+    raising the recompute of the micro-batches whose memory it counted -- those held and its own
+    -- the one that saves the op the most memory per millisecond of backward it adds first. A
+    micro-batch raised for one op lightens every later op it is held in. Returns whether anything
+    was raised, and whether some op could not be brought under the limit."""
+    stages = sorted({s for s, *_ in over_limit})
+    # plain lists of the stages concerned: the loops below read one scalar at a time
+    stored = {s: table.tables["stored"][:, s, :].tolist() for s in stages}  # [recompute][micro-batch]
+    peak = {s: table.tables["peak"][:, s, :].tolist() for s in stages}
+    backward = {s: table.tables["backward"][:, s, :].tolist() for s in stages}
+    level = {s: recompute[s].tolist() for s in stages}
+    raised = stuck = False
+    for s, _, held, m in sorted(over_limit, key=lambda op: -op[1]):
+        op = _OpMemory(float(table.state[s]), stored[s], peak[s], level[s], held, m)
+        while op.in_use() > memory_limit_mb + MEMORY_TOLERANCE_MB:
+            best = op.best_to_raise(backward[s], heavier)
+            if best is None:
+                stuck = True
                 break
-            excess -= saving[m]
-            recompute[s, m] += 1
-            changed = True
-            budget = None if budget is None else budget - 1
-    return changed
+            level[s][best] = heavier[level[s][best]]
+            raised = True
+    for s in stages:
+        recompute[s] = level[s]
+    return raised, stuck
+
+
+@dataclass
+class _OpMemory:
+    """One op's memory in use under the current recompute levels (which it reads, not copies)."""
+
+    state: float
+    stored: list  # [recompute][micro-batch]
+    peak: list
+    level: list  # [micro-batch] recompute code
+    held: tuple[int, ...]
+    own: int
+
+    def in_use(self) -> float:
+        return (self.state + sum(self.stored[self.level[h]][h] for h in self.held)
+                + self.peak[self.level[self.own]][self.own])
+
+    def saving(self, m: int, up: int) -> float:
+        """MB this op saves when micro-batch m's recompute rises to ``up``."""
+        rc = self.level[m]
+        saved = self.stored[rc][m] - self.stored[up][m] if m in self.held else 0.0
+        return saved + (self.peak[rc][m] - self.peak[up][m] if m == self.own else 0.0)
+
+    def best_to_raise(self, backward, heavier) -> "int | None":
+        """The micro-batch whose next recompute type saves this op the most memory per
+        millisecond of backward it adds (None when none saves any)."""
+        best, best_rate = None, 0.0
+        for m in dict.fromkeys((*self.held, self.own)):
+            up = heavier[self.level[m]]
+            if up is None:
+                continue
+            saving = self.saving(m, up)
+            rate = saving / max(backward[up][m] - backward[self.level[m]][m], 1e-9)
+            if saving > 0 and rate > best_rate:
+                best, best_rate = m, rate
+        return best

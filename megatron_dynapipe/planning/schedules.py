@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, run_timeline, simulate
+from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, run_timeline
 
 
 def one_f_one_b(work: StageWork, memory_limit_mb: float) -> list[Order]:
@@ -48,9 +48,13 @@ SCHEDULES: dict[str, Callable[[StageWork, float], list[Order]]] = {
 
 
 def simulate_schedule(name: str, work: StageWork, memory_limit_mb: float,
-                      give_up_above_ms: float = math.inf) -> "SimulationResult | None":
-    """Orders of schedule `name` and their simulated timeline. wait-free-cyclic returns None as
-    soon as its makespan is sure to exceed `give_up_above_ms` (1F1B's fixed orders run to the end)."""
+                      give_up_above_ms: float = math.inf, strict_memory: bool = False) -> "SimulationResult | None":
+    """Orders of schedule `name` and their simulated timeline, every op that ran above the memory
+    limit listed (``over_limit``); None as soon as the makespan is sure to exceed
+    `give_up_above_ms`. wait-free-cyclic with ``strict_memory`` stays within the limit while it
+    fills a stage."""
     if name == "wait-free-cyclic":
-        return run_timeline(work, memory_limit_mb=memory_limit_mb, give_up_above_ms=give_up_above_ms)
-    return simulate(SCHEDULES[name](work, memory_limit_mb), work)
+        return run_timeline(work, memory_limit_mb=memory_limit_mb, give_up_above_ms=give_up_above_ms,
+                            report_over_mb=memory_limit_mb, strict_memory=strict_memory)
+    return run_timeline(work, orders=SCHEDULES[name](work, memory_limit_mb), give_up_above_ms=give_up_above_ms,
+                        report_over_mb=memory_limit_mb)

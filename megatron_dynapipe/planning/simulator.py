@@ -20,6 +20,10 @@ from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 Order = list[tuple[str, int]]  # ("F" | "B", micro-batch) in execution order, one list per stage
+# An op that ran above the memory limit: (stage, MB in use, the micro-batches whose stored
+# activations were held then, the op's own micro-batch, whose transient memory came on top).
+OverLimit = tuple[int, float, tuple[int, ...], int]
+MEMORY_TOLERANCE_MB = 1e-6  # memory sums in another order may pass an equal limit by rounding
 
 
 @dataclass(frozen=True)
@@ -119,16 +123,15 @@ class SimulationResult:
     makespan: float
     peak_memory: np.ndarray  # [pp] MB
     orders: list[Order]
-    # Micro-batches holding memory on each stage when its peak was reached (for recompute choice).
-    peak_microbatches: list[tuple[int, ...]]
     events: list[Event] = field(default_factory=list)
+    over_limit: list[OverLimit] = field(default_factory=list)  # every op above ``report_over_mb``
     # start and end of every stage's compute ops, in the order of `orders` (placing send
     # FINISHes by the predicted timeline: plan.build_execution_plans)
     op_starts: list[list[float]] = field(default_factory=list)
     op_ends: list[list[float]] = field(default_factory=list)
 
     def fits(self, memory_limit_mb: float) -> bool:
-        return bool(np.all(self.peak_memory <= memory_limit_mb + 1e-6))
+        return bool(np.all(self.peak_memory <= memory_limit_mb + MEMORY_TOLERANCE_MB))
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -141,14 +144,20 @@ def simulate(orders: Sequence[Order], work: StageWork, record: bool = False) -> 
 
 
 def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, memory_limit_mb: float = math.inf,
-                 give_up_above_ms: float = math.inf, record: bool = False) -> "SimulationResult | None":
+                 give_up_above_ms: float = math.inf, record: bool = False,
+                 report_over_mb: float = math.inf, strict_memory: bool = False) -> "SimulationResult | None":
     """The one event loop every schedule is simulated with.
 
     Stages decide in time order (earliest first, ties by stage).  With ``orders`` each stage
     runs its own order, an op as soon as the stage is free and its input has arrived.  Without,
     each stage follows wait-free-cyclic's greedy policy (:func:`_wait_free_pick`) under
-    ``memory_limit_mb``, and the orders are what it ran; the loop then returns None as soon as a
-    stage cannot end by ``give_up_above_ms`` (its end plus its remaining compute passes it).
+    ``memory_limit_mb``, and the orders are what it ran. Either returns None as soon as a stage
+    cannot end by ``give_up_above_ms`` (its end, its remaining compute and the last gradient's way
+    back pass it).
+    Every op that runs with more than ``report_over_mb`` in use is listed in ``over_limit`` (what
+    recompute adjustment may lighten).
+    ``strict_memory`` keeps the greedy policy within the limit even while it fills a stage (see
+    :func:`_wait_free_pick`).
 
     One loop over local lists on purpose: it runs once per candidate and recompute round, for
     thousands of ops, and method calls and attribute lookups were most of its time.
@@ -158,22 +167,25 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
     stored, peak_of = work.stored.tolist(), work.peak.tolist()
     state, comm = work.state.tolist(), work.comm.tolist()
     greedy = orders is None
-    if greedy:
-        remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).tolist()  # each stage's compute to run
-        total = 2 * pp * n
-    else:
-        give_up_above_ms, remaining = math.inf, [0.0] * pp
-        total = sum(len(o) for o in orders)
+    # A stage's compute still to run, plus -- after its last op, the backward of the last micro-batch
+    # (every schedule runs backwards in entry order) -- that gradient's way back through the
+    # stages before it: the least time from a stage's next op to the end.
+    remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).tolist()
+    if n:
+        drain = np.concatenate([[0.0], np.cumsum(work.backward[:-1, -1] + work.comm[-1])])
+        remaining = (np.array(remaining) + drain).tolist()
+    total = 2 * pp * n if greedy else sum(len(o) for o in orders)
     act = [[None] * n for _ in range(pp)]  # when the activation of m is on stage s
     grad = [[None] * n for _ in range(pp)]  # when the gradient of m is on stage s
     last_forward_end = [None] * n  # the last stage's backward of m needs its own forward
     free, link_down, link_up = [0.0] * pp, [0.0] * pp, [0.0] * pp
     held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
-    held_total, peak, peak_mbs = [0.0] * pp, list(state), [()] * pp
+    held_total, peak = [0.0] * pp, list(state)
     ran: list[Order] = [[] for _ in range(pp)]
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     events: list[Event] = []
+    over: list[OverLimit] = []
     position = [0] * pp  # fixed orders: the next op of each stage
     next_forward = [0] * pp  # greedy: the next micro-batch to enter each stage
     backlog = [deque() for _ in range(pp)]  # greedy: micro-batches whose gradient is due, FIFO
@@ -199,7 +211,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
             if greedy:
                 kind, m = _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held[s], backlog[s],
                                           next_forward, state[s] + held_total[s], stored[s], peak_of[s],
-                                          memory_limit_mb)
+                                          memory_limit_mb, strict_memory)
                 due = [] if kind else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
             elif position[s] < len(orders[s]):
                 kind, m = orders[s][position[s]]
@@ -223,7 +235,8 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
         in_use = state[s] + held_total[s] + peak_of[s][m]
         if in_use > peak[s]:
             peak[s] = in_use
-            peak_mbs[s] = tuple(held[s]) + ((m,) if kind == "F" else ())
+        if in_use > report_over_mb + MEMORY_TOLERANCE_MB:
+            over.append((s, in_use, tuple(held[s]), m))
         ran[s].append((kind, m))
         starts[s].append(start)
         ends[s].append(end)
@@ -256,8 +269,28 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                 backlog[s - 1].append(m)
                 wake_at(s - 1, sent)
         wake_at(s, end)
-    return SimulationResult(makespan=max(free) if n else 0.0, peak_memory=np.array(peak), orders=ran,
-                            peak_microbatches=peak_mbs, events=events, op_starts=starts, op_ends=ends)
+    return SimulationResult(makespan=max(free) if n else 0.0, peak_memory=np.array(peak), orders=ran, events=events,
+                            op_starts=starts, op_ends=ends, over_limit=over)
+
+
+def over_limit(orders: Sequence[Order], work: StageWork, limit_mb: float) -> list[OverLimit]:
+    """Every op of fixed per-stage orders that runs above ``limit_mb``, as run_timeline's
+    ``over_limit`` lists them, without timing anything: a stage's memory changes only with its
+    own ops, so under fixed orders it follows from the orders alone."""
+    over, limit_mb = [], limit_mb + MEMORY_TOLERANCE_MB
+    for s, order in enumerate(orders):
+        stored, peak, base = work.stored[s].tolist(), work.peak[s].tolist(), float(work.state[s])
+        held: dict[int, float] = {}
+        total = 0.0
+        for kind, m in order:
+            if base + total + peak[m] > limit_mb:
+                over.append((s, base + total + peak[m], tuple(held), m))
+            if kind == "F":
+                held[m] = stored[m]
+                total += stored[m]
+            else:
+                total -= held.pop(m)
+    return over
 
 
 def _stuck(orders, position, pp) -> Exception:
@@ -269,14 +302,17 @@ def _stuck(orders, position, pp) -> Exception:
 
 
 def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, backlog, next_forward, in_use, stored,
-                    peak, limit):
+                    peak, limit, strict):
     """wait-free-cyclic's choice for stage s at ``now``: keep 1F1B's pp - s micro-batches in flight
     first (a starved pipeline idles downstream), then backwards, then extra forwards while memory
-    lasts: (kind, micro-batch) or (None, None)."""
+    lasts: (kind, micro-batch) or (None, None).  Filling the stage ignores memory (recompute
+    adjustment makes those micro-batches fit, which beats idling) unless ``strict``: then a forward
+    that would not fit waits for a backward to free memory, as any extra one does."""
     m = next_forward[s]
     ready = (0.0 if s == 0 else act[s][m]) if m < n else None
     forward_due = ready is not None and ready <= now
-    if forward_due and len(held) < pp - s:
+    filling = forward_due and len(held) < pp - s
+    if filling and not (strict and held and not _fits(m, held, in_use, stored, peak, limit)):
         next_forward[s] += 1
         return "F", m
     if backlog:
@@ -284,14 +320,17 @@ def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, back
         ready = last_forward_end[b] if s == last else grad[s][b]
         if ready is not None and ready <= now:
             return "B", backlog.popleft()
-    if forward_due:
-        # Admit m only if every op until the next free still fits: m's forward, and the
-        # backward of any held micro-batch, which then runs with m's activations held too.
-        transient = max(peak[m], max(peak[h] for h in held)) if held else peak[m]
-        if in_use + stored[m] + transient <= limit:
-            next_forward[s] += 1
-            return "F", m
+    if forward_due and _fits(m, held, in_use, stored, peak, limit):
+        next_forward[s] += 1
+        return "F", m
     return None, None
+
+
+def _fits(m, held, in_use, stored, peak, limit) -> bool:
+    """Whether admitting m keeps every op until the next free within the limit: m's forward, and
+    the backward of any held micro-batch, which then runs with m's activations held too."""
+    transient = max(peak[m], max(peak[h] for h in held)) if held else peak[m]
+    return in_use + stored[m] + transient <= limit
 
 
 def _inputs_due(s, n, last, act, last_forward_end, grad, backlog, next_forward) -> list:

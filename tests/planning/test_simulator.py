@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
 from megatron_dynapipe.planning.schedules import SCHEDULES, one_f_one_b, simulate_schedule, wait_free_cyclic
-from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, WorkTable, simulate
+from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, WorkTable, over_limit, simulate
 from megatron_dynapipe.planning.types import MicroBatch
 
 
@@ -133,12 +133,57 @@ def test_the_lower_bound_is_reached_by_one_stage_and_one_microbatch():
     assert simulate_schedule("1f1b", work, 1e12).makespan >= floor_f + floor_b
 
 
-def test_wait_free_cyclic_gives_up_only_when_its_makespan_passes_the_cutoff():
-    # Uniform work without communication: 1F1B's textbook makespan, (n + pp - 1) * (f + b) = 33.
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_a_schedule_gives_up_only_when_its_makespan_passes_the_cutoff(name):
+    # Uniform work without communication: 1F1B's textbook makespan, (n + pp - 1) * (f + b) = 33,
+    # which wait-free-cyclic also reaches with room to spare.
     work = uniform_work(4, 8)
-    full = simulate_schedule("wait-free-cyclic", work, 1e9)
+    full = simulate_schedule(name, work, 1e9)
     assert full.makespan == pytest.approx(33.0)
-    assert simulate_schedule("wait-free-cyclic", work, 1e9, give_up_above_ms=33.0).makespan == full.makespan
-    assert simulate_schedule("wait-free-cyclic", work, 1e9, give_up_above_ms=32.9) is None
-    # 1F1B's fixed orders always run to the end
-    assert simulate_schedule("1f1b", work, 1e9, give_up_above_ms=1.0).makespan == pytest.approx(33.0)
+    assert simulate_schedule(name, work, 1e9, give_up_above_ms=33.0).makespan == full.makespan
+    assert simulate_schedule(name, work, 1e9, give_up_above_ms=32.9) is None
+
+
+def _random_work(data, pp, n):
+    draw = lambda lo, hi, shape: np.array(data.draw(st.lists(  # noqa: E731
+        st.floats(lo, hi), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))).reshape(shape)
+    return StageWork(forward=draw(0.1, 5, (pp, n)), backward=draw(0.1, 10, (pp, n)), stored=draw(1, 50, (pp, n)),
+                     peak=draw(0, 10, (pp, n)), state=draw(0, 100, (pp,)), comm=draw(0, 1, (n,)))
+
+
+def _memory_replayed(orders, work):
+    """Each op's memory in use, replayed from the orders on its own: the model state, every
+    micro-batch forwarded but not yet backwarded on that stage, and the op's transient."""
+    ops = []
+    for s, order in enumerate(orders):
+        for i, (kind, m) in enumerate(order):
+            before = order[:i]
+            held = [h for k, h in before if k == "F" and ("B", h) not in before]
+            ops.append((s, work.state[s] + sum(work.stored[s][h] for h in held) + work.peak[s][m], set(held), m))
+    return ops
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(1, 4), n=st.integers(1, 8), data=st.data())
+def test_the_ops_over_the_limit_are_those_a_replay_of_the_orders_finds(pp, n, data):
+    work = _random_work(data, pp, n)
+    limit = data.draw(st.floats(0, 400))
+    for name in SCHEDULES:
+        result = simulate_schedule(name, work, limit)
+        expected = [op for op in _memory_replayed(result.orders, work) if op[1] > limit + 1e-6]
+        for found in (result.over_limit, over_limit(result.orders, work, limit)):
+            found = sorted(found, key=lambda op: op[0])  # stage by stage (the simulation lists them in time)
+            assert [(s, set(held), m) for s, _, held, m in found] == [(s, held, m) for s, _, held, m in expected]
+            assert [used for _, used, *_ in found] == pytest.approx([used for _, used, *_ in expected])
+        assert result.fits(limit) == (not expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(1, 4), n=st.integers(1, 8), data=st.data())
+def test_wait_free_cyclic_with_strict_memory_never_passes_a_limit_every_microbatch_fits_alone(pp, n, data):
+    work = _random_work(data, pp, n)
+    alone = np.max(work.state[:, None] + work.stored + work.peak)  # the most any one micro-batch needs
+    limit = alone + data.draw(st.floats(0, 200))
+    strict = simulate_schedule("wait-free-cyclic", work, limit, strict_memory=True)
+    assert max(used for _, used, *_ in _memory_replayed(strict.orders, work)) <= limit + 1e-6
+    assert strict.fits(limit) and not strict.over_limit

@@ -1,0 +1,86 @@
+"""Recompute adjustment on the profiled GPT-6.7B (A100, PP 4, 36,000 MB)."""
+
+import numpy as np
+import pytest
+
+from megatron_dynapipe.planning import recompute as recompute_module
+from megatron_dynapipe.planning.recompute import adjust_rc_plan
+from megatron_dynapipe.planning.schedules import SCHEDULES
+from megatron_dynapipe.planning.simulator import simulate, stage_work
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+
+LIMIT = 36_000
+
+
+def microbatches(count, size, seq_len):
+    return [MicroBatch(tuple(range(size * i, size * (i + 1))), seq_len) for i in range(count)]
+
+
+def none(count):
+    return np.zeros((4, count), dtype=np.int64)
+
+
+def check_fits_when_simulated_again(plan, mbs, costs, limit=LIMIT):
+    again = simulate(plan.orders, stage_work(costs, mbs, plan.recompute))
+    assert again.fits(limit) and again.makespan == pytest.approx(plan.simulation.makespan)
+
+
+def test_only_stages_over_the_limit_are_raised(costs_pp4):
+    mbs = microbatches(8, 1, 2048)
+    plan = adjust_rc_plan(mbs, none(8), costs_pp4, "1f1b", LIMIT)
+    check_fits_when_simulated_again(plan, mbs, costs_pp4)
+    # The last stage holds one micro-batch in 1F1B and needs less recompute than the first.
+    assert plan.recompute[3].sum() < plan.recompute[0].sum()
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_one_round_covers_every_op_over_the_limit(schedule, costs_pp4):
+    # Twelve micro-batches of 2 x 1024 tokens: dozens of ops over the limit without recompute.
+    mbs = microbatches(12, 2, 1024)
+    plan = adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT)
+    check_fits_when_simulated_again(plan, mbs, costs_pp4)
+    assert plan.rounds == 1 and (plan.recompute > 0).sum() > 12
+
+
+def test_fast_mode_stops_after_its_rounds(costs_pp4, monkeypatch):
+    mbs = microbatches(12, 2, 1024)
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=True) is not None
+    monkeypatch.setattr(recompute_module, "FAST_MODE_ROUNDS", 0)
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=True) is None
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=False) is not None
+
+
+def test_recompute_is_raised_only_to_the_allowed_types(costs_pp4):
+    mbs = microbatches(12, 2, 1024)
+    anything = adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT)
+    assert RecomputeType.SELECTIVE in anything.recompute  # the first step up, where every type is allowed
+    skipping = adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT,
+                              types=(RecomputeType.NONE, RecomputeType.FULL))
+    check_fits_when_simulated_again(skipping, mbs, costs_pp4)
+    assert set(np.unique(skipping.recompute)) <= {RecomputeType.NONE, RecomputeType.FULL}
+    # no recompute at all: 1F1B's pp micro-batches in flight cannot fit
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, types=(RecomputeType.NONE,)) is None
+
+
+def test_wait_free_cyclic_holds_fewer_where_recompute_cannot_lighten_enough(costs_pp4):
+    # Twelve 4096-token micro-batches under 34,000 MB: the first stage (29,120 MB of model state)
+    # has room for two of them in flight, fully recomputed (4,014 MB transient, 502 MB stored
+    # each), not 1F1B's four; wait-free-cyclic fills a stage only while memory lasts.
+    mbs, limit = microbatches(12, 1, 4096), 34_000
+    full = np.full((4, 12), int(RecomputeType.FULL))
+    assert adjust_rc_plan(mbs, full, costs_pp4, "1f1b", limit) is None
+    plan = adjust_rc_plan(mbs, none(12), costs_pp4, "wait-free-cyclic", limit)
+    check_fits_when_simulated_again(plan, mbs, costs_pp4, limit)
+    first_stage = plan.orders[0]
+    in_flight = max(sum(1 if kind == "F" else -1 for kind, _ in first_stage[:i + 1]) for i in range(len(first_stage)))
+    assert in_flight < 4
+
+
+def test_a_plan_that_cannot_end_by_the_cutoff_is_dropped(costs_pp4):
+    mbs = microbatches(12, 2, 1024)
+    for schedule in SCHEDULES:
+        plan = adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT)
+        makespan = plan.simulation.makespan
+        # a search's cutoff allows for rounding: its best makespan plus a billionth
+        assert adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT, give_up_above_ms=makespan * (1 + 1e-9))
+        assert adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT, give_up_above_ms=makespan * 0.999) is None
