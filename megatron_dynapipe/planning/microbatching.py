@@ -148,6 +148,21 @@ def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], al
     return [types[b] if np.isfinite(times[b, i]) else types[fallback] for i, b in enumerate(best)]
 
 
+def lightest_fitting_alone(costs: StageCosts, microbatches: Sequence[MicroBatch], allowed,
+                           memory_limit_mb: float) -> list[RecomputeType]:
+    """Per micro-batch, the lightest allowed recompute under which it fits every stage alone
+    (model state, its stored activations and its transient peak; the heaviest allowed where none
+    does)."""
+    mbs = np.array([mb.size for mb in microbatches])
+    seq = np.array([mb.seq_len for mb in microbatches])
+    types = tuple(sorted(_types(allowed)))
+    stages = costs.by_recompute(mbs, seq, types)
+    state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(1, costs.pp, 1)
+    fits = np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb, axis=1)  # [type, micro-batch]
+    first = np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(types) - 1)
+    return [types[i] for i in first.tolist()]
+
+
 def partition_dp(
     lengths: Sequence[int],
     indices: Sequence[int],

@@ -22,6 +22,7 @@ from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
+    lightest_fitting_alone,
     partition_dp,
     partition_token_based,
     partition_uniform,
@@ -35,7 +36,10 @@ from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
-FAST_MODE_CANDIDATES = 1  # micro-batchings fast mode schedules (best predicted first)
+# Entry orders tried per micro-batching: no more than fit a budget of simulated micro-batches
+# (an order matters less the more micro-batches there are), nor fewer than FEWEST_ORDERS.
+ORDERS_BUDGET = 1024
+FEWEST_ORDERS = 3
 FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries
 BOUND_SLACK = 1e-9  # relative: a bound summed in another order may exceed an equal makespan by rounding
 FAST_MODE_GAP = 0.02  # fast mode skips candidates that could beat the best found by at most 2%
@@ -144,17 +148,30 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     clock = PhaseClock()
     with clock("micro-batching"):
         per_rank = split_across_dp(lengths, spec.dp, costs, spec.seqlen_round)
-    choices = []
-    for samples in per_rank:
-        with clock("micro-batching"):
-            microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
-        with clock("scheduling"):
-            choices.append(optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
-                                             schedules=spec.schedules, seed=spec.seed,
-                                             max_permutations=spec.max_permutations))
+    choices = [_schedule_rank(lengths, samples, costs, spec, fast, clock) for samples in per_rank]
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
+
+
+def _schedule_rank(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock) -> "ScheduleChoice":
+    """One data-parallel rank's best schedule. Where fast mode's trimmed search finds none that
+    fits, normal mode's search runs: fast mode never refuses a batch normal mode can plan."""
+    try:
+        return _search(lengths, samples, costs, spec, fast, clock)
+    except PlanningError:
+        if not fast:
+            raise
+        return _search(lengths, samples, costs, spec, False, clock)
+
+
+def _search(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock) -> "ScheduleChoice":
+    with clock("micro-batching"):
+        microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
+    with clock("scheduling"):
+        return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast, schedules=spec.schedules,
+                                 seed=spec.seed, max_permutations=spec.max_permutations,
+                                 recompute_types=spec.recompute_types)
 
 
 class PhaseClock:
@@ -197,9 +214,16 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
 
 
 def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Microbatching]:
-    """Micro-batchings to schedule, best predicted first: one per uniform recompute type and a
-    "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode: only
-    the mixed one, which the others rarely beat, with the lightest recompute that fits)."""
+    """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
+    and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
+    the mixed one and the heaviest uniform one, from fewer partition thresholds).
+
+    A partition sizes each micro-batch to fit with PP copies of itself in flight, as 1F1B's first
+    stage holds them; later stages, and wait-free-cyclic, mostly hold fewer. So each partition is
+    also offered starting from the lightest recompute under which each micro-batch fits alone
+    ("<label>, light start"; fast mode offers only that), which recompute adjustment raises only
+    where the simulated schedule runs over the limit. Both are ranked by the partition's predicted
+    iteration time, the light start first: its own prediction ignores what will be raised."""
     limit = spec.memory_limit_mb
     if spec.partition in ("token_based", "uniform"):
         mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)
@@ -209,8 +233,9 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
                               tuple(cheapest_recompute(costs, mbs, spec.recompute_types, limit)))]
     options = [(rc.label, (rc,)) for rc in spec.recompute_types]
     if len(spec.recompute_types) > 1:
-        options = [("mixed", spec.recompute_types)] + ([] if fast_mode else options)
-    found, errors = [], []
+        # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
+        options = [("mixed", spec.recompute_types)] + (options[-1:] if fast_mode else options)
+    found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     for label, types in options:
         try:
             mbs, recompute = partition_dp(
@@ -219,10 +244,16 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
         except MicroBatchingError as error:
             errors.append(error)
             continue
-        found.append(Microbatching(label, tuple(mbs), tuple(recompute)))
+        partition = Microbatching(label, tuple(mbs), tuple(recompute))
+        rank = predicted_iteration_ms(costs, partition)
+        light = tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit))
+        if light != partition.recompute:
+            found.append((rank, 0, Microbatching(f"{label}, light start", partition.microbatches, light)))
+        if light == partition.recompute or not fast_mode:
+            found.append((rank, 1, partition))
     if not found:
         raise PlanningError(str(errors[-1]))
-    return sorted(found, key=lambda m: predicted_iteration_ms(costs, m)) if len(found) > 1 else found
+    return [m for _, _, m in sorted(found, key=lambda f: f[:2])]
 
 
 def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> float:
@@ -249,17 +280,25 @@ def build_candidates(
     seed: int = 0,
     max_permutations: int = 8,
 ) -> list[Candidate]:
-    """Schedule x micro-batching x order. Fast mode keeps the orders but schedules only the
-    best predicted micro-batchings, with wait-free-cyclic when it is among the allowed ones."""
+    """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules only
+    wait-free-cyclic when it is among the allowed ones."""
     if fast_mode:
         schedules = ["wait-free-cyclic" if "wait-free-cyclic" in schedules else schedules[0]]
-        microbatchings = microbatchings[:FAST_MODE_CANDIDATES]
     out = []
     for option in microbatchings:
-        for order in microbatch_orders(option, costs, seed, max_permutations):
+        count = orders_to_try(len(option.microbatches), max_permutations)
+        for order in microbatch_orders(option, costs, seed, count):
             out += [Candidate(name, option.label, order, tuple(option.microbatches[i] for i in order),
                               tuple(option.recompute[i] for i in order)) for name in schedules]
     return out
+
+
+def orders_to_try(microbatches: int, max_permutations: int) -> int:
+    """Entry orders to schedule a micro-batching of ``microbatches`` in: ``max_permutations``
+    while their simulations stay within ORDERS_BUDGET micro-batches, down to FEWEST_ORDERS. On
+    the built-in mixes (1024-16384 samples) the orders past the third never gave a shorter plan;
+    on 8-16 samples they gave up to 3%."""
+    return min(max_permutations, max(FEWEST_ORDERS, ORDERS_BUDGET // max(microbatches, 1)))
 
 
 def microbatch_orders(option: Microbatching, costs: StageCosts, seed: int, max_permutations: int
@@ -297,6 +336,7 @@ def optimize_schedule(
     schedules: Sequence[str] = tuple(SCHEDULES),
     seed: int = 0,
     max_permutations: int = 8,
+    recompute_types: Sequence[RecomputeType] = tuple(RecomputeType),
 ) -> ScheduleChoice:
     """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest
     (the first in candidate order among equals).
@@ -329,13 +369,14 @@ def optimize_schedule(
         table = tables[candidate.microbatching].reordered(candidate.order)
         recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
         fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, memory_limit_mb,
-                                fast_mode, table, give_up_above_ms=cutoff)
+                                fast_mode, table, give_up_above_ms=cutoff, types=recompute_types)
         if fitted and (best is None or (fitted.simulation.makespan, i) < best[:2]):
             best = (fitted.simulation.makespan, i, fitted)
     if best is None:
         raise PlanningError(
-            f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB even with full recompute: raise the memory limit"
-            " or add pipeline/tensor parallelism"
+            f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB "
+            f"even with {max(recompute_types).label} recompute: raise the memory limit or add pipeline/tensor "
+            "parallelism"
         )
     _, i, fitted = best
     return ScheduleChoice(candidates[i], fitted.recompute, fitted.orders, fitted.simulation, len(candidates))

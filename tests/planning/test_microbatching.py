@@ -144,3 +144,26 @@ def test_a_heavier_recompute_is_never_faster_in_the_shipped_profile(costs_pp4, s
         finite = np.isfinite(lighter) & np.isfinite(heavier)
         assert finite.any() or seq == 8192
         assert np.all(lighter[finite] <= heavier[finite])
+
+
+def test_each_microbatch_starts_at_the_lightest_recompute_under_which_it_runs_alone(costs_pp4):
+    from megatron_dynapipe.planning.microbatching import lightest_fitting_alone
+    from megatron_dynapipe.planning.simulator import simulate, stage_work
+    from megatron_dynapipe.planning.types import MicroBatch
+
+    def peak_alone(mb, rc):  # one micro-batch through the pipeline, as the simulator runs it
+        work = stage_work(costs_pp4, [mb], np.full((4, 1), int(rc)))
+        return simulate([[("F", 0), ("B", 0)]] * 4, work).peak_memory.max()
+
+    mbs = [MicroBatch(tuple(range(size)), seq) for size, seq in [(1, 512), (8, 1024), (1, 4096), (3, 2048), (1, 8192)]]
+    allowed = (RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL)
+    for limit in (36_000, 34_000):
+        chosen = lightest_fitting_alone(costs_pp4, mbs, allowed, limit)
+        for mb, rc in zip(mbs, chosen):
+            lighter = [t for t in allowed if t < rc]
+            assert all(peak_alone(mb, t) > limit for t in lighter)
+            assert peak_alone(mb, rc) <= limit or rc == RecomputeType.FULL  # the heaviest where none fits
+        assert len(set(chosen)) > 1  # the shapes span several answers
+    # only the allowed types are chosen
+    assert set(lightest_fitting_alone(costs_pp4, mbs, (RecomputeType.NONE, RecomputeType.FULL), 36_000)) <= {
+        RecomputeType.NONE, RecomputeType.FULL}
