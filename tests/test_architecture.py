@@ -34,7 +34,8 @@ ALLOWED = {
     "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks"},
     "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
     "megatron": {"megatron_lm", "runtime"},
-    "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files"},
+    "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
+              "progress"},
     "cli": {"config", "planning", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files", "viz"},
 }
 

@@ -3,26 +3,44 @@
 GPT-6.7B on A100 (profiled cost model), PP=4, 36 000 MB, lognormal(5.3, 0.9) lengths clipped
 to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); for each global
 batch size, medians over seeds of planning seconds and predicted makespan in both modes, plus
-the packing + 1F1B baseline and the lower bound.
+the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans each batch at the
+tightest limit normal mode can plan it under, found by bisection.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import statistics
+import sys
+from dataclasses import replace
 
 from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, packing_baseline
 from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
-from megatron_dynapipe.planning.planner import generate_execution_plan
+from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.progress import progress_bar, progress_enabled
 
 DEFAULT_COST_MODEL = "gpt-6.7b-a100"  # shipped with the package
-SIZES = (8, 16, 32, 64, 256, 1024)
-# The DynaPipe reference planner's normal mode on this machine class (micro-batching +
-# scheduling, seconds) for lognormal(5.3, 0.9) batches; the targets are 5x faster than these.
-REFERENCE_SECONDS = {64: 5.2, 256: 4.3, 1024: 14.8}
+SIZES = (8, 16, 32, 64, 256, 1024, 4096)
+TIGHT = "tight"
+TIGHT_RESOLUTION_MB = 16  # the bisection stops within this of the tightest limit
+
+
+def memory_limit(text: str) -> "float | str":
+    """``--memory-limit``: MB, or "tight"."""
+    if text == TIGHT:
+        return TIGHT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: give MB (e.g. 36000) or 'tight'")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -31,20 +49,25 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     p.add_argument("--seeds", type=int, default=3, help="seeds per size (medians are reported)")
     p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB")
+    p.add_argument("--memory-limit", type=memory_limit, default=36_000.0, metavar="MB|tight",
+                   help="per-GPU memory limit (default 36000), or 'tight': per batch, the tightest limit "
+                        f"normal mode can plan it under (bisection to {TIGHT_RESOLUTION_MB} MB)")
     p.add_argument("--mix", default="lognormal", choices=MIXES)
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
     p.add_argument("--phases", action="store_true",
                    help="also print where planning time goes (micro-batching, scheduling, lowering) per mode")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a progress bar on stderr when it is a terminal (default on)")
 
 
 def run(args) -> int:
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
 
-    spec = TrainingSpec(pp=args.pp, memory_limit_mb=args.memory_limit)
+    tight = args.memory_limit == TIGHT
+    spec = TrainingSpec(pp=args.pp, memory_limit_mb=36_000.0 if tight else args.memory_limit)
     model = load_cost_model(args.cost_model, tp=1)
 
     def fresh_costs():  # each timed plan starts with no remembered cost-model answers
@@ -53,24 +76,18 @@ def run(args) -> int:
     costs = fresh_costs()
     generate_execution_plan([64] * 8, spec, costs)  # imports and first-call costs outside the timings
     rows = []
-    for size in args.sizes:
-        runs = []
-        for seed in range(args.seeds):
-            lengths = synthetic_lengths(size, seed, args.mix)
-            normal = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=False)
-            fast = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=True)
-            base = packing_baseline(lengths, costs, spec.memory_limit_mb, args.pack_length)
-            bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in normal.choices)
-            runs.append({
-                "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
-                "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
-                "packing_ms": base.makespan_ms if base else float("nan"),
-                "ideal": ideal_gain(lengths, costs, args.pack_length), "bound_ms": bound,
-                "phases": {"normal": normal.phase_seconds, "fast": fast.phase_seconds},
-            })
-        rows.append(_row(size, runs, args.mix))
-        if args.json:
-            print(json.dumps(rows[-1]), flush=True)
+    with progress_bar(progress_enabled(args.progress), sys.stderr) as bar:
+        task = bar.add_task(f"planning {args.mix} batches", total=len(args.sizes) * args.seeds)
+        for size in args.sizes:
+            runs = []
+            for seed in range(args.seeds):
+                lengths = synthetic_lengths(size, seed, args.mix)
+                limit = tightest_limit(lengths, spec, fresh_costs) if tight else spec.memory_limit_mb
+                runs.append(_measure(lengths, replace(spec, memory_limit_mb=limit), fresh_costs, costs, args))
+                bar.advance(task)
+            rows.append(_row(size, runs))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
     if not args.json:
         print(format_table(rows, args))
         if args.phases:
@@ -78,12 +95,53 @@ def run(args) -> int:
     return 0
 
 
-def _row(size: int, runs: list[dict], mix: str) -> dict:
+def _measure(lengths, spec: TrainingSpec, fresh_costs, costs, args) -> dict:
+    """One batch planned in both modes, its packing baseline and its lower bound."""
+    normal = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=False)
+    fast = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=True)
+    base = packing_baseline(lengths, costs, spec.memory_limit_mb, args.pack_length)
+    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in normal.choices)
+    return {
+        "limit_mb": spec.memory_limit_mb,
+        "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
+        "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
+        "packing_ms": base.makespan_ms if base else float("nan"),
+        "ideal": ideal_gain(lengths, costs, args.pack_length), "bound_ms": bound,
+        "phases": {"normal": normal.phase_seconds, "fast": fast.phase_seconds},
+    }
+
+
+def tightest_limit(lengths, spec: TrainingSpec, fresh_costs) -> float:
+    """The least memory limit (to TIGHT_RESOLUTION_MB) under which normal mode plans the batch:
+    bisection between the model state, which no limit may be under, and a limit that plans."""
+    costs = fresh_costs()
+    infeasible = max(costs.model_state_mb(s) for s in range(costs.pp))
+    feasible = 2 * infeasible
+    while not _plans(lengths, replace(spec, memory_limit_mb=feasible), fresh_costs):
+        infeasible, feasible = feasible, 2 * feasible
+    while feasible - infeasible > TIGHT_RESOLUTION_MB:
+        middle = (infeasible + feasible) / 2
+        if _plans(lengths, replace(spec, memory_limit_mb=middle), fresh_costs):
+            feasible = middle
+        else:
+            infeasible = middle
+    return feasible
+
+
+def _plans(lengths, spec: TrainingSpec, fresh_costs) -> bool:
+    try:
+        generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=False)
+    except PlanningError:
+        return False
+    return True
+
+
+def _row(size: int, runs: list[dict]) -> dict:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "phases"}
     speedup = statistics.median(r["packing_ms"] / r["normal_ms"] for r in runs)
     ideal = med["ideal"]
     row = {
-        "samples": size, "seeds": len(runs),
+        "samples": size, "seeds": len(runs), "limit_mb": med["limit_mb"],
         "normal_plan_s": med["normal_s"], "fast_plan_s": med["fast_s"],
         "fast_planning_speedup": statistics.median(r["normal_s"] / r["fast_s"] for r in runs),
         "normal_makespan_ms": med["normal_ms"], "fast_makespan_ms": med["fast_ms"],
@@ -93,25 +151,32 @@ def _row(size: int, runs: list[dict], mix: str) -> dict:
         "phases_ms": {mode: {phase: 1000 * statistics.median(r["phases"][mode][phase] for r in runs)
                              for phase in runs[0]["phases"][mode]} for mode in ("normal", "fast")},
     }
-    if mix == "lognormal" and size in REFERENCE_SECONDS:
-        row["reference_s"] = REFERENCE_SECONDS[size]
-        row["normal_vs_reference_speedup"] = REFERENCE_SECONDS[size] / med["normal_s"]
     return row
 
 
 def format_table(rows: list[dict], args) -> str:
-    head = (f"planner benchmark: {args.mix} lengths, PP={args.pp}, {args.memory_limit:.0f} MB, "
+    limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{args.memory_limit:.0f} MB"
+    head = (f"planner benchmark: {args.mix} lengths, PP={args.pp}, {limit}, "
             f"medians of {rows[0]['seeds'] if rows else 0} seeds, packing to {args.pack_length}\n")
-    cols = ["samples", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
-            "ideal", "share", "/bound", "vs reference"]
+    cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
+            "ideal", "share", "/bound"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        ref = f"{r['normal_vs_reference_speedup']:.0f}x" if "reference_s" in r else "-"
         lines.append(
-            f"| {r['samples']} | {r['normal_plan_s']:.3f} | {r['fast_plan_s']:.3f} | {r['fast_planning_speedup']:.1f}x "
-            f"| {r['normal_makespan_ms']:.0f} | {r['fast_over_normal_makespan']:.3f} | {r['speedup_vs_packing']:.2f}x "
-            f"| {r['ideal_gain']:.2f}x | {r['share_of_ideal']:.0%} | {r['makespan_over_lower_bound']:.3f} | {ref} |")
+            f"| {r['samples']} | {r['limit_mb']:.0f} | {r['normal_plan_s']:.3f} | {r['fast_plan_s']:.3f} "
+            f"| {r['fast_planning_speedup']:.1f}x | {r['normal_makespan_ms']:.0f} "
+            f"| {r['fast_over_normal_makespan']:.3f} "
+            f"| {_times(r['speedup_vs_packing'])} | {r['ideal_gain']:.2f}x | {_percent(r['share_of_ideal'])} "
+            f"| {r['makespan_over_lower_bound']:.3f} |")
     return head + "\n".join(lines)
+
+
+def _times(ratio: float) -> str:
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"  # nan: packing fits no sequence under the limit
+
+
+def _percent(share: float) -> str:
+    return "-" if math.isnan(share) else f"{share:.0%}"
 
 
 def format_phases(rows: list[dict]) -> str:

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from project import GPT_6_7B_A100, ROOT
 
 
@@ -28,3 +30,30 @@ def test_planner_benchmark_shows_where_time_goes():
     assert "| samples | micro-batching | scheduling | lowering |" in table
     row = next(line for line in table if line.startswith("| 8 |"))
     assert row.count("/") == 3  # normal / fast for each phase
+
+
+def test_the_tight_memory_limit_is_the_least_that_plans(tmp_path):
+    from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+    from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
+    from megatron_dynapipe.planning.samples import synthetic_lengths
+    from megatron_dynapipe.planning.spec import TrainingSpec
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "16",
+                          "--seeds", "1", "--mix", "long", "--memory-limit", "tight", "--json", "--cost-model", str(GPT_6_7B_A100),
+                          "--all-cores"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    costs = StageCosts(load_cost_model(str(GPT_6_7B_A100), tp=1), num_layers=32, pp=4)
+    lengths = synthetic_lengths(16, 0, "long")
+    limit = row["limit_mb"]
+    assert limit < 36_000 and row["normal_plan_s"] > 0 and row["fast_over_normal_makespan"] > 0
+    generate_execution_plan(lengths, TrainingSpec(memory_limit_mb=limit), costs)
+    with pytest.raises(PlanningError):
+        generate_execution_plan(lengths, TrainingSpec(memory_limit_mb=limit - 16), costs)
+
+
+def test_a_memory_limit_that_is_not_one_is_refused_naming_the_choices():
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "planner", "--memory-limit", "lots"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2
+    assert "'lots' is not a memory limit: give MB (e.g. 36000) or 'tight'" in out.stderr
