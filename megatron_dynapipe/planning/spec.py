@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from megatron_dynapipe.planning.fast_mode import FastMode
 from megatron_dynapipe.planning.schedules import SCHEDULES as SCHEDULE_ORDERS
@@ -52,3 +52,24 @@ class TrainingSpec:
                 f"unknown partition method {self.partition!r}: choose from {', '.join(PARTITION_METHODS)}"
             )
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
+
+    def to_json(self) -> dict:
+        """The spec as JSON values (recompute types by label), for :meth:`from_json`."""
+        values = asdict(self)
+        values["schedules"] = list(self.schedules)
+        values["recompute_types"] = [rc.label for rc in self.recompute_types]
+        return values
+
+    @classmethod
+    def from_json(cls, values: dict) -> "TrainingSpec":
+        """The spec :meth:`to_json` wrote; unknown keys are refused (a newer writer)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainingSpec field(s) {', '.join(unknown)}: written by another version")
+        values = dict(values)
+        if "schedules" in values:
+            values["schedules"] = tuple(values["schedules"])
+        if "recompute_types" in values:
+            values["recompute_types"] = tuple(values["recompute_types"])
+        return cls(**values)

@@ -24,6 +24,7 @@ from megatron_dynapipe.planning.cost_model.base import (
 )
 from megatron_dynapipe.planning.cost_model.loading import (
     as_stage_costs,
+    cost_model_from_document,
     load_cost_model,
     load_job_cost_model,
     profile_mismatch,
@@ -36,6 +37,7 @@ from megatron_dynapipe.planning.cost_model.stage import StageCosts
 
 __all__ = [
     "AnalyticalCostModel", "CostModel", "CostModelError", "ProfiledCostModel", "StageCosts", "as_stage_costs",
+    "cost_model_from_document",
     "load_cost_model", "load_job_cost_model", "profile_mismatch", "resolve_cost_model_path", "shipped_profiles",
     "CALIBRATED", "KINDS", "LAYERS", "MB", "PARAM_LAYERS", "PHASES",
 ]

@@ -118,6 +118,15 @@ class AnalyticalCostModel(CostModel):
             raise CostModelError(f"cost model file {source} has an 'analytical' object no model can be built from "
                                  f"({error}): {profile_file.FORMAT_HINT}") from None
 
+    def to_document(self) -> dict:
+        """This model as a calibrated file (its GPT sizes, rates and per-micro-batch overhead)."""
+        settings = {key: getattr(self, key) for key in profile_file.CALIBRATED}
+        overhead = [dict(tp=self.tp, per=per, phase=phase, ms=ms, ms_per_token=per_token)
+                    for (per, phase), (ms, per_token) in sorted(self.microbatch_overhead.items())]
+        return profile_file.calibrated_document(name=self.name, source=self.metadata.get("source", self.name),
+                                                hidden_size=self.hidden_size, metadata=self.metadata,
+                                                settings=settings, overhead=overhead)
+
     # -- FLOPs -----------------------------------------------------------------------------------
     def encoder_flops(self, phase: str, recompute, mbs, seqlen):
         """FLOPs of one encoder layer on one TP rank (MAC = 2 FLOPs)."""

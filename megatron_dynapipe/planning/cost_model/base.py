@@ -81,6 +81,12 @@ class CostModel(abc.ABC):
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
 
+    def to_document(self) -> dict:
+        """The cost-model file (docs/cost_model.md) that rebuilds this model, for
+        :func:`~.loading.cost_model_from_document`: how a model travels between processes."""
+        raise CostModelError(f"{type(self).__name__} has no cost-model file form: pass a profile's path or an "
+                             "AnalyticalCostModel")
+
     def microbatch_overhead_ms(self, phase: str, mbs, seqlen, layers):
         """Milliseconds a training step adds per micro-batch, in ``phase``, to the own times of
         the parts of a stage of ``layers`` layers (GPTModel around them, the loss, DDP's gradient

@@ -15,7 +15,7 @@ from megatron_dynapipe.planning.cost_model.profiled import ProfiledCostModel
 from megatron_dynapipe.planning.cost_model.stage import StageCosts
 
 __all__ = ["shipped_profiles", "resolve_cost_model_path", "profile_mismatch", "load_cost_model",
-           "load_job_cost_model", "as_stage_costs", "PROFILES_DIR"]
+           "load_job_cost_model", "cost_model_from_document", "as_stage_costs", "PROFILES_DIR"]
 
 PROFILES_DIR = Path(__file__).parents[1] / "profiles"  # profiles shipped with the package, by name
 
@@ -79,11 +79,16 @@ def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs
     if path is None:
         return AnalyticalCostModel(tp=tp, **analytical_kwargs)
     path = resolve_cost_model_path(path)
-    doc = profile_file.read_document(path)
+    return cost_model_from_document(profile_file.read_document(path), tp, source=os.fspath(path),
+                                    hidden_size=analytical_kwargs.get("hidden_size"))
+
+
+def cost_model_from_document(doc: Mapping, tp: int, *, source: str, hidden_size: "int | None" = None) -> CostModel:
+    """The model of a cost-model file's JSON object (a measured profile or a calibrated analytical
+    model) at ``tp``: what :meth:`CostModel.to_document` gives back."""
     if profile_file.is_calibrated(doc):
-        return AnalyticalCostModel.calibrated(doc, tp, source=os.fspath(path))
-    return ProfiledCostModel.from_document(doc, tp, source=os.fspath(path),
-                                           hidden_size=analytical_kwargs.get("hidden_size"))
+        return AnalyticalCostModel.calibrated(dict(doc), tp, source=source)
+    return ProfiledCostModel.from_document(dict(doc), tp, source=source, hidden_size=hidden_size)
 
 
 def load_job_cost_model(path: "str | os.PathLike | None", model: Mapping, *, tp: int, dtype: str,

@@ -133,7 +133,7 @@ class ProfiledCostModel(CostModel):
             hidden_size = profile_file.hidden_size_of(doc, source)
         if hidden_size is None:
             hidden_size = _estimate_hidden_size(params["encoder"], tp)
-        return cls(
+        model = cls(
             tp=tp,
             hidden_size=hidden_size,
             times={k: Grid(v) for k, v in times.items()},
@@ -143,6 +143,14 @@ class ProfiledCostModel(CostModel):
             metadata=profile_file.metadata_of(doc),
             microbatch_overhead=records.overhead.get(tp, {}),
         )
+        model._document = dict(doc, hidden_size=hidden_size)  # the file it came from, for to_document
+        return model
+
+    def to_document(self) -> dict:
+        document = getattr(self, "_document", None)
+        if document is None:
+            return super().to_document()  # built from grids in code: no file to give
+        return document
 
 
 def _estimate_hidden_size(encoder_param_mb: float, tp: int) -> int:
