@@ -1,70 +1,85 @@
 """Datasets of variable-length token sequences, one sample per item, no packing.
 
-Three implementations of :class:`VariableLengthDataset`:
-
 * :class:`IndexedTokenDataset`: Megatron's indexed dataset (``<prefix>.bin`` / ``<prefix>.idx``,
   as written by megatron-core's ``IndexedDatasetBuilder`` and Megatron-LM's
-  ``tools/preprocess_data.py``), read through megatron-core's own ``IndexedDataset``. A sample is
-  a *document* by default (the unit Megatron's GPT datasets sample from; with
+  ``tools/preprocess_data.py``), read through megatron-core's own ``IndexedDataset``. A raw sample
+  is a *document* by default (the unit Megatron's GPT datasets sample from; with
   ``--split-sentences`` a document spans several sequences, which are concatenated) or, with
   ``unit="sequence"``, one stored sequence.
-* :class:`JsonlTokenDataset`: one sample per non-blank line, either a JSON list of token ids
+* :class:`JsonlTokenDataset`: one raw sample per non-blank line, a JSON list of token ids
   (``[12, 7, 99]``) or an object holding that list under ``key`` (``{"input_ids": [...]}``).
+* :class:`TokenFileDataset`: token arrays in a directory of ``.npy`` files (memory-mapped), with
+  an optional per-token target mask (SFT: prompt tokens are not predicted); what
+  :meth:`TokenListDataset.save` and :func:`~.sft.tokenize_conversations` write.
 * :class:`TokenListDataset`: token arrays held in memory (small experiments, tests).
+* :class:`MockDataset`: counting sequences of random lengths, made from a seed on every rank
+  (Megatron's ``--mock-data``).
 
-Length limit. Every dataset is built with ``max_seq_len``: the longest sample a micro-batch may
-hold (it must not exceed the model's position-embedding table; note that the planner pads
-micro-batches to a multiple of ``TrainingSpec.seqlen_round``, so choose ``max_seq_len`` as a
-multiple of it). A sample longer than that is an error (:class:`SampleTooLongError`, raised when
-the dataset is built, naming the sample and the ``truncate`` flag) unless ``truncate=True``, which
-keeps the *first* ``max_seq_len`` tokens of each long sample and drops the rest; the number of
-truncated samples is logged as a warning and kept in ``num_truncated``. Truncation happens in
-``__getitem__`` and ``lengths``, so the planner and the tensors always agree.
+Long samples. Every dataset has ``max_seq_len``, the longest sample a micro-batch may hold (at
+most the model's position table; the planner pads to a multiple of ``TrainingSpec.seqlen_round``,
+so choose a multiple of it). A longer raw sample is handled as ``long_samples`` says:
 
-Empty samples (documents without tokens, empty lists) carry nothing to train on: they are left
-out of the dataset's index (``len`` does not count them), counted in ``num_empty`` and logged.
-Dataset index ``i`` therefore means "the i-th non-empty sample".
+* ``"split"`` (default): cut into windows of ``max_seq_len`` tokens that overlap by one token,
+  so every token after a document's first is a prediction target exactly once (the last token
+  of a window is the first of the next: an input there, the target of the window before);
+* ``"truncate"``: keep the first ``max_seq_len`` tokens, drop the rest;
+* ``"refuse"``: :class:`SampleTooLongError` when the dataset is opened, naming the sample.
 
-Datasets pickle without their data, so the preprocessing workers reopen them: an
-:class:`IndexedTokenDataset` as its path and options (the receiver memory-maps the index again
-and checks it still holds as many samples), a :class:`JsonlTokenDataset` with its per-line
-offsets and lengths (24 bytes a line, so the file is not scanned again). A
-dataset may define ``warm_up()``: the poller calls it once before it forks the workers, to import
-what reading needs (megatron-core, for :class:`IndexedTokenDataset`) once for all of them.
+Empty raw samples carry nothing to train on: they are left out (``num_empty`` counts them).
+Dataset index ``i`` is the i-th sample after that.
+
+Each dataset describes itself as JSON (:meth:`descriptor`: kind, paths, options, and the sample
+count and a fingerprint of the lengths) and :func:`open_descriptor` opens a description again,
+checking the count and fingerprint: that is how the preprocessing workers and every training rank
+read the same samples without anything executable crossing the network. An in-memory
+:class:`TokenListDataset` has no description until saved to a file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 __all__ = [
+    "LONG_SAMPLES",
     "IndexedTokenDataset",
     "JsonlTokenDataset",
+    "MockDataset",
     "SampleTooLongError",
+    "TokenFileDataset",
     "TokenListDataset",
     "VariableLengthDataset",
+    "fingerprint",
     "open_dataset",
+    "open_descriptor",
+    "register_kind",
 ]
 
 logger = logging.getLogger(__name__)
 
+LONG_SAMPLES = ("split", "truncate", "refuse")
+
 
 class SampleTooLongError(ValueError):
-    """A sample exceeds ``max_seq_len`` and truncation was not asked for."""
+    """A sample exceeds ``max_seq_len`` and ``long_samples="refuse"``."""
 
 
 @runtime_checkable
 class VariableLengthDataset(Protocol):
     """What the data pipeline needs of a dataset.
 
-    ``dataset[i]`` is the 1-D integer array of token ids of sample ``i`` (``0 <= i < len``),
-    at most ``max_seq_len`` long and never empty; ``lengths[i] == len(dataset[i])``. Instances
-    must pickle (the preprocessing workers receive them through the KV store).
+    ``dataset[i]`` is the 1-D integer array of token ids of sample ``i`` (``0 <= i < len``), at
+    most ``max_seq_len`` long and never empty; ``lengths[i] == len(dataset[i])``;
+    ``target_mask(i)`` is None when every token after the first is a prediction target, else a
+    boolean array over the sample's tokens; ``descriptor()`` is the JSON :func:`open_descriptor`
+    opens again.
     """
 
     max_seq_len: int
@@ -76,176 +91,173 @@ class VariableLengthDataset(Protocol):
     @property
     def lengths(self) -> np.ndarray: ...
 
+    def target_mask(self, index: int) -> "np.ndarray | None": ...
+
+    def descriptor(self) -> dict: ...
+
+
+def fingerprint(lengths: np.ndarray) -> str:
+    """A short hash of a dataset's sample lengths: two copies that differ almost surely differ here."""
+    return hashlib.blake2b(np.ascontiguousarray(lengths, dtype="<i8").tobytes(), digest_size=12).hexdigest()
+
 
 class _TokenDataset:
-    """Shared part: the index of non-empty samples, the length limit and truncation."""
+    """Shared part: the index of samples over raw samples (windows of long ones), the length limit."""
 
     max_seq_len: int
-    truncate: bool
+    long_samples: str
+    num_split: int  # raw samples cut into windows
     num_truncated: int
     num_empty: int
 
-    def _init_limits(self, raw_lengths: np.ndarray, max_seq_len: int, truncate: bool, source: str,
-                     describe=None, quiet: bool = False) -> None:
-        if isinstance(max_seq_len, bool) or int(max_seq_len) != max_seq_len or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        self.max_seq_len = int(max_seq_len)
-        self.truncate = bool(truncate)
+    def _init_index(self, raw_lengths: np.ndarray, max_seq_len: int, long_samples: str, source: str,
+                    describe=None, quiet: bool = False) -> None:
+        if isinstance(max_seq_len, bool) or int(max_seq_len) != max_seq_len or max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be an integer of at least 2, got {max_seq_len!r}")
+        if long_samples not in LONG_SAMPLES:
+            raise ValueError(f"long_samples must be one of {', '.join(LONG_SAMPLES)}, got {long_samples!r}")
+        self.max_seq_len, self.long_samples = int(max_seq_len), long_samples
         raw = np.asarray(raw_lengths, dtype=np.int64)
-        self._ids = np.flatnonzero(raw > 0)  # dataset index -> raw sample number
-        self.num_empty = int(len(raw) - len(self._ids))
-        kept = raw[self._ids]
-        too_long = np.flatnonzero(kept > self.max_seq_len)
-        self.num_truncated = int(len(too_long))
-        if self.num_empty and not quiet:
-            logger.warning("%s: left out %d empty sample(s)", source, self.num_empty)
-        if len(too_long) and not self.truncate:
+        kept = np.flatnonzero(raw > 0)
+        self.num_empty = int(len(raw) - len(kept))
+        too_long = kept[raw[kept] > self.max_seq_len]
+        self.num_split = self.num_truncated = 0
+        if len(too_long) and long_samples == "refuse":
             first = int(too_long[0])
-            where = describe(int(self._ids[first])) if describe else f"raw sample {int(self._ids[first])}"
+            where = describe(first) if describe else f"raw sample {first}"
             raise SampleTooLongError(
-                f"{source}: sample {first} ({where}) has {int(kept[first])} tokens, more than "
-                f"max_seq_len={self.max_seq_len} ({len(too_long)} of {len(kept)} samples are too long, "
-                f"the longest has {int(kept.max())} tokens). Pass truncate=True to keep the first "
-                f"{self.max_seq_len} tokens of each, raise max_seq_len, or filter the data."
-            )
-        if len(too_long) and not quiet:
-            logger.warning(
-                "%s: truncating %d of %d samples to their first max_seq_len=%d tokens (truncate=True)",
-                source, len(too_long), len(kept), self.max_seq_len,
-            )
-        self._lengths = np.minimum(kept, self.max_seq_len)
-        self._lengths.setflags(write=False)
+                f"{source}: {where} has {int(raw[first])} tokens, more than max_seq_len={self.max_seq_len} "
+                f"({len(too_long)} of {len(kept)} samples are longer, the longest {int(raw.max())} tokens): split "
+                f"them into windows (long_samples='split', --dynapipe-long-samples split), truncate them, or raise "
+                "the sequence length")
+        if long_samples == "split":
+            step = self.max_seq_len - 1  # windows overlap by one token
+            windows = np.where(raw[kept] > self.max_seq_len, -(-(raw[kept] - 1) // step), 1)
+            self._raw = np.repeat(kept, windows)
+            first_window = np.repeat(np.cumsum(windows) - windows, windows)
+            self._start = (np.arange(len(self._raw)) - first_window) * step
+            self._lengths = np.minimum(raw[self._raw] - self._start, self.max_seq_len)
+            self.num_split = len(too_long)
+        else:
+            self._raw, self._start = kept, np.zeros(len(kept), dtype=np.int64)
+            self._lengths = np.minimum(raw[kept], self.max_seq_len)
+            self.num_truncated = len(too_long)
+        if not quiet and (self.num_empty or len(too_long)):
+            logger.info("%s: %d samples from %d raw ones (%d empty left out, %d longer than %d %s)", source,
+                        len(self._raw), len(raw), self.num_empty, len(too_long), self.max_seq_len,
+                        "split into windows" if long_samples == "split" else "truncated")
+        for array in (self._raw, self._start, self._lengths):
+            array.setflags(write=False)
 
     def __len__(self) -> int:
-        return int(len(self._ids))
+        return int(len(self._raw))
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token count of each sample, after truncation (read-only int64 array)."""
+        """Token count of each sample (read-only int64 array)."""
         return self._lengths
 
-    def _raw_index(self, index: int) -> int:
+    def _where(self, index: int) -> tuple[int, int, int]:
         i = int(index)
-        if not -len(self) <= i < len(self):
+        if not 0 <= i < len(self):
             raise IndexError(f"sample {index} is out of range for a dataset of {len(self)} samples")
-        return int(self._ids[i])
+        return int(self._raw[i]), int(self._start[i]), int(self._lengths[i])
 
     def __getitem__(self, index: int) -> np.ndarray:
-        tokens = np.asarray(self._read(self._raw_index(index)))
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"sample {index}: expected a 1-D integer array of token ids, got "
-                             f"{tokens.dtype} of shape {tokens.shape}")
-        return tokens[: self.max_seq_len]  # the limit was checked at construction
+        raw, start, length = self._where(index)
+        tokens = np.asarray(self._read(raw, start, length))
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) != length:
+            raise ValueError(f"sample {index}: expected {length} integer token ids, got {tokens.dtype} of shape "
+                             f"{tokens.shape}")
+        return tokens
 
-    def _read(self, raw_index: int) -> np.ndarray:
+    def target_mask(self, index: int) -> "np.ndarray | None":
+        return None
+
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
         raise NotImplementedError
+
+    def _described(self, kind: str, **options) -> dict:
+        return dict(kind=kind, max_seq_len=self.max_seq_len, long_samples=self.long_samples,
+                    num_samples=len(self), fingerprint=fingerprint(self.lengths), **options)
 
 
 class IndexedTokenDataset(_TokenDataset):
     """A Megatron indexed dataset (``path_prefix`` + ``.bin``/``.idx``) through megatron-core.
 
-    ``unit="document"`` (default): a sample is a document (its sequences concatenated);
-    ``unit="sequence"``: a sample is one stored sequence. See the module docstring for
-    ``max_seq_len`` / ``truncate``.
+    ``unit="document"`` (default): a raw sample is a document (its sequences concatenated);
+    ``unit="sequence"``: one stored sequence. ``long_samples``: see the module docstring.
     """
 
-    def __init__(self, path_prefix: "str | os.PathLike", max_seq_len: int, *, truncate: bool = False,
-                 unit: str = "document", mmap: bool = True):
+    def __init__(self, path_prefix: "str | os.PathLike", max_seq_len: int, *, long_samples: str = "split",
+                 unit: str = "document", mmap: bool = True, quiet: bool = False):
         if unit not in ("document", "sequence"):
             raise ValueError(f"unit must be 'document' or 'sequence', got {unit!r}")
-        self.path_prefix = os.fspath(path_prefix)
-        self.unit = unit
-        self.mmap = bool(mmap)
+        self.path_prefix = os.path.abspath(os.fspath(path_prefix))
+        self.unit, self.mmap = unit, bool(mmap)
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(self.path_prefix + suffix):
                 raise FileNotFoundError(
                     f"no Megatron indexed dataset at {self.path_prefix!r}: {self.path_prefix + suffix} is "
-                    "missing (give the path prefix, without .bin/.idx)"
-                )
-        self._load(max_seq_len, truncate, quiet=False)
+                    "missing (give the path prefix, without .bin/.idx)")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy: imported when one is opened
 
-    def _load(self, max_seq_len: int, truncate: bool, quiet: bool) -> None:
-        self._dataset = None
-        index = self._open()
-        seq_lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
-        if self.unit == "sequence":
-            raw = seq_lengths
-            self._doc_bounds = None
+        self._dataset = IndexedDataset(self.path_prefix, mmap=self.mmap)
+        sequences = np.asarray(self._dataset.sequence_lengths, dtype=np.int64)
+        if unit == "sequence":
+            raw, self._documents = sequences, None
         else:
-            bounds = np.asarray(index.document_indices, dtype=np.int64)
-            starts = np.concatenate([[0], np.cumsum(seq_lengths)])
-            raw = starts[bounds[1:]] - starts[bounds[:-1]]
-            self._doc_bounds = bounds
-        unit = self.unit
-        self._init_limits(raw, max_seq_len, truncate, f"indexed dataset {self.path_prefix!r}",
-                          describe=lambda r: f"{unit} {r}", quiet=quiet)
+            self._documents = np.asarray(self._dataset.document_indices, dtype=np.int64)
+            starts = np.concatenate([[0], np.cumsum(sequences)])
+            raw = starts[self._documents[1:]] - starts[self._documents[:-1]]
+        self._init_index(raw, max_seq_len, long_samples, f"indexed dataset {self.path_prefix!r}",
+                         describe=lambda r: f"{unit} {r}", quiet=quiet)
 
-    def _open(self):
-        if self._dataset is None:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy: import lazily
-
-            self._dataset = IndexedDataset(self.path_prefix, mmap=self.mmap)
-        return self._dataset
-
-    def warm_up(self) -> None:
-        """Import megatron-core's reader (the poller calls this once before forking workers)."""
-        import megatron.core.datasets.indexed_dataset  # noqa: F401
-
-    def _read(self, raw_index: int) -> np.ndarray:
-        dataset = self._open()
-        if self._doc_bounds is None:
-            return dataset.get(raw_index, 0, int(min(dataset.sequence_lengths[raw_index], self.max_seq_len)))
-        first, last = int(self._doc_bounds[raw_index]), int(self._doc_bounds[raw_index + 1])
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
+        if self._documents is None:
+            return self._dataset.get(raw, start, length)
+        first, last = int(self._documents[raw]), int(self._documents[raw + 1])
         if last - first == 1:
-            length = int(min(dataset.sequence_lengths[first], self.max_seq_len))
-            return dataset.get(first, 0, length)
-        return np.concatenate(dataset[first:last])
+            return self._dataset.get(first, start, length)
+        return np.concatenate(self._dataset[first:last])[start:start + length]
 
-    def __getstate__(self):
-        # Only the path and options travel (the index of a large corpus is big); the receiver
-        # memory-maps the files again and rebuilds the lengths from them.
-        return {"path_prefix": self.path_prefix, "unit": self.unit, "mmap": self.mmap,
-                "max_seq_len": self.max_seq_len, "truncate": self.truncate, "num_samples": len(self)}
+    def descriptor(self) -> dict:
+        return self._described("indexed", path_prefix=self.path_prefix, unit=self.unit, mmap=self.mmap)
 
-    def __setstate__(self, state) -> None:
-        self.path_prefix, self.unit, self.mmap = state["path_prefix"], state["unit"], state["mmap"]
-        self._load(state["max_seq_len"], state["truncate"], quiet=True)
-        if len(self) != state["num_samples"]:
-            raise RuntimeError(f"the indexed dataset at {self.path_prefix!r} has {len(self)} samples here but had "
-                               f"{state['num_samples']} where it was opened: it changed, or another copy is read")
+    @classmethod
+    def from_descriptor(cls, d: dict) -> "IndexedTokenDataset":
+        return cls(d["path_prefix"], d["max_seq_len"], long_samples=d["long_samples"], unit=d["unit"], mmap=d["mmap"],
+                   quiet=True)
 
     def __repr__(self) -> str:
         return (f"IndexedTokenDataset({self.path_prefix!r}, max_seq_len={self.max_seq_len}, "
-                f"truncate={self.truncate}, unit={self.unit!r}, samples={len(self)})")
+                f"long_samples={self.long_samples!r}, unit={self.unit!r}, samples={len(self)})")
 
 
 class JsonlTokenDataset(_TokenDataset):
     """Token ids in a JSON-lines file: a list per line, or an object with the list under ``key``.
 
-    Building it reads the file once (to find each sample's offset and length); blank lines are
-    skipped. Lines are re-read and parsed on access.
+    Opening reads the file once (each sample's offset and length); blank lines are skipped.
+    Lines are re-read and parsed on access.
     """
 
-    def __init__(self, path: "str | os.PathLike", max_seq_len: int, *, truncate: bool = False,
-                 key: str = "input_ids"):
-        self.path = os.fspath(path)
-        self.key = key
+    def __init__(self, path: "str | os.PathLike", max_seq_len: int, *, long_samples: str = "split",
+                 key: str = "input_ids", quiet: bool = False):
+        self.path, self.key = os.path.abspath(os.fspath(path)), key
         offsets, raw, line_numbers = [], [], []
         with open(self.path, "rb") as f:
             offset = 0
             for number, line in enumerate(f, start=1):
                 if line.strip():
-                    tokens = self._parse(line, number)
                     offsets.append(offset)
-                    raw.append(len(tokens))
+                    raw.append(len(self._parse(line, number)))
                     line_numbers.append(number)
                 offset += len(line)
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self._line_numbers = np.asarray(line_numbers, dtype=np.int64)
-        self._file = None
-        self._pid = None
-        self._init_limits(np.asarray(raw, dtype=np.int64), max_seq_len, truncate, f"JSONL file {self.path!r}",
-                          describe=lambda r: f"line {int(self._line_numbers[r])}")
+        self._file, self._pid = None, None
+        self._init_index(np.asarray(raw, dtype=np.int64), max_seq_len, long_samples, f"JSONL file {self.path!r}",
+                         describe=lambda r: f"line {int(self._line_numbers[r])}", quiet=quiet)
 
     def _parse(self, line: bytes, number: int) -> list:
         try:
@@ -263,46 +275,190 @@ class JsonlTokenDataset(_TokenDataset):
                              f"token ids (or an object with one under {self.key!r})")
         return value
 
-    def _read(self, raw_index: int) -> np.ndarray:
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
         if self._file is None or self._pid != os.getpid():
             self._file, self._pid = open(self.path, "rb"), os.getpid()
-        self._file.seek(int(self._offsets[raw_index]))
-        line = self._file.readline()
-        return np.asarray(self._parse(line, int(self._line_numbers[raw_index])), dtype=np.int64)
+        self._file.seek(int(self._offsets[raw]))
+        tokens = self._parse(self._file.readline(), int(self._line_numbers[raw]))
+        return np.asarray(tokens[start:start + length], dtype=np.int64)
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_file"] = state["_pid"] = None
-        return state
+    def descriptor(self) -> dict:
+        return self._described("jsonl", path=self.path, key=self.key)
+
+    @classmethod
+    def from_descriptor(cls, d: dict) -> "JsonlTokenDataset":
+        return cls(d["path"], d["max_seq_len"], long_samples=d["long_samples"], key=d["key"], quiet=True)
 
     def __repr__(self) -> str:
         return (f"JsonlTokenDataset({self.path!r}, max_seq_len={self.max_seq_len}, "
-                f"truncate={self.truncate}, samples={len(self)})")
+                f"long_samples={self.long_samples!r}, samples={len(self)})")
+
+
+class TokenFileDataset(_TokenDataset):
+    """Samples in a directory written by :meth:`write`: ``tokens.npy`` (every sample's tokens,
+    concatenated), ``offsets.npy`` (where each starts, and the end) and, optionally,
+    ``targets.npy`` (a per-token bool: whether the token is a prediction target)."""
+
+    def __init__(self, directory: "str | os.PathLike", max_seq_len: int, *, long_samples: str = "split",
+                 quiet: bool = False):
+        self.directory = os.path.abspath(os.fspath(directory))
+        try:
+            self._tokens = np.load(os.path.join(self.directory, "tokens.npy"), mmap_mode="r")
+            self._offsets = np.load(os.path.join(self.directory, "offsets.npy"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no token file at {self.directory!r} (tokens.npy and offsets.npy): write one with "
+                                    "TokenFileDataset.write or TokenListDataset.save") from None
+        targets = os.path.join(self.directory, "targets.npy")
+        self._targets = np.load(targets, mmap_mode="r") if os.path.exists(targets) else None
+        self._init_index(np.diff(self._offsets), max_seq_len, long_samples, f"token file {self.directory!r}",
+                         quiet=quiet)
+
+    @staticmethod
+    def write(directory: "str | os.PathLike", samples: Sequence, targets: "Sequence | None" = None) -> None:
+        """Write ``samples`` (and per-token ``targets``) to ``directory`` atomically: a reader
+        sees all of it or nothing."""
+        directory = os.path.abspath(os.fspath(directory))
+        arrays = [np.asarray(s, dtype=np.int64) for s in samples]
+        if any(a.ndim != 1 for a in arrays):
+            raise ValueError("every sample must be a 1-D array of token ids")
+        staging = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(directory) or ".")
+        try:
+            tokens = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            dtype = np.int32 if not tokens.size or (tokens.min() >= 0 and tokens.max() < 2**31) else np.int64
+            np.save(os.path.join(staging, "tokens.npy"), tokens.astype(dtype))
+            np.save(os.path.join(staging, "offsets.npy"), np.concatenate([[0], np.cumsum([len(a) for a in arrays])]))
+            if targets is not None:
+                masks = [np.asarray(t, dtype=bool) for t in targets]
+                if [len(m) for m in masks] != [len(a) for a in arrays]:
+                    raise ValueError("every sample needs one target flag per token")
+                np.save(os.path.join(staging, "targets.npy"), np.concatenate(masks) if masks else np.zeros(0, bool))
+            if os.path.exists(directory):
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
+        begin = int(self._offsets[raw]) + start
+        return np.asarray(self._tokens[begin:begin + length], dtype=np.int64)
+
+    def target_mask(self, index: int) -> "np.ndarray | None":
+        if self._targets is None:
+            return None
+        raw, start, length = self._where(index)
+        begin = int(self._offsets[raw]) + start
+        return np.asarray(self._targets[begin:begin + length], dtype=bool)
+
+    def descriptor(self) -> dict:
+        return self._described("token_file", directory=self.directory)
+
+    @classmethod
+    def from_descriptor(cls, d: dict) -> "TokenFileDataset":
+        return cls(d["directory"], d["max_seq_len"], long_samples=d["long_samples"], quiet=True)
+
+    def __repr__(self) -> str:
+        return (f"TokenFileDataset({self.directory!r}, max_seq_len={self.max_seq_len}, "
+                f"long_samples={self.long_samples!r}, samples={len(self)})")
 
 
 class TokenListDataset(_TokenDataset):
-    """Samples held in memory, as a sequence of 1-D integer arrays or lists."""
+    """Samples held in memory: a sequence of 1-D integer arrays or lists (``targets``: optional
+    per-token bool arrays, as :class:`TokenFileDataset` has them)."""
 
-    def __init__(self, samples: Sequence, max_seq_len: int, *, truncate: bool = False):
+    def __init__(self, samples: Sequence, max_seq_len: int, *, long_samples: str = "split",
+                 targets: "Sequence | None" = None):
         self._samples = [np.asarray(s, dtype=np.int64) for s in samples]
         for i, s in enumerate(self._samples):
             if s.ndim != 1:
                 raise ValueError(f"sample {i}: expected a 1-D array of token ids, got shape {s.shape}")
-        self._init_limits(np.array([len(s) for s in self._samples], dtype=np.int64), max_seq_len, truncate,
-                          "token list")
+        self._targets = None if targets is None else [np.asarray(t, dtype=bool) for t in targets]
+        self._init_index(np.array([len(s) for s in self._samples], dtype=np.int64), max_seq_len, long_samples,
+                         "token list")
 
-    def _read(self, raw_index: int) -> np.ndarray:
-        return self._samples[raw_index]
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
+        return self._samples[raw][start:start + length]
+
+    def target_mask(self, index: int) -> "np.ndarray | None":
+        if self._targets is None:
+            return None
+        raw, start, length = self._where(index)
+        return self._targets[raw][start:start + length]
+
+    def save(self, directory: "str | os.PathLike") -> TokenFileDataset:
+        """The same samples as a :class:`TokenFileDataset` in ``directory`` (which every rank
+        that reads them must see)."""
+        TokenFileDataset.write(directory, self._samples, self._targets)
+        return TokenFileDataset(directory, self.max_seq_len, long_samples=self.long_samples, quiet=True)
+
+    def descriptor(self) -> dict:
+        raise TypeError("an in-memory TokenListDataset has no description other processes can open: save it "
+                        "(dataset.save(directory)) where every rank sees the directory")
 
 
-def open_dataset(path: "str | os.PathLike", max_seq_len: int, *, truncate: bool = False,
+class MockDataset(_TokenDataset):
+    """``num_samples`` samples of random length in ``[max(2, max_seq_len // 8), max_seq_len]``;
+    sample ``k`` counts up from a random start, modulo ``vocab_size`` (a model can learn it: the
+    loss falls). Made from the seed wherever it is opened."""
+
+    def __init__(self, num_samples: int, max_seq_len: int, vocab_size: int, seed: int = 0):
+        rng = np.random.default_rng([int(seed), 0x6D6F636B])
+        low = max(2, int(max_seq_len) // 8)
+        raw = rng.integers(low, int(max_seq_len) + 1, size=int(num_samples))
+        self._starts = rng.integers(0, int(vocab_size), size=int(num_samples))
+        self.num_samples_, self.vocab_size, self.seed = int(num_samples), int(vocab_size), int(seed)
+        self._init_index(raw, max_seq_len, "split", "mock data", quiet=True)
+
+    def _read(self, raw: int, start: int, length: int) -> np.ndarray:
+        return (self._starts[raw] + start + np.arange(length, dtype=np.int64)) % self.vocab_size
+
+    def descriptor(self) -> dict:
+        return self._described("mock", raw_samples=self.num_samples_, vocab_size=self.vocab_size, seed=self.seed)
+
+    @classmethod
+    def from_descriptor(cls, d: dict) -> "MockDataset":
+        return cls(d["raw_samples"], d["max_seq_len"], d["vocab_size"], d["seed"])
+
+
+_KINDS: dict[str, type] = {"indexed": IndexedTokenDataset, "jsonl": JsonlTokenDataset,
+                           "token_file": TokenFileDataset, "mock": MockDataset}
+
+
+def register_kind(kind: str, cls: type) -> None:
+    """Make ``open_descriptor`` open descriptors of ``kind`` with ``cls.from_descriptor``."""
+    _KINDS[kind] = cls
+
+
+def open_descriptor(descriptor: dict) -> VariableLengthDataset:
+    """The dataset a :meth:`descriptor` describes, opened here; ValueError (one line naming the
+    fix) when it is not the same data as where it was described."""
+    kind = descriptor.get("kind") if isinstance(descriptor, dict) else None
+    if kind not in _KINDS:
+        raise ValueError(f"unknown dataset kind {kind!r} in a data pipeline descriptor: this version reads "
+                         f"{', '.join(sorted(_KINDS))}")
+    try:
+        dataset = _KINDS[kind].from_descriptor(descriptor)
+    except FileNotFoundError as error:
+        raise ValueError(f"{error}: every rank must see the dataset's files (a shared file system, or the same "
+                         "path on every machine)") from None
+    if len(dataset) != descriptor["num_samples"] or fingerprint(dataset.lengths) != descriptor["fingerprint"]:
+        raise ValueError(
+            f"the {kind} dataset opened here ({len(dataset)} samples) is not the one rank 0 described "
+            f"({descriptor['num_samples']} samples, other lengths): the files changed, or this machine reads "
+            "another copy; every rank must read the same files")
+    return dataset
+
+
+def open_dataset(path: "str | os.PathLike", max_seq_len: int, *, long_samples: str = "split",
                  **options) -> VariableLengthDataset:
-    """A ``.jsonl``/``.json`` file as :class:`JsonlTokenDataset`, anything else as the prefix of
-    a Megatron indexed dataset (:class:`IndexedTokenDataset`)."""
+    """A ``.jsonl``/``.json`` file as :class:`JsonlTokenDataset`, a directory of ``tokens.npy``
+    as :class:`TokenFileDataset`, anything else as the prefix of a Megatron indexed dataset."""
     path = os.fspath(path)
     if path.endswith((".jsonl", ".json")):
-        return JsonlTokenDataset(path, max_seq_len, truncate=truncate, **options)
+        return JsonlTokenDataset(path, max_seq_len, long_samples=long_samples, **options)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "tokens.npy")):
+        return TokenFileDataset(path, max_seq_len, long_samples=long_samples, **options)
     for suffix in (".bin", ".idx"):
         if path.endswith(suffix):
             path = path[: -len(suffix)]
-    return IndexedTokenDataset(path, max_seq_len, truncate=truncate, **options)
+    return IndexedTokenDataset(path, max_seq_len, long_samples=long_samples, **options)
