@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch stays out of the import path of the planning core
@@ -24,6 +24,8 @@ class PlannedBatch:
     iteration: int
     plan: "ExecutionPlan"
     microbatches: "list[dict[str, torch.Tensor]]"
+    #: what the whole iteration trains, every DP rank's part (preprocess.iteration_summary)
+    summary: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -1,81 +1,82 @@
-"""Preprocessing: global batch of sample ids -> execution plans + micro-batches in the KV store.
+"""Preprocessing: global batch of sample ids -> execution plans and sample ids in the KV store.
 
 Processes (all on rank 0's machine, started by :class:`~megatron_dynapipe.data.loader.DataPipelineHost`):
 
 * the **poller** (``python -c "...preprocess import poller_main; poller_main()"``, see
   :func:`run_poller`) reads the pipeline's settings from the store, owns a process pool of
   preprocessing workers and keeps at most ``lookahead`` iterations produced but not yet taken by
-  every rank; it deletes an iteration's keys once all ranks acknowledged it, beats a heartbeat
-  counter (from a thread, so a busy loop never looks dead) and stops on the shutdown key, on the
-  first error, when its parent (rank 0) is gone or when every iteration has been consumed.
-* **workers** (``concurrent.futures.ProcessPoolExecutor``) are initialised by
-  :func:`worker_init` *from the store*: dataset, TrainingSpec (its fast mode resolved on rank 0)
-  and cost model all come from there. Each task (:func:`preprocess_iteration`)
-  reads one global batch, plans it with ``generate_execution_plan`` and publishes one plan per
-  (DP rank, stage) and one micro-batch blob per DP rank (:func:`build_iteration`).
+  every rank; it deletes an iteration's keys once all ranks acknowledged it, and it watches
+  (:mod:`.liveness`): its workers (dead or stopped), the training ranks' beats, and its own loop's
+  pulse, which it advances only while all is well. It stops on the shutdown key, on the first
+  error, when its parent (rank 0) is gone or when every iteration has been consumed.
+* **workers** (``concurrent.futures.ProcessPoolExecutor``) plan. Their state -- the dataset
+  opened from its descriptor, the TrainingSpec (its fast mode resolved on rank 0), the cost model
+  rebuilt from its file form -- comes from the store (:func:`worker_state`); forked workers
+  inherit the poller's copy. Each task (:func:`preprocess_iteration`) plans one global batch from
+  the samples' lengths and publishes one plan per (DP rank, stage), one sample-id blob per DP
+  rank and the iteration's summary (:func:`build_iteration`).
 
 Failures: a worker that raises publishes its traceback under the error key before re-raising; a
 worker that dies without a word (killed, out of memory, ``os._exit``) breaks the pool and the
-poller publishes that, with the worker's exit code. Every training rank raises the error key's
-message as :class:`DataPipelineError` from its next wait.
-
-Micro-batches travel in :mod:`.microbatches`' wire format.
+poller publishes that, with the worker's exit code; a stopped worker or a silent rank is reported
+by the poller's watch. Every training rank raises the error key's message as
+:class:`~.kv_store.DataPipelineError` from its next wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
-import pickle
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.data.kv_store import KVStoreClient, KVStoreMetaKeys
-from megatron_dynapipe.data.microbatches import encode_microbatches
-from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.planner import generate_execution_plan, stage_costs
+from megatron_dynapipe.data.blend import BlendedDataset  # noqa: F401  (registers the blend and split kinds)
+from megatron_dynapipe.data.datasets import open_descriptor
+from megatron_dynapipe.data.kv_store import SECRET_ENV, KVStoreClient, KVStoreMetaKeys
+from megatron_dynapipe.data.liveness import BEAT_S, STOPPED_S, RankWatch, process_state
+from megatron_dynapipe.data.microbatches import encode_sample_ids
+from megatron_dynapipe.data.sampling import BatchSchedule
+from megatron_dynapipe.planning.cost_model import StageCosts, cost_model_from_document
+from megatron_dynapipe.planning.planner import PlanResult, generate_execution_plan, stage_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
 
 __all__ = [
-    "DecodedMicrobatches",
     "PipelineSettings",
     "build_iteration",
-    "decode_microbatches",
-    "encode_microbatches",
-    "gpt_microbatch",
+    "iteration_summary",
     "poller_main",
     "preprocess_iteration",
     "run_poller",
-    "sample_ids",
-    "worker_init",
+    "worker_state",
 ]
 
 WORKER_START_METHODS = ("fork", "forkserver", "spawn")
+SETTINGS_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------
-# Settings and sampling
+# Settings
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """What rank 0 publishes under :attr:`KVStoreMetaKeys.SETTINGS` (JSON)."""
+    """What rank 0 publishes under :attr:`KVStoreMetaKeys.SETTINGS` (versioned JSON): what every
+    rank reads. The planner's spec and cost model go under :attr:`KVStoreMetaKeys.PLANNER`."""
 
-    num_samples: int
-    global_batch_size: int
+    dataset: dict  # the dataset's descriptor (datasets.open_descriptor)
+    schedule: BatchSchedule
     start_iteration: int
     num_iterations: int
-    shuffle: bool
-    seed: int
     pad_token_id: int
     dp: int
     pp: int
@@ -83,22 +84,20 @@ class PipelineSettings:
     lookahead: int = 2
     num_workers: int = 2
     worker_start_method: str = "fork"
-    heartbeat_interval_s: float = 0.5
     store_timeout_s: float = 60.0
+    version: int = field(default=SETTINGS_VERSION)
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_size", "dp", "pp", "tp", "lookahead", "num_workers"):
+        for name in ("dp", "pp", "tp", "lookahead", "num_workers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.start_iteration < 0 or self.num_iterations < 0:
             raise ValueError("start_iteration and num_iterations must be >= 0")
-        if self.num_samples < self.global_batch_size:
-            raise ValueError(
-                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                f"{self.global_batch_size}"
-            )
-        if self.global_batch_size < self.dp:
-            raise ValueError(f"a global batch of {self.global_batch_size} samples cannot feed {self.dp} "
+        if self.schedule.num_samples < self.schedule.global_batch_size:
+            raise ValueError(f"the dataset has {self.schedule.num_samples} samples, fewer than one global batch of "
+                             f"{self.schedule.global_batch_size}")
+        if self.schedule.batch_size(0) < self.dp:
+            raise ValueError(f"a global batch of {self.schedule.batch_size(0)} samples cannot feed {self.dp} "
                              "data-parallel ranks")
         if self.worker_start_method not in WORKER_START_METHODS:
             raise ValueError(f"worker_start_method must be one of {', '.join(WORKER_START_METHODS)}, "
@@ -109,59 +108,31 @@ class PipelineSettings:
         """Ranks that take every iteration: one per (DP rank, stage, TP rank)."""
         return self.dp * self.pp * self.tp
 
-    @property
-    def iterations_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch_size
+    def consumer(self, dp_rank: int, stage: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + stage) * self.tp + tp_rank
+
+    def describe_consumer(self, consumer: int) -> str:
+        rest, tp_rank = divmod(consumer, self.tp)
+        dp_rank, stage = divmod(rest, self.pp)
+        return f"(dp {dp_rank}, stage {stage}, tp {tp_rank})"
 
     @property
     def end_iteration(self) -> int:
         return self.start_iteration + self.num_iterations
 
     def to_json(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        values["schedule"] = self.schedule.to_json()
+        return values
 
     @classmethod
     def from_json(cls, data: dict) -> "PipelineSettings":
+        if not isinstance(data, dict) or data.get("version") != SETTINGS_VERSION:
+            raise ValueError(f"the data pipeline's settings are version {data.get('version') if isinstance(data, dict) else '?'}, "
+                             f"this megatron-dynapipe reads version {SETTINGS_VERSION}: run one version on every rank")
+        data = dict(data)
+        data["schedule"] = BatchSchedule.from_json(data["schedule"])
         return cls(**data)
-
-
-def sample_ids(iteration: int, num_samples: int, global_batch_size: int, shuffle: bool = True,
-               seed: int = 0) -> np.ndarray:
-    """Dataset indices of the global batch of ``iteration``.
-
-    Iteration ``i`` is batch ``i % E`` of epoch ``i // E`` (``E = num_samples //
-    global_batch_size``). Each epoch visits the samples in one order (a fresh permutation per
-    epoch seeded by ``(seed, epoch)`` when ``shuffle``, else 0, 1, 2, ...) and leaves out the
-    ``num_samples % global_batch_size`` samples at the end of that order (drop-last).
-    """
-    per_epoch = num_samples // global_batch_size
-    if per_epoch < 1:
-        raise ValueError(f"{num_samples} samples make no global batch of {global_batch_size}")
-    epoch, position = divmod(int(iteration), per_epoch)
-    begin = position * global_batch_size
-    if not shuffle:
-        return np.arange(begin, begin + global_batch_size, dtype=np.int64)
-    order = np.random.default_rng([int(seed), epoch]).permutation(num_samples)
-    return order[begin: begin + global_batch_size].astype(np.int64)
-
-
-class _Sampler:
-    """sample_ids with the epoch's permutation cached."""
-
-    def __init__(self, settings: PipelineSettings):
-        self.s = settings
-        self._epoch, self._order = None, None
-
-    def __call__(self, iteration: int) -> np.ndarray:
-        s = self.s
-        if not s.shuffle:
-            return sample_ids(iteration, s.num_samples, s.global_batch_size, False, s.seed)
-        epoch, position = divmod(iteration, s.iterations_per_epoch)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng([int(s.seed), epoch]).permutation(s.num_samples)
-        begin = position * s.global_batch_size
-        return self._order[begin: begin + s.global_batch_size].astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,29 +142,45 @@ class _Sampler:
 
 @dataclass
 class IterationBlobs:
-    """What one iteration publishes: plans[(dp, stage)] and microbatches[dp], as bytes."""
+    """What one iteration publishes: plans[(dp, stage)], ids[dp] as bytes, and its summary."""
 
     plans: dict[tuple[int, int], bytes]
-    microbatches: dict[int, bytes]
-    planning_seconds: float
+    ids: dict[int, bytes]
+    summary: dict
 
 
-def build_iteration(dataset, spec: TrainingSpec, cost_model, iteration: int,
-                    ids: Sequence[int], pad_token_id: int = 0) -> IterationBlobs:
-    """Read the global batch ``ids`` of ``dataset``, plan it and serialise one plan per
-    (DP rank, stage) and one micro-batch blob per DP rank. Pure: no store involved."""
-    tokens = [np.asarray(dataset[int(i)]) for i in ids]
-    lengths = [len(t) for t in tokens]
-    result = generate_execution_plan(lengths, spec, cost_model)  # with spec.fast_mode
-    plans, microbatches = {}, {}
+def build_iteration(lengths: np.ndarray, spec: TrainingSpec, cost_model, iteration: int,
+                    ids: Sequence[int]) -> IterationBlobs:
+    """Plan the global batch ``ids`` (of samples with ``lengths``) and serialise one plan per
+    (DP rank, stage) and one sample-id blob per DP rank. Pure: no store involved."""
+    ids = np.asarray(ids, dtype=np.int64)
+    batch_lengths = np.asarray(lengths)[ids]
+    result = generate_execution_plan(batch_lengths.tolist(), spec, cost_model)  # with spec.fast_mode
+    plans, id_blobs = {}, {}
     for dp_rank, stage_plans in enumerate(result.plans):
         for stage, plan in enumerate(stage_plans):
             plans[dp_rank, stage] = plan.to_bytes()
         mbs = stage_plans[0].microbatches
-        microbatches[dp_rank] = encode_microbatches(
-            iteration, dp_rank, [(mb.size, mb.seq_len) for mb in mbs],
-            [tokens[i] for mb in mbs for i in mb.samples], pad_token_id)
-    return IterationBlobs(plans, microbatches, result.planning_seconds)
+        order = [i for mb in mbs for i in mb.samples]
+        id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, [(mb.size, mb.seq_len) for mb in mbs],
+                                              ids[order], batch_lengths[order])
+    return IterationBlobs(plans, id_blobs, iteration_summary(iteration, batch_lengths, result))
+
+
+def iteration_summary(iteration: int, lengths: np.ndarray, result: PlanResult) -> dict:
+    """What one iteration trains, for the logs: its samples, real and padded tokens,
+    micro-batches and schedule per DP rank, recompute choices, predicted time."""
+    first_stages = [plans[0] for plans in result.plans]
+    padded = sum(mb.size * mb.seq_len for plan in first_stages for mb in plan.microbatches)
+    recompute: dict[str, int] = {}
+    for choice in result.choices:
+        for code in np.asarray(choice.recompute).ravel().tolist():
+            label = ("none", "selective", "full")[code]
+            recompute[label] = recompute.get(label, 0) + 1
+    return {"iteration": int(iteration), "samples": int(len(lengths)), "real_tokens": int(np.sum(lengths)),
+            "padded_tokens": int(padded), "microbatches": [len(plan.microbatches) for plan in first_stages],
+            "schedules": [plan.schedule for plan in first_stages], "recompute": recompute,
+            "predicted_ms": round(float(result.makespan_ms), 3), "planning_s": round(result.planning_seconds, 4)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +188,29 @@ def build_iteration(dataset, spec: TrainingSpec, cost_model, iteration: int,
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
 class _WorkerState:
-    client: KVStoreClient
-    dataset: object
+    settings: PipelineSettings
+    lengths: np.ndarray
     spec: TrainingSpec
     costs: StageCosts
-    settings: PipelineSettings
+    client: "KVStoreClient | None" = None
 
 
 _STATE: "_WorkerState | None" = None
+
+
+def worker_state(client: KVStoreClient) -> _WorkerState:
+    """Everything a worker plans with, read from the store: settings, the dataset's lengths
+    (opened from its descriptor), the spec and the cost model (rebuilt from its file form)."""
+    settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
+    planner = client.get_json(KVStoreMetaKeys.PLANNER)
+    spec = TrainingSpec.from_json(planner["spec"])
+    shipped = planner["cost_model"]
+    model = None if shipped is None else cost_model_from_document(shipped["document"], shipped["tp"],
+                                                                 source="the job's cost model")
+    lengths = np.asarray(open_descriptor(settings.dataset).lengths)
+    return _WorkerState(settings, lengths, spec, stage_costs(model, spec))
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:
@@ -224,61 +225,43 @@ def _watch_parent(parent: int, every_s: float = 1.0) -> None:
 
 
 def worker_init(host: str, port: int, namespace: str, timeout_s: float) -> None:
-    """Process-pool initializer: connect to the store and read every setting from it."""
+    """Process-pool initializer: connect to the store; read the state from it unless inherited."""
     global _STATE
     _watch_parent(os.getppid())
-    client = KVStoreClient.connect(host, port, namespace, timeout_s)
+    client = KVStoreClient.connect(host, port, bytes.fromhex(os.environ[SECRET_ENV]), namespace, timeout_s)
     try:
-        state = _WorkerState()
-        state.client = client
-        state.settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
-        state.spec = pickle.loads(client.get_meta(KVStoreMetaKeys.SPEC))
-        state.dataset = pickle.loads(client.get_meta(KVStoreMetaKeys.DATASET))
-        # built once per worker: a profile is read once
-        state.costs = stage_costs(pickle.loads(client.get_meta(KVStoreMetaKeys.COST_MODEL)), state.spec)
+        state = _STATE or worker_state(client)  # a forked worker inherits the poller's
     except BaseException:
         client.set_error(f"preprocessing worker (pid {os.getpid()}) failed to initialise:\n{traceback.format_exc()}")
         raise
+    state.client = client
     _STATE = state
 
 
 def preprocess_iteration(iteration: int, ids: Sequence[int]) -> float:
     """Worker task: build and publish one iteration; returns its planning time in seconds."""
     state = _STATE
-    if state is None:
+    if state is None or state.client is None:
         raise RuntimeError("preprocess_iteration runs in a worker set up by worker_init")
+    client = state.client
     try:
-        blobs = build_iteration(state.dataset, state.spec, state.costs, iteration, ids,
-                                state.settings.pad_token_id)
+        blobs = build_iteration(state.lengths, state.spec, state.costs, iteration, ids)
     except BaseException as error:
         shown = ", ".join(str(int(i)) for i in list(ids)[:16]) + (", ..." if len(ids) > 16 else "")
-        state.client.set_error(
+        client.set_error(
             f"preprocessing worker (pid {os.getpid()}) failed on iteration {iteration} "
-            f"(global batch of samples [{shown}]): {type(error).__name__}: {error}\n{traceback.format_exc()}"
-        )
+            f"(global batch of samples [{shown}]): {type(error).__name__}: {error}\n{traceback.format_exc()}")
         raise
-    client = state.client
-    items = {client.microbatch_key(iteration, d): blob for d, blob in blobs.microbatches.items()}
+    items = {client.ids_key(iteration, d): blob for d, blob in blobs.ids.items()}
     items.update({client.plan_key(iteration, d, s): blob for (d, s), blob in blobs.plans.items()})
+    items[client.summary_key(iteration)] = json.dumps(blobs.summary).encode()
     client.put_many(items)
-    return blobs.planning_seconds
+    return blobs.summary["planning_s"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Poller
 # ---------------------------------------------------------------------------------------------
-
-
-def _heartbeat(host: str, port: int, namespace: str, timeout_s: float, every_s: float,
-               stop: threading.Event) -> None:
-    try:
-        client = KVStoreClient.connect(host, port, namespace, timeout_s)
-        key = client.meta_key(KVStoreMetaKeys.HEARTBEAT)
-        while not stop.is_set():
-            client.add(key, 1)
-            stop.wait(every_s)
-    except Exception:  # the store is gone: the main loop notices and stops too
-        pass
 
 
 def _exit_note(processes: dict, wait_s: float = 2.0) -> str:
@@ -291,23 +274,23 @@ def _exit_note(processes: dict, wait_s: float = 2.0) -> str:
         return "its exit status is unknown"
     return "; ".join(
         f"worker pid {pid} {'was killed by signal ' + str(-code) if code < 0 else 'exited with code ' + str(code)}"
-        for pid, code in codes.items()
-    )
+        for pid, code in codes.items())
+
+
+def _dead_worker(processes: dict, when: str) -> str:
+    return (f"a preprocessing worker process died without reporting an error (killed, out of memory, or os._exit) "
+            f"{when}; {_exit_note(processes)}. The data pipeline cannot continue: restart the job.")
 
 
 def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = None,
                timeout_s: float = 60.0, poll_s: float = 0.01) -> int:
     """The poller's loop (module docstring). Returns 0 when every iteration was consumed or
     rank 0 asked it to stop, 1 after an error (published under the error key)."""
-    client = KVStoreClient.connect(host, port, namespace, timeout_s)
-    stop = threading.Event()
+    client = KVStoreClient.connect(host, port, bytes.fromhex(os.environ[SECRET_ENV]), namespace, timeout_s)
     poller = None
     try:
-        poller = _Poller(client, PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS)))
-        poller.start_workers((host, port, namespace, timeout_s))
-        threading.Thread(target=_heartbeat, name="dynapipe-heartbeat", daemon=True,
-                         args=(host, port, namespace, timeout_s, poller.settings.heartbeat_interval_s,
-                               stop)).start()
+        poller = _Poller(client)
+        poller.start_workers((host, port, namespace, timeout_s))  # forks while this process runs one thread
         if parent_pid is not None:
             _watch_parent(parent_pid)  # exits even while the loop below waits on the store
         while True:
@@ -324,23 +307,28 @@ def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = 
             pass
         return 1
     finally:
-        stop.set()
         if poller is not None:
             poller.close()
 
 
 class _Poller:
-    """Keeps ``lookahead`` iterations being prepared ahead of the slowest consumer."""
+    """Keeps ``lookahead`` iterations being prepared ahead of the slowest consumer, and watches."""
 
-    def __init__(self, client: KVStoreClient, settings: PipelineSettings) -> None:
-        self.client, self.settings = client, settings
-        self.sampler = _Sampler(settings)
-        self.next_submit = self.next_done = settings.start_iteration
+    def __init__(self, client: KVStoreClient) -> None:
+        global _STATE
+        self.client = client
+        _STATE = worker_state(client)  # opened once here; forked workers inherit it
+        self.settings = s = _STATE.settings
+        self.next_submit = self.next_done = s.start_iteration
         self.futures: dict[int, cf.Future] = {}
         self.workers: dict = {}  # every worker process seen, for the note when one dies
+        self.stopped_since: dict[int, float] = {}
         self.progress: tuple | None = None
         self.pool: cf.ProcessPoolExecutor | None = None
+        self.ranks = RankWatch(client, s.num_consumers, s.describe_consumer)
         self.stop_keys = (client.meta_key(KVStoreMetaKeys.SHUTDOWN), client.meta_key(KVStoreMetaKeys.ERROR))
+        self.pulse_key = client.meta_key(KVStoreMetaKeys.PULSE)
+        self.next_watch = 0.0
 
     def start_workers(self, connect_args: tuple) -> None:
         import multiprocessing
@@ -349,33 +337,52 @@ class _Poller:
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
             ctx.set_forkserver_preload([__name__])
-        elif method == "fork":
-            self._warm_up_imports()
         self.pool = cf.ProcessPoolExecutor(self.settings.num_workers, mp_context=ctx,
                                            initializer=worker_init, initargs=connect_args)
-        if method == "fork":
-            # fork the workers now, while this process runs a single thread (no heartbeat yet)
-            self.pool.submit(int).result(timeout=connect_args[-1])
-
-    def _warm_up_imports(self) -> None:
-        # Import what the dataset and cost model need once, here, for every forked worker to
-        # inherit (megatron-core alone takes seconds). The objects themselves are dropped:
-        # each worker still reads its settings from the store in worker_init.
-        pickle.loads(self.client.get_meta(KVStoreMetaKeys.COST_MODEL))
-        warm_up = getattr(pickle.loads(self.client.get_meta(KVStoreMetaKeys.DATASET)), "warm_up", None)
-        if callable(warm_up):
-            warm_up()
+        self.pool.submit(int).result(timeout=connect_args[-1])  # every worker started and set up
 
     def step(self) -> "int | None":
         """One round: the exit code when the loop is over, None to go on."""
         if any(self.client.exists(key) for key in self.stop_keys):
             return 0
-        if not self._collect_finished():
+        if not self._collect_finished() or not self._watch():
             return 1
         self._release_consumed()
-        self._submit_ahead()
+        try:
+            self._submit_ahead()
+        except BrokenProcessPool:  # a worker died since the last watch
+            self.client.set_error(_dead_worker(self.workers, "while it waited for work"))
+            return 1
         self._publish_progress()
         return 0 if self.next_done >= self.settings.end_iteration else None  # all taken
+
+    def _watch(self) -> bool:
+        """Every BEAT_S / 4: check the workers and the ranks, then advance the pulse. False (and
+        the error published) when a worker is stopped or a rank fell silent."""
+        now = time.monotonic()
+        if now < self.next_watch:
+            return True
+        self.next_watch = now + BEAT_S / 4
+        self.workers.update(getattr(self.pool, "_processes", None) or {})
+        if any(p.exitcode is not None for p in self.workers.values()):
+            self.client.set_error(_dead_worker(self.workers, "while it waited for work"))
+            return False
+        for pid in list((getattr(self.pool, "_processes", None) or {})):
+            if process_state(pid) in ("T", "t"):
+                since = self.stopped_since.setdefault(pid, now)
+                if now - since > STOPPED_S:
+                    self.client.set_error(
+                        f"preprocessing worker pid {pid} on rank 0's machine is stopped (SIGSTOP or a debugger) and "
+                        "plans nothing: resume it (kill -CONT) or restart the job")
+                    return False
+            else:
+                self.stopped_since.pop(pid, None)
+        silent = self.ranks.silent()
+        if silent:
+            self.client.set_error(self.ranks.message(silent))
+            return False
+        self.client.add(self.pulse_key, 1)
+        return True
 
     def _collect_finished(self) -> bool:
         """Reap finished iterations; False (and the error published) when one failed."""
@@ -384,11 +391,7 @@ class _Poller:
             try:
                 self.futures.pop(it).result()
             except BrokenProcessPool:
-                self.client.set_error(
-                    f"a preprocessing worker process died without reporting an error (killed, out of "
-                    f"memory, or os._exit) while iteration {it} was being prepared; {_exit_note(self.workers)}. "
-                    "The data pipeline cannot continue."
-                )
+                self.client.set_error(_dead_worker(self.workers, f"while iteration {it} was being prepared"))
                 return False
             except BaseException as error:  # the worker published the traceback already
                 self.client.set_error(f"preprocessing of iteration {it} failed: {type(error).__name__}: {error}")
@@ -405,7 +408,7 @@ class _Poller:
     def _submit_ahead(self) -> None:
         s = self.settings
         while self.next_submit < s.end_iteration and self.next_submit - self.next_done < s.lookahead:
-            ids = self.sampler(self.next_submit).tolist()
+            ids = s.schedule.ids(self.next_submit).tolist()
             self.futures[self.next_submit] = self.pool.submit(preprocess_iteration, self.next_submit, ids)
             self.next_submit += 1
 
@@ -430,7 +433,8 @@ class _Poller:
 
 
 def poller_main(argv: "Sequence[str] | None" = None) -> None:
-    """Entry point of the poller process (started by DataPipelineHost)."""
+    """Entry point of the poller process (started by DataPipelineHost; the job's secret comes
+    in its environment, never on its command line)."""
     parser = argparse.ArgumentParser(description="megatron-dynapipe data pipeline poller")
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
