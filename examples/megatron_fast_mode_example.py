@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -131,7 +130,7 @@ def main(argv=None) -> int:
     with DynaPipeDataLoader.from_parallel_state(dataset, spec, cost_model, GLOBAL_BATCH, num_iterations=args.iters,
                                                 shuffle=False, fast_mode=True, num_workers=1) as loader:
         # what the workers plan with: the TrainingSpec rank 0 shipped, its fast mode resolved there
-        fast_mode = pickle.loads(loader.client.get_meta(KVStoreMetaKeys.SPEC)).fast_mode
+        fast_mode = loader.client.get_json(KVStoreMetaKeys.PLANNER)["spec"]["fast_mode"]
         for batch in loader:
             ddp.zero_grad_buffer()
             optimizer.zero_grad()

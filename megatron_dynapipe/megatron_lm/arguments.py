@@ -36,6 +36,7 @@ from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_m
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
 from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = [
     "DynapipeArgumentError",
@@ -238,15 +239,15 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
     if any(getattr(args, name, None) is not None
            for name in (*INTERLEAVING_DESTS, "virtual_pipeline_model_parallel_size")):
         raise DynapipeArgumentError(
-            "--dynapipe runs one model chunk per pipeline stage: drop --num-layers-per-virtual-pipeline-stage "
-            "/ --num-virtual-stages-per-pipeline-rank"
+            "--dynapipe's schedules run one model chunk per pipeline stage (interleaved variable-length schedules "
+            "are not planned): drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
     granularity = getattr(args, "recompute_granularity", None)
-    if granularity is not None:
+    if granularity == "full" and (getattr(args, "recompute_method", None) != "uniform"
+                                  or _get(args, "recompute_num_layers", 1) != 1):
         raise DynapipeArgumentError(
-            f"--recompute-granularity {granularity} conflicts with --dynapipe, which picks recompute per "
-            f"micro-batch: drop it (restrict the choices with --dynapipe-recompute {granularity})"
-        )
+            "--dynapipe's full recompute checkpoints every layer on its own (what its cost model prices): with "
+            "--recompute-granularity full pass --recompute-method uniform --recompute-num-layers 1")
     if _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
         if getattr(args, "num_experts", None):
             raise DynapipeArgumentError(
@@ -284,14 +285,10 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
     def refuse(message: str) -> None:
         raise DynapipeArgumentError(message)
 
-    if getattr(args, "rampup_batch_size", None):
-        refuse("--dynapipe plans a fixed global batch of --global-batch-size samples per iteration: "
-               "drop --rampup-batch-size")
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
-        refuse("the DynaPipe data pipeline does not split samples for context parallelism: "
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1 or getattr(args, "hybrid_context_parallel", False):
+        refuse("--dynapipe does not plan context parallelism (its cost model has no context-parallel dimension): "
                "drop --context-parallel-size")
-    for flag, name in (("--sft", "sft"), ("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
-                       ("--hybrid-context-parallel", "hybrid_context_parallel"),
+    for flag, name in (("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
                        ("--reset-position-ids", "reset_position_ids"),
                        ("--reset-attention-mask", "reset_attention_mask"), ("--eod-mask-loss", "eod_mask_loss")):
         if getattr(args, name, False):
@@ -310,33 +307,13 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
         if getattr(args, name, False):
             refuse(f"{flag} is not supported with --dynapipe (validation runs --eval-iters planned batches of the "
                    f"--split valid range): drop {flag}")
-    if not getattr(args, "mock_data", False):
-        paths = getattr(args, "data_path", None)
-        if getattr(args, "train_data_path", None) or getattr(args, "data_args_path", None) or \
-                getattr(args, "per_split_data_args_path", None):
-            refuse("--dynapipe reads one dataset given by --data-path PREFIX (split by --split): "
-                   "use --data-path instead of per-split paths")
-        if not paths:
-            refuse("--dynapipe needs data: pass --data-path PREFIX (a Megatron .bin/.idx prefix or a "
-                   ".jsonl file of token lists) or --mock-data")
-        data_prefix(paths)  # refuses blends
+    data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                  "per_split_data_args_path")
+    if not getattr(args, "mock_data", False) and not any(getattr(args, name, None) for name in data_flags):
+        refuse("--dynapipe needs data: pass --data-path (Megatron .bin/.idx prefixes, .jsonl files of token lists, "
+               "or with --sft conversations; a blend as WEIGHT PATH ...), the per-split paths, or --mock-data")
     if (getattr(args, "eval_iters", 0) or 0) > 0 and getattr(args, "eval_interval", None) is None:
         refuse("--eval-iters > 0 needs --eval-interval")
-
-
-def data_prefix(paths) -> str:
-    paths = list(paths)
-    if len(paths) == 2:  # "1.0 PREFIX": a blend of one
-        try:
-            float(paths[0])
-            paths = paths[1:]
-        except ValueError:
-            pass
-    if len(paths) != 1:
-        raise DynapipeArgumentError(
-            f"--dynapipe reads one dataset, --data-path names {len(paths)} ({' '.join(paths)}): "
-            "merge them into one prefix (tools/merge_datasets.py) or pass one")
-    return paths[0]
 
 
 def _resolve_fast_mode(args: argparse.Namespace) -> None:
@@ -403,6 +380,9 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     if dp is None:
         world = _get(args, "world_size", tp * pp)
         dp = max(1, world // (tp * pp * _get(args, "context_parallel_size", 1)))
+    settings = planner_settings(args, prefix="dynapipe-")
+    settings["recompute_types"] = _recompute_at_least(settings["recompute_types"],
+                                                      getattr(args, "recompute_granularity", None))
     return TrainingSpec(
         num_layers=_get(args, "num_layers", pp),
         pp=pp,
@@ -411,5 +391,19 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
         memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
         microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),
-        **planner_settings(args, prefix="dynapipe-"),
+        **settings,
     )
+
+
+def _recompute_at_least(types, granularity: "str | None") -> tuple:
+    """Megatron's ``--recompute-granularity`` is a floor: DynaPipe still picks recompute per
+    micro-batch, never lighter than it (selective or full; full with it is full)."""
+    if granularity is None:
+        return tuple(types)
+    floor = RecomputeType.parse(granularity)
+    kept = tuple(t for t in types if t >= floor)
+    if not kept:
+        raise DynapipeArgumentError(
+            f"--recompute-granularity {granularity} asks for at least {granularity} recompute, --dynapipe-recompute "
+            f"allows only {', '.join(t.label for t in types)}: allow {granularity} or drop --recompute-granularity")
+    return kept

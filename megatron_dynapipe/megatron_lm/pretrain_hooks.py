@@ -20,21 +20,25 @@ Why each piece exists:
 * :func:`datasets_provider` -- instead of fixed-length GPT datasets, every rank (all pipeline
   stages and tensor-parallel ranks, hence ``is_distributed``) gets a
   :class:`~megatron_dynapipe.data.DynaPipeDataLoader`: rank 0 hosts the planning pipeline over
-  the variable-length samples of ``--data-path`` (or of ``--mock-data``), each rank receives its
-  stage's :class:`~megatron_dynapipe.data.PlannedBatch` per iteration.
+  the variable-length samples of Megatron's data flags (:mod:`.datasets`: blends, per-split
+  paths, ``--sft``, ``--mock-data``), each rank receives its stage's
+  :class:`~megatron_dynapipe.data.PlannedBatch` per iteration; every ``--log-interval`` the log
+  and Megatron's TensorBoard / W&B writers get what it trained (:mod:`.iteration_log`).
 * :func:`get_batch` -- pretrain_gpt's ``get_batch`` broadcasts fixed ``(micro_batch_size,
   seq_length)`` tensors from tensor-parallel rank 0. Under DynaPipe every tensor-parallel rank
   already holds the identical micro-batch (the executor hands ``forward_step`` an iterator over
   that one dict), so it is taken as it is: no broadcast, the micro-batch's own shape.
+* :func:`scaling_mode_requested` / :func:`run_scaling_mode` -- the patched script traces one fake
+  rank (``--is-scaling-mode``) before ``pretrain`` starts a real job, as the launcher does.
 
 Micro-batch count. Megatron-LM's ``train_step`` passes ``get_num_microbatches()`` (global batch /
 (micro-batch size x DP)) to the forward-backward function; the planned schedule ignores it and
 scales each micro-batch's loss by the plan's own count. The other uses stay right as long as one
-iteration consumes exactly ``--global-batch-size`` samples, which the loaders guarantee: the
-scheduler's sample increment and ``consumed_train_samples`` are ``get_num_microbatches() x
-micro_batch_size x DP = global_batch_size``, and the reported ``lm loss`` is summed as
-``[loss sum, token count]`` pairs over however many micro-batches there were. Hence
-``--rampup-batch-size`` (a changing global batch) is refused.
+iteration consumes exactly the global batch Megatron counts, which the loaders guarantee, ramp-up
+(``--rampup-batch-size``) included: the scheduler's sample increment and
+``consumed_train_samples`` are ``get_num_microbatches() x micro_batch_size x DP``, and the
+reported ``lm loss`` is summed as ``[loss sum, token count]`` pairs over however many
+micro-batches there were.
 """
 
 from __future__ import annotations
@@ -47,38 +51,34 @@ import threading
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
-import numpy as np
-
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
-from megatron_dynapipe.data import TokenListDataset, open_dataset
+from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.megatron_lm.arguments import (
     DynapipeArgumentError,
     add_arguments,
     chain_providers,
     check_data_pipeline_args,
-    data_prefix,
     training_spec_from_args,
     validate_dynapipe_args,
 )
+from megatron_dynapipe.megatron_lm.datasets import open_splits
+from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
 __all__ = [
-    "LoggedLoader",
-    "SplitDataset",
     "add_data_arguments",
     "build_data_loaders",
     "close_loaders",
     "datasets_provider",
-    "describe_plan",
     "enabled",
     "extra_args_provider",
     "get_batch",
     "is_hook",
     "make_get_batch",
-    "mock_dataset",
     "model_provider",
+    "run_scaling_mode",
+    "scaling_mode_requested",
     "setup",
-    "split_dataset",
 ]
 
 logger = logging.getLogger("megatron_dynapipe")
@@ -96,9 +96,9 @@ _MICROBATCH_TENSORS = ("tokens", "labels", "loss_mask", "position_ids")
 def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``dynapipe data`` group: how Megatron's data flags become variable-length samples."""
     g = parser.add_argument_group(title=DATA_GROUP)
-    g.add_argument("--dynapipe-truncate-samples", action="store_true",
-                   help="keep the first --seq-length tokens of longer documents (default: a longer "
-                        "document is an error that names it)")
+    g.add_argument("--dynapipe-long-samples", choices=LONG_SAMPLES, default="split",
+                   help="documents longer than --seq-length: split into windows that overlap by one token (every "
+                        "token trained once, default), truncate (keep the first --seq-length tokens), or refuse")
     g.add_argument("--dynapipe-mock-samples", type=int, default=None, metavar="N",
                    help="samples of the --mock-data dataset (default: 8 global batches, at least 256)")
     return parser
@@ -178,6 +178,30 @@ def model_provider(original: Callable) -> Callable:
     return dynapipe_model_provider
 
 
+def scaling_mode_requested(argv: "Optional[list[str]]" = None) -> bool:
+    """Whether the script's command line asks for ``--is-scaling-mode``."""
+    import sys
+
+    from megatron_dynapipe.megatron_lm.scaling_mode import requested
+
+    return requested(sys.argv[1:] if argv is None else argv)
+
+
+def run_scaling_mode(argv: "Optional[list[str]]" = None) -> int:
+    """Trace the fake rank the script's command line describes (no process group, no GPU);
+    0, or 2 after printing the one-line error of a bad flag."""
+    import sys
+
+    from megatron_dynapipe.megatron_lm.scaling_mode import run_from_argv
+
+    try:
+        run_from_argv(sys.argv[1:] if argv is None else argv)
+    except DynapipeArgumentError as error:
+        print(f"megatron-dynapipe: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # get_batch
 # --------------------------------------------------------------------------------------------
@@ -226,114 +250,17 @@ def make_get_batch(original: Callable) -> Callable:
 # --------------------------------------------------------------------------------------------
 
 
-class SplitDataset:
-    """Samples ``begin .. end - 1`` of a variable-length dataset (a train/valid/test split by
-    sample index, as Megatron's ``--split`` cuts documents). Pickles with its parent."""
-    def __init__(self, parent, begin: int, end: int):
-        if not 0 <= begin <= end <= len(parent):
-            raise ValueError(f"split [{begin}, {end}) is outside a dataset of {len(parent)} samples")
-        self.parent, self.begin, self.end = parent, int(begin), int(end)
-        self.max_seq_len = parent.max_seq_len
-
-    def __len__(self) -> int:
-        return self.end - self.begin
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        i = int(index)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {index} is out of range for a split of {len(self)} samples")
-        return self.parent[self.begin + i]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.parent.lengths[self.begin:self.end]
-
-    def warm_up(self) -> None:
-        warm = getattr(self.parent, "warm_up", None)
-        if warm is not None:
-            warm()
-
-    def __repr__(self) -> str:
-        return f"SplitDataset({self.parent!r}, {self.begin}, {self.end})"
-
-
-def split_dataset(dataset, split: "str | None") -> list:
-    """Megatron's ``--split`` ("969,30,1", weights normalised) as three contiguous
-    :class:`SplitDataset` ranges (train, valid, test)."""
-    weights = [float(w) for w in (split or "1,0,0").replace("/", ",").split(",") if w.strip()]
-    weights = (weights + [0.0, 0.0, 0.0])[:3]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise DynapipeArgumentError(f"--split {split!r} needs three non-negative weights, e.g. 969,30,1")
-    total, n = sum(weights), len(dataset)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * n)))
-    bounds[-1] = n
-    bounds = [min(b, n) for b in bounds]
-    return [SplitDataset(dataset, bounds[i], max(bounds[i], bounds[i + 1])) for i in range(3)]
-
-
-def mock_dataset(num_samples: int, max_seq_len: int, vocab_size: int, seed: int = 0):
-    """``--mock-data`` for DynaPipe: ``num_samples`` samples of random length in
-    ``[max(2, max_seq_len // 8), max_seq_len]``; sample ``k`` counts up from a random start,
-    modulo ``vocab_size``, so a model can learn it and the loss falls."""
-    rng = np.random.default_rng([int(seed), 0x6D6F636B])
-    low = max(2, max_seq_len // 8)
-    lengths = rng.integers(low, max_seq_len + 1, size=int(num_samples))
-    starts = rng.integers(0, vocab_size, size=int(num_samples))
-    samples = [(start + np.arange(length)) % vocab_size for start, length in zip(starts, lengths)]
-    return TokenListDataset(samples, max_seq_len)
-
-
-def _open_data(args):
-    """(train, valid, test) variable-length datasets from Megatron's data flags: ``--data-path``
-    cut by ``--split``, or for ``--mock-data`` one mock dataset per split (distinct seeds)."""
-    if getattr(args, "mock_data", False):
-        n = args.dynapipe_mock_samples if getattr(args, "dynapipe_mock_samples", None) else max(
-            256, 8 * args.global_batch_size)
-        vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 128
-        return [mock_dataset(n, args.seq_length, vocab, seed=args.seed + k) for k in range(3)]
-    dataset = open_dataset(data_prefix(args.data_path), args.seq_length,
-                           truncate=bool(getattr(args, "dynapipe_truncate_samples", False)))
-    return split_dataset(dataset, getattr(args, "split", None))
-
-
 def _cost_model(args):
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), model_from_megatron_args(args).to_json(),
                                tp=args.tensor_model_parallel_size, dtype=dtype, flag="--dynapipe-cost-model")
 
 
-def describe_plan(batch) -> str:
-    """One line about a PlannedBatch: its micro-batches (size x padded length), schedule and
-    recompute choices."""
-    plan = batch.plan
-    shapes = " ".join(f"{mb.size}x{mb.seq_len}" for mb in plan.microbatches)
-    recompute = "".join(str(r.name)[0].lower() for r in plan.recompute)
-    return (f"iteration {batch.iteration}: {len(plan.microbatches)} micro-batches [{shapes}], "
-            f"schedule {plan.schedule}, recompute [{recompute}] (n/s/f), stage {plan.stage} of {plan.num_stages}")
+def _writers():
+    """Megatron's TensorBoard and W&B writers (set on the rank that logs, else None)."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-
-class LoggedLoader:
-    """Iterates a loader; on the hosting rank prints :func:`describe_plan` every ``interval``
-    iterations (Megatron's ``--log-interval``), so a run's log shows its planned micro-batches."""
-    def __init__(self, loader, interval: int, label: str = "train", verbose: bool = True):
-        self.loader, self.interval, self.label, self.verbose = loader, max(1, int(interval)), label, verbose
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.loader)
-        if self.verbose and (batch.iteration + 1) % self.interval == 0:
-            print(f"> megatron-dynapipe {self.label} {describe_plan(batch)}", flush=True)
-        return batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def close(self) -> None:
-        self.loader.close()
+    return get_tensorboard_writer(), get_wandb_writer()
 
 
 _LOADERS: list = []
@@ -351,14 +278,19 @@ def close_loaders() -> None:
             logger.warning("closing a DynaPipe loader failed: %s", exc)
 
 
-def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Optional[bool] = None):
+def build_data_loaders(args: Optional[argparse.Namespace] = None, train_val_test_num_samples=None, *,
+                       is_host: Optional[bool] = None):
     """``(train, valid, None)``: this rank's :class:`~megatron_dynapipe.data.DynaPipeDataLoader`
     for training (iterations ``args.iteration .. args.train_iters - 1``, ``--global-batch-size``
-    samples each) and, with ``--eval-iters`` > 0, for validation (on the ``--split`` valid range;
-    its own KV store on ``--dynapipe-kv-port`` + 1). The test split is not evaluated.
+    samples each, or Megatron's ramp-up) and, with ``--eval-iters`` > 0, for validation (on the
+    valid split; its own KV store on ``--dynapipe-kv-port`` + 1). The test split is not evaluated.
 
-    The hosting rank (global rank 0: DP 0, stage 0, TP 0) opens the data and plans; the others
-    only connect. Every loader is closed at exit (:func:`close_loaders`).
+    Every rank calls this at once (Megatron builds the data on every rank under DynaPipe): the
+    hosting rank (global rank 0: DP 0, stage 0, TP 0) opens the data (:func:`~.datasets.open_splits`),
+    binds the store to ``--dynapipe-kv-host`` and plans; it shares the job's secret (unless
+    ``DYNAPIPE_KV_SECRET`` is set) and whether its store started with every rank over the job's
+    process group; the others connect and read their samples themselves. Every loader is closed at
+    exit (:func:`close_loaders`).
     """
     from megatron_dynapipe.data import DynaPipeDataLoader, from_parallel_state  # torch: only when loaders are built
 
@@ -368,14 +300,15 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
     layout = from_parallel_state()
     host = layout.is_first if is_host is None else is_host
     spec = training_spec_from_args(args)
+    gbs = int(args.global_batch_size)
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
     train_ds = valid_ds = cost_model = None
     if host:
-        train_ds, valid_ds, _test = _open_data(args)
-        cost_model = _cost_model(args)
-    gbs = int(args.global_batch_size)
+        train_ds, valid_ds, cost_model = _open_on_host(args, train_val_test_num_samples, gbs, eval_iters)
     common = dict(dp_rank=layout.dp_rank, stage=layout.stage, tp_rank=layout.tp_rank, host_pipeline=host,
                   master_addr=args.dynapipe_kv_host, pad_token_id=0, seed=int(args.seed),
-                  num_workers=int(getattr(args, "dynapipe_preprocess_workers", 2) or 2))
+                  num_workers=int(getattr(args, "dynapipe_preprocess_workers", 2) or 2),
+                  process_group=_world())
     if not _atexit_registered:
         atexit.register(close_loaders)
         _atexit_registered = True
@@ -383,18 +316,11 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
     start = int(getattr(args, "iteration", 0) or 0)
     train = DynaPipeDataLoader(train_ds, spec, cost_model, gbs, port=int(args.dynapipe_kv_port),
                                start_iteration=start, num_iterations=max(0, int(args.train_iters) - start),
-                               **common)
+                               **_rampup(args), **common)
     _LOADERS.append(train)
-    interval = int(getattr(args, "log_interval", 1) or 1)
-    train = LoggedLoader(train, interval, "train", verbose=host)
+    train = LoggedLoader(train, int(getattr(args, "log_interval", 1) or 1), "train", verbose=host, writers=_writers())
     valid = None
-    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
     if eval_iters > 0:
-        if host and len(valid_ds) < gbs:
-            raise DynapipeArgumentError(
-                f"--eval-iters {eval_iters} needs a validation split of at least one global batch ({gbs} samples); "
-                f"--split {getattr(args, 'split', None)} leaves {len(valid_ds)}: raise its valid share or pass "
-                "--eval-iters 0")
         if getattr(args, "skip_train", False):
             total = eval_iters
         else:
@@ -406,6 +332,42 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, *, is_host: Op
         _LOADERS.append(valid)
         valid = LoggedLoader(valid, 1, "valid", verbose=False)
     return train, valid, None
+
+
+def _open_on_host(args, num_samples, gbs: int, eval_iters: int):
+    """The hosting rank's datasets and cost model. What goes wrong here reaches every other rank
+    (waiting for the store) as the same one line, instead of a lost peer."""
+    from megatron_dynapipe.data.loader import share_host_failure
+
+    try:
+        train_ds, valid_ds, _test = open_splits(args, num_samples)
+        if eval_iters > 0 and (valid_ds is None or len(valid_ds) < gbs):
+            raise DynapipeArgumentError(
+                f"--eval-iters {eval_iters} needs a validation split of at least one global batch ({gbs} samples); "
+                f"the data leaves {0 if valid_ds is None else len(valid_ds)}: raise --split's valid share, give "
+                "--valid-data-path, or pass --eval-iters 0")
+        return train_ds, valid_ds, _cost_model(args)
+    except Exception as error:
+        if _world() is not None:
+            share_host_failure(_world(), f"{type(error).__name__}: {error}")
+        raise
+
+
+def _world():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _rampup(args) -> dict:
+    """Megatron's ``--rampup-batch-size START INCREMENT SAMPLES``: the loader feeds the ramp's
+    batch sizes, rounded as Megatron counts consumed samples (micro-batch size x DP)."""
+    rampup = getattr(args, "rampup_batch_size", None)
+    if not rampup:
+        return {}
+    divisor = int(args.micro_batch_size) * int(args.data_parallel_size) if getattr(
+        args, "decrease_batch_size_if_needed", False) else 1
+    return {"rampup": tuple(int(v) for v in rampup), "divisor": divisor}
 
 
 class _DatasetsProvider:
@@ -433,7 +395,7 @@ class _DatasetsProvider:
             setup(args)
             if vp_stage not in (None, 0):
                 raise DynapipeArgumentError("--dynapipe runs one model chunk per stage: drop virtual pipelining")
-            return build_data_loaders(args)
+            return build_data_loaders(args, train_val_test_num_samples)
         if self.original is None:
             raise RuntimeError("no datasets provider to fall back to without --dynapipe")
         if self._takes_vp_stage:

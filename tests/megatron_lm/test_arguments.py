@@ -126,7 +126,9 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
     (ON + ("--dynapipe-kv-port", "70000"), {}, "pass one in 1..65535"),
     (ON + ("--dynapipe-comm-timeout", "0"), {}, "drop it to use the process group's timeout"),
     (ON, {"virtual_pipeline_model_parallel_size": 2}, "drop --num-layers-per-virtual-pipeline-stage"),
-    (ON, {"recompute_granularity": "full"}, "drop it (restrict the choices with --dynapipe-recompute full)"),
+    (ON, {"recompute_granularity": "full"}, "pass --recompute-method uniform --recompute-num-layers 1"),
+    (ON + ("--dynapipe-recompute", "none"), {"recompute_granularity": "selective"},
+     "allow selective or drop --recompute-granularity"),
     (ON, {"num_experts": 8, "moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall"),
     (ON, {"enable_cuda_graph": True}, "drop --enable-cuda-graph"),
     (ON, {"sequence_parallel": True, "tensor_model_parallel_size": 16},
@@ -139,6 +141,16 @@ def test_validation_errors_name_the_fix(argv, megatron, fix):
         validated(*argv, **megatron)
     message = str(info.value)
     assert fix in message and "\n" not in message
+
+
+@pytest.mark.parametrize("megatron, allowed", [
+    ({}, ["none", "selective", "full"]),
+    ({"recompute_granularity": "selective"}, ["selective", "full"]),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, ["full"]),
+])
+def test_megatron_recompute_granularity_is_a_floor_for_each_micro_batch(megatron, allowed):
+    spec = training_spec_from_args(validated(*ON, calculate_per_token_loss=True, **megatron))
+    assert [t.label for t in spec.recompute_types] == allowed
 
 
 def test_per_token_loss_recommended():

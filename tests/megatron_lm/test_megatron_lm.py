@@ -26,9 +26,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_dynapipe.megatron_lm import launcher, pretrain_hooks
@@ -143,8 +145,8 @@ def test_wrapper_hooks_the_script_and_falls_through_without_dynapipe(monkeypatch
         assert pretrain_hooks.is_hook(hook)
 
     # DynaPipe's flags join the script's parser; without --dynapipe everything falls through.
-    args = calls["extra"](argparse.ArgumentParser()).parse_args(["--dynapipe-truncate-samples"])
-    assert args.dynapipe is False and args.dynapipe_truncate_samples is True
+    args = calls["extra"](argparse.ArgumentParser()).parse_args(["--dynapipe-long-samples", "truncate"])
+    assert args.dynapipe is False and args.dynapipe_long_samples == "truncate"
     monkeypatch.setattr(pretrain_hooks, "_get_args", lambda: args)
     assert calls["datasets"]([8, 0, 0]) == ("datasets", [8, 0, 0])
     assert calls["datasets"].is_distributed is False  # as the script's provider says, when off
@@ -192,36 +194,37 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
         return argparse.Namespace(**base)
 
     check_data_pipeline_args(args())
-    for bad, pattern in ((dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
-                         (dict(context_parallel_size=2), "context parallelism"),
+    for bad, pattern in ((dict(context_parallel_size=2), "context parallelism"),
                          (dict(eod_mask_loss=True), "--eod-mask-loss"),
                          (dict(iterations_to_skip=[3]), "--iterations-to-skip"),
                          (dict(train_iters=None), "--train-iters"),
                          (dict(full_validation=True), "--full-validation"),
                          (dict(mock_data=False, data_path=None), "--data-path"),
-                         (dict(mock_data=False, data_path=["0.5", "a", "0.5", "b"]), "one dataset"),
-                         (dict(mock_data=False, data_path=["x"], train_data_path=["t"]), "--data-path"),
                          (dict(eval_iters=2, eval_interval=None), "--eval-interval")):
         with pytest.raises(DynapipeArgumentError, match=re.escape(pattern)):
             check_data_pipeline_args(args(**bad))
-    check_data_pipeline_args(args(mock_data=False, data_path=["1.0", "prefix"]))
-    check_data_pipeline_args(args(train_iters=None, train_samples=640))  # iterations derived later
+    # what Megatron users mix tasks and grow batches with is taken as it is
+    for fine in (dict(mock_data=False, data_path=["1.0", "prefix"]),
+                 dict(mock_data=False, data_path=["0.5", "a", "0.3", "b", "0.2", "c"]),
+                 dict(mock_data=False, train_data_path=["t"], valid_data_path=["v"]),
+                 dict(mock_data=False, data_args_path="blend.txt"),
+                 dict(mock_data=False, data_path=["chat.jsonl"], sft=True),
+                 dict(rampup_batch_size=["4", "4", "100"]),
+                 dict(train_iters=None, train_samples=640)):  # iterations derived later
+        check_data_pipeline_args(args(**fine))
 
 
-def test_split_and_mock_datasets():
-    data = pretrain_hooks.mock_dataset(100, max_seq_len=32, vocab_size=50, seed=3)
-    assert len(data) == 100 and data.lengths.min() >= 4 and data.lengths.max() <= 32
-    sample = data[0]
+def test_mock_splits_differ_and_follow_the_seed():
+    from megatron_dynapipe.megatron_lm.datasets import open_splits
+
+    args = argparse.Namespace(mock_data=True, global_batch_size=16, seq_length=32, vocab_size=50, seed=3)
+    train, valid, test = open_splits(args, [64, 16, 0])
+    assert len(train) == len(valid) == len(test) == 256  # at least 256, 8 global batches
+    assert train.lengths.max() <= 32 and not np.array_equal(train.lengths, valid.lengths)
+    sample = train[0]
     assert ((sample[1:] - sample[:-1]) % 50 == 1).all()  # counts up: learnable
-    train, valid, test = pretrain_hooks.split_dataset(data, "969, 30, 1")
-    assert (len(train), len(valid), len(test)) == (97, 3, 0)
-    assert (valid[0] == data[97]).all() and list(valid.lengths) == list(data.lengths[97:100])
-    assert [len(s) for s in pretrain_hooks.split_dataset(data, None)] == [100, 0, 0]
-    with pytest.raises(DynapipeArgumentError, match="--split"):
-        pretrain_hooks.split_dataset(data, "0,0,0")
-    import pickle
-
-    assert (pickle.loads(pickle.dumps(valid))[1] == data[98]).all()
+    again = open_splits(args, [64, 16, 0])[0]
+    assert all(np.array_equal(train[i], again[i]) for i in range(len(train)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,8 +368,10 @@ def training_ready(checkout) -> Path:
                     "six, regex, pyyaml, pydantic, triton and pybind11 beyond megatron-core: pip install --target "
                     "DIR them and put DIR on PYTHONPATH")
     assert proc.returncode == 0 and "SPOTS-OK" in proc.stdout, proc.stdout + proc.stderr
-    make = subprocess.run(["make", "-C", str(checkout / "megatron" / "core" / "datasets")], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    # built for this interpreter (the Makefile asks python3-config, which may answer for another python)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    make = subprocess.run(["make", "-C", str(checkout / "megatron" / "core" / "datasets"), f"LIBEXT={suffix}"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
     if make.returncode != 0:
         pytest.skip("Megatron-LM's C++ dataset helpers (compiled at start-up by initialize_megatron) do not build "
                     f"here: {make.stderr.strip().splitlines()[-1:]}; pip install pybind11 where PATH's python3 "
@@ -402,16 +407,18 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--lr", "1e-3", "--lr-decay-style", "constant", "--pipeline-model-parallel-size", "2",
             "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "2"]
 # 2 MB of planned memory on this tiny model forces several variable-length micro-batches per batch.
-DYNAPIPE = ["--dynapipe", "--dynapipe-memory-limit", "2", "--dynapipe-fast-mode", "--dynapipe-preprocess-workers", "1"]
+DYNAPIPE = ["--dynapipe", "--dynapipe-memory-limit", "2", "--dynapipe-preprocess-workers", "1",
+            "--calculate-per-token-loss"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")
 PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batches \[([^\]]*)\]")
 
 
-def _smoke(script: Path, data_args: list[str], *, pythonpath=(), timeout=240):
+def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240):
     master, kv, _kv_valid = _free_ports(3)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(master), "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
-               *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv)]
+               *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv),
+               "--dynapipe-fast-mode", "true" if fast else "false"]
     proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
                           timeout=timeout, cwd=script.parent)
     out = proc.stdout + proc.stderr
@@ -451,30 +458,136 @@ def test_cpu_smoke_run_through_the_launcher(launcher_run):
 
 @pytest.mark.slow
 def test_cpu_smoke_run_of_the_patched_script_matches_the_launcher(training_ready, launcher_run, tmp_path):
-    patched = tmp_path / "pretrain_gpt.py"
-    shutil.copy(training_ready / "pretrain_gpt.py", patched)
-    proc = subprocess.run(["git", "apply", str(PATCH)], cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
     # the patched copy sits outside the checkout: the checkout's modules come from PYTHONPATH
-    stdout, losses, plans = _smoke(patched, ["--mock-data"], pythonpath=[str(training_ready)])
+    stdout, losses, plans = _smoke(_patched(training_ready, tmp_path), ["--mock-data"],
+                                   pythonpath=[str(training_ready)])
     _check_training(stdout, losses, plans)
     assert "calls megatron_dynapipe's pretrain hooks itself (patched)" in stdout
     assert losses == launcher_run[1] and plans == launcher_run[2]
 
 
-@pytest.mark.slow
-def test_cpu_smoke_run_on_a_megatron_indexed_dataset(training_ready, tmp_path):
-    import numpy as np
+def _counting_documents(prefix: Path, count: int, seed: int, longest: int = 90):
+    """A Megatron .bin/.idx dataset of documents that count up (some longer than --seq-length)."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(str(tmp_path / "docs.bin"), dtype=np.int32)
-    for _ in range(200):  # documents that count up, some longer than --seq-length (truncated)
-        n, start = int(rng.integers(6, 90)), int(rng.integers(0, 127))
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for _ in range(count):
+        n, start = int(rng.integers(6, longest)), int(rng.integers(0, 127))
         builder.add_document(torch.tensor((start + np.arange(n)) % 127, dtype=torch.int32), [n])
-    builder.finalize(str(tmp_path / "docs.idx"))
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_on_a_megatron_indexed_dataset(training_ready, tmp_path):
+    docs = _counting_documents(tmp_path / "docs", 200, seed=0)
     stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
-                                   ["--data-path", str(tmp_path / "docs"), "--split", "90,10,0",
-                                    "--dynapipe-truncate-samples"])
+                                   ["--data-path", str(docs), "--split", "90,10,0"])
     _check_training(stdout, losses, plans)
+
+
+def _patched(checkout: Path, tmp_path: Path) -> Path:
+    patched = tmp_path / "patched" / "pretrain_gpt.py"
+    patched.parent.mkdir()
+    shutil.copy(checkout / "pretrain_gpt.py", patched)
+    proc = subprocess.run(["git", "apply", str(PATCH)], cwd=patched.parent, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return patched
+
+
+@pytest.mark.slow
+def test_a_three_way_blend_trains_alike_through_the_launcher_and_the_patch(training_ready, tmp_path):
+    tasks = [_counting_documents(tmp_path / name, 120, seed=k, longest=longest)
+             for k, (name, longest) in enumerate([("short", 20), ("medium", 60), ("long", 150)])]
+    blend = ["--data-path", "0.5", str(tasks[0]), "0.3", str(tasks[1]), "0.2", str(tasks[2]), "--split", "90,10,0"]
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py", blend)
+    _check_training(stdout, losses, plans)
+    patched = _smoke(_patched(training_ready, tmp_path), blend, pythonpath=[str(training_ready)])
+    assert patched[1] == losses and patched[2] == plans
+
+
+# A character-level Hugging Face tokenizer with the special tokens of Megatron's
+# "nemotron-h-aligned" SFT prompt format (made here: no download).
+SFT_SPECIALS = ["<unk>", "<pad>", "</s>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<SPECIAL_233>"]
+
+
+def _sft_tokenizer_dir(path: Path) -> Path:
+    tokenizers = pytest.importorskip("tokenizers", reason="SFT runs need Hugging Face tokenizers and transformers<5 "
+                                                          "(Megatron's SFTTokenizer): pip install them")
+    transformers = pytest.importorskip("transformers", reason="SFT runs need transformers<5: pip install it")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("Megatron-LM core_v0.16.1's SFTTokenizer reads apply_chat_template as transformers 4 returns it: "
+                    "pip install 'transformers<5'")
+    import string
+
+    vocab = {t: i for i, t in enumerate(SFT_SPECIALS + sorted(set(string.printable)))}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", pad_token="<pad>",
+                                         eos_token="</s>", additional_special_tokens=SFT_SPECIALS[3:]
+                                         ).save_pretrained(path)
+    return path
+
+
+def _conversations(path: Path, count: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "pipe", "stage", "token", "plan"]
+    with open(path, "w") as f:
+        for _ in range(count):
+            messages = [{"role": "system", "content": "be brief"}]
+            for _ in range(int(rng.integers(1, 3))):
+                messages += [{"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(1, 5))))},
+                             {"role": "assistant", "content": " ".join(rng.choice(words, int(rng.integers(1, 9))))}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_sft_samples_are_the_conversations_megatron_sft_dataset_packs(training_ready, tmp_path):
+    """Megatron's own SFTDataset and tokenizer, independently: each conversation's tokens and
+    loss mask are what DynaPipe trains as one sample."""
+    code = textwrap.dedent(f"""
+        import json, numpy as np
+        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+        from megatron.core.datasets.utils import Split
+        from megatron.training.datasets.sft_dataset import SFTDataset
+        from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+        from megatron_dynapipe.data.sft import sft_dataset
+
+        tokenizer = SFTTokenizer({str(_sft_tokenizer_dir(tmp_path / "tok"))!r}, "nemotron-h-aligned")
+        path = {str(_conversations(tmp_path / "chat.jsonl", 24, seed=0))!r}
+        lines = [json.loads(line)["messages"] for line in open(path)]
+        config = GPTDatasetConfig(random_seed=1, sequence_length=256, blend=None, blend_per_split=[None] * 3,
+                                  split="1,0,0", tokenizer=tokenizer, reset_position_ids=False,
+                                  reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                                  mid_level_dataset_surplus=0.005, context_parallel_size=1)
+        theirs = SFTDataset(lines, None, np.arange(len(lines)), len(lines), Split.train, config)
+        ours = sft_dataset(path, tokenizer, 256, cache_dir={str(tmp_path / "cache")!r})
+        assert len(ours) == len(lines)
+        for i in range(len(lines)):
+            n, packed = len(ours[i]), theirs[i]  # one conversation per line, padded to 256
+            assert np.array_equal(packed["tokens"][:n - 1].numpy(), ours[i][:-1]), i
+            assert np.array_equal(packed["loss_mask"][:n - 1].numpy() > 0, ours.target_mask(i)[1:]), i
+            assert not packed["loss_mask"][n - 1:].any(), i
+        print("SAME", len(lines))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(pythonpath=[str(training_ready)]),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "SAME 24" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sft_trains_alike_through_the_launcher_and_the_patch_in_normal_and_fast_mode(training_ready, tmp_path):
+    sft = ["--sft", "--legacy-tokenizer", "--tokenizer-type", "SFTTokenizer",
+           "--tokenizer-model", str(_sft_tokenizer_dir(tmp_path / "tok")),
+           "--sft-tokenizer-prompt-format", "nemotron-h-aligned",
+           "--data-path", str(_conversations(tmp_path / "chat.jsonl", 300, seed=1)), "--split", "90,10,0"]
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py", sft)
+    _check_training(stdout, losses, plans)
+    patched = _smoke(_patched(training_ready, tmp_path), sft, pythonpath=[str(training_ready)])
+    assert patched[1] == losses and patched[2] == plans
+    # normal mode plans other micro-batches of the same samples: the same per-token loss
+    normal = _smoke(training_ready / "pretrain_gpt.py", sft, fast=False)
+    assert normal[1] == pytest.approx(losses, rel=1e-4)

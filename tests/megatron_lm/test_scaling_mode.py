@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,36 @@ def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
                          env=_with_checkout_on_path())
     assert out.returncode == 0, out.stdout + out.stderr
     assert header(tmp_path / "rank_0.trace.jsonl")["rank"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()),
+                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_DIR to one (with pretrain_gpt.py)")
+def test_the_patched_script_alone_traces_as_the_launcher_does_on_cpu(tmp_path):
+    """No launcher, no CUDA: the patched pretrain_gpt.py traces the fake rank before pretrain()
+    would ask for a GPU, in the same precision and with the same ops as the launcher."""
+    patched = tmp_path / "patched" / "pretrain_gpt.py"
+    patched.parent.mkdir()
+    shutil.copy(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py", patched)
+    applied = subprocess.run(["git", "apply", str(ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch")],
+                             cwd=patched.parent, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    flags = [*TINY_FLAGS, "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1.5e-4", "--train-iters", "2",
+             *FAKE, "--fake-current-rank-id", "0"]
+    env = _with_checkout_on_path()
+    env["PYTHONPATH"] = os.pathsep.join([MEGATRON_LM_DIR, env["PYTHONPATH"]])
+    runs = {"patched": [str(patched)], "launcher": ["-m", "megatron_dynapipe.megatron_lm.launcher",
+                                                    str(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py")]}
+    traces = {}
+    for name, command in runs.items():
+        out = subprocess.run([sys.executable, *command, *flags, "--trace-dir", str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        traces[name] = tmp_path / name / "rank_0.trace.jsonl"
+    assert header(traces["patched"])["model"]["dtype"] == header(traces["launcher"])["model"]["dtype"] == "float32"
+    ops = {name: [{k: v for k, v in json.loads(line).items() if k in ("kind", "name", "bytes", "phase")}
+                  for line in path.read_text().splitlines()[1:]] for name, path in traces.items()}
+    assert ops["patched"] == ops["launcher"] and ops["patched"]
 
 
 LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
