@@ -46,6 +46,7 @@
 #   GLOBAL_BATCH_SIZE default: micro-batch size x PP x DP (one micro-batch per stage)
 #   SEQ_LENGTH        default: the model's (tiny 256, others 2048)
 #   WARMUP_ITERS, TRACE_ITERS   default 1 and 1
+#   PRECISION         bf16 (default), fp16 or fp32: the training precision both ways trace
 #   PYTHON            default: the checkout's .venv, else python3
 #   TRACE_ARGS        extra `trace` options: model and training flags, both ways (e.g. "--bf16
 #                     --sequence-parallel --num-layers-per-virtual-pipeline-stage 2"); the default
@@ -85,6 +86,12 @@ if [[ ${#BATCH_CONFIGS[@]} -eq 0 ]]; then BATCH_CONFIGS=("8192 2 2"); fi
 trace() { "$PYTHON" -m megatron_dynapipe.tracer.cli "$@"; }  # = megatron-dynapipe trace
 
 args=(--model "$MODEL_SIZE" --micro-batch-size "$MICRO_BATCH_SIZE")
+case "${PRECISION:-bf16}" in  # explicit, so pretrain_gpt.py (fp32 unless told) traces what `trace` does
+    bf16) args+=(--bf16) ;;
+    fp16) args+=(--fp16) ;;
+    fp32) args+=(--fp32) ;;
+    *) echo "PRECISION=$PRECISION: use bf16, fp16 or fp32" >&2; exit 2 ;;
+esac
 [[ -n "$GLOBAL_BATCH_SIZE" ]] && args+=(--global-batch-size "$GLOBAL_BATCH_SIZE")
 [[ -n "$SEQ_LENGTH" ]] && args+=(--seq-length "$SEQ_LENGTH")
 for config in "${BATCH_CONFIGS[@]}"; do args+=(--config "$config"); done

@@ -70,6 +70,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16",
                            help="train in bfloat16 (default: bfloat16 shapes-only, float32 with real compute on CPU)")
     precision.add_argument("--fp16", dest="dtype", action="store_const", const="float16", help="train in float16")
+    precision.add_argument("--fp32", dest="dtype", action="store_const", const="float32",
+                           help="train in float32 (pretrain_gpt.py's default without --bf16/--fp16)")
     model.add_argument("--micro-batch-size", type=int, default=1, metavar="M", help="default 1")
     model.add_argument("--num-microbatches", type=int, metavar="N",
                        help="micro-batches per iteration (default: from --global-batch-size, else PP)")
