@@ -23,6 +23,7 @@ step 3 starts the tracer.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -33,7 +34,14 @@ from typing import Any, Callable, Iterable, Optional
 
 from megatron_dynapipe.config.accounting import total_params
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, CostModel, StageCosts, load_cost_model
+from megatron_dynapipe.planning.cost_model import (
+    MB,
+    AnalyticalCostModel,
+    CostModel,
+    StageCosts,
+    load_cost_model,
+    resolve_cost_model_path,
+)
 from megatron_dynapipe.progress import progress_bar, progress_enabled
 from megatron_dynapipe.simulate.hardware import Hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
@@ -128,9 +136,13 @@ class SearchSpace:
 
     @property
     def compute_label(self) -> str:
-        """Names the compute times the traces carry (traces of another label are not reused)."""
+        """Names the compute times the traces carry (traces of another label are not reused): a
+        cost model's name (``gpt-6.7b-a100``: dots are part of it) and a digest of its file's
+        bytes, so another file of the same name, or the same file changed, is traced anew."""
         if self.cost_model is not None:
-            return Path(str(self.cost_model)).stem
+            path = resolve_cost_model_path(self.cost_model)
+            name = path.name[:-len(".json")] if path.name.endswith(".json") else path.name
+            return f"{name}-{hashlib.sha256(path.read_bytes()).hexdigest()[:10]}"
         return f"analytical-{self.hardware.peak(self.dtype):g}tflops"
 
 

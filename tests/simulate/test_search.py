@@ -233,3 +233,18 @@ def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "   #   TP  PP    DP" in out and "\n   1 " in out and "rule of thumb" in out
     assert "time against memory: " + str(tmp_path / "search.png") in out
+
+
+def test_traces_made_with_one_cost_model_are_never_reused_for_another(tmp_path):
+    """The trace cache is keyed by the cost model: its whole name (shipped names have dots) and
+    its bytes (another file of that name, or the same file edited, is another model)."""
+    labels = {name: space(model="6.7", cost_model=name).compute_label for name in ("gpt-6.7b-a100", "gpt-6.7b-h100")}
+    assert labels["gpt-6.7b-a100"] != labels["gpt-6.7b-h100"]
+    assert all(label.startswith(name + "-") for name, label in labels.items())
+    from megatron_dynapipe.planning.cost_model.loading import shipped_profiles
+
+    mine = tmp_path / "gpt-6.7b-a100.json"
+    mine.write_bytes(shipped_profiles()["gpt-6.7b-a100"].read_bytes())
+    assert space(model="6.7", cost_model=str(mine)).compute_label == labels["gpt-6.7b-a100"]  # same bytes
+    mine.write_bytes(mine.read_bytes() + b"\n")
+    assert space(model="6.7", cost_model=str(mine)).compute_label != labels["gpt-6.7b-a100"]
