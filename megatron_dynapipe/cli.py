@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from megatron_dynapipe import __version__
 from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
@@ -109,6 +111,7 @@ def _bench_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dynapipe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
 
@@ -129,6 +132,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (`... --json | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
+        return 0
     except (ValueError, OSError) as error:  # our errors are one line that names the fix
         print(f"megatron-dynapipe: error: {error}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import megatron_dynapipe
+
 from project import GPT_6_7B_A100
 
 
@@ -160,3 +162,18 @@ def test_the_readme_plan_example_runs_as_written(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "plan.json").is_file() and (tmp_path / "plan.png").is_file()
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"megatron-dynapipe {megatron_dynapipe.__version__}"
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """``megatron-dynapipe plan --json | head -c 0``: the pipe is closed before anything is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_dynapipe.cli", "plan", "--num-samples", "32", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the planner prints (it imports first)
+    stderr = proc.stderr.read().decode()
+    assert proc.wait() == 0, stderr
+    assert "BrokenPipe" not in stderr and "Traceback" not in stderr and "Broken pipe" not in stderr
