@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -92,10 +91,8 @@ def test_update_pretrain_gpt_passes_the_model_and_training_flags_to_megatron(tmp
 
 @pytest.mark.slow
 def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
-    start = time.perf_counter()
     out = run_script("update_pretrain_gpt.sh", env={"OUTPUT_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
-    assert time.perf_counter() - start < 600
     (folder,) = tmp_path.iterdir()
     assert folder.name.startswith("SIM_GPT_6.7B_Config0_WS8192_PP2_TP2_DP2048_"), folder.name
     summary = json.loads((folder / "summary.json").read_text())

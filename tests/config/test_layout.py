@@ -488,17 +488,13 @@ def test_representatives_of_a_large_job():
     assert len(cp) == 8 and all(r.coords.cp == 0 for r in cp)
 
 
-def test_one_rank_queries_are_fast():
-    import time
-
+def test_one_rank_queries_answer_for_that_rank_alone():
+    """A rank's groups come from its coordinates (how long that takes is bench_topology's)."""
     layout = ParallelLayout(8192, tp=1, pp=2, cp=1)  # dp groups of 4096 ranks: the worst case
-    start = time.perf_counter()
     for rank in (0, 4095, 4096, 8191):
-        rank_groups(layout, rank)
-    per_rank = (time.perf_counter() - start) / 4
-    assert per_rank < 0.05, f"{per_rank * 1e3:.1f} ms per rank"
+        groups = rank_groups(layout, rank)
+        assert groups["dp"] == tuple(range(rank // 4096 * 4096, rank // 4096 * 4096 + 4096))
+        assert groups["pp"] == (rank % 4096, rank % 4096 + 4096)
     layout = ParallelLayout(8192, tp=8, pp=16, ep=8, expert_tp=1)
-    start = time.perf_counter()
-    rank_groups(layout, 512)
-    assert time.perf_counter() - start < 0.01
+    assert rank_groups(layout, 512)["tp"] == tuple(range(512, 520))
     assert math.isclose(representative_ranks(layout).reduction, 512.0)
