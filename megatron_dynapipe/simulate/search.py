@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_dynapipe.config.accounting import total_params
+from megatron_dynapipe.config.layout import model_problems
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import (
     MB,
@@ -99,10 +100,24 @@ class SearchSpace:
         if any(c > 1 for c in self.cp or ()):
             raise SearchError("--cp above 1 cannot be traced here: megatron-core's local attention refuses context "
                               "parallelism without transformer-engine on CUDA; search with --cp 1")
+        for tp in self.tp or ():
+            self._check_tp(tp)
         for value in self.recompute or ():
             if value not in RECOMPUTE_CHOICES:
                 raise SearchError(f"--recompute {value!r}: use {', '.join(RECOMPUTE_CHOICES)}")
         self.hardware.peak(self.dtype)  # a hardware file without this dtype's peak is refused here
+
+    def _check_tp(self, tp: int) -> None:
+        """A fixed --tp value that no layout can use is the user's to fix, not a batch problem."""
+        node = self.hardware.gpus_per_node
+        if tp > node:
+            raise SearchError(f"--tp {tp} spans {tp // node if tp % node == 0 else 'more than one'} nodes of "
+                              f"{node} GPUs ({self.hardware.name}): tensor parallelism stays inside a node (its "
+                              f"per-layer all-reduces would cross the network); use --tp {node} or less")
+        problem = next(iter(model_problems(self.model, tp=tp, names={"tp": "--tp"})), None)
+        if problem or self.world_size % tp:
+            raise SearchError(f"--tp {tp}: {problem or f'does not divide --world-size {self.world_size}'}; "
+                              "use a TP size that divides both")
 
     @property
     def tp_limit(self) -> int:

@@ -248,3 +248,12 @@ def test_traces_made_with_one_cost_model_are_never_reused_for_another(tmp_path):
     assert space(model="6.7", cost_model=str(mine)).compute_label == labels["gpt-6.7b-a100"]  # same bytes
     mine.write_bytes(mine.read_bytes() + b"\n")
     assert space(model="6.7", cost_model=str(mine)).compute_label != labels["gpt-6.7b-a100"]
+
+
+@pytest.mark.parametrize("tp, message", [
+    (16, r"--tp 16 spans 2 nodes of 8 GPUs \(free\): tensor parallelism stays inside a node"),
+    (3, r"--tp 3: 32 attention heads of model 6.7B are not divisible by --tp = 3"),
+])
+def test_a_fixed_tp_no_layout_can_use_is_refused_before_the_search(tp, message):
+    with pytest.raises(SearchError, match=message):
+        space(model="6.7", world=64, gbs=64, tp=(tp,))
