@@ -109,8 +109,24 @@ def _bench_parser(sub) -> None:
     step.set_defaults(func=step_bench.run)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line is one line naming where help is, not the usage first
+    (17-40 lines for the bigger commands). Subcommands inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A command (a parser without subcommands) names its own unknown flags, so the error
+        points at that command's help, not the top level's."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-dynapipe", description=__doc__)
+    parser = _OneLineErrors(prog="megatron-dynapipe", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)

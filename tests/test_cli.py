@@ -177,3 +177,16 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     stderr = proc.stderr.read().decode()
     assert proc.wait() == 0, stderr
     assert "BrokenPipe" not in stderr and "Traceback" not in stderr and "Broken pipe" not in stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (("plan", "--mix", "nope"), "megatron-dynapipe plan: error: argument --mix: invalid choice: 'nope'"),
+    (("plan", "--bogus"), "megatron-dynapipe plan: error: unrecognized arguments: --bogus"),
+    (("bench", "planner", "--sizes", "x"), "megatron-dynapipe bench planner: error: argument --sizes"),
+    (("nope",), "megatron-dynapipe: error: argument command: invalid choice: 'nope'"),
+])
+def test_a_command_line_mistake_is_one_line_pointing_at_that_commands_help(args, line):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    (only,) = proc.stderr.splitlines()
+    assert only.startswith(line) and only.endswith(f"(see {line.split(':')[0]} --help)"), only
