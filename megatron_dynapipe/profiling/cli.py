@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def run_profile(args: argparse.Namespace) -> int:
           f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: "
           f"about {expected} points", file=sys.stderr)
     stream = sys.stderr
+    _warn_if_busy(device, "before profiling")
     with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
         task = bar.add_task("profile", total=expected)
 
@@ -108,10 +110,28 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"interrupted: {output} holds what was measured; run again with --resume to go on",
                   file=sys.stderr)
             return 130
+    _warn_if_busy(device, "while profiling")
     points = len({(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]})
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
     return 0
+
+
+def busy_machine_warning(load: float, cores: int, when: str) -> "str | None":
+    """A CPU timed while other work runs is slower by the share it lost (2-14x has been seen):
+    say so when the load average over the last minute passes half the cores."""
+    if load <= cores / 2:
+        return None
+    return (f"warning: this machine was busy {when} (load average {load:.1f} on {cores} cores): CPU times measured "
+            "now can be several times slower than on an idle machine; profile again when it is idle")
+
+
+def _warn_if_busy(device, when: str) -> None:
+    if device.type != "cpu" or not hasattr(os, "getloadavg"):
+        return
+    message = busy_machine_warning(os.getloadavg()[0], os.cpu_count() or 1, when)
+    if message:
+        print(message, file=sys.stderr)
 
 
 def _report_calibration(doc: dict, output) -> int:

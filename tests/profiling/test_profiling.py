@@ -364,3 +364,13 @@ def test_a_calibration_cannot_resume_and_a_broken_one_is_named(tmp_path):
         with pytest.raises(CostModelError, match=fragment) as error:
             load_cost_model(out, tp=1)
         assert "\n" not in str(error.value) and "docs/cost_model.md" in str(error.value)
+
+
+def test_a_busy_machine_is_named_when_cpu_times_are_taken():
+    from megatron_dynapipe.profiling.cli import busy_machine_warning
+
+    assert busy_machine_warning(0.4, 2, "before profiling") is None
+    assert busy_machine_warning(1.0, 2, "before profiling") is None  # half the cores: still fair
+    line = busy_machine_warning(4.2, 2, "while profiling")
+    assert line.startswith("warning: this machine was busy while profiling (load average 4.2 on 2 cores)")
+    assert "\n" not in line
