@@ -190,3 +190,16 @@ def test_a_command_line_mistake_is_one_line_pointing_at_that_commands_help(args,
     assert proc.returncode == 2
     (only,) = proc.stderr.splitlines()
     assert only.startswith(line) and only.endswith(f"(see {line.split(':')[0]} --help)"), only
+
+
+def test_plan_says_what_it_priced_the_layers_with(tiny_profile, tmp_path):
+    path, _ = tiny_profile  # measured on the tiny GPT's 4 layers; planned here as 32 of them
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in (17, 90, 120, 33, 64, 8, 100, 75)))
+    out = run_cli("plan", "--lengths", str(lengths), "--cost-model", str(path), "--pp", "4", "--memory-limit", "4000")
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("model: ")]
+    assert line.startswith("model: 32 layers priced by profile ") and "layers measured on a 4-layer model" in line
+    assert "cpu" in line.lower() and "tp 1" in line
+    default = run_cli("plan", "--num-samples", "16", "--json")
+    assert json.loads(default.stdout)["cost_model"].startswith("the analytical GPT model (hidden 4096, 32 heads")

@@ -19,6 +19,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "num_samples": len(lengths),
         "tokens": int(sum(lengths)),
         "pp": spec.pp, "dp": spec.dp, "tp": spec.tp, "num_layers": spec.num_layers,
+        "cost_model": costs.model.describe(),
         "memory_limit_mb": spec.memory_limit_mb,
         "fast_mode": result.fast_mode,
         "planning_seconds": result.planning_seconds,
@@ -59,6 +60,7 @@ def format_summary(summary: dict) -> str:
         f"global batch: {summary['num_samples']} samples, {summary['tokens']} tokens; "
         f"PP={summary['pp']} DP={summary['dp']} TP={summary['tp']}, limit {summary['memory_limit_mb']:.0f} MB",
         f"fast mode: {'on' if summary['fast_mode'] else 'off'}; planning took {summary['planning_seconds']:.3f} s",
+        f"model: {summary['num_layers']} layers priced by {summary['cost_model']}",
     ]
     for r, rank in enumerate(summary["dp_ranks"]):
         shapes = ", ".join(f"{m['size']}x{m['seq_len']}" for m in rank["microbatches"])

@@ -97,6 +97,11 @@ class AnalyticalCostModel(CostModel):
         self._head_flop_per_token = output_flops_per_token(h, self.vocab_size) / t
         self._encoder_state_mb = 8.0 * self.param_mb("encoder")
 
+    def describe(self) -> str:
+        return (f"the analytical GPT model (hidden {self.hidden_size}, "
+                f"{self.num_heads} heads, FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}, "
+                f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:g} of it), tp {self.tp}")
+
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
                 f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "

@@ -81,6 +81,10 @@ class CostModel(abc.ABC):
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
 
+    def describe(self) -> str:
+        """What the plan was priced with, in a few words (the plan summary prints it)."""
+        return f"{type(self).__name__} {self.name or ''}".strip() + f", hidden {self.hidden_size}, tp {self.tp}"
+
     def to_document(self) -> dict:
         """The cost-model file (docs/cost_model.md) that rebuilds this model, for
         :func:`~.loading.cost_model_from_document`: how a model travels between processes."""

@@ -63,6 +63,12 @@ class ProfiledCostModel(CostModel):
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
         self._stacks: dict[tuple, GridStack | None] = {}  # by tuple of recompute types, built on first use
 
+    def describe(self) -> str:
+        model = self.metadata.get("model") or {}
+        measured = (f", layers measured on a {model['num_layers']}-layer model" if model.get("num_layers") else "")
+        where = ", ".join(str(v) for v in (self.metadata.get("device"), self.metadata.get("dtype")) if v)
+        return f"profile {self.name!r}{f' ({where})' if where else ''}, hidden {self.hidden_size}, tp {self.tp}{measured}"
+
     def __repr__(self) -> str:
         kinds = ", ".join(rc.label for rc in self.recompute_types)
         return f"ProfiledCostModel({self.name!r}, tp={self.tp}, recompute: {kinds})"
