@@ -141,7 +141,7 @@ def _checked(args) -> dict:
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     return dict(model=spec, device=device, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, dp=args.dp, seed=args.seed,
-                cost_model_name=args.cost_model or "analytical")
+                cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -316,7 +316,9 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         median = statistics.median(steps)
         rows[name] = dict(
             median_ms=median * 1e3, spread_ms=(max(steps) - min(steps)) * 1e3, tokens_per_s=real_tokens / median,
-            predicted_ms=method.predicted_ms, prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100,
+            # the default analytical model prices an A100, not this device: its times are no prediction
+            predicted_ms=method.predicted_ms if job["predicts"] else None,
+            prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job["predicts"] else None,
             microbatches=sum(map(len, method.microbatches)),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
             peak_mb=max(rank["peak_mb"][name] for rank in per_rank), planning_s=method.planning_s,
@@ -346,15 +348,20 @@ def format_table(row: dict) -> str:
     ]
     for name, m in row["methods"].items():
         planning = "" if m["planning_s"] is None else f"{m['planning_s']:.2f}"
+        predicted, error = (("-", "-") if m["predicted_ms"] is None
+                            else (f"{m['predicted_ms']:.1f}", f"{m['prediction_error_pct']:+.0f}%"))
         lines.append(f"| {name} | {m['microbatches']} | {m['padded_tokens']} | {m['median_ms']:.1f} | "
-                     f"{m['tokens_per_s']:.0f} | {m['predicted_ms']:.1f} | {m['prediction_error_pct']:+.0f}% | "
-                     f"{m['peak_mb']:.0f} | {planning} |")
+                     f"{m['tokens_per_s']:.0f} | {predicted} | {error} | {m['peak_mb']:.0f} | {planning} |")
     lines.append(f"DynaPipe over pad-to-max: {row['speedup_over_pad_to_max']:.2f}x, over packing: "
                  f"{row['speedup_over_packing']:.2f}x (real tokens per second)")
     agree = "agree" if row["losses_agree"] else "DISAGREE"
     lines.append(f"losses: DynaPipe {row['methods'][DYNAPIPE]['loss']:.5f}, pad-to-max {row['methods'][PAD]['loss']:.5f} "
                  f"({agree}, relative gap {row['loss_gap']:.1e}); packing {row['methods'][PACK]['loss']:.5f} "
                  "(samples attend to their neighbours)")
+    if row["methods"][DYNAPIPE]["predicted_ms"] is None:
+        lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
+                     "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "
+                     "--cost-model FILE to compare predicted with measured")
     mine, profiled = row["threads_per_rank"], row["profile_threads"]
     if mine and profiled and mine != profiled:
         lines.append(f"note: the profile was measured with {profiled} CPU threads, each rank here ran with {mine}: "

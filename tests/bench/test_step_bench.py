@@ -115,3 +115,16 @@ def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, tmp_p
     run = bench("--model", "tiny", *args, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_without_a_cost_model_of_this_device_nothing_is_called_a_prediction(lengths_file):
+    """The default analytical model prices an A100: on this CPU its times are no prediction
+    (they read -100%), so the table leaves them out and says how to get one."""
+    args = ("--model", "tiny", "--lengths", str(lengths_file), "--max-seq-length", str(SEQ), "--steps", "3",
+            "--warmup", "0")
+    row = json.loads(bench(*args, "--json").stdout)
+    assert all(m["predicted_ms"] is None and m["prediction_error_pct"] is None for m in row["methods"].values())
+    table = bench(*args)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "no predictions: the default analytical model prices an A100, not this device" in table.stdout
+    assert "%" not in "".join(line for line in table.stdout.splitlines() if line.startswith("| DynaPipe |"))
