@@ -19,6 +19,7 @@ compute is :mod:`.trace_budget`; what a batch gives back and writes is :mod:`.ba
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -138,8 +139,10 @@ class TraceConfig:
         """The ranks traced for this config (one per stage, times EP for MoE)."""
         return representative_ranks(self.layout(), moe=self.moe)
 
-    def folder_name(self) -> str:
-        """``SIM_GPT_<MODEL>_Config<i>_WS<W>_PP<P>_TP<T>[_CP<c>][_EP<e>]_DP<D>_nMICROB<n>_MICROB_SIZE<m>_GLOBAL_BATCH<g>``."""
+    def folder_name(self, training=None) -> str:
+        """``SIM_GPT_<MODEL>_Config<i>_WS<W>_PP<P>_TP<T>[_CP<c>][_EP<e>]_DP<D>_nMICROB<n>_MICROB_SIZE<m>_GLOBAL_BATCH<g>``,
+        then ``_FLAGS<digest>`` when ``training`` (:class:`MegatronOptions`) asks for any Megatron flag: a
+        layout traced with other training flags is another trace, in another folder."""
         name = f"SIM_GPT_{self.model.label}_Config{self.index}_WS{self.world_size}_PP{self.pp}_TP{self.tp}"
         if self.cp != 1:
             name += f"_CP{self.cp}"
@@ -151,6 +154,9 @@ class TraceConfig:
             f"_DP{self.dp}_nMICROB{self.microbatches}_MICROB_SIZE{self.micro_batch_size}"
             f"_GLOBAL_BATCH{self.global_batch}"
         )
+        flags = training.megatron_args() if training is not None else []
+        if flags:
+            name += "_FLAGS" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
         return re.sub(r"[^A-Za-z0-9_.-]", "-", name)
 
     def to_dict(self) -> dict[str, Any]:

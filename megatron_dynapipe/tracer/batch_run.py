@@ -132,7 +132,7 @@ def run_batch(
 
 def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts: dict) -> ConfigResult:
     start = time.perf_counter()
-    result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
+    result = ConfigResult(config, OK, folder=output_dir / config.folder_name(opts["training"]))
     try:
         layout, reps = config.layout(), config.representatives()
         result.ranks_traced = len(reps)
@@ -182,13 +182,13 @@ def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike 
     for config in configs:
         reasons = validate(config, training)
         results.append(ConfigResult(config, INVALID, reasons=reasons) if reasons
-                       else _collect_config(config, output_dir))
+                       else _collect_config(config, output_dir, training))
     return results
 
 
-def _collect_config(config: TraceConfig, output_dir: Path) -> ConfigResult:
+def _collect_config(config: TraceConfig, output_dir: Path, training: MegatronOptions) -> ConfigResult:
     start = time.perf_counter()
-    result = ConfigResult(config, OK, folder=output_dir / config.folder_name())
+    result = ConfigResult(config, OK, folder=output_dir / config.folder_name(training))
     reps = config.representatives()
     result.ranks_traced = len(reps)
     if not result.folder.is_dir():
@@ -347,7 +347,7 @@ def _do_rank(tracer: Tracer, folder: Path, config: TraceConfig, layout: Parallel
         import torch
 
         torch.set_num_threads(threads)
-    log.info("fake rank %d of %s (%s): tracing %s, options %s", rank, config.folder_name(),
+    log.info("fake rank %d of %s (%s): tracing %s, options %s", rank, config.folder_name(options.get("training")),
              layout.describe(), config.model.label, options)
     trace = tracer(
         layout, rank, config.model,

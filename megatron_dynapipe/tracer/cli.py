@@ -250,7 +250,7 @@ def _print_ranks(configs: Sequence[TraceConfig], training: MegatronOptions, args
                 "global_batch_size": config.global_batch, "seq_length": config.seq,
                 "rank": rep.global_rank, "stage": rep.stage, "ep_rank": rep.ep_rank,
                 "model": config.model.label, "experts": config.model.num_experts,
-                "expert_tp": config.expert_tp_size, "folder": config.folder_name(),
+                "expert_tp": config.expert_tp_size, "folder": config.folder_name(training),
                 "megatron_args": _megatron_args(config.model, config.seq, training, args.dtype),
             })
     if args.json:

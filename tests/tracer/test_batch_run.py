@@ -55,6 +55,21 @@ def test_run_batch_writes_a_folder_per_config(tmp_path, isolation):
         assert CALLS[0]["seq_length"] == 256 and CALLS[0]["shapes_only"] is False
 
 
+def test_a_layout_traced_with_other_training_flags_keeps_its_own_folder(tmp_path):
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+
+    configs = parse_configs(["16 2 2"])
+    plain = run_batch(configs, tmp_path, tracer=stand_in_tracer, isolation="inline", progress=False)[0]
+    sp = MegatronOptions(sequence_parallel=True)
+    flagged = run_batch(configs, tmp_path, tracer=stand_in_tracer, isolation="inline", progress=False,
+                        training=sp)[0]
+    assert plain.folder != flagged.folder and plain.folder.is_dir() and flagged.folder.is_dir()
+    assert plain.folder.name == configs[0].folder_name() == configs[0].folder_name(MegatronOptions())
+    assert flagged.folder.name.startswith(plain.folder.name + "_FLAGS")
+    assert configs[0].folder_name(MegatronOptions(sequence_parallel=True, distributed_optimizer=True)) \
+        not in (plain.folder.name, flagged.folder.name)
+
+
 def test_a_failed_config_names_its_first_failed_rank_whichever_finished_first():
     result = ConfigResult(cfg("32 2 2"), "ok")
     for rank, status in [(16, "failed"), (8, "ok"), (0, "failed")]:  # the order they finished in
