@@ -19,6 +19,10 @@ from megatron_dynapipe.simulate.search_report import format_search, plot_search
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
 
+#: share of a GPU's memory search leaves free by default (CUDA context, NCCL buffers, fragmentation)
+MEMORY_HEADROOM = 0.1
+
+
 def add_hardware_arguments(group, default_note: str) -> None:
     """``--hardware`` and ``--gpus-per-node``, read back by :func:`hardware_from_args`."""
     group.add_argument("--hardware", default="a100", metavar="NAME|FILE",
@@ -95,10 +99,15 @@ def add_search_parser(sub) -> None:
     job.add_argument("--global-batch-size", type=int, required=True, metavar="G", help="sequences per iteration")
     job.add_argument("--seq-length", type=int, metavar="S", help="tokens per sequence (default: the model's)")
     add_hardware_arguments(job, "its peak times the traced compute")
-    job.add_argument("--fp16", dest="dtype", action="store_const", const="float16", default="bfloat16",
-                     help="train in float16 (default bfloat16)")
+    precision = job.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16", default="bfloat16",
+                           help="train in bfloat16 (the default)")
+    precision.add_argument("--fp16", dest="dtype", action="store_const", const="float16", help="train in float16")
     job.add_argument("--cost-model", metavar="NAME|FILE",
                      help="a profiled cost model for compute times (default: analytical at the hardware's peak)")
+    job.add_argument("--memory-headroom", type=float, default=MEMORY_HEADROOM, metavar="FRACTION",
+                     help="share of each GPU's memory a layout must leave free for what traces do not count: the "
+                          f"CUDA context, NCCL's buffers, allocator fragmentation (default {MEMORY_HEADROOM:g})")
     fixed = p.add_argument_group("fixed dimensions (default: all that make sense)")
     fixed.add_argument("--tp", type=_int_list, metavar="N[,N...]", help="tensor-parallel sizes (default: powers of "
                        "two up to the GPUs of a node)")
@@ -129,6 +138,11 @@ def run_search_cli(args: argparse.Namespace) -> int:
     import sys
 
     hardware = hardware_from_args(args)
+    if not 0 <= args.memory_headroom < 1:
+        raise ValueError(f"--memory-headroom {args.memory_headroom:g}: give the share of memory to leave free, "
+                         f"from 0 up to below 1 (default {MEMORY_HEADROOM:g})")
+    # layouts must fit what is left: the estimate's pruning and the traced peaks alike
+    hardware = dataclasses.replace(hardware, memory_gib=hardware.memory_gib * (1 - args.memory_headroom))
     for flag in ("top", "max_traced"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -142,6 +156,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
     result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,
                         say=lambda line: print(line, file=sys.stderr))
     document = result.to_json()
+    document.update(memory_headroom=args.memory_headroom, usable_memory_gib=hardware.memory_gib)
     document["plot"] = str(plot_search(result, out / "search.png"))
     document["json"] = str(out / "search.json")
     write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n")

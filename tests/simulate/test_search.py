@@ -257,3 +257,15 @@ def test_traces_made_with_one_cost_model_are_never_reused_for_another(tmp_path):
 def test_a_fixed_tp_no_layout_can_use_is_refused_before_the_search(tp, message):
     with pytest.raises(SearchError, match=message):
         space(model="6.7", world=64, gbs=64, tp=(tp,))
+
+
+def test_layouts_must_leave_the_memory_headroom_free(tmp_path, capsys):
+    argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "8", "--max-traced", "1",
+            "--tp", "1", "--recompute", "none", "--no-distributed-optimizer", "--output-dir", str(tmp_path),
+            "--no-progress", "--json"]
+    assert main(argv) == 0  # the default: 10% of the A100's 80 GiB left free
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["memory_headroom"] == 0.1 and doc["usable_memory_gib"] == pytest.approx(72.0)
+    # the tiny GPT's model state alone is over 0.01 GiB a GPU: leaving all but 0.004 GiB free fits no layout
+    assert main([*argv, "--memory-headroom", "0.99995"]) == 2
+    assert "no layout fits 0.004 GiB per GPU" in capsys.readouterr().err
