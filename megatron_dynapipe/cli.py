@@ -7,8 +7,8 @@ import argparse
 import json
 import os
 import sys
+from importlib.metadata import version
 
-from megatron_dynapipe import __version__
 from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
@@ -127,7 +127,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="megatron-dynapipe", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('megatron-dynapipe')}")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
 

@@ -86,7 +86,7 @@ def test_the_embedding_is_timed_and_priced_on_the_first_stage(tiny_profile):
         enc = times[(1, rc, "encoder", "backward", 128, 2)]
         embedding = times[(1, rc, "preprocess", "backward", 128, 2)]
         head = times[(1, rc, "postprocess", "backward", 128, 2)]
-        assert 0 < embedding < enc
+        assert embedding > 0 and enc > 0 and head > 0  # which is larger is a measurement: load can swap them
         extra = overhead(doc, "backward", 2 * 128, layers=2)
         assert stages.backward_ms(0, 2, 128, rc) == pytest.approx(2 * enc + embedding + extra, rel=1e-12)
         assert stages.backward_ms(1, 2, 128, rc) == pytest.approx(2 * enc + head + extra, rel=1e-12)
@@ -121,7 +121,9 @@ def test_short_points_are_timed_until_they_add_up_to_the_minimum_time():
 
     timing = time_step(step, torch.device("cpu"), warmup=1, repeats=3, min_time_ms=100)
     calls.pop()  # the warm-up run
-    assert 4 <= len(calls) <= 25  # at least 4 ms each: the 25th run passes 100 ms at the latest
+    # at least `repeats`, more while short (a busy machine stretches the sleeps: fewer runs); at
+    # least 4 ms each, so the 25th run passes 100 ms at the latest
+    assert 3 <= len(calls) <= 25
     assert timing.forward_ms >= 4
     calls.clear()
     time_step(step, torch.device("cpu"), warmup=0, repeats=3, min_time_ms=1000, max_repeats=6)
