@@ -160,6 +160,8 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
             bar.advance(ranks_task)
     except KeyboardInterrupt:  # the folder says so; run_batch stops after this config
         result.status, result.error = INTERRUPTED, f"interrupted after {len(result.ranks)} of {len(reps)} ranks"
+        for partial in result.folder.glob(".fake_rank_*.log.partial"):  # no hidden logs left behind
+            finish_log(partial, partial.with_name(partial.name[1:-len(".partial")]), ["# status interrupted"])
         result.seconds = time.perf_counter() - start
         write_summary(result, complete=False)
         return result

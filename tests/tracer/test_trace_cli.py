@@ -231,6 +231,8 @@ def test_ctrl_c_marks_the_folder_interrupted_and_stops_the_batch(tmp_path, monke
     summary = json.loads((folder / "summary.json").read_text())
     assert (summary["status"], summary["complete"]) == ("interrupted", False)
     assert summary["error"] == "interrupted after 1 of 2 ranks" and len(summary["ranks"]) == 1
+    assert not list(folder.glob(".*")), "hidden partial logs left behind"
+    assert (folder / "fake_rank_8.log").read_text().endswith("# status interrupted\n")
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # the second config never started
     assert "interrupted; " + str(folder) in err and "Traceback" not in err
     assert "1 interrupted" in out
