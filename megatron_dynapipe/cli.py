@@ -31,10 +31,12 @@ def _plan_parser(sub) -> None:
     src.add_argument("--num-samples", type=int, default=64, help="size of the built-in synthetic batch (default 64)")
     p.add_argument("--mix", default="multitask", choices=MIXES,
                    help="built-in length mix (default multitask)")
-    p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=4,
+                   help="pipeline stages (default 4)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size (default 1)")
+    p.add_argument("--num-layers", type=int, default=32, help="transformer layers (default 32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB", help="per-GPU memory limit (default 36000)")
     add_planner_arguments(p)

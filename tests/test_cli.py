@@ -203,3 +203,25 @@ def test_plan_says_what_it_priced_the_layers_with(tiny_profile, tmp_path):
     assert "cpu" in line.lower() and "tp 1" in line
     default = run_cli("plan", "--num-samples", "16", "--json")
     assert json.loads(default.stdout)["cost_model"].startswith("the analytical GPT model (hidden 4096, 32 heads")
+
+
+def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
+    from megatron_dynapipe.cli import build_parser
+
+    parser = build_parser()
+
+    def parsed(*argv):
+        return parser.parse_args(list(argv))
+
+    plan = parsed("plan", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8")
+    assert (plan.tp, plan.pp) == (2, 8)
+    assert parsed("plan", "--recompute", "none", "full").recompute == parsed("plan", "--recompute", "none,full").recompute
+    search = ["search", "--world-size", "64", "--global-batch-size", "64"]
+    for tp in (["1", "2", "4"], ["1,2,4"], ["1,2", "4"]):
+        args = parsed(*search, "--tensor-model-parallel-size", *tp, "--pipeline-model-parallel-size", "2,4",
+                      "--context-parallel-size", "1", "--micro-batch-size", "1", "2")
+        assert (args.tp, args.pp, args.cp, args.micro_batch_size) == ((1, 2, 4), (2, 4), (1,), (1, 2))
+    profile = ("profile", "-o", "p.json")
+    assert parsed(*profile, "--tp", "1,2", "4").tp == parsed(*profile, "--tensor-model-parallel-size", "1", "2", "4").tp == (1, 2, 4)
+    step = parsed("bench", "step", "--pipeline-model-parallel-size", "2", "--seq-length", "512")
+    assert (step.pp, step.max_seq_length) == (2, 512)

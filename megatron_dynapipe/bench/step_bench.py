@@ -60,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cost-model", metavar="NAME|FILE",
                    help="the planner's cost model: a profile of this model on this device (megatron-dynapipe "
                         "profile) or a shipped profile's name (default: the analytical GPT model)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline stages (default 1)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel ranks (default 1); PP x DP local processes run the steps")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
@@ -68,8 +69,9 @@ def add_arguments(p) -> None:
     p.add_argument("--mix", choices=MIXES, default="multitask",
                    help="built-in length mix, scaled to --max-seq-length (default multitask)")
     p.add_argument("--lengths", metavar="FILE", help="sample lengths instead of the mix (one a line, or a JSON list)")
-    p.add_argument("--max-seq-length", type=int, metavar="N",
-                   help="Megatron's --seq-length: pad-to-max and packing length (default: the model's positions)")
+    p.add_argument("--seq-length", "--max-seq-length", dest="max_seq_length", type=int, metavar="N",
+                   help="Megatron's --seq-length: the longest sample, pad-to-max and packing length (default: the "
+                        "model's positions)")
     p.add_argument("--memory-limit", type=float, metavar="MB",
                    help="per-device memory the plans must fit (default: the GPU's memory, 36000 on the CPU)")
     add_device_arguments(p, "run")

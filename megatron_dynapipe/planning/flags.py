@@ -10,7 +10,7 @@ from megatron_dynapipe.planning.fast_mode import AUTO_FAST_MODE_MIN_SAMPLES, FAS
 from megatron_dynapipe.planning.spec import PARTITION_METHODS, SCHEDULES, TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
+__all__ = ["ListAction", "argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
            "add_planner_arguments", "planner_settings"]
 
 
@@ -38,6 +38,30 @@ def _positive_int(text: str) -> int:
 
 #: argparse ``type`` of a count that must be at least 1
 positive_int_argument = argument_type(_positive_int)
+
+
+class ListAction(argparse.Action):
+    """A list flag written either way: ``--tp 1 2 4``, ``--tp 1,2,4`` or a mix. ``type`` parses each
+    item; the flag's value is the tuple of them in order, duplicates dropped."""
+
+    def __init__(self, option_strings, dest, type=None, **kwargs):
+        kwargs.setdefault("nargs", "+")
+        super().__init__(option_strings, dest, **kwargs)
+        self.item_type = type or str
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = []
+        for value in values:
+            for text in (v.strip() for v in value.split(",")):
+                if not text:
+                    continue
+                try:
+                    items.append(self.item_type(text))
+                except (ValueError, argparse.ArgumentTypeError) as error:
+                    parser.error(f"argument {option_string}: {error}")
+        if not items:
+            parser.error(f"argument {option_string}: give at least one value")
+        setattr(namespace, self.dest, tuple(dict.fromkeys(items)))
 #: argparse ``type`` of a recompute choice (none, selective, full)
 recompute_argument = argument_type(RecomputeType.parse)
 #: argparse ``type`` of every fast-mode flag (``plan --fast-mode``, ``--dynapipe-fast-mode``)
@@ -64,7 +88,7 @@ def add_planner_arguments(group, prefix: str = "") -> None:
         help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} (default: all)")
     add("partition", choices=PARTITION_METHODS, default=d.partition,
         help="micro-batching: dynamic programming (dp, default), token_based or uniform")
-    add("recompute", nargs="+", type=recompute_argument, default=list(d.recompute_types),
+    add("recompute", action=ListAction, type=recompute_argument, default=list(d.recompute_types),
         metavar="{none,selective,full}", help="recompute choices the planner may give a micro-batch (default: all)")
     add("seed", type=int, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
     add("seqlen-round", type=positive_int_argument, default=d.seqlen_round, metavar="N",

@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device
-from megatron_dynapipe.planning.flags import positive_int_argument, recompute_argument
+from megatron_dynapipe.planning.flags import ListAction, positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.progress import progress_bar, progress_enabled
 
@@ -21,9 +21,9 @@ def add_profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure a GPT's layers on this device into a cost-model file",
                        description=__doc__)
     add_model_arguments(p)
-    p.add_argument("--tp", nargs="+", type=positive_int_argument, default=[1], metavar="N",
-                   help="tensor-parallel sizes to profile (default 1)")
-    p.add_argument("--recompute", nargs="+", type=recompute_argument, default=list(RecomputeType),
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", action=ListAction, type=positive_int_argument,
+                   default=[1], metavar="N", help="tensor-parallel sizes to profile, e.g. 1 2 4 8 or 1,2,4,8 (default 1)")
+    p.add_argument("--recompute", action=ListAction, type=recompute_argument, default=list(RecomputeType),
                    metavar="{none,selective,full}", help="recompute types to profile (default: all three)")
     add_device_arguments(p, "measure")
     p.add_argument("--min-seq-length", type=positive_int_argument, default=32, metavar="N",

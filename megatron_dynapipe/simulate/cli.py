@@ -9,6 +9,7 @@ import json
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.files import check_output_folder, write_atomically
+from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
 from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
@@ -77,16 +78,6 @@ def add_calibrate_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers such as 4,8, got {text!r}")
-    return values
-
-
 def add_search_parser(sub) -> None:
     p = sub.add_parser("search", help="find the fastest parallel layout that fits: estimate, trace, simulate",
                        description="Enumerate the layouts (TP, PP, DP, micro-batch size, recompute, distributed "
@@ -109,12 +100,16 @@ def add_search_parser(sub) -> None:
                      help="share of each GPU's memory a layout must leave free for what traces do not count: the "
                           f"CUDA context, NCCL's buffers, allocator fragmentation (default {MEMORY_HEADROOM:g})")
     fixed = p.add_argument_group("fixed dimensions (default: all that make sense)")
-    fixed.add_argument("--tp", type=_int_list, metavar="N[,N...]", help="tensor-parallel sizes (default: powers of "
+    fixed.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", action=ListAction,
+                       type=positive_int_argument, metavar="N", help="tensor-parallel sizes (default: powers of "
                        "two up to the GPUs of a node)")
-    fixed.add_argument("--pp", type=_int_list, metavar="N[,N...]", help="pipeline sizes (default: divisors of the layers)")
-    fixed.add_argument("--cp", type=_int_list, metavar="N[,N...]", help="context-parallel sizes (default 1)")
-    fixed.add_argument("--micro-batch-size", type=_int_list, metavar="N[,N...]", help="default 1,2,4,8")
-    fixed.add_argument("--recompute", type=lambda t: tuple(v for v in t.split(",") if v), metavar="KIND[,KIND...]",
+    fixed.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", action=ListAction,
+                       type=positive_int_argument, metavar="N", help="pipeline sizes (default: divisors of the layers)")
+    fixed.add_argument("--cp", "--context-parallel-size", dest="cp", action=ListAction, type=positive_int_argument,
+                       metavar="N", help="context-parallel sizes (default 1)")
+    fixed.add_argument("--micro-batch-size", action=ListAction, type=positive_int_argument, metavar="N",
+                       help="micro-batch sizes (default 1 2 4 8)")
+    fixed.add_argument("--recompute", action=ListAction, metavar="KIND",
                        help="none, selective, full (default all three)")
     opt = fixed.add_mutually_exclusive_group()
     opt.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(True,),

@@ -62,7 +62,7 @@ def test_dynapipe_flags_parse():
                      "--dynapipe-comm-timeout", "120")
     assert args.dynapipe_memory_limit == 30000.0 and args.dynapipe_cost_model == __file__
     assert args.dynapipe_schedule == ["1f1b"] and args.dynapipe_partition == "token_based"
-    assert args.dynapipe_recompute == [RecomputeType.NONE, RecomputeType.FULL]
+    assert args.dynapipe_recompute == (RecomputeType.NONE, RecomputeType.FULL)
     assert (args.dynapipe_preprocess_workers, args.dynapipe_kv_host, args.dynapipe_kv_port) == (4, "10.0.0.1", 4242)
     assert (args.dynapipe_seed, args.dynapipe_seqlen_round, args.dynapipe_comm_timeout) == (7, 64, 120.0)
     assert args.variable_seq_lengths is True  # Megatron forces it off; planned batches need it
