@@ -13,14 +13,16 @@ __all__ = ["FastMode", "FAST_MODE_ENV", "parse_fast_mode", "fast_mode_from_env",
 
 FAST_MODE_ENV = "DYNAPIPE_FAST_MODE"
 AUTO_FAST_MODE_MIN_SAMPLES = 17  # "auto": fast when the global batch has more than 16 samples
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+# The three words the flags show ({true,false,auto}) and nothing else, so that every accepted
+# value is one the help names; an empty variable counts as unset.
+_TRUE = {"true"}
+_FALSE = {"false", ""}
 
 FastMode = Union[bool, str, None]  # True / False / "auto" / None (= environment, else off)
 
 
 def parse_fast_mode(text: str) -> "bool | str":
-    """"true|1|yes|on" -> True, "false|0|no|off" -> False, "auto" -> "auto"; else ValueError."""
+    """"true" -> True, "false" -> False, "auto" -> "auto" (any case); else ValueError."""
     value = text.strip().lower()
     if value in _TRUE:
         return True

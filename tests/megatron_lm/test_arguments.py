@@ -95,7 +95,7 @@ def test_chained_with_another_provider():
 @pytest.mark.parametrize("env, argv, expected, source", [
     ("true", (), True, "env"),
     ("auto", (), "auto", "env"),
-    ("0", (), False, "env"),
+    ("False", (), False, "env"),
     (None, (), False, "default"),
     ("true", ("--dynapipe-fast-mode", "false"), False, "flag"),
     (None, ("--dynapipe-fast-mode",), True, "flag"),

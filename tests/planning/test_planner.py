@@ -108,9 +108,9 @@ def test_orders_tried_shrink_to_three_as_microbatches_multiply():
 
 def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
     lengths = synthetic_lengths(24, seed=2)
-    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "yes")
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "TRUE")
     assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4).fast_mode is True
-    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "0")
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "false")
     assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4).fast_mode is False
     # An explicit argument wins over the environment; "auto" is fast above 16 samples.
     assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=True).fast_mode is True
@@ -213,12 +213,13 @@ def test_a_jobs_fast_mode_setting_is_resolved_once_where_its_settings_are_read(m
 
     monkeypatch.delenv("DYNAPIPE_FAST_MODE", raising=False)
     assert resolve_fast_mode_setting(None) is False
-    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "on")
+    monkeypatch.setenv("DYNAPIPE_FAST_MODE", "true")
     assert resolve_fast_mode_setting(None) is True
     assert resolve_fast_mode_setting(False) is False  # an explicit setting wins over the environment
-    assert resolve_fast_mode_setting("AUTO") == "auto" and resolve_fast_mode_setting("yes") is True
-    with pytest.raises(ValueError, match="'sometimes' is not a fast mode: use true, false or auto"):
-        resolve_fast_mode_setting("sometimes")
+    assert resolve_fast_mode_setting("AUTO") == "auto" and resolve_fast_mode_setting("True") is True
+    for word in ("sometimes", "yes", "1", "on"):  # only the words the flags show
+        with pytest.raises(ValueError, match=f"'{word}' is not a fast mode: use true, false or auto"):
+            resolve_fast_mode_setting(word)
 
 
 def test_planning_says_where_its_time_went_and_leaves_the_collector_as_it_found_it(costs_pp4):
