@@ -63,13 +63,13 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
         steady_cpu_allocator()
     settings = dataclasses.replace(settings, recompute=(RecomputeType.NONE,))
     profile = ProfileRun(spec, settings, device)
-    progress = progress or (lambda what: None)
+    progress = progress or (lambda what, points: None)
     output = Path(output)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             parts = build_parts(spec, tp, torch_dtype(settings.dtype), device, settings.recompute)
             for seq, mbs in calibration_shapes(settings):
-                progress(f"tp {tp} seq {seq} mbs {mbs}")
+                progress(f"tp {tp} seq {seq} mbs {mbs}", 1)
                 measure_point(profile, parts, tp, settings.recompute, seq, mbs)
             if not profile.records.times:
                 raise ProfileError(f"not even one micro-batch of {settings.min_seq_length} tokens fits on this "

@@ -98,8 +98,7 @@ def run_profile(args: argparse.Namespace) -> int:
     with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
         task = bar.add_task("profile", total=expected)
 
-        def progress(what: str) -> None:
-            bar.update(task, description=what, advance=1)
+        progress = GridProgress(bar, task, expected)
 
         try:
             if args.calibrate:
@@ -115,6 +114,18 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
     return 0
+
+
+class GridProgress:
+    """The profile's bar, in grid points. The grid's size is an estimate (rows stop where memory
+    runs out, refinement adds points): the total grows rather than the bar running past it."""
+
+    def __init__(self, bar, task, expected: int):
+        self.bar, self.task, self.expected, self.done = bar, task, expected, 0
+
+    def __call__(self, what: str, points: int) -> None:
+        self.done += points
+        self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done))
 
 
 def busy_machine_warning(load: float, cores: int, when: str) -> "str | None":

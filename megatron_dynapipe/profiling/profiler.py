@@ -163,7 +163,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-Progress = Callable[[str], None]  # called before each point with what it measures
+Progress = Callable[[str, int], None]  # before each measurement: what it measures, how many grid points
 
 
 def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileSettings, *,
@@ -177,7 +177,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
         profile = ProfileRun.resumed(output, spec, settings, device)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
-            _profile_tp(profile, tp, output, progress or (lambda what: None))
+            _profile_tp(profile, tp, output, progress or (lambda what, points: None))
     doc = profile.document(complete=True)
     write_atomically(output, to_text(doc))
     return doc
@@ -211,7 +211,7 @@ def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> N
         return ms("encoder", phase, seq, mbs), ms("preprocess", phase, seq, mbs) + ms("postprocess", phase, seq, mbs)
 
     measured = [(k[4], k[5]) for k in profile.records.times if k[:4] == (tp, rc.label, "encoder", "forward")]
-    progress(f"tp {tp} whole-step overhead")
+    progress(f"tp {tp} whole-step overhead", 1)
     found = measure_overhead(profile.spec, tp=tp, dtype=torch_dtype(s.dtype), device=profile.device, recompute=rc,
                              parts_ms=parts_ms, shapes=overhead_shapes(measured), repeats=s.repeats,
                              min_time_ms=s.min_time_ms)
@@ -242,7 +242,7 @@ def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: P
         open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.records.infeasible]
         todo = [rc for rc in open_rows if rc not in done]
         if todo:
-            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}")
+            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}", len(todo))
             fits = measure_point(profile, parts, tp, todo, seq, mbs)
             open_rows = [rc for rc in open_rows if rc not in todo or rc in fits]
         if not open_rows:

@@ -20,9 +20,12 @@ GRID = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2)]
 
 def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(tmp_path):
     out = tmp_path / "tiny.json"
-    seen: list[str] = []
-    doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), progress=seen.append)
-    assert seen == [f"tp 1 none/full seq {s} mbs {m}" for s, m in GRID] + ["tp 1 whole-step overhead"]
+    seen: list[tuple[str, int]] = []
+    doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"),
+                        progress=lambda what, points: seen.append((what, points)))
+    assert seen == [(f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [("tp 1 whole-step overhead", 1)]
+    # the progress bar counts grid points: a full grid ends exactly at the total it announced
+    assert sum(points for _, points in seen) == SETTINGS.grid_points() == len(GRID) * 2 + 1
     points = {(r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]}
     assert points == {(rc, layer, phase, s, m) for rc in ("none", "full") for layer in ("encoder", "postprocess",
                       "preprocess") for phase in ("forward", "backward") for s, m in GRID}
@@ -33,7 +36,8 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
         assert 0 < model.layer_ms("encoder", "forward", rc, 2, 64) < float("inf")
     assert model.layer_ms("encoder", "forward", RecomputeType.NONE, 4, 64) == float("inf")  # past the grid
 
-    again: list[str] = []
-    resumed = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), resume=True, progress=again.append)
+    again: list = []
+    resumed = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), resume=True,
+                            progress=lambda *call: again.append(call))
     assert again == []  # every point and the overhead were there already
     assert resumed["layer_time"] == doc["layer_time"] and resumed["microbatch_overhead"] == doc["microbatch_overhead"]

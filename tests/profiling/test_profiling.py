@@ -376,3 +376,21 @@ def test_a_busy_machine_is_named_when_cpu_times_are_taken():
     line = busy_machine_warning(4.2, 2, "while profiling")
     assert line.startswith("warning: this machine was busy while profiling (load average 4.2 on 2 cores)")
     assert "\n" not in line
+
+
+def test_the_profile_bar_grows_its_total_instead_of_running_past_it():
+    from megatron_dynapipe.profiling.cli import GridProgress
+
+    class Bar:
+        def __init__(self):
+            self.states = []
+
+        def update(self, task, *, description, completed, total):
+            self.states.append((completed, total))
+
+    bar = Bar()
+    progress = GridProgress(bar, 0, expected=4)
+    for points in (2, 2, 1, 1):  # refinement measured two points the grid did not count
+        progress("a point", points)
+    assert bar.states == [(2, 4), (4, 4), (5, 5), (6, 6)]
+    assert all(completed <= total for completed, total in bar.states)
