@@ -215,13 +215,44 @@ def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
 
     plan = parsed("plan", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8")
     assert (plan.tp, plan.pp) == (2, 8)
-    assert parsed("plan", "--recompute", "none", "full").recompute == parsed("plan", "--recompute", "none,full").recompute
+    spaced, commas = parsed("plan", "--recompute", "none", "full"), parsed("plan", "--recompute", "none,full")
+    assert spaced.recompute == commas.recompute
     search = ["search", "--world-size", "64", "--global-batch-size", "64"]
     for tp in (["1", "2", "4"], ["1,2,4"], ["1,2", "4"]):
         args = parsed(*search, "--tensor-model-parallel-size", *tp, "--pipeline-model-parallel-size", "2,4",
                       "--context-parallel-size", "1", "--micro-batch-size", "1", "2")
         assert (args.tp, args.pp, args.cp, args.micro_batch_size) == ((1, 2, 4), (2, 4), (1,), (1, 2))
     profile = ("profile", "-o", "p.json")
-    assert parsed(*profile, "--tp", "1,2", "4").tp == parsed(*profile, "--tensor-model-parallel-size", "1", "2", "4").tp == (1, 2, 4)
+    megatron_name = parsed(*profile, "--tensor-model-parallel-size", "1", "2", "4")
+    assert parsed(*profile, "--tp", "1,2", "4").tp == megatron_name.tp == (1, 2, 4)
     step = parsed("bench", "step", "--pipeline-model-parallel-size", "2", "--seq-length", "512")
     assert (step.pp, step.max_seq_length) == (2, 512)
+
+
+def _options(parser, name="megatron-dynapipe"):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                yield from _options(sub, f"{name} {command}")
+        elif action.option_strings and action.help != argparse.SUPPRESS and not isinstance(
+                action, (argparse._HelpAction, argparse._VersionAction)):
+            yield name, action
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    import argparse
+
+    from megatron_dynapipe.cli import build_parser
+
+    missing, no_default = [], []
+    for command, action in _options(build_parser()):
+        flag = f"{command} {action.option_strings[0]}"
+        if not action.help:
+            missing.append(flag)
+        elif (action.default not in (None, False, [], ()) and not isinstance(action, argparse._StoreFalseAction)
+              and "default" not in action.help.lower()):  # a --no-X switch's default is plain
+            no_default.append(f"{flag} (default {action.default!r})")
+    assert not missing, f"flags without help: {missing}"
+    assert not no_default, f"flags whose help does not state their default: {no_default}"

@@ -46,13 +46,15 @@ def memory_limit(text: str) -> "float | str":
 def add_arguments(p) -> None:
     p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, metavar="NAME|FILE",
                    help=f"profiled cost model (default: the shipped {DEFAULT_COST_MODEL})")
-    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    p.add_argument("--seeds", type=int, default=3, help="seeds per size (medians are reported)")
-    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), metavar="N",
+                   help=f"global batch sizes, in samples (default {' '.join(map(str, SIZES))})")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per size (medians are reported; default 3)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=4,
+                   help="pipeline stages (default 4)")
     p.add_argument("--memory-limit", type=memory_limit, default=36_000.0, metavar="MB|tight",
                    help="per-GPU memory limit (default 36000), or 'tight': per batch, the tightest limit "
                         f"normal mode can plan it under (bisection to {TIGHT_RESOLUTION_MB} MB)")
-    p.add_argument("--mix", default="lognormal", choices=MIXES)
+    p.add_argument("--mix", default="lognormal", choices=MIXES, help="built-in length mix (default lognormal)")
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
     p.add_argument("--phases", action="store_true",

@@ -219,9 +219,11 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
                    help="all-gather parameters per bucket during the forward pass (needs --use-distributed-optimizer)")
     g.add_argument("--ddp-bucket-size", type=int, metavar="N", help="parameters per DP bucket")
     g.add_argument("--recompute-activations", action="store_true", help="selective recompute")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES)
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
-    g.add_argument("--recompute-num-layers", type=int, metavar="N")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES,
+                   help="recompute activations in the backward pass (default: none)")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help="with full recompute: which layers")
+    g.add_argument("--recompute-num-layers", type=int, metavar="N",
+                   help="with full recompute: layers per checkpoint (uniform) or checkpointed (block)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split activations outside TP regions along the sequence (TP > 1)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",

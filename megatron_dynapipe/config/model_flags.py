@@ -33,17 +33,26 @@ def add_model_arguments(parser, moe: bool = False) -> None:
     """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning),
     with ``moe`` those of its experts too; :func:`model_from_args` reads them back."""
     g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
-    g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)}")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
-                 "--vocab-size", "--max-position-embeddings", "--kv-channels", "--make-vocab-size-divisible-by"):
-        g.add_argument(flag, type=int, metavar="N")
+    g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)} (default: the command's)")
+    for flag, what in (("--num-layers", "transformer layers"), ("--hidden-size", "model width"),
+                       ("--num-attention-heads", "attention heads"),
+                       ("--num-query-groups", "key/value groups with --group-query-attention"),
+                       ("--ffn-hidden-size", "MLP width (default 4 x hidden, or Megatron's SwiGLU width)"),
+                       ("--vocab-size", "tokenizer vocabulary, padded as Megatron pads it"),
+                       ("--max-position-embeddings", "longest sequence the model takes"),
+                       ("--kv-channels", "width of an attention head (default hidden / heads)"),
+                       ("--make-vocab-size-divisible-by", "vocabulary padding multiple (default 128)")):
+        g.add_argument(flag, type=int, metavar="N", help=f"{what} (default: --model's)"
+                       if "default" not in what else what)
     g.add_argument("--group-query-attention", action="store_true", default=None,
                    help="key/value heads shared by --num-query-groups (default 1) groups of query heads")
-    g.add_argument("--swiglu", action="store_true", default=None)
-    g.add_argument("--normalization", choices=NORMALIZATIONS)
-    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None)
+    g.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP (default: GELU)")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, help="default LayerNorm")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, help="default learned_absolute")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="a separate output layer (default: tied to the embedding)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,
+                   help="no biases in the linear layers (default: biases)")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, metavar="P", help="default 0.1")
     if moe:

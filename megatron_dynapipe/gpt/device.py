@@ -26,8 +26,8 @@ def add_device_arguments(p, verb: str) -> None:
     """``--bf16``/``--fp16`` (``args.dtype``, fp32 without either) and ``--device``; read back
     with :func:`resolve_device`."""
     dtype = p.add_mutually_exclusive_group()
-    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16")
-    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16")
+    dtype.add_argument("--bf16", action="store_const", dest="dtype", const="bf16", help="bfloat16 (default fp32)")
+    dtype.add_argument("--fp16", action="store_const", dest="dtype", const="fp16", help="float16 (default fp32)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help=f"where to {verb} (default: cuda when there is one, else cpu)")
     p.set_defaults(dtype="fp32")

@@ -22,7 +22,8 @@ def add_profile_parser(sub) -> None:
                        description=__doc__)
     add_model_arguments(p)
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", action=ListAction, type=positive_int_argument,
-                   default=[1], metavar="N", help="tensor-parallel sizes to profile, e.g. 1 2 4 8 or 1,2,4,8 (default 1)")
+                   default=[1], metavar="N",
+                   help="tensor-parallel sizes to profile, e.g. 1 2 4 8 or 1,2,4,8 (default 1)")
     p.add_argument("--recompute", action=ListAction, type=recompute_argument, default=list(RecomputeType),
                    metavar="{none,selective,full}", help="recompute types to profile (default: all three)")
     add_device_arguments(p, "measure")
