@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_dynapipe.config.accounting import total_params
@@ -35,6 +36,7 @@ from megatron_dynapipe.tracer.batch_results import (
     exit_code,
 )
 from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
+from megatron_dynapipe.tracer.chakra import check_chakra, write_chakra_folder
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
@@ -103,6 +105,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     out.add_argument("--print-ranks", action="store_true",
                      help="list each valid config's representative ranks, one a line, and trace nothing")
+    out.add_argument("--format", choices=("jsonl", "chakra"), default="jsonl",
+                     help="jsonl: this project's trace files only (default); chakra: also each rank as an MLCommons "
+                          "Chakra execution trace, <folder>/chakra/et.<rank>.et, as ASTRA-sim reads them "
+                          "(needs mlc-chakra)")
     out.add_argument("--collect", action="store_true",
                      help="trace nothing: read the rank traces already in each config's folder (written by "
                           "`megatron-dynapipe launch pretrain_gpt.py ... --is-scaling-mode`, one run per rank) and "
@@ -185,6 +191,8 @@ def run_trace(args) -> int:
     if args.print_ranks:
         return max(_print_ranks(configs, training, args), 1 if unparsable else 0)
     _check_before_tracing(args, configs)
+    if args.format == "chakra":
+        check_chakra()  # before any rank is traced
 
     try:
         results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(
@@ -200,14 +208,20 @@ def run_trace(args) -> int:
     code = exit_code(results, strict=args.strict)
     if unparsable and code == 0:
         code = 1
+    exported = {str(r.folder): write_chakra_folder(r.folder) for r in results
+                if args.format == "chakra" and r.status == OK}
     if args.json:
         summary = batch_summary(results, model=model.label, output_dir=args.output_dir)
         summary["training"] = training.to_json()
         summary["unparsable"] = unparsable
         summary["exit_code"] = code
+        summary["chakra"] = exported
         print(json.dumps(summary))
     else:
         print_summary(results)
+        for folder, files in exported.items():
+            print(f"chakra: {len(files)} execution traces, {sum(f['nodes'] for f in files)} nodes, in "
+                  f"{Path(files[0]['path']).parent}")
     if any(r.status == INTERRUPTED for r in results):
         stopped = next(r for r in results if r.status == INTERRUPTED)
         print(f"megatron-dynapipe trace: interrupted; {stopped.folder} holds the ranks traced so far "
