@@ -36,7 +36,9 @@ def progress_bar(enabled: bool, stream) -> Any:
         yield _NoProgress()
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, redirect_stdout=False, redirect_stderr=False,
+    # What else writes to stderr meanwhile (megatron-core's warnings, log records) is printed above
+    # the bar instead of through it.
+    with Progress(*columns, console=console, redirect_stdout=False, redirect_stderr=True,
                   transient=True) as bar:
         yield bar
 

@@ -234,3 +234,17 @@ def test_a_rank_whose_process_cannot_start_fails_alone(tmp_path):
     assert outcomes[1]["ok"] and outcomes[1]["value"] == 7
 
 
+
+
+def test_what_else_writes_to_stderr_goes_above_the_bar():
+    import sys
+
+    tty = FakeTTY()
+    with progress.progress_bar(True, tty) as bar:
+        task = bar.add_task("profile", total=2)
+        bar.advance(task)
+        # as warnings.showwarning and logging's last-resort handler write: to sys.stderr, then
+        print("UserWarning: Transformer Engine and Apex are not installed", file=sys.stderr)
+        bar.advance(task)
+    # a whole line of its own, printed above the bar instead of cutting through it
+    assert "\x1b[2KUserWarning: Transformer Engine and Apex are not installed\n" in tty.getvalue()
