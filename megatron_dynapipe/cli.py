@@ -39,6 +39,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=32, help="transformer layers (default 32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="optimizer-state sharding over DP; 1 is Megatron's --use-distributed-optimizer (default 0)")
+    p.add_argument("--use-distributed-optimizer", dest="zero_stage", action="store_const", const=1,
+                   help="Megatron's distributed optimizer: --zero-stage 1")
     p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB", help="per-GPU memory limit (default 36000)")
     add_planner_arguments(p)
     p.add_argument("--pack-length", type=int, help="baseline packing length (default: longest sample rounded up to a power of two)")

@@ -225,6 +225,8 @@ def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
     profile = ("profile", "-o", "p.json")
     megatron_name = parsed(*profile, "--tensor-model-parallel-size", "1", "2", "4")
     assert parsed(*profile, "--tp", "1,2", "4").tp == megatron_name.tp == (1, 2, 4)
+    assert parsed("plan", "--use-distributed-optimizer").zero_stage == 1 == parsed("plan", "--zero-stage", "1").zero_stage
+    assert parsed(*search, "--use-distributed-optimizer").distributed_optimizer == (True,)
     step = parsed("bench", "step", "--pipeline-model-parallel-size", "2", "--seq-length", "512")
     assert (step.pp, step.max_seq_length) == (2, 512)
 

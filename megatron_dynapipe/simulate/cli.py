@@ -112,7 +112,8 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--recompute", action=ListAction, metavar="KIND",
                        help="none, selective, full (default all three)")
     opt = fixed.add_mutually_exclusive_group()
-    opt.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(True,),
+    opt.add_argument("--distributed-optimizer", "--use-distributed-optimizer", dest="distributed_optimizer",
+                     action="store_const", const=(True,),
                      help="only layouts with the distributed optimizer")
     opt.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(False,),
                      help="only layouts without it")
