@@ -93,7 +93,7 @@ def run_profile(args: argparse.Namespace) -> int:
                 else settings.grid_points())
     print(f"{'calibrating' if args.calibrate else 'profiling'} {spec.label} ({spec.num_layers} layers, hidden "
           f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: "
-          f"about {expected} points", file=sys.stderr)
+          f"about {expected} points{'' if args.calibrate else _duration(spec, settings, device)}", file=sys.stderr)
     stream = sys.stderr
     _warn_if_busy(device, "before profiling")
     with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
@@ -115,6 +115,16 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
     return 0
+
+
+def _duration(spec, settings, device) -> str:
+    """", at least N h at this device's measured matmul rate" (module profiling/duration.py)."""
+    from megatron_dynapipe.gpt.device import torch_dtype
+    from megatron_dynapipe.profiling.duration import describe_duration, estimated_seconds, matmul_flops_per_second
+
+    rate = matmul_flops_per_second(device, torch_dtype(settings.dtype))
+    seconds = estimated_seconds(spec, settings, rate)
+    return f", at least {describe_duration(seconds)} at this {device.type.upper()}'s {rate / 1e9:,.0f} GFLOP/s"
 
 
 class GridProgress:

@@ -394,3 +394,28 @@ def test_the_profile_bar_grows_its_total_instead_of_running_past_it():
         progress("a point", points)
     assert bar.states == [(2, 4), (4, 4), (5, 5), (6, 6)]
     assert all(completed <= total for completed, total in bar.states)
+
+
+def test_a_profile_says_up_front_how_long_it_will_take_at_least():
+    """Hours for a multi-billion model on a CPU-like rate, seconds for the tiny one; the FLOPs
+    part doubles with the runs per point and halves with twice the rate."""
+    import dataclasses
+
+    from megatron_dynapipe.config.model import get_model
+    from megatron_dynapipe.profiling.duration import describe_duration, estimated_seconds
+    from megatron_dynapipe.profiling.profiler import ProfileSettings
+
+    cpu_rate = 100e9  # FLOP/s: a few cores
+    big = estimated_seconds(get_model("6.7"), ProfileSettings(tp_sizes=(1, 2, 4, 8)), cpu_rate)
+    assert big > 3 * 3600 and describe_duration(big).endswith(" h")
+    small = ProfileSettings(tp_sizes=(1,), max_seq_length=128, max_tokens=256, repeats=1, warmup=0)
+    assert estimated_seconds(get_model("tiny"), small, cpu_rate) < 60
+    flops_only = dataclasses.replace(small, min_time_ms=0.0)
+    once = estimated_seconds(get_model("13"), flops_only, cpu_rate)
+    assert estimated_seconds(get_model("13"), dataclasses.replace(flops_only, repeats=2), cpu_rate) == \
+        pytest.approx(2 * once)
+    assert estimated_seconds(get_model("13"), flops_only, 2 * cpu_rate) == pytest.approx(once / 2)
+    # the floor: every part of every point is timed for at least min_time_ms
+    floor_only = estimated_seconds(get_model("tiny"), dataclasses.replace(small, min_time_ms=1000.0), 1e30)
+    points = sum(len(list(small.micro_batch_sizes(s))) for s in small.seq_lengths())
+    assert floor_only == pytest.approx(points * (2 + len(small.recompute)) * 1.0)
