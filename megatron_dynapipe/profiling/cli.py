@@ -106,6 +106,7 @@ def run_profile(args: argparse.Namespace) -> int:
                 doc = calibrate_model(spec, output, settings, device=device, progress=progress)
                 return _report_calibration(doc, output)
             doc = profile_model(spec, output, settings, device=device, resume=args.resume, progress=progress)
+            progress.finish()
         except KeyboardInterrupt:
             print(f"interrupted: {output} holds what was measured; run again with --resume to go on",
                   file=sys.stderr)
@@ -129,14 +130,19 @@ def _duration(spec, settings, device) -> str:
 
 class GridProgress:
     """The profile's bar, in grid points. The grid's size is an estimate (rows stop where memory
-    runs out, refinement adds points): the total grows rather than the bar running past it."""
+    runs out, refinement adds points), so the total stays ahead of the points measured until the
+    run ends: rich stops a task's clock for good once it reaches its total (the bar ran past it,
+    81/79, and its clock stood still for the rest of the run)."""
 
     def __init__(self, bar, task, expected: int):
         self.bar, self.task, self.expected, self.done = bar, task, expected, 0
 
     def __call__(self, what: str, points: int) -> None:
         self.done += points
-        self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done))
+        self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done + 1))
+
+    def finish(self) -> None:
+        self.bar.update(self.task, completed=self.done, total=self.done)
 
 
 def busy_machine_warning(load: float, cores: int, when: str) -> "str | None":

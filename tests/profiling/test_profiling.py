@@ -378,22 +378,29 @@ def test_a_busy_machine_is_named_when_cpu_times_are_taken():
     assert "\n" not in line
 
 
-def test_the_profile_bar_grows_its_total_instead_of_running_past_it():
+def test_the_profile_bar_grows_its_total_and_its_clock_runs_until_the_end():
+    """With rich's own Progress: past the grid's estimate the bar neither runs past its total nor
+    counts as finished (rich would stop its clock), until the profile ends."""
+    import io
+
     from megatron_dynapipe.profiling.cli import GridProgress
+    from megatron_dynapipe.progress import progress_bar
 
-    class Bar:
-        def __init__(self):
-            self.states = []
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
 
-        def update(self, task, *, description, completed, total):
-            self.states.append((completed, total))
-
-    bar = Bar()
-    progress = GridProgress(bar, 0, expected=4)
-    for points in (2, 2, 1, 1):  # refinement measured two points the grid did not count
-        progress("a point", points)
-    assert bar.states == [(2, 4), (4, 4), (5, 5), (6, 6)]
-    assert all(completed <= total for completed, total in bar.states)
+    with progress_bar(True, Terminal()) as bar:
+        task = bar.add_task("profile", total=4)
+        progress = GridProgress(bar, task, expected=4)
+        states = []
+        for points in (2, 2, 1, 1):  # refinement measured two points the grid did not count
+            progress("a point", points)
+            t = bar.tasks[task]
+            states.append((t.completed, t.total, t.finished))
+        assert states == [(2, 4, False), (4, 5, False), (5, 6, False), (6, 7, False)]
+        progress.finish()
+        assert bar.tasks[task].finished and bar.tasks[task].completed == bar.tasks[task].total == 6
 
 
 def test_a_profile_says_up_front_how_long_it_will_take_at_least():
