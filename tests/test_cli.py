@@ -227,6 +227,8 @@ def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
     assert parsed(*profile, "--tp", "1,2", "4").tp == megatron_name.tp == (1, 2, 4)
     assert parsed("plan", "--use-distributed-optimizer").zero_stage == 1 == parsed("plan", "--zero-stage", "1").zero_stage
     assert parsed(*search, "--use-distributed-optimizer").distributed_optimizer == (True,)
+    for bench in ("planner", "executor"):
+        assert parsed("bench", bench, "--pipeline-model-parallel-size", "3").pp == 3
     step = parsed("bench", "step", "--pipeline-model-parallel-size", "2", "--seq-length", "512")
     assert (step.pp, step.max_seq_length) == (2, 512)
 
@@ -258,3 +260,14 @@ def test_every_flag_says_what_it_does_and_its_default():
             no_default.append(f"{flag} (default {action.default!r})")
     assert not missing, f"flags without help: {missing}"
     assert not no_default, f"flags whose help does not state their default: {no_default}"
+
+
+def test_every_parallel_size_flag_also_takes_megatrons_name():
+    from megatron_dynapipe.cli import build_parser
+
+    megatron = {"--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
+                "--cp": "--context-parallel-size"}
+    found = [(command, action.option_strings) for command, action in _options(build_parser())
+             if action.option_strings[0] in megatron]
+    assert len(found) >= 8  # plan, search, profile and the benches
+    assert all(megatron[names[0]] in names for _, names in found), found

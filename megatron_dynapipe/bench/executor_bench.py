@@ -36,7 +36,8 @@ VOCAB_SIZE = 128
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages = local processes (default 2)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=2,
+                   help="pipeline stages = local processes (default 2)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default 2)")
     p.add_argument("--seq-length", type=int, default=64, help="tokens per sample (default 64)")
