@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,14 +19,16 @@ BUDGET_S = 110  # the example must run in under 2 minutes here, start-up include
 
 
 def _two_free_ports() -> int:
-    """A free port whose successor is free too (torchrun's MASTER_PORT; the KV store takes +1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A free port whose successor is free too (torchrun's MASTER_PORT; the KV store takes +1),
+    below Linux's ephemeral range (32768-60999): the ranks' own connections, which take ports
+    from that range, cannot take the KV store's port before it binds."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32766)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
             return port
         except OSError:
             continue
