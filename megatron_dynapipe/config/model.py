@@ -27,10 +27,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS"]
+__all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
+           "ATTENTIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+ATTENTIONS = ("local", "sdpa")
 
 
 def _is_pos_int(value: object) -> bool:
@@ -75,6 +77,11 @@ class ModelSpec:
     #: the vocabulary is padded to a multiple of this times TP, as Megatron-LM pads it
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
+    #: the attention core of megatron-core's local layer spec: "local", its own unfused one (an
+    #: s x s score matrix per head), or "sdpa", torch's scaled_dot_product_attention (flash and
+    #: memory-efficient kernels on CUDA; also runs packed micro-batches). Transformer-engine's spec
+    #: brings its own fused attention and ignores this.
+    attention: str = "local"
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -101,6 +108,8 @@ class ModelSpec:
                 raise ValueError(f"{field} must be a probability in [0, 1), got {value!r}")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization {self.normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention {self.attention!r}: use one of {', '.join(ATTENTIONS)}")
         self._check_moe()
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r}: use one of "

@@ -14,7 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_dynapipe.config.model import MODELS, MOE_FIELDS, NORMALIZATIONS, POSITION_EMBEDDINGS, ModelSpec, get_model
+from megatron_dynapipe.config.model import (
+    ATTENTIONS,
+    MODELS,
+    MOE_FIELDS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDINGS,
+    ModelSpec,
+    get_model,
+)
 
 __all__ = ["add_model_arguments", "model_from_args", "model_from_megatron_args", "megatron_model_args"]
 
@@ -25,7 +33,7 @@ _FLAG_FIELDS = {
     "normalization": "normalization", "position_embedding_type": "position_embedding_type",
     "kv_channels": "kv_channels", "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
     "add_bias_linear": "add_bias_linear", "hidden_dropout": "hidden_dropout",
-    "attention_dropout": "attention_dropout", **{name: name for name in MOE_FIELDS},
+    "attention_dropout": "attention_dropout", "attention": "attention", **{name: name for name in MOE_FIELDS},
 }
 
 
@@ -53,6 +61,10 @@ def add_model_arguments(parser, moe: bool = False) -> None:
                    help="a separate output layer (default: tied to the embedding)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,
                    help="no biases in the linear layers (default: biases)")
+    g.add_argument("--attention", choices=ATTENTIONS,
+                   help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
+                        "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
+                        "(default local)")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, metavar="P", help="default 0.1")
     if moe:

@@ -14,6 +14,12 @@ is a prediction target (every one, unless the sample has a target mask: SFT prom
 on the last real token (its next token is not in the sample) and on padding; ``position_ids[j] =
 j`` for every ``j < S``. Padding sits at the right, so causal attention keeps real tokens from
 seeing it and no attention mask is needed.
+
+A packed micro-batch (:func:`packed_microbatch`, THD in megatron-core's terms) is one row: its
+samples back to back, then padding up to ``seq_len``. Each sample keeps the arrays it has alone
+(its own labels, loss mask and positions counted from 0), and ``cu_seqlens`` (int32, the
+cumulative bounds of the samples and of the padding, as one more segment) makes every sample
+attend to itself alone; ``max_seqlen`` is its longest segment.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["SampleIds", "decode_sample_ids", "encode_sample_ids", "gpt_microbatch"]
+__all__ = ["SampleIds", "decode_sample_ids", "encode_sample_ids", "gpt_microbatch", "packed_microbatch"]
 
 
 def gpt_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: int = 0,
@@ -47,6 +53,29 @@ def gpt_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: in
         loss_mask[row, : length - 1] = 1.0 if mask is None else np.asarray(mask[1:length], dtype=np.float32)
     position_ids = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (n, seq_len)).copy()
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+
+
+def packed_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: int = 0,
+                      targets: "Sequence[np.ndarray | None] | None" = None) -> dict[str, np.ndarray]:
+    """The GPT arrays of one packed micro-batch (module docstring), each ``[1, seq_len]``, with
+    ``cu_seqlens`` and ``max_seqlen`` for megatron-core's ``PackedSeqParams``."""
+    lengths = [len(sample) for sample in samples]
+    used = sum(lengths)
+    if used > seq_len:
+        raise ValueError(f"samples of {used} tokens do not fit a packed micro-batch of {seq_len}")
+    segments = lengths + ([seq_len - used] if used < seq_len else [])  # the padding is a segment too
+    out = {"tokens": np.full((1, seq_len), pad_token_id, dtype=np.int64),
+           "labels": np.full((1, seq_len), pad_token_id, dtype=np.int64),
+           "loss_mask": np.zeros((1, seq_len), dtype=np.float32)}
+    if samples:  # each sample's arrays as it has them alone
+        alone = [gpt_microbatch([sample], len(sample), pad_token_id, None if targets is None else [targets[row]])
+                 for row, sample in enumerate(samples)]
+        for key, array in out.items():
+            array[0, :used] = np.concatenate([a[key][0] for a in alone])
+    out["position_ids"] = np.concatenate([np.arange(n, dtype=np.int64) for n in segments])[None, :]
+    out["cu_seqlens"] = np.concatenate([[0], np.cumsum(segments)]).astype(np.int32)
+    out["max_seqlen"] = np.array([max(segments)], dtype=np.int32)
+    return out
 
 
 _MAGIC = b"DPID"

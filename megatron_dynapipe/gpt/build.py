@@ -78,13 +78,28 @@ def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: 
 
 
 def layer_spec(spec: ModelSpec, use_te: bool):
-    """Megatron-LM's layer spec for ``spec``: transformer-engine's when it runs, else the local one."""
+    """Megatron-LM's layer spec for ``spec``: transformer-engine's when it runs, else the local one
+    with ``spec.attention``'s attention core."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = spec.num_experts or None
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=spec.normalization)
+    local = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=spec.normalization)
+    return _with_sdpa_attention(local) if spec.attention == "sdpa" else local
+
+
+def _with_sdpa_attention(local_layer_spec):
+    """The local spec with :class:`~megatron_dynapipe.gpt.attention.SDPAttention` as its attention core."""
+    import dataclasses
+
+    from megatron_dynapipe.gpt.attention import SDPAttention
+
+    attention = local_layer_spec.submodules.self_attention
+    core = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    layer = dataclasses.replace(local_layer_spec.submodules,
+                                self_attention=dataclasses.replace(attention, submodules=core))
+    return dataclasses.replace(local_layer_spec, submodules=layer)
 
 
 def build_gpt(spec: ModelSpec, config, *, tp: int, use_te: bool, pre_process: bool, post_process: bool,
