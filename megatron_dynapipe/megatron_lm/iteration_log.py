@@ -19,7 +19,7 @@ def describe_plan(batch) -> str:
     """One line about this stage's plan: micro-batches (size x padded length), schedule and
     recompute choices."""
     plan = batch.plan
-    shapes = " ".join(f"{mb.size}x{mb.seq_len}" for mb in plan.microbatches)
+    shapes = " ".join(mb.label for mb in plan.microbatches)
     recompute = "".join(str(r.name)[0].lower() for r in plan.recompute)
     return (f"iteration {batch.iteration}: {len(plan.microbatches)} micro-batches [{shapes}], "
             f"schedule {plan.schedule}, recompute [{recompute}] (n/s/f), stage {plan.stage} of {plan.num_stages}")

@@ -7,7 +7,7 @@ import argparse
 from typing import Callable
 
 from megatron_dynapipe.planning.fast_mode import AUTO_FAST_MODE_MIN_SAMPLES, FAST_MODE_ENV, parse_fast_mode
-from megatron_dynapipe.planning.spec import PARTITION_METHODS, SCHEDULES, TrainingSpec
+from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["ListAction", "argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
@@ -71,7 +71,7 @@ fast_mode_argument = argument_type(parse_fast_mode)
 def add_planner_arguments(group, prefix: str = "") -> None:
     """Add the planner's search settings to an argparse parser or group: ``--{prefix}fast-mode``,
     ``cost-model``, ``schedule``, ``partition``, ``recompute``, ``seed``, ``seqlen-round``,
-    ``max-permutations`` and ``tokens-per-microbatch``.  ``megatron-dynapipe plan`` adds them bare,
+    ``max-permutations``, ``tokens-per-microbatch`` and ``packing``.  ``megatron-dynapipe plan`` adds them bare,
     a Megatron job with ``prefix="dynapipe-"``; :func:`planner_settings` reads them back."""
     d = TrainingSpec
 
@@ -98,6 +98,10 @@ def add_planner_arguments(group, prefix: str = "") -> None:
              "fewer, down to 3, where they would simulate over 1024 micro-batches)")
     add("tokens-per-microbatch", type=positive_int_argument, default=d.tokens_per_microbatch, metavar="N",
         help=f"token budget of a micro-batch with --{prefix}partition token_based (default {d.tokens_per_microbatch})")
+    add("packing", choices=PACKINGS, default=d.packing,
+        help="pad each micro-batch's samples to its longest (pad, default) or pack them into one row, each "
+             "sample attending to itself alone (varlen: megatron-core's THD format; needs transformer-engine "
+             "or --attention sdpa)")
 
 
 def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
@@ -117,4 +121,5 @@ def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
         seqlen_round=get("seqlen-round", d.seqlen_round),
         max_permutations=get("max-permutations", d.max_permutations),
         tokens_per_microbatch=get("tokens-per-microbatch", d.tokens_per_microbatch),
+        packing=get("packing", d.packing),
     )

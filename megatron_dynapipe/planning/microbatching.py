@@ -9,12 +9,13 @@ concatenate samples into sequences of one fixed length.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes, packed_cost_shape
 
 DP_THRESHOLDS = 32  # candidate caps on the largest micro-batch time tried by partition_dp
 
@@ -139,8 +140,7 @@ def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], al
                        memory_limit_mb: float) -> list[RecomputeType]:
     """Per micro-batch, the fastest allowed recompute whose 1F1B steady state fits memory
     (the most memory-saving allowed one when none fits)."""
-    mbs = np.array([mb.size for mb in microbatches])
-    seq = np.array([mb.seq_len for mb in microbatches])
+    mbs, seq = cost_shapes(microbatches)
     types = _types(allowed)
     times = _times_where_fit(costs, mbs, seq, types, memory_limit_mb)
     best = np.argmin(times, axis=0)
@@ -153,8 +153,7 @@ def lightest_fitting_alone(costs: StageCosts, microbatches: Sequence[MicroBatch]
     """Per micro-batch, the lightest allowed recompute under which it fits every stage alone
     (model state, its stored activations and its transient peak; the heaviest allowed where none
     does)."""
-    mbs = np.array([mb.size for mb in microbatches])
-    seq = np.array([mb.seq_len for mb in microbatches])
+    mbs, seq = cost_shapes(microbatches)
     types = tuple(sorted(_types(allowed)))
     stages = costs.by_recompute(mbs, seq, types)
     state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(1, costs.pp, 1)
@@ -172,6 +171,7 @@ def partition_dp(
     round_to: int = 8,
     num_thresholds: int = DP_THRESHOLDS,
     fast: bool = False,
+    packed: bool = False,
 ) -> tuple[list[MicroBatch], list[RecomputeType]]:
     """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t), and
     the recompute type each was costed with: with several, the cheapest that fits (as
@@ -180,6 +180,11 @@ def partition_dp(
     t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain.
     The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
     programme, and all caps are solved together as rows of one numpy array.
+
+    A padded micro-batch costs what its size and longest sample make it, so runs are costed per
+    padded length; a ``packed`` one (its samples in one row, :class:`MicroBatch`) costs what its
+    tokens and their squares make it, so each run is costed by itself
+    (:func:`_packed_cost_table`).
 
     ``fast`` (fast mode) costs only micro-batches that can occur -- at most as many samples as
     there are of that padded length or shorter -- each under the first of the recompute types
@@ -190,16 +195,13 @@ def partition_dp(
     n = len(order)
     if n == 0:
         return [], []
-    padded = round_up(sorted_lengths, round_to)
-    seqs = np.unique(padded)
-    widths = _feasible_widths(costs, seqs, np.searchsorted(padded, seqs, side="right") if fast else n,
-                              recompute, memory_limit_mb)
-    if widths[-1] == 0:
-        raise _unfit(costs, int(sorted_lengths[-1]), int(padded[-1]), _types(recompute), memory_limit_mb)
-    table, chosen = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
-    seq_row = np.searchsorted(seqs, padded).tolist()
-    caps = _candidate_caps(table, float(table[seq_row[-1], 0]), num_thresholds)
-    capped = _capped_costs(table, seq_row, caps)
+    if packed:
+        table, chosen = _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast)
+        end_row = list(range(n))  # the costs of the runs ending at sample j are row j - 1
+    else:
+        table, chosen, end_row = _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast)
+    caps = _candidate_caps(table, float(table[end_row[-1], 0]), num_thresholds)
+    capped = _capped_costs(table, end_row, caps, keep=not packed)
     # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
     # bests of the `width` prefixes a micro-batch ending at j can extend are one contiguous slice.
     before = np.full((len(caps), n + 1), np.inf)
@@ -207,7 +209,7 @@ def partition_dp(
     choice = np.zeros((len(caps), n + 1), dtype=np.int64)
     rows = np.arange(len(caps))
     for j in range(1, n + 1):
-        costs_here = capped[seq_row[j - 1]]
+        costs_here = capped(end_row[j - 1])
         width = min(j, costs_here.shape[1])
         # total[:, k-1]: the prefix of j - k samples plus a micro-batch of the k samples ending at j
         total = before[:, n - j + 1:n - j + 1 + width] + costs_here[:, :width]
@@ -226,8 +228,57 @@ def partition_dp(
         j -= k
     bounds.reverse()
     types = _types(recompute)
-    return ([_microbatch(order, padded, lo, hi) for lo, hi in bounds],
-            [types[chosen[seq_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
+    make = _packed_microbatch if packed else _microbatch
+    return ([make(order, sorted_lengths, lo, hi, round_to) for lo, hi in bounds],
+            [types[chosen[end_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
+
+
+def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to: int, fast: bool):
+    """:func:`_cost_table` of the padded lengths the sorted samples end at, and the row of each
+    sample's padded length."""
+    n = len(sorted_lengths)
+    padded = round_up(sorted_lengths, round_to)
+    seqs = np.unique(padded)
+    widths = _feasible_widths(costs, seqs, np.searchsorted(padded, seqs, side="right") if fast else n,
+                              recompute, memory_limit_mb)
+    if widths[-1] == 0:
+        raise _unfit(costs, int(sorted_lengths[-1]), int(padded[-1]), _types(recompute), memory_limit_mb)
+    table, chosen = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
+    return table, chosen, np.searchsorted(seqs, padded).tolist()
+
+
+#: at most this many packed micro-batches are costed (a run's end times its size), so that a
+#: batch of thousands of short samples is planned in seconds: longer runs are not tried
+PACKED_TABLE_ENTRIES = 2_000_000
+
+
+def _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to: int, fast: bool):
+    """[run end j - 1, run size k - 1]: the cost of packing the k sorted samples ending at j into
+    one row (their tokens rounded up to ``round_to``) and which recompute type that is, as
+    :func:`_cost_table` chooses; inf where the run is longer than j or does not fit."""
+    n = len(sorted_lengths)
+    lengths = np.asarray(sorted_lengths, dtype=np.int64)
+    tokens = np.concatenate([[0], np.cumsum(lengths)])
+    squares = np.concatenate([[0.0], np.cumsum(lengths.astype(float) ** 2)])
+
+    def shape(ends, sizes):
+        used = tokens[ends] - tokens[ends - sizes]
+        return packed_cost_shape(round_up(used, round_to), used, squares[ends] - squares[ends - sizes])
+
+    if not np.isfinite(_evaluate(costs, *shape(np.array([n]), np.array([1])), recompute, memory_limit_mb)[0]):
+        raise _unfit(costs, int(lengths[-1]), int(round_up(lengths[-1], round_to)), _types(recompute), memory_limit_mb)
+    ends_all = np.arange(1, n + 1)
+    sizes_at = _packed_widths(lambda ends, sizes: _evaluate(costs, *shape(ends, sizes), recompute, memory_limit_mb),
+                              ends_all, np.minimum(ends_all, max(1, PACKED_TABLE_ENTRIES // n)))
+    width = int(sizes_at.max())
+    ends = np.repeat(ends_all, sizes_at)
+    sizes = np.concatenate([np.arange(1, w + 1) for w in sizes_at])
+    table = np.full((n, width), np.inf)
+    chosen = np.zeros(table.shape, dtype=np.int64)
+    choose = _lightest_times if fast else _cheapest_times
+    table[ends - 1, sizes - 1], chosen[ends - 1, sizes - 1] = choose(costs, *shape(ends, sizes), _types(recompute),
+                                                                     memory_limit_mb)
+    return table, chosen
 
 
 def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> MicroBatchingError:
@@ -242,18 +293,33 @@ def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> Mi
         "or truncate long samples")
 
 
-def _capped_costs(table: np.ndarray, seq_row: list[int], caps: np.ndarray) -> dict[int, np.ndarray]:
-    """Per distinct padded length (samples are sorted, so each is one run of sample ends j), its
-    costs with those above each cap made inf: [caps, k], as wide as its last finite cost or its
-    last j allows -- wider never wins."""
+def _packed_widths(evaluate, ends: np.ndarray, most: np.ndarray) -> np.ndarray:
+    """Per run end, the largest run size up to ``most`` that fits (``evaluate(ends, sizes)`` is
+    finite), found by bisection on all ends at once: a longer run ending there holds more tokens
+    and more attention, so fitting only shrinks with its size. A run of one fits everywhere (the
+    longest sample alone was checked)."""
+    lo, hi = np.ones_like(most), most.copy()
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        fits = evaluate(ends, mid) < np.inf
+        lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+    return lo
+
+
+def _capped_costs(table: np.ndarray, end_row: list[int], caps: np.ndarray, keep: bool):
+    """A function of a table row (the costs of the runs ending at some j; sorted samples make each
+    row one run of ends) giving its costs with those above each cap made inf: [caps, k], as wide
+    as its last finite cost or its last j allows -- wider never wins. ``keep`` remembers each
+    row's answer, for tables whose rows serve many ends."""
     finite = np.isfinite(table)
     reach = np.where(finite.any(axis=1), table.shape[1] - np.argmax(finite[:, ::-1], axis=1), 1)
-    last_j = {row: j for j, row in enumerate(seq_row, start=1)}
-    capped = {}
-    for row, j in last_j.items():
-        cost = table[row, :min(int(reach[row]), j)][None, :]
-        capped[row] = np.where(cost <= caps[:, None], cost, np.inf)
-    return capped
+    last_j = {row: j for j, row in enumerate(end_row, start=1)}
+
+    def capped(row: int) -> np.ndarray:
+        cost = table[row, :min(int(reach[row]), last_j[row])][None, :]
+        return np.where(cost <= caps[:, None], cost, np.inf)
+
+    return functools.lru_cache(maxsize=None if keep else 0)(capped)
 
 
 def _candidate_caps(table: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:
@@ -267,8 +333,13 @@ def _candidate_caps(table: np.ndarray, smallest_cap: float, count: int) -> np.nd
     return np.geomspace(smallest_cap, distinct[-1], count)
 
 
-def _microbatch(order, padded, lo, hi) -> MicroBatch:
-    return MicroBatch(samples=tuple(int(i) for i in order[lo:hi]), seq_len=int(padded[hi - 1]))
+def _microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:
+    return MicroBatch(samples=tuple(int(i) for i in order[lo:hi]), seq_len=int(round_up(sorted_lengths[hi - 1], round_to)))
+
+
+def _packed_microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:
+    run = tuple(int(n) for n in sorted_lengths[lo:hi])
+    return MicroBatch(tuple(int(i) for i in order[lo:hi]), int(round_up(sum(run), round_to)), run)
 
 
 def partition_token_based(lengths, indices, tokens_per_microbatch: int, round_to: int = 8) -> list[MicroBatch]:
@@ -278,18 +349,17 @@ def partition_token_based(lengths, indices, tokens_per_microbatch: int, round_to
     out, lo = [], 0
     for hi in range(1, len(order) + 1):
         if hi < len(order) and (hi + 1 - lo) * padded[hi] > tokens_per_microbatch:
-            out.append(_microbatch(order, padded, lo, hi))
+            out.append(_microbatch(order, sorted_lengths, lo, hi, round_to))
             lo = hi
     if lo < len(order):
-        out.append(_microbatch(order, padded, lo, len(order)))
+        out.append(_microbatch(order, sorted_lengths, lo, len(order), round_to))
     return out
 
 
 def partition_uniform(lengths, indices, microbatch_size: int, round_to: int = 8) -> list[MicroBatch]:
     """Runs of `microbatch_size` sorted samples (the last may be shorter)."""
     order, sorted_lengths = _sorted_samples(lengths, indices)
-    padded = round_up(sorted_lengths, round_to)
-    return [_microbatch(order, padded, lo, min(lo + microbatch_size, len(order)))
+    return [_microbatch(order, sorted_lengths, lo, min(lo + microbatch_size, len(order)), round_to)
             for lo in range(0, len(order), microbatch_size)]
 
 

@@ -33,7 +33,7 @@ from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
 # Entry orders tried per micro-batching: no more than fit a budget of simulated micro-batches
@@ -240,7 +240,8 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
         try:
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
-                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode)
+                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
+                packed=spec.packing == "varlen")
         except MicroBatchingError as error:
             errors.append(error)
             continue
@@ -265,8 +266,7 @@ def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> f
 def _times(costs, microbatches, recompute) -> np.ndarray:
     """Bottleneck-stage time of each micro-batch under its own recompute type. Every type is
     evaluated: the same query as the work table's (simulator.WorkTable), answered once."""
-    mbs = np.array([mb.size for mb in microbatches])
-    seq = np.array([mb.seq_len for mb in microbatches])
+    mbs, seq = cost_shapes(microbatches)
     stages = costs.by_recompute(mbs, seq, tuple(RecomputeType))
     per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
     return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 Order = list[tuple[str, int]]  # ("F" | "B", micro-batch) in execution order, one list per stage
 # An op that ran above the memory limit: (stage, MB in use, the micro-batches whose stored
@@ -53,8 +53,7 @@ class WorkTable:
     FIELDS = ("forward", "backward", "stored", "peak")
 
     def __init__(self, costs: StageCosts, microbatches: Sequence[MicroBatch]):
-        mbs = np.array([mb.size for mb in microbatches])
-        seq = np.array([mb.seq_len for mb in microbatches])
+        mbs, seq = cost_shapes(microbatches)
         every = costs.by_recompute(mbs, seq, tuple(RecomputeType))
         self.tables = {name: np.array(every[name], dtype=float) for name in self.FIELDS}  # [recompute, pp, n]
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])

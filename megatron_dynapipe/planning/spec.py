@@ -10,6 +10,9 @@ from megatron_dynapipe.planning.types import RecomputeType
 
 SCHEDULES = tuple(SCHEDULE_ORDERS)  # the schedules the planner can choose from, by name
 PARTITION_METHODS = ("dp", "token_based", "uniform")
+#: "pad": each micro-batch's samples padded to its longest; "varlen": packed into one row, each
+#: sample attending to itself alone (megatron-core's THD format), priced by its tokens and squares
+PACKINGS = ("pad", "varlen")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class TrainingSpec:
     microbatch_size: int = 8  # for partition="uniform"
     max_permutations: int = 8
     seed: int = 0
+    packing: str = "pad"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations"):
@@ -51,6 +55,11 @@ class TrainingSpec:
             raise ValueError(
                 f"unknown partition method {self.partition!r}: choose from {', '.join(PARTITION_METHODS)}"
             )
+        if self.packing not in PACKINGS:
+            raise ValueError(f"unknown packing {self.packing!r}: choose from {', '.join(PACKINGS)}")
+        if self.packing == "varlen" and self.partition != "dp":
+            raise ValueError(f"packing varlen cuts micro-batches by dynamic programming: partition {self.partition!r} "
+                             "pads; use partition dp")
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
 
     def to_json(self) -> dict:

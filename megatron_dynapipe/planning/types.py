@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 
 class RecomputeType(enum.IntEnum):
@@ -31,15 +34,68 @@ class RecomputeType(enum.IntEnum):
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Samples trained together: indices into the global batch and the padded shape."""
+    """Samples trained together: indices into the global batch and the tensor shape.
+
+    A padded micro-batch is ``size`` rows, every sample padded to ``seq_len``. A packed one
+    (``packed_lengths`` given: each sample's tokens, in the row's order) is one row of ``seq_len``
+    tokens, its samples back to back and padding after them, each sample attending to itself
+    alone (THD)."""
 
     samples: tuple[int, ...]
-    seq_len: int  # padded sequence length of every sample in the micro-batch
+    seq_len: int  # padded: every row's length; packed: the one row's length
+    packed_lengths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.packed_lengths and (len(self.packed_lengths) != len(self.samples)
+                                    or sum(self.packed_lengths) > self.seq_len):
+            raise ValueError(f"a packed micro-batch of {len(self.samples)} samples has {len(self.packed_lengths)} "
+                             f"lengths summing to {sum(self.packed_lengths)} tokens, over its {self.seq_len}")
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.packed_lengths)
 
     @property
     def size(self) -> int:
+        """Samples in it."""
         return len(self.samples)
 
     @property
+    def rows(self) -> int:
+        """The tensors' batch dimension (Megatron's micro-batch size)."""
+        return 1 if self.packed else self.size
+
+    @property
     def tokens(self) -> int:
-        return self.size * self.seq_len
+        return self.rows * self.seq_len
+
+    @property
+    def label(self) -> str:
+        """Its shape in a few characters: "4x128", or "3in1024" for three samples packed in 1024."""
+        return f"{self.size}in{self.seq_len}" if self.packed else f"{self.size}x{self.seq_len}"
+
+    @property
+    def cost_shape(self) -> tuple[float, float]:
+        """The (micro-batch size, sequence length) a cost model prices it at. A padded one is its
+        shape. A packed one of T tokens whose segments (its samples and the padding after them)
+        have squared lengths summing to Q does the linear work of T tokens and the attention work of
+        Q: the shape of T^2 / Q rows of Q / T tokens does both (its tokens m s = T, its attention
+        m s^2 = Q)."""
+        if not self.packed:
+            return self.size, self.seq_len
+        return packed_cost_shape(self.seq_len, sum(self.packed_lengths), sum(n * n for n in self.packed_lengths))
+
+def cost_shapes(microbatches: "Sequence[MicroBatch]") -> tuple[np.ndarray, np.ndarray]:
+    """The micro-batch sizes and sequence lengths a cost model prices ``microbatches`` at
+    (:attr:`MicroBatch.cost_shape`), as two arrays."""
+    shapes = np.array([mb.cost_shape for mb in microbatches], dtype=float).reshape(-1, 2)
+    return shapes[:, 0], shapes[:, 1]
+
+
+def packed_cost_shape(row_tokens, sample_tokens, sample_squares):
+    """:attr:`MicroBatch.cost_shape` of packed micro-batches (scalars or arrays): rows of
+    ``row_tokens`` holding samples of ``sample_tokens`` tokens in all, their squared lengths
+    summing to ``sample_squares``; the padding after them is one more segment."""
+    padding = row_tokens - sample_tokens
+    squares = sample_squares + padding * padding
+    return row_tokens * row_tokens / squares, squares / row_tokens

@@ -208,12 +208,12 @@ def _check_batch(batch: PlannedBatch, channels: PipelineChannels) -> ExecutionPl
             f"{where}: the PlannedBatch holds {len(batch.microbatches)} micro-batches, its plan {n}"
         )
     for m, (shape, data) in enumerate(zip(plan.microbatches, batch.microbatches)):
-        expected = (shape.size, shape.seq_len)
+        expected = (shape.rows, shape.seq_len)
         for key, tensor in data.items():
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tuple(tensor.shape) != expected:
                 raise PlanMismatchError(
                     f"{where}: micro-batch {m} {key!r} has shape {tuple(tensor.shape)}, its plan says "
-                    f"{expected} (size x padded sequence length)"
+                    f"{expected} (rows x padded sequence length)"
                 )
     return plan
 
@@ -357,7 +357,7 @@ class StageRunner:
         """Micro-batch ``m``'s activation shape, as megatron-core's ``get_tensor_shapes`` says."""
         mb = self.plan.microbatches[m]
         shapes = self.schedules.get_tensor_shapes(
-            seq_length=mb.seq_len, micro_batch_size=mb.size, decoder_seq_length=None, config=self.config,
+            seq_length=mb.seq_len, micro_batch_size=mb.rows, decoder_seq_length=None, config=self.config,
             tp_group=self.pg_collection.tp, cp_group=self.pg_collection.cp)
         if self.adjust_tensor_shapes_fn is not None:
             shapes, send = self.adjust_tensor_shapes_fn(shapes, list(shapes))

@@ -44,7 +44,7 @@ def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False
 
     on_device = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in tensors]
     shape = dict(model=[ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,
-                 micro_batch_size=plan.microbatches[0].size, forward_only=forward_only)
+                 micro_batch_size=plan.microbatches[0].rows, forward_only=forward_only)
     cuda_as_cpu = cpu_compat.cuda_as_cpu if device.type == "cpu" else contextlib.nullcontext
 
     def step() -> list:

@@ -409,6 +409,9 @@ def test_the_shipped_h100_profile_is_taken_for_gpt_6_7b_in_bf16_only():
     assert profile_mismatch(metadata, model=gpt, dtype="bf16") is None
     assert profile_mismatch(metadata, model=gpt, dtype="fp16") == "dtype bf16 (job: fp16)"
     assert profile_mismatch(metadata, model=get_model("13").to_json(), dtype="bf16").startswith("hidden_size 4096")
+    # it was measured with megatron-core's unfused local attention, not a fused core
+    sdpa = dict(gpt, attention="sdpa")
+    assert profile_mismatch(metadata, model=sdpa, dtype="bf16") == "attention local (job: sdpa)"
 
 
 def test_a_file_in_the_working_directory_wins_over_a_shipped_name(tmp_path, monkeypatch):

@@ -45,7 +45,8 @@ def resolve_cost_model_path(name_or_path: str | os.PathLike, flag: str = "--cost
 #: The model fields a layer's time and memory depend on (num_layers does not: a profile is per layer).
 #: Dropout is one: drawing and applying its masks is work of its own.
 ARCHITECTURE_FIELDS = ("hidden_size", "num_attention_heads", "query_groups", "ffn_hidden_size", "vocab_size",
-                       "swiglu", "normalization", "position_embedding_type", "hidden_dropout", "attention_dropout")
+                       "swiglu", "normalization", "position_embedding_type", "hidden_dropout", "attention_dropout",
+                       "attention")
 
 
 def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype: "str | None" = None) -> "str | None":
@@ -63,7 +64,8 @@ def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype
 
 def _architecture(fields: Mapping) -> dict:
     defaults = dict(vocab_size=None, swiglu=False, normalization="LayerNorm",
-                    position_embedding_type="learned_absolute", hidden_dropout=0.1, attention_dropout=0.1)
+                    position_embedding_type="learned_absolute", hidden_dropout=0.1, attention_dropout=0.1,
+                    attention="local")  # a profile made before attention was recorded measured the local one
     arch = {k: fields.get(k, defaults.get(k)) for k in ARCHITECTURE_FIELDS}
     arch["ffn_hidden_size"] = arch["ffn_hidden_size"] or 4 * arch["hidden_size"]
     arch["query_groups"] = fields.get("num_query_groups") or fields.get("num_attention_heads")

@@ -156,7 +156,8 @@ class ExecutionPlan:
             f"predicted={self.predicted_makespan_ms:.3f} ms"
         ]
         for m, (mb, rc) in enumerate(zip(self.microbatches, self.recompute)):
-            lines.append(f"  mb {m:>3}: {mb.size} x {mb.seq_len} ({mb.tokens} tokens) recompute={rc.label}")
+            shape = f"{mb.size} packed in {mb.seq_len}" if mb.packed else f"{mb.size} x {mb.seq_len}"
+            lines.append(f"  mb {m:>3}: {shape} ({mb.tokens} tokens) recompute={rc.label}")
         rows: list[str] = []
         row: list[str] = []
         for ins in self.instructions:

@@ -1,9 +1,10 @@
 """An execution plan's binary form, as it travels from the planning workers to the training ranks.
 
-All little-endian: a 38-byte header (magic ``b"DPEP"``, u16 version, u16 flags = 0, u32 stage,
+All little-endian: a 38-byte header (magic ``b"DPEP"``, u16 version, u16 flags, u32 stage,
 num_stages, micro-batch count, total sample count, instruction count, u16 schedule-name length,
 f64 predicted makespan), the UTF-8 schedule name, then per micro-batch u32 sequence length, u32
-sample count and u8 recompute, the u32 sample indices of all micro-batches in turn, 8 bytes per
+sample count and u8 recompute, the u32 sample indices of all micro-batches in turn, when flags
+bit 0 (:data:`PACKED`: every micro-batch is packed) the u32 token count of those samples in turn, 8 bytes per
 instruction (:data:`~.instructions.ROW`: u8 op, u8 recompute, i16 peer, u32 micro-batch), and a
 CRC-32 of everything before it.
 """
@@ -28,6 +29,7 @@ _MAGIC = b"DPEP"
 _HEADER = struct.Struct("<4sHHIIIIIHd")
 _CRC = struct.Struct("<I")
 _U32_MAX = 2**32 - 1
+PACKED = 0x1
 
 
 def encode(stage: int, num_stages: int, schedule: str, microbatches: Sequence[MicroBatch],
@@ -42,10 +44,15 @@ def encode(stage: int, num_stages: int, schedule: str, microbatches: Sequence[Mi
     seq_lens = np.array([mb.seq_len for mb in microbatches], dtype=np.int64)
     sizes = np.array([mb.size for mb in microbatches], dtype=np.int64)
     samples = np.fromiter((x for mb in microbatches for x in mb.samples), dtype=np.int64, count=int(sizes.sum()))
+    packed = [mb.packed for mb in microbatches]
+    if any(packed) and not all(packed):
+        raise ValueError("a plan's micro-batches are all packed or all padded")
+    flags = PACKED if any(packed) else 0
+    lengths = np.fromiter((n for mb in microbatches for n in mb.packed_lengths), dtype=np.int64)
     for what, arr in (("sequence length", seq_lens), ("sample index", samples)):
         if arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):
             raise ValueError(f"a micro-batch {what} is outside 0..{_U32_MAX}")
-    header = _HEADER.pack(_MAGIC, VERSION, 0, stage, num_stages, n, samples.size, len(rows), len(name),
+    header = _HEADER.pack(_MAGIC, VERSION, flags, stage, num_stages, n, samples.size, len(rows), len(name),
                           predicted_makespan_ms)
     body = b"".join([
         header,
@@ -54,6 +61,7 @@ def encode(stage: int, num_stages: int, schedule: str, microbatches: Sequence[Mi
         sizes.astype("<u4").tobytes(),
         np.array([int(r) for r in recompute], dtype="u1").tobytes(),
         samples.astype("<u4").tobytes(),
+        lengths.astype("<u4").tobytes(),
         rows.tobytes(),
     ])
     return body + _CRC.pack(zlib.crc32(body))
@@ -64,7 +72,7 @@ def decode(data: "bytes | bytearray | memoryview") -> dict[str, Any]:
     ValueError on anything else (wrong magic, version, truncated or trailing bytes, corrupted
     content)."""
     data = bytes(data)
-    stage, num_stages, n, n_samples, n_instr, sched_len, makespan = _header(data)
+    flags, stage, num_stages, n, n_samples, n_instr, sched_len, makespan = _header(data)
     pos = _HEADER.size
 
     def take(dtype: str, count: int) -> np.ndarray:
@@ -82,12 +90,14 @@ def decode(data: "bytes | bytearray | memoryview") -> dict[str, Any]:
     sizes = take("<u4", n).tolist()
     rc_codes = take("u1", n).tolist()
     samples = take("<u4", n_samples).tolist()
+    lengths = take("<u4", n_samples).tolist() if flags & PACKED else None
     rows = np.frombuffer(data, dtype=ROW, count=n_instr, offset=pos)
     if sum(sizes) != n_samples:
         raise ValueError(f"corrupted ExecutionPlan: micro-batch sizes sum to {sum(sizes)}, not {n_samples}")
     microbatches, at = [], 0
     for seq_len, size in zip(seq_lens, sizes):
-        microbatches.append(MicroBatch(tuple(samples[at: at + size]), seq_len))
+        packed = tuple(lengths[at: at + size]) if lengths is not None else ()
+        microbatches.append(MicroBatch(tuple(samples[at: at + size]), seq_len, packed))
         at += size
     _check_codes(rc_codes, rows)
     rcs = list(RecomputeType)
@@ -108,9 +118,10 @@ def _header(data: bytes) -> tuple:
     if len(data) < _HEADER.size:
         raise ValueError(f"truncated ExecutionPlan: {len(data)} bytes, the header alone needs {_HEADER.size}")
     (_, _, flags, stage, num_stages, n, n_samples, n_instr, sched_len, makespan) = _HEADER.unpack_from(data, 0)
-    if flags:
+    if flags & ~PACKED:
         raise ValueError(f"unsupported ExecutionPlan flags {flags:#x}")
-    expected = _HEADER.size + sched_len + 9 * n + 4 * n_samples + ROW.itemsize * n_instr + _CRC.size
+    per_sample = 8 if flags & PACKED else 4
+    expected = _HEADER.size + sched_len + 9 * n + per_sample * n_samples + ROW.itemsize * n_instr + _CRC.size
     if len(data) < expected:
         raise ValueError(f"truncated ExecutionPlan: the header announces {expected} bytes, got {len(data)}")
     if len(data) > expected:
@@ -119,7 +130,7 @@ def _header(data: bytes) -> tuple:
     (crc,) = _CRC.unpack_from(data, expected - _CRC.size)
     if zlib.crc32(memoryview(data)[: expected - _CRC.size]) != crc:
         raise ValueError("corrupted ExecutionPlan: checksum mismatch")
-    return stage, num_stages, n, n_samples, n_instr, sched_len, makespan
+    return flags, stage, num_stages, n, n_samples, n_instr, sched_len, makespan
 
 
 def _check_codes(rc_codes: list[int], rows: np.ndarray) -> None:
