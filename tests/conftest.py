@@ -33,6 +33,17 @@ def tiny_profile(tmp_path_factory):
     that stored activations follow the dropout-free formulas), made in this process as
     ``megatron-dynapipe profile --model tiny --tp 1 2 --max-seq-length 128 --max-tokens 256 --repeats 1
     --warmup 0`` makes it: its path and content."""
+    return _profile_tiny(tmp_path_factory, "local", (1, 2))
+
+
+@pytest.fixture(scope="session")
+def tiny_sdpa_profile(tmp_path_factory):
+    """The tiny GPT with ``--attention sdpa`` (the attention core that runs packed micro-batches)
+    profiled at tp 1 as :func:`tiny_profile` is: its path and content."""
+    return _profile_tiny(tmp_path_factory, "sdpa", (1,))
+
+
+def _profile_tiny(tmp_path_factory, attention: str, tp_sizes: tuple) -> tuple:
     from types import SimpleNamespace
 
     import torch
@@ -40,9 +51,10 @@ def tiny_profile(tmp_path_factory):
     from megatron_dynapipe.config.model_flags import model_from_args
     from megatron_dynapipe.profiling.profiler import ProfileSettings, profile_model
 
-    out = tmp_path_factory.mktemp("profile") / "tiny.json"
-    spec = model_from_args(SimpleNamespace(model="tiny", hidden_dropout=0.0, attention_dropout=0.0))  # as the CLI reads it
-    settings = ProfileSettings(tp_sizes=(1, 2), max_seq_length=128, max_tokens=256, repeats=1, warmup=0)
+    out = tmp_path_factory.mktemp("profile") / f"tiny-{attention}.json"
+    # as the CLI reads the flags
+    spec = model_from_args(SimpleNamespace(model="tiny", hidden_dropout=0.0, attention_dropout=0.0, attention=attention))
+    settings = ProfileSettings(tp_sizes=tp_sizes, max_seq_length=128, max_tokens=256, repeats=1, warmup=0)
     profile_model(spec, out, settings, device=torch.device("cpu"))
     return out, json.loads(out.read_text())
 

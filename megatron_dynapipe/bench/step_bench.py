@@ -1,21 +1,28 @@
 """Step benchmark: real megatron-core training steps on one global batch of variable-length samples.
 
-The same samples (random tokens of the given lengths) go through the same GPT four ways:
+The same samples (random tokens of the given lengths) go through the same GPT in up to six ways:
 
 * **DynaPipe** and **DynaPipe (fast)**: the planner's variable-length micro-batches, schedule and
-  recompute choices, from the cost model given;
+  recompute choices, from the cost model given, each sample padded to its micro-batch's longest;
+* **DynaPipe varlen**: the same planner with packed micro-batches (``--packing varlen``): each
+  micro-batch one row of its samples back to back, each attending to itself alone (THD);
 * **pad-to-max**: Megatron's fixed ``--seq-length``: every sample padded to the longest allowed;
 * **packing**: samples packed first-fit into sequences of that length, as Megatron's GPT dataset
   does (causal attention over the whole sequence, positions counted through it, each sample's
-  own next-token loss).
+  own next-token loss): cheap, but samples attend to their neighbours;
+* **THD packing**: the same sequences without that leakage, as Megatron users train packed data
+  today (THD with ``cu_seqlens``): each micro-batch a fixed budget of k sequences in one row,
+  every sample attending to itself alone with its own positions.
 
+The packed ways need an attention core that runs packed micro-batches: the model is built with
+``--attention sdpa`` unless told otherwise (with ``--attention local`` they are left out).
 Each way is an ExecutionPlan run by the same executor (the baselines' plans are 1F1B, with the
 micro-batch size and uniform recompute the cost model finds fastest within the memory limit, as
-``megatron-dynapipe plan`` prices packing), so the methods differ only in how the samples are cut
-and padded; ``bench executor`` compares that executor with megatron-core's own schedule. A step
-is one forward-backward of the whole global batch (no optimizer step: the weights stay the same,
-so every method computes the same per-token losses but packing's, where samples see each other;
-the model runs without dropout for the same reason, and its profile must have been made so).
+``megatron-dynapipe plan`` prices packing), so the methods differ only in how the samples are cut,
+padded and packed; ``bench executor`` compares that executor with megatron-core's own schedule. A
+step is one forward-backward of the whole global batch (no optimizer step: the weights stay the
+same, so every method computes the same per-token losses but leaky packing's; the model runs
+without dropout for the same reason, and its profile must have been made so).
 Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
 slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
 the cost model's prediction for each method and its error, and peak memory (on CUDA the
@@ -35,10 +42,11 @@ import numpy as np
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
-from megatron_dynapipe.data.microbatches import gpt_microbatch
+from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
+from megatron_dynapipe.gpt.build import uses_transformer_engine
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.local_ranks import run_local_ranks
-from megatron_dynapipe.planning.baselines import fixed_length_baseline, uniform_microbatches
+from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_baseline, uniform_microbatches
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model
 from megatron_dynapipe.planning.microbatching import pack_fixed_length
 from megatron_dynapipe.planning.plan import build_execution_plans
@@ -50,7 +58,9 @@ from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
 __all__ = ["add_arguments", "run"]
 
-DYNAPIPE, FAST, PAD, PACK = "DynaPipe", "DynaPipe (fast)", "pad-to-max", "packing"
+DYNAPIPE, FAST, VARLEN, PAD, PACK, THD = ("DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing",
+                                          "THD packing")
+LEAKY = (PACK,)  # methods whose samples attend to each other: their losses differ by design
 DEFAULT_SAMPLES = 64
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # relative, DynaPipe against pad-to-max
 
@@ -115,7 +125,8 @@ def _checked(args) -> dict:
     if args.hidden_dropout or args.attention_dropout:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
                          "drop --hidden-dropout / --attention-dropout")
-    spec = dataclasses.replace(model_from_args(args), hidden_dropout=0.0, attention_dropout=0.0)
+    spec = dataclasses.replace(model_from_args(args), hidden_dropout=0.0, attention_dropout=0.0,
+                               attention=args.attention or "sdpa")
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
     if args.samples < 1:
@@ -141,7 +152,8 @@ def _checked(args) -> dict:
     memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20
                                          if device == "cuda" else 36_000.0)
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
-    return dict(model=spec, device=device, dtype=args.dtype, max_seq_length=max_seq_length,
+    packs = spec.attention == "sdpa" or uses_transformer_engine(device)
+    return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, dp=args.dp, seed=args.seed,
                 cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
 
@@ -173,13 +185,17 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
-    for name, fast in ((DYNAPIPE, False), (FAST, True)):
-        result = generate_execution_plan(lengths, spec, costs, fast_mode=fast)
-        microbatches = [[_padded(tokens, mb) for mb in plans[0].microbatches] for plans in result.plans]
+    planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
+    for name, fast, packing in planned:
+        result = generate_execution_plan(lengths, dataclasses.replace(spec, packing=packing), costs, fast_mode=fast)
+        microbatches = [[_tensors(tokens, mb) for mb in plans[0].microbatches] for plans in result.plans]
         methods[name] = Method(result.plans, microbatches, result.makespan_ms, result.planning_seconds)
     seq = job["max_seq_length"]
+    sequences = pack_fixed_length(lengths, seq)
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
-    methods[PACK] = _fixed_length_method(pack_fixed_length(lengths, seq), tokens, seq, costs, spec)
+    methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
+    if job["packs"]:
+        methods[THD] = _thd_method(sequences, lengths, tokens, seq, costs, spec)
     return methods
 
 
@@ -187,13 +203,10 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     """Sequences of ``seq_len`` tokens (each the samples it lists, packed), dealt out in order to
     the data-parallel ranks as evenly as they go, each rank's run 1F1B with the micro-batch size
     and recompute the cost model finds fastest."""
-    if len(sequences) < spec.dp:
-        raise ValueError(f"{len(sequences)} sequences of {seq_len} tokens cannot feed --dp {spec.dp} ranks: "
-                         "give more samples or lower --max-seq-length")
+    _check_feeds(sequences, seq_len, spec)
     best = fixed_length_baseline(len(sequences), seq_len, costs, spec.memory_limit_mb)
     if best is None:
-        raise ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {spec.memory_limit_mb:.0f} "
-                         "MB by the cost model: raise the limit or lower --max-seq-length")
+        raise _unfit(seq_len, spec)
     plans, tensors = [], []
     for mine in np.array_split(np.arange(len(sequences)), spec.dp):  # sizes differ by one at most
         micro = uniform_microbatches(len(mine), best.microbatch_size, seq_len)
@@ -204,13 +217,40 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     return Method(plans, tensors, best.makespan_ms)
 
 
+def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.ndarray], seq_len: int, costs,
+                spec) -> Method:
+    """The same sequences without attention between their samples: rows of k of them, 1F1B,
+    with the k and recompute the cost model finds fastest (:func:`thd_packing_baseline`)."""
+    _check_feeds(sequences, seq_len, spec)
+    best = thd_packing_baseline(sequences, lengths, seq_len, costs, spec.memory_limit_mb)
+    if best is None:
+        raise _unfit(seq_len, spec)
+    per_rank, recompute, makespan = best
+    plans = [build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, recompute.label, "1f1b")
+             for micro in per_rank]
+    return Method(plans, [[_tensors(tokens, mb) for mb in micro] for micro in per_rank], makespan)
+
+
+def _check_feeds(sequences: list, seq_len: int, spec) -> None:
+    if len(sequences) < spec.dp:
+        raise ValueError(f"{len(sequences)} sequences of {seq_len} tokens cannot feed --dp {spec.dp} ranks: "
+                         "give more samples or lower --max-seq-length")
+
+
+def _unfit(seq_len: int, spec) -> ValueError:
+    return ValueError(f"not even one sequence of {seq_len} tokens fits --memory-limit {spec.memory_limit_mb:.0f} "
+                      "MB by the cost model: raise the limit or lower --max-seq-length")
+
+
 def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng([seed, 1])
     return [rng.integers(0, vocab_size, n, dtype=np.int64) for n in lengths]
 
 
-def _padded(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
-    return gpt_microbatch([tokens[i] for i in mb.samples], mb.seq_len)
+def _tensors(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
+    """The arrays of a planned micro-batch: its samples packed in one row, or padded."""
+    samples = [tokens[i] for i in mb.samples]
+    return packed_microbatch(samples, mb.seq_len) if mb.packed else gpt_microbatch(samples, mb.seq_len)
 
 
 def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
@@ -325,16 +365,18 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
             peak_mb=max(rank["peak_mb"][name] for rank in per_rank), planning_s=method.planning_s,
             loss=_global_loss(per_rank, name))
-    loss_gap = abs(rows[DYNAPIPE]["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
+    gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
+            for name, row in rows.items() if name not in LEAKY and name != PAD}
+    speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DYNAPIPE), (THD, PAD))
+                if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
-                      pp=job["pp"], dp=job["dp"],
+                      pp=job["pp"], dp=job["dp"], attention=job["model"].attention,
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
-        methods=rows,
-        speedup_over_pad_to_max=rows[DYNAPIPE]["tokens_per_s"] / rows[PAD]["tokens_per_s"],
-        speedup_over_packing=rows[DYNAPIPE]["tokens_per_s"] / rows[PACK]["tokens_per_s"],
-        loss_gap=loss_gap, losses_agree=loss_gap <= LOSS_TOLERANCE[job["dtype"]],
+        methods=rows, speedups=speedups,
+        loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job["dtype"]] for gap in gaps.values()),
         threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
         profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
 
@@ -344,7 +386,8 @@ def format_table(row: dict) -> str:
     lines = [
         f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, DP={s['dp']}, "
         f"{s['samples']} samples "
-        f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), cost model {s['cost_model']}",
+        f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), attention {s['attention']}, "
+        f"cost model {s['cost_model']}",
         "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error | peak MB | planning s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -354,12 +397,12 @@ def format_table(row: dict) -> str:
                             else (f"{m['predicted_ms']:.1f}", f"{m['prediction_error_pct']:+.0f}%"))
         lines.append(f"| {name} | {m['microbatches']} | {m['padded_tokens']} | {m['median_ms']:.1f} | "
                      f"{m['tokens_per_s']:.0f} | {predicted} | {error} | {m['peak_mb']:.0f} | {planning} |")
-    lines.append(f"DynaPipe over pad-to-max: {row['speedup_over_pad_to_max']:.2f}x, over packing: "
-                 f"{row['speedup_over_packing']:.2f}x (real tokens per second)")
+    lines.append("real tokens per second: " + ", ".join(f"{name} {x:.2f}x" for name, x in row["speedups"].items()))
     agree = "agree" if row["losses_agree"] else "DISAGREE"
-    lines.append(f"losses: DynaPipe {row['methods'][DYNAPIPE]['loss']:.5f}, pad-to-max {row['methods'][PAD]['loss']:.5f} "
-                 f"({agree}, relative gap {row['loss_gap']:.1e}); packing {row['methods'][PACK]['loss']:.5f} "
-                 "(samples attend to their neighbours)")
+    gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in row["loss_gaps"].items())
+    lines.append(f"losses: pad-to-max {row['methods'][PAD]['loss']:.5f}; the others without leakage {agree} with it "
+                 f"(relative gaps: {gaps}); packing {row['methods'][PACK]['loss']:.5f} (samples attend to their "
+                 "neighbours)")
     if row["methods"][DYNAPIPE]["predicted_ms"] is None:
         lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "

@@ -64,7 +64,7 @@ from megatron_dynapipe.data.kv_store import (
     KVStoreMetaKeys,
 )
 from megatron_dynapipe.data.liveness import STALL_S, PulseWatch, RankBeacon, RankWatch
-from megatron_dynapipe.data.microbatches import SampleIds, decode_sample_ids, gpt_microbatch
+from megatron_dynapipe.data.microbatches import SampleIds, decode_sample_ids, gpt_microbatch, packed_microbatch
 from megatron_dynapipe.data.preprocess import PipelineSettings
 from megatron_dynapipe.data.sampling import BatchSchedule
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, load_cost_model
@@ -451,22 +451,23 @@ class DynaPipeDataLoader:
             raise DataPipelineError(
                 f"iteration {it}: inconsistent data for dp {dp}, stage {stage} (plan of stage {plan.stage} with "
                 f"shapes {shapes}; sample ids of iteration {ids.iteration}, dp {ids.dp_rank}, shapes {ids.shapes})")
-        microbatches = [{k: torch.from_numpy(v) for k, v in arrays.items()} for arrays in self._read(ids)]
+        microbatches = [{k: torch.from_numpy(v) for k, v in arrays.items()} for arrays in self._read(ids, plan)]
         self.client.acknowledge(it)
         self._next = it + 1
         return PlannedBatch(iteration=it, plan=plan, microbatches=microbatches, summary=json.loads(summary))
 
-    def _read(self, ids: SampleIds) -> list[dict[str, np.ndarray]]:
-        """This rank's micro-batches, read from its own copy of the dataset."""
+    def _read(self, ids: SampleIds, plan: ExecutionPlan) -> list[dict[str, np.ndarray]]:
+        """This rank's micro-batches, read from its own copy of the dataset, padded or packed as
+        its plan says."""
         dataset = self.dataset
         out = []
-        for (_, seq_len), mb_ids, lengths in zip(ids.shapes, ids.ids, ids.lengths):
+        for mb, (_, seq_len), mb_ids, lengths in zip(plan.microbatches, ids.shapes, ids.ids, ids.lengths):
             samples = [dataset[int(i)] for i in mb_ids]
             if [len(s) for s in samples] != lengths.tolist():
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
-            out.append(gpt_microbatch(samples, seq_len, self.settings.pad_token_id,
-                                      [dataset.target_mask(int(i)) for i in mb_ids]))
+            build = packed_microbatch if mb.packed else gpt_microbatch
+            out.append(build(samples, seq_len, self.settings.pad_token_id, [dataset.target_mask(int(i)) for i in mb_ids]))
         return out
 
     @property

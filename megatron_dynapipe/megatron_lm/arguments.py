@@ -262,6 +262,10 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
         raise DynapipeArgumentError(
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
         )
+    if _get(args, "dynapipe_packing", "pad") == "varlen" and _get(args, "transformer_impl", "transformer_engine") == "local":
+        raise DynapipeArgumentError(
+            "--dynapipe-packing varlen runs packed (THD) micro-batches, which megatron-core's local attention "
+            "refuses: use --transformer-impl transformer_engine, or --dynapipe-packing pad")
     seqlen_round = _get(args, "dynapipe_seqlen_round", 8)
     tp = _get(args, "tensor_model_parallel_size", 1)
     cp = _get(args, "context_parallel_size", 1)

@@ -213,7 +213,8 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None):
 
     The tensors are ``[micro-batch size, padded length]`` as the plan says; padding sits at the
     right of each sample with ``loss_mask`` 0, so causal attention needs no mask
-    (``attention_mask`` is None). No tensor-parallel broadcast: every TP rank has the same dict.
+    (``attention_mask`` is None). A packed micro-batch (``--dynapipe-packing varlen``) is one row
+    with its THD ``packed_seq_params``. No tensor-parallel broadcast: every TP rank has the same dict.
     """
     if data_iterator is None:
         raise ValueError("DynaPipe's get_batch got data_iterator=None: every rank needs its PlannedBatch "
@@ -230,7 +231,10 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None):
     if on_gpu:
         tensors = [t.cuda(non_blocking=True) for t in tensors]
     tokens, labels, loss_mask, position_ids = tensors
-    return tokens, labels, loss_mask, None, position_ids, None
+    from megatron_dynapipe.gpt.forward_step import packed_seq_params
+
+    packed = {k: microbatch[k].to(tokens.device) for k in ("cu_seqlens", "max_seqlen") if k in microbatch}
+    return tokens, labels, loss_mask, None, position_ids, packed_seq_params(packed)
 
 
 def make_get_batch(original: Callable) -> Callable:

@@ -61,6 +61,38 @@ def fixed_length_baseline(
     return best
 
 
+def thd_packing_baseline(
+    sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float
+) -> tuple[list[list[MicroBatch]], RecomputeType, float] | None:
+    """Megatron's packed sequences without attention across samples (THD): ``sequences`` (sample
+    indices packed into ``seq_len`` tokens each, as :func:`pack_fixed_length` packs them) dealt
+    out in order to the data-parallel ranks as evenly as they go; each micro-batch is one row of
+    k of them (a fixed budget of k x ``seq_len`` tokens), run 1F1B with the k and uniform
+    recompute of the fastest simulated iteration within the memory limit. Per data-parallel rank
+    its micro-batches, the recompute and the slowest rank's time; None when nothing fits."""
+    shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
+    best = None
+    for k in PACKING_MICROBATCH_SIZES:
+        if k > max(map(len, shares)) and k > 1:
+            break
+        per_rank = [[_thd_row([sequences[i] for i in mine[at:at + k]], lengths, seq_len)
+                     for at in range(0, len(mine), k)] for mine in shares]
+        for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
+            results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb) for microbatches in per_rank]
+            if all(r is not None for r in results):
+                makespan = max(r.makespan for r in results)
+                if best is None or makespan < best[2]:
+                    best = (per_rank, rc, makespan)
+                break
+    return best
+
+
+def _thd_row(sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int) -> MicroBatch:
+    """One row of these packed sequences: their samples back to back, then all their padding."""
+    samples = tuple(int(i) for sequence in sequences for i in sequence)
+    return MicroBatch(samples, len(sequences) * seq_len, tuple(int(lengths[i]) for i in samples))
+
+
 def uniform_microbatches(num_sequences: int, microbatch_size: int, seq_len: int) -> list[MicroBatch]:
     """Sequences 0..n-1 in order, `microbatch_size` at a time (the last micro-batch may be smaller)."""
     return [MicroBatch(tuple(range(i, min(i + microbatch_size, num_sequences))), seq_len)

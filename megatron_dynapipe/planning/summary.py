@@ -50,7 +50,7 @@ def _rank_summary(choice) -> dict:
         "makespan_ms": choice.makespan_ms,
         "candidates_tried": choice.candidates_tried,
         "recompute_ops": dict(counts),  # (stage, micro-batch) pairs per recompute type
-        "microbatches": [{"size": mb.size, "seq_len": mb.seq_len, "samples": list(mb.samples)}
+        "microbatches": [{"size": mb.size, "seq_len": mb.seq_len, "samples": list(mb.samples), "packed": mb.packed}
                          for mb in choice.microbatches],
     }
 
@@ -63,10 +63,11 @@ def format_summary(summary: dict) -> str:
         f"model: {summary['num_layers']} layers priced by {summary['cost_model']}",
     ]
     for r, rank in enumerate(summary["dp_ranks"]):
-        shapes = ", ".join(f"{m['size']}x{m['seq_len']}" for m in rank["microbatches"])
+        packed = any(m["packed"] for m in rank["microbatches"])
+        shapes = ", ".join(f"{m['size']}{'in' if packed else 'x'}{m['seq_len']}" for m in rank["microbatches"])
         lines += [
             f"dp rank {r}: {rank['schedule']}, {len(rank['microbatches'])} micro-batches "
-            f"(size x padded length, in pipeline order): {shapes}",
+            f"({'samples in packed length' if packed else 'size x padded length'}, in pipeline order): {shapes}",
             "  recompute per (stage, micro-batch): "
             + ", ".join(f"{k} {v}" for k, v in sorted(rank["recompute_ops"].items())),
             f"  predicted {rank['makespan_ms']:.1f} ms after {rank['candidates_tried']} candidates",

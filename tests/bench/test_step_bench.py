@@ -1,8 +1,8 @@
-"""`megatron-dynapipe bench step`: real megatron-core steps of one global batch, four ways.
+"""`megatron-dynapipe bench step`: real megatron-core steps of one global batch, six ways.
 
 The expected token counts are worked out by hand from the lengths below: padded to 128 each, the
 8 samples take 8 x 128 tokens; packed first-fit decreasing into 128-token sequences they fill 3
-(100+20+8, 90+30, 60+50+10).
+(100+20+8, 90+30, 60+50+10), with or without attention between their samples.
 """
 
 from __future__ import annotations
@@ -33,32 +33,45 @@ def lengths_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_four_methods_run_real_steps_and_agree_on_the_loss(tiny_profile, lengths_file, pp):
-    profile, _ = tiny_profile
+def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp):
+    profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
                 "--max-seq-length", str(SEQ), "--pp", str(pp), "--steps", "3", "--warmup", "0", "--json")
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout)
     methods = row["methods"]
-    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "pad-to-max", "packing"}
+    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing"}
     assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
+    assert row["settings"]["attention"] == "sdpa"
     assert methods["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ
-    assert methods["packing"]["padded_tokens"] == 3 * SEQ
+    assert methods["packing"]["padded_tokens"] == methods["THD packing"]["padded_tokens"] == 3 * SEQ
     for m in methods.values():
         assert m["median_ms"] > 0 and m["predicted_ms"] > 0 and m["peak_mb"] > 0
         assert sum(LENGTHS) <= m["padded_tokens"]
         # an untrained GPT guesses about uniformly: its per-token loss is near ln(vocabulary)
         assert m["loss"] == pytest.approx(math.log(VOCAB), abs=0.2)
-    # padding at the right changes nothing a causal model computes for the real tokens
-    assert row["losses_agree"] and row["loss_gap"] < 1e-4
-    assert methods["DynaPipe"]["planning_s"] is not None and methods["packing"]["planning_s"] is None
+    # padding at the right changes nothing a causal model computes for the real tokens, and a
+    # packed sample that attends to itself alone computes what it does padded
+    assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing"}
+    assert row["losses_agree"] and max(row["loss_gaps"].values()) < 1e-4
+    assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
+
+
+def test_with_megatrons_unfused_attention_the_packed_methods_are_left_out(tiny_profile, lengths_file):
+    profile, _ = tiny_profile
+    run = bench("--model", "tiny", "--attention", "local", "--cost-model", str(profile), "--lengths",
+                str(lengths_file), "--max-seq-length", str(SEQ), "--steps", "3", "--warmup", "0", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = json.loads(run.stdout)
+    assert set(row["methods"]) == {"DynaPipe", "DynaPipe (fast)", "pad-to-max", "packing"}
+    assert row["settings"]["attention"] == "local" and row["losses_agree"]
 
 
 @pytest.mark.slow
-def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_profile, lengths_file):
+def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_sdpa_profile, lengths_file):
     """Two data-parallel ranks each run their share of the same 8 samples: every method's loss
     over the global batch is the one a single rank computes on all of them."""
-    profile, _ = tiny_profile
+    profile, _ = tiny_sdpa_profile
     rows = {}
     for dp in (1, 2):
         run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
@@ -69,16 +82,17 @@ def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_profile, l
     for name, one_rank in rows[1]["methods"].items():
         assert rows[2]["methods"][name]["loss"] == pytest.approx(one_rank["loss"], rel=1e-5), name
     assert rows[2]["methods"]["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ  # the same 8 rows, split
-    assert rows[2]["methods"]["packing"]["padded_tokens"] == 3 * SEQ
+    assert rows[2]["methods"]["packing"]["padded_tokens"] == rows[2]["methods"]["THD packing"]["padded_tokens"] == 3 * SEQ
 
 
-def test_the_table_reports_speed_ups_and_prediction_error(tiny_profile, lengths_file):
-    profile, _ = tiny_profile
+def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, lengths_file):
+    profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
                 "--max-seq-length", str(SEQ), "--steps", "3", "--warmup", "0")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error |" in run.stdout
-    assert "DynaPipe over pad-to-max:" in run.stdout and "losses:" in run.stdout and "(agree" in run.stdout
+    assert "DynaPipe varlen over THD packing " in run.stdout and "DynaPipe over pad-to-max " in run.stdout
+    assert "losses:" in run.stdout and " agree with it" in run.stdout
 
 
 def test_packed_rows_keep_each_samples_own_labels():
@@ -103,6 +117,7 @@ def test_packed_rows_keep_each_samples_own_labels():
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
     (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),
     (["--hidden-dropout", "0.1"], "bench step runs without dropout"),
+    (["--cost-model", "PROFILE"], "was profiled with another model or dtype: attention local (job: sdpa)"),
     (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0)"),
 ])
 def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, tmp_path, args, message):

@@ -135,6 +135,10 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
      "pass --dynapipe-seqlen-round as a multiple of 16 (got 8)"),
     (ON, {"context_parallel_size": 8}, "pass --dynapipe-seqlen-round as a multiple of 16"),
     (ON, {"num_layers": 2, "pipeline_model_parallel_size": 4}, "lower pp or raise num_layers"),
+    (ON + ("--dynapipe-packing", "varlen"), {"transformer_impl": "local"},
+     "use --transformer-impl transformer_engine, or --dynapipe-packing pad"),
+    (ON + ("--dynapipe-packing", "varlen", "--dynapipe-partition", "uniform"), {},
+     "packing varlen cuts micro-batches by dynamic programming"),
 ])
 def test_validation_errors_name_the_fix(argv, megatron, fix):
     with pytest.raises(DynapipeArgumentError) as info:
@@ -166,6 +170,9 @@ def test_training_spec_from_megatron_args():
     assert (spec.num_layers, spec.tp, spec.pp, spec.dp, spec.zero_stage) == (24, 2, 4, 8, 1)
     assert spec.memory_limit_mb == 30000.0 and spec.schedules == ("wait-free-cyclic",)
     assert spec.recompute_types == (RecomputeType.SELECTIVE,) and spec.microbatch_size == 4
+    assert spec.packing == "pad"
+    packed = validated(*ON, "--dynapipe-packing", "varlen", transformer_impl="transformer_engine", num_layers=24)
+    assert training_spec_from_args(packed).packing == "varlen"
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +276,7 @@ def test_plan_and_megatron_flags_give_the_same_search_settings():
                          tensor_model_parallel_size=1, data_parallel_size=1)
     expected = dict(fast_mode="auto", schedules=("1f1b",), recompute_types=(RecomputeType.NONE, RecomputeType.FULL),
                     partition="token_based", seed=3, seqlen_round=16, max_permutations=4,
-                    tokens_per_microbatch=4096)
+                    tokens_per_microbatch=4096, packing="pad")
     assert planner_settings(plan_args) == expected
     assert planner_settings(job_args, prefix="dynapipe-") == expected
     spec = training_spec_from_args(job_args)

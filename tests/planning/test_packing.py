@@ -1,0 +1,146 @@
+"""Packed (varlen) micro-batches: their price, the dynamic programme that cuts them, the THD
+baseline and their plans on the wire. Expected values are worked out here from the definitions."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_dynapipe.planning import TrainingSpec, generate_execution_plan
+from megatron_dynapipe.planning.baselines import thd_packing_baseline
+from megatron_dynapipe.planning.microbatching import (
+    microbatch_fits,
+    microbatch_times,
+    pack_fixed_length,
+    partition_dp,
+)
+from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
+from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+
+LIMIT = 36_000.0
+FULL = RecomputeType.FULL
+
+
+def _round8(n):
+    return -(-n // 8) * 8
+
+
+def test_a_packed_microbatch_is_priced_with_its_tokens_and_its_attention_work():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = tuple(int(n) for n in rng.integers(1, 900, size=rng.integers(1, 9)))
+        row = _round8(sum(lengths)) + 8 * int(rng.integers(0, 3))
+        mbs, seq = MicroBatch(tuple(range(len(lengths))), row, lengths).cost_shape
+        attention = sum(n * n for n in lengths) + (row - sum(lengths)) ** 2  # the padding is one more segment
+        assert mbs * seq == pytest.approx(row) and mbs * seq * seq == pytest.approx(attention)
+
+
+def test_two_equal_samples_packed_cost_what_two_rows_of_them_cost():
+    assert MicroBatch((0, 1), 2048, (1024, 1024)).cost_shape == (2, 1024)
+    packed, padded = MicroBatch((0, 1), 2048, (1024, 1024)), MicroBatch((0, 1), 1024)
+    assert (packed.rows, packed.tokens, padded.rows, padded.tokens) == (1, 2048, 2, 2048)
+
+
+def test_a_packed_microbatch_must_hold_its_samples():
+    with pytest.raises(ValueError, match="lengths summing to 70 tokens, over its 64"):
+        MicroBatch((0, 1), 64, (40, 30))
+    with pytest.raises(ValueError, match="2 samples has 1 lengths"):
+        MicroBatch((0, 1), 64, (40,))
+
+
+def _packed_objective(costs, runs, sorted_lengths, rc):
+    times = []
+    for lo, hi in runs:
+        run = sorted_lengths[lo:hi]
+        row = _round8(sum(run))
+        squares = sum(n * n for n in run) + (row - sum(run)) ** 2
+        mbs, seq = row * row / squares, squares / row
+        if not microbatch_fits(costs, mbs, seq, rc, LIMIT):
+            return np.inf
+        times.append(float(microbatch_times(costs, mbs, seq, rc)))
+    return sum(times) + (costs.pp - 1) * max(times)
+
+
+def _compositions(n):
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        yield list(zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_packed_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed):
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(20, 1500, size=9)]
+    found, _ = partition_dp(lengths, range(9), costs_pp4, LIMIT, FULL, num_thresholds=10_000, packed=True)
+    assert all(mb.packed for mb in found) and sorted(i for mb in found for i in mb.samples) == list(range(9))
+    for mb in found:
+        assert mb.packed_lengths == tuple(lengths[i] for i in mb.samples)
+        assert mb.seq_len == _round8(sum(mb.packed_lengths))
+    runs, at = [], 0
+    for mb in found:
+        runs.append((at, at + mb.size))
+        at += mb.size
+    sorted_lengths = sorted(lengths)
+    best = min(_packed_objective(costs_pp4, r, sorted_lengths, FULL) for r in _compositions(9))
+    assert _packed_objective(costs_pp4, runs, sorted_lengths, FULL) == pytest.approx(best)
+
+
+def test_packing_never_predicts_more_than_padding_the_same_batch(costs_pp4):
+    """A run's packed shape has no more rows and no longer rows than its padded one (Cauchy-Schwarz:
+    (sum l)^2 <= k sum l^2), so the best packed micro-batching is never predicted slower."""
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        lengths = [int(x) for x in rng.integers(8, 2000, size=24)]
+        objectives = []
+        for packed in (False, True):
+            mbs, rcs = partition_dp(lengths, range(24), costs_pp4, LIMIT, tuple(RecomputeType),
+                                    num_thresholds=10_000, packed=packed)
+            times = [float(microbatch_times(costs_pp4, *mb.cost_shape, rc)) for mb, rc in zip(mbs, rcs)]
+            objectives.append(sum(times) + 3 * max(times))
+        assert objectives[1] <= objectives[0] * (1 + 1e-9)
+
+
+def test_the_planner_packs_with_packing_varlen(costs_pp4):
+    lengths = [int(x) for x in np.random.default_rng(5).integers(16, 2048, size=48)]
+    spec = TrainingSpec(num_layers=32, pp=4, dp=2, memory_limit_mb=LIMIT, packing="varlen")
+    result = generate_execution_plan(lengths, spec, costs_pp4)
+    for plans in result.plans:
+        assert all(mb.packed and mb.rows == 1 for mb in plans[0].microbatches)
+    placed = sorted(i for plans in result.plans for mb in plans[0].microbatches for i in mb.samples)
+    assert placed == list(range(48))
+    padded = generate_execution_plan(lengths, TrainingSpec(num_layers=32, pp=4, dp=2, memory_limit_mb=LIMIT),
+                                     costs_pp4)
+    assert not any(mb.packed for plans in padded.plans for mb in plans[0].microbatches)
+
+
+def test_packing_is_checked():
+    with pytest.raises(ValueError, match="unknown packing 'thd': choose from pad, varlen"):
+        TrainingSpec(packing="thd")
+    with pytest.raises(ValueError, match="packing varlen cuts micro-batches by dynamic programming"):
+        TrainingSpec(packing="varlen", partition="uniform")
+
+
+def test_the_thd_baseline_rows_hold_k_packed_sequences(costs_pp4):
+    lengths = [100, 60, 50, 30, 20, 10, 90, 8, 128, 64]
+    sequences = pack_fixed_length(lengths, 128)
+    per_rank, recompute, makespan = thd_packing_baseline(sequences, lengths, 128, costs_pp4, LIMIT)
+    assert len(per_rank) == costs_pp4.dp == 1 and makespan > 0 and recompute in RecomputeType
+    rows = per_rank[0]
+    k = rows[0].seq_len // 128
+    assert [mb.seq_len for mb in rows[:-1]] == [k * 128] * (len(rows) - 1)
+    assert sum(mb.seq_len for mb in rows) == 128 * len(sequences)  # every sequence's 128 tokens, in rows of k
+    assert sorted(i for mb in rows for i in mb.samples) == list(range(len(lengths)))
+    for mb in rows:
+        assert mb.packed and mb.packed_lengths == tuple(lengths[i] for i in mb.samples)
+
+
+def test_a_packed_plan_travels_with_its_samples_lengths():
+    mbs = [MicroBatch((3, 0, 2), 40, (10, 7, 20)), MicroBatch((1,), 16, (16,))]
+    plan = build_execution_plans(one_f_one_b_orders(2, 2), mbs, "none", "1f1b", 5.0)[1]
+    data = plan.to_bytes()
+    back = ExecutionPlan.from_bytes(data)
+    assert back == plan and back.microbatches[0].packed_lengths == (10, 7, 20)
+    assert ExecutionPlan.from_bytes(bytearray(data)).microbatches[1].packed
+    with pytest.raises(ValueError, match="all packed or all padded"):
+        build_execution_plans(one_f_one_b_orders(2, 2), [mbs[0], MicroBatch((1,), 16)], "none", "1f1b", 5.0)[0].to_bytes()
