@@ -157,8 +157,10 @@ class ModelSpec:
 
     @property
     def label(self) -> str:
-        """The name used in folder names: the registry name, or ``h<hidden>l<layers>``."""
-        return self.name or f"h{self.hidden_size}l{self.num_layers}"
+        """The name used in folder names: the registry name, or ``h<hidden>l<layers>``; ``-sdpa``
+        after it for the fused attention core (its traces time another attention)."""
+        name = self.name or f"h{self.hidden_size}l{self.num_layers}"
+        return name + "-sdpa" if self.attention == "sdpa" else name
 
     def with_experts(self, num_experts: int) -> "ModelSpec":
         return dataclasses.replace(self, num_experts=num_experts)

@@ -171,7 +171,7 @@ def iteration_summary(iteration: int, lengths: np.ndarray, result: PlanResult) -
     """What one iteration trains, for the logs: its samples, real and padded tokens,
     micro-batches and schedule per DP rank, recompute choices, predicted time."""
     first_stages = [plans[0] for plans in result.plans]
-    padded = sum(mb.size * mb.seq_len for plan in first_stages for mb in plan.microbatches)
+    padded = sum(mb.tokens for plan in first_stages for mb in plan.microbatches)
     recompute: dict[str, int] = {}
     for choice in result.choices:
         for code in np.asarray(choice.recompute).ravel().tolist():

@@ -59,12 +59,12 @@ class SDPAttention(DotProductAttention):
             out = _VARLEN(query, key, value, cu_seqlens, cu_seqlens, params.max_seqlen_q, params.max_seqlen_q,
                           scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=self._gqa())
             return out.reshape(query.size(0), -1)
-        out = torch.empty_like(query)
-        for start, end in segment_bounds(cu_seqlens):
-            # [len, heads, dim] -> [1, heads, len, dim]: one sample as a batch of one
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-            out[start:end] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
-        return out.reshape(query.size(0), -1)
+        # one sample at a time, [len, heads, dim] -> [1, heads, len, dim]; joined by cat, whose
+        # backward hands each segment a view of the gradient (slice assignment into one output
+        # would copy the whole gradient once per segment)
+        outs = [self._attend(*(x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value)), None,
+                             causal)[0].transpose(0, 1) for start, end in segment_bounds(cu_seqlens)]
+        return torch.cat(outs, dim=0).reshape(query.size(0), -1)
 
     def _attend(self, q, k, v, mask, causal: bool):
         dropout = self._dropout_p()

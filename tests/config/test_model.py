@@ -50,3 +50,14 @@ def test_megatron_args_of_a_model():
     assert args[args.index("--seq-length") + 1] == "4096"
 
 
+
+
+def test_the_attention_core_is_checked_and_named_in_folders():
+    import dataclasses
+
+    from megatron_dynapipe.config.model import get_model
+
+    tiny = get_model("tiny")
+    assert tiny.attention == "local" and dataclasses.replace(tiny, attention="sdpa").label == tiny.label + "-sdpa"
+    with pytest.raises(ValueError, match="attention 'flash': use one of local, sdpa"):
+        dataclasses.replace(tiny, attention="flash")

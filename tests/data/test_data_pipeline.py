@@ -35,7 +35,7 @@ from megatron_dynapipe.data import (
     TrainingSpec,
 )
 from megatron_dynapipe.data.liveness import process_state
-from megatron_dynapipe.data.microbatches import gpt_microbatch
+from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
 from megatron_dynapipe.data.preprocess import worker_state
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
@@ -195,6 +195,31 @@ def test_pp2_dp2_tp2_ranks_get_their_stage_plan_and_read_their_own_samples(tmp_p
                 assert all(np.array_equal(arrays[k], reference[k]) for k in MICROBATCH_KEYS)
                 placed += [int(ids[i]) for i in mb.samples]
         assert sorted(placed) == sorted(ids.tolist())  # the global batch, each sample on one DP rank
+
+
+@pytest.mark.slow
+def test_packed_plans_deliver_packed_rows(tmp_path):
+    """With packing varlen (the setting travels with the spec) both stages of a PP=2 job get
+    packed plans and build each micro-batch as one THD row of its samples, as computed locally."""
+    import dataclasses
+
+    dataset = TokenListDataset(_samples(24, seed=3), MAX_SEQ_LEN)
+    spec = dataclasses.replace(_spec(pp=2, dp=1), packing="varlen")
+    gbs, seed = 12, 5
+    with _host(dataset, spec, gbs, num_iterations=1, seed=seed) as host:
+        out = _collect(*_start_consumers(host.port, [(0, 0, 0), (0, 1, 0)]))
+        failures = {rank: body for rank, (ok, body) in out.items() if not ok}
+        assert not failures and len(out) == 2, failures
+    ids = BatchSchedule(len(dataset), gbs, seed=seed).ids(0)
+    expected = generate_execution_plan(dataset.lengths[ids].tolist(), spec, COST_MODEL, fast_mode=True)
+    for stage in range(2):
+        _, plan_blob, arrays, _ = out[0, stage, 0][1][0]
+        assert plan_blob == expected.plans[0][stage].to_bytes()
+        plan = ExecutionPlan.from_bytes(plan_blob)
+        assert all(mb.packed for mb in plan.microbatches)
+        for mb, got in zip(plan.microbatches, arrays):
+            reference = packed_microbatch([dataset[int(ids[i])] for i in mb.samples], mb.seq_len)
+            assert got.keys() == reference.keys() and all(np.array_equal(got[k], reference[k]) for k in got)
 
 
 @pytest.mark.slow
