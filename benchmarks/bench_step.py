@@ -1,5 +1,6 @@
 """Step benchmark (same as `megatron-dynapipe bench step`): real megatron-core steps of one global
-batch as DynaPipe, pad-to-max and packing plans; real tokens/s and predicted vs measured time."""
+batch as DynaPipe (padded and varlen), pad-to-max, packing and THD packing plans; real tokens/s and
+predicted vs measured time."""
 
 import argparse
 import sys
