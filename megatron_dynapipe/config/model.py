@@ -27,8 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS", "POSITION_EMBEDDINGS",
-           "ATTENTIONS"]
+__all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS",
+           "POSITION_EMBEDDINGS", "ATTENTIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")

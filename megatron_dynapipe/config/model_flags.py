@@ -37,9 +37,10 @@ _FLAG_FIELDS = {
 }
 
 
-def add_model_arguments(parser, moe: bool = False) -> None:
+def add_model_arguments(parser, moe: bool = False, attention: str = "local") -> None:
     """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning),
-    with ``moe`` those of its experts too; :func:`model_from_args` reads them back."""
+    with ``moe`` those of its experts too; :func:`model_from_args` reads them back. ``attention``:
+    the core the command builds without ``--attention`` (what its help says)."""
     g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
     g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)} (default: the command's)")
     for flag, what in (("--num-layers", "transformer layers"), ("--hidden-size", "model width"),
@@ -64,7 +65,7 @@ def add_model_arguments(parser, moe: bool = False) -> None:
     g.add_argument("--attention", choices=ATTENTIONS,
                    help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
                         "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
-                        "(default local)")
+                        f"(default {attention})")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, metavar="P", help="default 0.1")
     if moe:

@@ -25,8 +25,8 @@ class BlendedDataset:
     def __init__(self, parts: Sequence, weights: Sequence[float], size: "int | None" = None):
         weights = np.asarray(weights, dtype=np.float64)
         if len(parts) == 0 or len(parts) != len(weights) or np.any(weights < 0) or weights.sum() <= 0:
-            raise ValueError(f"a blend needs one non-negative weight per dataset and a positive total, got {len(parts)} "
-                             f"datasets and weights {weights.tolist()}")
+            raise ValueError(f"a blend needs one non-negative weight per dataset and a positive total, got "
+                             f"{len(parts)} datasets and weights {weights.tolist()}")
         if len({p.max_seq_len for p in parts}) != 1:
             raise ValueError("every dataset of a blend needs the same max_seq_len")
         if any(len(p) == 0 for p in parts):
@@ -79,7 +79,8 @@ class BlendedDataset:
         return cls([open_descriptor(p) for p in d["parts"]], d["weights"], d["size"])
 
     def __repr__(self) -> str:
-        return f"BlendedDataset({len(self.parts)} datasets, weights {np.round(self.weights, 4).tolist()}, {self.size} samples)"
+        weights = np.round(self.weights, 4).tolist()
+        return f"BlendedDataset({len(self.parts)} datasets, weights {weights}, {self.size} samples)"
 
 
 class SplitDataset:

@@ -461,13 +461,14 @@ class DynaPipeDataLoader:
         its plan says."""
         dataset = self.dataset
         out = []
-        for mb, (_, seq_len), mb_ids, lengths in zip(plan.microbatches, ids.shapes, ids.ids, ids.lengths):
+        for mb, mb_ids, lengths in zip(plan.microbatches, ids.ids, ids.lengths):  # shapes checked equal
             samples = [dataset[int(i)] for i in mb_ids]
             if [len(s) for s in samples] != lengths.tolist():
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
             build = packed_microbatch if mb.packed else gpt_microbatch
-            out.append(build(samples, seq_len, self.settings.pad_token_id, [dataset.target_mask(int(i)) for i in mb_ids]))
+            targets = [dataset.target_mask(int(i)) for i in mb_ids]
+            out.append(build(samples, mb.seq_len, self.settings.pad_token_id, targets))
         return out
 
     @property
@@ -515,13 +516,11 @@ class DynaPipeDataLoader:
 
 _SHARED_MESSAGE = 512
 
-
 def share_host_failure(process_group, message: str) -> None:
     """From the hosting rank, before it builds its loaders: tell every rank of ``process_group``
     (waiting in :class:`DynaPipeDataLoader`) that the pipeline cannot start, and why; they raise
     :class:`DataPipelineError` with ``message`` instead of waiting for a store that never comes."""
     _share_over(process_group, True, None, message)
-
 
 
 def _share_over(group, hosting: bool, secret: "bytes | None", failure: "str | None") -> tuple[bytes, "str | None"]:

@@ -128,7 +128,8 @@ class PipelineSettings:
     @classmethod
     def from_json(cls, data: dict) -> "PipelineSettings":
         if not isinstance(data, dict) or data.get("version") != SETTINGS_VERSION:
-            raise ValueError(f"the data pipeline's settings are version {data.get('version') if isinstance(data, dict) else '?'}, "
+            version = data.get("version") if isinstance(data, dict) else "?"
+            raise ValueError(f"the data pipeline's settings are version {version}, "
                              f"this megatron-dynapipe reads version {SETTINGS_VERSION}: run one version on every rank")
         data = dict(data)
         data["schedule"] = BatchSchedule.from_json(data["schedule"])

@@ -262,7 +262,8 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
         raise DynapipeArgumentError(
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
         )
-    if _get(args, "dynapipe_packing", "pad") == "varlen" and _get(args, "transformer_impl", "transformer_engine") == "local":
+    transformer_impl = _get(args, "transformer_impl", "transformer_engine")
+    if _get(args, "dynapipe_packing", "pad") == "varlen" and transformer_impl == "local":
         raise DynapipeArgumentError(
             "--dynapipe-packing varlen runs packed (THD) micro-batches, which megatron-core's local attention "
             "refuses: use --transformer-impl transformer_engine, or --dynapipe-packing pad")

@@ -46,8 +46,9 @@ def describe_iteration(summary: dict, tokens_per_second: "float | None") -> str:
     recompute = summary["recompute"]
     schedules = sorted(set(summary["schedules"]))
     rate = "" if tokens_per_second is None else f"; {tokens_per_second:,.0f} real tokens/s"
+    padding = 1 - summary["real_tokens"] / max(1, summary["padded_tokens"])
     return (f"iteration {summary['iteration']}: global batch of {summary['samples']} samples, "
-            f"{summary['real_tokens']} real tokens, {1 - summary['real_tokens'] / max(1, summary['padded_tokens']):.1%} "
+            f"{summary['real_tokens']} real tokens, {padding:.1%} "
             f"padding, micro-batches per DP rank {summary['microbatches']}, schedule {'/'.join(schedules)}, "
             f"recompute {recompute.get('none', 0)} none / {recompute.get('selective', 0)} selective / "
             f"{recompute.get('full', 0)} full, predicted {summary['predicted_ms']:.1f} ms, planned in "

@@ -62,6 +62,8 @@ class ListAction(argparse.Action):
         if not items:
             parser.error(f"argument {option_string}: give at least one value")
         setattr(namespace, self.dest, tuple(dict.fromkeys(items)))
+
+
 #: argparse ``type`` of a recompute choice (none, selective, full)
 recompute_argument = argument_type(RecomputeType.parse)
 #: argparse ``type`` of every fast-mode flag (``plan --fast-mode``, ``--dynapipe-fast-mode``)

@@ -334,7 +334,8 @@ def _candidate_caps(table: np.ndarray, smallest_cap: float, count: int) -> np.nd
 
 
 def _microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:
-    return MicroBatch(samples=tuple(int(i) for i in order[lo:hi]), seq_len=int(round_up(sorted_lengths[hi - 1], round_to)))
+    return MicroBatch(samples=tuple(int(i) for i in order[lo:hi]),
+                      seq_len=int(round_up(sorted_lengths[hi - 1], round_to)))
 
 
 def _packed_microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:

@@ -85,6 +85,7 @@ class MicroBatch:
             return self.size, self.seq_len
         return packed_cost_shape(self.seq_len, sum(self.packed_lengths), sum(n * n for n in self.packed_lengths))
 
+
 def cost_shapes(microbatches: "Sequence[MicroBatch]") -> tuple[np.ndarray, np.ndarray]:
     """The micro-batch sizes and sequence lengths a cost model prices ``microbatches`` at
     (:attr:`MicroBatch.cost_shape`), as two arrays."""

@@ -51,6 +51,7 @@ class ProfiledCostModel(CostModel):
         name: str = "",
         metadata: dict | None = None,
         microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+        document: Mapping | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
@@ -62,12 +63,14 @@ class ProfiledCostModel(CostModel):
         self.microbatch_overhead = dict(microbatch_overhead or {})
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
         self._stacks: dict[tuple, GridStack | None] = {}  # by tuple of recompute types, built on first use
+        self._document = None if document is None else dict(document)  # the file it came from, for to_document
 
     def describe(self) -> str:
         model = self.metadata.get("model") or {}
         measured = (f", layers measured on a {model['num_layers']}-layer model" if model.get("num_layers") else "")
         where = ", ".join(str(v) for v in (self.metadata.get("device"), self.metadata.get("dtype")) if v)
-        return f"profile {self.name!r}{f' ({where})' if where else ''}, hidden {self.hidden_size}, tp {self.tp}{measured}"
+        device = f" ({where})" if where else ""
+        return f"profile {self.name!r}{device}, hidden {self.hidden_size}, tp {self.tp}{measured}"
 
     def __repr__(self) -> str:
         kinds = ", ".join(rc.label for rc in self.recompute_types)
@@ -139,7 +142,7 @@ class ProfiledCostModel(CostModel):
             hidden_size = profile_file.hidden_size_of(doc, source)
         if hidden_size is None:
             hidden_size = _estimate_hidden_size(params["encoder"], tp)
-        model = cls(
+        return cls(
             tp=tp,
             hidden_size=hidden_size,
             times={k: Grid(v) for k, v in times.items()},
@@ -148,15 +151,13 @@ class ProfiledCostModel(CostModel):
             name=str(doc.get("name", os.path.basename(source))),
             metadata=profile_file.metadata_of(doc),
             microbatch_overhead=records.overhead.get(tp, {}),
+            document=dict(doc, hidden_size=hidden_size),
         )
-        model._document = dict(doc, hidden_size=hidden_size)  # the file it came from, for to_document
-        return model
 
     def to_document(self) -> dict:
-        document = getattr(self, "_document", None)
-        if document is None:
+        if self._document is None:
             return super().to_document()  # built from grids in code: no file to give
-        return document
+        return self._document
 
 
 def _estimate_hidden_size(encoder_param_mb: float, tp: int) -> int:

@@ -3,10 +3,10 @@
 All little-endian: a 38-byte header (magic ``b"DPEP"``, u16 version, u16 flags, u32 stage,
 num_stages, micro-batch count, total sample count, instruction count, u16 schedule-name length,
 f64 predicted makespan), the UTF-8 schedule name, then per micro-batch u32 sequence length, u32
-sample count and u8 recompute, the u32 sample indices of all micro-batches in turn, when flags
-bit 0 (:data:`PACKED`: every micro-batch is packed) the u32 token count of those samples in turn, 8 bytes per
-instruction (:data:`~.instructions.ROW`: u8 op, u8 recompute, i16 peer, u32 micro-batch), and a
-CRC-32 of everything before it.
+sample count and u8 recompute, the u32 sample indices of all micro-batches in turn, then -- when
+flags bit 0 (:data:`PACKED`) says every micro-batch is packed -- the u32 token count of each of
+those samples in turn, 8 bytes per instruction (:data:`~.instructions.ROW`: u8 op, u8 recompute,
+i16 peer, u32 micro-batch), and a CRC-32 of everything before it.
 """
 
 from __future__ import annotations
