@@ -4,7 +4,7 @@ A hardware file is one JSON object (docs/simulate.md lists every field)::
 
     {"format": "megatron-dynapipe-hardware", "version": 1, "name": "H100-80GB-SXM",
      "peak_tflops": {"bfloat16": 989.4, ...}, "memory_gib": 80, "memory_bandwidth_GBps": 3350,
-     "gpus_per_node": 8,
+     "gpus_per_node": 8, "nics_per_node": 8,
      "intra_node": {"bandwidth_GBps": 360, "latency_us": 4},
      "inter_node": {"bandwidth_GBps": 40, "latency_us": 8},
      "collectives": {"all_reduce": {"bandwidth_GBps": ..., "latency_us": ...}, ...}}
@@ -16,14 +16,25 @@ kind of collective with what was measured for it.  ``compute_slots_per_node`` (o
 default ``gpus_per_node``) is how many ranks of a node compute at full speed at once: CPU
 processes share cores, and the replay slows the ranks of a node down when more compute at once.
 
-Collectives are costed as NCCL's algorithms cost them: ring all-gather / reduce-scatter /
-all-to-all ``(n-1) alpha + (n-1)/n S / B``; all-reduce the cheaper of the ring
+Collectives are costed as NCCL's algorithms cost them.  Inside one node (NVLink / NVSwitch,
+the ``intra_node`` link): ring all-gather / reduce-scatter / all-to-all
+``(n-1) alpha + (n-1)/n S / B``; all-reduce the cheaper of the ring
 ``2 (n-1) alpha + 2 (n-1)/n S / B`` and the tree ``2 ceil(log2 n) alpha + 2 S / B``;
 broadcast and reduce a pipelined chain ``(n-1) alpha + S / B``; p2p ``alpha + S / B``.  Ranks
-are placed on nodes in rank order (``rank // gpus_per_node``).  A group inside one node uses
-the intra-node link; a group across nodes runs on the inter-node link, and an all-reduce with
-several members per node may go hierarchically (reduce-scatter in the node, all-reduce of a
-``1/k`` shard across nodes, all-gather in the node) when that is cheaper.
+are placed on nodes in rank order (``rank // gpus_per_node``).
+
+Across nodes the network has **rails**: ``nics_per_node`` NICs (default one per GPU, as in a
+DGX), each ``inter_node`` fast.  A group with ``k`` members on each of ``N`` nodes drives
+``r = k * nics_per_node / gpus_per_node`` of them: NCCL spreads its channels over the NICs
+closest to the group's GPUs, and the groups that run at the same time (the DP groups of every
+TP rank) each keep their own.  NCCL's ring then crosses every node boundary once per step, so a
+node sends what one rank of a single ring sends, over its ``r`` NICs: the ring takes
+``steps * alpha_net + factor * S / min(B_nvlink, r B_nic)``.  Its tree (all-reduce only) is a
+chain inside each node and a double binary tree between nodes:
+``2 (ceil(log2 N) alpha_net + (k-1) alpha_nvlink) + 2 S / min(B_nvlink, r B_nic)``; the cheaper
+is taken, as NCCL's tuner does per message size.  An all-to-all sends ``(n-k)/n S`` of each
+rank's data off its node, ``k`` ranks sharing ``r`` NICs, and the rest over NVLink at once.
+A p2p between nodes uses one rail.
 
 Nothing here imports torch.
 """
@@ -135,10 +146,13 @@ class Hardware:
     #: ranks of a node that compute at full speed at once (CPU processes share cores; default: one
     #: per GPU)
     compute_slots_per_node: int = 0
+    #: network rails: NICs per node, each ``inter_node`` fast (default: one per GPU)
+    nics_per_node: int = 0
 
     def __post_init__(self) -> None:
-        if not self.compute_slots_per_node:
-            object.__setattr__(self, "compute_slots_per_node", self.gpus_per_node)
+        for name in ("compute_slots_per_node", "nics_per_node"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, self.gpus_per_node)
 
     # -- prices ---------------------------------------------------------------------------------
 
@@ -156,13 +170,30 @@ class Hardware:
         n, nodes, most = sum(per_node.values()), len(per_node), max(per_node.values())
         if nodes == 1:
             return flat_collective_us(kind, n, nbytes, self.link(kind, False))
-        flat = flat_collective_us(kind, n, nbytes, self.inter_node)
-        if kind != "all_reduce" or most == 1:
-            return flat
-        hierarchical = (flat_collective_us("reduce_scatter", most, nbytes, self.link("reduce_scatter", False))
-                        + flat_collective_us("all_reduce", nodes, nbytes / most, self.inter_node)
-                        + flat_collective_us("all_gather", most, nbytes, self.link("all_gather", False)))
-        return min(flat, hierarchical)
+        return self._across_nodes_us(kind, nbytes, n, nodes, most)
+
+    def rails(self, members_per_node: int) -> int:
+        """NICs a group with ``members_per_node`` ranks on each node drives (at least one)."""
+        return max(1, min(self.nics_per_node, members_per_node * self.nics_per_node // self.gpus_per_node))
+
+    def _across_nodes_us(self, kind: str, nbytes: float, n: int, nodes: int, k: int) -> float:
+        """NCCL's ring (and for all-reduce its tree) over ``nodes`` nodes of ``k`` members each."""
+        nvlink, net = self.link(kind, False), self.inter_node
+        network_GBps = self.rails(k) * net.bandwidth_GBps
+        slowest = Link(min(network_GBps, nvlink.bandwidth_GBps) if k > 1 else network_GBps, net.latency_us)
+        if kind == "barrier":
+            return 2 * (math.ceil(math.log2(nodes)) * net.latency_us + (k - 1) * nvlink.latency_us)
+        if kind == "all_to_all":
+            off_node = Link(network_GBps / k, 0.0).transfer_us((n - k) / n * nbytes)
+            on_node = nvlink.transfer_us((k - 1) / n * nbytes)
+            return (n - 1) * net.latency_us + max(off_node, on_node)
+        steps, factor = ring_terms(kind, n)
+        ring = steps * net.latency_us + slowest.transfer_us(factor * nbytes)
+        if kind != "all_reduce":
+            return ring
+        tree = (2 * (math.ceil(math.log2(nodes)) * net.latency_us + (k - 1) * nvlink.latency_us)
+                + slowest.transfer_us(2 * nbytes))
+        return {"ring": ring, "tree": tree}.get(net.algorithm, min(ring, tree))
 
     def p2p_us(self, nbytes: float, sender: int, receiver: int) -> float:
         return flat_collective_us("p2p", 2, nbytes, self.link("p2p", self.node_of(sender) != self.node_of(receiver)))
@@ -193,6 +224,8 @@ class Hardware:
                                "inter_node": self.inter_node.to_json()}
         if self.compute_slots_per_node != self.gpus_per_node:
             out["compute_slots_per_node"] = self.compute_slots_per_node
+        if self.nics_per_node != self.gpus_per_node:
+            out["nics_per_node"] = self.nics_per_node
         if self.collectives:
             out["collectives"] = {kind: link.to_json() for kind, link in self.collectives.items()}
         return out
@@ -221,9 +254,11 @@ class Hardware:
             collectives[kind] = read.link(f"collectives.{kind}", entry)
         gpus_per_node = read.positive_int("gpus_per_node", data.get("gpus_per_node"))
         slots = read.positive_int("compute_slots_per_node", data.get("compute_slots_per_node", gpus_per_node))
+        nics = read.positive_int("nics_per_node", data.get("nics_per_node", gpus_per_node))
         return cls(
             name=str(data.get("name") or Path(source).stem),
             compute_slots_per_node=slots,
+            nics_per_node=nics,
             peak_tflops={str(k): read.positive(f"peak_tflops.{k}", v) for k, v in peaks.items()},
             memory_gib=read.positive("memory_gib", data.get("memory_gib")),
             memory_bandwidth_GBps=read.positive("memory_bandwidth_GBps", data.get("memory_bandwidth_GBps")),

@@ -55,14 +55,50 @@ def test_small_all_reduces_take_the_tree_and_large_ones_the_ring():
     assert hw.collective_us("all_reduce", big, range(8)) == pytest.approx(2 * 7 * 5.0 + 2 * 7 / 8 * big / 1e5)
 
 
-def test_an_all_reduce_across_nodes_goes_hierarchically():
-    hw = link_hw(bandwidth=200.0, latency=0.0, per_node=8, inter=(20.0, 0.0))
-    size = 800e6
-    in_node = (7 / 8) * size / 200e3  # reduce-scatter, then all-gather, over NVLink
-    across = 2 * (1 / 2) * (size / 8) / 20e3  # ring all-reduce of a 1/8 shard between 2 nodes
-    assert hw.collective_us("all_reduce", size, range(16)) == pytest.approx(2 * in_node + across)
-    # one member per node: the network alone
-    assert hw.collective_us("all_reduce", size, [0, 8]) == pytest.approx(2 * (1 / 2) * size / 20e3)
+def rails_hw(nics_per_node=8, nvlink=200.0, nic=20.0, nvlink_latency=0.0, nic_latency=0.0):
+    return dataclasses.replace(link_hw(bandwidth=nvlink, latency=nvlink_latency, per_node=8, inter=(nic, nic_latency)),
+                               nics_per_node=nics_per_node)
+
+
+@pytest.mark.parametrize("tp,rails", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_a_data_parallel_group_drives_one_rail_per_member_on_a_node(tp, rails):
+    # DGX: one 20 GB/s NIC per GPU.  The DP group of one TP rank has 8 / tp members per node, and
+    # the tp groups reduce at once, each on its own NICs; NCCL's ring sends 2 (n-1)/n S out of
+    # every node, spread over the group's rails (capped by NVLink when it is the slower)
+    hw, size = rails_hw(), 800e6
+    group = range(0, 32, tp)  # 4 nodes
+    n = len(group)
+    bandwidth = min(200.0, rails * 20.0)
+    assert hw.collective_us("all_reduce", size, group) == pytest.approx(2 * (n - 1) / n * size / (bandwidth * 1e3))
+    assert hw.collective_us("all_gather", size, group) == pytest.approx((n - 1) / n * size / (bandwidth * 1e3))
+
+
+def test_rails_are_capped_by_nvlink_and_shared_when_a_node_has_fewer_nics():
+    size = 1e9
+    fast_nics = rails_hw(nic=50.0)  # 8 x 50 GB/s of network, 200 GB/s of NVLink: NVLink limits the ring
+    assert fast_nics.collective_us("reduce_scatter", size, range(16)) == pytest.approx(15 / 16 * size / 200e3)
+    four_nics = rails_hw(nics_per_node=4)  # two GPUs share a NIC: a full node drives 4 of them
+    assert four_nics.collective_us("reduce_scatter", size, range(16)) == pytest.approx(15 / 16 * size / 80e3)
+    assert four_nics.collective_us("reduce_scatter", size, [0, 8]) == pytest.approx(1 / 2 * size / 20e3)
+
+
+def test_small_all_reduces_across_nodes_take_nccls_tree():
+    hw = rails_hw(nvlink_latency=1.0, nic_latency=10.0)
+    group, n, nodes, k = range(64), 64, 8, 8
+    tiny = 1024.0
+    ring = 2 * (n - 1) * 10.0 + 2 * (n - 1) / n * tiny / 160e3
+    tree = 2 * (math.log2(nodes) * 10.0 + (k - 1) * 1.0) + 2 * tiny / 160e3
+    assert tree < ring
+    assert hw.collective_us("all_reduce", tiny, group) == pytest.approx(tree)
+    big = 8e9  # bandwidth-bound: the ring's 2 (n-1)/n beats the tree's 2
+    assert hw.collective_us("all_reduce", big, group) == pytest.approx(2 * (n - 1) * 10.0 + 2 * (n - 1) / n * big / 160e3)
+
+
+def test_an_all_to_all_across_nodes_sends_the_off_node_share_over_the_rails():
+    hw = rails_hw(nvlink=200.0, nic=20.0)
+    size, n, k = 1.6e9, 16, 8  # 2 full nodes: half of every rank's data leaves its node
+    off_node = (n - k) / n * size / (8 * 20e3 / k)  # 8 NICs shared by 8 senders
+    assert hw.collective_us("all_to_all", size, range(16)) == pytest.approx(off_node)
 
 
 def test_p2p_crosses_the_network_only_between_nodes():
