@@ -20,8 +20,10 @@ def trace_tiny(out: Path) -> dict[str, Path]:
 
 
 def uniform(job, forward_us, backward_us):
-    """The same job with every forward taking ``forward_us`` and every backward ``backward_us``."""
+    """The same job with every forward taking ``forward_us`` and every backward ``backward_us``
+    (durations of the test's own: no hardware's, so no simulation prices them anew)."""
     for trace in job.traces.values():
+        trace.meta.pop("compute_hardware", None)
         for op in trace.ops:
             if op.cat == "compute":
                 op.dur_us = {"forward": forward_us, "backward": backward_us}.get(op.kind, 0.0)

@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel
+from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 
 __all__ = [
     "FORMAT_NAME",
@@ -148,6 +150,9 @@ class Hardware:
     compute_slots_per_node: int = 0
     #: network rails: NICs per node, each ``inter_node`` fast (default: one per GPU)
     nics_per_node: int = 0
+    #: the device's kernels (``sms``, ``gemm_tile``, ``gemm_efficiency``, ``memory_efficiency``):
+    #: compute is priced by shape on a roofline; without it, at a flat share of peak
+    compute: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("compute_slots_per_node", "nics_per_node"):
@@ -210,6 +215,30 @@ class Hardware:
             raise HardwareFileError(f"hardware {self.name!r} has no peak_tflops for {dtype!r}: add it to the "
                                     f"file's peak_tflops ({_FIX})") from None
 
+    def roofline(self, dtype: str) -> "DeviceRoofline | None":
+        """The device's roofline for ``dtype`` (None without a ``compute`` section)."""
+        if not self.compute:
+            return None
+        c = self.compute
+        return DeviceRoofline(peak_tflops=self.peak(dtype), memory_bandwidth_GBps=self.memory_bandwidth_GBps,
+                              sms=int(c["sms"]), gemm_tile=tuple(c.get("gemm_tile", (256, 128))),
+                              gemm_efficiency=float(c.get("gemm_efficiency", 0.8)),
+                              memory_efficiency=float(c.get("memory_efficiency", 0.85)))
+
+    def cost_model(self, model, tp: int, dtype: str, *, memory_limited: bool = True) -> CostModel:
+        """The compute times of GPT ``model`` (a ModelSpec) at ``tp`` on this device: the
+        roofline of its ``compute`` section, else the analytical model at half of peak.  A
+        micro-batch whose layer does not fit the device costs ``inf`` unless not
+        ``memory_limited`` (a simulation times it and reports the memory apart)."""
+        gpt = dict(hidden_size=model.hidden_size, num_heads=model.num_attention_heads,
+                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.padded_vocab_size(tp), tp=tp,
+                   device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf)
+        roofline = self.roofline(dtype)
+        built = (RooflineCostModel(roofline, **gpt) if roofline is not None
+                 else AnalyticalCostModel(peak_tflops=self.peak(dtype), **gpt))
+        built.hardware = self.name  # traces priced by it say which device they are for
+        return built
+
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
@@ -226,6 +255,8 @@ class Hardware:
             out["compute_slots_per_node"] = self.compute_slots_per_node
         if self.nics_per_node != self.gpus_per_node:
             out["nics_per_node"] = self.nics_per_node
+        if self.compute:
+            out["compute"] = dict(self.compute)
         if self.collectives:
             out["collectives"] = {kind: link.to_json() for kind, link in self.collectives.items()}
         return out
@@ -255,7 +286,9 @@ class Hardware:
         gpus_per_node = read.positive_int("gpus_per_node", data.get("gpus_per_node"))
         slots = read.positive_int("compute_slots_per_node", data.get("compute_slots_per_node", gpus_per_node))
         nics = read.positive_int("nics_per_node", data.get("nics_per_node", gpus_per_node))
+        compute = read.compute()
         return cls(
+            compute=compute,
             name=str(data.get("name") or Path(source).stem),
             compute_slots_per_node=slots,
             nics_per_node=nics,
@@ -297,6 +330,25 @@ class _Fields:
         if not isinstance(value, dict):
             raise HardwareFileError(f"{self.source}: missing field {name!r} (an object); {_FIX}")
         return value
+
+    def compute(self) -> dict:
+        """The optional ``compute`` section, checked by building a roofline from it."""
+        section = self.mapping("compute", required=False)
+        if not section:
+            return {}
+        unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency"}
+        if unknown or "sms" not in section:
+            raise HardwareFileError(f"{self.source}: compute needs 'sms' and may have gemm_tile, gemm_efficiency, "
+                                    f"memory_efficiency (got {sorted(section)}); {_FIX}")
+        try:
+            DeviceRoofline(peak_tflops=1.0, memory_bandwidth_GBps=1.0, sms=int(section["sms"]),
+                           gemm_tile=tuple(section.get("gemm_tile", (256, 128))),
+                           gemm_efficiency=float(section.get("gemm_efficiency", 0.8)),
+                           memory_efficiency=float(section.get("memory_efficiency", 0.85)))
+        except (TypeError, ValueError):
+            raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers and the "
+                                    f"efficiencies in (0, 1], got {section}; {_FIX}") from None
+        return dict(section)
 
     def link(self, name: str, value: Any) -> Link:
         if not isinstance(value, dict):

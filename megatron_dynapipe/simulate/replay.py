@@ -3,7 +3,8 @@
 Each representative rank's trace becomes a list of :class:`Step` s in issue order
 (docs/trace_format.md, "Replaying a set of traces"):
 
-* a top-level compute op is its own time less the communication nested in it, cut into
+* a top-level compute op is its own time (a shapes-only trace's priced for the simulated
+  hardware, :mod:`.reprice`) less the communication nested in it, cut into
   segments around that communication (where the trace's clock says it happened; evenly when
   the clock is a cost model that times no communication);
 * every communication op is priced by the hardware model (:mod:`.hardware`), never by its traced
@@ -37,6 +38,7 @@ from typing import Any, Optional
 from megatron_dynapipe.config.layout import ParallelLayout, expert_coords
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.simulate.hardware import Hardware
+from megatron_dynapipe.simulate.reprice import reprice
 from megatron_dynapipe.tracer.trace_format import (
     P2P_RECV_KINDS,
     P2P_SEND_KINDS,
@@ -475,7 +477,9 @@ class _Loop:
 
 
 def simulate_job(job: TracedJob, hardware: Hardware) -> Replay:
-    """Replay ``job`` on ``hardware``: every representative rank side by side."""
+    """Replay ``job`` on ``hardware``: every representative rank side by side, shapes-only
+    compute priced for ``hardware`` (:mod:`.reprice`)."""
+    job = reprice(job, hardware)
     steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
     return Replay(job, hardware, _Loop(job, steps, hardware).run())
 

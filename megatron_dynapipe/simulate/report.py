@@ -91,12 +91,17 @@ def report(replay: Replay) -> SimulationReport:
         for kind, us in rr.comm_us.items():
             exposed[kind] = max(exposed.get(kind, 0.0), us / iters / 1e6)
     peak_gib = max(s.peak_memory_gib for s in stages)
+    if seconds and hardware_flops / per_gpu > peak:
+        raise ValueError(f"{job.folder}: the traced compute ({_compute_from(first)}) runs faster than {hw.name}'s "
+                         f"peak ({hardware_flops / per_gpu:.0f} > {peak:g} TFLOP/s per GPU): it was measured on "
+                         f"another device; simulate with that device's hardware file, or re-trace shapes-only with "
+                         f"--hardware {hw.name}")
     return SimulationReport(
         folder=str(job.folder), hardware=hw.name, layout=layout.describe(), world_size=layout.world_size,
         tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, dp=layout.dp,
         micro_batch_size=int(it["micro_batch_size"]), num_microbatches=int(it["num_microbatches"]),
         global_batch_size=job.global_batch_size, seq_length=seq, dtype=job.dtype, trace_mode=first.mode,
-        compute_from=first.clock if first.clock != "cost_model" else f"cost model {first.meta.get('cost_model') or 'analytical'}",
+        compute_from=_compute_from(first),
         iteration_s=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
         bubble_fraction=sum(s.idle_s for s in stages) / len(stages) / seconds if seconds else 0.0,
         exposed_comm_s=dict(sorted(exposed.items())),
@@ -106,6 +111,14 @@ def report(replay: Replay) -> SimulationReport:
         mfu=model_flops / per_gpu / peak if seconds else 0.0,
         hardware_mfu=hardware_flops / per_gpu / peak if seconds else 0.0,
         peak_memory_gib=peak_gib, device_memory_gib=hw.memory_gib, fits=all(s.fits for s in stages), stages=stages)
+
+
+def _compute_from(trace) -> str:
+    """Where the compute durations come from: a clock, or a cost model (for which hardware)."""
+    if trace.clock != "cost_model":
+        return trace.clock
+    hardware = trace.meta.get("compute_hardware")
+    return f"cost model {trace.meta.get('cost_model') or 'analytical'}" + (f" for {hardware}" if hardware else "")
 
 
 def _stage(replay: Replay, rank: int, iters: int) -> StageReport:

@@ -37,7 +37,6 @@ from megatron_dynapipe.config.layout import model_problems
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import (
     MB,
-    AnalyticalCostModel,
     CostModel,
     StageCosts,
     load_cost_model,
@@ -70,7 +69,7 @@ class SearchSpace:
     ``global_batch_size`` sequences of ``seq_length`` tokens.  Each of ``tp``, ``pp``, ``cp``,
     ``micro_batch_sizes``, ``recompute`` and ``distributed_optimizer`` fixes that dimension to
     the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
-    name for compute times (``None``: the analytical model at the hardware's peak)."""
+    name for compute times (``None``: the hardware's own model, :meth:`Hardware.cost_model`)."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -141,13 +140,9 @@ class SearchSpace:
         return sorted(set(self.micro_batch_sizes or (1, 2, 4, 8)))
 
     def cost_model_for(self, tp: int) -> CostModel:
-        m = self.model
         if self.cost_model is not None:
-            return load_cost_model(self.cost_model, tp, hidden_size=m.hidden_size)
-        return AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
-                                   ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.padded_vocab_size(tp), tp=tp,
-                                   peak_tflops=self.hardware.peak(self.dtype),
-                                   device_memory_mb=self.hardware.memory_gib * 1024)
+            return load_cost_model(self.cost_model, tp, hidden_size=self.model.hidden_size)
+        return self.hardware.cost_model(self.model, tp, self.dtype)
 
     @property
     def compute_label(self) -> str:
@@ -158,7 +153,8 @@ class SearchSpace:
             path = resolve_cost_model_path(self.cost_model)
             name = path.name[:-len(".json")] if path.name.endswith(".json") else path.name
             return f"{name}-{hashlib.sha256(path.read_bytes()).hexdigest()[:10]}"
-        return f"analytical-{self.hardware.peak(self.dtype):g}tflops"
+        hardware = json.dumps(self.hardware.to_json(), sort_keys=True).encode()
+        return f"{self.hardware.name}-{hashlib.sha256(hardware).hexdigest()[:10]}"
 
 
 def _powers_of_two(limit: int) -> list[int]:

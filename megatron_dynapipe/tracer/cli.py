@@ -25,6 +25,8 @@ from megatron_dynapipe.config.model import DEFAULT_MODEL, MODELS, ModelSpec
 from megatron_dynapipe.config.model_flags import add_model_arguments, megatron_model_args, model_from_args
 from megatron_dynapipe.files import check_output_folder
 from megatron_dynapipe.planning.cost_model import load_cost_model
+from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
+from megatron_dynapipe.tracer.shapes_only_costs import DEFAULT_HARDWARE
 from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
 from megatron_dynapipe.tracer.batch_results import (
     FAILED,
@@ -93,7 +95,11 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                       help="really compute every op, even when the estimate says it does not fit")
     run.add_argument("--cost-model", metavar="NAME|FILE",
                      help="profiled cost model (a JSON file or a shipped profile's name) for shapes-only op "
-                          "durations (default: analytical)")
+                          "durations (default: the --hardware's own model)")
+    run.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME|FILE",
+                     help=f"the device shapes-only compute is priced for, by its hardware file's roofline: "
+                          f"{', '.join(hardware_names())}, or a file (default {DEFAULT_HARDWARE}; `simulate` on "
+                          "another hardware prices it anew)")
     run.add_argument("--isolation", choices=("process", "inline"), default="process",
                      help="run each rank in a forked process (default) or in this one")
     run.add_argument("--jobs", "-j", type=int, metavar="N",
@@ -158,10 +164,19 @@ def load_configs(args, model: ModelSpec) -> tuple[list[TraceConfig], list[str]]:
 def _check_before_tracing(args, configs: Sequence[TraceConfig]) -> None:
     """What would fail every rank, refused before any rank starts (one line naming the fix)."""
     check_output_folder(args.output_dir, "--output-dir")
+    load_hardware(args.hardware)  # an unknown name or a bad file, before any rank
     if args.cost_model:
 
         for tp in sorted({c.tp for c in configs if not validate(c)}):
             load_cost_model(args.cost_model, tp=tp)  # missing file, bad format or no profile of this TP
+
+
+def _cost_model(args):
+    """--cost-model, or a factory of the --hardware's model per config (its GPT and TP)."""
+    if args.cost_model:
+        return args.cost_model
+    hardware = load_hardware(args.hardware)
+    return lambda config: hardware.cost_model(config.model, config.tp, args.dtype or "bfloat16")
 
 
 def run_trace(args) -> int:
@@ -198,7 +213,7 @@ def run_trace(args) -> int:
         results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(
             configs, args.output_dir,
             warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-            cost_model=args.cost_model, dtype=args.dtype, training=training,
+            cost_model=_cost_model(args), dtype=args.dtype, training=training,
             isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
             progress=not args.no_progress,
         )

@@ -224,8 +224,8 @@ def trace_initialized_rank(
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
-        cost, cost_name = (compute_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
-                                    run.training)
+        cost, priced_by = (compute_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
+                                           run.training, dtype=run.dtype_name)
                            if shapes_only else (None, None))
         recorder = stack.enter_context(run.recorder(cost, fill))
         step = run.train_step(job, recorder)
@@ -241,7 +241,7 @@ def trace_initialized_rank(
             step(i, record=True)
         memory = recorder.memory(sum(static.values()), static)
         finished = time.perf_counter()
-        return run.rank_trace(job, recorder, memory, cost_name, build_seconds=built - started,
+        return run.rank_trace(job, recorder, memory, priced_by, build_seconds=built - started,
                               run_seconds=finished - built)
 
 
@@ -458,7 +458,7 @@ class _TraceRun:
 
         return step
 
-    def rank_trace(self, job: _Job, recorder: Recorder, memory, cost_name: Optional[str], *,
+    def rank_trace(self, job: _Job, recorder: Recorder, memory, priced_by, *,
                    build_seconds: float, run_seconds: float) -> RankTrace:
         import megatron.core
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -482,10 +482,21 @@ class _TraceRun:
             mode="shapes_only" if self.shapes_only else "real", device="cuda" if self.on_gpu else "cpu",
             clock=recorder.clock, memory=memory,
             meta={"megatron_core": getattr(megatron.core, "__version__", "unknown"), "torch": torch.__version__,
-                  "backend": dist.get_backend(), "cost_model": cost_name, "build_seconds": round(build_seconds, 4),
+                  "backend": dist.get_backend(), **_pricing(priced_by), "build_seconds": round(build_seconds, 4),
                   "run_seconds": round(run_seconds, 4)},
             ops=recorder.ops,
         )
+
+
+def _pricing(cost_model) -> dict:
+    """What priced a shapes-only trace's compute: the cost model's name and, when a hardware
+    file built it, that hardware (``simulate`` on another hardware prices it anew)."""
+    if cost_model is None:
+        return {"cost_model": None}
+    out = {"cost_model": getattr(cost_model, "name", "") or type(cost_model).__name__}
+    if getattr(cost_model, "hardware", None):
+        out["compute_hardware"] = cost_model.hardware
+    return out
 
 
 def _set_sync_funcs(config, ddps: list, ddp_config) -> None:

@@ -1,6 +1,6 @@
 """How long a shapes-only rank's compute ops take: its stage's forward and backward under the
-traced recompute, priced by a cost model (the analytical model of the traced GPT unless one is
-given), per model chunk under interleaving."""
+traced recompute, priced by a cost model (the default hardware's, :data:`DEFAULT_HARDWARE`,
+unless one is given), per model chunk under interleaving."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
 
-__all__ = ["compute_cost_fn", "backward_ms"]
+__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms"]
+
+#: the device shapes-only traces are priced for when neither a cost model nor a hardware is given
+DEFAULT_HARDWARE = "a100"
 
 
 def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: int, mbs: int, seq: int,
-             training: MegatronOptions):
-    """``cost(kind, microbatch, chunk) -> ms`` of this rank's compute ops.  With interleaving a
-    chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is virtual stage
-    ``c pp + s``: the embedding in the very first, the head in the very last)."""
+                    training: MegatronOptions, *, dtype: str = "bfloat16"):
+    """``(cost(kind, microbatch, chunk) -> ms, the cost model)`` of this rank's compute ops.
+    With interleaving a chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is
+    virtual stage ``c pp + s``: the embedding in the very first, the head in the very last).
+    ``recompute`` is what the traced recompute adds to a backward (a derived variant's
+    recompute op)."""
+    if cost_model is None:
+        from megatron_dynapipe.simulate.hardware import load_hardware
+        cost_model = load_hardware(DEFAULT_HARDWARE).cost_model(spec, layout.tp, dtype)
     chunks = training.virtual_size(spec.stage_layers(layout.pp))
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
@@ -31,9 +39,11 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     table = {}
     for chunk in range(chunks):
         virtual = chunk * layout.pp + stage
+        backward = backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp))
         table[chunk] = {
             "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
-            "backward": backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp)),
+            "backward": backward,
+            "recompute": backward - float(costs.backward_ms(virtual, mbs, seq_local, "none")),
         }
         for kind, ms in table[chunk].items():
             if not math.isfinite(ms):
@@ -47,7 +57,7 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     def cost(kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
         return table[chunk or 0].get(kind, 0.0)
 
-    return cost, getattr(costs.model, "name", "") or type(costs.model).__name__
+    return cost, costs.model
 
 
 def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, stage_layers: int) -> float:

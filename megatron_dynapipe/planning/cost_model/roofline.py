@@ -1,0 +1,151 @@
+"""GPT layer times from the shapes of their kernels, for a device described by its hardware
+file: every GEMM on a wave-quantised roofline, every elementwise kernel at memory bandwidth.
+
+How a GPU runs a GEMM ``(m x k) @ (k x n)``: the library cuts the output into tiles of
+``tile_m x tile_n``, and the device's ``sms`` streaming multiprocessors take them in waves.
+Each tile costs ``2 tile_m tile_n k`` FLOPs at ``peak * gemm_efficiency / sms`` per SM (the
+efficiency is what the library reaches on large GEMMs), so the GEMM takes
+``ceil(tiles / sms)`` such waves; with fewer tiles than SMs it splits ``k`` over the idle
+ones (split-K, slices of at least 128).  A small or oddly sized GEMM leaves SMs idle in its last wave
+and computes padding in its edge tiles; a GEMM moving more bytes than it computes is bound by
+memory (``2 (mk + kn + mn)`` bytes of 16-bit operands at ``memory_bandwidth * memory_efficiency``).
+Efficiency thus rises with GEMM size, as measured GEMM throughput does.
+
+A transformer layer on one TP rank (``T = b s`` tokens, ``a`` heads of this rank, head size
+``d``) runs, forward: the QKV projection ``(T, 3ad, h)``, the attention scores ``b a`` x
+``(s, s, d)``, their weighted sum ``b a`` x ``(s, d, s)``, the output projection ``(T, h, ad)``
+and the two FFN GEMMs ``(T, f/t, h)`` and ``(T, h, f/t)``; and the elementwise kernels of
+megatron-core's local layer: two layer norms, two fused bias-dropout-add, the fused bias-GeLU,
+the fused scale-mask-softmax and the attention dropout.  The backward pass runs two GEMMs per
+forward GEMM (the input's gradient ``(m, k, n)`` and the weight's ``(k, n, m)``) and moves twice
+the forward's elementwise bytes.  Selective recompute adds the attention core's forward, full
+recompute the whole forward.  The LM head is the logits GEMM ``(T, V/t, h)`` and the
+cross-entropy's passes over the fp32 logits.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel
+from megatron_dynapipe.planning.cost_model.base import LAYERS, PHASES, as_float, as_recompute, check_choice
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["DeviceRoofline", "RooflineCostModel"]
+
+BYTES = 2.0  # 16-bit activations and weights
+SPLIT_K_SLICE = 128  # the shortest stretch of k one SM takes under split-K
+#: elements read or written per token by the elementwise kernels of one forward layer, per
+#: hidden unit (2 layer norms: 2 each; 2 bias-dropout-adds: 3 each plus a 1-byte mask), per FFN
+#: unit (bias-GeLU: read and write) and per attention score (softmax: 2, dropout: 2 + a mask)
+ELEMENTS_PER_HIDDEN = 2 * 2 + 2 * 3.5
+ELEMENTS_PER_FFN = 2.0
+ELEMENTS_PER_SCORE = 2.0 + 2.5
+#: bytes per logit the cross-entropy moves in fp32: forward max, exp-sum and loss passes, backward one pass
+CROSS_ENTROPY_BYTES = {"forward": 12.0, "backward": 8.0}
+
+
+@dataclass(frozen=True)
+class DeviceRoofline:
+    """A device as its kernels see it (docs/cost_model.md, "The roofline model")."""
+
+    peak_tflops: float
+    memory_bandwidth_GBps: float
+    sms: int
+    gemm_tile: tuple[int, int] = (256, 128)
+    gemm_efficiency: float = 0.8
+    memory_efficiency: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not (self.peak_tflops > 0 and self.memory_bandwidth_GBps > 0 and self.sms >= 1
+                and all(t >= 1 for t in self.gemm_tile) and 0 < self.gemm_efficiency <= 1
+                and 0 < self.memory_efficiency <= 1):
+            raise ValueError(f"a device roofline needs positive peak, bandwidth, SMs and tile sizes and efficiencies "
+                             f"in (0, 1], got {self}")
+
+    def gemm_ms(self, m, n, k, batch=1.0):
+        """Milliseconds of ``batch`` GEMMs of ``(m x k) @ (k x n)`` (arrays broadcast)."""
+        tm, tn = self.gemm_tile
+        tiles = np.ceil(m / tm) * np.ceil(n / tn) * batch
+        waves = np.ceil(tiles / self.sms)
+        # fewer tiles than SMs: the library splits k over the idle SMs (split-K), in slices of at least a tile
+        split = np.maximum(1.0, np.minimum(np.floor(self.sms / tiles), np.floor(k / SPLIT_K_SLICE)))
+        per_sm_flop_per_ms = self.peak_tflops * 1e9 * self.gemm_efficiency / self.sms
+        compute = waves * 2.0 * tm * tn * (k / split) / per_sm_flop_per_ms
+        return np.maximum(compute, self.memory_ms(BYTES * (m * k + k * n + m * n) * batch))
+
+    def memory_ms(self, nbytes):
+        """Milliseconds to move ``nbytes`` through device memory."""
+        return nbytes / (self.memory_bandwidth_GBps * 1e6 * self.memory_efficiency)
+
+
+class RooflineCostModel(AnalyticalCostModel):
+    """The analytical GPT's FLOPs and memory, its times from :class:`DeviceRoofline`."""
+
+    def __init__(self, roofline: DeviceRoofline, **gpt):
+        super().__init__(peak_tflops=roofline.peak_tflops, **gpt)
+        self.roofline = roofline
+        self.name = self.name.replace("analytical", "roofline", 1)
+
+    def describe(self) -> str:
+        r = self.roofline
+        return (f"the roofline GPT model (hidden {self.hidden_size}, {self.num_heads} heads, FFN {self.ffn_hidden_size}, "
+                f"vocabulary {self.vocab_size}; {r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
+                f"{r.memory_bandwidth_GBps:g} GB/s), tp {self.tp}")
+
+    def __repr__(self) -> str:
+        return (f"RooflineCostModel({self.roofline!r}, hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp})")
+
+    # -- kernels ----------------------------------------------------------------------------------
+    def _gemms(self, shapes, phase: str):
+        """Time of forward GEMMs ``(m, n, k, batch)``, or of their two backward GEMMs each."""
+        g = self.roofline.gemm_ms
+        if phase == "forward":
+            return sum(g(m, n, k, batch) for m, n, k, batch in shapes)
+        return sum(g(m, k, n, batch) + g(k, n, m, batch) for m, n, k, batch in shapes)
+
+    def _attention_core_ms(self, phase: str, b, s):
+        heads, d = self.num_heads / self.tp, self.hidden_size / self.num_heads
+        gemms = self._gemms([(s, s, d, b * heads), (s, d, s, b * heads)], phase)
+        elementwise = self.roofline.memory_ms(BYTES * ELEMENTS_PER_SCORE * b * s * s * heads)
+        return gemms + elementwise * (1.0 if phase == "forward" else 2.0)
+
+    def _linear_ms(self, phase: str, b, s):
+        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        tokens = b * s
+        gemms = self._gemms([(tokens, 3 * h / t, h, 1.0), (tokens, h, h / t, 1.0),
+                             (tokens, f / t, h, 1.0), (tokens, h, f / t, 1.0)], phase)
+        elements = tokens * (ELEMENTS_PER_HIDDEN * h + ELEMENTS_PER_FFN * f / t)
+        return gemms + self.roofline.memory_ms(BYTES * elements) * (1.0 if phase == "forward" else 2.0)
+
+    def _encoder_ms(self, phase: str, rc: RecomputeType, b, s):
+        if phase == "forward":
+            return self._linear_ms("forward", b, s) + self._attention_core_ms("forward", b, s)
+        backward = self._linear_ms("backward", b, s) + self._attention_core_ms("backward", b, s)
+        if rc == RecomputeType.SELECTIVE:
+            return backward + self._attention_core_ms("forward", b, s)
+        if rc == RecomputeType.FULL:
+            return backward + self._encoder_ms("forward", RecomputeType.NONE, b, s)
+        return backward
+
+    def _head_ms(self, phase: str, b, s):
+        tokens, vocab = b * s, self.vocab_size / self.tp
+        logits = self._gemms([(tokens, vocab, self.hidden_size, 1.0)], phase)
+        return logits + self.roofline.memory_ms(CROSS_ENTROPY_BYTES[phase] * tokens * vocab)
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        check_choice("layer", layer, LAYERS)
+        check_choice("phase", phase, PHASES)
+        b, s = as_float(mbs), as_float(seqlen)
+        if layer == "preprocess":  # the embedding lookup writes (forward) or accumulates (backward) T x h
+            value = self.roofline.memory_ms(BYTES * b * s * self.hidden_size * (1.0 if phase == "forward" else 2.0))
+        elif layer == "encoder":
+            value = self._encoder_ms(phase, as_recompute(recompute), b, s)
+        else:
+            value = self._head_ms(phase, b, s)
+        return self._mask(value, mbs, seqlen)

@@ -1,0 +1,105 @@
+"""The roofline cost model: GEMMs in waves of tiles over a device's SMs, elementwise kernels at
+memory bandwidth, against closed forms written out here."""
+
+import json
+import re
+
+import pytest
+
+from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
+from megatron_dynapipe.simulate.hardware import HardwareFileError, load_hardware
+
+A100 = DeviceRoofline(peak_tflops=312.0, memory_bandwidth_GBps=2039.0, sms=108, gemm_tile=(256, 128),
+                      gemm_efficiency=0.8, memory_efficiency=0.85)
+
+
+def sm_ms(flops: float) -> float:
+    """ms one SM needs for ``flops`` at 80% of a 312 TFLOP/s part split over 108 SMs."""
+    return flops / (312e12 * 0.8 / 108) * 1e3
+
+
+def test_a_large_gemm_runs_at_the_efficiency_times_its_last_waves_fill():
+    # 8192^3: 32 x 64 = 2048 tiles, 19 waves of 108 SMs, the last one 104 / 108 full
+    ms = A100.gemm_ms(8192, 8192, 8192)
+    assert ms == pytest.approx(19 * sm_ms(2 * 256 * 128 * 8192))
+    achieved = 2 * 8192**3 / (ms / 1e3) / 312e12
+    assert achieved == pytest.approx(0.8 * 2048 / (19 * 108))
+
+
+def test_an_edge_tile_computes_its_padding():
+    k = 128  # too short to split
+    assert A100.gemm_ms(256, 128, k) == pytest.approx(sm_ms(2 * 256 * 128 * k))
+    assert A100.gemm_ms(257, 128, k) == pytest.approx(sm_ms(2 * 256 * 128 * k))  # 2 tiles, still one wave
+    assert A100.gemm_ms(1, 1, k) == pytest.approx(A100.gemm_ms(256, 128, k))
+
+
+def test_few_tiles_split_k_over_the_idle_sms():
+    k = 1 << 16
+    # 6 x 9 = 54 tiles: two SMs per tile, each half of k
+    assert A100.gemm_ms(6 * 256, 9 * 128, k) == pytest.approx(sm_ms(2 * 256 * 128 * k / 2))
+    # one tile split 108 ways computes fast enough that reading its operands binds
+    assert A100.gemm_ms(256, 128, k) == pytest.approx(2 * (256 * k + k * 128 + 256 * 128) / (2039e9 * 0.85) * 1e3)
+
+
+def test_a_gemm_that_moves_more_than_it_computes_is_bound_by_memory():
+    m, n, k = 8192, 8192, 16  # an outer product: 2 x 8192^2 x 16 FLOPs, 8192^2 16-bit outputs
+    nbytes = 2 * (m * k + k * n + m * n)
+    assert A100.gemm_ms(m, n, k) == pytest.approx(nbytes / (2039e9 * 0.85) * 1e3)
+
+
+def test_efficiency_rises_with_the_models_width():
+    def achieved(hidden):
+        model = RooflineCostModel(A100, hidden_size=hidden, num_heads=hidden // 128, vocab_size=51200)
+        flops = model.encoder_flops("forward", "none", 1, 2048)
+        return flops / (model.layer_ms("encoder", "forward", "none", 1, 2048) / 1e3) / 312e12
+    widths = [1024, 2304, 4096, 8192, 12288]
+    shares = [achieved(h) for h in widths]
+    assert shares == sorted(shares) and shares[-1] < 0.8 and shares[0] < 0.6 * shares[-1]
+
+
+def test_a_layers_forward_is_its_six_gemms_and_its_elementwise_bytes():
+    h, a, f, s, b, t = 4096, 32, 16384, 2048, 2, 2
+    model = RooflineCostModel(A100, hidden_size=h, num_heads=a, ffn_hidden_size=f, vocab_size=51200, tp=t)
+    T, heads, d = b * s, a // t, h // a
+    g = A100.gemm_ms
+    gemms = (g(T, 3 * h // t, h) + g(T, h, h // t) + g(T, f // t, h) + g(T, h, f // t)
+             + g(s, s, d, b * heads) + g(s, d, s, b * heads))
+    # per token: layer norms 2 x (h in, h out), bias-dropout-adds 2 x (2h in, h out, h one-byte mask),
+    # bias-GeLU f/t in and out; per score: softmax in and out, dropout in, out and a one-byte mask
+    elements = T * (2 * 2 * h + 2 * 3.5 * h + 2 * f / t) + b * heads * s * s * 4.5
+    assert model.layer_ms("encoder", "forward", "none", b, s) == pytest.approx(
+        gemms + 2 * elements / (2039e9 * 0.85) * 1e3)
+
+
+def test_backward_runs_two_gemms_per_forward_gemm_and_recompute_adds_forwards():
+    model = RooflineCostModel(A100, hidden_size=4096, num_heads=32, vocab_size=51200)
+    fwd = model.layer_ms("encoder", "forward", "none", 1, 2048)
+    none = model.layer_ms("encoder", "backward", "none", 1, 2048)
+    assert 1.8 * fwd < none < 2.2 * fwd  # square-ish GEMMs: both backward GEMMs cost about the forward's
+    assert model.layer_ms("encoder", "backward", "full", 1, 2048) == pytest.approx(none + fwd)
+    selective = model.layer_ms("encoder", "backward", "selective", 1, 2048)
+    assert none < selective < none + fwd
+
+
+def test_the_shipped_hardware_prices_compute_by_shape_and_names_itself():
+    a100 = load_hardware("a100")
+    model = a100.cost_model(get_model("6.7"), tp=1, dtype="bfloat16")
+    assert isinstance(model, RooflineCostModel) and model.hardware == "A100-80GB-SXM"
+    h100 = load_hardware("h100").cost_model(get_model("6.7"), tp=1, dtype="bfloat16")
+    ratio = model.layer_ms("encoder", "forward", "none", 1, 2048) / h100.layer_ms("encoder", "forward", "none", 1, 2048)
+    assert 1.5 < ratio < 989.4 / 312  # faster, but less than the peaks' ratio: memory-bound kernels gain less
+
+
+@pytest.mark.parametrize("compute,says", [({"gemm_tile": [256, 128]}, "needs 'sms'"),
+                                          ({"sms": 108, "gemm_efficiency": 1.5}, "efficiencies in (0, 1]"),
+                                          ({"sms": 108, "tiles": 4}, "may have gemm_tile")])
+def test_a_bad_compute_section_is_refused_in_one_line(tmp_path, compute, says):
+    doc = load_hardware("a100").to_json()
+    doc["compute"] = compute
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(HardwareFileError, match=re.escape(says)) as error:
+        load_hardware(path)
+    assert "\n" not in str(error.value)
+

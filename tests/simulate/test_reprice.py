@@ -1,0 +1,69 @@
+"""Shapes-only traces say which hardware priced their compute, and a simulation on other hardware
+prices it for that hardware; compute faster than a device's peak is refused."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dynapipe.simulate.hardware import Link, load_hardware
+from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.report import report
+from megatron_dynapipe.simulate.variants import derive
+from megatron_dynapipe.tracer.batch_config import parse_configs
+from megatron_dynapipe.tracer.batch_run import run_batch
+
+from tiny_traces import uniform
+
+A100, H100 = load_hardware("a100"), load_hardware("h100")
+
+
+def compute_per_stage(replay) -> dict[int, float]:
+    return {r.stage: r.compute_us for r in replay.ranks.values()}
+
+
+def test_a_trace_says_which_hardware_priced_its_compute(tiny_traces):
+    job = load_job(tiny_traces["4 4 1"])
+    assert {t.meta["compute_hardware"] for t in job.traces.values()} == {"A100-80GB-SXM"}
+    assert "for A100-80GB-SXM" in report(simulate_job(job, A100)).compute_from
+
+
+def test_simulating_on_another_hardware_prices_compute_as_tracing_for_it_would(tiny_traces, tmp_path):
+    [traced_for_h100] = run_batch(parse_configs(["4 4 1 nmb=8"], model="tiny"), tmp_path, shapes_only=True,
+                                  progress=False,
+                                  cost_model=lambda config: H100.cost_model(config.model, config.tp, "bfloat16"))
+    assert traced_for_h100.status == "ok", traced_for_h100.error
+    a100_job = load_job(tiny_traces["4 4 1"])
+    on_h100 = compute_per_stage(simulate_job(a100_job, H100))
+    assert on_h100 == pytest.approx(compute_per_stage(simulate_job(load_job(traced_for_h100.folder), H100)))
+    on_a100 = compute_per_stage(simulate_job(a100_job, A100))
+    assert all(on_h100[stage] < on_a100[stage] for stage in on_a100)
+
+
+def test_a_derived_full_recompute_is_priced_as_the_forward_again(tiny_traces):
+    job = load_job(tiny_traces["4 4 1"])
+    m = int(job.iteration["num_microbatches"])
+    middle = next(t for t in job.traces.values() if t.stage == 1)  # transformer layers only
+    forward, backward = ({op.dur_us for op in middle.compute_ops if op.kind == kind} for kind in ("forward", "backward"))
+    (F,), (B,) = forward, backward
+    replay = simulate_job(derive(job, recompute="full"), A100)
+    steps = [s for s in replay.ranks[middle.rank].spans if s.row == "compute" and s.label == "recompute"]
+    assert len(steps) == m and all(s.dur_us == pytest.approx(F) for s in steps)
+
+
+def test_compute_faster_than_the_devices_peak_is_refused_in_one_line(tiny_traces):
+    job = uniform(load_job(tiny_traces["4 4 1"]), 1e-6, 1e-6)  # measured on some impossibly fast device
+    free_links = dataclasses.replace(A100, intra_node=Link(1e12, 0.0), inter_node=Link(1e12, 0.0),
+                                     memory_bandwidth_GBps=1e12)
+    with pytest.raises(ValueError, match="runs faster than A100-80GB-SXM's peak") as error:
+        report(simulate_job(job, free_links))
+    assert "\n" not in str(error.value) and "--hardware A100-80GB-SXM" in str(error.value)
+
+
+def test_trace_refuses_an_unknown_hardware_before_tracing(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "trace", "--config", "4 4 1",
+                          "--model", "tiny", "--hardware", "b200", "--output-dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "neither a shipped model" in run.stderr
+    assert not (tmp_path / "out").exists()
