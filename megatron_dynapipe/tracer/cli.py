@@ -20,14 +20,26 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_dynapipe.config.accounting import total_params
-from megatron_dynapipe.config.megatron_options import MegatronOptions, add_megatron_options, megatron_options_from_args
+from megatron_dynapipe.config.megatron_options import (
+    MegatronOptions,
+    add_megatron_options,
+    megatron_options_from_args,
+)
 from megatron_dynapipe.config.model import DEFAULT_MODEL, MODELS, ModelSpec
-from megatron_dynapipe.config.model_flags import add_model_arguments, megatron_model_args, model_from_args
+from megatron_dynapipe.config.model_flags import (
+    add_model_arguments,
+    megatron_model_args,
+    model_from_args,
+)
 from megatron_dynapipe.files import check_output_folder
 from megatron_dynapipe.planning.cost_model import load_cost_model
 from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
-from megatron_dynapipe.tracer.shapes_only_costs import DEFAULT_HARDWARE
-from megatron_dynapipe.tracer.batch_config import TraceConfig, parse_configs, read_config_file, validate
+from megatron_dynapipe.tracer.batch_config import (
+    TraceConfig,
+    parse_configs,
+    read_config_file,
+    validate,
+)
 from megatron_dynapipe.tracer.batch_results import (
     FAILED,
     INTERRUPTED,
@@ -39,6 +51,7 @@ from megatron_dynapipe.tracer.batch_results import (
 )
 from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 from megatron_dynapipe.tracer.chakra import check_chakra, write_chakra_folder
+from megatron_dynapipe.tracer.shapes_only_costs import DEFAULT_HARDWARE
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
 
