@@ -15,6 +15,10 @@ which ops a rank issues without changing the model.
 * ``--sequence-parallel``: activations outside the TP regions are split along the sequence, so
   each TP all-reduce becomes an all-gather before and a reduce-scatter after, and pipeline
   activations shrink by TP.
+* ``--tp-comm-overlap`` (with ``--sequence-parallel``): transformer-engine overlaps each TP
+  all-gather and reduce-scatter with the GEMM next to it.  The tracer records the same ops (the
+  local layer has no such overlap) and the option; ``simulate`` runs those collectives beside
+  their pass's compute.
 * ``--num-layers-per-virtual-pipeline-stage N`` / ``--num-virtual-stages-per-pipeline-rank V``:
   interleaved 1F1B.  Each pipeline rank holds V model chunks of N layers (the model's layers
   go round the ranks V times), every micro-batch crosses the pipeline V times, and with
@@ -56,6 +60,7 @@ class MegatronOptions:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     layers_per_virtual_stage: Optional[int] = None
     virtual_stages: Optional[int] = None
     overlap_p2p_comm: bool = True
@@ -83,6 +88,8 @@ class MegatronOptions:
             return f"--ddp-bucket-size must be a positive integer, got {self.bucket_size!r}"
         if self.overlap_param_gather and not self.distributed_optimizer:
             return "--overlap-param-gather needs --use-distributed-optimizer"
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            return "--tp-comm-overlap needs --sequence-parallel (Megatron-LM's rule)"
         return self._virtual_problem()
 
     def _virtual_problem(self) -> Optional[str]:
@@ -188,7 +195,8 @@ class MegatronOptions:
         for flag, on in (("--use-distributed-optimizer", self.distributed_optimizer),
                          ("--overlap-grad-reduce", self.overlap_grad_reduce),
                          ("--overlap-param-gather", self.overlap_param_gather),
-                         ("--sequence-parallel", self.sequence_parallel)):
+                         ("--sequence-parallel", self.sequence_parallel),
+                         ("--tp-comm-overlap", self.tp_comm_overlap)):
             if on:
                 out.append(flag)
         for flag, value in (("--ddp-bucket-size", self.bucket_size),
@@ -226,6 +234,8 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
                    help="with full recompute: layers per checkpoint (uniform) or checkpointed (block)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split activations outside TP regions along the sequence (TP > 1)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap TP all-gathers and reduce-scatters with GEMMs (needs --sequence-parallel)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
                    help="interleaved 1F1B: model chunks of N layers on each pipeline rank")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V",
@@ -253,6 +263,7 @@ def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
         layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
         virtual_stages=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
         # Megatron-LM turns the overlap off without interleaving, where it means nothing

@@ -18,6 +18,9 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
 * with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches (or, on
   later pipeline stages, the schedule launches right after the last backward) run on a separate
   stream, and the first step after the last backward waits for them;
+* with ``tp_comm_overlap`` the tensor-parallel all-gathers and reduce-scatters inside a forward
+  or backward run on their own stream beside the pass's compute (transformer-engine overlaps
+  each with the GEMM next to it), and the pass ends when both are done;
 * an optimizer step the trace did not time (shapes-only) streams the rank's model state through
   device memory once to read and once to write.
 
@@ -51,6 +54,7 @@ from megatron_dynapipe.tracer.trace_format import (
 __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
            "simulate_job", "job_folders"]
 
+GRAD_STREAM, TP_STREAM = "gradient reduction", "tensor parallel"  # the overlap streams
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 _RETRACE = "re-trace the config with `megatron-dynapipe trace`"
 
@@ -91,6 +95,10 @@ class TracedJob:
     @property
     def overlap_grad_reduce(self) -> bool:
         return bool((self.iteration.get("ddp") or {}).get("overlap_grad_reduce"))
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        return bool((self.iteration.get("training") or {}).get("tp_comm_overlap"))
 
     def representative_of(self, rank: int) -> int:
         """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
@@ -154,7 +162,8 @@ class Step:
 
     ``what`` is ``compute``, ``collective`` (blocking; ``key`` = (group, index), ``members`` the
     representatives taking part), ``p2p`` (blocking; ``transfers`` of (sender, receiver, index,
-    cost)), ``async`` (a collective on the overlap stream) or ``drain`` (wait for that stream).
+    cost)), ``async`` (a collective on the overlap ``stream``) or ``drain`` (wait for that
+    stream; what it exposes counts as ``key``'s communication).
     """
 
     what: str
@@ -166,6 +175,7 @@ class Step:
     members: frozenset = frozenset()
     transfers: tuple = ()
     bytes: int = 0
+    stream: str = ""
 
     @property
     def match_keys(self) -> list:
@@ -191,7 +201,8 @@ class _StepBuilder:
             if op.parent is not None:
                 continue
             if self.overlap and not drained and op.phase in ("finalize_grads", "optimizer_step"):
-                self.steps.append(Step("drain", "wait for overlapped gradient reduction", phase=op.phase))
+                self.steps.append(Step("drain", "exposed overlapped gradient reduction", phase=op.phase,
+                                       key="all_reduce", stream=GRAD_STREAM))
                 drained = True
             if op.cat == "compute":
                 self._compute(op, [child for child in trees[op.seq][1:] if child.cat == "comm"])
@@ -218,6 +229,14 @@ class _StepBuilder:
             self.steps.append(Step("compute", op.kind, segment, op.phase, op.microbatch))
             if index < len(nested):
                 self.steps.append(self._comm(nested[index]))
+        if any(self._overlapped_tp(c) for c in nested):
+            self.steps.append(Step("drain", "exposed overlapped TP communication", phase=op.phase,
+                                   microbatch=op.microbatch, key="tp_overlap", stream=TP_STREAM))
+
+    def _overlapped_tp(self, op: TraceOp) -> bool:
+        """A sequence-parallel TP collective transformer-engine overlaps with a GEMM."""
+        return (self.job.tp_comm_overlap and op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
+                and op.kind in ("all_gather", "reduce_scatter"))
 
     def _segments(self, op: TraceOp, nested: list[TraceOp], total: float) -> list[float]:
         if not nested:
@@ -242,9 +261,10 @@ class _StepBuilder:
             index = self.group_count[group]
             self.group_count[group] += 1
             members = frozenset(self.job.representative_of(r) for r in group)
-            what = "async" if self._launches_overlapped_reduction(op) else "collective"
-            return Step(what, op.kind, self.hw.collective_us(op.kind, op.bytes, group), op.phase, op.microbatch,
-                        key=(group, index), members=members, bytes=op.bytes)
+            stream = (GRAD_STREAM if self._launches_overlapped_reduction(op)
+                      else TP_STREAM if self._overlapped_tp(op) else "")
+            return Step("async" if stream else "collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group),
+                        op.phase, op.microbatch, key=(group, index), members=members, bytes=op.bytes, stream=stream)
         parts = op.parts if op.kind == "batch_isend_irecv" else [{"kind": op.kind, "peer": op.peer, "bytes": op.bytes}]
         transfers = tuple(self._transfer(part) for part in parts)
         return Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
@@ -323,7 +343,7 @@ class _Loop:
         self.now = 0.0
         self.clock = dict.fromkeys(steps, 0.0)
         self.next = dict.fromkeys(steps, 0)
-        self.overlap_free = dict.fromkeys(steps, 0.0)
+        self.overlap_free: dict[int, Counter] = {rank: Counter() for rank in steps}  # stream -> free at
         self.arrivals: dict[Any, dict[int, float]] = defaultdict(dict)
         self.posted: dict[tuple, dict[str, float]] = defaultdict(dict)
         self.out = {rank: RankReplay(rank, job.traces[rank].stage) for rank in steps}
@@ -372,7 +392,7 @@ class _Loop:
             raise TraceMismatch(f"{self.job.folder}: the traces wait on each other forever ({self._blocked()}); "
                                 f"they do not come from one run: {_RETRACE}")
         for rank, out in self.out.items():
-            out.end_us = max(self.clock[rank], self.overlap_free[rank])
+            out.end_us = max(self.clock[rank], *self.overlap_free[rank].values(), 0.0)
         return self.out
 
     def _advance(self, to: float, rates: dict[int, float]) -> None:
@@ -407,15 +427,15 @@ class _Loop:
                     self.computing[rank] = [step.dur_us, self.now, step]
                     return
             elif step.what == "async":
-                start = max(self.now, self.overlap_free[rank])
+                start = max(self.now, self.overlap_free[rank][step.stream])
                 self._span(rank, step, "overlap", start, step.dur_us)
-                self.overlap_free[rank] = start + step.dur_us
+                self.overlap_free[rank][step.stream] = start + step.dur_us
                 out.overlapped_us += step.dur_us
             elif step.what == "drain":
-                exposed = max(self.overlap_free[rank] - self.now, 0.0)
+                exposed = max(self.overlap_free[rank][step.stream] - self.now, 0.0)
                 if exposed > 0:
-                    self._span(rank, step, "comm", self.now, exposed, "exposed overlapped gradient reduction")
-                    out.comm_us["all_reduce"] += exposed
+                    self._span(rank, step, "comm", self.now, exposed)
+                    out.comm_us[step.key] += exposed
                     out.overlapped_us -= exposed
                     self.clock[rank] = self.now + exposed
                     self._push(self.now + exposed, rank)

@@ -66,3 +66,28 @@ def test_trace_refuses_an_unknown_hardware_before_tracing(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "neither a shipped model" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_tp_comm_overlap_hides_sequence_parallel_collectives_behind_their_pass(tmp_path):
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+
+    training = MegatronOptions(sequence_parallel=True, tp_comm_overlap=True)
+    [result] = run_batch(parse_configs(["2 1 2 nmb=2"], model="tiny"), tmp_path, shapes_only=True, progress=False,
+                         training=training)
+    assert result.status == "ok", result.error
+    overlapped = uniform(load_job(result.folder), 4000.0, 8000.0)
+    blocking = dataclasses.replace(overlapped, iteration={**overlapped.iteration, "training": {
+        **overlapped.iteration["training"], "tp_comm_overlap": False}})
+    hw = dataclasses.replace(A100, intra_node=Link(1.0, 0.0))  # 1 GB/s: a few us per collective
+    trace = next(iter(overlapped.traces.values()))
+    tp = [op for op in trace.ops if op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
+          and op.kind in ("all_gather", "reduce_scatter")]
+    assert tp and all(op.parent is not None for op in tp)  # nested in forward and backward passes
+    hidden_us = sum(hw.collective_us(op.kind, op.bytes, op.group) for op in tp)
+    slowest_us = max(hw.collective_us(op.kind, op.bytes, op.group) for op in tp)
+    passes = [op for op in trace.ops if op.parent is None and op.kind in ("forward", "backward")]
+    most_nested = max(sum(c.parent == p.seq for c in tp) for p in passes)
+    assert slowest_us < 4000.0 / (most_nested + 1)  # each fits in the compute beside it: all hidden
+    on, off = simulate_job(overlapped, hw), simulate_job(blocking, hw)
+    assert off.iteration_us - on.iteration_us == pytest.approx(hidden_us, rel=1e-6)
+    assert sum(r.comm_us["tp_overlap"] for r in on.ranks.values()) == 0
