@@ -1,6 +1,6 @@
 """Predicted against published TFLOP/s per GPU: Megatron-LM's weak-scaling runs on A100s.
 
-    python benchmarks/bench_published.py [--rows 6] [--json]
+    python benchmarks/bench_published.py [--rows 6 | --rows 6-8] [--micro-batch-sizes 1 2 4] [--json]
 
 The runs are Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (SC'21): GPT models of 1.7 B to 1 T parameters (sequence 2048,
@@ -8,13 +8,14 @@ vocabulary 51200) on 32 to 3072 A100-80GB GPUs with the tensor- and pipeline-par
 batch sizes the table gives, activation recomputation on, FLOP/s counted by the paper's formula
 ``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (which includes the recomputed forward).
 
-For each of the first ``--rows`` runs, ``search`` with the table's TP and PP fixed, full
-recompute, the plain (all-reduce) optimizer and micro-batch sizes 1, 2 and 4 traces and
-simulates the layout on the shipped ``a100`` hardware file; the fastest that fits is compared.
-Compute times come from the analytical cost model (50% of peak per layer); where a shipped
-profile matches the model's width (``gpt-6.7b-a100``: hidden 4096) a second prediction uses it.
-The table does not give micro-batch sizes, and its larger runs use the interleaved schedule,
-which the tracer does not trace: both are reasons for the gap, printed with the figures.
+For each run of ``--rows`` (the first N, or a range such as 6-8), ``search`` with the table's TP
+and PP fixed, full recompute, the plain (all-reduce) optimizer and ``--micro-batch-sizes``
+traces and simulates the layout on the shipped ``a100`` hardware file; the fastest that fits
+is compared.  Compute times come from that file's roofline (GEMMs by shape, elementwise
+kernels at memory bandwidth: docs/cost_model.md); where a shipped profile matches the model's
+width (``gpt-6.7b-a100``: hidden 4096) a second prediction uses it.  Communication is NCCL's
+ring or tree over NVLink and one 200 Gb/s rail per GPU (docs/simulate.md).  The table gives
+neither micro-batch sizes nor which runs interleave; the search does not interleave.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def paper_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def predict(row, cost_model, out: str) -> dict:
+def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
     from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.simulate.hardware import load_hardware
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
@@ -55,7 +56,7 @@ def predict(row, cost_model, out: str) -> dict:
     model = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
                       max_sequence_length=SEQ)
     space = SearchSpace(model, gpus, batch, SEQ, load_hardware("a100"), tp=(tp,), pp=(pp,),
-                        micro_batch_sizes=(1, 2, 4), recompute=("full",), distributed_optimizer=(False,),
+                        micro_batch_sizes=tuple(micro_batch_sizes), recompute=("full",), distributed_optimizer=(False,),
                         cost_model=cost_model)
     result = run_search(space, out, progress=sys.stderr.isatty())
     best = result.ranked()[0]
@@ -66,26 +67,30 @@ def predict(row, cost_model, out: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=6, help="the first N runs of the table (default 6)")
+    parser.add_argument("--rows", default="6", help="the first N runs of the table, or runs A-B (default 6)")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="B",
+                        help="micro-batch sizes searched (default 1 2 4)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     out = tempfile.mkdtemp(prefix="bench_published_")
     rows = []
-    print("params  TP  PP  GPUs  batch  published  predicted (analytical)  error   predicted (profiled)  error")
-    for row in TABLE_1[:args.rows]:
-        analytical = predict(row, None, out)
+    print("params  TP  PP  GPUs  batch  published  predicted (roofline)  error   predicted (profiled)  error")
+    first, _, last = args.rows.partition("-")
+    chosen = TABLE_1[int(first) - 1:int(last)] if last else TABLE_1[:int(first)]
+    for row in chosen:
+        roofline = predict(row, None, out, args.micro_batch_sizes)
         profile = PROFILES.get(row[2])
-        profiled = predict(row, profile, out) if profile else None
+        profiled = predict(row, profile, out, args.micro_batch_sizes) if profile else None
         published = row[-1]
         line = (f"{row[0]:>6}B {row[4]:>3} {row[5]:>3} {row[6]:>5} {row[7]:>6} {published:>10} "
-                f"{analytical['tflops']:>17.1f} (mbs {analytical['micro_batch_size']}) "
-                f"{analytical['tflops'] / published - 1:>+7.1%}")
+                f"{roofline['tflops']:>15.1f} (mbs {roofline['micro_batch_size']}) "
+                f"{roofline['tflops'] / published - 1:>+7.1%}")
         if profiled:
             line += f" {profiled['tflops']:>14.1f} (mbs {profiled['micro_batch_size']}) {profiled['tflops'] / published - 1:>+7.1%}"
         print(line, flush=True)
         rows.append({"params_b": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "batch": row[7],
-                     "published_tflops": published, "analytical": analytical, "profiled": profiled})
+                     "published_tflops": published, "roofline": roofline, "profiled": profiled})
     if args.json:
         print(json.dumps(rows))
     return 0
