@@ -49,7 +49,7 @@ def paper_flops(batch: int, layers: int, hidden: int) -> float:
 
 def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
     from megatron_dynapipe.config.model import ModelSpec
-    from megatron_dynapipe.simulate.hardware import load_hardware
+    from megatron_dynapipe.hardware import load_hardware
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
 
     _, heads, hidden, layers, tp, pp, gpus, batch, _ = row

@@ -34,7 +34,7 @@ def main() -> int:
     import numpy as np
 
     from megatron_dynapipe.config.model import get_model
-    from megatron_dynapipe.simulate.hardware import load_hardware
+    from megatron_dynapipe.hardware import load_hardware
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
     from megatron_dynapipe.simulate.search_report import format_search
 

@@ -30,13 +30,15 @@ ALLOWED = {
     "data": {"config", "planning"},
     "runtime": {"config", "planning", "compat", "gpt", "data"},
     "profiling": {"config", "planning", "compat", "gpt", "runtime", "data", "files", "progress"},
-    "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace"},
-    "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks"},
+    "hardware": {"planning", "files"},
+    "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace", "hardware"},
+    "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks", "hardware"},
     "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
     "megatron": {"megatron_lm", "runtime"},
     "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
               "progress"},
-    "cli": {"config", "planning", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files", "viz"},
+    "cli": {"config", "planning", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files", "viz",
+            "hardware"},
 }
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us, ring_terms
 from megatron_dynapipe.local_ranks import run_local_ranks
-from megatron_dynapipe.simulate.hardware import Hardware, Link, flat_collective_us, ring_terms
 
 __all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
 

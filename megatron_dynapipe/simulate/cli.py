@@ -9,9 +9,9 @@ import json
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.files import check_output_folder, write_atomically
+from megatron_dynapipe.hardware import hardware_names, load_hardware
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
-from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 from megatron_dynapipe.config.layout import ParallelLayout, expert_coords
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.simulate.hardware import Hardware
+from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.simulate.reprice import reprice
 from megatron_dynapipe.tracer.trace_format import (
     P2P_RECV_KINDS,

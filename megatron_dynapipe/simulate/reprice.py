@@ -16,7 +16,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
-from megatron_dynapipe.simulate.hardware import Hardware
+from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
 
 if TYPE_CHECKING:

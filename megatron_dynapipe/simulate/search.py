@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 from megatron_dynapipe.config.accounting import total_params
 from megatron_dynapipe.config.layout import model_problems
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.cost_model import (
     MB,
     CostModel,
@@ -43,7 +44,6 @@ from megatron_dynapipe.planning.cost_model import (
     resolve_cost_model_path,
 )
 from megatron_dynapipe.progress import progress_bar, progress_enabled
-from megatron_dynapipe.simulate.hardware import Hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive

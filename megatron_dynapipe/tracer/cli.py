@@ -32,8 +32,8 @@ from megatron_dynapipe.config.model_flags import (
     model_from_args,
 )
 from megatron_dynapipe.files import check_output_folder
+from megatron_dynapipe.hardware import hardware_names, load_hardware
 from megatron_dynapipe.planning.cost_model import load_cost_model
-from megatron_dynapipe.simulate.hardware import hardware_names, load_hardware
 from megatron_dynapipe.tracer.batch_config import (
     TraceConfig,
     parse_configs,

@@ -26,7 +26,7 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     ``recompute`` is what the traced recompute adds to a backward (a derived variant's
     recompute op)."""
     if cost_model is None:
-        from megatron_dynapipe.simulate.hardware import load_hardware
+        from megatron_dynapipe.hardware import load_hardware
         cost_model = load_hardware(DEFAULT_HARDWARE).cost_model(spec, layout.tp, dtype)
     chunks = training.virtual_size(spec.stage_layers(layout.pp))
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,

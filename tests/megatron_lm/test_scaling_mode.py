@@ -251,7 +251,7 @@ def test_training_flags_reach_the_trace(tmp_path):
     h = header(result.path)
     assert h["iteration"]["training"] == dict(
         distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None,
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True,
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True, tp_comm_overlap=False,
         layers_per_virtual_stage=None, virtual_stages=None, overlap_p2p_comm=True)
     ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
     kinds = {(op["kind"], op.get("group_name")) for op in ops if op["cat"] == "comm"}

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.hardware import HardwareFileError, load_hardware
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
-from megatron_dynapipe.simulate.hardware import HardwareFileError, load_hardware
 
 A100 = DeviceRoofline(peak_tflops=312.0, memory_bandwidth_GBps=2039.0, sms=108, gemm_tile=(256, 128),
                       gemm_efficiency=0.8, memory_efficiency=0.85)

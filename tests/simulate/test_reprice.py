@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_dynapipe.simulate.hardware import Link, load_hardware
+from megatron_dynapipe.hardware import Link, load_hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import derive

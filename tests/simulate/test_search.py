@@ -9,7 +9,7 @@ import pytest
 
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.config.model import get_model
-from megatron_dynapipe.simulate.hardware import Hardware, Link, load_hardware
+from megatron_dynapipe.hardware import Hardware, Link, load_hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.search import (
     Candidate,

@@ -370,7 +370,7 @@ _ALIASES = {"a100": "a100-80gb-sxm", "h100": "h100-80gb-sxm"}
 
 
 def _shipped() -> dict[str, Any]:
-    folder = resources.files(__package__) / "hardware"
+    folder = resources.files(__name__)  # the shipped files sit beside this module
     return {entry.name[:-len(".json")]: entry for entry in folder.iterdir() if entry.name.endswith(".json")}
 
 
