@@ -186,8 +186,9 @@ class Hardware:
         nvlink, net = self.link(kind, False), self.inter_node
         network_GBps = self.rails(k) * net.bandwidth_GBps
         slowest = Link(min(network_GBps, nvlink.bandwidth_GBps) if k > 1 else network_GBps, net.latency_us)
+        tree_latency = 2 * (math.ceil(math.log2(nodes)) * net.latency_us + (k - 1) * nvlink.latency_us)
         if kind == "barrier":
-            return 2 * (math.ceil(math.log2(nodes)) * net.latency_us + (k - 1) * nvlink.latency_us)
+            return tree_latency
         if kind == "all_to_all":
             off_node = Link(network_GBps / k, 0.0).transfer_us((n - k) / n * nbytes)
             on_node = nvlink.transfer_us((k - 1) / n * nbytes)
@@ -196,8 +197,7 @@ class Hardware:
         ring = steps * net.latency_us + slowest.transfer_us(factor * nbytes)
         if kind != "all_reduce":
             return ring
-        tree = (2 * (math.ceil(math.log2(nodes)) * net.latency_us + (k - 1) * nvlink.latency_us)
-                + slowest.transfer_us(2 * nbytes))
+        tree = tree_latency + slowest.transfer_us(2 * nbytes)
         return {"ring": ring, "tree": tree}.get(net.algorithm, min(ring, tree))
 
     def p2p_us(self, nbytes: float, sender: int, receiver: int) -> float:
@@ -219,11 +219,7 @@ class Hardware:
         """The device's roofline for ``dtype`` (None without a ``compute`` section)."""
         if not self.compute:
             return None
-        c = self.compute
-        return DeviceRoofline(peak_tflops=self.peak(dtype), memory_bandwidth_GBps=self.memory_bandwidth_GBps,
-                              sms=int(c["sms"]), gemm_tile=tuple(c.get("gemm_tile", (256, 128))),
-                              gemm_efficiency=float(c.get("gemm_efficiency", 0.8)),
-                              memory_efficiency=float(c.get("memory_efficiency", 0.85)))
+        return DeviceRoofline.from_section(self.compute, self.peak(dtype), self.memory_bandwidth_GBps)
 
     def cost_model(self, model, tp: int, dtype: str, *, memory_limited: bool = True) -> CostModel:
         """The compute times of GPT ``model`` (a ModelSpec) at ``tp`` on this device: the
@@ -341,10 +337,7 @@ class _Fields:
             raise HardwareFileError(f"{self.source}: compute needs 'sms' and may have gemm_tile, gemm_efficiency, "
                                     f"memory_efficiency (got {sorted(section)}); {_FIX}")
         try:
-            DeviceRoofline(peak_tflops=1.0, memory_bandwidth_GBps=1.0, sms=int(section["sms"]),
-                           gemm_tile=tuple(section.get("gemm_tile", (256, 128))),
-                           gemm_efficiency=float(section.get("gemm_efficiency", 0.8)),
-                           memory_efficiency=float(section.get("memory_efficiency", 0.85)))
+            DeviceRoofline.from_section(section, peak_tflops=1.0, memory_bandwidth_GBps=1.0)
         except (TypeError, ValueError):
             raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers and the "
                                     f"efficiencies in (0, 1], got {section}; {_FIX}") from None

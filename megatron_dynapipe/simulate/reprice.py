@@ -42,8 +42,9 @@ def reprice(job: "TracedJob", hardware: Hardware) -> "TracedJob":
     model = hardware.cost_model(job.model, job.layout.tp, job.dtype, memory_limited=False)
     traces = {}
     for rank, trace in job.traces.items():
-        as_traced, as_derived = (compute_cost_fn(model, job.model, job.layout, trace.stage, mbs, seq, training)[0]
-                                 for training in (traced, derived))
+        as_traced = compute_cost_fn(model, job.model, job.layout, trace.stage, mbs, seq, traced)[0]
+        as_derived = (as_traced if derived == traced
+                      else compute_cost_fn(model, job.model, job.layout, trace.stage, mbs, seq, derived)[0])
         ops = [dataclasses.replace(op, dur_us=1e3 * (as_derived if op.kind == "recompute" else as_traced)(
                    op.kind, op.microbatch, op.chunk))
                if op.parent is None and op.cat == "compute" and op.kind in ("forward", "backward", "recompute") else op

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Link, load_hardware
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
@@ -69,8 +70,6 @@ def test_trace_refuses_an_unknown_hardware_before_tracing(tmp_path):
 
 
 def test_tp_comm_overlap_hides_sequence_parallel_collectives_behind_their_pass(tmp_path):
-    from megatron_dynapipe.config.megatron_options import MegatronOptions
-
     training = MegatronOptions(sequence_parallel=True, tp_comm_overlap=True)
     [result] = run_batch(parse_configs(["2 1 2 nmb=2"], model="tiny"), tmp_path, shapes_only=True, progress=False,
                          training=training)

@@ -67,6 +67,16 @@ class DeviceRoofline:
             raise ValueError(f"a device roofline needs positive peak, bandwidth, SMs and tile sizes and efficiencies "
                              f"in (0, 1], got {self}")
 
+    @classmethod
+    def from_section(cls, section, peak_tflops: float, memory_bandwidth_GBps: float) -> "DeviceRoofline":
+        """The roofline of a hardware file's ``compute`` section (``sms`` and, optionally, the
+        other fields; the defaults above for those it leaves out) at that device's peak."""
+        optional = {key: float(section[key]) for key in ("gemm_efficiency", "memory_efficiency") if key in section}
+        if "gemm_tile" in section:
+            optional["gemm_tile"] = tuple(section["gemm_tile"])
+        return cls(peak_tflops=peak_tflops, memory_bandwidth_GBps=memory_bandwidth_GBps, sms=int(section["sms"]),
+                   **optional)
+
     def gemm_ms(self, m, n, k, batch=1.0):
         """Milliseconds of ``batch`` GEMMs of ``(m x k) @ (k x n)`` (arrays broadcast)."""
         tm, tn = self.gemm_tile
@@ -93,8 +103,8 @@ class RooflineCostModel(AnalyticalCostModel):
 
     def describe(self) -> str:
         r = self.roofline
-        return (f"the roofline GPT model (hidden {self.hidden_size}, {self.num_heads} heads, FFN {self.ffn_hidden_size}, "
-                f"vocabulary {self.vocab_size}; {r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
+        return (f"the roofline GPT model (hidden {self.hidden_size}, {self.num_heads} heads, "
+                f"FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}; {r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
                 f"{r.memory_bandwidth_GBps:g} GB/s), tp {self.tp}")
 
     def __repr__(self) -> str:
