@@ -109,7 +109,15 @@ class TracedJob:
                                 f"{place[1]}); {_RETRACE}")
         return rep
 
+    def representatives_of(self, group: tuple[int, ...]) -> frozenset[int]:
+        """The traced ranks that stand for a group's members (asked once per collective op, so kept)."""
+        members = self._group_reps.get(group)
+        if members is None:
+            members = self._group_reps[group] = frozenset(self.representative_of(r) for r in group)
+        return members
+
     def __post_init__(self) -> None:
+        self._group_reps: dict[tuple[int, ...], frozenset[int]] = {}
         self._reps = {}
         for rank in self.traces:
             place = _place(self.layout, rank)
@@ -260,7 +268,7 @@ class _StepBuilder:
             group = tuple(op.group or (self.trace.rank,))
             index = self.group_count[group]
             self.group_count[group] += 1
-            members = frozenset(self.job.representative_of(r) for r in group)
+            members = self.job.representatives_of(group)
             stream = (GRAD_STREAM if self._launches_overlapped_reduction(op)
                       else TP_STREAM if self._overlapped_tp(op) else "")
             return Step("async" if stream else "collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group),
@@ -423,6 +431,11 @@ class _Loop:
             step = steps[self.next[rank]]
             self.next[rank] += 1
             if step.what == "compute":
+                if step.dur_us > 0 and not self.weight:  # a GPU of its own: done after its duration
+                    self._span(rank, step, "compute", self.now, step.dur_us)
+                    out.compute_us += step.dur_us
+                    self._push(self.now + step.dur_us, rank)
+                    return
                 if step.dur_us > 0:
                     self.computing[rank] = [step.dur_us, self.now, step]
                     return
