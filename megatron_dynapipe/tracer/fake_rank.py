@@ -77,6 +77,7 @@ from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_o
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.meta_mode import MetaMode
 from megatron_dynapipe.tracer.moe_routing import balanced_routing
+from megatron_dynapipe.tracer import steady_state
 from megatron_dynapipe.tracer.recorder import Recorder
 from megatron_dynapipe.tracer.representatives import representative_ranks
 from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
@@ -193,6 +194,7 @@ def trace_initialized_rank(
     training: Optional[MegatronOptions] = None,
     fill: bool = False,
     seed: int = 1234,
+    repeat_steady_state: bool = True,
 ) -> RankTrace:
     """Build this process's stage of the job on the already-initialised default process group
     (world size ``layout.world_size``; gloo, NCCL or fake), run ``warmup_iters`` + ``trace_iters``
@@ -205,12 +207,23 @@ def trace_initialized_rank(
     ``training`` (:class:`~megatron_dynapipe.config.megatron_options.MegatronOptions`: distributed optimizer,
     overlap, recompute, sequence parallelism) is Megatron-LM's defaults when None.
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
+    A shapes-only trace runs only a few micro-batches and repeats the schedule's steady state
+    up to ``num_microbatches`` (:mod:`.steady_state`) unless ``repeat_steady_state`` is False.
     """
-    started = time.perf_counter()
     run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
                             num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
                             trace_iters=trace_iters, shapes_only=shapes_only, dtype=dtype, optimizer=optimizer,
                             clip_grad=clip_grad, training=training or MegatronOptions(), seed=seed)
+    if repeat_steady_state and run.recorded_microbatches < num_microbatches:
+        try:
+            return _trace(run, cost_model, fill)
+        except steady_state.NotPeriodic as exc:  # a schedule that does not repeat: run every micro-batch
+            print(f"rank {run.rank}: {exc}; tracing all {num_microbatches} micro-batches", flush=True)
+    return _trace(dataclasses.replace(run, recorded_microbatches=num_microbatches), cost_model, fill)
+
+
+def _trace(run: "_TraceRun", cost_model: Any, fill: bool) -> RankTrace:
+    started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if not run.on_gpu:
             stack.enter_context(cpu_compat.cpu_mode())  # leaves CPU mode as it found it
@@ -218,26 +231,26 @@ def trace_initialized_rank(
             stack.enter_context(moe_on_cpu())
         if run.spec.num_experts:
             stack.enter_context(balanced_routing())
-        if shapes_only:
+        if run.shapes_only:
             stack.enter_context(MetaMode())
             stack.enter_context(MetaKernelCache())
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
-        cost, priced_by = (compute_cost_fn(cost_model, run.spec, layout, run.stage, micro_batch_size, seq_length,
-                                           run.training, dtype=run.dtype_name)
-                           if shapes_only else (None, None))
+        cost, priced_by = (compute_cost_fn(cost_model, run.spec, run.layout, run.stage, run.micro_batch_size,
+                                           run.seq_length, run.training, dtype=run.dtype_name)
+                           if run.shapes_only else (None, None))
         recorder = stack.enter_context(run.recorder(cost, fill))
         step = run.train_step(job, recorder)
-        for i in range(warmup_iters):
+        for i in range(run.warmup_iters):
             step(i, record=False)
         recorder.meter.reset()
         static = _model_state(job.models, job.ddps, job.optimizer)
         recorder.meter.set_static(p for m in job.models for p in m.parameters())
         recorder.meter.set_static(_static_tensors(job.ddps, job.optimizer))
-        if run.on_gpu and not shapes_only:
+        if run.on_gpu and not run.shapes_only:
             torch.cuda.reset_peak_memory_stats()
-        for i in range(trace_iters):
+        for i in range(run.trace_iters):
             step(i, record=True)
         memory = recorder.memory(sum(static.values()), static)
         finished = time.perf_counter()
@@ -276,6 +289,8 @@ class _TraceRun:
     seed: int
     use_te: bool
     on_gpu: bool
+    #: micro-batches the schedule runs: shapes-only traces run few and extend (:mod:`.steady_state`)
+    recorded_microbatches: int = 0
 
     @classmethod
     def checked(cls, layout: ParallelLayout, spec: ModelSpec, *, dtype: Optional[str], shapes_only: bool,
@@ -311,8 +326,11 @@ class _TraceRun:
         dtype_name = dtype or ("bfloat16" if (shapes_only or on_gpu) else "float32")
         if dtype_name not in TRACE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(TRACE_DTYPES)}, got {dtype_name!r}")
-        return cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
-                   **fields)
+        run = cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
+                  **fields)
+        run.recorded_microbatches = (steady_state.recorded_microbatches(
+            run.num_microbatches, layout.pp, run.period, run.chunks) if shapes_only else run.num_microbatches)
+        return run
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -334,6 +352,21 @@ class _TraceRun:
     def chunks(self) -> int:
         """Model chunks on this rank: the virtual pipeline size with interleaving, else 1."""
         return self.training.virtual_size(self.spec.stage_layers(self.layout.pp))
+
+    @property
+    def warmup_microbatches(self) -> int:
+        """Micro-batches of an untraced step.  It only has to create what megatron creates
+        lazily (optimizer state, buffers), so a run that extends its steady state runs the
+        fewest the schedule takes; one that records every micro-batch warms up on as many."""
+        if self.recorded_microbatches == self.num_microbatches:
+            return self.num_microbatches
+        return self.layout.pp if self.chunks > 1 else 1
+
+    @property
+    def period(self) -> int:
+        """Micro-batches the schedule's steady state repeats in: megatron-core interleaves in
+        groups of the pipeline size (its default ``microbatch_group_size_per_vp_stage``)."""
+        return self.layout.pp if self.chunks > 1 else 1
 
     @property
     def moe_on_cpu(self) -> bool:
@@ -426,7 +459,7 @@ class _TraceRun:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = _batches(self.spec, self.micro_batch_size, self.seq_length // self.layout.cp,
-                           self.num_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
+                           self.recorded_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
         forward_backward = get_forward_backward_func()
         finalize = job.config.finalize_model_grads_func
 
@@ -438,6 +471,7 @@ class _TraceRun:
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
         def step(index: int, record: bool) -> None:
+            count = self.recorded_microbatches if record else self.warmup_microbatches
             with recorder.iteration(index, record=record):
                 for ddp in job.ddps:
                     ddp.zero_grad_buffer()
@@ -447,7 +481,7 @@ class _TraceRun:
                 with self.device_scope():
                     losses = forward_backward(
                         forward_step_func=pretrain_gpt_forward_step, data_iterator=iterators, model=job.ddps,
-                        num_microbatches=self.num_microbatches, seq_length=self.seq_length,
+                        num_microbatches=count, seq_length=self.seq_length,
                         micro_batch_size=self.micro_batch_size, forward_only=False)
                 with recorder.compute("optimizer_step", name="optimizer.step"):
                     job.optimizer.step()
@@ -464,6 +498,9 @@ class _TraceRun:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         rank = self.rank
+        ops = recorder.ops
+        if self.recorded_microbatches < self.num_microbatches:
+            ops = steady_state.extend(ops, self.num_microbatches, self.period)
         return RankTrace(
             rank=rank, stage=self.stage, layout=_layout_json(self.layout),
             coords=dense_coords(self.layout, rank)._asdict(),
@@ -483,8 +520,8 @@ class _TraceRun:
             clock=recorder.clock, memory=memory,
             meta={"megatron_core": getattr(megatron.core, "__version__", "unknown"), "torch": torch.__version__,
                   "backend": dist.get_backend(), **_pricing(priced_by), "build_seconds": round(build_seconds, 4),
-                  "run_seconds": round(run_seconds, 4)},
-            ops=recorder.ops,
+                  "run_seconds": round(run_seconds, 4), "recorded_microbatches": self.recorded_microbatches},
+            ops=ops,
         )
 
 
