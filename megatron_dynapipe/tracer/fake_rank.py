@@ -73,11 +73,11 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
 from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
 from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
+from megatron_dynapipe.tracer import steady_state
 from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_object_gathers
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.meta_mode import MetaMode
 from megatron_dynapipe.tracer.moe_routing import balanced_routing
-from megatron_dynapipe.tracer import steady_state
 from megatron_dynapipe.tracer.recorder import Recorder
 from megatron_dynapipe.tracer.representatives import representative_ranks
 from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
