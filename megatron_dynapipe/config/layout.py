@@ -133,12 +133,14 @@ def layers_problem(num_layers: int, pp: int, what: str = "", pp_name: str = "pp"
 
 
 def model_problems(model, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seq_length: "int | None" = None,
-                   names: "dict[str, str] | None" = None, expert_tp: "int | None" = None) -> list[str]:
+                   names: "dict[str, str] | None" = None, expert_tp: "int | None" = None,
+                   even_layers: bool = True) -> list[str]:
     """Why ``model`` (a :class:`~megatron_dynapipe.config.model.ModelSpec`) cannot be split this way:
-    layers over PP, heads and FFN width over TP, experts over EP (their linear biases only
+    layers evenly over PP (unless ``even_layers`` is False: the training options split them,
+    :mod:`.pipeline_split`), heads and FFN width over TP, experts over EP (their linear biases only
     without expert TP), sequences over 2·CP."""
     n = {**KWARG_NAMES, **(names or {})}
-    problems = [layers_problem(model.num_layers, pp, f" of model {model.label}", n["pp"])]
+    problems = [layers_problem(model.num_layers, pp, f" of model {model.label}", n["pp"]) if even_layers else None]
     if model.num_attention_heads % tp:
         problems.append(f"{model.num_attention_heads} attention heads of model {model.label} are not divisible by "
                         f"{n['tp']} = {tp}")

@@ -25,6 +25,9 @@ which ops a rank issues without changing the model.
   Megatron-LM's default the chunks' sends and receives are posted one by one so that they
   overlap compute (``--no-overlap-p2p-communication`` batches them, and then needs PP > 2).
   The number of micro-batches must be a multiple of PP (megatron-core's micro-batch groups).
+* ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` and
+  ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
+  uneven pipeline stages (:mod:`.pipeline_split`).
 
 :class:`MegatronOptions` carries them from the command line (:func:`add_megatron_options`,
 :func:`megatron_options_from_args`) to megatron-core's ``TransformerConfig`` (:meth:`transformer_fields`)
@@ -37,6 +40,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from megatron_dynapipe.config.pipeline_split import PipelineSplit
 
 __all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "RECOMPUTE_GRANULARITIES",
            "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
@@ -64,6 +69,16 @@ class MegatronOptions:
     layers_per_virtual_stage: Optional[int] = None
     virtual_stages: Optional[int] = None
     overlap_p2p_comm: bool = True
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+
+    @property
+    def split(self) -> PipelineSplit:
+        """How the layers go on the pipeline stages (:mod:`.pipeline_split`)."""
+        return PipelineSplit(self.first_stage_layers, self.last_stage_layers, self.account_for_embedding,
+                             self.account_for_loss)
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -90,7 +105,7 @@ class MegatronOptions:
             return "--overlap-param-gather needs --use-distributed-optimizer"
         if self.tp_comm_overlap and not self.sequence_parallel:
             return "--tp-comm-overlap needs --sequence-parallel (Megatron-LM's rule)"
-        return self._virtual_problem()
+        return self.split.flags_problem() or self._virtual_problem()
 
     def _virtual_problem(self) -> Optional[str]:
         if self.layers_per_virtual_stage is not None and self.virtual_stages is not None:
@@ -100,20 +115,38 @@ class MegatronOptions:
                             ("--num-virtual-stages-per-pipeline-rank", self.virtual_stages)):
             if value is not None and not _positive_int(value):
                 return f"{flag} must be a positive integer, got {value!r}"
+        if self.layers_per_virtual_stage is not None and self.split.uneven:
+            return ("uneven pipeline stages take --num-virtual-stages-per-pipeline-rank, not "
+                    "--num-layers-per-virtual-pipeline-stage (Megatron-LM's rule)")
         return None
 
-    def virtual_size(self, layers_per_stage: int) -> int:
-        """Model chunks per pipeline rank (1 without interleaving), as Megatron-LM derives it."""
+    def virtual_size(self, num_layers: int, pp: int) -> int:
+        """Model chunks per pipeline rank (1 without interleaving), as Megatron-LM derives it:
+        a rank's layers (the embedding and loss counted where accounted) over the chunk size."""
         if self.virtual_stages is not None:
             return self.virtual_stages
         if self.layers_per_virtual_stage is not None:
-            return max(1, layers_per_stage // self.layers_per_virtual_stage)
+            per_rank = (num_layers + self.split.accounted) // pp
+            return max(1, per_rank // self.layers_per_virtual_stage)
         return 1
 
-    def layout_problem(self, *, tp: int, layers_per_stage: int, moe: bool = False, pp: int = 1,
+    def chunk_layers(self, num_layers: int, pp: int) -> list[int]:
+        """Transformer layers of each virtual stage (chunk ``c`` of rank ``s`` at ``c pp + s``;
+        one per rank without interleaving)."""
+        return self.split.chunk_layers(num_layers, pp, self.virtual_size(num_layers, pp))
+
+    def rank_chunk_layers(self, num_layers: int, pp: int, stage: int) -> list[int]:
+        """Transformer layers of each model chunk of pipeline rank ``stage``."""
+        return self.chunk_layers(num_layers, pp)[stage::pp]
+
+    def busiest_rank_layers(self, num_layers: int, pp: int) -> list[int]:
+        """:meth:`rank_chunk_layers` of the rank that holds the most layers."""
+        return max((self.rank_chunk_layers(num_layers, pp, s) for s in range(pp)), key=sum)
+
+    def layout_problem(self, *, tp: int, num_layers: int, moe: bool = False, pp: int = 1,
                        num_microbatches: Optional[int] = None) -> Optional[str]:
         """Why these options do not go with a layout (one sentence naming the fix), or None."""
-        problem = self._interleaving_problem(pp, layers_per_stage, num_microbatches)
+        problem = self._interleaving_problem(pp, num_layers, num_microbatches)
         if problem:
             return problem
         if self.sequence_parallel and tp == 1:
@@ -121,25 +154,24 @@ class MegatronOptions:
         if moe and tp > 1 and not self.sequence_parallel:
             return ("MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): "
                     "add --sequence-parallel")
-        if self.recompute_num_layers is not None and self.recompute_method == "block" \
-                and self.recompute_num_layers > layers_per_stage:
-            return (f"--recompute-num-layers {self.recompute_num_layers} is more than the {layers_per_stage} "
-                    "layers of a pipeline stage (--recompute-method block)")
+        if self.recompute_num_layers is not None and self.recompute_method == "block":
+            layers = max(self.busiest_rank_layers(num_layers, pp))
+            if self.recompute_num_layers > layers:
+                return (f"--recompute-num-layers {self.recompute_num_layers} is more than the {layers} "
+                        "layers of a pipeline stage (--recompute-method block)")
         return None
 
-    def _interleaving_problem(self, pp: int, layers_per_stage: int, num_microbatches: Optional[int]) -> Optional[str]:
-        """Megatron-LM's and megatron-core's rules for interleaved 1F1B at this layout."""
-        if self.layers_per_virtual_stage is None and self.virtual_stages is None:
-            return None
-        if self.layers_per_virtual_stage is not None and layers_per_stage % self.layers_per_virtual_stage:
+    def _interleaving_problem(self, pp: int, num_layers: int, num_microbatches: Optional[int]) -> Optional[str]:
+        """Megatron-LM's and megatron-core's rules for the layers' split and interleaved 1F1B."""
+        per_rank = (num_layers + self.split.accounted) // pp
+        if (self.layers_per_virtual_stage is not None and not self.split.problem(num_layers, pp)
+                and per_rank % self.layers_per_virtual_stage):
             return (f"--num-layers-per-virtual-pipeline-stage {self.layers_per_virtual_stage} does not divide the "
-                    f"{layers_per_stage} layers of a pipeline stage: pick a divisor")
-        v = self.virtual_size(layers_per_stage)
-        if v == 1:
-            return None  # one chunk per rank: Megatron-LM runs plain 1F1B
-        if layers_per_stage % v:
-            return (f"--num-virtual-stages-per-pipeline-rank {v} does not divide the {layers_per_stage} layers "
-                    "of a pipeline stage: pick a divisor")
+                    f"{per_rank} layers of a pipeline stage: pick a divisor")
+        v = self.virtual_size(num_layers, pp)
+        problem = self.split.problem(num_layers, pp, v)
+        if problem or v == 1:
+            return problem  # one chunk per rank: Megatron-LM runs plain 1F1B
         if pp < (2 if self.overlap_p2p_comm else 3):
             return ("interleaved 1F1B needs PP > 1 (PP > 2 with --no-overlap-p2p-communication): raise PP or "
                     "drop the virtual pipeline flags")
@@ -148,16 +180,15 @@ class MegatronOptions:
                     f"micro-batches, not {num_microbatches}")
         return None
 
-    def recomputed_layers(self, stage_layers: int) -> int:
-        """How many of a stage's ``stage_layers`` layers run their forward again in the backward
-        pass: all of them with ``uniform`` (in chunks of N), the first N of each model chunk with
-        ``block`` (one chunk per stage without interleaving)."""
+    def recomputed_layers(self, chunk_layers: int) -> int:
+        """How many of a model chunk's ``chunk_layers`` layers (the whole stage without
+        interleaving) run their forward again in the backward pass: all of them with ``uniform``
+        (in groups of N), the first N with ``block``."""
         if self.recompute_granularity != "full":
             return 0
         if self.recompute_method == "uniform":
-            return stage_layers
-        chunks = self.virtual_size(stage_layers)
-        return chunks * min(self.recompute_num_layers, stage_layers // chunks)
+            return chunk_layers
+        return min(self.recompute_num_layers, chunk_layers)
 
     def transformer_fields(self) -> dict[str, Any]:
         """``TransformerConfig`` fields."""
@@ -165,12 +196,12 @@ class MegatronOptions:
         if self.recompute_granularity:
             fields.update(recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
                           recompute_num_layers=self.recompute_num_layers)
-        return fields
+        return {**fields, **self.split.transformer_fields()}
 
-    def virtual_fields(self, layers_per_stage: int) -> dict[str, Any]:
+    def virtual_fields(self, num_layers: int, pp: int) -> dict[str, Any]:
         """``TransformerConfig`` fields of interleaving: none without it (Megatron-LM then turns
         p2p overlap off and batches the sends and receives, megatron-core's default)."""
-        v = self.virtual_size(layers_per_stage)
+        v = self.virtual_size(num_layers, pp)
         if v == 1:
             return {}
         return dict(virtual_pipeline_model_parallel_size=v, overlap_p2p_comm=self.overlap_p2p_comm,
@@ -209,7 +240,7 @@ class MegatronOptions:
                 out += [flag, str(value)]
         if not self.overlap_p2p_comm and (self.layers_per_virtual_stage or self.virtual_stages):
             out.append("--no-overlap-p2p-communication")
-        return out
+        return out + self.split.megatron_args()
 
 
 def _positive_int(value: Any) -> bool:
@@ -242,6 +273,14 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
                    help="interleaved 1F1B: V model chunks on each pipeline rank")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="interleaved 1F1B: batch the pipeline's sends and receives (needs PP > 2)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                   help="layers of the first pipeline stage; the rest split evenly (default: an even split)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                   help="layers of the last pipeline stage; the rest split evenly (default: an even split)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as a layer of the first stage")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the loss counts as a layer of the last stage")
 
 
 def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
@@ -268,4 +307,8 @@ def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
         virtual_stages=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
         # Megatron-LM turns the overlap off without interleaving, where it means nothing
         overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", True)) or not interleaved,
+        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        account_for_loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
     )

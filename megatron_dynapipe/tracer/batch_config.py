@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megatron_dynapipe.config.layout import ParallelLayout, is_positive_int, layout_problems, model_problems
+from megatron_dynapipe.config.layout import (
+    ParallelLayout,
+    is_positive_int,
+    layers_problem,
+    layout_problems,
+    model_problems,
+)
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec, get_model
 from megatron_dynapipe.tracer.representatives import Representatives, representative_ranks
@@ -331,9 +337,12 @@ def validate(config: TraceConfig, training: Optional[MegatronOptions] = None) ->
     if reasons or not all(is_positive_int(v) for v in (c.world_size, c.tp, c.pp, c.cp, c.ep)):
         return layout + reasons  # sizes that are not counts: the rules below cannot be read
     reasons = layout or _global_batch_problems(c)
-    reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=names, expert_tp=c.expert_tp)
-    if training is not None:
-        problem = training.layout_problem(tp=c.tp, pp=c.pp, layers_per_stage=c.model.stage_layers(c.pp),
+    # an uneven split (training options) replaces the even split's rule; either is said once
+    even = training is None or training.split.even
+    reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=names, expert_tp=c.expert_tp,
+                              even_layers=even)
+    if training is not None and not (even and layers_problem(c.model.num_layers, c.pp)):
+        problem = training.layout_problem(tp=c.tp, pp=c.pp, num_layers=c.model.num_layers,
                                           num_microbatches=c.microbatches, moe=bool(c.model.num_experts))
         reasons += [problem] if problem else []
     return reasons

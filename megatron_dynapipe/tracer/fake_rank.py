@@ -310,7 +310,7 @@ class _TraceRun:
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
         problem = fields["training"].layout_problem(
-            tp=layout.tp, pp=layout.pp, layers_per_stage=spec.stage_layers(layout.pp),
+            tp=layout.tp, pp=layout.pp, num_layers=spec.num_layers,
             num_microbatches=fields["num_microbatches"], moe=bool(spec.num_experts))
         if problem:
             raise ValueError(problem)
@@ -351,7 +351,7 @@ class _TraceRun:
     @property
     def chunks(self) -> int:
         """Model chunks on this rank: the virtual pipeline size with interleaving, else 1."""
-        return self.training.virtual_size(self.spec.stage_layers(self.layout.pp))
+        return self.training.virtual_size(self.spec.num_layers, self.layout.pp)
 
     @property
     def warmup_microbatches(self) -> int:
@@ -404,7 +404,7 @@ class _TraceRun:
             self.spec, dtype=self.torch_dtype, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
             expert_tp=layout.expert_tp, on_gpu=self.on_gpu, use_te=self.use_te, initialize=not self.shapes_only,
             **self.training.transformer_fields(), **self.routing_fields(),
-            **self.training.virtual_fields(self.spec.stage_layers(layout.pp)))
+            **self.training.virtual_fields(self.spec.num_layers, layout.pp))
         models = [self._chunk(config, vp_stage) for vp_stage in self._vp_stages()]
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **self.training.ddp_fields())
         # Megatron-LM's default --align-param-gather, which it keeps only for interleaving

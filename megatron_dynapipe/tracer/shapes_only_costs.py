@@ -28,18 +28,18 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     if cost_model is None:
         from megatron_dynapipe.hardware import load_hardware
         cost_model = load_hardware(DEFAULT_HARDWARE).cost_model(spec, layout.tp, dtype)
-    chunks = training.virtual_size(spec.stage_layers(layout.pp))
+    chunk_layers = training.chunk_layers(spec.num_layers, layout.pp)  # per virtual stage
+    chunks = len(chunk_layers) // layout.pp
     costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
                            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
-    if chunks > 1:
-        costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
-                           zero_stage=costs.zero_stage)
+    costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
+                       zero_stage=costs.zero_stage, layers=tuple(chunk_layers))
     seq_local = max(1, seq // layout.cp)
     table = {}
     for chunk in range(chunks):
         virtual = chunk * layout.pp + stage
-        backward = backward_ms(costs, virtual, mbs, seq_local, training, spec.stage_layers(layout.pp))
+        backward = backward_ms(costs, virtual, mbs, seq_local, training, chunk_layers[virtual])
         table[chunk] = {
             "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
             "backward": backward,
@@ -60,15 +60,15 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     return cost, costs.model
 
 
-def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, stage_layers: int) -> float:
-    """A micro-batch's backward through one model chunk (the whole stage without interleaving)
-    with the recompute asked for: the cost model's selective or full price, and for full
-    recompute of some of the chunk's layers (``block``) that share of the difference between
-    full and none."""
+def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, chunk_layers: int) -> float:
+    """A micro-batch's backward through one model chunk of ``chunk_layers`` layers (the whole
+    stage without interleaving) with the recompute asked for: the cost model's selective or full
+    price, and for full recompute of some of the chunk's layers (``block``) that share of the
+    difference between full and none."""
     if training.recompute_granularity == "selective":
         return float(costs.backward_ms(stage, mbs, seq, "selective"))
     none = float(costs.backward_ms(stage, mbs, seq, "none"))
-    recomputed = training.recomputed_layers(stage_layers)  # the same share of every chunk
+    recomputed = training.recomputed_layers(chunk_layers)
     if not recomputed:
         return none
-    return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / stage_layers
+    return none + (float(costs.backward_ms(stage, mbs, seq, "full")) - none) * recomputed / chunk_layers

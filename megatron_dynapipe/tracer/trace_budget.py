@@ -62,11 +62,19 @@ def estimated_bytes(config: TraceConfig, training: Optional[MegatronOptions] = N
         config.model, config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,
         in_flight=in_flight_microbatches(config, training), cp=config.cp,
-        recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
+        recomputed_layers=_recomputed_layers(config, training),
         selective_recompute=training.recompute_granularity == "selective",
         sequence_parallel=training.sequence_parallel,
         optimizer_shards=config.dp if training.distributed_optimizer else 1,
     )
+
+
+def _recomputed_layers(config: TraceConfig, training: MegatronOptions) -> int:
+    """Layers whose forward the busiest rank recomputes (the model's layers must split)."""
+    if training.layout_problem(tp=config.tp, pp=config.pp, num_layers=config.model.num_layers):
+        return 0
+    chunks = training.busiest_rank_layers(config.model.num_layers, config.pp)
+    return sum(training.recomputed_layers(layers) for layers in chunks)
 
 
 def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> float:
@@ -74,7 +82,7 @@ def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> fl
     interleaving megatron-core's warm-up of 2 (PP - 1) + (V - 1) PP chunk passes plus the one in
     flight, each holding 1/V of the stage's layers."""
     microbatches = max(config.microbatches, 1)
-    chunks = training.virtual_size(config.model.stage_layers(config.pp))
+    chunks = training.virtual_size(config.model.num_layers, config.pp)
     if chunks == 1:
         return min(config.pp, microbatches)
     passes = min(2 * (config.pp - 1) + (chunks - 1) * config.pp + 1, microbatches * chunks)
@@ -88,8 +96,7 @@ def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,
     training = training or MegatronOptions()
     flops = microbatch_flops(
         config.model, config.pp, config.tp, micro_batch_size=config.micro_batch_size,
-        seq_length=config.seq, cp=config.cp,
-        recomputed_layers=training.recomputed_layers(config.model.stage_layers(config.pp)),
+        seq_length=config.seq, cp=config.cp, recomputed_layers=_recomputed_layers(config, training),
     )
     return flops * max(config.microbatches, 1) * iterations / (GPU_FLOPS if _on_gpu() else CPU_FLOPS)
 

@@ -353,3 +353,36 @@ def test_calibrate_refuses_settings_that_cannot_work_before_starting(tmp_path, f
                           str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and says in run.stderr and run.stderr.count("\n") == 1
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_uneven_stages_take_the_bottleneck_closed_form(tmp_path):
+    """Megatron-LM's --decoder-first/last-pipeline-num-layers: 8 layers on PP 4 as 1, 2, 2, 3.
+    Each pass costs its stage's layers times F (or B), and the last stage is the bottleneck,
+    so with free communication 1F1B never starves it after the first forward reaches it:
+    T = (f_0 + f_1 + f_2) + m (f_3 + b_3) + (b_0 + b_1 + b_2).  Each layer's forward issues its
+    two TP all-reduces (attention and MLP), the first stage's embedding one more."""
+    from megatron_dynapipe.config.layout import ParallelLayout
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+    from megatron_dynapipe.tracer.fake_rank import trace_representatives
+
+    m, F, B, layers = 8, 1000.0, 2000.0, [1, 2, 2, 3]
+    model = dict(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=32)
+    traces = trace_representatives(ParallelLayout(world_size=8, tp=2, pp=4), model, out_dir=tmp_path,
+                                   micro_batch_size=1, num_microbatches=m, seq_length=32, shapes_only=True,
+                                   training=MegatronOptions(first_stage_layers=1, last_stage_layers=3))
+    for trace in traces:
+        forwards = [op for op in trace.ops if op.kind == "forward" and op.parent is None]
+        tp = [op for op in trace.ops if op.kind == "all_reduce" and op.phase == "forward"
+              and op.group_name == "TENSOR_MODEL_PARALLEL_GROUP" and op.microbatch == 0]
+        assert len(forwards) == m and len(tp) >= 2 * layers[trace.stage] + (trace.stage == 0)
+        if trace.stage in (1, 2):
+            assert len(tp) == 2 * layers[trace.stage]
+    job = load_job(tmp_path)
+    for trace in job.traces.values():
+        trace.meta.pop("compute_hardware", None)
+        for op in trace.ops:
+            if op.cat == "compute":
+                op.dur_us = {"forward": F, "backward": B}.get(op.kind, 0.0) * layers[trace.stage]
+    expected = sum(layers[:3]) * (F + B) + m * layers[3] * (F + B)
+    assert simulate_job(job, FREE).iteration_us == pytest.approx(expected, rel=1e-6)

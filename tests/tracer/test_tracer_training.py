@@ -182,7 +182,7 @@ def test_options_come_from_megatron_flags_and_print_back():
                                       recompute_num_layers=2, sequence_parallel=True)
     assert megatron_options_from_args(parser.parse_args(options.megatron_args())) == options
     assert megatron_options_from_args(parser.parse_args(["--recompute-activations"])).recompute_granularity == "selective"
-    assert options.layout_problem(tp=2, layers_per_stage=1).startswith("--recompute-num-layers 2 is more than")
+    assert options.layout_problem(tp=2, num_layers=1).startswith("--recompute-num-layers 2 is more than")
 
 
 def test_trace_command_takes_the_training_flags(tmp_path, capsys):
@@ -256,17 +256,18 @@ def test_interleaving_flags_come_from_megatron_flags_and_print_back():
 
 
 @pytest.mark.parametrize("options, layout, message", [
-    (dict(layers_per_virtual_stage=1, virtual_stages=2), dict(pp=4, layers_per_stage=2),
+    (dict(layers_per_virtual_stage=1, virtual_stages=2), dict(pp=4, num_layers=8),
      "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
-    (dict(layers_per_virtual_stage=0), dict(pp=4, layers_per_stage=2), "must be a positive integer, got 0"),
-    (dict(layers_per_virtual_stage=2), dict(pp=4, layers_per_stage=3), "does not divide the 3 layers"),
-    (dict(virtual_stages=2), dict(pp=4, layers_per_stage=3), "does not divide the 3 layers"),
-    (dict(layers_per_virtual_stage=1), dict(pp=1, layers_per_stage=4), "needs PP > 1"),
-    (dict(layers_per_virtual_stage=1, overlap_p2p_comm=False), dict(pp=2, layers_per_stage=4),
+    (dict(layers_per_virtual_stage=0), dict(pp=4, num_layers=8), "must be a positive integer, got 0"),
+    (dict(layers_per_virtual_stage=2), dict(pp=4, num_layers=12), "does not divide the 3 layers"),
+    (dict(virtual_stages=2), dict(pp=4, num_layers=12),
+     "the 3 layers of pipeline stage 0 do not split into 2 model chunks"),
+    (dict(layers_per_virtual_stage=1), dict(pp=1, num_layers=4), "needs PP > 1"),
+    (dict(layers_per_virtual_stage=1, overlap_p2p_comm=False), dict(pp=2, num_layers=8),
      "PP > 2 with --no-overlap-p2p-communication"),
-    (dict(layers_per_virtual_stage=1), dict(pp=4, layers_per_stage=2, num_microbatches=6),
+    (dict(layers_per_virtual_stage=1), dict(pp=4, num_layers=8, num_microbatches=6),
      "use a multiple of 4 micro-batches, not 6"),
-    (dict(layers_per_virtual_stage=1), dict(pp=4, layers_per_stage=2, num_microbatches=2),
+    (dict(layers_per_virtual_stage=1), dict(pp=4, num_layers=8, num_microbatches=2),
      "use a multiple of 4 micro-batches, not 2"),
 ])
 def test_interleaving_megatron_refuses_is_refused_in_one_line(options, layout, message):
@@ -282,20 +283,24 @@ def test_interleaving_megatron_refuses_is_refused_in_one_line(options, layout, m
 
 def test_interleaving_that_megatron_accepts_passes():
     # one chunk per rank is plain 1F1B for Megatron-LM, whatever PP and the number of micro-batches
-    assert MegatronOptions(layers_per_virtual_stage=2).layout_problem(tp=1, pp=1, layers_per_stage=2,
+    assert MegatronOptions(layers_per_virtual_stage=2).layout_problem(tp=1, pp=1, num_layers=2,
                                                                       num_microbatches=3) is None
-    assert MegatronOptions(virtual_stages=2).layout_problem(tp=1, pp=2, layers_per_stage=4, num_microbatches=8) is None
+    assert MegatronOptions(virtual_stages=2).layout_problem(tp=1, pp=2, num_layers=8, num_microbatches=8) is None
     assert MegatronOptions(layers_per_virtual_stage=1, overlap_p2p_comm=False).layout_problem(
-        tp=1, pp=3, layers_per_stage=2, num_microbatches=3) is None
+        tp=1, pp=3, num_layers=6, num_microbatches=3) is None
 
 
 def test_block_recompute_counts_its_layers_in_every_chunk():
     """--recompute-method block recomputes the first N layers of each transformer block, and under
     interleaving every model chunk is a block: 4 layers a stage in two chunks of 2, N = 1 -> 2."""
     block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
-    assert MegatronOptions(**block).recomputed_layers(4) == 1
-    assert MegatronOptions(**block, layers_per_virtual_stage=2).recomputed_layers(4) == 2
-    assert MegatronOptions(**dict(block, recompute_num_layers=3), virtual_stages=2).recomputed_layers(4) == 4
+
+    def recomputed(options: MegatronOptions) -> int:  # on the first of 2 stages of 8 layers
+        return sum(options.recomputed_layers(layers) for layers in options.rank_chunk_layers(8, 2, 0))
+
+    assert recomputed(MegatronOptions(**block)) == 1
+    assert recomputed(MegatronOptions(**block, layers_per_virtual_stage=2)) == 2
+    assert recomputed(MegatronOptions(**dict(block, recompute_num_layers=3), virtual_stages=2)) == 4
 
 
 def test_interleaved_chunks_price_their_own_layers(plain):

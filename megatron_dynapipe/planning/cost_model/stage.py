@@ -4,6 +4,7 @@ question the planner asks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class StageCosts:
     dp: int = 1
     zero_stage: int = 0  # 0..3; Megatron's distributed optimizer is ZeRO-1
     p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
+    #: layers of each stage when not split evenly (Megatron-LM's uneven first/last stages)
+    layers: Optional[tuple[int, ...]] = None
     # all_stages answers by query: one plan asks the same micro-batch shapes several times
     # (recompute choice, candidate orders, work tables), and interpolation dominates small plans.
     _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -38,7 +41,10 @@ class StageCosts:
     def __post_init__(self):
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be >= 1, got pp={self.pp} dp={self.dp}")
-        if self.num_layers < self.pp:
+        if self.layers is not None:
+            if len(self.layers) != self.pp or sum(self.layers) != self.num_layers or min(self.layers) < 0:
+                raise ValueError(f"layers {self.layers} are not {self.num_layers} layers on {self.pp} stages")
+        elif self.num_layers < self.pp:
             raise ValueError(
                 f"{self.num_layers} layers cannot fill {self.pp} pipeline stages: use pp <= num_layers"
             )
@@ -50,6 +56,8 @@ class StageCosts:
     def layers_on(self, stage: int) -> int:
         if not 0 <= stage < self.pp:
             raise ValueError(f"stage {stage} is outside 0..{self.pp - 1}")
+        if self.layers is not None:
+            return self.layers[stage]
         base, extra = divmod(self.num_layers, self.pp)
         return base + (stage < extra)
 
