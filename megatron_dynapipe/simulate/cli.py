@@ -117,6 +117,14 @@ def add_search_parser(sub) -> None:
                      help="only layouts with the distributed optimizer")
     opt.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_const", const=(False,),
                      help="only layouts without it")
+    sp = fixed.add_mutually_exclusive_group()
+    sp.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_const", const=(True,),
+                    help="only layouts with sequence parallelism (TP > 1)")
+    sp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=(False,),
+                    help="only layouts without it")
+    fixed.add_argument("--num-virtual-stages-per-pipeline-rank", dest="virtual_stages", action=ListAction,
+                       type=positive_int_argument, metavar="V",
+                       help="model chunks per pipeline rank, 1 for plain 1F1B (default 1 2 4, where they divide)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace the N best-estimated (TP, PP, micro-batch) shapes (default 16; each takes seconds "
@@ -147,6 +155,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         seq_length=args.seq_length or model.max_sequence_length, hardware=hardware, dtype=args.dtype,
                         tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,
                         recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
+                        sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model)
     out = check_output_folder(args.output_dir, "--output-dir")
     result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,

@@ -3,14 +3,15 @@
 A search runs in four steps (docs/simulate.md, "Searching for a layout"):
 
 1. **enumerate** every layout megatron-core accepts: TP (up to the GPUs of a node), PP, CP,
-   DP, micro-batch size, recompute (none, selective, full) and the distributed optimizer, for
-   the world size and global batch asked for;
+   DP, micro-batch size, sequence parallelism (where TP > 1), interleaving (1, 2 or 4 model
+   chunks a rank), recompute (none, selective, full) and the distributed optimizer, for the
+   world size and global batch asked for;
 2. **prune and rank by estimate**: each stage's memory (model state, the activations 1F1B keeps
    in flight, one layer's working set) and a closed-form 1F1B iteration time, both from the
    analytical cost model (:mod:`megatron_dynapipe.planning.cost_model`) and the hardware model;
    layouts that do not fit are pruned;
 3. **trace** the representative ranks of the best-estimated layouts, shapes-only, once per
-   (TP, PP, CP, micro-batch size): recompute and optimizer variants are derived from that trace
+   (TP, PP, CP, micro-batch size, SP, chunks): recompute and optimizer variants are derived from that trace
    (:mod:`.variants`), and a trace already in the output folder is reused;
 4. **simulate** every variant of the traced layouts (:mod:`.replay`) and rank them by
    predicted iteration time among those whose traced memory fits.
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from megatron_dynapipe.config.accounting import total_params
+from megatron_dynapipe.config.accounting import activation_bytes, total_params
 from megatron_dynapipe.config.layout import model_problems
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.cost_model import (
@@ -67,7 +69,8 @@ class SearchError(ValueError):
 class SearchSpace:
     """What to search: a model on ``world_size`` GPUs of ``hardware`` with a global batch of
     ``global_batch_size`` sequences of ``seq_length`` tokens.  Each of ``tp``, ``pp``, ``cp``,
-    ``micro_batch_sizes``, ``recompute`` and ``distributed_optimizer`` fixes that dimension to
+    ``micro_batch_sizes``, ``sequence_parallel``, ``virtual_stages`` (model chunks a pipeline
+    rank; 1 is plain 1F1B), ``recompute`` and ``distributed_optimizer`` fixes that dimension to
     the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
     name for compute times (``None``: the hardware's own model, :meth:`Hardware.cost_model`)."""
     model: ModelSpec
@@ -82,6 +85,8 @@ class SearchSpace:
     micro_batch_sizes: Optional[tuple[int, ...]] = None
     recompute: Optional[tuple[str, ...]] = None
     distributed_optimizer: Optional[tuple[bool, ...]] = None
+    sequence_parallel: Optional[tuple[bool, ...]] = None
+    virtual_stages: Optional[tuple[int, ...]] = None
     max_tp: Optional[int] = None
     cost_model: Optional[str] = None
 
@@ -139,6 +144,17 @@ class SearchSpace:
     def mbs_values(self) -> list[int]:
         return sorted(set(self.micro_batch_sizes or (1, 2, 4, 8)))
 
+    def training_values(self, tp: int, pp: int, num_microbatches: int) -> list[MegatronOptions]:
+        """The sequence-parallel and interleaving choices megatron-core accepts at this layout."""
+        out = []
+        for sp in sorted(set(self.sequence_parallel or (False, True))):
+            for v in sorted(set(self.virtual_stages or (1, 2, 4))):
+                options = MegatronOptions(sequence_parallel=sp, virtual_stages=v if v > 1 else None)
+                if not options.layout_problem(tp=tp, pp=pp, num_layers=self.model.num_layers,
+                                              num_microbatches=num_microbatches):
+                    out.append(options)
+        return out
+
     def cost_model_for(self, tp: int) -> CostModel:
         if self.cost_model is not None:
             return load_cost_model(self.cost_model, tp, hidden_size=self.model.hidden_size)
@@ -172,14 +188,23 @@ class Candidate:
     num_microbatches: int
     recompute: str
     distributed_optimizer: bool
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
 
     @property
-    def trace_key(self) -> tuple[int, int, int, int]:
+    def trace_key(self) -> tuple[int, int, int, int, bool, int]:
         """Layouts that share a trace: recompute and the optimizer are derived from it."""
-        return self.tp, self.pp, self.cp, self.micro_batch_size
+        return self.tp, self.pp, self.cp, self.micro_batch_size, self.sequence_parallel, self.virtual_stages
+
+    @property
+    def training(self) -> MegatronOptions:
+        """The Megatron-LM options the trace runs with (recompute and optimizer are derived)."""
+        return training_options(self.trace_key)
 
     def describe(self) -> str:
-        return (f"TP{self.tp} PP{self.pp} CP{self.cp} DP{self.dp} mbs {self.micro_batch_size}x{self.num_microbatches} "
+        chunks = f" VPP{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"TP{self.tp}{' SP' if self.sequence_parallel else ''} PP{self.pp}{chunks} CP{self.cp} DP{self.dp} "
+                f"mbs {self.micro_batch_size}x{self.num_microbatches} "
                 f"recompute {self.recompute}, {'dist-opt' if self.distributed_optimizer else 'all-reduce opt'}")
 
     def to_json(self) -> dict[str, Any]:
@@ -196,16 +221,26 @@ def enumerate_candidates(space: SearchSpace) -> list[Candidate]:
                     config = trace_config(space, tp, pp, cp, mbs)
                     if validate(config):
                         continue
-                    for recompute in space.recompute or RECOMPUTE_CHOICES:
-                        for dist_opt in space.distributed_optimizer or (False, True):
-                            out.append(Candidate(tp, pp, cp, config.dp, mbs, config.microbatches, recompute, dist_opt))
+                    for options in space.training_values(tp, pp, config.microbatches):
+                        for recompute in space.recompute or RECOMPUTE_CHOICES:
+                            for dist_opt in space.distributed_optimizer or (False, True):
+                                out.append(Candidate(tp, pp, cp, config.dp, mbs, config.microbatches, recompute,
+                                                     dist_opt, options.sequence_parallel,
+                                                     options.virtual_size(space.model.num_layers, pp)))
     return out
 
 
-def trace_config(space: SearchSpace, tp: int, pp: int, cp: int, mbs: int) -> TraceConfig:
+def trace_config(space: SearchSpace, tp: int, pp: int, cp: int, mbs: int, *_: Any) -> TraceConfig:
+    """The trace of a ``trace_key``'s layout (its training options: :func:`training_options`)."""
     return TraceConfig(world_size=space.world_size, pp=pp, tp=tp, cp=cp, model=space.model, micro_batch_size=mbs,
                        global_batch_size=space.global_batch_size, seq_length=space.seq_length,
                        source="search")
+
+
+def training_options(key: tuple) -> MegatronOptions:
+    """The sequence parallelism and interleaving of a ``trace_key``."""
+    sequence_parallel, chunks = key[4], key[5]
+    return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None)
 
 
 # -- estimates ------------------------------------------------------------------------------
@@ -224,10 +259,13 @@ class Estimate:
 def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, CostModel]] = None) -> Estimate:
     """Memory: per stage, model state (16 B a parameter, Adam's 12 B sharded over DP with the
     distributed optimizer) plus the activations of the ``min(pp - stage, micro-batches)``
-    micro-batches 1F1B holds and one layer's working set.  Time: ``(m + p - 1)`` times the
-    slowest stage's forward, backward (with recomputation), tensor-parallel all-reduces and
-    pipeline sends per micro-batch, plus the data-parallel gradient reduction (not overlapped)
-    and the optimizer step.  Context-parallel communication is left to the trace."""
+    micro-batches 1F1B holds (with V model chunks, megatron-core's warm-up of
+    ``2(p - 1) + (V - 1)p + 1`` chunk passes of 1/V of the stage each) and one layer's working
+    set; sequence parallelism shrinks the activations as Korthikanti et al. count them.  Time:
+    ``(m + (p - 1)/V)`` times the slowest stage's forward, backward (with recomputation),
+    tensor-parallel all-reduces and pipeline sends (V a micro-batch) per micro-batch, plus the
+    data-parallel gradient reduction (not overlapped) and the optimizer step.  Context-parallel
+    communication is left to the trace."""
     model = (cost_models or {}).get(c.tp) or space.cost_model_for(c.tp)
     costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
                        zero_stage=1 if c.distributed_optimizer else 0)
@@ -238,15 +276,18 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     allreduce_us = hw.collective_us("all_reduce", activation, tp_group)
     p2p_us = hw.p2p_us(activation, 0, c.tp * c.cp * c.dp) if c.pp > 1 else 0.0
     tp_per_layer = 4 + (2 if c.recompute == "full" else 0)  # forward 2, backward 2, recomputed forward 2
+    v = c.virtual_stages
+    stored_share = _sequence_parallel_share(space, c) if c.sequence_parallel else 1.0
     slowest, memory, tail_us = 0.0, 0.0, 0.0
     for stage in range(c.pp):
         layers = costs.layers_on(stage)
         per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute))
-        per_mb_us += layers * tp_per_layer * allreduce_us + 2 * p2p_us
+        per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
-        in_flight = min(c.pp - stage, c.num_microbatches)
+        in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
+                     else min(2 * (c.pp - 1) + (v - 1) * c.pp + 1, c.num_microbatches * v) / v)
         state = costs.model_state_mb(stage) * MB
-        memory = max(memory, state + MB * (in_flight * costs.stored_mb(stage, b, seq, c.recompute)
+        memory = max(memory, state + MB * (in_flight * stored_share * costs.stored_mb(stage, b, seq, c.recompute)
                                            + costs.peak_mb(stage, b, seq, c.recompute)))
         grads = 2 * costs.param_mb(stage) * MB  # fp32 gradients: twice the 16-bit parameters
         if c.distributed_optimizer:
@@ -255,8 +296,16 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
         else:
             reduce_us = hw.collective_us("all_reduce", grads, dp_group)
         tail_us = max(tail_us, reduce_us + 2 * hw.memory_bound_us(state))
-    iteration_us = (c.num_microbatches + c.pp - 1) * slowest + tail_us
+    iteration_us = (c.num_microbatches + (c.pp - 1) / v) * slowest + tail_us
     return Estimate(iteration_us / 1e6, memory)
+
+
+def _sequence_parallel_share(space: SearchSpace, c: Candidate) -> float:
+    """What sequence parallelism leaves of a layer's stored activations."""
+    kwargs = dict(recompute=c.recompute)
+    args = (space.seq_length // c.cp, c.micro_batch_size, space.model.hidden_size, space.model.num_attention_heads,
+            c.tp)
+    return activation_bytes(*args, sequence_parallel=True, **kwargs) / activation_bytes(*args, **kwargs)
 
 
 # -- the rule of thumb ----------------------------------------------------------------------
@@ -401,22 +450,22 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
            progress: bool, result: SearchResult) -> dict[tuple, Any]:
     """Trace each shape once (reusing a complete trace of the same config in ``folder``);
     returns key -> config folder, or key -> error line for a shape that failed."""
-    out, todo = {}, []
+    out, todo = {}, {}
     for key in keys:
-        config = trace_config(space, *key)
-        existing = folder / config.folder_name()
+        config, training = trace_config(space, *key), training_options(key)
+        existing = folder / config.folder_name(training)
         if _complete(existing, config):
             out[key] = existing
             result.reused += 1
         else:
-            todo.append((key, config))
+            todo.setdefault(training, []).append((key, config))
     started = time.perf_counter()
-    if todo:
-        results = run_batch([c for _, c in todo], folder, shapes_only=True, dtype=space.dtype,
+    for training, shapes in todo.items():  # a batch per set of training options
+        results = run_batch([c for _, c in shapes], folder, shapes_only=True, dtype=space.dtype, training=training,
                             cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress)
-        for (key, _), r in zip(todo, results):
+        for (key, _), r in zip(shapes, results):
             out[key] = r.folder if r.status == "ok" else (r.error or "; ".join(r.reasons) or r.status)
-    result.traced = len(todo)
+    result.traced = sum(len(shapes) for shapes in todo.values())
     result.trace_seconds = time.perf_counter() - started
     return out
 

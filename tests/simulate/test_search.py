@@ -119,10 +119,17 @@ def test_enumeration_matches_megatrons_divisibility_rules():
         for pp in (1, 2, 4):
             for mbs in (1, 2, 4, 8):
                 dp = 8 // (tp * pp) if 8 % (tp * pp) == 0 else 0
-                if dp and m.num_layers % pp == 0 and m.num_attention_heads % tp == 0 and 16 % (mbs * dp) == 0:
-                    for recompute in ("none", "selective", "full"):
-                        for dist_opt in (False, True):
-                            expected.add(Candidate(tp, pp, 1, dp, mbs, 16 // (mbs * dp), recompute, dist_opt))
+                if not (dp and m.num_layers % pp == 0 and m.num_attention_heads % tp == 0 and 16 % (mbs * dp) == 0):
+                    continue
+                microbatches = 16 // (mbs * dp)
+                # sequence parallelism needs TP; V chunks need PP > 1, V | layers a stage, PP | micro-batches
+                chunks = [v for v in (1, 2, 4) if v == 1 or (
+                    pp > 1 and (m.num_layers // pp) % v == 0 and microbatches % pp == 0)]
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for v in chunks:
+                        for recompute in ("none", "selective", "full"):
+                            for dist_opt in (False, True):
+                                expected.add(Candidate(tp, pp, 1, dp, mbs, microbatches, recompute, dist_opt, sp, v))
     found = enumerate_candidates(s)
     assert len(found) == len(set(found)) and set(found) == expected
 
@@ -137,6 +144,28 @@ def test_estimated_memory_is_the_textbook_formula_on_the_first_stage():
     per_layer = seq * h * (10 + 24 / t + 5 * a * seq / (h * t))  # Korthikanti et al. 2022, 16-bit
     activations = p * (L // p) * per_layer + per_layer  # 4 micro-batches in flight, plus one layer's work
     assert estimate(s, c).memory_bytes == pytest.approx(state + activations, rel=1e-9)
+
+
+def test_sequence_parallelism_divides_the_stored_activations_outside_the_attention_core():
+    # as above with --sequence-parallel: Korthikanti et al.'s 34/t in place of 10 + 24/t
+    s = space("6.7", world=64, gbs=64, hardware=load_hardware("a100"))
+    c = Candidate(2, 4, 1, 8, 1, 8, "none", True, sequence_parallel=True)
+    h, a, L, V, t, p, seq = 4096, 32, 32, 51200, 2, 4, 2048
+    params = L // p * ((12 * h * h + 7 * h) / t + 6 * h) + V * h / t
+    state = params * (4 + 12 / 8)
+    per_layer = seq * h * (10 + 24 / t + 5 * a * seq / (h * t))
+    per_layer_sp = seq * h * (34 / t + 5 * a * seq / (h * t))
+    activations = p * (L // p) * per_layer_sp + per_layer
+    assert estimate(s, c).memory_bytes == pytest.approx(state + activations, rel=1e-9)
+
+
+def test_interleaving_divides_the_estimated_bubble_by_the_chunks():
+    # (m + (p - 1) / V) passes of the slowest stage: the gain over V = 1 is (p - 1)(1 - 1/V) of
+    # them, so V = 2 gains 2/3 of what V = 4 does; free communication keeps the stage's time
+    s = space("6.7", world=8, gbs=16, tp=(1,), pp=(4,))
+    one, two, four = (estimate(s, Candidate(1, 4, 1, 2, 1, 8, "none", False, virtual_stages=v)).iteration_s
+                      for v in (1, 2, 4))
+    assert (one - two) / (one - four) == pytest.approx((1 - 1 / 2) / (1 - 1 / 4), rel=1e-6)
 
 
 def test_estimated_time_on_one_gpu_is_flops_over_throughput_plus_the_optimizer():
@@ -231,7 +260,7 @@ def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
             "--no-progress", "--top", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "   #   TP  PP    DP" in out and "\n   1 " in out and "rule of thumb" in out
+    assert "   #   TP SP   PP VPP    DP" in out and "\n   1 " in out and "rule of thumb" in out
     assert "time against memory: " + str(tmp_path / "search.png") in out
 
 
