@@ -251,8 +251,9 @@ def test_training_flags_reach_the_trace(tmp_path):
     h = header(result.path)
     assert h["iteration"]["training"] == dict(
         distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None,
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True, tp_comm_overlap=False,
-        layers_per_virtual_stage=None, virtual_stages=None, overlap_p2p_comm=True)
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True,
+        tp_comm_overlap=False, layers_per_virtual_stage=None, virtual_stages=None, overlap_p2p_comm=True,
+        first_stage_layers=None, last_stage_layers=None, account_for_embedding=False, account_for_loss=False)
     ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
     kinds = {(op["kind"], op.get("group_name")) for op in ops if op["cat"] == "comm"}
     assert ("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP") in kinds and ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP") in kinds
@@ -281,7 +282,7 @@ def test_interleaving_flags_trace_megatron_lms_interleaved_schedule(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--recompute-granularity", "full"], "needs --recompute-method"),
-    (["--num-virtual-stages-per-pipeline-rank", "3"], "does not divide the 2 layers of a pipeline stage"),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], "the 2 layers of pipeline stage 0 do not split into 3 model chunks"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"],
      r"needs PP > 1 \(PP > 2 with --no-overlap-p2p-communication\)"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6144"],
