@@ -41,10 +41,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_dynapipe.config.layout import is_positive_int
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 
-__all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "RECOMPUTE_GRANULARITIES",
-           "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
+__all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "first_stage_warmup",
+           "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -97,9 +98,9 @@ class MegatronOptions:
                 return "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers N"
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             return "--recompute-method and --recompute-num-layers go with --recompute-granularity full"
-        if self.recompute_num_layers is not None and (not _positive_int(self.recompute_num_layers)):
+        if self.recompute_num_layers is not None and (not is_positive_int(self.recompute_num_layers)):
             return f"--recompute-num-layers must be a positive integer, got {self.recompute_num_layers!r}"
-        if self.bucket_size is not None and not _positive_int(self.bucket_size):
+        if self.bucket_size is not None and not is_positive_int(self.bucket_size):
             return f"--ddp-bucket-size must be a positive integer, got {self.bucket_size!r}"
         if self.overlap_param_gather and not self.distributed_optimizer:
             return "--overlap-param-gather needs --use-distributed-optimizer"
@@ -113,7 +114,7 @@ class MegatronOptions:
                     "(Megatron-LM's rule)")
         for flag, value in (("--num-layers-per-virtual-pipeline-stage", self.layers_per_virtual_stage),
                             ("--num-virtual-stages-per-pipeline-rank", self.virtual_stages)):
-            if value is not None and not _positive_int(value):
+            if value is not None and not is_positive_int(value):
                 return f"{flag} must be a positive integer, got {value!r}"
         if self.layers_per_virtual_stage is not None and self.split.uneven:
             return ("uneven pipeline stages take --num-virtual-stages-per-pipeline-rank, not "
@@ -163,15 +164,19 @@ class MegatronOptions:
 
     def _interleaving_problem(self, pp: int, num_layers: int, num_microbatches: Optional[int]) -> Optional[str]:
         """Megatron-LM's and megatron-core's rules for the layers' split and interleaved 1F1B."""
+        problem = self.split.problem(num_layers, pp)
+        if problem:
+            return problem
         per_rank = (num_layers + self.split.accounted) // pp
-        if (self.layers_per_virtual_stage is not None and not self.split.problem(num_layers, pp)
-                and per_rank % self.layers_per_virtual_stage):
+        if self.layers_per_virtual_stage is not None and per_rank % self.layers_per_virtual_stage:
             return (f"--num-layers-per-virtual-pipeline-stage {self.layers_per_virtual_stage} does not divide the "
                     f"{per_rank} layers of a pipeline stage: pick a divisor")
         v = self.virtual_size(num_layers, pp)
-        problem = self.split.problem(num_layers, pp, v)
-        if problem or v == 1:
-            return problem  # one chunk per rank: Megatron-LM runs plain 1F1B
+        if v == 1:
+            return None  # one chunk per rank: Megatron-LM runs plain 1F1B
+        problem = self.split.chunks_problem(num_layers, pp, v)
+        if problem:
+            return problem
         if pp < (2 if self.overlap_p2p_comm else 3):
             return ("interleaved 1F1B needs PP > 1 (PP > 2 with --no-overlap-p2p-communication): raise PP or "
                     "drop the virtual pipeline flags")
@@ -243,8 +248,10 @@ class MegatronOptions:
         return out + self.split.megatron_args()
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def first_stage_warmup(pp: int, chunks: int = 1) -> int:
+    """Forward passes the first pipeline stage runs before its first backward: ``pp - 1`` under
+    1F1B; megatron-core's interleaved schedule runs ``2(pp - 1) + (chunks - 1) pp`` chunk passes."""
+    return pp - 1 if chunks == 1 else 2 * (pp - 1) + (chunks - 1) * pp
 
 
 def add_megatron_options(parser: argparse.ArgumentParser) -> None:

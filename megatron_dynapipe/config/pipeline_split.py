@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dynapipe.config.layout import layers_problem
+from megatron_dynapipe.config.layout import is_positive_int, layers_problem
 
 __all__ = ["PipelineSplit"]
 
@@ -47,7 +47,7 @@ class PipelineSplit:
     def flags_problem(self) -> Optional[str]:
         """What megatron-core refuses whatever the model (one line naming the flag)."""
         for flag, value in ((_FIRST, self.first_stage_layers), (_LAST, self.last_stage_layers)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and not is_positive_int(value):
                 return f"{flag} must be a positive integer, got {value!r}"
         if self.uneven and self.accounted:
             return (f"{_FIRST}/{_LAST} and --account-for-embedding/loss-in-pipeline-split cannot be combined "
@@ -70,9 +70,9 @@ class PipelineSplit:
             out[-1] = self.last_stage_layers
         return out
 
-    def problem(self, num_layers: int, pp: int, chunks: int = 1) -> Optional[str]:
-        """Why megatron-core cannot place ``num_layers`` on ``pp`` ranks of ``chunks`` model
-        chunks each this way (one line naming the fix), or None."""
+    def problem(self, num_layers: int, pp: int) -> Optional[str]:
+        """Why megatron-core cannot place ``num_layers`` on ``pp`` ranks this way (one line naming
+        the fix), or None."""
         problem = self.flags_problem()
         if problem:
             return problem
@@ -86,8 +86,11 @@ class PipelineSplit:
         else:
             problem = layers_problem(num_layers, pp)
             problem = problem and f"{problem}, or give the first and last stages their own ({_FIRST}/{_LAST})"
-        if problem or chunks == 1:
-            return problem
+        return problem
+
+    def chunks_problem(self, num_layers: int, pp: int, chunks: int) -> Optional[str]:
+        """Why the ranks' layers (once :meth:`problem` passes) do not split into ``chunks`` model
+        chunks each, or None."""
         for stage, layers in enumerate(self.rank_layers(num_layers, pp)):
             if layers % chunks:
                 return (f"the {layers} layers of pipeline stage {stage} do not split into {chunks} model chunks: "

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from megatron_dynapipe.config.accounting import activation_bytes, total_params
 from megatron_dynapipe.config.layout import model_problems
-from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.megatron_options import MegatronOptions, first_stage_warmup
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.cost_model import (
@@ -196,11 +196,6 @@ class Candidate:
         """Layouts that share a trace: recompute and the optimizer are derived from it."""
         return self.tp, self.pp, self.cp, self.micro_batch_size, self.sequence_parallel, self.virtual_stages
 
-    @property
-    def training(self) -> MegatronOptions:
-        """The Megatron-LM options the trace runs with (recompute and optimizer are derived)."""
-        return training_options(self.trace_key)
-
     def describe(self) -> str:
         chunks = f" VPP{self.virtual_stages}" if self.virtual_stages > 1 else ""
         return (f"TP{self.tp}{' SP' if self.sequence_parallel else ''} PP{self.pp}{chunks} CP{self.cp} DP{self.dp} "
@@ -285,7 +280,7 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
         per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
-                     else min(2 * (c.pp - 1) + (v - 1) * c.pp + 1, c.num_microbatches * v) / v)
+                     else min(first_stage_warmup(c.pp, v) + 1, c.num_microbatches * v) / v)
         state = costs.model_state_mb(stage) * MB
         memory = max(memory, state + MB * (in_flight * stored_share * costs.stored_mb(stage, b, seq, c.recompute)
                                            + costs.peak_mb(stage, b, seq, c.recompute)))
@@ -302,10 +297,10 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
 
 def _sequence_parallel_share(space: SearchSpace, c: Candidate) -> float:
     """What sequence parallelism leaves of a layer's stored activations."""
-    kwargs = dict(recompute=c.recompute)
     args = (space.seq_length // c.cp, c.micro_batch_size, space.model.hidden_size, space.model.num_attention_heads,
             c.tp)
-    return activation_bytes(*args, sequence_parallel=True, **kwargs) / activation_bytes(*args, **kwargs)
+    return (activation_bytes(*args, recompute=c.recompute, sequence_parallel=True)
+            / activation_bytes(*args, recompute=c.recompute))
 
 
 # -- the rule of thumb ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from megatron_dynapipe.config.megatron_options import first_stage_warmup
 from megatron_dynapipe.tracer.trace_format import TraceOp
 
 __all__ = ["NotPeriodic", "recorded_microbatches", "extend"]
@@ -39,12 +40,8 @@ def recorded_microbatches(num_microbatches: int, pp: int, period: int, chunks: i
     the two blocks to compare and the one after them, the whole count rounded so that the
     micro-batches added are whole periods.
     """
-    if pp == 1:
-        warmup_passes = 0
-    else:
-        warmup_passes = pp - 1 if chunks == 1 else 2 * (pp - 1) + (chunks - 1) * pp
-    passes_per_period = period * chunks
-    first_steady = -(-warmup_passes // passes_per_period) * period  # first block wholly past warm-up
+    # the first block wholly past the warm-up
+    first_steady = -(-first_stage_warmup(pp, chunks) // (period * chunks)) * period
     needed = first_steady + 3 * period
     if needed >= num_microbatches:
         return num_microbatches
@@ -81,7 +78,7 @@ def _extend_iteration(ops: list[TraceOp], num_microbatches: int, period: int, sh
                           f"in groups of {period}")
     k = _last_repeating_block(ops, starts, period)
     begin, end = starts[k], starts[k + period]
-    step = _step(ops, starts[k - period], begin)
+    step = _step(ops, starts[k - period], begin, end)
     copies = extra // period
     out = [_moved(op, 0, shift.us, shift.coalesced) for op in ops[:end]]
     for j in range(1, copies + 1):
@@ -133,12 +130,13 @@ def _keys(ops: list[TraceOp], lo: int, hi: int, k: int) -> list[tuple]:
     return keys
 
 
-def _step(ops: list[TraceOp], previous: int, begin: int) -> _Shift:
-    """How far one block moves time and coalescing ids: from block ``previous`` to the next."""
+def _step(ops: list[TraceOp], previous: int, begin: int, end: int) -> _Shift:
+    """How far one block moves time and coalescing ids: from block ``previous:begin`` to the
+    matching block ``begin:end``."""
     def ids(lo: int, hi: int) -> Optional[int]:
         return min((op.coalesced for op in ops[lo:hi] if op.coalesced is not None), default=None)
 
-    before, now = ids(previous, begin), ids(begin, len(ops))
+    before, now = ids(previous, begin), ids(begin, end)
     return _Shift(us=ops[begin].start_us - ops[previous].start_us,
                   coalesced=0 if before is None or now is None else now - before)
 

@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 from megatron_dynapipe.config.accounting import microbatch_flops, training_bytes
-from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.megatron_options import MegatronOptions, first_stage_warmup
 from megatron_dynapipe.tracer.batch_config import TraceConfig
 
 __all__ = ["memory_budget_bytes", "estimated_bytes", "in_flight_microbatches", "estimated_compute_seconds",
@@ -83,9 +83,7 @@ def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> fl
     flight, each holding 1/V of the stage's layers."""
     microbatches = max(config.microbatches, 1)
     chunks = training.virtual_size(config.model.num_layers, config.pp)
-    if chunks == 1:
-        return min(config.pp, microbatches)
-    passes = min(2 * (config.pp - 1) + (chunks - 1) * config.pp + 1, microbatches * chunks)
+    passes = min(first_stage_warmup(config.pp, chunks) + 1, microbatches * chunks)
     return passes / chunks
 
 
