@@ -282,8 +282,9 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
                      else min(first_stage_warmup(c.pp, v) + 1, c.num_microbatches * v) / v)
         state = costs.model_state_mb(stage) * MB
+        # one layer's working set: with recomputation, the layer recomputed before its backward
         memory = max(memory, state + MB * (in_flight * stored_share * costs.stored_mb(stage, b, seq, c.recompute)
-                                           + costs.peak_mb(stage, b, seq, c.recompute)))
+                                           + costs.peak_mb(stage, b, seq, "none")))
         grads = 2 * costs.param_mb(stage) * MB  # fp32 gradients: twice the 16-bit parameters
         if c.distributed_optimizer:
             reduce_us = (hw.collective_us("reduce_scatter", grads, dp_group)

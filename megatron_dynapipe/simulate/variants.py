@@ -17,9 +17,11 @@ every layout; tracing each combination separately would multiply its tracing tim
   every bucket's parameters are all-gathered (16-bit, so half the bytes of fp32 gradients).
   Adam's states and fp32 master weights are sharded over DP.
 
-Activation memory is the traced peak less what the per-layer formulas of
-:class:`~megatron_dynapipe.planning.cost_model.AnalyticalCostModel` say recomputation frees, plus
-the working set of the layer being recomputed; model state follows the trace's own breakdown.
+Activation memory is the traced peak less what recomputation frees in every layer in flight, plus
+what the layer being recomputed holds again; what a layer frees is measured by the tracer (what
+one layer, its input and its attention core save for backward), so the unfused local attention
+core and a fused kernel each free what they really hold.  Model state follows the trace's own
+breakdown.
 Nothing here imports torch.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts
 from megatron_dynapipe.simulate.replay import TracedJob
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
@@ -168,11 +171,27 @@ def _memory(job: TracedJob, costs: StageCosts, trace: RankTrace, recompute: str,
 def _recomputed_activation(job: TracedJob, costs: StageCosts, trace: RankTrace, activation: float,
                            recompute: str) -> float:
     """The traced activations less what recomputation frees in the layers of the micro-batches in
-    flight, plus the working set of the layer being recomputed (per-layer formulas of the
-    analytical cost model; the embedding and the LM head keep what they traced)."""
+    flight, plus what the layer being recomputed holds again during its backward (the embedding and
+    the LM head keep what they traced)."""
+    layer, layer_input, core, core_input = _layer_activation_bytes(job, costs, trace)
+    freed = layer - layer_input if recompute == "full" else core - core_input
+    training = MegatronOptions(**(job.iteration.get("training") or {}))
+    chunks = training.rank_chunk_layers(job.model.num_layers, job.layout.pp, trace.stage)
+    # the meter counts passes through a chunk, each holding a chunk's layers
+    passes = int(trace.memory.get("peak_in_flight_microbatches") or 1)
+    layers_in_flight = passes * sum(chunks) / len(chunks)
+    return max(activation - layers_in_flight * freed, 0.0) + freed
+
+
+def _layer_activation_bytes(job: TracedJob, costs: StageCosts, trace: RankTrace) -> tuple[float, ...]:
+    """What one transformer layer saves for backward in a micro-batch and its input, what its
+    attention core saves and the core's query, key and value: as the tracer measured them
+    (``activation_probe_bytes``), else by the analytical model's per-layer formulas (Korthikanti
+    et al. 2022, which count no core input apart), for traces without them."""
+    probes = trace.memory.get("activation_probe_bytes") or {}
+    names = ("transformer_layer", "layer_input", "core_attention", "core_attention_input")
+    if set(names) <= probes.keys():
+        return tuple(float(probes[name]) for name in names)
     seq, mbs = _seq(job), int(job.iteration["micro_batch_size"])
-    freed_mb = costs.stored_mb(trace.stage, mbs, seq, "none") - costs.stored_mb(trace.stage, mbs, seq, recompute)
-    # under interleaving the meter counts passes through a chunk, each holding a chunk's layers
-    chunks = len({op.chunk for op in trace.compute_ops if op.kind == "forward"}) or 1
-    in_flight = int(trace.memory.get("peak_in_flight_microbatches") or 1) / chunks
-    return max(activation - in_flight * freed_mb * MB, 0.0) + costs.peak_mb(trace.stage, mbs, seq, recompute) * MB
+    stored = {rc: costs.model.activation_mb("stored", rc, mbs, seq) * MB for rc in RECOMPUTE_CHOICES}
+    return stored["none"], stored["full"], stored["none"] - stored["selective"], 0.0

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -21,9 +22,14 @@ class ActivationMeter:
     micro-batch's activations, held until its backward finishes.  ``peak_bytes`` is the largest
     sum over forward passes in flight at once (1F1B keeps up to ``pp - stage`` micro-batches;
     interleaving counts each micro-batch once per model chunk it has passed).
-    Transient buffers that are freed within the forward or the backward, and tensors a custom
+    Transient buffers that are freed within the forward or the backward, saved tensors no longer
+    held when the forward ends (a graph built and dropped inside it), and tensors a custom
     autograd function stashes on ``ctx`` without ``save_for_backward``, are not counted.
     Works on meta tensors (it reads sizes, not data).
+
+    :meth:`probe` measures what one module saves of that: a transformer layer, its attention
+    core, the layer's input, which is what activation recomputation would keep or free
+    (``probes``: label -> bytes of one call, the largest seen).
     """
 
     def __init__(self) -> None:
@@ -32,7 +38,9 @@ class ActivationMeter:
         self.peak_bytes = 0
         self.peak_in_flight = 0
         self.per_microbatch: dict[Any, int] = {}
+        self.probes: dict[str, int] = {}
         self.enabled = True
+        self._saved = 0  # bytes counted so far in the forward under way
 
     def set_static(self, tensors) -> None:
         for t in tensors:
@@ -45,6 +53,31 @@ class ActivationMeter:
         self.peak_bytes = 0
         self.peak_in_flight = 0
         self.per_microbatch.clear()
+        self.probes.clear()
+
+    def probe(self, module, label: str, input_label: Optional[str] = None, inputs: int = 1) -> None:
+        """Count under ``label`` the bytes ``module``'s forward saves for backward, and under
+        ``input_label`` the bytes of the distinct storages of its first ``inputs`` tensor arguments
+        (positional, then keyword) (a layer's hidden states; an attention core's query, key and value)."""
+        started: list[int] = []
+
+        def before(_module, args, kwargs):
+            started.append(self._saved)
+            if input_label:
+                given = [a for a in (*args, *kwargs.values()) if is_tensor(a)]
+                storages = dict(storage_key(a) for a in given[:inputs])
+                self._keep(input_label, sum(s.nbytes() for s in storages.values()))
+
+        def after(_module, _args, _output):
+            if started:
+                self._keep(label, self._saved - started.pop())
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after)
+
+    def _keep(self, label: str, nbytes: int) -> None:
+        if self.enabled:
+            self.probes[label] = max(self.probes.get(label, 0), int(nbytes))
 
     @contextlib.contextmanager
     def forward(self, key) -> Iterator[None]:
@@ -52,22 +85,30 @@ class ActivationMeter:
             yield
             return
         seen: dict[int, Any] = {}  # as static: held until the forward ends, so no id is reused
-        total = [0]
+        sizes: dict[int, int] = {}
+        saved: list[tuple[int, weakref.ref]] = []
+        self._saved = 0
 
         def pack(t):
             k, storage = storage_key(t)
-            if k not in self.static and k not in seen:
-                seen[k] = storage
-                try:
-                    total[0] += t.untyped_storage().nbytes()
-                except Exception:
-                    total[0] += tensor_bytes(t)
+            if k not in self.static:
+                saved.append((k, weakref.ref(t)))
+                if k not in seen:
+                    seen[k] = storage
+                    try:
+                        sizes[k] = t.untyped_storage().nbytes()
+                    except Exception:
+                        sizes[k] = tensor_bytes(t)
+                    self._saved += sizes[k]
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        self.per_microbatch[key] = self.per_microbatch.get(key, 0) + total[0]
-        self.live += total[0]
+        # a graph built and dropped inside the forward (megatron's bias-dropout-add runs under
+        # enable_grad inside a recomputed layer's no_grad forward) keeps nothing
+        total = sum(sizes[k] for k in {k for k, ref in saved if ref() is not None})
+        self.per_microbatch[key] = self.per_microbatch.get(key, 0) + total
+        self.live += total
         if self.live > self.peak_bytes:
             self.peak_bytes = self.live
         self.peak_in_flight = max(self.peak_in_flight, len(self.per_microbatch))

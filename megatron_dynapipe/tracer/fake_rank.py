@@ -122,6 +122,21 @@ def _check_groups(layout: ParallelLayout, rank: int) -> dict[str, list[int]]:
     return {kind: list(r) for kind, r in groups.items()}
 
 
+def _probe_recompute_units(meter, models) -> None:
+    """Have ``meter`` measure what recomputation keeps and frees, on the rank's first transformer
+    layer: the whole layer and its input (full recompute keeps only the input), its attention core
+    and the core's query, key and value (selective recompute keeps only those)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layer = next((m for model in models for m in model.modules() if isinstance(m, TransformerLayer)), None)
+    if layer is None:
+        return
+    meter.probe(layer, "transformer_layer", input_label="layer_input")
+    core = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+    if core is not None:
+        meter.probe(core, "core_attention", input_label="core_attention_input", inputs=3)
+
+
 def _model_state(models, ddp_models, optimizer) -> dict[str, int]:
     """Bytes of parameters, DDP gradient/parameter buffers and optimizer state (distinct
     storages; works on meta tensors)."""
@@ -245,6 +260,7 @@ def _trace(run: "_TraceRun", cost_model: Any, fill: bool) -> RankTrace:
         for i in range(run.warmup_iters):
             step(i, record=False)
         recorder.meter.reset()
+        _probe_recompute_units(recorder.meter, job.models)
         static = _model_state(job.models, job.ddps, job.optimizer)
         recorder.meter.set_static(p for m in job.models for p in m.parameters())
         recorder.meter.set_static(_static_tensors(job.ddps, job.optimizer))

@@ -464,7 +464,8 @@ class Recorder:
         caller counted: parameters, gradient buffers, optimizer state) plus the activation
         high-water mark of :class:`ActivationMeter` (``method: "model_state+saved_activations"``).
         Both report ``model_state_bytes``, ``activation_peak_bytes`` and
-        ``peak_in_flight_microbatches``; ``process_max_rss_bytes`` is the process's resident-set
+        ``peak_in_flight_microbatches``, and ``activation_probe_bytes`` where the meter probed
+        modules (:meth:`ActivationMeter.probe`); ``process_max_rss_bytes`` is the process's resident-set
         high-water mark (``getrusage``), for the whole process: when one process traces several
         ranks in turn it covers all of them so far.
         """
@@ -473,6 +474,8 @@ class Recorder:
             "activation_peak_bytes": int(self.meter.peak_bytes),
             "peak_in_flight_microbatches": int(self.meter.peak_in_flight),
         }
+        if self.meter.probes:
+            out["activation_probe_bytes"] = dict(self.meter.probes)
         if static_detail:
             out["model_state_detail"] = {k: int(v) for k, v in static_detail.items()}
         if self.clock == "cuda_events" and torch.cuda.is_available():

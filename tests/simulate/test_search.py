@@ -97,6 +97,30 @@ def test_derived_memory_shards_adam_over_dp_and_recompute_keeps_less(tiny_traces
     assert peaks[0] > peaks[1] > peaks[2]
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_derived_recompute_memory_is_a_direct_trace_of_it_plus_the_layer_recomputed(tiny_traces, tmp_path, recompute):
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+
+    job = load_job(tiny_traces["16 2 2"])
+    flags = {"recompute_method": "uniform", "recompute_num_layers": 1} if recompute == "full" else {}
+    result, = run_batch(parse_configs(["16 2 2"], model="tiny"), tmp_path, shapes_only=True, progress=False,
+                        training=MegatronOptions(recompute_granularity=recompute, **flags))
+    assert result.status == "ok", result.error
+    direct, derived = load_job(result.folder), derive(job, recompute=recompute)
+    s, b, h, tp = int(job.iteration["seq_length"]), int(job.iteration["micro_batch_size"]), 128, job.layout.tp
+    for rank, trace in job.traces.items():
+        probes = trace.memory["activation_probe_bytes"]
+        # bf16 inputs: the layer's hidden states, the core's query, key and value on this TP rank
+        assert probes["layer_input"] == 2 * s * b * h and probes["core_attention_input"] == 2 * 3 * s * b * h // tp
+        # while one layer's backward runs, what recomputation had freed in it is held again
+        again = (probes["transformer_layer"] - probes["layer_input"] if recompute == "full"
+                 else probes["core_attention"] - probes["core_attention_input"])
+        traced = direct.traces[rank].memory["activation_peak_bytes"]
+        assert derived.traces[rank].memory["activation_peak_bytes"] == pytest.approx(traced + again, rel=1e-5)
+
+
 def test_a_trace_that_already_recomputes_is_not_derived_again(tiny_traces):
     job = derive(load_job(tiny_traces["16 2 2"]), recompute="full")
     with pytest.raises(ValueError, match="derive variants from a trace without either"):

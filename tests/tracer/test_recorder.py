@@ -212,6 +212,40 @@ def test_activation_meter_counts_saved_tensors_but_not_model_state():
     assert meter.live == 2 * per_mb and meter.peak_bytes == 3 * per_mb
 
 
+def test_activation_meter_skips_a_graph_dropped_inside_the_forward():
+    # megatron-core's recomputed layer runs under no_grad, but its bias-dropout-add under
+    # enable_grad: the dropout mask is saved for a graph that is gone when the forward ends
+    from megatron_dynapipe.tracer.activation_meter import ActivationMeter
+
+    meter = ActivationMeter()
+    x = torch.randn(8, 16, requires_grad=True)
+    with meter.forward("dropped"):
+        with torch.no_grad(), torch.enable_grad():
+            out = torch.nn.functional.dropout(x * 2, 0.5, True).detach()
+    with meter.forward("kept"):
+        kept = torch.tanh(x)  # saves its output: 8 x 16 floats
+    assert out.shape == kept.shape
+    assert meter.per_microbatch == {"dropped": 0, "kept": 8 * 16 * 4}
+
+
+def test_activation_meter_probes_what_a_module_saves_and_its_inputs():
+    from megatron_dynapipe.tracer.activation_meter import ActivationMeter
+
+    class Layer(torch.nn.Module):
+        def forward(self, hidden, other):
+            return torch.tanh(hidden * other)  # saves hidden, other (the product's) and the output
+
+    meter, layer = ActivationMeter(), Layer()
+    meter.probe(layer, "layer", input_label="inputs", inputs=2)
+    hidden, other = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    with meter.forward(0):
+        first = torch.sigmoid(hidden)  # saved before the layer: not the layer's
+        out = layer(first, other=other)
+    floats = 4 * 8 * 4
+    assert meter.probes == {"layer": 2 * floats, "inputs": 2 * floats}  # other and the output; both inputs
+    assert meter.per_microbatch[0] == 3 * floats and out.requires_grad
+
+
 # --------------------------------------------------------------------------------------------
 # trace files
 # --------------------------------------------------------------------------------------------
@@ -327,7 +361,7 @@ def test_reader_rejects_empty_and_non_json(tmp_path):
 
 def test_activation_meter_counts_storages_at_addresses_that_freed_ones_had():
     """A saved tensor whose graph is dropped within the forward frees its storage, and the next
-    one of the same size usually lands at the same address: each must still count once."""
+    one of the same size usually lands at the same address: the one still held counts once."""
     from megatron_dynapipe.tracer.activation_meter import ActivationMeter
 
     meter = ActivationMeter()
@@ -338,4 +372,5 @@ def test_activation_meter_counts_storages_at_addresses_that_freed_ones_had():
             x = torch.ones(1024)
             y = x * weight  # saves x for the weight's gradient
             del x, y  # the graph, and with it x, is gone
-    assert meter.per_microbatch["mb0"] == 20 * 1024 * 4
+        kept = torch.ones(1024) * weight
+    assert meter.per_microbatch["mb0"] == 1024 * 4 and kept.requires_grad
