@@ -77,28 +77,36 @@ def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: 
     return TransformerConfig(**fields)
 
 
-def layer_spec(spec: ModelSpec, use_te: bool):
+def layer_spec(spec: ModelSpec, use_te: bool, context_parallel: bool = False):
     """Megatron-LM's layer spec for ``spec``: transformer-engine's when it runs, else the local one
-    with ``spec.attention``'s attention core."""
+    with ``spec.attention``'s attention core (with context parallelism's KV ring in shapes-only
+    traces: :mod:`megatron_dynapipe.gpt.context_parallel`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = spec.num_experts or None
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
     local = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=spec.normalization)
-    return _with_sdpa_attention(local) if spec.attention == "sdpa" else local
+    core = local.submodules.self_attention.submodules.core_attention
+    if spec.attention == "sdpa":
+        from megatron_dynapipe.gpt.attention import SDPAttention
+
+        core = SDPAttention
+    if context_parallel:
+        from megatron_dynapipe.gpt.context_parallel import ring_attention
+
+        core = ring_attention(core)
+    return _with_core_attention(local, core)
 
 
-def _with_sdpa_attention(local_layer_spec):
-    """The local spec with :class:`~megatron_dynapipe.gpt.attention.SDPAttention` as its attention core."""
+def _with_core_attention(local_layer_spec, core):
+    """The local spec with ``core`` as its attention core."""
     import dataclasses
 
-    from megatron_dynapipe.gpt.attention import SDPAttention
-
     attention = local_layer_spec.submodules.self_attention
-    core = dataclasses.replace(attention.submodules, core_attention=SDPAttention)
+    submodules = dataclasses.replace(attention.submodules, core_attention=core)
     layer = dataclasses.replace(local_layer_spec.submodules,
-                                self_attention=dataclasses.replace(attention, submodules=core))
+                                self_attention=dataclasses.replace(attention, submodules=submodules))
     return dataclasses.replace(local_layer_spec, submodules=layer)
 
 
@@ -108,7 +116,7 @@ def build_gpt(spec: ModelSpec, config, *, tp: int, use_te: bool, pre_process: bo
     from megatron.core.models.gpt import GPTModel
 
     if transformer_layer_spec is None:
-        transformer_layer_spec = layer_spec(spec, use_te)
+        transformer_layer_spec = layer_spec(spec, use_te, context_parallel=config.context_parallel_size > 1)
         if config.sequence_parallel and not use_te:
             transformer_layer_spec = _sequence_parallel_block(transformer_layer_spec, config, vp_stage)
     return GPTModel(

@@ -106,7 +106,7 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", action=ListAction,
                        type=positive_int_argument, metavar="N", help="pipeline sizes (default: divisors of the layers)")
     fixed.add_argument("--cp", "--context-parallel-size", dest="cp", action=ListAction, type=positive_int_argument,
-                       metavar="N", help="context-parallel sizes (default 1)")
+                       metavar="N", help="context-parallel sizes (default 1 2 4 8 from 8192 tokens, else 1)")
     fixed.add_argument("--micro-batch-size", action=ListAction, type=positive_int_argument, metavar="N",
                        help="micro-batch sizes (default 1 2 4 8)")
     fixed.add_argument("--recompute", action=ListAction, metavar="KIND",

@@ -18,6 +18,9 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
 * with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches (or, on
   later pipeline stages, the schedule launches right after the last backward) run on a separate
   stream, and the first step after the last backward waits for them;
+* context parallelism's KV ring (point-to-point steps between a representative and the peers
+  it stands for) runs on its own stream beside the pass's compute, as transformer-engine
+  overlaps each ring step with attention, and the pass ends when both are done;
 * with ``tp_comm_overlap`` the tensor-parallel all-gathers and reduce-scatters inside a forward
   or backward run on their own stream beside the pass's compute (transformer-engine overlaps
   each with the GEMM next to it), and the pass ends when both are done;
@@ -54,7 +57,7 @@ from megatron_dynapipe.tracer.trace_format import (
 __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
            "simulate_job", "job_folders"]
 
-GRAD_STREAM, TP_STREAM = "gradient reduction", "tensor parallel"  # the overlap streams
+GRAD_STREAM, TP_STREAM, CP_STREAM = "gradient reduction", "tensor parallel", "context parallel"  # overlap streams
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 _RETRACE = "re-trace the config with `megatron-dynapipe trace`"
 
@@ -240,6 +243,9 @@ class _StepBuilder:
         if any(self._overlapped_tp(c) for c in nested):
             self.steps.append(Step("drain", "exposed overlapped TP communication", phase=op.phase,
                                    microbatch=op.microbatch, key="tp_overlap", stream=TP_STREAM))
+        if any(self._within_my_stage(c) for c in nested):
+            self.steps.append(Step("drain", "exposed context-parallel ring", phase=op.phase,
+                                   microbatch=op.microbatch, key="cp_ring", stream=CP_STREAM))
 
     def _overlapped_tp(self, op: TraceOp) -> bool:
         """A sequence-parallel TP collective transformer-engine overlaps with a GEMM."""
@@ -273,10 +279,24 @@ class _StepBuilder:
                       else TP_STREAM if self._overlapped_tp(op) else "")
             return Step("async" if stream else "collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group),
                         op.phase, op.microbatch, key=(group, index), members=members, bytes=op.bytes, stream=stream)
-        parts = op.parts if op.kind == "batch_isend_irecv" else [{"kind": op.kind, "peer": op.peer, "bytes": op.bytes}]
+        parts = _parts(op)
+        if self._within_my_stage(op):
+            # peers this rank stands for run the same ring step at once: each part moves at the
+            # same time as the others, beside the pass's compute
+            cost = max((self.hw.p2p_us(part["bytes"], self.trace.rank, part["peer"]) for part in parts), default=0.0)
+            return Step("async", "cp_ring", cost, op.phase, op.microbatch, bytes=op.bytes, stream=CP_STREAM)
         transfers = tuple(self._transfer(part) for part in parts)
         return Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
                     transfers=transfers, bytes=op.bytes)
+
+    def _within_my_stage(self, op: TraceOp) -> bool:
+        """A point-to-point op between this rank and untraced peers it stands for: context
+        parallelism's KV ring (transformer-engine overlaps each step with attention)."""
+        if op.cat != "comm" or op.kind in _COLLECTIVES:
+            return False
+        me = self.trace.rank
+        peers = [part["peer"] for part in _parts(op)]
+        return bool(peers) and all(p not in self.job.traces and self.job.representative_of(p) == me for p in peers)
 
     def _transfer(self, part: dict) -> tuple:
         me, peer = self.trace.rank, part["peer"]
@@ -291,6 +311,10 @@ class _StepBuilder:
         index = self.pair_count[(sender, receiver)]
         self.pair_count[(sender, receiver)] += 1
         return (sender, receiver, index, self.hw.p2p_us(part["bytes"], sender, receiver))
+
+
+def _parts(op: TraceOp) -> list[dict]:
+    return op.parts if op.kind == "batch_isend_irecv" else [{"kind": op.kind, "peer": op.peer, "bytes": op.bytes}]
 
 
 # -- the event loop -----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.tracer.batch_run import run_batch
+from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
            "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
@@ -101,9 +102,11 @@ class SearchSpace:
         if self.seq_length > self.model.max_sequence_length:
             raise SearchError(f"--seq-length {self.seq_length} exceeds the model's {self.model.max_sequence_length} "
                               "positions: raise --max-position-embeddings or shorten --seq-length")
-        if any(c > 1 for c in self.cp or ()):
-            raise SearchError("--cp above 1 cannot be traced here: megatron-core's local attention refuses context "
-                              "parallelism without transformer-engine on CUDA; search with --cp 1")
+        for cp in self.cp or ():
+            if self.seq_length % (2 * cp) or self.world_size % cp:
+                raise SearchError(f"--cp {cp}: context parallelism splits each sequence into 2 x CP chunks and "
+                                  f"needs CP to divide --world-size; use a CP that divides both --seq-length "
+                                  f"{self.seq_length} / 2 and --world-size {self.world_size}")
         for tp in self.tp or ():
             self._check_tp(tp)
         for value in self.recompute or ():
@@ -139,7 +142,13 @@ class SearchSpace:
                 and self.world_size % p == 0]
 
     def cp_values(self) -> list[int]:
-        return sorted(set(self.cp or (1,)))
+        """Context parallelism pays off on long sequences: 1, 2, 4 and 8 from
+        :data:`RULE_CP_FROM_TOKENS` tokens, else none."""
+        if self.cp:
+            return sorted(set(self.cp))
+        if self.seq_length < RULE_CP_FROM_TOKENS:
+            return [1]
+        return [c for c in (1, 2, 4, 8) if self.seq_length % (2 * c) == 0 and self.world_size % c == 0]
 
     def mbs_values(self) -> list[int]:
         return sorted(set(self.micro_batch_sizes or (1, 2, 4, 8)))
@@ -259,8 +268,9 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     set; sequence parallelism shrinks the activations as Korthikanti et al. count them.  Time:
     ``(m + (p - 1)/V)`` times the slowest stage's forward, backward (with recomputation),
     tensor-parallel all-reduces and pipeline sends (V a micro-batch) per micro-batch, plus the
-    data-parallel gradient reduction (not overlapped) and the optimizer step.  Context-parallel
-    communication is left to the trace."""
+    data-parallel gradient reduction (not overlapped) and the optimizer step.  Context parallelism
+    adds its ring's other ``c - 1`` attention blocks; its communication, overlapped with them, is
+    left to the trace."""
     model = (cost_models or {}).get(c.tp) or space.cost_model_for(c.tp)
     costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
                        zero_stage=1 if c.distributed_optimizer else 0)
@@ -276,7 +286,9 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     slowest, memory, tail_us = 0.0, 0.0, 0.0
     for stage in range(c.pp):
         layers = costs.layers_on(stage)
-        per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute))
+        ring = ring_attention_ms(costs, space.model, c.tp, c.cp, b, seq, layers)  # CP's other attention blocks
+        per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute)
+                           + ring["forward"] + ring["backward"])
         per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1

@@ -331,11 +331,10 @@ class _TraceRun:
         if problem:
             raise ValueError(problem)
         use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
-        if layout.cp > 1 and not use_te:
+        if layout.cp > 1 and not (use_te or shapes_only):
             raise ValueError(
                 f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
-                "megatron-core's local DotProductAttention refuses CP > 1, and shapes-only mode "
-                "builds the local layer spec; trace with cp=1 here")
+                "megatron-core's local DotProductAttention refuses CP > 1; trace it with --shapes-only")
         if fields["seq_length"] > spec.max_sequence_length:
             spec = dataclasses.replace(spec, max_sequence_length=fields["seq_length"])
         on_gpu = torch.cuda.is_available()

@@ -10,9 +10,9 @@ from typing import Optional
 from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts, as_stage_costs
 
-__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms"]
+__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms", "ring_attention_ms"]
 
 #: the device shapes-only traces are priced for when neither a cost model nor a hardware is given
 DEFAULT_HARDWARE = "a100"
@@ -40,9 +40,10 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     for chunk in range(chunks):
         virtual = chunk * layout.pp + stage
         backward = backward_ms(costs, virtual, mbs, seq_local, training, chunk_layers[virtual])
+        ring = ring_attention_ms(costs, spec, layout.tp, layout.cp, mbs, seq_local, chunk_layers[virtual])
         table[chunk] = {
-            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")),
-            "backward": backward,
+            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")) + ring["forward"],
+            "backward": backward + ring["backward"],
             "recompute": backward - float(costs.backward_ms(virtual, mbs, seq_local, "none")),
         }
         for kind, ms in table[chunk].items():
@@ -58,6 +59,22 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
         return table[chunk or 0].get(kind, 0.0)
 
     return cost, costs.model
+
+
+def ring_attention_ms(costs, spec: ModelSpec, tp: int, cp: int, mbs: int, seq_local: int,
+                      layers: int) -> dict[str, float]:
+    """Attention work context parallelism adds to a rank's pass, by phase: its ``s / c`` queries
+    attend to all ``s`` keys in ``c`` causally balanced steps (transformer-engine's ring), each as
+    much work as the local block the cost model priced at ``s / c`` tokens, so ``c - 1`` more
+    blocks.  A block's time is the layer's times its attention core's share of the FLOPs."""
+    if cp == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    flops = AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size, tp=tp)
+    matmul, core = flops.encoder_flop_parts("forward", "none", mbs, seq_local)
+    share = float(core / (matmul + core))
+    return {phase: (cp - 1) * layers * share * float(costs.model.layer_ms("encoder", phase, "none", mbs, seq_local))
+            for phase in ("forward", "backward")}
 
 
 def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, chunk_layers: int) -> float:

@@ -232,7 +232,7 @@ def test_a_search_that_cannot_find_a_layout_says_what_to_change(tmp_path, kwargs
 
 
 @pytest.mark.parametrize("kwargs,says", [
-    (dict(cp=(2,)), "search with --cp 1"),
+    (dict(cp=(3,)), "use a CP that divides both --seq-length"),
     (dict(recompute=("some",)), "use none, selective, full"),
     (dict(seq=4096), "raise --max-position-embeddings"),
 ])
@@ -248,6 +248,18 @@ def test_a_mixture_of_experts_model_is_refused_with_what_to_do_instead():
 
 
 # -- end to end -----------------------------------------------------------------------------------
+
+
+def test_context_parallel_layouts_are_searched_on_long_sequences_and_traced(tmp_path, capsys):
+    long = space(seq=8192, model=dataclasses.replace(get_model("tiny"), max_sequence_length=8192))
+    assert long.cp_values() == [1, 2, 4, 8] and space().cp_values() == [1]  # tiny's 256 tokens: none
+    assert {c.cp * c.dp * c.tp * c.pp for c in enumerate_candidates(long)} == {8}
+    argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "4", "--cp", "2", "--tp", "1",
+            "--pp", "1", "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+            "--output-dir", str(tmp_path), "--no-progress", "--json"]
+    assert main(argv) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert (best["cp"], best["dp"], best["status"]) == (2, 2, "simulated")
 
 
 def test_search_ranks_simulated_layouts_and_reuses_its_traces(tmp_path, capsys):
