@@ -248,6 +248,10 @@ class MegatronOptions:
         return out + self.split.megatron_args()
 
 
+#: Megatron-LM's fully sharded data parallelism: torch's FSDP2 and Megatron's own
+FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")
+
+
 def first_stage_warmup(pp: int, chunks: int = 1) -> int:
     """Forward passes the first pipeline stage runs before its first backward: ``pp - 1`` under
     1F1B; megatron-core's interleaved schedule runs ``2(pp - 1) + (chunks - 1) pp`` chunk passes."""
@@ -288,11 +292,19 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
                    help="the embedding counts as a layer of the first stage")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="the loss counts as a layer of the last stage")
+    for flag in FSDP_FLAGS:
+        g.add_argument(flag, action="store_true", help="refused: see --use-distributed-optimizer")
 
 
 def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
     """The :class:`MegatronOptions` of :func:`add_megatron_options`' flags (ValueError, one line,
     when megatron-core would refuse them)."""
+    fsdp = [flag for flag in FSDP_FLAGS if getattr(args, flag[2:].replace("-", "_"), False)]
+    if fsdp:
+        raise ValueError(f"{fsdp[0]} is not traced: FSDP gathers every layer's parameters before its forward and "
+                         "backward and reduce-scatters its gradients, which megatron-core's DDP (what the tracer "
+                         "follows) does not; trace --use-distributed-optimizer, which shards the optimizer state "
+                         "and reduce-scatters gradients, as the nearest layout")
     granularity = getattr(args, "recompute_granularity", None)
     if getattr(args, "recompute_activations", False):  # Megatron-LM: shorthand for selective
         if granularity not in (None, "selective"):

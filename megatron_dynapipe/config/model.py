@@ -111,6 +111,10 @@ class ModelSpec:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention {self.attention!r}: use one of {', '.join(ATTENTIONS)}")
         self._check_moe()
+        if self.position_embedding_type == "alibi":
+            raise ValueError("position_embedding_type 'alibi': megatron-core's GPTModel has no ALiBi (BLOOM trained "
+                             "it with Megatron-DeepSpeed); use rope, which like ALiBi adds no parameters and "
+                             "costs about as little")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r}: use one of "
                              f"{', '.join(POSITION_EMBEDDINGS)}")

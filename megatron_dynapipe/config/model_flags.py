@@ -57,7 +57,8 @@ def add_model_arguments(parser, moe: bool = False, attention: str = "local") -> 
                    help="key/value heads shared by --num-query-groups (default 1) groups of query heads")
     g.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP (default: GELU)")
     g.add_argument("--normalization", choices=NORMALIZATIONS, help="default LayerNorm")
-    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, help="default learned_absolute")
+    g.add_argument("--position-embedding-type", metavar="TYPE",
+                   help=f"{', '.join(POSITION_EMBEDDINGS)} (default learned_absolute)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
                    help="a separate output layer (default: tied to the embedding)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,

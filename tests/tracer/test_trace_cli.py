@@ -264,3 +264,16 @@ def test_trace_takes_megatron_model_and_precision_flags(tmp_path, capsys):
 def test_trace_refuses_num_query_groups_without_group_query_attention(tmp_path, capsys):
     assert trace_cli.main(["--model", "tiny", "--num-query-groups", "2", "--output-dir", str(tmp_path)]) == 2
     assert "--num-query-groups needs --group-query-attention" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--position-embedding-type", "alibi"], "megatron-core's GPTModel has no ALiBi"),
+    (["--position-embedding-type", "sinusoid"], "use one of learned_absolute, rope"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is not traced"),
+    (["--use-megatron-fsdp"], "trace --use-distributed-optimizer"),
+])
+def test_what_megatron_core_has_not_or_the_tracer_does_not_follow_is_refused_with_why(tmp_path, capsys, flags, says):
+    assert trace_cli.main(["--model", "tiny", *flags, "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+    assert not list(tmp_path.iterdir())
