@@ -76,8 +76,10 @@ def total_params(model: ModelSpec) -> int:
     return model.num_layers * layer_params(model) + embedding_params(model) + norm_params(model) // 2
 
 
-def stage_params(model: ModelSpec, pp: int, tp: int = 1, ep: int = 1, *, stage: int = 0) -> int:
-    """Parameters one rank of ``stage`` holds (layers split evenly over ``pp``).
+def stage_params(model: ModelSpec, pp: int, tp: int = 1, ep: int = 1, *, stage: int = 0,
+                 layers: int | None = None) -> int:
+    """Parameters one rank of ``stage`` holds: its ``layers`` (default: the busiest rank's of an
+    even split over ``pp``).
 
     The first stage holds the embeddings, the last the (untied) output layer; tensor
     parallelism divides everything but the layer norms, expert parallelism the experts.
@@ -86,7 +88,7 @@ def stage_params(model: ModelSpec, pp: int, tp: int = 1, ep: int = 1, *, stage: 
     if model.num_experts:
         expert = expert_params(model)
         per_layer += expert * (-(-model.num_experts // ep) - model.num_experts)
-    params = model.stage_layers(pp) * per_layer // tp
+    params = (model.stage_layers(pp) if layers is None else layers) * per_layer // tp
     if stage == 0 or stage == pp - 1:
         params += model.vocab_size * model.hidden_size // tp
     if stage == 0:
@@ -146,12 +148,14 @@ def step_flops(model: ModelSpec, tokens: int, seq_length: int, *, tp: int = 1, r
 
 
 def microbatch_flops(model: ModelSpec, pp: int, tp: int = 1, *, micro_batch_size: int = 1,
-                     seq_length: int | None = None, cp: int = 1, recomputed_layers: int = 0) -> float:
-    """FLOPs of one micro-batch's forward and backward on the busiest rank: its stage's layers
-    (a recomputed one runs its forward twice) and the output layer, which the last stage holds."""
+                     seq_length: int | None = None, cp: int = 1, recomputed_layers: int = 0,
+                     stage_layers: int | None = None) -> float:
+    """FLOPs of one micro-batch's forward and backward on the busiest rank: its ``stage_layers``
+    (default: an even split's; a recomputed one runs its forward twice) and the output layer,
+    which the last stage holds."""
     seq = model.rank_seq_length(seq_length, cp)
     tokens = micro_batch_size * seq
-    layers = model.stage_layers(pp)
+    layers = model.stage_layers(pp) if stage_layers is None else stage_layers
     layer = layer_flops_per_token(model, seq)
     per_layer = tokens * (layer.linear + layer.attention) / tp
     output = tokens * output_flops_per_token(model.hidden_size, model.padded_vocab_size(tp)) / tp
@@ -179,21 +183,23 @@ def activation_bytes(seq_length, micro_batch_size, hidden_size: int, num_heads: 
 def training_bytes(model: ModelSpec, pp: int, tp: int = 1, ep: int = 1, *, micro_batch_size: int = 1,
                    seq_length: int | None = None, in_flight: float | None = None, cp: int = 1,
                    recomputed_layers: int = 0, selective_recompute: bool = False, sequence_parallel: bool = False,
-                   optimizer_shards: int = 1) -> int:
+                   optimizer_shards: int = 1, stage_layers: int | None = None) -> int:
     """Estimated bytes the busiest rank needs to really run a training step on CPU (fp32).
 
     Weights, gradients and Adam state (16 bytes per parameter; the 8 of Adam's moments split over
     ``optimizer_shards`` ranks by the distributed optimizer) of the larger of the first and last
-    stage, plus the activations of ``in_flight`` micro-batches (default ``pp``, what 1F1B keeps
-    on the first stage; a fraction under interleaving) and the logits of one micro-batch.  A
+    stage, each with ``stage_layers`` (default: an even split's busiest), plus the activations of
+    ``in_flight`` micro-batches (default ``pp``, what 1F1B keeps on the first stage; a fraction
+    under interleaving) and the logits of one micro-batch.  A
     layer whose forward is recomputed (``recomputed_layers`` of the stage's) keeps only its input,
     and one layer's activations come back at a time.  An order-of-magnitude figure for deciding
     whether a model can run for real on this machine, not a profile.
     """
     seq = model.rank_seq_length(seq_length, cp)
     in_flight = pp if in_flight is None else in_flight
-    params = max(stage_params(model, pp, tp, ep, stage=0), stage_params(model, pp, tp, ep, stage=pp - 1))
-    layers = model.stage_layers(pp)
+    layers = model.stage_layers(pp) if stage_layers is None else stage_layers
+    params = max(stage_params(model, pp, tp, ep, stage=0, layers=layers),
+                 stage_params(model, pp, tp, ep, stage=pp - 1, layers=layers))
     recomputed_layers = min(recomputed_layers, layers)
 
     def layer(recompute: str) -> float:

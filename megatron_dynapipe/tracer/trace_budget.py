@@ -66,6 +66,7 @@ def estimated_bytes(config: TraceConfig, training: Optional[MegatronOptions] = N
         selective_recompute=training.recompute_granularity == "selective",
         sequence_parallel=training.sequence_parallel,
         optimizer_shards=config.dp if training.distributed_optimizer else 1,
+        stage_layers=_busiest_stage_layers(config, training),
     )
 
 
@@ -75,6 +76,14 @@ def _recomputed_layers(config: TraceConfig, training: MegatronOptions) -> int:
         return 0
     chunks = training.busiest_rank_layers(config.model.num_layers, config.pp)
     return sum(training.recomputed_layers(layers) for layers in chunks)
+
+
+def _busiest_stage_layers(config: TraceConfig, training: MegatronOptions) -> Optional[int]:
+    """Transformer layers of the busiest pipeline rank under the options' split (uneven stages
+    included); None where the layers do not split, for the even estimate."""
+    if training.layout_problem(tp=config.tp, pp=config.pp, num_layers=config.model.num_layers):
+        return None
+    return sum(training.busiest_rank_layers(config.model.num_layers, config.pp))
 
 
 def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> float:
@@ -95,6 +104,7 @@ def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,
     flops = microbatch_flops(
         config.model, config.pp, config.tp, micro_batch_size=config.micro_batch_size,
         seq_length=config.seq, cp=config.cp, recomputed_layers=_recomputed_layers(config, training),
+        stage_layers=_busiest_stage_layers(config, training),
     )
     return flops * max(config.microbatches, 1) * iterations / (GPU_FLOPS if _on_gpu() else CPU_FLOPS)
 

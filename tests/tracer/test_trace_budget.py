@@ -89,3 +89,17 @@ def test_ranks_that_compute_on_a_gpu_are_budgeted_by_the_gpu(monkeypatch):
     assert not only, why
 
 
+
+
+def test_an_uneven_split_budgets_its_busiest_stage():
+    # 6.7B's 32 layers on PP 4 as 5 + 9 + 9 + 9: the busiest stage holds 9 layers, not an even 8
+    c = cfg("64 4 1 seq=2048 mbs=1 nmb=8", model="6.7")
+    even, uneven = MegatronOptions(), MegatronOptions(first_stage_layers=5)
+    s, h, a, in_flight = 2048, 4096, 32, 4
+    layer_state = 16 * (12 * h * h + 13 * h)  # fp32 weight, gradient and Adam's moments of a layer
+    layer_activations = 2 * s * h * (34 + 5 * a * s / h)  # Korthikanti et al.'s 16-bit count, in fp32
+    grew = trace_budget.estimated_bytes(c, uneven) - trace_budget.estimated_bytes(c, even)
+    assert grew == pytest.approx(layer_state + in_flight * layer_activations, abs=2)
+    seconds = {name: trace_budget.estimated_compute_seconds(c, training=t) for name, t in (("even", even),
+                                                                                        ("uneven", uneven))}
+    assert seconds["uneven"] > seconds["even"]
