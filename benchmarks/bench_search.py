@@ -1,13 +1,14 @@
 """How long a layout search of GPT-175B on 8192 GPUs takes, and how well its estimates rank.
 
     python benchmarks/bench_search.py [--max-traced 16] [--world-size 8192] [--global-batch-size 1536]
-                                      [--hardware a100] [--json]
+                                      [--hardware a100] [--cp 1 2] [--json]
 
 Runs ``megatron-dynapipe search`` in this process (fresh output folder, so nothing is reused)
-and prints: wall time by phase, how many layouts were enumerated, pruned, simulated; the top
-five; the rule of thumb's slowdown; and, over the simulated layouts, the closed-form
-estimate's error against the simulation (median and worst) and Spearman's rank correlation
-between the two, which says whether tracing the best-*estimated* shapes is a sound shortcut; and
+over the whole space (TP, PP, context parallelism ``--cp``, micro-batch size, sequence parallelism,
+interleaving, recompute, distributed optimizer) and prints: wall time by phase, how many layouts
+were enumerated, pruned, simulated; the top five; the rule of thumb's slowdown; and, over the
+simulated layouts, the closed-form estimate's error against the simulation (median and worst)
+and Spearman's rank correlation between the two, which says whether tracing the best-*estimated* shapes is a sound shortcut; and
 on how many the estimated memory stays at most the traced peak (pruning by it is then safe).
 """
 
@@ -28,6 +29,9 @@ def main() -> int:
     parser.add_argument("--global-batch-size", type=int, default=1536)
     parser.add_argument("--hardware", default="a100")
     parser.add_argument("--max-traced", type=int, default=16)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], metavar="C",
+                        help="context-parallel sizes in the space (default 1 2; search's own default has none "
+                             "below 8192 tokens)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -40,7 +44,7 @@ def main() -> int:
 
     model = get_model(args.model)
     space = SearchSpace(model, args.world_size, args.global_batch_size, model.max_sequence_length,
-                        load_hardware(args.hardware))
+                        load_hardware(args.hardware), cp=tuple(args.cp))
     started = time.perf_counter()
     result = run_search(space, tempfile.mkdtemp(prefix="bench_search_"), max_traced=args.max_traced,
                         progress=sys.stderr.isatty(), say=lambda line: print(line, file=sys.stderr))
