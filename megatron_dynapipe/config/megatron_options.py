@@ -44,7 +44,7 @@ from typing import Any, Optional
 from megatron_dynapipe.config.layout import is_positive_int
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 
-__all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "first_stage_warmup",
+__all__ = ["MegatronOptions", "add_megatron_options", "megatron_options_from_args", "warmup_passes",
            "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "INTERLEAVING_DESTS"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -252,10 +252,11 @@ class MegatronOptions:
 FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")
 
 
-def first_stage_warmup(pp: int, chunks: int = 1) -> int:
-    """Forward passes the first pipeline stage runs before its first backward: ``pp - 1`` under
-    1F1B; megatron-core's interleaved schedule runs ``2(pp - 1) + (chunks - 1) pp`` chunk passes."""
-    return pp - 1 if chunks == 1 else 2 * (pp - 1) + (chunks - 1) * pp
+def warmup_passes(pp: int, chunks: int = 1, stage: int = 0) -> int:
+    """Forward passes pipeline rank ``stage`` runs before its first backward: ``pp - stage - 1``
+    under 1F1B; megatron-core's interleaved schedule runs ``2(pp - stage - 1) + (chunks - 1) pp``
+    chunk passes.  The first stage's is the longest."""
+    return pp - stage - 1 if chunks == 1 else 2 * (pp - stage - 1) + (chunks - 1) * pp
 
 
 def add_megatron_options(parser: argparse.ArgumentParser) -> None:

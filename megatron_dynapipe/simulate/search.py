@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from megatron_dynapipe.config.accounting import activation_bytes, total_params
 from megatron_dynapipe.config.layout import model_problems
-from megatron_dynapipe.config.megatron_options import MegatronOptions, first_stage_warmup
+from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.cost_model import (
@@ -292,7 +292,7 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
         per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
-                     else min(first_stage_warmup(c.pp, v) + 1, c.num_microbatches * v) / v)
+                     else min(warmup_passes(c.pp, v) + 1, c.num_microbatches * v) / v)
         state = costs.model_state_mb(stage) * MB
         # one layer's working set: with recomputation, the layer recomputed before its backward
         memory = max(memory, state + MB * (in_flight * stored_share * costs.stored_mb(stage, b, seq, c.recompute)

@@ -344,7 +344,8 @@ class _TraceRun:
         run = cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
                   **fields)
         run.recorded_microbatches = (steady_state.recorded_microbatches(
-            run.num_microbatches, layout.pp, run.period, run.chunks) if shapes_only else run.num_microbatches)
+            run.num_microbatches, layout.pp, run.period, run.chunks, run.stage) if shapes_only
+            else run.num_microbatches)
         return run
 
     @property

@@ -4,10 +4,11 @@ After its warm-up, a 1F1B rank issues the same ops for every micro-batch (a forw
 sends and receives, a backward), and the interleaved schedule the same ops for every group of
 micro-batches; only the micro-batch numbers move on.  So a shapes-only trace of a pipeline with
 hundreds of micro-batches need not run them all: the fake rank runs
-:func:`recorded_microbatches` of them (enough for two whole steady-state blocks after the
-longest warm-up), and :func:`extend` repeats the last steady block until the trace has the
+:func:`recorded_microbatches` of them (enough for two whole steady-state blocks after its
+warm-up), and :func:`extend` repeats the last steady block until the trace has the
 job's count, renumbering what follows.  The result is op for op the trace a run of every
-micro-batch records (tests/tracer/test_steady_state.py compares the two).
+micro-batch records (tests/tracer/test_steady_state.py compares the two).  A later pipeline
+stage warms up shorter and so runs fewer.
 
 A block is found, not assumed: it runs from one pass of micro-batch ``k`` through the first
 model chunk to that of ``k + period``; it is steady when it holds as many backwards as forwards,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron_dynapipe.config.megatron_options import first_stage_warmup
+from megatron_dynapipe.config.megatron_options import warmup_passes
 from megatron_dynapipe.tracer.trace_format import TraceOp
 
 __all__ = ["NotPeriodic", "recorded_microbatches", "extend"]
@@ -31,17 +32,18 @@ class NotPeriodic(ValueError):
     """A trace holds no two matching steady-state blocks to repeat."""
 
 
-def recorded_microbatches(num_microbatches: int, pp: int, period: int, chunks: int = 1) -> int:
-    """How many micro-batches a trace must run for :func:`extend` to reach ``num_microbatches``.
+def recorded_microbatches(num_microbatches: int, pp: int, period: int, chunks: int = 1, stage: int = 0) -> int:
+    """How many micro-batches pipeline rank ``stage`` must run for :func:`extend` to reach
+    ``num_microbatches``.
 
     ``period`` is the schedule's group of micro-batches (1 for 1F1B; the pipeline size when
-    interleaving over ``chunks`` model chunks).  The first stage warms up longest: 1F1B with
-    ``pp - 1`` forwards, interleaving with ``2(pp - 1) + (chunks - 1) pp`` passes; after those come
-    the two blocks to compare and the one after them, the whole count rounded so that the
-    micro-batches added are whole periods.
+    interleaving over ``chunks`` model chunks).  The rank warms up with ``pp - stage - 1``
+    forwards under 1F1B, ``2(pp - stage - 1) + (chunks - 1) pp`` passes when interleaving (later
+    stages less); after those come the two blocks to compare and the one after them, the whole
+    count rounded so that the micro-batches added are whole periods.
     """
     # the first block wholly past the warm-up
-    first_steady = -(-first_stage_warmup(pp, chunks) // (period * chunks)) * period
+    first_steady = -(-warmup_passes(pp, chunks, stage) // (period * chunks)) * period
     needed = first_steady + 3 * period
     if needed >= num_microbatches:
         return num_microbatches

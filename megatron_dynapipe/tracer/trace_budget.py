@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 from megatron_dynapipe.config.accounting import microbatch_flops, training_bytes
-from megatron_dynapipe.config.megatron_options import MegatronOptions, first_stage_warmup
+from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.tracer.batch_config import TraceConfig
 
 __all__ = ["memory_budget_bytes", "estimated_bytes", "in_flight_microbatches", "estimated_compute_seconds",
@@ -92,7 +92,7 @@ def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> fl
     flight, each holding 1/V of the stage's layers."""
     microbatches = max(config.microbatches, 1)
     chunks = training.virtual_size(config.model.num_layers, config.pp)
-    passes = min(first_stage_warmup(config.pp, chunks) + 1, microbatches * chunks)
+    passes = min(warmup_passes(config.pp, chunks) + 1, microbatches * chunks)
     return passes / chunks
 
 

@@ -39,6 +39,7 @@ def comparable(op: TraceOp) -> dict:
     (4, 1, 14, dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)),
     (4, 2, 16, dict(sequence_parallel=True, tp_comm_overlap=True)),
     (4, 0, 24, dict(layers_per_virtual_stage=1)),  # interleaved: groups of 4 over 2 chunks
+    (4, 3, 24, dict(layers_per_virtual_stage=1)),  # ... its last stage, which warms up shortest
     (2, 1, 20, dict(layers_per_virtual_stage=2, overlap_grad_reduce=True)),
 ])
 def test_a_repeated_steady_state_is_the_trace_of_every_microbatch(pp, stage, microbatches, options):
@@ -60,6 +61,16 @@ def test_a_repeated_steady_state_is_the_trace_of_every_microbatch(pp, stage, mic
 ])
 def test_recorded_microbatches_cover_the_warmup_and_two_steady_blocks(microbatches, pp, period, chunks, expected):
     assert steady_state.recorded_microbatches(microbatches, pp, period, chunks) == expected
+
+
+@pytest.mark.parametrize("pp, stage, period, chunks, expected", [
+    (4, 3, 1, 1, 3),  # 1F1B's last stage: no warm-up, just the three blocks
+    (4, 1, 1, 1, 5),  # 2 warm-up forwards
+    # interleaved, 4 stages x 2 chunks, stage 3: 0 + 4 warm-up passes, 8 passes a group -> 1 group
+    (4, 3, 4, 2, 16),
+])
+def test_later_stages_warm_up_shorter_and_record_fewer(pp, stage, period, chunks, expected):
+    assert steady_state.recorded_microbatches(96, pp, period, chunks, stage) == expected
 
 
 def pass_(seq: int, kind: str, microbatch: int, nbytes: int = 0) -> list[TraceOp]:
