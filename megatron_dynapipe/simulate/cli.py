@@ -58,7 +58,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     folders = job_folders(args.trace_dir)
     jobs = [load_job(folder) for folder in folders]  # every folder is checked before any is simulated
     for job in jobs:
-        replay = simulate_job(job, hardware)
+        replay = simulate_job(job, hardware, spans=not args.no_timeline)
         result = report(replay)
         out = result.to_json()
         if not args.no_timeline:

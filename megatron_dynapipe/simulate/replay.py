@@ -202,6 +202,7 @@ class _StepBuilder:
         self.timed_comm = trace.clock != "cost_model"
         self.group_count: Counter = Counter()
         self.pair_count: Counter = Counter()
+        self.collective_costs: dict[tuple, float] = {}
         self.overlap = job.overlap_grad_reduce
         self.steps: list[Step] = []
 
@@ -277,7 +278,7 @@ class _StepBuilder:
             members = self.job.representatives_of(group)
             stream = (GRAD_STREAM if self._launches_overlapped_reduction(op)
                       else TP_STREAM if self._overlapped_tp(op) else "")
-            return Step("async" if stream else "collective", op.kind, self.hw.collective_us(op.kind, op.bytes, group),
+            return Step("async" if stream else "collective", op.kind, self._collective_us(op.kind, op.bytes, group),
                         op.phase, op.microbatch, key=(group, index), members=members, bytes=op.bytes, stream=stream)
         parts = _parts(op)
         if self._within_my_stage(op):
@@ -288,6 +289,15 @@ class _StepBuilder:
         transfers = tuple(self._transfer(part) for part in parts)
         return Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
                     transfers=transfers, bytes=op.bytes)
+
+    def _collective_us(self, kind: str, nbytes: int, group: tuple) -> float:
+        """The hardware's price, asked once per distinct collective (a rank repeats each per layer
+        and micro-batch)."""
+        key = (kind, nbytes, group)
+        cost = self.collective_costs.get(key)
+        if cost is None:
+            cost = self.collective_costs[key] = self.hw.collective_us(kind, nbytes, group)
+        return cost
 
     def _within_my_stage(self, op: TraceOp) -> bool:
         """A point-to-point op between this rank and untraced peers it stands for: context
@@ -370,8 +380,8 @@ class _Loop:
     counts for every rank it stands for on its node.
     """
 
-    def __init__(self, job: TracedJob, steps: dict[int, list[Step]], hardware: Hardware) -> None:
-        self.job, self.steps, self.hw = job, steps, hardware
+    def __init__(self, job: TracedJob, steps: dict[int, list[Step]], hardware: Hardware, spans: bool = True) -> None:
+        self.job, self.steps, self.hw, self.spans = job, steps, hardware, spans
         self.now = 0.0
         self.clock = dict.fromkeys(steps, 0.0)
         self.next = dict.fromkeys(steps, 0)
@@ -444,7 +454,7 @@ class _Loop:
         return ", ".join(waiting[:4])
 
     def _span(self, rank: int, step: Step, row: str, start: float, dur: float, label: str | None = None) -> None:
-        if dur > 0:
+        if dur > 0 and self.spans:
             self.out[rank].spans.append(Span(row, label or step.label, start, dur, step.phase, step.microbatch))
 
     def _start(self, rank: int) -> None:
@@ -514,6 +524,8 @@ class _Loop:
         return True
 
     def _collective_start(self, rank: int, step: Step, now: float) -> Optional[tuple[float, float]]:
+        if len(step.members) == 1:  # a group inside this rank's stage: its peers arrive with it
+            return now, now + step.dur_us
         arrived = self.arrivals[step.key]
         arrived.setdefault(rank, now)
         if not step.members <= arrived.keys():
@@ -533,12 +545,13 @@ class _Loop:
         return end - step.dur_us if end - step.dur_us >= now else now, end
 
 
-def simulate_job(job: TracedJob, hardware: Hardware) -> Replay:
+def simulate_job(job: TracedJob, hardware: Hardware, *, spans: bool = True) -> Replay:
     """Replay ``job`` on ``hardware``: every representative rank side by side, shapes-only
-    compute priced for ``hardware`` (:mod:`.reprice`)."""
+    compute priced for ``hardware`` (:mod:`.reprice`).  ``spans=False`` keeps no per-step spans
+    (what only a timeline draws: a million of them for a large layout)."""
     job = reprice(job, hardware)
     steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
-    return Replay(job, hardware, _Loop(job, steps, hardware).run())
+    return Replay(job, hardware, _Loop(job, steps, hardware, spans).run())
 
 
 def job_folders(path: "str | Path") -> list[Path]:

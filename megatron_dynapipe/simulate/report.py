@@ -155,6 +155,8 @@ def format_report(rep: SimulationReport) -> str:
 def timeline(replay: Replay) -> ChromeTrace:
     """The simulated iteration(s) as a Chrome/Perfetto timeline: a process per representative rank,
     rows ``compute``, ``comm``, ``wait`` and ``overlap``."""
+    if replay.iteration_us > 0 and not any(rr.spans for rr in replay.ranks.values()):
+        raise ValueError("this replay kept no spans: simulate_job(..., spans=True) for a timeline")
     trace = ChromeTrace(folder=str(replay.job.folder), hardware=replay.hardware.name,
                         iteration_ms=replay.iteration_us / 1e3)
     for rank in sorted(replay.ranks, key=lambda r: (replay.ranks[r].stage, r)):

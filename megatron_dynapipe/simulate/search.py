@@ -506,7 +506,7 @@ def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Opt
                     jobs[o.candidate.trace_key] = load_job(folder)
                 job = derive(jobs[o.candidate.trace_key], recompute=o.candidate.recompute,
                              distributed_optimizer=o.candidate.distributed_optimizer)
-                o.report, o.status = report(simulate_job(job, space.hardware)), "simulated"
+                o.report, o.status = report(simulate_job(job, space.hardware, spans=False)), "simulated"
             except (ValueError, RuntimeError, OSError) as error:
                 o.status, o.error = "failed", str(error).splitlines()[0]
             bar.advance(task)

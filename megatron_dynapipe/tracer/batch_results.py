@@ -137,19 +137,8 @@ def write_timeline(result: ConfigResult, traces: "Mapping[int, Any] | None" = No
     missing or unreadable fails. ``traces``: RankTraces already read, by rank (not read again)."""
     assert result.folder is not None
     timeline = ChromeTrace(config=result.config.to_dict(), ranks=[r.rank for r in result.ranks])
-    merged = 0
-    for rank in result.ranks:
-        if rank.status != OK:
-            continue
-        path = trace_path(result.folder, rank.rank)
-        try:
-            (traces[rank.rank] if traces and rank.rank in traces else RankTrace.read(path)).add_to(timeline)
-            merged += 1
-        except FileNotFoundError:
-            rank.status, rank.error = FAILED, f"the tracer wrote no {path.name}"
-        except (OSError, TraceFormatError) as error:
-            rank.status, rank.error = FAILED, f"unreadable {path.name}: {error_line(error)}"
-        result.note(rank)
+    merged = _each_trace(result, lambda path, rank: (
+        traces[rank] if traces and rank in traces else RankTrace.read(path)).add_to(timeline))
     if not merged:
         return
     try:
@@ -157,6 +146,31 @@ def write_timeline(result: ConfigResult, traces: "Mapping[int, Any] | None" = No
         result.timeline = TIMELINE_FILE
     except OSError as error:
         result.status, result.error = FAILED, result.error or f"cannot write {TIMELINE_FILE}: {error}"
+
+
+def check_traces(result: ConfigResult) -> None:
+    """Without a timeline: every traced rank's file is there and opens with a trace header (ranks
+    write their files atomically, so the rest is whole).  A rank whose file is not fails."""
+    _each_trace(result, lambda path, rank: RankTrace.read_header(path))
+
+
+def _each_trace(result: ConfigResult, use) -> int:
+    """``use(path, rank)`` on every traced rank's file; a missing or unreadable one fails its rank.
+    Returns how many were used."""
+    used = 0
+    for rank in result.ranks:
+        if rank.status != OK:
+            continue
+        path = trace_path(result.folder, rank.rank)
+        try:
+            use(path, rank.rank)
+            used += 1
+        except FileNotFoundError:
+            rank.status, rank.error = FAILED, f"the tracer wrote no {path.name}"
+        except (OSError, TraceFormatError) as error:
+            rank.status, rank.error = FAILED, f"unreadable {path.name}: {error_line(error)}"
+        result.note(rank)
+    return used
 
 
 def error_line(error: BaseException) -> str:

@@ -30,6 +30,7 @@ from megatron_dynapipe.tracer.batch_results import (
     OK,
     ConfigResult,
     RankResult,
+    check_traces,
     error_line,
     write_summary,
     write_timeline,
@@ -68,16 +69,19 @@ def run_batch(
     rank_timeout: float | None = None,
     progress: bool = True,
     progress_stream=None,
+    timeline: bool = True,
 ) -> list[ConfigResult]:
     """Trace the representative ranks of every valid config; one :class:`ConfigResult` each.
 
     Invalid configs are skipped with their :func:`validate` reasons (no folder).  Each valid
     config gets ``output_dir/<folder_name>/`` with ``summary.json`` (rewritten atomically after
     every rank, ``"complete": true`` at the end), ``fake_rank_<r>.log`` per rank (moved into
-    place when the rank ends) and ``timeline.json``; ``tracer(layout, rank, model, ...)``
-    returns a :class:`~.trace_format.RankTrace` whose ``write(folder)`` writes
+    place when the rank ends) and ``timeline.json`` (unless ``timeline`` is false: hundreds of
+    micro-batches on dozens of stages make hundreds of MB of it); ``tracer(layout, rank, model,
+    ...)`` returns a :class:`~.trace_format.RankTrace` whose ``write(folder)`` writes
     ``rank_<r>.trace.jsonl`` and returns its path (default tracer: :func:`~.fake_rank.trace_fake_rank`).  Every trace
-    is read back before it is merged into the timeline; a missing or unreadable one fails its rank.
+    is read back before it is merged into the timeline (without one, only its header is read); a
+    missing or unreadable one fails its rank.
 
     ``cost_model`` (a cost model, a profile's path, ``None`` for the tracer's analytical one) is
     passed to the tracer as is, or, if it is a function, called with each config for that
@@ -122,7 +126,7 @@ def run_batch(
             results.append(_run_config(config, output_dir, tracer, bar, dict(
                 warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
                 cost_model=cost_model, dtype=dtype, training=training, isolation=isolation, jobs=jobs,
-                rank_timeout=rank_timeout,
+                rank_timeout=rank_timeout, timeline=timeline,
             )))
             if results[-1].status == INTERRUPTED:
                 break  # Ctrl-C: the configs after it are not started
@@ -167,7 +171,7 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         return result
     bar.remove_task(ranks_task)
     result.order_ranks([rep.global_rank for rep in reps])
-    write_timeline(result)
+    write_timeline(result) if opts["timeline"] else check_traces(result)
     result.seconds = time.perf_counter() - start
     write_summary(result)
     return result

@@ -122,6 +122,9 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     out.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
+    out.add_argument("--no-timeline", action="store_true",
+                     help="do not write timeline.json (Chrome/Perfetto; hundreds of MB for a layout of many stages "
+                          "and micro-batches): each rank's file is then only checked to open with a trace header")
     out.add_argument("--print-ranks", action="store_true",
                      help="list each valid config's representative ranks, one a line, and trace nothing")
     out.add_argument("--format", choices=("jsonl", "chakra"), default="jsonl",
@@ -228,7 +231,7 @@ def run_trace(args) -> int:
             warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
             cost_model=_cost_model(args), dtype=args.dtype, training=training,
             isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
-            progress=not args.no_progress,
+            progress=not args.no_progress, timeline=not args.no_timeline,
         )
     except KeyboardInterrupt:  # between ranks, where no folder is open
         print("megatron-dynapipe trace: interrupted", file=sys.stderr)

@@ -208,6 +208,15 @@ def test_an_interleaved_pipeline_takes_the_interleaved_closed_form(tmp_path, m):
     assert simulate_job(derived, FREE).iteration_us == pytest.approx((v * m + p - 1) * (F + F + B), rel=1e-6)
 
 
+def test_a_replay_without_spans_is_the_same_iteration_and_draws_no_timeline(tiny_traces):
+    job = uniform(load_job(tiny_traces["4 4 1"]), 1000.0, 2000.0)
+    drawn, bare = simulate_job(job, FREE), simulate_job(job, FREE, spans=False)
+    assert bare.iteration_us == drawn.iteration_us and report(bare) == report(drawn)
+    assert all(not rr.spans for rr in bare.ranks.values()) and any(rr.spans for rr in drawn.ranks.values())
+    with pytest.raises(ValueError, match="spans=True"):
+        timeline(bare)
+
+
 def test_one_compute_slot_per_node_serialises_the_pipeline(tiny_traces):
     # four ranks sharing one core (slots = 1): some rank always has work, so the iteration is
     # the total work of all stages; with a slot each, the 1F1B closed form again

@@ -118,6 +118,16 @@ def test_a_rank_without_a_readable_trace_fails(tmp_path, how, message):
     assert sorted({e["pid"] for e in spans}) == [0, 4, 6]
 
 
+@pytest.mark.parametrize("how, message", [("unreadable", "unreadable rank_2.trace.jsonl"),
+                                          ("silent", "the tracer wrote no rank_2.trace.jsonl")])
+def test_without_a_timeline_each_rank_is_still_checked(tmp_path, how, message):
+    results = run_batch(parse_configs(["8 4 1"]), tmp_path, tracer=failing_on(rank=2, how=how), isolation="inline",
+                        progress=False, timeline=False)
+    assert [r.status for r in results[0].ranks] == ["ok", "failed", "ok", "ok"]
+    assert message in results[0].ranks[1].error and results[0].status == "failed"
+    assert not (results[0].folder / "timeline.json").exists() and results[0].timeline is None
+
+
 def test_a_crashing_rank_process_is_contained(tmp_path):
     results = run_batch(parse_configs(["16 2 2", "8 4 1"]), tmp_path, tracer=failing_on(world_size=16, rank=8, how="kill"),
                         isolation="process", progress=False)

@@ -359,6 +359,16 @@ def test_reader_rejects_empty_and_non_json(tmp_path):
         RankTrace.read(junk)
 
 
+@pytest.mark.parametrize("bad", ["{not json", '{"seq": 1}, {"seq": 2}', "[1, 2]"])
+def test_a_bad_op_line_is_named_by_its_number(tmp_path, bad):
+    lines = _example_trace().dumps().splitlines()
+    lines[2] = bad  # the second op, line 3
+    path = tmp_path / "rank_3.trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=r"rank_3.trace.jsonl:3: bad op line"):
+        RankTrace.read(path)
+
+
 def test_activation_meter_counts_storages_at_addresses_that_freed_ones_had():
     """A saved tensor whose graph is dropped within the forward frees its storage, and the next
     one of the same size usually lands at the same address: the one still held counts once."""
