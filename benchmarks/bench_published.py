@@ -16,7 +16,7 @@ kernels at memory bandwidth: docs/cost_model.md); where a shipped profile matche
 width (``gpt-6.7b-a100``: hidden 4096) a second prediction uses it.  Communication is NCCL's
 ring or tree over NVLink and one 200 Gb/s rail per GPU (docs/simulate.md).  The table gives
 neither micro-batch sizes nor which runs interleave, so the search tries 1, 2 and 4 model chunks
-a rank where they apply; sequence parallelism postdates the paper and stays off.
+a rank where they apply (printed as V); sequence parallelism postdates the paper and stays off.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
     result = run_search(space, out, progress=sys.stderr.isatty())
     best = result.ranked()[0]
     return {"iteration_s": best.iteration_s, "micro_batch_size": best.candidate.micro_batch_size,
+            "virtual_stages": best.candidate.virtual_stages,
             "tflops": paper_flops(batch, layers, hidden) / best.iteration_s / gpus / 1e12,
             "bubble": best.report.bubble_fraction, "exposed_comm_s": best.report.exposed_comm_s}
 
@@ -85,10 +86,11 @@ def main() -> int:
         profiled = predict(row, profile, out, args.micro_batch_sizes) if profile else None
         published = row[-1]
         line = (f"{row[0]:>6}B {row[4]:>3} {row[5]:>3} {row[6]:>5} {row[7]:>6} {published:>10} "
-                f"{roofline['tflops']:>15.1f} (mbs {roofline['micro_batch_size']}) "
+                f"{roofline['tflops']:>15.1f} (mbs {roofline['micro_batch_size']}, V {roofline['virtual_stages']}) "
                 f"{roofline['tflops'] / published - 1:>+7.1%}")
         if profiled:
-            line += f" {profiled['tflops']:>14.1f} (mbs {profiled['micro_batch_size']}) {profiled['tflops'] / published - 1:>+7.1%}"
+            choice = f"mbs {profiled['micro_batch_size']}, V {profiled['virtual_stages']}"
+            line += f" {profiled['tflops']:>14.1f} ({choice}) {profiled['tflops'] / published - 1:>+7.1%}"
         print(line, flush=True)
         rows.append({"params_b": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "batch": row[7],
                      "published_tflops": published, "roofline": roofline, "profiled": profiled})

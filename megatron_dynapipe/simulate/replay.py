@@ -167,7 +167,7 @@ def representatives(traces: dict[int, RankTrace], layout: ParallelLayout) -> dic
 # -- steps --------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """One thing a rank does, in issue order.
 
@@ -330,7 +330,7 @@ def _parts(op: TraceOp) -> list[dict]:
 # -- the event loop -----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """Something a rank spent time on: ``row`` is ``compute``, ``comm``, ``wait`` or ``overlap``."""
 

@@ -90,7 +90,7 @@ def _tuple_or_none(value):
     return None if value is None else tuple(value)
 
 
-@dataclass
+@dataclass(slots=True)  # millions of ops in a large layout: less memory, faster to build
 class TraceOp:
     """One operation a rank issued.  ``cat`` is ``"compute"`` or ``"comm"``.
 
