@@ -300,13 +300,11 @@ class _StepBuilder:
         return cost
 
     def _within_my_stage(self, op: TraceOp) -> bool:
-        """A point-to-point op between this rank and untraced peers it stands for: context
+        """A point-to-point op in a group whose members this rank all stands for: context
         parallelism's KV ring (transformer-engine overlaps each step with attention)."""
-        if op.cat != "comm" or op.kind in _COLLECTIVES:
+        if op.cat != "comm" or op.kind in _COLLECTIVES or not op.group:
             return False
-        me = self.trace.rank
-        peers = [part["peer"] for part in _parts(op)]
-        return bool(peers) and all(p not in self.job.traces and self.job.representative_of(p) == me for p in peers)
+        return self.job.representatives_of(op.group) == {self.trace.rank}
 
     def _transfer(self, part: dict) -> tuple:
         me, peer = self.trace.rank, part["peer"]

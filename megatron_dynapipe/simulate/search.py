@@ -470,7 +470,8 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
     started = time.perf_counter()
     for training, shapes in todo.items():  # a batch per set of training options
         results = run_batch([c for _, c in shapes], folder, shapes_only=True, dtype=space.dtype, training=training,
-                            cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress)
+                            cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress,
+                            timeline=False)  # nobody views the timelines of shapes a search tries
         for (key, _), r in zip(shapes, results):
             out[key] = r.folder if r.status == "ok" else (r.error or "; ".join(r.reasons) or r.status)
     result.traced = sum(len(shapes) for shapes in todo.values())
