@@ -371,10 +371,10 @@ class _TraceRun:
 
     @property
     def warmup_microbatches(self) -> int:
-        """Micro-batches of an untraced step.  It only has to create what megatron creates
-        lazily (optimizer state, buffers), so a run that extends its steady state runs the
-        fewest the schedule takes; one that records every micro-batch warms up on as many."""
-        if self.recorded_microbatches == self.num_microbatches:
+        """Micro-batches of an untraced step.  Shapes-only, it only has to create what megatron
+        creates lazily (optimizer state, buffers), so it runs the fewest the schedule takes; a
+        timed run warms up on every micro-batch (kernels, allocator) before it measures."""
+        if not self.shapes_only:
             return self.num_microbatches
         return self.layout.pp if self.chunks > 1 else 1
 
