@@ -27,8 +27,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -50,7 +52,8 @@ from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
-from megatron_dynapipe.tracer.batch_run import run_batch
+from megatron_dynapipe.tracer.batch_run import available_cores, run_batch
+from megatron_dynapipe.tracer.isolation import rank_start_method
 from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
@@ -450,7 +453,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
     result = SearchResult(space, outcomes, rule)
     folders = _trace(space, keys, Path(output_dir) / "traces" / space.compute_label, cost_models, jobs, progress,
                      result)
-    _simulate(space, result, folders, rule, progress)
+    _simulate(space, result, folders, rule, progress, jobs)
     return result
 
 
@@ -491,24 +494,45 @@ def _complete(folder: Path, config: TraceConfig) -> bool:
 
 
 def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Optional[Candidate],
-              progress: bool) -> None:
+              progress: bool, jobs: Optional[int]) -> None:
+    """Simulate every estimated variant of the traced shapes: one process per shape at a time
+    (``jobs``, default one per core), which loads its traces once and derives each variant."""
     todo = [o for o in result.outcomes if o.candidate.trace_key in folders
             and (o.status == "estimated" or o.candidate == rule)]
+    shapes: dict[tuple, list[Outcome]] = {}
+    for o in todo:
+        shapes.setdefault(o.candidate.trace_key, []).append(o)
     started = time.perf_counter()
-    jobs: dict[tuple, Any] = {}
-    with progress_bar(progress_enabled(progress, sys.stderr), sys.stderr) as bar:
+    workers = max(1, min(jobs or available_cores(), len(shapes)))
+    context = multiprocessing.get_context(rank_start_method())
+    with progress_bar(progress_enabled(progress, sys.stderr), sys.stderr) as bar, \
+            ProcessPoolExecutor(workers, mp_context=context) as pool:
         task = bar.add_task("simulating layouts", total=len(todo))
-        for o in todo:
-            folder = folders[o.candidate.trace_key]
-            try:
-                if not isinstance(folder, Path):
-                    raise RuntimeError(f"tracing failed: {folder}")
-                if o.candidate.trace_key not in jobs:
-                    jobs[o.candidate.trace_key] = load_job(folder)
-                job = derive(jobs[o.candidate.trace_key], recompute=o.candidate.recompute,
-                             distributed_optimizer=o.candidate.distributed_optimizer)
-                o.report, o.status = report(simulate_job(job, space.hardware, spans=False)), "simulated"
-            except (ValueError, RuntimeError, OSError) as error:
-                o.status, o.error = "failed", str(error).splitlines()[0]
-            bar.advance(task)
+        running = {}
+        for key, outcomes in shapes.items():
+            variants = [(o.candidate.recompute, o.candidate.distributed_optimizer) for o in outcomes]
+            running[pool.submit(_simulate_shape, folders[key], variants, space.hardware)] = outcomes
+        for future in as_completed(running):
+            for o, (simulated, error) in zip(running[future], future.result()):
+                o.report, o.status, o.error = simulated, "simulated" if simulated is not None else "failed", error
+            bar.advance(task, len(running[future]))
     result.simulate_seconds = time.perf_counter() - started
+
+
+def _simulate_shape(folder, variants: list[tuple[str, bool]], hardware: Hardware) -> list[tuple]:
+    """(report, None) or (None, the error's first line) of each (recompute, distributed
+    optimizer) variant of the traces in ``folder`` (a path, or why tracing failed)."""
+    if not isinstance(folder, Path):
+        return [(None, f"tracing failed: {folder}")] * len(variants)
+    try:
+        job = load_job(folder)
+    except (ValueError, RuntimeError, OSError) as error:
+        return [(None, str(error).splitlines()[0])] * len(variants)
+    out = []
+    for recompute, distributed_optimizer in variants:
+        try:
+            derived = derive(job, recompute=recompute, distributed_optimizer=distributed_optimizer)
+            out.append((report(simulate_job(derived, hardware, spans=False)), None))
+        except (ValueError, RuntimeError, OSError) as error:
+            out.append((None, str(error).splitlines()[0]))
+    return out
