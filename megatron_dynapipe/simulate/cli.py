@@ -132,7 +132,8 @@ def add_search_parser(sub) -> None:
     run.add_argument("--output-dir", default="search", metavar="DIR",
                      help="traces, search.json and search.png go here; traces found here are reused (default search)")
     run.add_argument("--top", type=int, default=10, metavar="N", help="layouts in the table (default 10)")
-    run.add_argument("--jobs", "-j", type=int, metavar="N", help="ranks traced at once (default: one per core)")
+    run.add_argument("--jobs", "-j", type=int, metavar="N",
+                     help="ranks traced, then shapes simulated, at once (default: one per core)")
     run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_search_cli)
