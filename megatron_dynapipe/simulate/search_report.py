@@ -17,7 +17,7 @@ _RECOMPUTE_COLOURS = {"none": "#4C72B0", "selective": "#55A868", "full": "#DD845
 def _row(rank: str, o: Outcome) -> str:
     c, r = o.candidate, o.report
     return (f"{rank:>4}  {c.tp:>3} {'on' if c.sequence_parallel else 'off':<3} {c.pp:>3} {c.virtual_stages:>3} "
-            f"{c.dp:>5}  {c.micro_batch_size:>3}x{c.num_microbatches:<4} "
+            f"{c.cp:>3} {c.dp:>5}  {c.micro_batch_size:>3}x{c.num_microbatches:<4} "
             f"{c.recompute:<9} {'on' if c.distributed_optimizer else 'off':<8} {r.iteration_s:>9.4g} "
             f"{r.mfu:>6.1%} {r.bubble_fraction:>7.1%} {r.peak_memory_gib:>9.1f}" + ("" if r.fits else "  (too big)"))
 
@@ -33,7 +33,7 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         f"  traced {result.traced} shapes in {result.trace_seconds:.0f} s (reused {result.reused}); simulated in "
         f"{result.simulate_seconds:.0f} s",
         "",
-        "   #   TP SP   PP VPP    DP  mbs x m  recompute dist-opt    iter s    MFU  bubble  mem GiB",
+        "   #   TP SP   PP VPP  CP    DP  mbs x m  recompute dist-opt    iter s    MFU  bubble  mem GiB",
     ]
     lines += [_row(str(i + 1), o) for i, o in enumerate(ranked[:top])]
     if not ranked:

@@ -296,7 +296,7 @@ def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
             "--no-progress", "--top", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "   #   TP SP   PP VPP    DP" in out and "\n   1 " in out and "rule of thumb" in out
+    assert "   #   TP SP   PP VPP  CP    DP" in out and "\n   1 " in out and "rule of thumb" in out
     assert "time against memory: " + str(tmp_path / "search.png") in out
 
 
