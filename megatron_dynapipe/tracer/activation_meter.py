@@ -65,8 +65,8 @@ class ActivationMeter:
             started.append(self._saved)
             if input_label:
                 given = [a for a in (*args, *kwargs.values()) if is_tensor(a)]
-                storages = dict(storage_key(a) for a in given[:inputs])
-                self._keep(input_label, sum(s.nbytes() for s in storages.values()))
+                sizes = {storage_key(a)[0]: _storage_bytes(a) for a in given[:inputs]}
+                self._keep(input_label, sum(sizes.values()))
 
         def after(_module, _args, _output):
             if started:
@@ -95,10 +95,7 @@ class ActivationMeter:
                 saved.append((k, weakref.ref(t)))
                 if k not in seen:
                     seen[k] = storage
-                    try:
-                        sizes[k] = t.untyped_storage().nbytes()
-                    except Exception:
-                        sizes[k] = tensor_bytes(t)
+                    sizes[k] = _storage_bytes(t)
                     self._saved += sizes[k]
             return t
 
@@ -115,3 +112,11 @@ class ActivationMeter:
 
     def backward_done(self, key) -> None:
         self.live -= self.per_microbatch.pop(key, 0)
+
+
+def _storage_bytes(t) -> int:
+    """Bytes of the storage ``t`` views (of ``t`` itself for tensor subclasses without one)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except Exception:
+        return tensor_bytes(t)
