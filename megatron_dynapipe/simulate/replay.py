@@ -50,6 +50,7 @@ from megatron_dynapipe.tracer.trace_format import (
     P2P_SEND_KINDS,
     RankTrace,
     TraceOp,
+    gc_paused,
     read_traces,
     subtrees,
 )
@@ -547,9 +548,10 @@ def simulate_job(job: TracedJob, hardware: Hardware, *, spans: bool = True) -> R
     """Replay ``job`` on ``hardware``: every representative rank side by side, shapes-only
     compute priced for ``hardware`` (:mod:`.reprice`).  ``spans=False`` keeps no per-step spans
     (what only a timeline draws: a million of them for a large layout)."""
-    job = reprice(job, hardware)
-    steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
-    return Replay(job, hardware, _Loop(job, steps, hardware, spans).run())
+    with gc_paused():  # a million steps, none in a cycle: the collector's passes only cost time
+        job = reprice(job, hardware)
+        steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
+        return Replay(job, hardware, _Loop(job, steps, hardware, spans).run())
 
 
 def job_folders(path: "str | Path") -> list[Path]:

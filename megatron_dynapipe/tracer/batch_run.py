@@ -10,6 +10,7 @@ runs apart (:mod:`.isolation`), so even a crash or an out-of-memory kill stays w
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import os
@@ -108,7 +109,6 @@ def run_batch(
         isolation = "inline"
     output_dir = Path(output_dir)
     stream = sys.stderr if progress_stream is None else progress_stream
-    results: list[ConfigResult] = []
     training = training or MegatronOptions()
     checked = [(config, validate(config, training)) for config in configs]
     valid = [config for config, reasons in checked if not reasons]
@@ -116,18 +116,30 @@ def run_batch(
         tracer = _default_tracer()  # import torch/megatron once, before any fork
         if rank_start_method() == "fork":  # spawned ranks (a GPU here) import for themselves
             preload_tracer_modules()
+    # forked ranks' collections skip what this process holds now (megatron's modules: a third of a
+    # shapes-only rank's time went to passes over them), and its pages stay shared
+    gc.freeze()
+    try:
+        return _run_configs(checked, output_dir, tracer, stream, progress, dict(
+            warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
+            cost_model=cost_model, dtype=dtype, training=training, isolation=isolation, jobs=jobs,
+            rank_timeout=rank_timeout, timeline=timeline,
+        ), len(valid))
+    finally:
+        gc.unfreeze()
+
+
+def _run_configs(checked, output_dir: Path, tracer: Tracer, stream, progress: bool, opts: dict,
+                 valid: int) -> list[ConfigResult]:
+    results: list[ConfigResult] = []
     with progress_bar(progress_enabled(progress, stream), stream) as bar:
-        configs_task = bar.add_task("configs", total=len(valid))
+        configs_task = bar.add_task("configs", total=valid)
         for config, reasons in checked:
             if reasons:
                 log.warning("skipping config %d (%s): %s", config.index, config.line, "; ".join(reasons))
                 results.append(ConfigResult(config, INVALID, reasons=reasons))
                 continue
-            results.append(_run_config(config, output_dir, tracer, bar, dict(
-                warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
-                cost_model=cost_model, dtype=dtype, training=training, isolation=isolation, jobs=jobs,
-                rank_timeout=rank_timeout, timeline=timeline,
-            )))
+            results.append(_run_config(config, output_dir, tracer, bar, opts))
             if results[-1].status == INTERRUPTED:
                 break  # Ctrl-C: the configs after it are not started
             bar.advance(configs_task)
