@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import time
@@ -16,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs
 from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
@@ -121,22 +121,8 @@ def generate_execution_plan(
 
     fast_mode: True/False/"auto"; None takes `spec.fast_mode`, then `DYNAPIPE_FAST_MODE`.
     """
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():  # planning makes tens of thousands of objects in no cycle
         return _plan(lengths, spec, cost_model, fast_mode)
-
-
-@contextmanager
-def _cyclic_gc_paused():
-    """Planning allocates tens of thousands of small objects in no reference cycle (simulator
-    lists, instructions); the cyclic collector would scan them and every older object again and
-    again for nothing, about a fifth of a 1024-sample plan. A caller's own setting is kept."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanResult:

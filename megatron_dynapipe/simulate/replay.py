@@ -44,13 +44,13 @@ from typing import Any, Optional
 from megatron_dynapipe.config.layout import ParallelLayout, expert_coords
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
+from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.simulate.reprice import reprice
 from megatron_dynapipe.tracer.trace_format import (
     P2P_RECV_KINDS,
     P2P_SEND_KINDS,
     RankTrace,
     TraceOp,
-    gc_paused,
     read_traces,
     subtrees,
 )
@@ -548,7 +548,7 @@ def simulate_job(job: TracedJob, hardware: Hardware, *, spans: bool = True) -> R
     """Replay ``job`` on ``hardware``: every representative rank side by side, shapes-only
     compute priced for ``hardware`` (:mod:`.reprice`).  ``spans=False`` keeps no per-step spans
     (what only a timeline draws: a million of them for a large layout)."""
-    with gc_paused():  # a million steps, none in a cycle: the collector's passes only cost time
+    with cyclic_gc_paused():  # a million steps, none in a cycle: the collector's passes only cost time
         job = reprice(job, hardware)
         steps = {rank: _StepBuilder(job, trace, hardware).build() for rank, trace in sorted(job.traces.items())}
         return Replay(job, hardware, _Loop(job, steps, hardware, spans).run())

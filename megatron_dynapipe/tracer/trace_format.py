@@ -18,17 +18,16 @@ Nothing here imports torch: traces can be read where only the planner is install
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.files import write_atomically
+from megatron_dynapipe.planning.collector import cyclic_gc_paused
 
 __all__ = [
     "FORMAT_NAME",
@@ -343,7 +342,7 @@ class RankTrace:
     def read(cls, path: str | os.PathLike) -> "RankTrace":
         """Read and validate one trace file (format name, version, op count, seq order)."""
         path = Path(path)
-        with gc_paused():
+        with cyclic_gc_paused():
             return cls.loads(path.read_text(encoding="utf-8"), source=str(path))
 
     # -- Chrome / Perfetto ----------------------------------------------------------------------
@@ -375,25 +374,11 @@ def read_trace(path: str | os.PathLike) -> RankTrace:
 def read_traces(directory: str | os.PathLike) -> dict[int, RankTrace]:
     """Every ``rank_<r>.trace.jsonl`` in ``directory``, by rank."""
     out = {}
-    with gc_paused():
+    with cyclic_gc_paused():
         for path in sorted(Path(directory).glob("rank_*.trace.jsonl")):
             trace = RankTrace.read(path)
             out[trace.rank] = trace
     return out
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a while.  Reading traces allocates millions of
-    small acyclic objects, and the collector's passes over the growing heap took a third of
-    reading a 64-stage layout (530k ops: 11 s, 7 s without them)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def subtrees(ops: list[TraceOp]) -> dict[int, list[TraceOp]]:
