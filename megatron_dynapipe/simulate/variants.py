@@ -67,7 +67,7 @@ def _derive_trace(job: TracedJob, costs: StageCosts, trace: RankTrace, recompute
                   iteration: dict) -> RankTrace:
     ops = list(trace.ops)
     if recompute != "none":
-        ops = _with_recompute(ops, recompute, _core_share(costs.model, _seq(job)))
+        ops = _with_recompute(ops, recompute, costs.model.attention_core_share(_seq(job)))
     if distributed_optimizer:
         ops = _with_distributed_optimizer(ops, job.dtype)
     memory = _memory(job, costs, trace, recompute, distributed_optimizer)
@@ -75,13 +75,6 @@ def _derive_trace(job: TracedJob, costs: StageCosts, trace: RankTrace, recompute
 
 
 # -- recompute ------------------------------------------------------------------------------
-
-
-def _core_share(model: AnalyticalCostModel, seq: int) -> float:
-    """The attention core's share (scores and their product with the values) of a transformer
-    layer's forward FLOPs: what selective recompute runs again."""
-    core = model.encoder_flops("backward", "selective", 1, seq) - model.encoder_flops("backward", "none", 1, seq)
-    return float(core / model.encoder_flops("forward", "none", 1, seq))
 
 
 def _with_recompute(ops: list[TraceOp], recompute: str, share: float) -> list[TraceOp]:

@@ -69,10 +69,9 @@ def ring_attention_ms(costs, spec: ModelSpec, tp: int, cp: int, mbs: int, seq_lo
     blocks.  A block's time is the layer's times its attention core's share of the FLOPs."""
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
-    flops = AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size, tp=tp)
-    matmul, core = flops.encoder_flop_parts("forward", "none", mbs, seq_local)
-    share = float(core / (matmul + core))
+    share = AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
+                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
+                                tp=tp).attention_core_share(seq_local)
     return {phase: (cp - 1) * layers * share * float(costs.model.layer_ms("encoder", phase, "none", mbs, seq_local))
             for phase in ("forward", "backward")}
 

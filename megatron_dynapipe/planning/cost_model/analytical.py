@@ -152,6 +152,13 @@ class AnalyticalCostModel(CostModel):
             return 2.0 * matmul, 3.0 * attention
         return 3.0 * matmul, 3.0 * attention
 
+    def attention_core_share(self, seqlen) -> float:
+        """The attention core's share (scores and their product with the values) of an encoder
+        layer's forward FLOPs at ``seqlen`` tokens: what selective recompute runs again, and the
+        unit of context parallelism's extra attention blocks."""
+        matmul, attention = self.encoder_flop_parts("forward", "none", 1, seqlen)
+        return float(attention / (matmul + attention))
+
     def postprocess_flops(self, phase: str, mbs, seqlen):
         """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
         check_choice("phase", phase, PHASES)
