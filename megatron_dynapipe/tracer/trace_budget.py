@@ -9,7 +9,7 @@ compute fits a time budget.  Shapes-only traces record the same ops on meta tens
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_dynapipe.config.accounting import microbatch_flops, training_bytes
 from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
@@ -62,28 +62,21 @@ def estimated_bytes(config: TraceConfig, training: Optional[MegatronOptions] = N
         config.model, config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,
         in_flight=in_flight_microbatches(config, training), cp=config.cp,
-        recomputed_layers=_recomputed_layers(config, training),
         selective_recompute=training.recompute_granularity == "selective",
         sequence_parallel=training.sequence_parallel,
         optimizer_shards=config.dp if training.distributed_optimizer else 1,
-        stage_layers=_busiest_stage_layers(config, training),
+        **_busiest_rank(config, training),
     )
 
 
-def _recomputed_layers(config: TraceConfig, training: MegatronOptions) -> int:
-    """Layers whose forward the busiest rank recomputes (the model's layers must split)."""
+def _busiest_rank(config: TraceConfig, training: MegatronOptions) -> dict[str, Any]:
+    """The busiest pipeline rank's transformer layers under the options' split (uneven stages
+    included) and those whose forward it recomputes, as the accounting functions' keywords; the
+    even split's estimate where the model's layers do not split."""
     if training.layout_problem(tp=config.tp, pp=config.pp, num_layers=config.model.num_layers):
-        return 0
+        return {"stage_layers": None, "recomputed_layers": 0}
     chunks = training.busiest_rank_layers(config.model.num_layers, config.pp)
-    return sum(training.recomputed_layers(layers) for layers in chunks)
-
-
-def _busiest_stage_layers(config: TraceConfig, training: MegatronOptions) -> Optional[int]:
-    """Transformer layers of the busiest pipeline rank under the options' split (uneven stages
-    included); None where the layers do not split, for the even estimate."""
-    if training.layout_problem(tp=config.tp, pp=config.pp, num_layers=config.model.num_layers):
-        return None
-    return sum(training.busiest_rank_layers(config.model.num_layers, config.pp))
+    return {"stage_layers": sum(chunks), "recomputed_layers": sum(training.recomputed_layers(n) for n in chunks)}
 
 
 def in_flight_microbatches(config: TraceConfig, training: MegatronOptions) -> float:
@@ -103,8 +96,7 @@ def estimated_compute_seconds(config: TraceConfig, iterations: int = 2,
     training = training or MegatronOptions()
     flops = microbatch_flops(
         config.model, config.pp, config.tp, micro_batch_size=config.micro_batch_size,
-        seq_length=config.seq, cp=config.cp, recomputed_layers=_recomputed_layers(config, training),
-        stage_layers=_busiest_stage_layers(config, training),
+        seq_length=config.seq, cp=config.cp, **_busiest_rank(config, training),
     )
     return flops * max(config.microbatches, 1) * iterations / (GPU_FLOPS if _on_gpu() else CPU_FLOPS)
 
