@@ -181,6 +181,8 @@ class TraceOp:
 
 def _header(line: str, source: str) -> dict[str, Any]:
     """A trace file's first line as its header: format name and version checked."""
+    if not line.strip():
+        raise TraceFormatError(f"{source}: empty file, not a {FORMAT_NAME} trace")
     try:
         header = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -300,9 +302,7 @@ class RankTrace:
     @classmethod
     def loads(cls, text: str, source: str = "<string>") -> "RankTrace":
         lines = [line for line in text.splitlines() if line.strip()]
-        if not lines:
-            raise TraceFormatError(f"{source}: empty file, not a {FORMAT_NAME} trace")
-        header = _header(lines[0], source)
+        header = _header(lines[0] if lines else "", source)
         try:  # one decode of every op line at once; line by line only to name a bad line
             values = json.loads("[" + ",".join(lines[1:]) + "]")
         except json.JSONDecodeError:
@@ -333,10 +333,7 @@ class RankTrace:
     def read_header(path: str | os.PathLike) -> dict[str, Any]:
         """The validated header of a trace file, without reading its ops."""
         with open(path, encoding="utf-8") as f:
-            first = f.readline()
-        if not first.strip():
-            raise TraceFormatError(f"{path}: empty file, not a {FORMAT_NAME} trace")
-        return _header(first, str(path))
+            return _header(f.readline(), str(path))
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "RankTrace":
