@@ -286,12 +286,13 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     tp_per_layer = 4 + (2 if c.recompute == "full" else 0)  # forward 2, backward 2, recomputed forward 2
     v = c.virtual_stages
     stored_share = _sequence_parallel_share(space, c) if c.sequence_parallel else 1.0
+    ring = ring_attention_ms(costs, space.model, c.tp, c.cp, b, seq, 1)  # CP's other attention blocks, a layer
+    ring_per_layer_ms = ring["forward"] + ring["backward"]
     slowest, memory, tail_us = 0.0, 0.0, 0.0
     for stage in range(c.pp):
         layers = costs.layers_on(stage)
-        ring = ring_attention_ms(costs, space.model, c.tp, c.cp, b, seq, layers)  # CP's other attention blocks
         per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute)
-                           + ring["forward"] + ring["backward"])
+                           + layers * ring_per_layer_ms)
         per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
