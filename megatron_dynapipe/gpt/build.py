@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from megatron_dynapipe.config.model import ModelSpec
 
-__all__ = ["transformer_config", "layer_spec", "build_gpt", "wrap_in_ddp", "uses_transformer_engine",
-           "RECOMPUTE_CHOICES"]
+__all__ = ["transformer_config", "layer_spec", "with_core_attention", "build_gpt", "wrap_in_ddp",
+           "uses_transformer_engine", "RECOMPUTE_CHOICES"]
 
 #: Megatron-LM's ``--recompute-granularity`` values (``None``: no recomputation).
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -96,11 +96,12 @@ def layer_spec(spec: ModelSpec, use_te: bool, context_parallel: bool = False):
         from megatron_dynapipe.gpt.context_parallel import ring_attention
 
         core = ring_attention(core)
-    return _with_core_attention(local, core)
+    return with_core_attention(local, core)
 
 
-def _with_core_attention(local_layer_spec, core):
-    """The local spec with ``core`` as its attention core."""
+def with_core_attention(local_layer_spec, core):
+    """megatron-core's local layer spec (``get_gpt_layer_local_spec``'s) with ``core`` as its
+    attention core."""
     import dataclasses
 
     attention = local_layer_spec.submodules.self_attention

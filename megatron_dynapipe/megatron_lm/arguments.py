@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
+from megatron_dynapipe.config.model import ATTENTIONS
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
@@ -78,6 +79,10 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynapipe-memory-limit", type=float, metavar="MB", default=None,
                    help="memory per GPU the planned schedule may use, in MB (required with --dynapipe)")
     add_planner_arguments(g, prefix="dynapipe-")
+    g.add_argument("--dynapipe-attention", choices=ATTENTIONS, default="local",
+                   help="attention core of megatron-core's local layers (--transformer-impl local): local (its "
+                        "unfused one) or sdpa (torch's scaled_dot_product_attention: fused kernels on CUDA, and it "
+                        "runs --dynapipe-packing varlen); default local")
     g.add_argument("--dynapipe-preprocess-workers", type=int, default=2, metavar="N",
                    help="planning/preprocessing worker processes per node (default 2)")
     g.add_argument("--dynapipe-kv-host", default=None, metavar="HOST",
@@ -263,10 +268,12 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
         )
     transformer_impl = _get(args, "transformer_impl", "transformer_engine")
-    if _get(args, "dynapipe_packing", "pad") == "varlen" and transformer_impl == "local":
+    if _get(args, "dynapipe_packing", "pad") == "varlen" and transformer_impl == "local" \
+            and _get(args, "dynapipe_attention", "local") != "sdpa":
         raise DynapipeArgumentError(
             "--dynapipe-packing varlen runs packed (THD) micro-batches, which megatron-core's local attention "
-            "refuses: use --transformer-impl transformer_engine, or --dynapipe-packing pad")
+            "refuses: add --dynapipe-attention sdpa, use --transformer-impl transformer_engine, or "
+            "--dynapipe-packing pad")
     seqlen_round = _get(args, "dynapipe_seqlen_round", 8)
     tp = _get(args, "tensor_model_parallel_size", 1)
     cp = _get(args, "context_parallel_size", 1)

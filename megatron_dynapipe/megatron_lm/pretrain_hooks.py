@@ -3,7 +3,7 @@
 Shared by the launcher (``megatron-dynapipe launch pretrain_gpt.py ...``, which installs them
 into an unmodified checkout) and by ``patches/pretrain_gpt_core_v0.16.1.patch`` (which calls them
 explicitly). With ``--dynapipe`` off every hook hands over to the script's own function, so a
-patched script trains exactly as before.
+patched script trains exactly as before (with ``--dynapipe-attention sdpa``, on those layers).
 
 Why each piece exists:
 
@@ -16,7 +16,9 @@ Why each piece exists:
   ``variable_seq_lengths`` back on after Megatron forced it off), the Megatron-LM checks of
   :func:`~.arguments.check_data_pipeline_args`, ``--dataloader-type external`` (so Megatron passes DynaPipe's
   loaders through untouched) and :func:`~.provider.install` (Megatron-LM's ``train_step`` and
-  ``evaluate`` then run the planned schedule).
+  ``evaluate`` then run the planned schedule). The script's provider then builds the model, with
+  the SDPA attention core where ``--dynapipe-attention sdpa`` asks for it (:mod:`.attention`;
+  honoured without ``--dynapipe`` too, so Megatron's own schedule can run the same layers).
 * :func:`datasets_provider` -- instead of fixed-length GPT datasets, every rank (all pipeline
   stages and tensor-parallel ranks, hence ``is_distributed``) gets a
   :class:`~megatron_dynapipe.data.DynaPipeDataLoader`: rank 0 hosts the planning pipeline over
@@ -61,6 +63,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     training_spec_from_args,
     validate_dynapipe_args,
 )
+from megatron_dynapipe.megatron_lm.attention import layer_attention
 from megatron_dynapipe.megatron_lm.datasets import open_splits
 from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
@@ -168,10 +171,12 @@ def setup(args: Optional[argparse.Namespace] = None):
 
 def model_provider(original: Callable) -> Callable:
     """Wrap the script's model provider so that :func:`setup` runs first (after Megatron's
-    argument validation, before the model's config is built from the arguments)."""
+    argument validation, before the model's config is built from the arguments) and the model
+    is built with ``--dynapipe-attention``'s core (:mod:`.attention`)."""
     def dynapipe_model_provider(*args, **kwargs):
         setup()
-        return original(*args, **kwargs)
+        with layer_attention(_get_args()):
+            return original(*args, **kwargs)
 
     dynapipe_model_provider.__wrapped__ = original  # type: ignore[attr-defined]
     dynapipe_model_provider.__dynapipe_hook__ = True  # type: ignore[attr-defined]

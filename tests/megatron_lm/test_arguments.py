@@ -136,7 +136,7 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
     (ON, {"context_parallel_size": 8}, "pass --dynapipe-seqlen-round as a multiple of 16"),
     (ON, {"num_layers": 2, "pipeline_model_parallel_size": 4}, "lower pp or raise num_layers"),
     (ON + ("--dynapipe-packing", "varlen"), {"transformer_impl": "local"},
-     "use --transformer-impl transformer_engine, or --dynapipe-packing pad"),
+     "add --dynapipe-attention sdpa, use --transformer-impl transformer_engine, or --dynapipe-packing pad"),
     (ON + ("--dynapipe-packing", "varlen", "--dynapipe-partition", "uniform"), {},
      "packing varlen cuts micro-batches by dynamic programming"),
 ])
@@ -173,6 +173,9 @@ def test_training_spec_from_megatron_args():
     assert spec.packing == "pad"
     packed = validated(*ON, "--dynapipe-packing", "varlen", transformer_impl="transformer_engine", num_layers=24)
     assert training_spec_from_args(packed).packing == "varlen"
+    on_local_layers = validated(*ON, "--dynapipe-packing", "varlen", "--dynapipe-attention", "sdpa",
+                                transformer_impl="local", num_layers=24)
+    assert training_spec_from_args(on_local_layers).packing == "varlen"
 
 
 # --------------------------------------------------------------------------------------------

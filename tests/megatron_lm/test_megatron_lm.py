@@ -466,6 +466,22 @@ def test_cpu_smoke_run_of_the_patched_script_matches_the_launcher(training_ready
     assert losses == launcher_run[1] and plans == launcher_run[2]
 
 
+@pytest.mark.slow
+def test_packed_micro_batches_on_the_sdpa_core_train_as_padded_ones_on_the_unfused_core(training_ready,
+                                                                                        launcher_run):
+    """--dynapipe-packing varlen runs in a CPU job once --dynapipe-attention sdpa gives megatron's
+    local layers an attention core that takes packed rows; every sample attends to itself alone, so
+    each iteration's per-token loss is the padded run's (same samples, same weights) to float error."""
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
+                                   ["--mock-data", "--dynapipe-packing", "varlen", "--dynapipe-attention", "sdpa"])
+    assert len(losses) == 4 and len(plans) == 4, stdout[-4000:]
+    for count, labels in plans:  # one packed row a micro-batch: "<samples>in<tokens>"
+        assert count == len(labels) and all(re.fullmatch(r"\d+in\d+", label) for label in labels), labels
+        assert sum(int(label.split("in")[0]) for label in labels) <= 16
+    np.testing.assert_allclose(losses, launcher_run[1], rtol=1e-5)
+    assert "validation loss at iteration 4" in stdout
+
+
 def _counting_documents(prefix: Path, count: int, seed: int, longest: int = 90):
     """A Megatron .bin/.idx dataset of documents that count up (some longer than --seq-length)."""
     import torch
