@@ -14,6 +14,7 @@ is built.  Imports torch and megatron-core.
 from __future__ import annotations
 
 import inspect
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,10 +55,11 @@ class SDPAttention(DotProductAttention):
         cu_seqlens = params.cu_seqlens_q
         if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu_seqlens):
             raise ValueError("attention sdpa packs self-attention only: cu_seqlens_q and cu_seqlens_kv must be equal")
+        gqa = self._gqa()
         if query.is_cuda and _VARLEN is not None and query.dtype in (torch.float16, torch.bfloat16) \
-                and causal and not self._dropout_p():
-            out = _VARLEN(query, key, value, cu_seqlens, cu_seqlens, params.max_seqlen_q, params.max_seqlen_q,
-                          scale=self.softmax_scale, window_size=(-1, 0), enable_gqa=self._gqa())
+                and causal and not self._dropout_p() and (_VARLEN.gqa or not gqa):
+            out = _VARLEN.attend(query, key, value, cu_seqlens, cu_seqlens, params.max_seqlen_q, params.max_seqlen_q,
+                                 scale=self.softmax_scale, **_VARLEN.causal, **({"enable_gqa": True} if gqa else {}))
             return out.reshape(query.size(0), -1)
         # one sample at a time, [len, heads, dim] -> [1, heads, len, dim]; joined by cat, whose
         # backward hands each segment a view of the gradient (slice assignment into one output
@@ -91,13 +93,25 @@ def segment_bounds(cu_seqlens) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _varlen_kernel():
-    """torch's flash varlen attention where this torch has the causal-window form of it, else None."""
+class _Varlen(NamedTuple):
+    attend: Callable
+    causal: dict  # the keyword that makes it causal: window_size=(-1, 0), or is_causal=True before torch 2.11
+    gqa: bool  # whether it takes enable_gqa
+
+
+def _varlen_kernel() -> Optional[_Varlen]:
+    """torch's flash varlen attention where this torch has a causal form of it with a softmax
+    scale, else None (the per-sample loop runs)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params \
+        else None
+    if causal is None or "scale" not in params:
+        return None
+    return _Varlen(varlen_attn, causal, "enable_gqa" in params)
 
 
 _VARLEN = _varlen_kernel()

@@ -94,3 +94,58 @@ def test_packed_microbatch_arrays():
     assert full["cu_seqlens"].tolist() == [0, 3, 5]
     with pytest.raises(ValueError, match="do not fit"):
         packed_microbatch(samples, 4)
+
+
+def _varlen_kernel_and_loop(rank, world_size, spec, lengths, device):
+    """A packed row through the SDPA core twice, by torch's varlen kernel and by the per-sample
+    loop: per path the output and the gradients of q, k and v (bf16 on CUDA)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dynapipe.gpt import attention
+    from megatron_dynapipe.gpt.build import transformer_config
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
+
+    init_model_parallel(1, 1)
+    try:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        config = transformer_config(spec, dtype=dtype, on_gpu=device == "cuda")
+        core = attention.SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                      attention_type="self")
+        heads, dim = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
+        tokens = sum(lengths)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(tokens, n, dim, dtype=dtype, device=device)
+                   for n in (heads, spec.num_query_groups or heads, spec.num_query_groups or heads))
+        grad = torch.randn(tokens, heads * dim, dtype=dtype, device=device)
+        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32, device=device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_kv=max(lengths))
+        kernel, out = attention._VARLEN, []
+        for attention._VARLEN in (kernel, None):
+            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+            core(*inputs, None, packed_seq_params=params).backward(grad)
+            with torch.no_grad():
+                result = core(q, k, v, None, packed_seq_params=params)
+            out.append([t.float().cpu().numpy() for t in (result, *(x.grad for x in inputs))])
+        attention._VARLEN = kernel
+        return out
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fields", [{}, {"num_query_groups": 2}], ids=["mha", "gqa"])
+def test_the_cuda_varlen_kernel_computes_what_the_per_sample_loop_computes(fields):
+    import torch
+
+    from megatron_dynapipe.gpt.attention import _VARLEN
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: torch's varlen attention is a flash kernel")
+    if _VARLEN is None:
+        pytest.skip(f"torch {torch.__version__} has no causal varlen_attn with a softmax scale")
+    spec = _spec(attention="sdpa", attention_dropout=0.0, **fields)  # the kernel runs without dropout
+    [[kernel, loop]] = run_local_ranks(_varlen_kernel_and_loop, 1, spec, LENGTHS, "cuda", timeout=300)
+    for got, expected in zip(kernel, loop):  # bf16: equal to a few units in the last place
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
