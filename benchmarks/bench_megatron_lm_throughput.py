@@ -1,5 +1,6 @@
 """Real tokens per second of Megatron-LM's pretrain_gpt.py: its packed 1F1B against DynaPipe
-(normal and fast mode), on your corpus, through `megatron-dynapipe launch`.
+(normal and fast mode; with ``--attention sdpa`` also packed micro-batches, ``--dynapipe-packing
+varlen``), on your corpus, through `megatron-dynapipe launch`.
 
 Packed 1F1B trains --global-batch-size sequences of --seq-length tokens of concatenated
 documents per iteration, every token real; DynaPipe trains the same number of whole documents
@@ -10,7 +11,9 @@ Each rate is the median over the iterations after the first two of real tokens /
     python benchmarks/bench_megatron_lm_throughput.py --checkout ~/Megatron-LM \\
         --data-path corpus_text_document --tokenizer-model tok --layouts 2x1 2x2 -- --cpu
 
-The arguments after ``--`` go to the launcher (``--cpu`` for a CPU run over gloo).
+The arguments after ``--`` go to the launcher (``--cpu`` for a CPU run over gloo). With
+``--attention sdpa`` every method, Megatron's own packed 1F1B included, builds megatron-core's local
+layers with the SDPA core (``--dynapipe-attention sdpa``), so all of them run the same layers.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def _model_flags(args) -> list[str]:
 
 
 def _run(args, launcher_args, nproc: int, pp: int, method: str) -> tuple[float, list[float]]:
-    dynapipe = [] if method == "packed" else [
-        "--dynapipe", "--dynapipe-memory-limit", str(args.memory_limit), "--dynapipe-preprocess-workers", "1",
-        "--dynapipe-fast-mode", "true" if method == "fast" else "false", "--dynapipe-kv-port", str(_port())]
+    dynapipe = ["--dynapipe-attention", args.attention]
+    if method != "packed":
+        dynapipe += ["--dynapipe", "--dynapipe-memory-limit", str(args.memory_limit), "--dynapipe-preprocess-workers",
+                     "1", "--dynapipe-fast-mode", "true" if method == "fast" else "false", "--dynapipe-kv-port",
+                     str(_port()), "--dynapipe-packing", "varlen" if method == "varlen" else "pad"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(_port()), "-m", "megatron_dynapipe.megatron_lm.launcher",
                *launcher_args, os.path.join(args.checkout, "pretrain_gpt.py"), *_model_flags(args),
@@ -80,18 +85,21 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--memory-limit", type=float, default=3000, help="--dynapipe-memory-limit MB (default 3000)")
+    parser.add_argument("--attention", choices=("local", "sdpa"), default="local",
+                        help="attention core of every method's layers (--dynapipe-attention); sdpa adds DynaPipe "
+                             "varlen (default local)")
     args = parser.parse_args(argv)
-    print(f"{'layout':<12} {'packed':>8} {'DynaPipe':>9} {'fast':>8} {'DynaPipe/packed':>16} {'fast/packed':>12}")
+    methods = ("packed", "dynapipe", "fast") + (("varlen",) if args.attention == "sdpa" else ())
+    print(f"{'layout':<12}" + "".join(f" {m:>9}" for m in methods)
+          + "".join(f" {m + '/packed':>15}" for m in methods[1:]))
     for layout in args.layouts:
         pp, dp = (int(x) for x in layout.lower().split("x"))
         rates, losses = {}, {}
-        for method in ("packed", "dynapipe", "fast"):
+        for method in methods:
             rates[method], losses[method] = _run(args, launcher_args, pp * dp, pp, method)
-        print(f"PP {pp} x DP {dp}:".ljust(12) + f" {rates['packed']:>8.0f} {rates['dynapipe']:>9.0f} "
-              f"{rates['fast']:>8.0f} {rates['dynapipe'] / rates['packed']:>15.2f}x "
-              f"{rates['fast'] / rates['packed']:>11.2f}x", flush=True)
-        print(f"  losses: packed {[round(x, 3) for x in losses['packed']]}, DynaPipe "
-              f"{[round(x, 3) for x in losses['dynapipe']]}, fast {[round(x, 3) for x in losses['fast']]}")
+        print(f"PP {pp} x DP {dp}:".ljust(12) + "".join(f" {rates[m]:>9.0f}" for m in methods)
+              + "".join(f" {rates[m] / rates['packed']:>14.2f}x" for m in methods[1:]), flush=True)
+        print("  losses: " + ", ".join(f"{m} {[round(x, 3) for x in losses[m]]}" for m in methods))
     return 0
 
 
