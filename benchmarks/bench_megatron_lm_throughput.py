@@ -45,15 +45,15 @@ def _model_flags(args) -> list[str]:
             args.tokenizer_model, "--micro-batch-size", "2", "--global-batch-size", str(args.global_batch_size),
             "--train-iters", str(args.iterations), "--lr", "1e-3", "--lr-decay-style", "constant",
             "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--data-path", args.data_path,
-            "--split", "100,0,0", "--calculate-per-token-loss", "--seed", "1234"]
+            "--split", "100,0,0", "--calculate-per-token-loss", "--seed", "1234",
+            "--dynapipe-attention", args.attention]  # every method's layers, Megatron's own 1F1B's too
 
 
 def _run(args, launcher_args, nproc: int, pp: int, method: str) -> tuple[float, list[float]]:
-    dynapipe = ["--dynapipe-attention", args.attention]
-    if method != "packed":
-        dynapipe += ["--dynapipe", "--dynapipe-memory-limit", str(args.memory_limit), "--dynapipe-preprocess-workers",
-                     "1", "--dynapipe-fast-mode", "true" if method == "fast" else "false", "--dynapipe-kv-port",
-                     str(_port()), "--dynapipe-packing", "varlen" if method == "varlen" else "pad"]
+    dynapipe = [] if method == "packed" else [
+        "--dynapipe", "--dynapipe-memory-limit", str(args.memory_limit), "--dynapipe-preprocess-workers", "1",
+        "--dynapipe-fast-mode", "true" if method == "fast" else "false", "--dynapipe-kv-port", str(_port()),
+        "--dynapipe-packing", "varlen" if method == "varlen" else "pad"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(_port()), "-m", "megatron_dynapipe.megatron_lm.launcher",
                *launcher_args, os.path.join(args.checkout, "pretrain_gpt.py"), *_model_flags(args),
