@@ -13,6 +13,7 @@ from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
+from megatron_dynapipe.planning.baselines import default_pack_length
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings
 from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, synthetic_lengths
@@ -74,6 +75,9 @@ def _check_plan_args(args) -> None:
 def _run_plan(args) -> int:
     _check_plan_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
+    if args.pack_length is not None and args.pack_length < max(lengths):
+        raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
+                         f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
     spec = TrainingSpec(num_layers=args.num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
                         memory_limit_mb=args.memory_limit, **planner_settings(args))
     result = generate_execution_plan(lengths, spec, args.cost_model)

@@ -58,6 +58,7 @@ def test_dp_lengths_split_shows_every_rank():
     (["--lengths", "/nonexistent/lengths.txt"], "lengths file /nonexistent/lengths.txt not found"),
     (["--cost-model", "/nonexistent/cm.json"], "not found"),
     (["--memory-limit", "1000"], "model state alone needs"),
+    (["--pack-length", "16"], "--pack-length 16 is shorter than the longest sample"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(args, message):
     out = run_cli("plan", *args) if args[0] == "--lengths" else run_cli("plan", "--num-samples", "8", *args)
