@@ -151,6 +151,25 @@ def test_a_plan_slower_than_packing_says_why():
     assert "packing concatenates several samples into one sequence, which a plan" in out.stdout
 
 
+def test_a_packed_plan_is_measured_against_packed_sequences_without_leakage(tmp_path):
+    # Eight 1024-token and eight 512-token samples pack into six sequences of 2048 (first-fit
+    # decreasing: four of two 1024s, two of four 512s). THD packing attends within each sample,
+    # so the same rows cost no more than leaky packing's: its yardstick can only be lower.
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([1024] * 8 + [512] * 8))
+    common = ["plan", "--lengths", str(path), "--cost-model", str(GPT_6_7B_A100), "--pp", "4", "--pack-length", "2048"]
+    packed, padded = (run_cli(*common, "--packing", packing, "--json") for packing in ("varlen", "pad"))
+    assert packed.returncode == 0 and padded.returncode == 0, packed.stderr + padded.stderr
+    thd, leaky = json.loads(packed.stdout), json.loads(padded.stdout)
+    assert thd["baseline"]["method"] == "THD packing + 1f1b" and leaky["baseline"]["method"] == "packing + 1f1b"
+    assert thd["baseline"]["num_sequences"] == leaky["baseline"]["num_sequences"] == 6
+    assert thd["baseline"]["makespan_ms"] < leaky["baseline"]["makespan_ms"]
+    assert thd["speedup_vs_packing"] == pytest.approx(thd["baseline"]["makespan_ms"] / thd["makespan_ms"])
+    assert thd["ideal_gain_vs_packing"] is None and leaky["ideal_gain_vs_packing"] > 1
+    text = run_cli(*common, "--packing", "varlen").stdout
+    assert "THD packing to 2048 + 1F1B" in text and "ideal" not in text and "cannot represent" not in text
+
+
 def test_the_readme_plan_example_runs_as_written(tmp_path):
     from project import ROOT
 
