@@ -1,4 +1,5 @@
-"""Yardsticks for a plan: Megatron-style packing + 1F1B, a lower bound, the ideal gain."""
+"""Yardsticks for a plan: Megatron-style packing + 1F1B (leaky, or THD for packed plans), a lower
+bound, the ideal gain."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ class PackingBaseline:
     recompute: RecomputeType
     num_sequences: int
     makespan_ms: float
+    method: str = "packing + 1f1b"
+
+
+def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float,
+                  seq_len: int | None = None) -> PackingBaseline | None:
+    """The yardstick of a plan of this packing (``TrainingSpec.packing``): Megatron's packing, its
+    samples attending to each other, for a padded plan; for a packed one, whose samples attend to
+    themselves alone, Megatron's packed sequences without that leakage (THD)."""
+    return (thd_packed_baseline if packing == "varlen" else packing_baseline)(lengths, costs, memory_limit_mb, seq_len)
 
 
 def default_pack_length(lengths: Sequence[int]) -> int:
@@ -59,6 +69,22 @@ def fixed_length_baseline(
                     best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan)
                 break
     return best
+
+
+def thd_packed_baseline(
+    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None
+) -> PackingBaseline | None:
+    """:func:`thd_packing_baseline` of the samples packed into sequences of ``seq_len`` tokens as
+    :func:`packing_baseline` packs them, as a :class:`PackingBaseline` (its micro-batch size: the
+    sequences in one row). None when nothing fits."""
+    seq_len = seq_len or default_pack_length(lengths)
+    sequences = pack_fixed_length(lengths, seq_len)
+    found = thd_packing_baseline(sequences, lengths, seq_len, costs, memory_limit_mb)
+    if found is None:
+        return None
+    per_rank, recompute, makespan_ms = found
+    return PackingBaseline(seq_len, per_rank[0][0].seq_len // seq_len, recompute, len(sequences), makespan_ms,
+                           "THD packing + 1f1b")
 
 
 def thd_packing_baseline(

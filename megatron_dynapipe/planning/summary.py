@@ -5,14 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from megatron_dynapipe.planning.baselines import (
-    default_pack_length,
-    ideal_gain,
-    lower_bound_ms,
-    packing_baseline,
-    thd_packing_baseline,
-)
-from megatron_dynapipe.planning.microbatching import pack_fixed_length
+from megatron_dynapipe.planning.baselines import default_pack_length, ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.planner import PlanResult
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
@@ -40,36 +33,17 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
     }
     if with_baseline:
         pack_length = pack_length or default_pack_length(lengths)
-        varlen = spec.packing == "varlen"
-        baseline = (_thd_packing if varlen else _packing)(lengths, costs, spec.memory_limit_mb, pack_length)
-        summary["baseline"] = baseline
-        summary["speedup_vs_packing"] = None if baseline is None else baseline["makespan_ms"] / result.makespan_ms
+        baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length)
+        summary["baseline"] = None if baseline is None else {
+            "method": baseline.method, "seq_len": baseline.seq_len, "microbatch_size": baseline.microbatch_size,
+            "recompute": baseline.recompute.label, "num_sequences": baseline.num_sequences,
+            "makespan_ms": baseline.makespan_ms,
+        }
+        summary["speedup_vs_packing"] = None if baseline is None else baseline.makespan_ms / result.makespan_ms
         # the ideal is exact-length padded micro-batches against packing: no yardstick for packed ones
-        summary["ideal_gain_vs_packing"] = None if varlen else ideal_gain(lengths, costs, pack_length,
-                                                                          spec.seqlen_round)
+        summary["ideal_gain_vs_packing"] = None if spec.packing == "varlen" else ideal_gain(
+            lengths, costs, pack_length, spec.seqlen_round)
     return summary
-
-
-def _packing(lengths, costs, memory_limit_mb: float, pack_length: int) -> dict | None:
-    """The yardstick of a padded plan: Megatron's packing, samples attending to each other."""
-    found = packing_baseline(lengths, costs, memory_limit_mb, pack_length)
-    return None if found is None else {
-        "method": "packing + 1f1b", "seq_len": found.seq_len, "microbatch_size": found.microbatch_size,
-        "recompute": found.recompute.label, "num_sequences": found.num_sequences, "makespan_ms": found.makespan_ms,
-    }
-
-
-def _thd_packing(lengths, costs, memory_limit_mb: float, pack_length: int) -> dict | None:
-    """The yardstick of a packed plan: Megatron's packed sequences without attention between
-    samples (THD), as fast as their micro-batch size and recompute make them."""
-    sequences = pack_fixed_length(lengths, pack_length)
-    found = thd_packing_baseline(sequences, lengths, pack_length, costs, memory_limit_mb)
-    if found is None:
-        return None
-    per_rank, recompute, makespan_ms = found
-    return {"method": "THD packing + 1f1b", "seq_len": pack_length,
-            "microbatch_size": per_rank[0][0].seq_len // pack_length,  # a row holds that many sequences
-            "recompute": recompute.label, "num_sequences": len(sequences), "makespan_ms": makespan_ms}
 
 
 def _rank_summary(choice) -> dict:
