@@ -4,7 +4,9 @@ GPT-6.7B on A100 (profiled cost model), PP=4, 36 000 MB, lognormal(5.3, 0.9) len
 to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); for each global
 batch size, medians over seeds of planning seconds and predicted makespan in both modes, plus
 the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans each batch at the
-tightest limit normal mode can plan it under, found by bisection.
+tightest limit normal mode can plan it under, found by bisection. ``--packing varlen`` plans packed
+micro-batches and measures them against THD packing (Megatron's packed sequences without
+attention between samples); the compute-only ideal is a padded plan's, and is left out there.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import statistics
 import sys
 from dataclasses import replace
 
-from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, packing_baseline
+from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import PACKINGS, TrainingSpec
 from megatron_dynapipe.progress import progress_bar, progress_enabled
 
 DEFAULT_COST_MODEL = "gpt-6.7b-a100"  # shipped with the package
@@ -56,6 +58,9 @@ def add_arguments(p) -> None:
                         f"normal mode can plan it under (bisection to {TIGHT_RESOLUTION_MB} MB)")
     p.add_argument("--mix", default="lognormal", choices=MIXES, help="built-in length mix (default lognormal)")
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
+    p.add_argument("--packing", choices=PACKINGS, default="pad",
+                   help="micro-batches padded, or packed without attention between samples and measured "
+                        "against THD packing (default pad)")
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
     p.add_argument("--phases", action="store_true",
                    help="also print where planning time goes (micro-batching, scheduling, lowering) per mode")
@@ -69,7 +74,7 @@ def run(args) -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
 
     tight = args.memory_limit == TIGHT
-    spec = TrainingSpec(pp=args.pp, memory_limit_mb=36_000.0 if tight else args.memory_limit)
+    spec = TrainingSpec(pp=args.pp, memory_limit_mb=36_000.0 if tight else args.memory_limit, packing=args.packing)
     model = load_cost_model(args.cost_model, tp=1)
 
     def fresh_costs():  # each timed plan starts with no remembered cost-model answers
@@ -101,14 +106,15 @@ def _measure(lengths, spec: TrainingSpec, fresh_costs, costs, args) -> dict:
     """One batch planned in both modes, its packing baseline and its lower bound."""
     normal = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=False)
     fast = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=True)
-    base = packing_baseline(lengths, costs, spec.memory_limit_mb, args.pack_length)
+    base = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, args.pack_length)
     bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in normal.choices)
     return {
         "limit_mb": spec.memory_limit_mb,
         "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
         "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
         "packing_ms": base.makespan_ms if base else float("nan"),
-        "ideal": ideal_gain(lengths, costs, args.pack_length), "bound_ms": bound,
+        "ideal": ideal_gain(lengths, costs, args.pack_length) if spec.packing == "pad" else float("nan"),
+        "bound_ms": bound,
         "phases": {"normal": normal.phase_seconds, "fast": fast.phase_seconds},
     }
 
@@ -158,8 +164,9 @@ def _row(size: int, runs: list[dict]) -> dict:
 
 def format_table(rows: list[dict], args) -> str:
     limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{args.memory_limit:.0f} MB"
-    head = (f"planner benchmark: {args.mix} lengths, PP={args.pp}, {limit}, "
-            f"medians of {rows[0]['seeds'] if rows else 0} seeds, packing to {args.pack_length}\n")
+    yardstick = "THD packing" if args.packing == "varlen" else "packing"
+    head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, PP={args.pp}, {limit}, "
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {yardstick} to {args.pack_length}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -168,13 +175,13 @@ def format_table(rows: list[dict], args) -> str:
             f"| {r['samples']} | {r['limit_mb']:.0f} | {r['normal_plan_s']:.3f} | {r['fast_plan_s']:.3f} "
             f"| {r['fast_planning_speedup']:.1f}x | {r['normal_makespan_ms']:.0f} "
             f"| {r['fast_over_normal_makespan']:.3f} "
-            f"| {_times(r['speedup_vs_packing'])} | {r['ideal_gain']:.2f}x | {_percent(r['share_of_ideal'])} "
+            f"| {_times(r['speedup_vs_packing'])} | {_times(r['ideal_gain'])} | {_percent(r['share_of_ideal'])} "
             f"| {r['makespan_over_lower_bound']:.3f} |")
     return head + "\n".join(lines)
 
 
 def _times(ratio: float) -> str:
-    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"  # nan: packing fits no sequence under the limit
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"  # nan: packing fits nothing, or no ideal (packed plans)
 
 
 def _percent(share: float) -> str:

@@ -1,6 +1,7 @@
 """The planner benchmark, run as a user runs it."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -20,6 +21,20 @@ def test_planner_benchmark_rows(tmp_path):
         assert r["normal_plan_s"] > 0 and r["fast_plan_s"] > 0
         assert r["makespan_over_lower_bound"] >= 1.0  # a lower bound is never beaten
         assert r["speedup_vs_packing"] > 0 and r["ideal_gain"] > 1.0
+
+
+def test_packed_plans_are_measured_against_thd_packing_without_a_padded_ideal():
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "16", "--seeds", "1",
+               "--packing", "varlen", "--cost-model", str(GPT_6_7B_A100), "--all-cores"]
+    rows, table = (subprocess.run(command + extra, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                   for extra in (["--json"], []))
+    assert rows.returncode == 0 and table.returncode == 0, rows.stderr + table.stderr
+    (row,) = [json.loads(line) for line in rows.stdout.splitlines()]
+    assert row["speedup_vs_packing"] > 0 and row["makespan_over_lower_bound"] >= 1.0
+    assert math.isnan(row["ideal_gain"]) and math.isnan(row["share_of_ideal"])
+    assert "varlen micro-batches" in table.stdout and "THD packing to 4096" in table.stdout
+    (line,) = [line for line in table.stdout.splitlines() if line.startswith("| 16 |")]
+    assert line.split("|")[9:11] == [" - ", " - "]  # ideal, share
 
 
 def test_planner_benchmark_shows_where_time_goes():
