@@ -134,12 +134,27 @@ def _blend(V: np.ndarray, maxm: np.ndarray, longest: float, located: tuple) -> n
     """Bilinear interpolation of the values ``V`` ([S, M], or [q, S, M] for q grids on the same
     axes) at located points; inf where a bracketing row was not profiled that far."""
     m, s, i, ws, j, wm = located
-    lo = (1.0 - wm) * V[..., i, j] + wm * V[..., i, j + 1]
-    hi = (1.0 - wm) * V[..., i + 1, j] + wm * V[..., i + 1, j + 1]
-    out = (1.0 - ws) * lo + ws * hi
-    ok = (s <= longest) & ((ws >= 1.0) | (m <= maxm[..., i])) & ((ws <= 0.0) | (m <= maxm[..., i + 1]))
-    np.copyto(out, INF, where=~ok)
-    return out
+    # The packed planner blends millions of points on a stack of grids: each corner is gathered by
+    # one flat index (take) and the corners are combined in place, computing (1 - w) a + w b with
+    # the same products and sums as written out, in half the time of fancy indexing.
+    columns = V.shape[-1]
+    flat = V.reshape(*V.shape[:-2], -1)
+    cell = i * columns + j
+    low, low_next, high, high_next = (flat.take(cell + step, axis=-1) for step in (0, 1, columns, columns + 1))
+    keep_m, keep_s = 1.0 - wm, 1.0 - ws
+    low *= keep_m
+    low_next *= wm
+    low += low_next
+    high *= keep_m
+    high_next *= wm
+    high += high_next
+    low *= keep_s
+    high *= ws
+    low += high
+    ok = ((s <= longest) & ((ws >= 1.0) | (m <= maxm.take(i, axis=-1)))
+          & ((ws <= 0.0) | (m <= maxm.take(i + 1, axis=-1))))
+    np.copyto(low, INF, where=~ok)
+    return low
 
 
 class GridStack:
