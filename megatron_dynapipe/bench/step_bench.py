@@ -46,7 +46,7 @@ from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatc
 from megatron_dynapipe.gpt.build import uses_transformer_engine
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.local_ranks import run_local_ranks
-from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_baseline, uniform_microbatches
+from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_rows, uniform_microbatches
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model
 from megatron_dynapipe.planning.microbatching import pack_fixed_length
 from megatron_dynapipe.planning.plan import build_execution_plans
@@ -222,9 +222,9 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
 def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.ndarray], seq_len: int, costs,
                 spec) -> Method:
     """The same sequences without attention between their samples: rows of k of them, 1F1B,
-    with the k and recompute the cost model finds fastest (:func:`thd_packing_baseline`)."""
+    with the k and recompute the cost model finds fastest (:func:`thd_packing_rows`)."""
     _check_feeds(sequences, seq_len, spec)
-    best = thd_packing_baseline(sequences, lengths, seq_len, costs, spec.memory_limit_mb)
+    best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb)
     if best is None:
         raise _unfit(seq_len, spec)
     per_rank, recompute, makespan = best

@@ -32,7 +32,7 @@ def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memor
     """The yardstick of a plan of this packing (``TrainingSpec.packing``): Megatron's packing, its
     samples attending to each other, for a padded plan; for a packed one, whose samples attend to
     themselves alone, Megatron's packed sequences without that leakage (THD)."""
-    return (thd_packed_baseline if packing == "varlen" else packing_baseline)(lengths, costs, memory_limit_mb, seq_len)
+    return (thd_packing_baseline if packing == "varlen" else packing_baseline)(lengths, costs, memory_limit_mb, seq_len)
 
 
 def default_pack_length(lengths: Sequence[int]) -> int:
@@ -71,15 +71,15 @@ def fixed_length_baseline(
     return best
 
 
-def thd_packed_baseline(
+def thd_packing_baseline(
     lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None
 ) -> PackingBaseline | None:
-    """:func:`thd_packing_baseline` of the samples packed into sequences of ``seq_len`` tokens as
+    """:func:`thd_packing_rows` of the samples packed into sequences of ``seq_len`` tokens as
     :func:`packing_baseline` packs them, as a :class:`PackingBaseline` (its micro-batch size: the
     sequences in one row). None when nothing fits."""
     seq_len = seq_len or default_pack_length(lengths)
     sequences = pack_fixed_length(lengths, seq_len)
-    found = thd_packing_baseline(sequences, lengths, seq_len, costs, memory_limit_mb)
+    found = thd_packing_rows(sequences, lengths, seq_len, costs, memory_limit_mb)
     if found is None:
         return None
     per_rank, recompute, makespan_ms = found
@@ -87,7 +87,7 @@ def thd_packed_baseline(
                            "THD packing + 1f1b")
 
 
-def thd_packing_baseline(
+def thd_packing_rows(
     sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float
 ) -> tuple[list[list[MicroBatch]], RecomputeType, float] | None:
     """Megatron's packed sequences without attention across samples (THD): ``sequences`` (sample
