@@ -136,7 +136,7 @@ def _blend(V: np.ndarray, maxm: np.ndarray, longest: float, located: tuple) -> n
     m, s, i, ws, j, wm = located
     # The packed planner blends millions of points on a stack of grids: each corner is gathered by
     # one flat index (take) and the corners are combined in place, computing (1 - w) a + w b with
-    # the same products and sums as written out, in half the time of fancy indexing.
+    # the same products and sums as written out, in about half the time of fancy indexing.
     columns = V.shape[-1]
     flat = V.reshape(*V.shape[:-2], -1)
     cell = i * columns + j
