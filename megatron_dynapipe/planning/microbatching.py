@@ -189,7 +189,8 @@ def partition_dp(
     ``fast`` (fast mode) costs only micro-batches that can occur -- at most as many samples as
     there are of that padded length or shorter -- each under the first of the recompute types
     (listed lightest first) that fits rather than the cheapest, and draws the caps from those
-    alone; otherwise every size up to the whole batch is costed, and caps span them all.
+    alone; otherwise every size up to the whole batch is costed, and caps span them all. Packed,
+    fast mode costs long runs at fewer sizes (:func:`_fast_run_sizes`).
     """
     order, sorted_lengths = _sorted_samples(lengths, indices)
     n = len(order)
@@ -251,11 +252,17 @@ def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
 #: batch of thousands of short samples is planned in seconds: longer runs are not tried
 PACKED_TABLE_ENTRIES = 2_000_000
 
+#: fast mode costs packed runs of every size up to this many samples, and longer ones a quarter
+#: apart: a run of 40 samples costs little more than one of 37, and long runs are most of the
+#: runs of a large batch of short samples
+FAST_EVERY_RUN_SIZE = 16
+
 
 def _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to: int, fast: bool):
     """[run end j - 1, run size k - 1]: the cost of packing the k sorted samples ending at j into
     one row (their tokens rounded up to ``round_to``) and which recompute type that is, as
-    :func:`_cost_table` chooses; inf where the run is longer than j or does not fit."""
+    :func:`_cost_table` chooses; inf where the run is longer than j or does not fit, and in fast
+    mode at the sizes :func:`_fast_run_sizes` leaves out."""
     n = len(sorted_lengths)
     lengths = np.asarray(sorted_lengths, dtype=np.int64)
     tokens = np.concatenate([[0], np.cumsum(lengths)])
@@ -271,14 +278,24 @@ def _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
     sizes_at = _packed_widths(lambda ends, sizes: _evaluate(costs, *shape(ends, sizes), recompute, memory_limit_mb),
                               ends_all, np.minimum(ends_all, max(1, PACKED_TABLE_ENTRIES // n)))
     width = int(sizes_at.max())
-    ends = np.repeat(ends_all, sizes_at)
-    sizes = np.concatenate([np.arange(1, w + 1) for w in sizes_at])
+    ladder = _fast_run_sizes(width) if fast else np.arange(1, width + 1)
+    per_end = [np.append(ladder[:np.searchsorted(ladder, w)], w) for w in sizes_at.tolist()]
+    ends = np.repeat(ends_all, [len(sizes) for sizes in per_end])
+    sizes = np.concatenate(per_end)
     table = np.full((n, width), np.inf)
     chosen = np.zeros(table.shape, dtype=np.int64)
     choose = _lightest_times if fast else _cheapest_times
     table[ends - 1, sizes - 1], chosen[ends - 1, sizes - 1] = choose(costs, *shape(ends, sizes), _types(recompute),
                                                                      memory_limit_mb)
     return table, chosen
+
+
+def _fast_run_sizes(width: int) -> np.ndarray:
+    """The run sizes up to ``width`` that fast mode costs (besides each run end's widest)."""
+    sizes = list(range(1, FAST_EVERY_RUN_SIZE + 1))
+    while sizes[-1] < width:
+        sizes.append(round(sizes[-1] * 1.25))
+    return np.array([k for k in sizes if k <= width], dtype=np.int64)
 
 
 def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> MicroBatchingError:

@@ -86,6 +86,44 @@ def test_the_packed_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, s
     assert _packed_objective(costs_pp4, runs, sorted_lengths, FULL) == pytest.approx(best)
 
 
+def test_fast_mode_packs_the_best_runs_of_every_size_to_16_and_a_quarter_apart_above(costs_pp4):
+    # 48 short samples: every run of them fits, so the widest run ending at sample j is all j.
+    # Fast mode may cut runs of 1-16 samples, of 20, 25, 31 or 39 (each about a quarter above the
+    # last), or of all the samples so far; the best such cut is found here by brute force over
+    # caps T on a run's time: the least sum of times under T, plus 3 T (PP 4's fill and drain).
+    lengths = [int(x) for x in np.random.default_rng(2).integers(8, 40, size=48)]
+    sorted_lengths = sorted(lengths)
+    n = len(lengths)
+
+    def allowed(k, j):
+        return k <= 16 or k in (20, 25, 31, 39) or k == j
+
+    def run_time(lo, hi):  # a single run's objective is its time plus 3 times it
+        return _packed_objective(costs_pp4, [(lo, hi)], sorted_lengths, FULL) / 4
+
+    times = {(j - k, j): run_time(j - k, j) for j in range(1, n + 1) for k in range(1, j + 1) if allowed(k, j)}
+    best = np.inf
+    for cap in set(times.values()):
+        least = [0.0] + [np.inf] * n  # least[j]: the least sum of times cutting the first j samples
+        for (lo, hi), t in sorted(times.items(), key=lambda item: item[0][1]):
+            if t <= cap:
+                least[hi] = min(least[hi], least[lo] + t)
+        best = min(best, least[n] + 3 * cap)
+    found, _ = partition_dp(lengths, range(n), costs_pp4, LIMIT, FULL, num_thresholds=10_000, fast=True,
+                            packed=True)
+    runs, at = [], 0
+    for mb in found:
+        assert allowed(mb.size, at + mb.size)
+        runs.append((at, at + mb.size))
+        at += mb.size
+    assert _packed_objective(costs_pp4, runs, sorted_lengths, FULL) == pytest.approx(best)
+    # what fast mode gives up here: normal mode's best cut (30 then 18 samples) has a size it skips
+    exact, _ = partition_dp(lengths, range(n), costs_pp4, LIMIT, FULL, num_thresholds=10_000, packed=True)
+    ends = np.cumsum([mb.size for mb in exact]).tolist()
+    exact_runs = list(zip([0] + ends[:-1], ends))
+    assert _packed_objective(costs_pp4, exact_runs, sorted_lengths, FULL) < best
+
+
 def test_packing_never_predicts_more_than_padding_the_same_batch(costs_pp4):
     """A run's packed shape has no more rows and no longer rows than its padded one (Cauchy-Schwarz:
     (sum l)^2 <= k sum l^2), so the best packed micro-batching is never predicted slower."""
