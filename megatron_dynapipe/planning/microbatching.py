@@ -278,16 +278,23 @@ def _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
     sizes_at = _packed_widths(lambda ends, sizes: _evaluate(costs, *shape(ends, sizes), recompute, memory_limit_mb),
                               ends_all, np.minimum(ends_all, max(1, PACKED_TABLE_ENTRIES // n)))
     width = int(sizes_at.max())
-    ladder = _fast_run_sizes(width) if fast else np.arange(1, width + 1)
-    per_end = [np.append(ladder[:np.searchsorted(ladder, w)], w) for w in sizes_at.tolist()]
-    ends = np.repeat(ends_all, [len(sizes) for sizes in per_end])
-    sizes = np.concatenate(per_end)
+    ends, sizes = _costed_runs(sizes_at, _fast_run_sizes(width) if fast else np.arange(1, width + 1))
     table = np.full((n, width), np.inf)
     chosen = np.zeros(table.shape, dtype=np.int64)
     choose = _lightest_times if fast else _cheapest_times
     table[ends - 1, sizes - 1], chosen[ends - 1, sizes - 1] = choose(costs, *shape(ends, sizes), _types(recompute),
                                                                      memory_limit_mb)
     return table, chosen
+
+
+def _costed_runs(widths: np.ndarray, ladder: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ends, sizes) of the runs to cost: at each end j, the sizes of ``ladder`` below its widest
+    fitting run ``widths[j - 1]``, then that widest."""
+    counts = np.searchsorted(ladder, widths) + 1
+    ends = np.repeat(np.arange(1, len(widths) + 1), counts)
+    at = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)  # index among its end's sizes
+    widest = at == np.repeat(counts - 1, counts)
+    return ends, np.where(widest, np.repeat(widths, counts), ladder[np.minimum(at, len(ladder) - 1)])
 
 
 def _fast_run_sizes(width: int) -> np.ndarray:
