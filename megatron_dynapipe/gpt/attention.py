@@ -59,7 +59,8 @@ class SDPAttention(DotProductAttention):
         if query.is_cuda and _VARLEN is not None and query.dtype in (torch.float16, torch.bfloat16) \
                 and causal and not self._dropout_p() and (_VARLEN.gqa or not gqa):
             out = _VARLEN.attend(query, key, value, cu_seqlens, cu_seqlens, params.max_seqlen_q, params.max_seqlen_q,
-                                 scale=self.softmax_scale, **_VARLEN.causal, **({"enable_gqa": True} if gqa else {}))
+                                 scale=self.softmax_scale, window_size=(-1, 0),  # causal
+                                 **({"enable_gqa": True} if gqa else {}))
             return out.reshape(query.size(0), -1)
         # one sample at a time, [len, heads, dim] -> [1, heads, len, dim]; joined by cat, whose
         # backward hands each segment a view of the gradient (slice assignment into one output
@@ -95,23 +96,20 @@ def segment_bounds(cu_seqlens) -> list[tuple[int, int]]:
 
 class _Varlen(NamedTuple):
     attend: Callable
-    causal: dict  # the keyword that makes it causal: window_size=(-1, 0), or is_causal=True before torch 2.11
-    gqa: bool  # whether it takes enable_gqa
+    gqa: bool  # whether it takes enable_gqa (torch 2.12 on)
 
 
 def _varlen_kernel() -> Optional[_Varlen]:
-    """torch's flash varlen attention where this torch has a causal form of it with a softmax
-    scale, else None (the per-sample loop runs)."""
+    """torch's flash varlen attention where this torch takes a softmax scale and a causal window
+    (torch 2.11 on; 2.10's has neither), else None (the per-sample loop runs)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params \
-        else None
-    if causal is None or "scale" not in params:
+    if "scale" not in params or "window_size" not in params:
         return None
-    return _Varlen(varlen_attn, causal, "enable_gqa" in params)
+    return _Varlen(varlen_attn, "enable_gqa" in params)
 
 
 _VARLEN = _varlen_kernel()
