@@ -19,7 +19,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, plan_baseline
+from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
@@ -164,9 +164,8 @@ def _row(size: int, runs: list[dict]) -> dict:
 
 def format_table(rows: list[dict], args) -> str:
     limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{args.memory_limit:.0f} MB"
-    yardstick = "THD packing" if args.packing == "varlen" else "packing"
     head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, PP={args.pp}, {limit}, "
-            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {yardstick} to {args.pack_length}\n")
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {YARDSTICKS[args.packing]} to {args.pack_length}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

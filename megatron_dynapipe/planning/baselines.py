@@ -16,6 +16,9 @@ from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
+#: the name of what a plan of each packing (``TrainingSpec.packing``) is measured against
+YARDSTICKS = {"pad": "packing", "varlen": "THD packing"}
+
 
 @dataclass(frozen=True)
 class PackingBaseline:
@@ -24,7 +27,7 @@ class PackingBaseline:
     recompute: RecomputeType
     num_sequences: int
     makespan_ms: float
-    method: str = "packing + 1f1b"
+    method: str = f"{YARDSTICKS['pad']} + 1f1b"
 
 
 def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float,
@@ -84,7 +87,7 @@ def thd_packing_baseline(
         return None
     per_rank, recompute, makespan_ms = found
     return PackingBaseline(seq_len, per_rank[0][0].seq_len // seq_len, recompute, len(sequences), makespan_ms,
-                           "THD packing + 1f1b")
+                           f"{YARDSTICKS['varlen']} + 1f1b")
 
 
 def thd_packing_rows(

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from megatron_dynapipe.planning.baselines import default_pack_length, ideal_gain, lower_bound_ms, plan_baseline
+from megatron_dynapipe.planning.baselines import (
+    YARDSTICKS,
+    default_pack_length,
+    ideal_gain,
+    lower_bound_ms,
+    plan_baseline,
+)
 from megatron_dynapipe.planning.planner import PlanResult
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
@@ -78,10 +84,10 @@ def format_summary(summary: dict) -> str:
     lines.append(f"predicted iteration: {summary['makespan_ms']:.1f} ms "
                  f"(lower bound {summary['lower_bound_ms']:.1f} ms, ratio {summary['makespan_over_lower_bound']:.3f})")
     lines.append("peak memory per stage (MB): " + ", ".join(f"{m:.0f}" for m in summary["peak_memory_mb"]))
-    base = summary.get("baseline")
+    base, yardstick = summary.get("baseline"), YARDSTICKS[summary["packing"]]
     if base:
         ideal = summary["ideal_gain_vs_packing"]
-        lines.append(f"{base['method'].removesuffix(' + 1f1b')} to {base['seq_len']} + 1F1B (micro-batch "
+        lines.append(f"{yardstick} to {base['seq_len']} + 1F1B (micro-batch "
                      f"{base['microbatch_size']}, recompute {base['recompute']}): {base['makespan_ms']:.1f} ms "
                      f"-> speed-up {summary['speedup_vs_packing']:.2f}x"
                      + ("" if ideal is None else f" (compute-only ideal {ideal:.2f}x)"))
@@ -90,8 +96,7 @@ def format_summary(summary: dict) -> str:
                          "sequence, which a plan (one sample per sequence row, padded) cannot represent, so the "
                          "search cannot fall back on it; train with packing for this batch if it matters")
     elif "baseline" in summary:
-        lines.append(f"{'THD packing' if summary['packing'] == 'varlen' else 'packing'} + 1F1B: "
-                     "no micro-batch size fits the memory limit")
+        lines.append(f"{yardstick} + 1F1B: no micro-batch size fits the memory limit")
     for key, what in (("chrome_trace", "Chrome trace"), ("gantt", "Gantt chart")):
         if key in summary:
             lines.append(f"wrote {what} to {summary[key]}")
