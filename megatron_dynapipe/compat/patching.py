@@ -6,6 +6,10 @@ upstream object (module and qualified name) and the source fragments a patch rel
 stops with :class:`UpstreamChanged` -- naming the spot, what is different, the installed
 megatron-core and the file of this package to review -- instead of running a stale patch.
 
+Where the supported upstream versions differ, a registry entry is a :class:`OneOf`: the
+alternatives are tried in order and the first that resolves and passes its check is the one
+used, so a version is recognised by what its code contains, never by its version number.
+
 :class:`Patches` makes the changes and undoes them, last first. ``replace`` rebinds a name in
 every loaded module that imported it too (``from x import f`` binds ``f`` in the importer, so
 patching only the defining module would miss those calls), and ``undo`` also puts the original
@@ -21,6 +25,7 @@ import sys
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 __all__ = [
+    "OneOf",
     "Patches",
     "Spot",
     "UpstreamChanged",
@@ -51,7 +56,9 @@ class Spot:
     """One upstream object a patch relies on, and how it is changed.
 
     ``expects``: source fragments that must still be in the object's source (and in the sources
-    of ``also_reads``, ``(module, qualname)`` pairs whose code the patch depends on too).
+    of ``also_reads``, ``(module, qualname)`` pairs whose code the patch depends on too);
+    ``lacks``: fragments that must not be there (an alternative of a :class:`OneOf` saying "this
+    version needs nothing here", e.g. no CUDA call to redirect).
 
     ``kind``, one vocabulary for every registry:
 
@@ -70,15 +77,18 @@ class Spot:
     replacement: Optional[Callable[[Any], Any]] = None
     cuda: tuple[str, ...] = ()
     also_reads: tuple[tuple[str, str], ...] = ()
+    lacks: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         return f"{self.module.replace('.', '/')}.py:{self.qualname}"
 
     def changed(self, what: str, review: str) -> UpstreamChanged:
-        return UpstreamChanged(
+        error = UpstreamChanged(
             f"{self.label}: {what} (megatron-core {megatron_core_version()}); upstream changed: "
             f"review {review}")
+        error.what = f"{self.label}: {what}"  # type: ignore[attr-defined]
+        return error
 
     def resolve(self, review: str) -> tuple[Any, str, Any]:
         """(owner, attribute name, current object); :class:`UpstreamChanged` if it is gone."""
@@ -90,7 +100,7 @@ class Spot:
 
     def check(self, original: Any, review: str) -> None:
         """Raise :class:`UpstreamChanged` unless every expected fragment is in ``original``'s
-        source (or in one of ``also_reads``)."""
+        source (or in one of ``also_reads``) and no fragment it ``lacks`` is."""
         try:
             objects = [original] + [_lookup(*where) for where in self.also_reads]
             source = "\n".join(inspect.getsource(inspect.unwrap(obj)) for obj in objects)
@@ -101,6 +111,38 @@ class Spot:
         for fragment in self.expects:
             if fragment not in source:
                 raise self.changed(f"expected {fragment!r} in its source, it is no longer there", review)
+        for fragment in self.lacks:
+            if fragment in source:
+                raise self.changed(f"expected no {fragment!r} in its source, it has one", review)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """Where supported upstream versions differ: the first of ``alternatives`` that resolves and
+    passes its check is used (newest first where an older name survives in newer versions)."""
+
+    alternatives: tuple[Spot, ...]
+
+    def __init__(self, *alternatives: Spot):
+        if not alternatives:
+            raise ValueError("OneOf needs at least one alternative")
+        object.__setattr__(self, "alternatives", tuple(alternatives))
+
+    @property
+    def label(self) -> str:
+        return " | ".join(dict.fromkeys(spot.label for spot in self.alternatives))
+
+    def choose(self, review: str, originals: Mapping[str, Any] = {}) -> tuple[Spot, Any, str, Any]:
+        """``(spot, owner, name, original)`` of the first alternative that resolves and checks;
+        :class:`UpstreamChanged` naming why each failed when none does."""
+        failures = []
+        for spot in self.alternatives:
+            try:
+                return _checked(spot, review, originals)
+            except UpstreamChanged as error:
+                failures.append(error.what)  # type: ignore[attr-defined]
+        raise UpstreamChanged(f"no supported version of {self.label} found ({'; '.join(failures)}; "
+                              f"megatron-core {megatron_core_version()}); upstream changed: review {review}")
 
 
 def _resolve(module: str, qualname: str) -> tuple[Any, str]:
@@ -123,17 +165,20 @@ def _lookup(module: str, qualname: str) -> Any:
     return vars(owner)[name]
 
 
-def check_spots(spots: Iterable[Spot], review: str,
+def check_spots(spots: "Iterable[Spot | OneOf]", review: str,
                 originals: Mapping[str, Any] = {}) -> list[tuple[Spot, Any, str, Any]]:
     """Resolve and check every spot (before any is patched); ``(spot, owner, name, original)``
-    each. ``originals`` (label -> object) is what to check where the spot is patched already."""
-    resolved = []
-    for spot in spots:
-        owner, name, current = spot.resolve(review)
-        original = originals.get(spot.label, current)
-        spot.check(original, review)
-        resolved.append((spot, owner, name, original))
-    return resolved
+    each, the alternative chosen for a :class:`OneOf`. ``originals`` (label -> object) is what to
+    check where the spot is patched already."""
+    return [spot.choose(review, originals) if isinstance(spot, OneOf) else _checked(spot, review, originals)
+            for spot in spots]
+
+
+def _checked(spot: Spot, review: str, originals: Mapping[str, Any]) -> tuple[Spot, Any, str, Any]:
+    owner, name, current = spot.resolve(review)
+    original = originals.get(spot.label, current)
+    spot.check(original, review)
+    return spot, owner, name, original
 
 
 def check_signature(fn: Callable, expected: Sequence[str], review: str) -> None:

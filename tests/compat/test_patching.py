@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from megatron_dynapipe.compat.patching import Patches, Spot, UpstreamChanged, check_signature, check_spots
+from megatron_dynapipe.compat.patching import OneOf, Patches, Spot, UpstreamChanged, check_signature, check_spots
 
 UPSTREAM = '''
 def helper(x):
@@ -95,6 +95,25 @@ def test_check_spots_names_the_spot_what_changed_and_the_file_to_review(fake_meg
     missing = Spot("megatron.no_such_module", "f", ())
     with pytest.raises(UpstreamChanged, match="cannot be imported"):
         check_spots([missing], review="here.py")
+
+
+def test_one_of_uses_the_first_alternative_whose_code_matches(fake_megatron):
+    """Versions are told apart by what their code contains: a name that is gone, or a fragment the
+    source has (``expects``) or must not have (``lacks``)."""
+    newer = Spot("megatron.fakeup", "Box.fetch", ("return",), "a newer upstream's name")
+    same_name_newer = Spot("megatron.fakeup", "helper", ("return x + 2",), "a newer upstream's body")
+    nothing_to_do = Spot("megatron.fakeup", "helper", (), "this upstream needs nothing", lacks=("import torch",))
+    current = Spot("megatron.fakeup", "Box.get", ('return "upstream"',))
+    [(chosen, owner, name, original)] = check_spots([OneOf(newer, same_name_newer, current)], review="r.py")
+    assert chosen is current and name == "get" and original is vars(fake_megatron[0].Box)["get"]
+    assert check_spots([OneOf(same_name_newer, nothing_to_do)], review="r.py")[0][0] is nothing_to_do
+    still_there = Spot("megatron.fakeup", "helper", (), lacks=("return x + 1",))
+    with pytest.raises(UpstreamChanged) as info:  # none matches: each alternative's reason, and what to review
+        check_spots([OneOf(newer, still_there)], review="r.py")
+    message = str(info.value)
+    assert message.startswith("no supported version of megatron/fakeup.py:Box.fetch | megatron/fakeup.py:helper")
+    assert "'Box.fetch' no longer exists" in message and "expected no 'return x + 1'" in message
+    assert message.endswith("review r.py") and len(message.splitlines()) == 1
 
 
 def test_check_signature():
