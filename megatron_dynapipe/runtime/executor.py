@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_dynapipe.compat.patching import Spot, check_spots
+from megatron_dynapipe.compat import upstream
+from megatron_dynapipe.compat.patching import check_spots
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.planning.plan import ExecutionPlan, Op
 from megatron_dynapipe.planning.types import RecomputeType
@@ -81,20 +82,9 @@ class ExecutorOptions:
 # Per-micro-batch recompute
 # --------------------------------------------------------------------------------------------
 
-#: megatron-core must still read these attributes at forward time, per micro-batch.
-RECOMPUTE_READS = (
-    Spot("megatron.core.transformer.transformer_block", "TransformerBlock.forward",
-         ("self.config.recompute_granularity == 'full'",), "full recompute is read per forward"),
-    Spot("megatron.core.transformer.transformer_block", "TransformerBlock._checkpointed_forward",
-         ("self.config.recompute_method == 'uniform'",), "the recompute method is read per forward"),
-    Spot("megatron.core.transformer.attention", "Attention.forward",
-         ("if self.checkpoint_core_attention and self.training",), "selective recompute is read per forward"),
-)
-
-
 @functools.lru_cache(maxsize=1)
 def _check_recompute_reads() -> None:
-    check_spots(RECOMPUTE_READS, review="megatron_dynapipe/runtime/executor.py:RecomputeSwitch")
+    check_spots(upstream.RECOMPUTE_READS, review="megatron_dynapipe/runtime/executor.py:RecomputeSwitch")
 
 
 class RecomputeSwitch:
@@ -165,21 +155,6 @@ class RecomputeSwitch:
 
 _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.RECV_GRAD_START, Op.RECV_GRAD_FINISH,
                            Op.SEND_GRAD_START, Op.SEND_GRAD_FINISH})
-
-
-def _pg_collection():
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    pgs = ProcessGroupCollection()
-    pgs.tp = parallel_state.get_tensor_model_parallel_group()
-    pgs.cp = parallel_state.get_context_parallel_group()
-    pgs.pp = parallel_state.get_pipeline_model_parallel_group()
-    pgs.embd = parallel_state.get_embedding_group(check_initialized=False)
-    pgs.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-    pgs.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True,
-                                                       partial_data_parallel=False)
-    return pgs
 
 
 _CHANNELS: dict = {}
@@ -267,7 +242,7 @@ class StageRunner:
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.first_val_step, self.adjust_tensor_shapes_fn = first_val_step, adjust_tensor_shapes_fn
         self.config = get_model_config(model)
-        self.pg_collection = pg_collection if pg_collection is not None else _pg_collection()
+        self.pg_collection = pg_collection if pg_collection is not None else upstream.process_groups()
         params = next(model.parameters(), None)
         self.device = params.device if params is not None else torch.device("cpu")
         self.channels = _channels(self.pg_collection.pp, self.device, options.comm_timeout_s)
@@ -356,9 +331,9 @@ class StageRunner:
     def shape_of(self, m: int) -> tuple[int, ...]:
         """Micro-batch ``m``'s activation shape, as megatron-core's ``get_tensor_shapes`` says."""
         mb = self.plan.microbatches[m]
-        shapes = self.schedules.get_tensor_shapes(
-            seq_length=mb.seq_len, micro_batch_size=mb.rows, decoder_seq_length=None, config=self.config,
-            tp_group=self.pg_collection.tp, cp_group=self.pg_collection.cp)
+        shapes = upstream.activation_shape(self.schedules, seq_length=mb.seq_len, micro_batch_size=mb.rows,
+                                           config=self.config, tp_group=self.pg_collection.tp,
+                                           cp_group=self.pg_collection.cp)
         if self.adjust_tensor_shapes_fn is not None:
             shapes, send = self.adjust_tensor_shapes_fn(shapes, list(shapes))
             if len(shapes) != 1 or list(send) != list(shapes):
@@ -453,9 +428,9 @@ class StageRunner:
             if self.config.grad_sync_func is None or self.stage == 0:
                 self._leave_no_sync()
         with self.switch(ins.recompute):
-            self.input_grads[m] = self.schedules.backward_step(
-                self.inputs.pop(m), self.outputs.pop(m), self.output_grads.pop(m, None), self.model_type,
-                self.config)
+            self.input_grads[m] = upstream.backward_step(
+                self.schedules, self.inputs.pop(m), self.outputs.pop(m), self.output_grads.pop(m, None),
+                self.model_type, self.config)
 
     def free_buffer(self, i: int, ins) -> None:
         for kept in (self.input_grads, self.inputs, self.output_grads):

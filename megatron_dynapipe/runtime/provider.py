@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.compat.patching import Patches
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.runtime.executor import ExecutorOptions, run_plan
@@ -74,13 +75,15 @@ def _core_get_forward_backward_func():
     return schedules.get_forward_backward_func
 
 
-def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None, *,
-                              dynapipe: Optional[bool] = None) -> Callable:
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                              schedule_pg_collection=None, *, dynapipe: Optional[bool] = None) -> Callable:
     """DynaPipe's forward-backward function when DynaPipe is on (``dynapipe`` overrides the
-    configured state), megatron-core's ``get_forward_backward_func(pp_size, vp_size)`` otherwise."""
+    configured state), megatron-core's ``get_forward_backward_func(pp_size, vp_size,
+    schedule_pg_collection)`` otherwise (Megatron-LM 0.19's ``train`` and ``evaluate`` pass the
+    process-group collection)."""
     enabled = _state.enabled if dynapipe is None else dynapipe
     if not enabled:
-        return _core_get_forward_backward_func()(pp_size, vp_size)
+        return upstream.core_forward_backward_func(pp_size, vp_size, schedule_pg_collection=schedule_pg_collection)
     if vp_size is None and pp_size is None:
         from megatron.core import parallel_state
 
@@ -143,7 +146,7 @@ def forward_backward_dynapipe(
             kwargs["p2p_communicator"] = p2p_communicator
         if pg_collection is not None:
             kwargs["pg_collection"] = pg_collection
-        return _core_get_forward_backward_func()()(**kwargs)
+        return upstream.core_forward_backward_func()(**kwargs)
     return run_plan(
         forward_step_func=forward_step_func, batch=item, model=model, forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,

@@ -588,11 +588,12 @@ def test_install_rebinds_megatron_training_name_and_uninstall_restores(provider,
 
 
 def test_recompute_switch_refuses_an_upstream_that_changed(monkeypatch):
+    from megatron_dynapipe.compat import upstream
     from megatron_dynapipe.compat.patching import Spot, UpstreamChanged
     from megatron_dynapipe.runtime import executor
 
     executor._check_recompute_reads.cache_clear()
-    monkeypatch.setattr(executor, "RECOMPUTE_READS", (
+    monkeypatch.setattr(upstream, "RECOMPUTE_READS", (
         Spot("megatron.core.transformer.attention", "Attention.forward", ("self.checkpoint_core_attention_v2",)),))
     with pytest.raises(UpstreamChanged, match=r"Attention\.forward: expected 'self\.checkpoint_core_attention_v2'"
                                               r".*review megatron_dynapipe/runtime/executor\.py"):
