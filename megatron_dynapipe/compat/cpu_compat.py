@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_dynapipe.compat.patching import Patches, Spot, check_spots
+from megatron_dynapipe.compat.patching import OneOf, Patches, Spot, check_spots
 
 __all__ = [
     "CPU_STREAM_STANDINS",
@@ -51,6 +51,7 @@ __all__ = [
     "cpu_mode",
     "cuda_as_cpu",
     "describe",
+    "redirected_spots",
     "disable_cpu_mode",
     "enable_cpu_mode",
     "is_enabled",
@@ -164,6 +165,13 @@ _scope_lock = threading.RLock()
 _scope_depth = 0
 _scope_saved: dict[str, Any] = {}
 
+#: ``torch.cuda`` functions a scoped spot may call, answered for the CPU while a scope is open.
+_SCOPE_ANSWERS: dict[str, Callable] = {
+    "current_device": _cpu_current_device,
+    "synchronize": _cpu_synchronize,
+    "current_stream": CPU_STREAM_STANDINS["current_stream"],
+}
+
 
 @contextlib.contextmanager
 def cuda_as_cpu() -> Iterator[None]:
@@ -172,16 +180,15 @@ def cuda_as_cpu() -> Iterator[None]:
     Torch functions see the device rewrite through a :class:`~torch.overrides.TorchFunctionMode`
     pushed by every scope: torch pops a mode while it handles a call, so a spot reached from
     inside a handled call (e.g. activation recompute inside ``torch.autograd.backward``) needs its
-    own. ``torch.cuda.current_device`` / ``torch.cuda.synchronize`` are swapped while the
-    outermost scope is open.
+    own. The ``torch.cuda`` functions of :data:`_SCOPE_ANSWERS` are swapped while the outermost
+    scope is open.
     """
     global _scope_depth
     with _scope_lock:
         if _scope_depth == 0:
-            _scope_saved["current_device"] = torch.cuda.current_device
-            _scope_saved["synchronize"] = torch.cuda.synchronize
-            torch.cuda.current_device = _cpu_current_device
-            torch.cuda.synchronize = _cpu_synchronize
+            for name, answer in _SCOPE_ANSWERS.items():
+                _scope_saved[name] = getattr(torch.cuda, name)
+                setattr(torch.cuda, name, answer)
         _scope_depth += 1
     try:
         with _CudaAsCpuMode():
@@ -190,8 +197,8 @@ def cuda_as_cpu() -> Iterator[None]:
         with _scope_lock:
             _scope_depth -= 1
             if _scope_depth == 0:
-                torch.cuda.current_device = _scope_saved.pop("current_device")
-                torch.cuda.synchronize = _scope_saved.pop("synchronize")
+                for name in _SCOPE_ANSWERS:
+                    setattr(torch.cuda, name, _scope_saved.pop(name))
 
 
 # label -> how often the redirected spot was entered since CPU mode was last enabled
@@ -300,7 +307,7 @@ def _scope(module: str, qualname: str, expects: tuple[str, ...], why: str) -> Sp
     return Spot(module, qualname, expects, why, kind="scope")
 
 
-SPOTS: tuple[Spot, ...] = (
+SPOTS: tuple["Spot | OneOf", ...] = (
     _scope(
         "megatron.core.utils",
         "GlobalMemoryBuffer.get_tensor",
@@ -386,6 +393,21 @@ SPOTS: tuple[Spot, ...] = (
         ("device=torch.cuda.current_device()",),
         "DDP grad (and param) buffers are allocated on the current CUDA device",
     ),
+    OneOf(
+        _scope(
+            "megatron.core.distributed.param_and_grad_buffer",
+            "_ParamAndGradBucketGroup.start_grad_sync",
+            ("current_stream = torch.cuda.current_stream()",),
+            "waits on the current CUDA stream for CUDA-graph gradient events on every grad sync (0.19)",
+        ),
+        Spot(
+            "megatron.core.distributed.param_and_grad_buffer",
+            "_ParamAndGradBucketGroup.start_grad_sync",
+            (),
+            "asks for no CUDA stream on a grad sync (before 0.19)",
+            lacks=("torch.cuda.current_stream()",),
+        ),
+    ),
     _scope(
         "megatron.core.optimizer.optimizer",
         "FP32Optimizer.__init__",
@@ -422,6 +444,21 @@ SPOTS: tuple[Spot, ...] = (
         "DistributedOptimizer.__init__",
         ("param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",),
         "tells 16-bit from fp32 parameters by their CUDA type names",
+    ),
+    OneOf(
+        _scope(
+            "megatron.core.optimizer.optimizer",
+            "MegatronOptimizer.has_grad_norm_group",
+            ("device='cuda'",),
+            "reduces whether a separate grad-norm group exists in a CUDA tensor (0.19; clip_grad > 0)",
+        ),
+        Spot(
+            "megatron.core.optimizer.optimizer",
+            "MegatronOptimizer.clip_grad_norm",
+            (),
+            "computes no separate grad-norm groups (before 0.19)",
+            lacks=("has_grad_norm_group",),
+        ),
     ),
     _scope(
         "megatron.core.optimizer.clip_grads",
@@ -475,6 +512,8 @@ def enable_cpu_mode() -> None:
         ):
             importlib.import_module(module)
         for spot, owner, name, original in check_spots(SPOTS, REVIEW):
+            if spot.kind == "check":  # this version needs nothing here
+                continue
             if spot.kind == "scope":
                 new = _scoped(original, spot.label)
             else:
@@ -511,10 +550,18 @@ def cpu_mode() -> Iterator[None]:
             disable_cpu_mode()
 
 
+def redirected_spots() -> list[Spot]:
+    """The spots this megatron-core needs redirected: each entry of :data:`SPOTS`, for a
+    :class:`~.patching.OneOf` the alternative its code matches, less those that change nothing."""
+    with _state_lock:
+        return [spot for spot, *_ in check_spots(SPOTS, REVIEW, _ORIGINALS) if spot.kind != "check"]
+
+
 def describe() -> list[dict[str, Any]]:
-    """The registry: one entry per spot with its label (``file:qualname``), kind, reason, whether
-    it is active, how often it was entered since CPU mode was enabled (for the tracker class: how
-    many trackers were built) and every binding patched for it."""
+    """The redirection: one entry per :func:`redirected_spots` spot with its label
+    (``file:qualname``), kind, reason, whether it is active, how often it was entered since CPU
+    mode was enabled (for the tracker class: how many trackers were built) and every binding
+    patched for it."""
     with _state_lock:
         return [
             {
@@ -529,5 +576,5 @@ def describe() -> list[dict[str, Any]]:
                     if previous is _ORIGINALS.get(spot.label)
                 ),
             }
-            for spot in SPOTS
+            for spot in redirected_spots()
         ]

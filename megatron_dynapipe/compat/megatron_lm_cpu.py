@@ -17,6 +17,7 @@ megatron-core's own spots are :mod:`.cpu_compat`'s, enabled with these.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import os
 import sys
@@ -25,12 +26,12 @@ from typing import Any, Callable, Sequence
 
 from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.compat.cpu_compat import CPU_STREAM_STANDINS, cpu_arguments
-from megatron_dynapipe.compat.patching import Patches, Spot, check_spots
+from megatron_dynapipe.compat.patching import OneOf, Patches, Spot, check_spots
 
 __all__ = ["LM_CPU_SPOTS", "enable_megatron_lm_cpu_mode", "disable_megatron_lm_cpu_mode",
            "cpu_spot_calls"]
 
-REVIEW = "LM_CPU_SPOTS in megatron_dynapipe/compat/megatron_lm_cpu.py (written for Megatron-LM core_v0.16.1)"
+REVIEW = "LM_CPU_SPOTS in megatron_dynapipe/compat/megatron_lm_cpu.py (written for Megatron-LM core_v0.16.1 to core_v0.19.0)"
 
 
 def _body(module: str, qualname: str, expects: tuple[str, ...], why: str, cuda: tuple[str, ...] = ()) -> Spot:
@@ -46,6 +47,7 @@ def _replace(module: str, qualname: str, expects: tuple[str, ...], why: str, rep
 
 
 def _allow_no_cuda(original: Callable) -> Callable:
+    @functools.wraps(original)  # later checks of the spot read the original's source
     def initialize_megatron(*args, **kwargs):
         kwargs["allow_no_cuda"] = True
         return original(*args, **kwargs)
@@ -54,20 +56,20 @@ def _allow_no_cuda(original: Callable) -> Callable:
 
 
 def _skip_fused_kernels(original: Callable) -> Callable:
-    def load(args):
+    def load(*args, **kwargs):
         """CPU run: these are CUDA kernels, built with nvcc (and --cpu turns their use off)."""
 
     return load
 
 
 def _skip_jit_warmup(original: Callable) -> Callable:
-    def _warmup_jit_function():
+    def _warmup_jit_function(*args, **kwargs):  # core_v0.19 passes tp_size
         """CPU run: the fused kernels it warms up are CUDA kernels (and --cpu turns them off)."""
 
     return _warmup_jit_function
 
 
-LM_CPU_SPOTS: tuple[Spot, ...] = (
+LM_CPU_SPOTS: tuple["Spot | OneOf", ...] = (
     _replace("megatron.training.initialize", "initialize_megatron",
              ('assert torch.cuda.is_available(), "Megatron requires CUDA."', "allow_no_cuda"),
              "asserts CUDA is available unless allow_no_cuda", _allow_no_cuda),
@@ -79,10 +81,12 @@ LM_CPU_SPOTS: tuple[Spot, ...] = (
     _body("megatron.training.initialize", "_set_random_seed",
           ("if torch.cuda.device_count() > 0:", "model_parallel_cuda_manual_seed"),
           "seeds megatron's RNG tracker only when it sees a CUDA device", cuda=("device_count",)),
-    _replace("megatron.legacy.fused_kernels", "load",
-             ("_get_cuda_bare_metal_version(", "cpp_extension.CUDA_HOME"),
-             "builds Megatron's fused CUDA kernels with nvcc at start-up",
-             _skip_fused_kernels),
+    OneOf(_replace("megatron.legacy.fused_kernels", "load",
+                   ("_get_cuda_bare_metal_version(", "cpp_extension.CUDA_HOME"),
+                   "builds Megatron's fused CUDA kernels with nvcc at start-up",
+                   _skip_fused_kernels),
+          Spot("megatron.training.initialize", "_compile_dependencies", (),
+               "builds no fused CUDA kernels at start-up (core_v0.17 and later)", lacks=("fused_kernels",))),
     _replace("megatron.training.initialize", "_warmup_jit_function",
              ('device="cuda"',), "warms up fused CUDA kernels", _skip_jit_warmup),
     _body("megatron.core.timers", "Timer.start", ("torch.cuda.synchronize()",),
@@ -99,6 +103,11 @@ LM_CPU_SPOTS: tuple[Spot, ...] = (
           ("model_module.cuda(torch.cuda.current_device())", "torch.cuda.Stream()"),
           "moves the model to the current CUDA device; builds DDP on a side CUDA stream",
           cuda=("current_device", "Stream", "current_stream", "stream")),
+    OneOf(_body("megatron.training.models.dist_utils", "_ddp_wrap", ("torch.cuda.Stream()",),
+                "builds DDP on a side CUDA stream (core_v0.19: models built from the config container)",
+                cuda=("Stream", "current_stream", "stream")),
+          Spot("megatron.training.training", "get_model", ("torch.cuda.Stream()",),
+               "builds DDP itself, on a side CUDA stream (before core_v0.19): its own spot covers it")),
     _body("megatron.training.training", "build_train_valid_test_data_loaders",
           ("device='cuda'",), "broadcasts the do-train/valid/test flags in a CUDA tensor"),
     _body("megatron.training.training", "training_log",
@@ -109,7 +118,7 @@ LM_CPU_SPOTS: tuple[Spot, ...] = (
     _body("megatron.training.training", "checkpoint_and_decide_exit",
           ("device='cuda'",), "all-reduces the --exit-duration-in-mins decision in a CUDA tensor"),
     _body("megatron.training.training", "evaluate",
-          (").cuda()", "device='cuda'"), "sums the validation losses in CUDA tensors"),
+          ("device='cuda'",), "sums the validation losses in CUDA tensors"),
     _body("megatron.training.training", "evaluate_and_print_results",
           ("device='cuda'",), "broadcasts --full-validation's iteration count in a CUDA tensor"),
     _body("megatron.training.utils", "reduce_max_stat_across_model_parallel_group",
@@ -118,8 +127,10 @@ LM_CPU_SPOTS: tuple[Spot, ...] = (
     _body("megatron.training.utils", "logical_and_across_model_parallel_group",
           ("device=torch.cuda.current_device()",), "reduces the update-successful flag in a CUDA tensor",
           cuda=("current_device",)),
-    _body("megatron.training.utils", "calc_params_l2_norm",
-          ("device='cuda'",), "computes --log-params-norm in CUDA tensors"),
+    OneOf(_body("megatron.training.utils.common_utils", "_compute_norm_2",
+                ("device='cuda'",), "computes --log-params-norm in CUDA tensors (core_v0.19)"),
+          _body("megatron.training.utils", "calc_params_l2_norm",
+                ("device='cuda'",), "computes --log-params-norm in CUDA tensors")),
 )
 
 
@@ -211,7 +222,7 @@ def _cuda_swap(name: str, original: Callable, cpu: Callable) -> Callable:
     return answer
 
 
-def enable_megatron_lm_cpu_mode(spots: Sequence[Spot] = LM_CPU_SPOTS) -> None:
+def enable_megatron_lm_cpu_mode(spots: "Sequence[Spot | OneOf]" = LM_CPU_SPOTS) -> None:
     """Redirect megatron-core's (:func:`.cpu_compat.enable_cpu_mode`) and Megatron-LM's
     (``spots``) CUDA-only places to the CPU; idempotent. Every spot is checked before any is
     patched. The ``"body"`` redirection is a torch function mode pushed for the calling thread
@@ -223,11 +234,13 @@ def enable_megatron_lm_cpu_mode(spots: Sequence[Spot] = LM_CPU_SPOTS) -> None:
             return
         resolved = check_spots(spots, REVIEW)
         answers = _cpu_answers()
-        unanswered = sorted({name for spot in spots for name in spot.cuda} - set(answers))
+        unanswered = sorted({name for spot, *_ in resolved for name in spot.cuda} - set(answers))
         if unanswered:
             raise ValueError(f"no CPU answer for torch.cuda.{unanswered[0]}: add it to _cpu_answers")
         cpu_compat.enable_cpu_mode()
         for spot, owner, name, original in resolved:
+            if spot.kind == "check":  # this version needs nothing here
+                continue
             if spot.kind == "replace":
                 _cpu.patches.replace(owner, name, cpu_compat.counted(spot.replacement(original), spot.label,
                                                                      _cpu.calls))

@@ -319,7 +319,7 @@ def test_tensor_parallel_matches_single_process(reference, two_ranks):
 
 
 def _spot(qualname: str) -> cpu_compat.Spot:
-    (spot,) = [s for s in cpu_compat.SPOTS if s.qualname == qualname]
+    (spot,) = [s for s in cpu_compat.redirected_spots() if s.qualname == qualname]
     return spot
 
 
@@ -369,21 +369,22 @@ def test_enable_disable_idempotent_and_restores_originals():
     import megatron.core.utils as mutils
 
     assert not cpu_compat.is_enabled()
-    originals = {spot.label: _current(spot) for spot in cpu_compat.SPOTS}
+    spots = cpu_compat.redirected_spots()
+    originals = {spot.label: _current(spot) for spot in spots}
     l2_binding = clip_grads.l2_norm_impl
     assert l2_binding is mutils.local_multi_tensor_l2_norm
     try:
         cpu_compat.enable_cpu_mode()
-        patched = {spot.label: _current(spot) for spot in cpu_compat.SPOTS}
+        patched = {spot.label: _current(spot) for spot in spots}
         assert all(patched[label] is not originals[label] for label in originals)
         assert clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm  # binding followed
         cpu_compat.enable_cpu_mode()  # idempotent: nothing wrapped twice
-        assert {spot.label: _current(spot) for spot in cpu_compat.SPOTS} == patched
+        assert {spot.label: _current(spot) for spot in spots} == patched
         listing = cpu_compat.describe()
-        assert [entry["spot"] for entry in listing] == [spot.label for spot in cpu_compat.SPOTS]
+        assert [entry["spot"] for entry in listing] == [spot.label for spot in spots]
         assert all(entry["active"] for entry in listing)
         # the checks still run against the originals while enabled
-        for spot in cpu_compat.SPOTS:
+        for spot in spots:
             assert cpu_compat.check_spot(spot) is originals[spot.label]
         # scoped redirection does what it says, and only inside the scope
         with cpu_compat.cuda_as_cpu():
@@ -394,7 +395,7 @@ def test_enable_disable_idempotent_and_restores_originals():
     finally:
         cpu_compat.disable_cpu_mode()
     cpu_compat.disable_cpu_mode()  # idempotent
-    assert {spot.label: _current(spot) for spot in cpu_compat.SPOTS} == originals
+    assert {spot.label: _current(spot) for spot in spots} == originals
     assert clip_grads.l2_norm_impl is l2_binding
     assert not any(entry["active"] for entry in cpu_compat.describe())
     assert not cpu_compat.is_enabled()
