@@ -1,7 +1,24 @@
 """Where the tests find the project: its root and the profile shipped inside the package (every test
 that plans on it runs on a fresh clone)."""
 
+import os
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_6_7B_A100 = ROOT / "megatron_dynapipe" / "planning" / "profiles" / "gpt-6.7b-a100.json"
+
+#: The Megatron-LM checkout the end-to-end tests run (CI extracts core_v0.16.1 and core_v0.19.0 into
+#: one each); those tests skip, saying so, where it is not set.
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
+NO_CHECKOUT = ("MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of tag core_v0.16.1 through "
+               "core_v0.19.x (git clone https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout "
+               "core_v0.19.0) to run the Megatron-LM end-to-end tests")
+
+
+def patch_for(checkout: Path) -> Path:
+    """The one patch in patches/ that applies to ``checkout``'s pretrain_gpt.py (``git apply --check``)."""
+    fits = [patch for patch in sorted((ROOT / "patches").glob("*.patch"))
+            if subprocess.run(["git", "apply", "--check", str(patch)], cwd=checkout, capture_output=True).returncode == 0]
+    assert len(fits) == 1, f"{len(fits)} of the patches in patches/ apply to {checkout}: {[p.name for p in fits]}"
+    return fits[0]

@@ -4,8 +4,8 @@ The input is what Megatron-LM's SFT dataset reads: a JSONL file whose lines hold
 a list of system / user / assistant turns; a line may hold several conversations, each starting
 with a system message. Each conversation is tokenized with the job's tokenizer, as Megatron's
 ``SFTDataset`` does: ``tokenize_conversation(conversation, return_target=True,
-add_generation_prompt=False)`` (Megatron-LM's ``SFTTokenizer``), then an EOD token unless the
-conversation ends with one. A token is a prediction target when its target is neither
+add_generation_prompt=False)`` (Megatron-LM's ``SFTTokenizer``), then, where the job's Megatron-LM
+does so (before core_v0.19), an EOD token unless the conversation ends with one. A token is a prediction target when its target is neither
 ``IGNORE_INDEX`` (system and user turns) nor the pad id: the loss mask Megatron's SFT dataset
 builds. Where Megatron packs a line's conversations into one fixed-length sequence, DynaPipe trains
 each conversation as a sample of its own length (a conversation longer than the sequence length is
@@ -41,23 +41,25 @@ def conversations_of(messages: list) -> list[list[dict]]:
     return conversations
 
 
-def tokenize_conversation_sample(conversation: list, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_conversation_sample(conversation: list, tokenizer, append_eod: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, target mask) of one conversation (module docstring)."""
     tokens, targets = tokenizer.tokenize_conversation(conversation, return_target=True, add_generation_prompt=False)
     tokens, targets = np.asarray(tokens, dtype=np.int64), np.asarray(targets, dtype=np.int64)
-    if len(tokens) == 0 or tokens[-1] != tokenizer.eod:
+    if append_eod and (len(tokens) == 0 or tokens[-1] != tokenizer.eod):
         tokens, targets = np.append(tokens, tokenizer.eod), np.append(targets, tokenizer.eod)
     return tokens, (targets != IGNORE_INDEX) & (targets != tokenizer.pad)
 
 
 def sft_dataset(path: "str | os.PathLike", tokenizer, max_seq_len: int, *, long_samples: str = "split",
-                cache_dir: "str | os.PathLike | None" = None) -> TokenFileDataset:
-    """The conversations of the JSONL file ``path`` as samples (module docstring), tokenized into
+                cache_dir: "str | os.PathLike | None" = None, append_eod: bool = True) -> TokenFileDataset:
+    """The conversations of the JSONL file ``path`` as samples (module docstring; ``append_eod``:
+    end each with an EOD token as Megatron-LM's SFT dataset did before core_v0.19), tokenized into
     ``cache_dir`` (default: ``<path>.dynapipe-sft/``) unless already there."""
     path = os.path.abspath(os.fspath(path))
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read())
     digest.update(_tokenizer_identity(tokenizer).encode())
+    digest.update(b"\0eod" if append_eod else b"\0no-eod")
     root = os.fspath(cache_dir) if cache_dir is not None else path + ".dynapipe-sft"
     directory = os.path.join(root, digest.hexdigest()[:24])
     if not os.path.exists(os.path.join(directory, "offsets.npy")):
@@ -66,7 +68,7 @@ def sft_dataset(path: "str | os.PathLike", tokenizer, max_seq_len: int, *, long_
             for number, line in enumerate(f, start=1):
                 if line.strip():
                     for conversation in conversations_of(_messages(line, path, number)):
-                        tokens, mask = tokenize_conversation_sample(conversation, tokenizer)
+                        tokens, mask = tokenize_conversation_sample(conversation, tokenizer, append_eod)
                         samples.append(tokens)
                         targets.append(mask)
         try:

@@ -306,6 +306,13 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
         if getattr(args, name, False):
             refuse(f"{flag} is a feature of Megatron's packed GPT datasets; --dynapipe trains on whole "
                    f"variable-length samples: drop {flag}")
+    if getattr(args, "dataloader_inter_document_masking", False):
+        refuse("--dataloader-inter-document-masking packs documents into Megatron's fixed-length rows; --dynapipe "
+               "plans its own micro-batches: drop it (--dynapipe-packing varlen packs them without attention "
+               "between documents)")
+    if getattr(args, "step_batch_size_schedule", None):
+        refuse("--step-batch-size-schedule changes the global batch as Megatron's calculator steps it; --dynapipe "
+               "plans --global-batch-size samples an iteration: drop it with --dynapipe")
     if getattr(args, "mtp_num_layers", None):
         refuse("--dynapipe does not feed multi-token-prediction layers on middle stages: drop --mtp-num-layers")
     if getattr(args, "iterations_to_skip", None):

@@ -4,9 +4,11 @@ Without transformer-engine (``--transformer-impl local``: every ``--cpu`` run, a
 is not installed) Megatron-LM builds its layers from megatron-core's ``get_gpt_layer_local_spec``,
 whose attention core computes attention unfused and refuses packed (THD) micro-batches, so
 ``--dynapipe-packing varlen`` cannot run on it. With ``--dynapipe-attention sdpa``, while the
-script's model provider builds the model, every binding of ``get_gpt_layer_local_spec`` returns
-its spec with :class:`~megatron_dynapipe.gpt.attention.SDPAttention` as the core (pretrain_gpt's
-builder and megatron-core's MoE block spec both call it); afterwards the original is back. The
+model is built, every binding of ``get_gpt_layer_local_spec`` returns its spec with
+:class:`~megatron_dynapipe.gpt.attention.SDPAttention` as the core (pretrain_gpt's builder and
+megatron-core's MoE block spec both call it); afterwards the original is back. "While the model is
+built" is the script's model provider before core_v0.19 (:func:`layer_attention`) and, from
+core_v0.19, the ``GPTModelConfig.transformer_layer_spec`` it builds from (:func:`sdpa_layer_spec`). The
 builders that never call it (``--spec``, the legacy model, experimental attention variants,
 heterogeneous layers) are refused in one line rather than silently keeping the unfused core.
 """
@@ -16,14 +18,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
-from megatron_dynapipe.compat.patching import Patches, Spot, check_spots
+from megatron_dynapipe.compat.patching import Patches, check_spots
+from megatron_dynapipe.compat.upstream import LOCAL_CORE_ATTENTION
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
-__all__ = ["LOCAL_SPEC_SPOT", "check_attention_args", "layer_attention"]
+__all__ = ["check_attention_args", "layer_attention", "sdpa_layer_spec"]
 
-REVIEW = "LOCAL_SPEC_SPOT in megatron_dynapipe/megatron_lm/attention.py (written for megatron-core 0.16.1)"
+REVIEW = "megatron_dynapipe/megatron_lm/attention.py (LOCAL_CORE_ATTENTION in megatron_dynapipe/compat/upstream.py)"
 
 
 def _with_sdpa_core(original: Callable) -> Callable:
@@ -35,12 +38,6 @@ def _with_sdpa_core(original: Callable) -> Callable:
         return with_core_attention(original(*args, **kwargs), SDPAttention)
 
     return get_gpt_layer_local_spec
-
-
-LOCAL_SPEC_SPOT = Spot("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec",
-                       ("core_attention=backend.core_attention()",),
-                       "the attention core of the local spec's layers is what the SDPA core replaces",
-                       kind="replace", replacement=_with_sdpa_core)
 
 # (namespace name, flag) of the Megatron-LM builders that never call get_gpt_layer_local_spec
 _OTHER_BUILDERS = (("spec", "--spec"), ("use_legacy_models", "--use-legacy-models"),
@@ -77,9 +74,23 @@ def layer_attention(args: argparse.Namespace) -> Iterator[None]:
     if not _sdpa(args):
         yield
         return
-    [(spot, owner, name, original)] = check_spots([LOCAL_SPEC_SPOT], REVIEW)
+    [(_spot, owner, name, original)] = check_spots([LOCAL_CORE_ATTENTION], REVIEW)
     with Patches() as patches:
         # every module that bound it: pretrain_gpt's builder (gpt_builders, outside the megatron
         # package) calls its own binding
-        patches.replace(owner, name, spot.replacement(original), where=lambda _module: True)
+        patches.replace(owner, name, _with_sdpa_core(original), where=lambda _module: True)
         yield
+
+
+def sdpa_layer_spec(args: argparse.Namespace) -> Callable:
+    """A core_v0.19 ``GPTModelConfig.transformer_layer_spec``: Megatron-LM's own choice of layers
+    (``default_layer_spec``), made while the local spec gives them the SDPA core."""
+    from megatron_dynapipe.compat.megatron_lm_script import default_layer_spec
+
+    default = default_layer_spec()
+
+    def transformer_layer_spec(config, vp_stage: Optional[int] = None):
+        with layer_attention(args):
+            return default(config, vp_stage)
+
+    return transformer_layer_spec

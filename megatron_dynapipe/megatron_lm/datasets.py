@@ -51,18 +51,22 @@ def _opener(args):
     long_samples = getattr(args, "dynapipe_long_samples", None) or "split"
     if not getattr(args, "sft", False):
         return lambda path: open_dataset(path, args.seq_length, long_samples=long_samples)
-    tokenizer = _tokenizer(args)
+    from megatron_dynapipe.compat.megatron_lm_script import sft_appends_eod
+
+    tokenizer, append_eod = _tokenizer(args), sft_appends_eod()
     cache = getattr(args, "data_cache_path", None)
-    return lambda path: sft_dataset(path, tokenizer, args.seq_length, long_samples=long_samples, cache_dir=cache)
+    return lambda path: sft_dataset(path, tokenizer, args.seq_length, long_samples=long_samples, cache_dir=cache,
+                                    append_eod=append_eod)
 
 
 def _tokenizer(args):
-    """The tokenizer pretrain_gpt.py builds its datasets with."""
+    """The tokenizer pretrain_gpt.py builds its datasets with (``--legacy-tokenizer``: Megatron-LM's
+    own, before 0.17)."""
     if getattr(args, "legacy_tokenizer", False):
         from megatron.training import get_tokenizer
 
         return get_tokenizer()
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+    from megatron_dynapipe.compat.upstream import build_tokenizer
 
     return build_tokenizer(args)
 

@@ -15,13 +15,18 @@ What it does, in this order, in each process:
    (:mod:`~megatron_dynapipe.compat.cpu_compat`) and of Megatron-LM's training loop
    (:data:`LM_CPU_SPOTS`, each checked against the checkout's source first) and appends the
    flags a CPU run needs (:data:`CPU_FLAGS`);
-3. replaces ``megatron.training.pretrain`` with a wrapper, then runs the script as
-   ``__main__`` (``runpy``). When the script calls ``pretrain(...)``, the wrapper swaps in the
-   hooks of :mod:`~megatron_dynapipe.megatron_lm.pretrain_hooks` -- the datasets provider, the model
-   provider (which validates DynaPipe's arguments and installs its schedule once Megatron has
-   validated its own), the extra-arguments provider -- and re-binds the script's global
-   ``get_batch`` (the name its ``forward_step`` calls) before handing over to Megatron's real
-   ``pretrain``. The ``patches/`` file makes the same changes, explicitly, in the script.
+3. replaces ``megatron.training.pretrain`` (and, where the script parses its own arguments --
+   core_v0.18 and later -- ``megatron.training.arguments.parse_and_validate_args``) with a
+   wrapper, then runs the script as ``__main__`` (``runpy``). DynaPipe's flags join Megatron's
+   parse, and DynaPipe's arguments are validated and its schedule installed right after Megatron
+   validated its own (in ``parse_and_validate_args``, else in the model provider). When the script
+   calls ``pretrain(...)``, the wrapper swaps in the hooks of
+   :mod:`~megatron_dynapipe.megatron_lm.pretrain_hooks` -- the datasets provider, the model
+   provider or the model config's layers, the extra-arguments provider -- and re-binds the
+   script's global ``get_batch`` (the name its ``forward_step`` calls) before handing over to
+   Megatron's real ``pretrain``. Which of them a tag has is read from its code
+   (:mod:`~megatron_dynapipe.compat.megatron_lm_script`). The ``patches/`` files make the same
+   changes, explicitly, in the script.
 
 Without ``--dynapipe`` among the script's arguments every hook falls through to the script's own
 function: the run is plain Megatron-LM.
@@ -43,9 +48,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+from megatron_dynapipe.compat import megatron_lm_script as script
+from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.compat.patching import Patches, UpstreamChanged
-from megatron_dynapipe.megatron_lm import pretrain_hooks, scaling_mode
 from megatron_dynapipe.megatron_lm import pretrain_hooks as hooks
+from megatron_dynapipe.megatron_lm import scaling_mode
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
 __all__ = [
@@ -191,41 +198,49 @@ def _print_rank0(message: str) -> None:
 def wrap_pretrain(pretrain: Callable, installed: Optional[_Installed] = None) -> Callable:
     """A ``pretrain`` that installs :mod:`.pretrain_hooks` before calling ``pretrain``.
 
-    Replaces its datasets provider, model provider and ``extra_args_provider`` with the hooks'
-    wrappers (each falls through to the script's own without ``--dynapipe``), and re-binds the
-    ``get_batch`` global of the module ``forward_step_func`` was defined in.
+    The call is bound by ``pretrain``'s own signature (:func:`~megatron_dynapipe.compat.megatron_lm_script.bind_pretrain`),
+    so each hook goes in by parameter name whatever the tag: the datasets provider always, the
+    model provider and ``extra_args_provider`` where ``pretrain`` takes them (before core_v0.19 and
+    core_v0.18), the SDPA core through the config container's ``GPTModelConfig`` where the model is
+    built from it (core_v0.19); and the ``get_batch`` global of the module ``forward_step_func``
+    was defined in is re-bound, returning what the script's own returns. Each hook falls through
+    to the script's own without ``--dynapipe``.
     """
     installed = installed if installed is not None else _Installed()
 
-    def dynapipe_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                          *args, extra_args_provider=None, **kwargs):
+    def dynapipe_pretrain(*args, **kwargs):
         installed.called = True
-        if hooks.is_hook(train_valid_test_dataset_provider) and hooks.is_hook(model_provider):
+        bound = script.bind_pretrain(pretrain, args, kwargs)
+        call = bound.arguments
+        if hooks.is_hook(call["train_valid_test_dataset_provider"]):
             installed.patched = []  # a patched script (patches/): it calls the hooks itself
             _print_rank0("> megatron-dynapipe launch: the script calls megatron_dynapipe's pretrain hooks itself "
                          "(patched); nothing to install")
-            return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                            *args, extra_args_provider=extra_args_provider, **kwargs)
+            return pretrain(*bound.args, **bound.kwargs)
+        forward_step_func = call["forward_step_func"]
         script_globals = getattr(forward_step_func, "__globals__", None)
         if script_globals is None or not callable(script_globals.get("get_batch")):
             raise LaunchError(
                 f"{getattr(forward_step_func, '__qualname__', forward_step_func)!r} is not defined next to a "
                 "get_batch function: the launcher supports pretrain_gpt.py-style scripts (forward_step calls "
-                "the module's get_batch); apply patches/pretrain_gpt_core_v0.16.1.patch-style changes instead")
+                "the module's get_batch); apply one of the patches in patches/ instead")
         if not hooks.is_hook(script_globals["get_batch"]):
-            script_globals["get_batch"] = hooks.make_get_batch(script_globals["get_batch"])
-        installed.patched = ["get_batch", "train_valid_test_datasets_provider", "model_provider",
-                             "extra_args_provider"]
+            script_globals["get_batch"] = hooks.make_get_batch(script_globals["get_batch"],
+                                                               script.batch_keys(script_globals))
+        installed.patched = ["get_batch", "train_valid_test_datasets_provider"]
+        call["train_valid_test_dataset_provider"] = hooks.datasets_provider(call["train_valid_test_dataset_provider"])
+        if call.get("model_provider") is not None:
+            call["model_provider"] = hooks.model_provider(call["model_provider"])
+            installed.patched.append("model_provider")
+        if "extra_args_provider" in call and not hooks.is_hook(call["extra_args_provider"]):
+            call["extra_args_provider"] = hooks.extra_args_provider(call["extra_args_provider"])
+            installed.patched.append("extra_args_provider")
+        model_config = script.model_config(bound)
+        if model_config is not None:
+            hooks.configure_model(model_config)
+            installed.patched.append("the model config's layers")
         _print_rank0(f"> megatron-dynapipe launch: hooked the script's {', '.join(installed.patched)}")
-        return pretrain(
-            hooks.datasets_provider(train_valid_test_dataset_provider),
-            hooks.model_provider(model_provider),
-            model_type,
-            forward_step_func,
-            *args,
-            extra_args_provider=hooks.extra_args_provider(extra_args_provider),
-            **kwargs,
-        )
+        return pretrain(*bound.args, **bound.kwargs)
 
     dynapipe_pretrain.__wrapped__ = pretrain  # type: ignore[attr-defined]
     return dynapipe_pretrain
@@ -258,6 +273,15 @@ def _check_megatron_is_the_checkouts(options: LaunchOptions) -> None:
             "on sys.path: launch in a fresh process (torchrun ... megatron-dynapipe launch SCRIPT ...)")
 
 
+def _check_supported(options: LaunchOptions) -> None:
+    """The megatron-core the script will import (the checkout's own, first on ``sys.path``) is one
+    this package supports: checked before anything runs."""
+    try:
+        upstream.check_supported()
+    except upstream.UnsupportedUpstream as error:
+        raise LaunchError(f"{options.script}: {error}") from None
+
+
 def launch(options: LaunchOptions) -> int:
     """Run ``options.script`` as ``__main__`` with DynaPipe's hooks installed (see the module
     docstring). Returns 0 when the script returns (``SystemExit`` passes through)."""
@@ -272,6 +296,7 @@ def launch(options: LaunchOptions) -> int:
         # and the fake-rank tracer opens its own fake process group (see scaling_mode).
         with _script_environment(options) as argv:
             _check_megatron_is_the_checkouts(options)
+            _check_supported(options)
             try:
                 scaling_mode.run_from_argv(argv[1:])
             except DynapipeArgumentError as error:
@@ -280,6 +305,7 @@ def launch(options: LaunchOptions) -> int:
     installed = _Installed()
     with _script_environment(options) as argv:
         _check_megatron_is_the_checkouts(options)
+        _check_supported(options)
         try:
             import megatron.training as training_package
         except ImportError as exc:
@@ -293,11 +319,15 @@ def launch(options: LaunchOptions) -> int:
             _print_rank0(f"> megatron-dynapipe launch --cpu: appended {' '.join(CPU_FLAGS)}")
         patches = Patches()
         patches.set(training_package, "pretrain", wrap_pretrain(training_package.pretrain, installed))
+        parser = script.argument_parser()  # the script parses the arguments itself (core_v0.18 and later)
+        if parser is not None:
+            owner, name, original = parser
+            patches.replace(owner, name, hooks.parse_and_validate_args(original))
         try:
             runpy.run_path(argv[0], run_name="__main__")
         finally:
             patches.undo()
-            pretrain_hooks.close_loaders()
+            hooks.close_loaders()
             if options.cpu:
                 counts = megatron_lm_cpu.cpu_spot_calls()
                 _print_rank0("> megatron-dynapipe launch --cpu: redirected "

@@ -51,7 +51,7 @@ import inspect
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
@@ -63,7 +63,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     training_spec_from_args,
     validate_dynapipe_args,
 )
-from megatron_dynapipe.megatron_lm.attention import layer_attention
+from megatron_dynapipe.megatron_lm.attention import check_attention_args, layer_attention, sdpa_layer_spec
 from megatron_dynapipe.megatron_lm.datasets import open_splits
 from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
@@ -72,6 +72,7 @@ __all__ = [
     "add_data_arguments",
     "build_data_loaders",
     "close_loaders",
+    "configure_model",
     "datasets_provider",
     "enabled",
     "extra_args_provider",
@@ -79,6 +80,7 @@ __all__ = [
     "is_hook",
     "make_get_batch",
     "model_provider",
+    "parse_and_validate_args",
     "run_scaling_mode",
     "scaling_mode_requested",
     "setup",
@@ -149,6 +151,7 @@ def setup(args: Optional[argparse.Namespace] = None):
     ``args.dataloader_type = "external"``, then :func:`~.provider.install`. Without it, installs
     nothing (Megatron's own schedule and data path stay). Returns the install report.
     """
+    from megatron_dynapipe.compat.upstream import check_supported
     from megatron_dynapipe.runtime.provider import install
 
     if args is None:
@@ -157,6 +160,7 @@ def setup(args: Optional[argparse.Namespace] = None):
         if id(args) in _setup_done:
             return _setup_done[id(args)]
         if getattr(args, "dynapipe", False):
+            check_supported()
             validate_dynapipe_args(args)
             check_data_pipeline_args(args)
             if getattr(args, "dataloader_type", None) not in (None, "single", "external"):
@@ -181,6 +185,38 @@ def model_provider(original: Callable) -> Callable:
     dynapipe_model_provider.__wrapped__ = original  # type: ignore[attr-defined]
     dynapipe_model_provider.__dynapipe_hook__ = True  # type: ignore[attr-defined]
     return dynapipe_model_provider
+
+
+def parse_and_validate_args(original: Callable) -> Callable:
+    """Wrap Megatron-LM's ``parse_and_validate_args`` (core_v0.18 and later: the script parses its
+    arguments before ``pretrain``): DynaPipe's flags join the parse (:func:`extra_args_provider`)
+    and :func:`setup` runs on the validated arguments, before the script builds its config from
+    them (``variable_seq_lengths`` is then on in the model's config)."""
+    signature = inspect.signature(original)
+
+    def dynapipe_parse_and_validate_args(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        provider = bound.arguments.get("extra_args_provider")
+        if not is_hook(provider):
+            bound.arguments["extra_args_provider"] = extra_args_provider(provider)
+        parsed = original(*bound.args, **bound.kwargs)
+        setup(parsed)
+        return parsed
+
+    dynapipe_parse_and_validate_args.__wrapped__ = original  # type: ignore[attr-defined]
+    dynapipe_parse_and_validate_args.__dynapipe_hook__ = True  # type: ignore[attr-defined]
+    return dynapipe_parse_and_validate_args
+
+
+def configure_model(model_config: Any, args: Optional[argparse.Namespace] = None) -> Any:
+    """Choose a core_v0.19 ``GPTModelConfig``'s layers as ``--dynapipe-attention`` asks: with
+    ``sdpa``, its ``transformer_layer_spec`` (the supported seam) builds Megatron-LM's default
+    layers with the SDPA core (:mod:`.attention`); otherwise nothing changes. Returns the config."""
+    args = _get_args() if args is None else args
+    check_attention_args(args)
+    if getattr(args, "dynapipe_attention", None) == "sdpa":
+        model_config.transformer_layer_spec = sdpa_layer_spec(args)
+    return model_config
 
 
 def scaling_mode_requested(argv: "Optional[list[str]]" = None) -> bool:
@@ -212,14 +248,17 @@ def run_scaling_mode(argv: "Optional[list[str]]" = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def get_batch(data_iterator, vp_stage: Optional[int] = None):
-    """pretrain_gpt's ``get_batch`` under DynaPipe: ``(tokens, labels, loss_mask, attention_mask,
-    position_ids, packed_seq_params)`` of the one micro-batch dict ``data_iterator`` yields.
+def get_batch(data_iterator, vp_stage: Optional[int] = None, batch_keys: "Optional[Sequence[str]]" = None):
+    """pretrain_gpt's ``get_batch`` under DynaPipe, for the one micro-batch dict ``data_iterator``
+    yields: ``(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params)``, or,
+    for a script whose ``get_batch`` returns the values of its ``BATCH_KEYS`` (core_v0.18 and
+    later), those values in that order (the keys a micro-batch has no value for are None).
 
     The tensors are ``[micro-batch size, padded length]`` as the plan says; padding sits at the
     right of each sample with ``loss_mask`` 0, so causal attention needs no mask
     (``attention_mask`` is None). A packed micro-batch (``--dynapipe-packing varlen``) is one row
-    with its THD ``packed_seq_params``. No tensor-parallel broadcast: every TP rank has the same dict.
+    with its THD ``packed_seq_params`` (for ``BATCH_KEYS``: its ``cu_seqlens`` and ``max_seqlen``,
+    from which the script builds them). No tensor-parallel broadcast: every TP rank has the same dict.
     """
     if data_iterator is None:
         raise ValueError("DynaPipe's get_batch got data_iterator=None: every rank needs its PlannedBatch "
@@ -239,14 +278,18 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None):
     from megatron_dynapipe.gpt.forward_step import packed_seq_params
 
     packed = {k: microbatch[k].to(tokens.device) for k in ("cu_seqlens", "max_seqlen") if k in microbatch}
-    return tokens, labels, loss_mask, None, position_ids, packed_seq_params(packed)
+    if batch_keys is None:
+        return tokens, labels, loss_mask, None, position_ids, packed_seq_params(packed)
+    values = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids, **packed)
+    return [values.get(key) for key in batch_keys]
 
 
-def make_get_batch(original: Callable) -> Callable:
-    """``get_batch`` that is DynaPipe's while the planned schedule is on, ``original`` otherwise."""
+def make_get_batch(original: Callable, batch_keys: "Optional[Sequence[str]]" = None) -> Callable:
+    """``get_batch`` that is DynaPipe's while the planned schedule is on (returning what the
+    script's own returns: ``batch_keys``, see :func:`get_batch`), ``original`` otherwise."""
     def dynapipe_get_batch(data_iterator, vp_stage: Optional[int] = None):
         if enabled():
-            return get_batch(data_iterator, vp_stage)
+            return get_batch(data_iterator, vp_stage, batch_keys)
         return original(data_iterator, vp_stage)
 
     dynapipe_get_batch.__wrapped__ = original  # type: ignore[attr-defined]

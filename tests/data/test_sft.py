@@ -61,6 +61,19 @@ def test_conversations_become_samples_with_their_answers_as_targets(tmp_path):
     assert len(sft_dataset(path, tokenizer, 64, cache_dir=tmp_path / "cache")) == 1 and tokenizer.calls == 4
 
 
+def test_without_an_appended_eod_a_conversation_ends_where_its_tokens_end(tmp_path):
+    """Megatron-LM's SFT dataset appends no EOD from core_v0.19; a cache made the other way is not reused."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text(_line(("user", "x"), ("assistant", "zz")) + "\n")
+    tokenizer = CharTokenizer()
+    with_eod = sft_dataset(path, tokenizer, 64, cache_dir=tmp_path / "cache")
+    without = sft_dataset(path, tokenizer, 64, cache_dir=tmp_path / "cache", append_eod=False)
+    assert tokenizer.calls == 2
+    assert with_eod[0].tolist() == without[0].tolist() + [CharTokenizer.eod]
+    assert without[0].tolist() == [3, ord("x"), 4, ord("z"), ord("z")]
+    assert without.target_mask(0).tolist() == [False, False, True, True, True]
+
+
 def test_pad_tokens_are_not_targets_and_bad_lines_are_named(tmp_path):
     class PadIsEod(CharTokenizer):
         pad = 1  # as Megatron masks labels equal to the pad id, an EOD equal to it is not a target

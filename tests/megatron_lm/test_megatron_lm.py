@@ -4,8 +4,8 @@ Without a checkout (always run): the launcher's argument handling, its ``pretrai
 whole ``launch`` of a stand-in script against a stand-in ``megatron.training`` (in a subprocess),
 and the narrowness of its CPU redirection.
 
-With ``MEGATRON_LM_DIR`` pointing at a Megatron-LM checkout of tag core_v0.16.1:
-``git apply --check`` of the patch, the CPU spots against the checkout's source, and CPU smoke
+With ``MEGATRON_LM_DIR`` pointing at a Megatron-LM checkout of tag core_v0.16.1 through core_v0.19.x:
+exactly one of the patches applies (``git apply --check``), the CPU spots against the checkout's source, and CPU smoke
 runs of the real ``pretrain_gpt.py`` under torchrun (2 processes, PP=2, a tiny GPT): through the
 launcher on mock data and on a Megatron ``.bin/.idx`` dataset, and the patched script; the
 patched script must reproduce the launcher's losses exactly. Megatron-LM's training package needs
@@ -36,12 +36,7 @@ import pytest
 from megatron_dynapipe.megatron_lm import launcher, pretrain_hooks
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, check_data_pipeline_args
 
-from project import ROOT
-
-PATCH = ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch"
-NO_CHECKOUT = ("MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of tag core_v0.16.1 "
-               "(git clone https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout core_v0.16.1) "
-               "to check the patch and run the CPU smoke runs")
+from project import MEGATRON_LM_DIR, NO_CHECKOUT, ROOT, patch_for
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,17 +125,18 @@ def test_wrapper_hooks_the_script_and_falls_through_without_dynapipe(monkeypatch
     def provider(num_samples):
         return ("datasets", num_samples)
 
-    def fake_pretrain(datasets_provider, model_provider, model_type, forward_step_func, *args,
-                      extra_args_provider=None, **kwargs):
-        calls.update(datasets=datasets_provider, model=model_provider, extra=extra_args_provider,
-                     kwargs=kwargs, forward=forward_step_func)
+    def fake_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                      process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, store=None):
+        # core_v0.16.1's parameters
+        calls.update(datasets=train_valid_test_dataset_provider, model=model_provider, extra=extra_args_provider,
+                     defaults=args_defaults, store=store, forward=forward_step_func)
 
     installed = launcher._Installed()
     wrapped = launcher.wrap_pretrain(fake_pretrain, installed)
     wrapped(provider, lambda **kw: "model", "encoder_or_decoder", namespace["forward_step"],
-            extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+            extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, store="s")
     assert installed.called and "get_batch" in installed.patched
-    assert calls["kwargs"] == {"args_defaults": {"tokenizer_type": "GPT2BPETokenizer"}}
+    assert calls["defaults"] == {"tokenizer_type": "GPT2BPETokenizer"} and calls["store"] == "s"
     for hook in (calls["datasets"], calls["model"], calls["extra"], namespace["get_batch"]):
         assert pretrain_hooks.is_hook(hook)
 
@@ -166,11 +162,49 @@ def test_wrapper_hooks_the_script_and_falls_through_without_dynapipe(monkeypatch
         calls["forward"](iter([("tokens",)]), None)
 
 
+def test_wrapper_binds_a_config_container_pretrain_by_parameter_name(monkeypatch):
+    """core_v0.19's pretrain takes a config container first and no model provider, and its script's
+    get_batch returns the values of its BATCH_KEYS: the hooks go in by name, get_batch answers in
+    the script's order."""
+    import torch
+
+    namespace = _script_namespace()
+    namespace["BATCH_KEYS"] = ["attention_mask", "cu_seqlens", "labels", "local_cp_size", "loss_mask",
+                               "max_seqlen", "position_ids", "tokens"]
+    calls = {}
+
+    def fake_pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                      model_provider=None, store=None, get_embedding_ranks=None):
+        calls.update(container=cfg_container, datasets=train_valid_test_dataset_provider, model=model_provider,
+                     forward=forward_step_func, ranks=get_embedding_ranks)
+
+    container = argparse.Namespace(model=argparse.Namespace(transformer_layer_spec=None))
+    args = argparse.Namespace(dynapipe=True, dynapipe_attention="local", transformer_impl="local")
+    monkeypatch.setattr(pretrain_hooks, "_get_args", lambda: args)
+    installed = launcher._Installed()
+    launcher.wrap_pretrain(fake_pretrain, installed)(container, lambda n: ("datasets", n), "encoder_or_decoder",
+                                                     namespace["forward_step"], get_embedding_ranks="ranks")
+    assert installed.patched == ["get_batch", "train_valid_test_datasets_provider", "the model config's layers"]
+    assert calls["container"] is container and calls["model"] is None and calls["ranks"] == "ranks"
+    assert pretrain_hooks.is_hook(calls["datasets"]) and pretrain_hooks.is_hook(namespace["get_batch"])
+    assert container.model.transformer_layer_spec is None  # the local core: Megatron's own choice stands
+
+    monkeypatch.setattr(pretrain_hooks, "enabled", lambda: True)
+    mb = {k: torch.arange(6).view(1, 6) for k in ("tokens", "labels", "position_ids")}
+    mb.update(loss_mask=torch.ones(1, 6), cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32),
+              max_seqlen=torch.tensor([4], dtype=torch.int32))
+    values = dict(zip(namespace["BATCH_KEYS"], calls["forward"](iter([mb]), None)))
+    for key in ("tokens", "labels", "position_ids", "loss_mask", "cu_seqlens", "max_seqlen"):
+        assert torch.equal(values[key], mb[key]), key
+    assert values["attention_mask"] is None and values["local_cp_size"] is None
+
+
 def test_wrapper_leaves_a_patched_script_alone_and_refuses_scripts_without_get_batch():
     seen = []
 
-    def fake_pretrain(*args, **kwargs):
-        seen.append((args, kwargs))
+    def fake_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                      extra_args_provider=None):
+        seen.append(((train_valid_test_dataset_provider, model_provider), {"extra_args_provider": extra_args_provider}))
 
     datasets = pretrain_hooks.datasets_provider(lambda n: None)
     model = pretrain_hooks.model_provider(lambda **kw: None)
@@ -197,6 +231,8 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
     for bad, pattern in ((dict(context_parallel_size=2), "context parallelism"),
                          (dict(eod_mask_loss=True), "--eod-mask-loss"),
                          (dict(iterations_to_skip=[3]), "--iterations-to-skip"),
+                         (dict(dataloader_inter_document_masking=True), "--dataloader-inter-document-masking"),
+                         (dict(step_batch_size_schedule="0:8 1K:16"), "--step-batch-size-schedule"),
                          (dict(train_iters=None), "--train-iters"),
                          (dict(full_validation=True), "--full-validation"),
                          (dict(mock_data=False, data_path=None), "--data-path"),
@@ -231,33 +267,49 @@ def test_mock_splits_differ_and_follow_the_seed():
 # A whole launch against a stand-in megatron.training (subprocess, no checkout)
 # --------------------------------------------------------------------------------------------
 
-FAKE_TRAINING = '''
-"""Stand-in for megatron.training: parses with the extra provider and reports what it was given."""
-import argparse, json
+# Two stand-ins, one per way Megatron-LM's script gets its arguments: core_v0.16.1's pretrain parses
+# them (through initialize_megatron); from core_v0.18 the script calls parse_and_validate_args and
+# passes pretrain a config container (core_v0.19: no model provider, the model's layers from the
+# container's GPTModelConfig). Each reports what the launcher made of it.
+
+REPORT = """
+def report(args, datasets_provider, forward_step_func, **extra):
+    hooks = [bool(getattr(f, "__dynapipe_hook__", False))
+             for f in (datasets_provider, forward_step_func.__globals__["get_batch"])]
+    print("FAKE-PRETRAIN " + json.dumps(dict(hooks=hooks, datasets=datasets_provider([8, 0, 0]),
+                                             forward=forward_step_func(iter([5]), None), dynapipe=args.dynapipe,
+                                             **extra)), flush=True)
+"""
+
+STAND_INS = {
+    "core_v0.16.1": {
+        "training/initialize.py": """
+import argparse
+
+def initialize_megatron(extra_args_provider=None, args_defaults={}):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int)
+    return parse_args(extra_args_provider, parser)
+
+def parse_args(extra_args_provider, parser):
+    return (extra_args_provider(parser) if extra_args_provider else parser).parse_args()
+""",
+        "training/__init__.py": '"""Stand-in for megatron.training of core_v0.16.1."""\nimport json\n' + REPORT + """
+from megatron.training.initialize import initialize_megatron
 _ARGS = None
 
 def get_args():
     return _ARGS
 
-def pretrain(datasets_provider, model_provider, model_type, forward_step_func,
-             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, **kwargs):
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, store=None):
     global _ARGS
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--num-layers", type=int)
-    parser = extra_args_provider(parser)
-    _ARGS = parser.parse_args()
-    report = {
-        "hooks": [bool(getattr(f, "__dynapipe_hook__", False)) for f in
-                  (datasets_provider, model_provider, extra_args_provider, forward_step_func.__globals__["get_batch"])],
-        "datasets": datasets_provider([8, 0, 0]),
-        "model": model_provider(pre_process=True, post_process=True),
-        "forward": forward_step_func(iter([5]), None),
-        "dynapipe": _ARGS.dynapipe,
-    }
-    print("FAKE-PRETRAIN " + json.dumps(report), flush=True)
-'''
-
-FAKE_SCRIPT = '''
+    _ARGS = initialize_megatron(extra_args_provider, args_defaults)
+    report(_ARGS, train_valid_test_dataset_provider, forward_step_func,
+           model=[bool(getattr(model_provider, "__dynapipe_hook__", False)), model_provider(pre_process=True)],
+           extra=bool(getattr(extra_args_provider, "__dynapipe_hook__", False)))
+""",
+        "pretrain_gpt.py": """
 from megatron.training import pretrain
 
 def get_batch(data_iterator, vp_stage=None):
@@ -275,39 +327,119 @@ def model_provider(pre_process=True, post_process=True):
 if __name__ == "__main__":
     pretrain(train_valid_test_datasets_provider, model_provider, "encoder_or_decoder", forward_step,
              extra_args_provider=None)
-'''
+""",
+    },
+    "core_v0.19.0": {
+        "training/arguments.py": """
+import argparse
+_ARGS = None
+
+def get_args():
+    return _ARGS
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-layers", type=int)
+    return (extra_args_provider(parser) if extra_args_provider else parser).parse_args()
+
+def validate_args(args, defaults={}):
+    args.validated_by_megatron = True
+
+def set_global_variables(args):
+    global _ARGS
+    _ARGS = args
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    args = parse_args(extra_args_provider, ignore_unknown_args)
+    validate_args(args, args_defaults)
+    set_global_variables(args)
+    return args
+""",
+        "training/__init__.py": '"""Stand-in for megatron.training of core_v0.19.0."""\nimport json\n' + REPORT + """
+from megatron.training.arguments import get_args
+
+def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, model_provider=None,
+             store=None, get_embedding_ranks=None):
+    report(get_args(), train_valid_test_dataset_provider, forward_step_func,
+           layer_spec=cfg_container.model.transformer_layer_spec, model_provider=model_provider)
+""",
+        "pretrain_gpt.py": """
+import types
+from megatron.training import pretrain
+from megatron.training.arguments import parse_and_validate_args
+
+BATCH_KEYS = ["labels", "tokens"]
+
+def get_batch(data_iterator, vp_stage=None):
+    return ["original", next(data_iterator)]
+
+def forward_step(data_iterator, model):
+    return get_batch(data_iterator)
+
+def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    return ["datasets", num_samples]
+
+if __name__ == "__main__":
+    args = parse_and_validate_args(extra_args_provider=None, args_defaults={})
+    print("PARSED", args.validated_by_megatron, flush=True)
+    container = types.SimpleNamespace(model=types.SimpleNamespace(transformer_layer_spec=None))
+    pretrain(container, train_valid_test_datasets_provider, "encoder_or_decoder", forward_step)
+""",
+    },
+}
 
 
-def _fake_checkout(tmp_path) -> Path:
-    (tmp_path / "megatron" / "training").mkdir(parents=True)  # a namespace portion beside megatron-core's
-    (tmp_path / "megatron" / "training" / "__init__.py").write_text(FAKE_TRAINING)
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text(FAKE_SCRIPT)
-    return script
+def _fake_checkout(tmp_path, tag: str) -> Path:
+    for name, text in STAND_INS[tag].items():
+        # megatron/training is a namespace portion beside megatron-core's
+        path = tmp_path / name if name == "pretrain_gpt.py" else tmp_path / "megatron" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path / "pretrain_gpt.py"
 
 
-def _launch_fake(tmp_path, *args):
-    script = _fake_checkout(tmp_path)
+def _launch_fake(tmp_path, tag, *args):
+    script = _fake_checkout(tmp_path, tag)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron_lm.launcher", str(script), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_launch_runs_the_script_as_main_with_the_hooks_installed(tmp_path):
-    proc = _launch_fake(tmp_path, "--num-layers", "2")
-    assert proc.returncode == 0, proc.stderr
+def _report(proc) -> dict:
     line = next(l for l in proc.stdout.splitlines() if l.startswith("FAKE-PRETRAIN "))
-    report = json.loads(line.split(" ", 1)[1])
-    assert report == {"hooks": [True, True, True, True], "datasets": ["datasets", [8, 0, 0]], "model": "model",
-                      "forward": ["original", 5], "dynapipe": False}
-    assert "hooked the script's get_batch" in proc.stdout
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_launch_runs_the_script_as_main_with_the_hooks_installed(tmp_path):
+    proc = _launch_fake(tmp_path, "core_v0.16.1", "--num-layers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert _report(proc) == {"hooks": [True, True], "datasets": ["datasets", [8, 0, 0]], "forward": ["original", 5],
+                             "dynapipe": False, "model": [True, "model"], "extra": True}
+    assert "hooked the script's get_batch, train_valid_test_datasets_provider, model_provider, extra_args_provider" \
+        in proc.stdout
     assert "DynaPipe is off" in proc.stdout
 
 
-def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path):
-    proc = _launch_fake(tmp_path, "--dynapipe")
+def test_launch_hooks_a_script_that_parses_its_own_arguments(tmp_path):
+    """core_v0.18 and later: DynaPipe's flags join the script's parse_and_validate_args, its setup runs
+    right after Megatron's validation (before pretrain), and pretrain's hooks go in by name."""
+    proc = _launch_fake(tmp_path, "core_v0.19.0", "--num-layers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert _report(proc) == {"hooks": [True, True], "datasets": ["datasets", [8, 0, 0]], "forward": ["original", 5],
+                             "dynapipe": False, "layer_spec": None, "model_provider": None}
+    lines = proc.stdout.splitlines()
+    setup = next(i for i, line in enumerate(lines) if line.startswith("> megatron-dynapipe: DynaPipe is off"))
+    parsed = next(i for i, line in enumerate(lines) if line == "PARSED True")
+    assert setup < parsed, proc.stdout  # DynaPipe's setup ran inside parse_and_validate_args
+    assert "hooked the script's get_batch, train_valid_test_datasets_provider, the model config's layers" in proc.stdout
+
+
+@pytest.mark.parametrize("tag", sorted(STAND_INS))
+def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path, tag):
+    proc = _launch_fake(tmp_path, tag, "--dynapipe")
     assert proc.returncode != 0
     assert "--dynapipe needs --dynapipe-memory-limit MB" in proc.stderr
+    assert "FAKE-PRETRAIN" not in proc.stdout and "PARSED" not in proc.stdout  # refused before any work
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,12 +449,11 @@ def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkout() -> Path:
-    value = os.environ.get("MEGATRON_LM_DIR")
-    if not value:
+    if not MEGATRON_LM_DIR:
         pytest.skip(NO_CHECKOUT)
-    path = Path(value).expanduser().resolve()
+    path = Path(MEGATRON_LM_DIR).expanduser().resolve()
     if not (path / "pretrain_gpt.py").is_file():
-        pytest.fail(f"MEGATRON_LM_DIR={value} has no pretrain_gpt.py: point it at a Megatron-LM checkout")
+        pytest.fail(f"MEGATRON_LM_DIR={MEGATRON_LM_DIR} has no pretrain_gpt.py: point it at a Megatron-LM checkout")
     return path
 
 
@@ -337,12 +468,10 @@ def _env(**extra) -> dict:
     return env
 
 
-def test_patch_applies_to_the_checkout(checkout):
+def test_exactly_one_patch_applies_to_the_checkout(checkout):
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    proc = subprocess.run(["git", "-C", str(checkout), "apply", "--check", str(PATCH)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, f"git apply --check failed in {checkout}: {proc.stderr}"
+    patch_for(checkout)
 
 
 @pytest.fixture(scope="module")
@@ -508,7 +637,7 @@ def _patched(checkout: Path, tmp_path: Path) -> Path:
     patched = tmp_path / "patched" / "pretrain_gpt.py"
     patched.parent.mkdir()
     shutil.copy(checkout / "pretrain_gpt.py", patched)
-    proc = subprocess.run(["git", "apply", str(PATCH)], cwd=patched.parent, capture_output=True, text=True)
+    proc = subprocess.run(["git", "apply", str(patch_for(checkout))], cwd=patched.parent, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return patched
 
@@ -547,6 +676,12 @@ def _sft_tokenizer_dir(path: Path) -> Path:
     return path
 
 
+def _legacy_sft_tokenizer(checkout: Path) -> bool:
+    """Whether the checkout's SFT jobs take Megatron-LM's own tokenizer (``--legacy-tokenizer``,
+    before core_v0.17) rather than megatron-core's ``sft`` tokenizer library."""
+    return (checkout / "megatron" / "training" / "tokenizer" / "sft_tokenizer.py").is_file()
+
+
 def _conversations(path: Path, count: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "pipe", "stage", "token", "plan"]
@@ -569,10 +704,17 @@ def test_sft_samples_are_the_conversations_megatron_sft_dataset_packs(training_r
         from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
         from megatron.core.datasets.utils import Split
         from megatron.training.datasets.sft_dataset import SFTDataset
-        from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+        from megatron_dynapipe.compat.megatron_lm_script import sft_appends_eod
         from megatron_dynapipe.data.sft import sft_dataset
 
-        tokenizer = SFTTokenizer({str(_sft_tokenizer_dir(tmp_path / "tok"))!r}, "nemotron-h-aligned")
+        path, prompt_format = {str(_sft_tokenizer_dir(tmp_path / "tok"))!r}, "nemotron-h-aligned"
+        if {_legacy_sft_tokenizer(training_ready)!r}:
+            from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+            tokenizer = SFTTokenizer(path, prompt_format)
+        else:
+            from megatron.core.tokenizers import MegatronTokenizer
+            tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={{"library": "sft"}},
+                                                          prompt_format=prompt_format)
         path = {str(_conversations(tmp_path / "chat.jsonl", 24, seed=0))!r}
         lines = [json.loads(line)["messages"] for line in open(path)]
         config = GPTDatasetConfig(random_seed=1, sequence_length=256, blend=None, blend_per_split=[None] * 3,
@@ -580,7 +722,7 @@ def test_sft_samples_are_the_conversations_megatron_sft_dataset_packs(training_r
                                   reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
                                   mid_level_dataset_surplus=0.005, context_parallel_size=1)
         theirs = SFTDataset(lines, None, np.arange(len(lines)), len(lines), Split.train, config)
-        ours = sft_dataset(path, tokenizer, 256, cache_dir={str(tmp_path / "cache")!r})
+        ours = sft_dataset(path, tokenizer, 256, cache_dir={str(tmp_path / "cache")!r}, append_eod=sft_appends_eod())
         assert len(ours) == len(lines)
         for i in range(len(lines)):
             n, packed = len(ours[i]), theirs[i]  # one conversation per line, padded to 256
@@ -596,7 +738,7 @@ def test_sft_samples_are_the_conversations_megatron_sft_dataset_packs(training_r
 
 @pytest.mark.slow
 def test_sft_trains_alike_through_the_launcher_and_the_patch_in_normal_and_fast_mode(training_ready, tmp_path):
-    sft = ["--sft", "--legacy-tokenizer", "--tokenizer-type", "SFTTokenizer",
+    sft = ["--sft", *(["--legacy-tokenizer"] if _legacy_sft_tokenizer(training_ready) else []), "--tokenizer-type", "SFTTokenizer",
            "--tokenizer-model", str(_sft_tokenizer_dir(tmp_path / "tok")),
            "--sft-tokenizer-prompt-format", "nemotron-h-aligned",
            "--data-path", str(_conversations(tmp_path / "chat.jsonl", 300, seed=1)), "--split", "90,10,0"]

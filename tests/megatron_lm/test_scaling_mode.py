@@ -13,7 +13,7 @@ import pytest
 from megatron_dynapipe.megatron_lm import scaling_mode
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, add_arguments
 
-from project import ROOT
+from project import MEGATRON_LM_DIR, NO_CHECKOUT, ROOT, patch_for
 
 TINY = dict(num_layers=4, hidden_size=128, num_attention_heads=8, ffn_hidden_size=512, vocab_size=1024,
             seq_length=256, max_position_embeddings=256, micro_batch_size=1, global_batch_size=4096)
@@ -146,12 +146,10 @@ def test_update_pretrain_gpt_through_the_launcher(tmp_path):
     assert {e["pid"] for e in timeline["traceEvents"]} == {0, 4096}
 
 
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR", "")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()),
-                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_DIR to one (with pretrain_gpt.py)")
+@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()), reason=NO_CHECKOUT)
 def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
     script = Path(MEGATRON_LM_DIR) / "pretrain_gpt.py"
     out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.megatron_lm.launcher", str(script), *TINY_FLAGS,
@@ -164,15 +162,14 @@ def test_pretrain_gpt_of_a_checkout_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()),
-                    reason="needs a Megatron-LM checkout: set MEGATRON_LM_DIR to one (with pretrain_gpt.py)")
+@pytest.mark.skipif(not (MEGATRON_LM_DIR and Path(MEGATRON_LM_DIR, "pretrain_gpt.py").is_file()), reason=NO_CHECKOUT)
 def test_the_patched_script_alone_traces_as_the_launcher_does_on_cpu(tmp_path):
     """No launcher, no CUDA: the patched pretrain_gpt.py traces the fake rank before pretrain()
     would ask for a GPU, in the same precision and with the same ops as the launcher."""
     patched = tmp_path / "patched" / "pretrain_gpt.py"
     patched.parent.mkdir()
     shutil.copy(Path(MEGATRON_LM_DIR) / "pretrain_gpt.py", patched)
-    applied = subprocess.run(["git", "apply", str(ROOT / "patches" / "pretrain_gpt_core_v0.16.1.patch")],
+    applied = subprocess.run(["git", "apply", str(patch_for(Path(MEGATRON_LM_DIR)))],
                              cwd=patched.parent, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     flags = [*TINY_FLAGS, "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1.5e-4", "--train-iters", "2",
