@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
-from importlib.metadata import version
 
+from megatron_dynapipe import __version__
 from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
+from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
@@ -116,6 +118,8 @@ def _bench_parser(sub) -> None:
 
     step_bench.add_arguments(step)
     step.set_defaults(func=step_bench.run)
+    for command in (executor, step):
+        command.set_defaults(megatron_core=True)
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -134,9 +138,29 @@ class _OneLineErrors(argparse.ArgumentParser):
         return namespace, extras
 
 
+class _Version(argparse.Action):
+    """``--version``: this package's, Python's and torch's, and the megatron-core and Megatron-LM
+    it would run, each saying whether it is supported (read without importing megatron)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            torch = f"torch {version('torch')}"
+        except PackageNotFoundError:
+            torch = "torch not installed"
+        lines = [f"{parser.prog} {__version__} (Python {platform.python_version()}, {torch})", *upstream.describe()]
+        print("\n".join(lines))
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="megatron-dynapipe", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('megatron-dynapipe')}")
+    parser.add_argument("--version", action=_Version,
+                        help="print the versions of this package, torch, megatron-core and Megatron-LM, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
 
@@ -150,17 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_search_parser(sub)
     add_calibrate_parser(sub)
     _bench_parser(sub)
+    for command in ("trace", "profile"):  # they build megatron-core models (launch checks its checkout's)
+        sub.choices[command].set_defaults(megatron_core=True)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "megatron_core", False):
+            upstream.check_supported()  # before any work
         return args.func(args)
     except BrokenPipeError:  # the reader went away (`... --json | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
         return 0
-    except (ValueError, OSError) as error:  # our errors are one line that names the fix
+    except (ValueError, OSError, upstream.UnsupportedUpstream) as error:  # one line that names the fix
         print(f"megatron-dynapipe: error: {error}", file=sys.stderr)
         return 2
 
