@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 
-from megatron_dynapipe import __version__
+import megatron_dynapipe
 from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.config.layout import layers_problem
@@ -138,12 +138,9 @@ class _OneLineErrors(argparse.ArgumentParser):
         return namespace, extras
 
 
-class _Version(argparse.Action):
+class _Version(argparse._VersionAction):
     """``--version``: this package's, Python's and torch's, and the megatron-core and Megatron-LM
     it would run, each saying whether it is supported (read without importing megatron)."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
         from importlib.metadata import PackageNotFoundError, version
@@ -152,7 +149,8 @@ class _Version(argparse.Action):
             torch = f"torch {version('torch')}"
         except PackageNotFoundError:
             torch = "torch not installed"
-        lines = [f"{parser.prog} {__version__} (Python {platform.python_version()}, {torch})", *upstream.describe()]
+        lines = [f"{parser.prog} {megatron_dynapipe.__version__} (Python {platform.python_version()}, {torch})",
+                 *upstream.describe()]
         print("\n".join(lines))
         parser.exit(0)
 

@@ -37,8 +37,8 @@ ALLOWED = {
     "megatron": {"megatron_lm", "runtime"},
     "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
               "progress"},
-    "cli": {"config", "planning", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files", "viz",
-            "hardware"},
+    "cli": {"config", "planning", "compat", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files",
+            "viz", "hardware"},
 }
 
 

@@ -185,8 +185,11 @@ def test_the_readme_plan_example_runs_as_written(tmp_path):
 
 
 def test_version():
+    import platform
+
     proc = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "--version"], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"megatron-dynapipe {megatron_dynapipe.__version__}"
+    assert proc.returncode == 0 and proc.stdout.startswith(
+        f"megatron-dynapipe {megatron_dynapipe.__version__} (Python {platform.python_version()}, torch ")
 
 
 def test_a_reader_that_goes_away_ends_the_output_quietly():

@@ -1,24 +1,30 @@
 """The parts of Megatron-LM's ``pretrain_gpt.py`` that DynaPipe replaces.
 
 Shared by the launcher (``megatron-dynapipe launch pretrain_gpt.py ...``, which installs them
-into an unmodified checkout) and by ``patches/pretrain_gpt_core_v0.16.1.patch`` (which calls them
-explicitly). With ``--dynapipe`` off every hook hands over to the script's own function, so a
-patched script trains exactly as before (with ``--dynapipe-attention sdpa``, on those layers).
+into an unmodified checkout) and by the ``patches/`` files (which call them explicitly). Which of
+them a Megatron-LM tag needs is read from its code
+(:mod:`~megatron_dynapipe.compat.megatron_lm_script`). With ``--dynapipe`` off every hook hands
+over to the script's own function, so a patched script trains exactly as before (with
+``--dynapipe-attention sdpa``, on those layers).
 
 Why each piece exists:
 
 * :func:`extra_args_provider` -- Megatron parses the command line once; DynaPipe's argument
   groups (:mod:`.arguments`) and the small ``dynapipe data`` group below join the script's own
   provider (ModelOpt's, when present) through :func:`~.arguments.chain_providers`.
-* :func:`model_provider` -- the first hook that runs after Megatron's ``validate_args`` and before
-  the model's ``TransformerConfig`` is built from the arguments. It runs :func:`setup` once:
-  DynaPipe's validation (:func:`~.arguments.validate_dynapipe_args`, which turns
-  ``variable_seq_lengths`` back on after Megatron forced it off), the Megatron-LM checks of
-  :func:`~.arguments.check_data_pipeline_args`, ``--dataloader-type external`` (so Megatron passes DynaPipe's
-  loaders through untouched) and :func:`~.provider.install` (Megatron-LM's ``train_step`` and
-  ``evaluate`` then run the planned schedule). The script's provider then builds the model, with
-  the SDPA attention core where ``--dynapipe-attention sdpa`` asks for it (:mod:`.attention`;
-  honoured without ``--dynapipe`` too, so Megatron's own schedule can run the same layers).
+* :func:`parse_and_validate_args` (core_v0.18 and later, where the script parses its arguments
+  before ``pretrain``) and :func:`model_provider` (before: the first hook that runs after
+  Megatron's ``validate_args`` and before the model's ``TransformerConfig`` is built from the
+  arguments) -- each runs :func:`setup` once: DynaPipe's validation
+  (:func:`~.arguments.validate_dynapipe_args`, which turns ``variable_seq_lengths`` back on after
+  Megatron forced it off), the Megatron-LM checks of :func:`~.arguments.check_data_pipeline_args`,
+  ``--dataloader-type external`` (so Megatron passes DynaPipe's loaders through untouched) and
+  :func:`~.provider.install` (Megatron-LM's ``train_step`` and ``evaluate`` then run the planned
+  schedule). The script's provider then builds the model, with the SDPA attention core where
+  ``--dynapipe-attention sdpa`` asks for it (:mod:`.attention`; honoured without ``--dynapipe``
+  too, so Megatron's own schedule can run the same layers).
+* :func:`configure_model` -- core_v0.19 builds the model from a ``GPTModelConfig`` instead of a
+  model provider: the SDPA core goes in through its ``transformer_layer_spec``.
 * :func:`datasets_provider` -- instead of fixed-length GPT datasets, every rank (all pipeline
   stages and tensor-parallel ranks, hence ``is_distributed``) gets a
   :class:`~megatron_dynapipe.data.DynaPipeDataLoader`: rank 0 hosts the planning pipeline over
@@ -29,7 +35,8 @@ Why each piece exists:
 * :func:`get_batch` -- pretrain_gpt's ``get_batch`` broadcasts fixed ``(micro_batch_size,
   seq_length)`` tensors from tensor-parallel rank 0. Under DynaPipe every tensor-parallel rank
   already holds the identical micro-batch (the executor hands ``forward_step`` an iterator over
-  that one dict), so it is taken as it is: no broadcast, the micro-batch's own shape.
+  that one dict), so it is taken as it is: no broadcast, the micro-batch's own shape, returned
+  as the script's own ``get_batch`` returns a batch (its ``BATCH_KEYS`` from core_v0.18).
 * :func:`scaling_mode_requested` / :func:`run_scaling_mode` -- the patched script traces one fake
   rank (``--is-scaling-mode``) before ``pretrain`` starts a real job, as the launcher does.
 
