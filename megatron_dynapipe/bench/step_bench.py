@@ -11,8 +11,13 @@ The same samples (random tokens of the given lengths) go through the same GPT in
   does (causal attention over the whole sequence, positions counted through it, each sample's
   own next-token loss): cheap, but samples attend to their neighbours;
 * **THD packing**: the same sequences without that leakage, as Megatron users train packed data
-  today (THD with ``cu_seqlens``): each micro-batch a fixed budget of k sequences in one row,
-  every sample attending to itself alone with its own positions.
+  today (THD with ``cu_seqlens``; Megatron-LM core_v0.19's ``--dataloader-inter-document-masking``):
+  each micro-batch a fixed budget of k sequences in one row, every sample attending to itself
+  alone with its own positions. Where it differs from core_v0.19's: Megatron concatenates the
+  documents and cuts the stream into ``--seq-length`` rows, so its rows carry no padding and a
+  document can straddle two rows (the second part a segment of its own, without the first's
+  context); here whole samples are packed first-fit, so every sample keeps its context and rows
+  carry what padding first-fit leaves.
 
 The packed ways need an attention core that runs packed micro-batches: the model is built with
 ``--attention sdpa`` unless told otherwise (with ``--attention local`` they are left out).
