@@ -71,3 +71,17 @@ def test_a_calibrated_file_round_trips_to_the_analytical_model(tmp_path):
     path.write_text(to_text(doc))
     with pytest.raises(CostModelError, match="has an 'analytical' object without 'mfu'"):
         load_cost_model(path, tp=1)
+
+
+@pytest.mark.parametrize("version", [999, 2, "1", None])
+def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, version):
+    """What a later (or broken) megatron-dynapipe wrote is not read as this version's format."""
+    doc = {"name": "test", "metadata": {"format_version": version}, **_records().records()}
+    path = tmp_path / "future.json"
+    path.write_text(to_text(doc))
+    with pytest.raises(CostModelError, match=rf"future\.json has format_version {version!r}; this megatron-dynapipe "
+                                             r"reads version 1: re-profile"):
+        load_cost_model(path, tp=1)
+    doc["metadata"]["format_version"] = 1
+    path.write_text(to_text(doc))
+    assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)

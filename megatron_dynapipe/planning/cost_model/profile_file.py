@@ -59,12 +59,26 @@ def read_document(path: "str | os.PathLike") -> dict:
                              "format of docs/cost_model.md")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            doc = json.load(f)
     except json.JSONDecodeError as e:
         raise CostModelError(f"cost model file {path} is not valid JSON ({e.msg} at line {e.lineno} column "
                              f"{e.colno}): {FORMAT_HINT}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CostModelError(f"cost model file {path} cannot be read ({e}): {FORMAT_HINT}") from None
+    _check_format_version(doc, path)
+    return doc
+
+
+def _check_format_version(doc: Any, path: str) -> None:
+    """A file of a format this package does not know is refused, not read as if it were its own
+    (files without ``metadata.format_version``, such as hand-made ones, are read as version 1)."""
+    if not isinstance(doc, dict):
+        return  # not a cost model at all: the reader names what is missing
+    version = (metadata_of(doc) or {}).get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise CostModelError(f"cost model file {path} has format_version {version!r}; this megatron-dynapipe reads "
+                             f"version {FORMAT_VERSION}: re-profile with this version, or use the megatron-dynapipe "
+                             "that wrote it")
 
 
 def to_text(doc: Mapping) -> str:
