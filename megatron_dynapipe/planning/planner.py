@@ -30,6 +30,7 @@ from megatron_dynapipe.planning.microbatching import (
 )
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
+from megatron_dynapipe.planning.samples import check_lengths
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -176,12 +177,11 @@ class PhaseClock:
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
-    lengths = [int(n) for n in lengths]
-    if not lengths:
-        raise PlanningError("the global batch is empty: give at least one sample")
-    if min(lengths) < 1:
-        raise PlanningError(f"sample lengths must be positive, got {min(lengths)}: drop empty samples")
-    return lengths
+    """The lengths as ``plan --lengths`` takes them (:func:`~.samples.check_lengths`)."""
+    try:
+        return check_lengths(lengths)
+    except ValueError as error:
+        raise PlanningError(str(error)) from None
 
 
 def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -48,6 +50,21 @@ def _clip(raw: np.ndarray, cap: int) -> list[int]:
     return [int(n) for n in np.clip(np.rint(raw), 8, cap)]
 
 
+LENGTHS_FIX = "give each sample's length as a whole number of tokens >= 1"
+
+
+def check_lengths(values: Sequence, where: str = "the global batch") -> list[int]:
+    """``values`` as a list of sample lengths: whole numbers >= 1 (Python or numpy integers; not
+    bools, not floats such as 2.5 or 2.0), at least one; ValueError naming the first bad value."""
+    values = list(values)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1]
+    if bad:
+        raise ValueError(f"{where} is not a list of integer lengths (found {bad[0]!r}): {LENGTHS_FIX}")
+    if not values:
+        raise ValueError(f"{where} holds no sample lengths: the global batch needs at least one sample")
+    return [int(v) for v in values]
+
+
 def read_lengths(path: str | Path) -> list[int]:
     """A JSON list of lengths, or one length a line (blank lines and # comments ignored)."""
     path = Path(path)
@@ -64,9 +81,4 @@ def read_lengths(path: str | Path) -> list[int]:
         raise ValueError(f"{path} is not a list of integer lengths ({error}): {fix}") from None
     if not isinstance(values, list):
         raise ValueError(f"{path} holds a JSON {type(values).__name__}, not a list of lengths: {fix}")
-    bad = [v for v in values if type(v) is not int or v < 1]  # not bool, not 100.5, not 1e309
-    if bad:
-        raise ValueError(f"{path} is not a list of integer lengths (found {bad[0]!r}): {fix}")
-    if not values:
-        raise ValueError(f"{path} holds no sample lengths: the global batch needs at least one sample")
-    return values
+    return check_lengths(values, str(path))

@@ -1,5 +1,7 @@
 """The planner end to end: properties over random batches, fast mode, clear errors."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -122,8 +124,15 @@ def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
 
 
 def test_clear_errors(costs_pp4):
-    with pytest.raises(PlanningError, match="empty"):
+    with pytest.raises(PlanningError, match="holds no sample lengths"):
         generate_execution_plan([], TrainingSpec(), costs_pp4)
+    # lengths are taken as `plan --lengths` takes them: whole numbers of tokens, not truncated floats or bools
+    for bad in (2.5, 2.0, True, 0, -3, "7"):
+        with pytest.raises(PlanningError, match=rf"not a list of integer lengths \(found {re.escape(repr(bad))}\): give "
+                                                r"each sample's length as a whole number of tokens >= 1"):
+            generate_execution_plan([100, bad], TrainingSpec(), costs_pp4)
+    numpy_ints = generate_execution_plan(np.array([100, 300], dtype=np.int64), TrainingSpec(pp=4), costs_pp4)
+    assert numpy_ints.makespan_ms == generate_execution_plan([100, 300], TrainingSpec(pp=4), costs_pp4).makespan_ms
     # the reference profile stops at 8192 tokens; at 8192 one sample needs more than 40 GB
     with pytest.raises(PlanningError, match="no times for a sample of 9000 tokens .* profile longer sequences"):
         generate_execution_plan([100, 9000], TrainingSpec(), costs_pp4)
