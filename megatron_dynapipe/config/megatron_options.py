@@ -144,14 +144,24 @@ class MegatronOptions:
         """:meth:`rank_chunk_layers` of the rank that holds the most layers."""
         return max((self.rank_chunk_layers(num_layers, pp, s) for s in range(pp)), key=sum)
 
+    def at_tp(self, tp: int) -> "MegatronOptions":
+        """These options as Megatron-LM runs them at tensor-parallel size ``tp``: its argument
+        validation turns ``--sequence-parallel`` off at TP 1 (one batch's flags serve its TP 1
+        configs too). With ``--tp-comm-overlap`` Megatron-LM refuses TP 1 instead
+        (:meth:`layout_problem`), so the options stay as given."""
+        if tp == 1 and self.sequence_parallel and not self.tp_comm_overlap:
+            return dataclasses.replace(self, sequence_parallel=False)
+        return self
+
     def layout_problem(self, *, tp: int, num_layers: int, moe: bool = False, pp: int = 1,
                        num_microbatches: Optional[int] = None) -> Optional[str]:
         """Why these options do not go with a layout (one sentence naming the fix), or None."""
         problem = self._interleaving_problem(pp, num_layers, num_microbatches)
         if problem:
             return problem
-        if self.sequence_parallel and tp == 1:
-            return "--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"
+        if self.tp_comm_overlap and tp == 1:
+            return ("--tp-comm-overlap needs sequence parallelism, which Megatron-LM turns off at TP 1: drop "
+                    "--tp-comm-overlap or raise TP")
         if moe and tp > 1 and not self.sequence_parallel:
             return ("MoE with tensor parallelism trains with sequence parallelism (megatron-core's rule): "
                     "add --sequence-parallel")

@@ -160,6 +160,8 @@ class SearchSpace:
         """The sequence-parallel and interleaving choices megatron-core accepts at this layout."""
         out = []
         for sp in sorted(set(self.sequence_parallel or (False, True))):
+            if sp and tp == 1:  # Megatron-LM turns it off at TP 1: the candidate without it
+                continue
             for v in sorted(set(self.virtual_stages or (1, 2, 4))):
                 options = MegatronOptions(sequence_parallel=sp, virtual_stages=v if v > 1 else None)
                 if not options.layout_problem(tp=tp, pp=pp, num_layers=self.model.num_layers,

@@ -342,7 +342,7 @@ def validate(config: TraceConfig, training: Optional[MegatronOptions] = None) ->
     reasons += model_problems(c.model, c.tp, c.pp, c.cp, c.ep, seq_length=c.seq, names=names, expert_tp=c.expert_tp,
                               even_layers=even)
     if training is not None and not (even and layers_problem(c.model.num_layers, c.pp)):
-        problem = training.layout_problem(tp=c.tp, pp=c.pp, num_layers=c.model.num_layers,
+        problem = training.at_tp(c.tp).layout_problem(tp=c.tp, pp=c.pp, num_layers=c.model.num_layers,
                                           num_microbatches=c.microbatches, moe=bool(c.model.num_experts))
         reasons += [problem] if problem else []
     return reasons

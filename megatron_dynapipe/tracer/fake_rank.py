@@ -325,6 +325,7 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
+        fields["training"] = fields["training"].at_tp(layout.tp)  # as Megatron-LM validates them
         problem = fields["training"].layout_problem(
             tp=layout.tp, pp=layout.pp, num_layers=spec.num_layers,
             num_microbatches=fields["num_microbatches"], moe=bool(spec.num_experts))

@@ -57,7 +57,7 @@ def memory_budget_bytes() -> int:
 def estimated_bytes(config: TraceConfig, training: Optional[MegatronOptions] = None) -> int:
     """Bytes the busiest representative rank of ``config`` needs to really train on CPU, with
     ``training``'s recompute and distributed optimizer."""
-    training = training or MegatronOptions()
+    training = (training or MegatronOptions()).at_tp(config.tp)
     return training_bytes(
         config.model, config.pp, config.tp, config.ep,
         micro_batch_size=config.micro_batch_size, seq_length=config.seq,

@@ -196,13 +196,14 @@ def test_trace_command_takes_the_training_flags(tmp_path, capsys):
                            "--isolation", "inline", "--no-progress"])
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["training"]["sequence_parallel"] and summary["training"]["distributed_optimizer"]
-    ok, invalid = summary["configs"]
-    assert ok["status"] == "ok" and invalid["status"] == "invalid"
-    assert invalid["reasons"] == ["--sequence-parallel needs tensor parallelism (TP > 1): drop it or raise TP"]
-    traces = list(read_traces(ok["folder"]).values())
+    tp2, tp1 = summary["configs"]
+    assert tp2["status"] == tp1["status"] == "ok"
+    traces = list(read_traces(tp2["folder"]).values())
     assert len(traces) == 2 and all(t.iteration["training"]["sequence_parallel"] for t in traces)
     assert all(any(op.kind == "reduce_scatter" and op.group_name == "DATA_PARALLEL_GROUP_WITH_CP" for op in t.comm_ops)
                for t in traces)
+    # at TP 1 Megatron-LM's argument validation turns --sequence-parallel off, and so does the tracer
+    assert not any(t.iteration["training"]["sequence_parallel"] for t in read_traces(tp1["folder"]).values())
 
 
 def test_trace_command_refuses_training_flags_megatron_refuses(tmp_path, capsys):
@@ -227,10 +228,11 @@ def test_print_ranks_skips_the_configs_the_training_flags_do_not_fit(capsys):
     from megatron_dynapipe.tracer import cli as trace_cli
 
     trace_cli.main(["--model", "tiny", "--config", "16 2 2", "--config", "16 2 1", "--sequence-parallel",
-                    "--print-ranks"])
+                    "--tp-comm-overlap", "--print-ranks"])
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 + 2  # the header and the two stages of "16 2 2"
-    assert "(16 2 1) is invalid: --sequence-parallel needs tensor parallelism" in err
+    assert ("(16 2 1) is invalid: --tp-comm-overlap needs sequence parallelism, which Megatron-LM turns off at "
+            "TP 1: drop --tp-comm-overlap or raise TP") in err
 
 
 # --------------------------------------------------------------------------------------------
