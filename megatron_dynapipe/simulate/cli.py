@@ -127,8 +127,8 @@ def add_search_parser(sub) -> None:
                        help="model chunks per pipeline rank, 1 for plain 1F1B (default 1 2 4, where they divide)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
-                     help="trace the N best-estimated (TP, PP, micro-batch) shapes (default 16; each takes seconds "
-                          "to a minute)")
+                     help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "
+                          "from N = 2 (default 16; each takes seconds to a minute)")
     run.add_argument("--output-dir", default="search", metavar="DIR",
                      help="traces, search.json and search.png go here; traces found here are reused (default search)")
     run.add_argument("--top", type=int, default=10, metavar="N", help="layouts in the table (default 10)")

@@ -424,8 +424,9 @@ class SearchResult:
 
 def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int = 12, jobs: Optional[int] = None,
                progress: bool = True, say: Callable[[str], None] = lambda line: None) -> SearchResult:
-    """Enumerate, prune and rank by estimate, trace the ``max_traced`` best-estimated
-    (TP, PP, CP, micro-batch) shapes plus the rule of thumb's, simulate their variants."""
+    """Enumerate, prune and rank by estimate, trace ``max_traced`` (TP, PP, CP, micro-batch)
+    shapes -- the best-estimated, the rule of thumb's among them (in place of the last) from two
+    up -- and simulate their variants."""
     if max_traced < 1:
         raise SearchError(f"--max-traced must be at least 1, got {max_traced}")
     candidates = enumerate_candidates(space)
@@ -449,8 +450,8 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
                           f"{smallest.candidate.describe()}, needs {smallest.estimate.memory_bytes / 2**30:.1f} GiB; "
                           "use more GPUs, a shorter --seq-length or hardware with more memory")
     keys = list(dict.fromkeys(o.candidate.trace_key for o in kept))[:max_traced]
-    if rule is not None and rule.trace_key not in keys:
-        keys.append(rule.trace_key)
+    if rule is not None and rule.trace_key not in keys and max_traced > 1:
+        keys[max_traced - 1:] = [rule.trace_key]
     say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
         f"{len(keys)} best-estimated shapes (TP, PP, micro-batch)")
     result = SearchResult(space, outcomes, rule)

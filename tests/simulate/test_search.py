@@ -278,7 +278,7 @@ def test_search_ranks_simulated_layouts_and_reuses_its_traces(tmp_path, capsys):
     # the estimate prunes conservatively: it never needs more memory than the trace found
     assert all(c["estimated_memory_gib"] <= c["peak_memory_gib"] for c in simulated)
     shapes = {(c["tp"], c["pp"], c["micro_batch_size"]) for c in simulated}
-    assert first["traced_layouts"] == len(shapes) and first["reused_traces"] == 0
+    assert first["traced_layouts"] == len(shapes) == 2 and first["reused_traces"] == 0  # --max-traced, exactly
     rule = first["rule_of_thumb"]
     assert rule["status"] == "simulated"
     assert first["rule_of_thumb_slowdown"] == pytest.approx(rule["iteration_s"] / first["best"]["iteration_s"])
