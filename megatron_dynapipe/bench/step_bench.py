@@ -136,6 +136,8 @@ def _checked(args) -> dict:
                                attention=args.attention or ATTENTION)
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout:g}: give the seconds to wait for the ranks, a positive number")
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: the global batch needs at least one sample")
     problem = layers_problem(spec.num_layers, args.pp, pp_name="--pp")

@@ -111,6 +111,7 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--max-seq-length", "100"], "--max-seq-length 100: pick a multiple of 8"),
     (["--pp", "3"], "4 layers do not split evenly into --pp = 3"),
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
+    (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
     (["--lengths", "LENGTHS", "--max-seq-length", "128", "--dp", "4"], "3 sequences of 128 tokens cannot feed --dp 4"),
     (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
@@ -143,3 +144,12 @@ def test_without_a_cost_model_of_this_device_nothing_is_called_a_prediction(leng
     assert table.returncode == 0, table.stderr[-3000:]
     assert "no predictions: the default analytical model prices an A100, not this device" in table.stdout
     assert "%" not in "".join(line for line in table.stdout.splitlines() if line.startswith("| DynaPipe |"))
+
+
+def test_help_names_every_method_it_runs():
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "step", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for method in ("DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing",
+                   "--dataloader-inter-document-masking"):
+        assert method in out.stdout, method
