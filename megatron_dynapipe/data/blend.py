@@ -125,18 +125,18 @@ class SplitDataset:
 
 def split_dataset(dataset, split: "str | None") -> list[SplitDataset]:
     """Megatron's ``--split`` ("969,30,1", weights normalised) as three contiguous
-    :class:`SplitDataset` ranges (train, valid, test)."""
+    :class:`SplitDataset` ranges (train, valid, test), cut between documents as Megatron cuts
+    them: split i takes documents ``round(a_i N)`` to ``round(b_i N)`` of the ``N``, where
+    ``a_i, b_i`` are the cumulative shares before and after it; a long document's windows all go
+    with their document."""
     weights = [float(w) for w in (split or "1,0,0").replace("/", ",").split(",") if w.strip()]
     weights = (weights + [0.0, 0.0, 0.0])[:3]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--split {split!r} needs three non-negative weights, e.g. 969,30,1")
-    total, n = sum(weights), len(dataset)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * n)))
-    bounds[-1] = n
-    bounds = [min(b, n) for b in bounds]
-    return [SplitDataset(dataset, bounds[i], max(bounds[i], bounds[i + 1])) for i in range(3)]
+    shares = np.cumsum([0.0] + [w / sum(weights) for w in weights])
+    documents = [int(round(share * dataset.num_documents)) for share in shares]
+    bounds = np.searchsorted(dataset.documents, documents)  # each bound's first sample
+    return [SplitDataset(dataset, int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
 register_kind("blend", BlendedDataset)

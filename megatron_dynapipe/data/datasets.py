@@ -118,6 +118,7 @@ class _TokenDataset:
             raise ValueError(f"long_samples must be one of {', '.join(LONG_SAMPLES)}, got {long_samples!r}")
         self.max_seq_len, self.long_samples = int(max_seq_len), long_samples
         raw = np.asarray(raw_lengths, dtype=np.int64)
+        self.num_documents = int(len(raw))
         kept = np.flatnonzero(raw > 0)
         self.num_empty = int(len(raw) - len(kept))
         too_long = kept[raw[kept] > self.max_seq_len]
@@ -156,6 +157,12 @@ class _TokenDataset:
     def lengths(self) -> np.ndarray:
         """Token count of each sample (read-only int64 array)."""
         return self._lengths
+
+    @property
+    def documents(self) -> np.ndarray:
+        """The raw document (0 .. ``num_documents`` - 1) each sample comes from, ascending: a long
+        document's windows are consecutive samples of one document (read-only int64 array)."""
+        return self._raw
 
     def _where(self, index: int) -> tuple[int, int, int]:
         i = int(index)

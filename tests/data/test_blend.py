@@ -60,3 +60,25 @@ def test_split_ranges_and_target_masks_pass_through():
         split_dataset(data, "0,0,0")
     assert open_descriptor(split_dataset(MockDataset(10, 8, 5), "5,5,0")[1].descriptor())[0].tolist() == \
         split_dataset(MockDataset(10, 8, 5), "5,5,0")[1][0].tolist()
+
+
+@pytest.mark.parametrize("split", ["90,5,5", "949,50,1", "969,30,1", "1,1,1", "100,0,0"])
+def test_the_split_cuts_between_documents_where_megatron_cuts(split):
+    """Windows of a long document all go with their document, and each split holds the documents
+    megatron-core's own split matrix gives it (round(a N) to round(b N))."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=53)  # many longer than the 8-token windows
+    data = TokenListDataset([[doc] * int(n) for doc, n in enumerate(lengths)], 8)
+    assert len(data) > len(lengths)  # long documents became several samples
+    parts = split_dataset(data, split)
+    docs = [{int(part[i][0]) for i in range(len(part))} for part in parts]  # a sample's tokens name its document
+    for bookends, mine in zip(convert_split_vector_to_split_matrix(parse_and_normalize_split(split)), docs):
+        wanted = set() if bookends is None else set(range(int(round(bookends[0] * len(lengths))),
+                                                          int(round(bookends[1] * len(lengths)))))
+        assert mine == wanted
+    assert sum(len(p) for p in parts) == len(data)
