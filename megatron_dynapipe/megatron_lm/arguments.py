@@ -239,23 +239,26 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
 
 
 def _check_megatron_flags(args: argparse.Namespace) -> None:
-    """Megatron flags that cannot go with variable-length planned micro-batches."""
+    """Megatron flags that cannot go with variable-length planned micro-batches: every one refused,
+    in one line."""
+    problems: list[str] = []
+    refuse = problems.append
     # the interleaving flags, or the virtual pipeline size Megatron-LM derives from them
     if any(getattr(args, name, None) is not None
            for name in (*INTERLEAVING_DESTS, "virtual_pipeline_model_parallel_size")):
-        raise DynapipeArgumentError(
+        refuse(
             "--dynapipe's schedules run one model chunk per pipeline stage (interleaved variable-length schedules "
             "are not planned): drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full" and (getattr(args, "recompute_method", None) != "uniform"
                                   or _get(args, "recompute_num_layers", 1) != 1):
-        raise DynapipeArgumentError(
+        refuse(
             "--dynapipe's full recompute checkpoints every layer on its own (what its cost model prices): with "
             "--recompute-granularity full pass --recompute-method uniform --recompute-num-layers 1")
     if _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
         if getattr(args, "num_experts", None):
-            raise DynapipeArgumentError(
+            refuse(
                 "--dynapipe's variable-length micro-batches need --moe-token-dispatcher-type alltoall "
                 "(the allgather dispatcher assumes one sequence length)"
             )
@@ -264,13 +267,13 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
             # dense model, which never dispatches tokens: alltoall changes nothing else there.
             args.moe_token_dispatcher_type = "alltoall"
     if getattr(args, "cuda_graph_impl", "none") == "local" or getattr(args, "enable_cuda_graph", False):
-        raise DynapipeArgumentError(
+        refuse(
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
         )
     transformer_impl = _get(args, "transformer_impl", "transformer_engine")
     if _get(args, "dynapipe_packing", "pad") == "varlen" and transformer_impl == "local" \
             and _get(args, "dynapipe_attention", "local") != "sdpa":
-        raise DynapipeArgumentError(
+        refuse(
             "--dynapipe-packing varlen runs packed (THD) micro-batches, which megatron-core's local attention "
             "refuses: add --dynapipe-attention sdpa, use --transformer-impl transformer_engine, or "
             "--dynapipe-packing pad")
@@ -278,15 +281,17 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
     tp = _get(args, "tensor_model_parallel_size", 1)
     cp = _get(args, "context_parallel_size", 1)
     if getattr(args, "sequence_parallel", False) and tp > 1 and seqlen_round % tp:
-        raise DynapipeArgumentError(
+        refuse(
             f"--sequence-parallel splits sequences over TP={tp}: pass --dynapipe-seqlen-round as a multiple "
             f"of {tp} (got {seqlen_round})"
         )
     if cp > 1 and seqlen_round % (2 * cp):
-        raise DynapipeArgumentError(
+        refuse(
             f"context parallelism splits sequences into 2*CP={2 * cp} chunks: pass --dynapipe-seqlen-round as "
             f"a multiple of {2 * cp} (got {seqlen_round})"
         )
+    if problems:
+        raise DynapipeArgumentError("; ".join(problems))
 
 
 def check_data_pipeline_args(args: argparse.Namespace) -> None:
@@ -294,9 +299,8 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
     refused in one line that names the fix (with ``--dynapipe`` only).  :func:`validate_dynapipe_args`
     checks what the planned schedule itself needs, for megatron-core users who bring their own data
     too: it runs context-parallel micro-batches split by the caller, which this pipeline does not do."""
-    def refuse(message: str) -> None:
-        raise DynapipeArgumentError(message)
-
+    problems: list[str] = []
+    refuse = problems.append
     if (getattr(args, "context_parallel_size", 1) or 1) > 1 or getattr(args, "hybrid_context_parallel", False):
         refuse("--dynapipe does not plan context parallelism (its cost model has no context-parallel dimension): "
                "drop --context-parallel-size")
@@ -333,6 +337,8 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
                "or with --sft conversations; a blend as WEIGHT PATH ...), the per-split paths, or --mock-data")
     if (getattr(args, "eval_iters", 0) or 0) > 0 and getattr(args, "eval_interval", None) is None:
         refuse("--eval-iters > 0 needs --eval-interval")
+    if problems:
+        raise DynapipeArgumentError("; ".join(problems))
 
 
 def _resolve_fast_mode(args: argparse.Namespace) -> None:

@@ -54,12 +54,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import inspect
 import logging
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from megatron_dynapipe.compat.upstream import UnsupportedUpstream, check_supported
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.megatron_lm.arguments import (
@@ -158,7 +161,6 @@ def setup(args: Optional[argparse.Namespace] = None):
     ``args.dataloader_type = "external"``, then :func:`~.provider.install`. Without it, installs
     nothing (Megatron's own schedule and data path stay). Returns the install report.
     """
-    from megatron_dynapipe.compat.upstream import check_supported
     from megatron_dynapipe.runtime.provider import install
 
     if args is None:
@@ -167,9 +169,9 @@ def setup(args: Optional[argparse.Namespace] = None):
         if id(args) in _setup_done:
             return _setup_done[id(args)]
         if getattr(args, "dynapipe", False):
-            check_supported()
-            validate_dynapipe_args(args)
-            check_data_pipeline_args(args)
+            with _refusals_exit():
+                check_supported()
+                _every_refusal(args, validate_dynapipe_args, check_data_pipeline_args)
             if getattr(args, "dataloader_type", None) not in (None, "single", "external"):
                 warnings.warn(f"--dataloader-type {args.dataloader_type} is replaced by DynaPipe's loaders", stacklevel=2)
             args.dataloader_type = "external"  # Megatron passes the loaders through as they are
@@ -180,13 +182,36 @@ def setup(args: Optional[argparse.Namespace] = None):
         return report
 
 
+def _every_refusal(args, *checks: Callable) -> None:
+    """Run every check; what they refuse is raised together, in one line."""
+    problems = []
+    for check in checks:
+        try:
+            check(args)
+        except DynapipeArgumentError as error:
+            problems.append(str(error))
+    if problems:
+        raise DynapipeArgumentError("; ".join(problems))
+
+
+@contextlib.contextmanager
+def _refusals_exit():
+    """Inside a job, a flag DynaPipe refuses ends the process with its one line (and status 2),
+    not a traceback: the hooks are where the script hands over to this package."""
+    try:
+        yield
+    except (DynapipeArgumentError, UnsupportedUpstream) as error:
+        print(f"megatron-dynapipe: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def model_provider(original: Callable) -> Callable:
     """Wrap the script's model provider so that :func:`setup` runs first (after Megatron's
     argument validation, before the model's config is built from the arguments) and the model
     is built with ``--dynapipe-attention``'s core (:mod:`.attention`)."""
     def dynapipe_model_provider(*args, **kwargs):
         setup()
-        with layer_attention(_get_args()):
+        with _refusals_exit(), layer_attention(_get_args()):
             return original(*args, **kwargs)
 
     dynapipe_model_provider.__wrapped__ = original  # type: ignore[attr-defined]
@@ -220,7 +245,8 @@ def configure_model(model_config: Any, args: Optional[argparse.Namespace] = None
     ``sdpa``, its ``transformer_layer_spec`` (the supported seam) builds Megatron-LM's default
     layers with the SDPA core (:mod:`.attention`); otherwise nothing changes. Returns the config."""
     args = _get_args() if args is None else args
-    check_attention_args(args)
+    with _refusals_exit():
+        check_attention_args(args)
     if getattr(args, "dynapipe_attention", None) == "sdpa":
         model_config.transformer_layer_spec = sdpa_layer_spec(args)
     return model_config

@@ -289,6 +289,8 @@ import argparse
 def initialize_megatron(extra_args_provider=None, args_defaults={}):
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--eod-mask-loss", action="store_true")
     return parse_args(extra_args_provider, parser)
 
 def parse_args(extra_args_provider, parser):
@@ -340,6 +342,8 @@ def get_args():
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--eod-mask-loss", action="store_true")
     return (extra_args_provider(parser) if extra_args_provider else parser).parse_args()
 
 def validate_args(args, defaults={}):
@@ -437,9 +441,19 @@ def test_launch_hooks_a_script_that_parses_its_own_arguments(tmp_path):
 @pytest.mark.parametrize("tag", sorted(STAND_INS))
 def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path, tag):
     proc = _launch_fake(tmp_path, tag, "--dynapipe")
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--dynapipe needs --dynapipe-memory-limit MB" in proc.stderr
     assert "FAKE-PRETRAIN" not in proc.stdout and "PARSED" not in proc.stdout  # refused before any work
+
+
+@pytest.mark.parametrize("tag", sorted(STAND_INS))
+def test_every_refused_flag_is_named_in_one_line(tmp_path, tag):
+    proc = _launch_fake(tmp_path, tag, "--dynapipe", "--dynapipe-memory-limit", "100", "--context-parallel-size", "2",
+                        "--eod-mask-loss")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert line.startswith("megatron-dynapipe: error: --dynapipe does not plan context parallelism")
+    assert "--eod-mask-loss is a feature of Megatron's packed GPT datasets" in line
 
 
 # --------------------------------------------------------------------------------------------
