@@ -41,8 +41,9 @@ def iteration_scalars(summary: dict, tokens_per_second: "float | None") -> dict[
     return scalars
 
 
-def describe_iteration(summary: dict, tokens_per_second: "float | None") -> str:
-    """One line about the whole global batch of an iteration."""
+def describe_iteration(summary: dict, tokens_per_second: "float | None", priced_by: "str | None" = None) -> str:
+    """One line about the whole global batch of an iteration (``priced_by``: what the prediction
+    is priced with, where it is not this machine)."""
     recompute = summary["recompute"]
     schedules = sorted(set(summary["schedules"]))
     rate = "" if tokens_per_second is None else f"; {tokens_per_second:,.0f} real tokens/s"
@@ -51,17 +52,21 @@ def describe_iteration(summary: dict, tokens_per_second: "float | None") -> str:
             f"{summary['real_tokens']} real tokens, {padding:.1%} "
             f"padding, micro-batches per DP rank {summary['microbatches']}, schedule {'/'.join(schedules)}, "
             f"recompute {recompute.get('none', 0)} none / {recompute.get('selective', 0)} selective / "
-            f"{recompute.get('full', 0)} full, predicted {summary['predicted_ms']:.1f} ms, planned in "
+            f"{recompute.get('full', 0)} full, predicted {summary['predicted_ms']:.1f} ms"
+            f"{'' if priced_by is None else f' ({priced_by})'}, planned in "
             f"{summary['planning_s']:.3f} s{rate}")
 
 
 class LoggedLoader:
     """Iterates a loader, reporting every ``interval`` iterations (module docstring): printed
     when ``verbose`` (the hosting rank), logged to ``writers`` (Megatron's TensorBoard writer
-    and W&B, where this rank has them)."""
+    and W&B, where this rank has them); ``priced_by`` follows the predicted time where it is not
+    this machine's."""
 
-    def __init__(self, loader, interval: int, label: str = "train", verbose: bool = True, writers=(None, None)):
+    def __init__(self, loader, interval: int, label: str = "train", verbose: bool = True, writers=(None, None),
+                 priced_by: "str | None" = None):
         self.loader, self.interval, self.label, self.verbose = loader, max(1, int(interval)), label, verbose
+        self.priced_by = priced_by
         self.tensorboard, self.wandb = writers
         # real tokens trained since the last report, counted when the next batch is asked for
         self._since, self._tokens, self._pending = None, 0, 0
@@ -85,7 +90,7 @@ class LoggedLoader:
     def _report(self, batch, summary: dict, rate: "float | None") -> None:
         if self.verbose:
             print(f"> megatron-dynapipe {self.label} {describe_plan(batch)}", flush=True)
-            print(f"> megatron-dynapipe {self.label} {describe_iteration(summary, rate)}", flush=True)
+            print(f"> megatron-dynapipe {self.label} {describe_iteration(summary, rate, self.priced_by)}", flush=True)
         if self.tensorboard is None and self.wandb is None:
             return
         scalars = {f"dynapipe/{self.label}-{name}": value for name, value in iteration_scalars(summary, rate).items()}

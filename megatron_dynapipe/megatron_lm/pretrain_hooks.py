@@ -178,8 +178,25 @@ def setup(args: Optional[argparse.Namespace] = None):
         report = install(args)
         if getattr(args, "rank", 0) == 0:
             print(f"> megatron-dynapipe: {report.message}", flush=True)
+            print(f"> megatron-dynapipe: {_attention_core(args)}", flush=True)
+            if report.enabled and _priced_by(args):
+                print("> megatron-dynapipe: no --dynapipe-cost-model: plans are priced by the analytical model of a GPT "
+                      "on an A100, so predicted times (and what fits --dynapipe-memory-limit) are that device's; "
+                      "profile this model here (megatron-dynapipe profile <model flags>) and pass "
+                      "--dynapipe-cost-model", flush=True)
         _setup_done[id(args)] = report
         return report
+
+
+def _attention_core(args) -> str:
+    """Which attention core the job's layers compute with."""
+    if getattr(args, "transformer_impl", "transformer_engine") != "local":
+        return "attention: transformer-engine's core (--transformer-impl transformer_engine)"
+    if getattr(args, "dynapipe_attention", None) == "sdpa":
+        return ("attention: the SDPA core (torch's scaled_dot_product_attention) on megatron-core's local layers "
+                "(--dynapipe-attention sdpa)")
+    return ("attention: megatron-core's unfused local core (--transformer-impl local; --dynapipe-attention sdpa "
+            "for the fused one)")
 
 
 def _every_refusal(args, *checks: Callable) -> None:
@@ -335,6 +352,12 @@ def make_get_batch(original: Callable, batch_keys: "Optional[Sequence[str]]" = N
 # --------------------------------------------------------------------------------------------
 
 
+def _priced_by(args) -> "str | None":
+    """What the logged predictions are priced with, where it is not this machine: without
+    ``--dynapipe-cost-model`` the analytical model of an A100."""
+    return None if getattr(args, "dynapipe_cost_model", None) else "the analytical A100 model, not this machine"
+
+
 def _cost_model(args):
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), model_from_megatron_args(args).to_json(),
@@ -403,7 +426,8 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, train_val_test
                                start_iteration=start, num_iterations=max(0, int(args.train_iters) - start),
                                **_rampup(args), **common)
     _LOADERS.append(train)
-    train = LoggedLoader(train, int(getattr(args, "log_interval", 1) or 1), "train", verbose=host, writers=_writers())
+    train = LoggedLoader(train, int(getattr(args, "log_interval", 1) or 1), "train", verbose=host, writers=_writers(),
+                         priced_by=_priced_by(args))
     valid = None
     if eval_iters > 0:
         if getattr(args, "skip_train", False):

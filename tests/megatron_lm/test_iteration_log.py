@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -97,3 +98,11 @@ def test_the_first_iteration_reports_no_rate_before_anything_was_timed(capsys):
     next(loader)
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "global batch" in line]
     assert "tokens/s" not in line  # no rate rather than a wrong one
+
+
+def test_a_prediction_not_made_for_this_machine_says_what_priced_it(capsys):
+    for priced_by in (None, "the analytical A100 model, not this machine"):
+        next(LoggedLoader(Batches(1), interval=1, priced_by=priced_by))
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if "global batch" in line]
+        predicted = re.search(r"predicted [0-9.]+ ms(.*?), planned in", line).group(1)
+        assert predicted == ("" if priced_by is None else f" ({priced_by})")

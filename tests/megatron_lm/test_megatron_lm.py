@@ -585,6 +585,11 @@ def _check_training(stdout, losses, plans):
     assert "validation loss at iteration 2" in stdout and "validation loss at iteration 4" in stdout
     assert "megatron-dynapipe launch --cpu: redirected" in stdout
     assert "runs the planned schedule in train_step and evaluate" in stdout
+    assert "> megatron-dynapipe: attention: megatron-core's unfused local core" in stdout
+    # no profile of this machine: the log says its predictions are another device's
+    assert "no --dynapipe-cost-model: plans are priced by the analytical model of a GPT on an A100" in stdout
+    assert all("ms (the analytical A100 model, not this machine), planned in" in line
+               for line in stdout.splitlines() if "global batch of" in line)
 
 
 @pytest.fixture(scope="module")
