@@ -1,8 +1,9 @@
 """What each planned iteration trains, in Megatron's log and its TensorBoard / W&B writers.
 
 Megatron's own log line counts iterations, not real tokens: with variable-length micro-batches
-that hides both the throughput and the padding. Every ``--log-interval`` iterations the hosting
-rank prints its stage's plan (:func:`describe_plan`) and the whole global batch
+that hides both the throughput and the padding. Every ``--log-interval`` iterations one rank of
+each pipeline stage (data- and tensor-parallel rank 0) prints its stage's plan
+(:func:`describe_plan`), and the hosting rank the whole global batch
 (:func:`describe_iteration`: samples, real tokens, padding share, micro-batches per DP rank,
 schedules, recompute choices, predicted and planning time, real tokens per second), and the rank
 that holds Megatron's writers logs the same numbers under ``dynapipe/``.
@@ -58,15 +59,17 @@ def describe_iteration(summary: dict, tokens_per_second: "float | None", priced_
 
 
 class LoggedLoader:
-    """Iterates a loader, reporting every ``interval`` iterations (module docstring): printed
-    when ``verbose`` (the hosting rank), logged to ``writers`` (Megatron's TensorBoard writer
-    and W&B, where this rank has them); ``priced_by`` follows the predicted time where it is not
-    this machine's."""
+    """Iterates a loader, reporting every ``interval`` iterations (module docstring): the global
+    batch's line printed when ``verbose`` (the hosting rank), this stage's plan line when
+    ``plan_line`` (default: ``verbose``; one rank of each stage), logged to ``writers`` (Megatron's
+    TensorBoard writer and W&B, where this rank has them); ``priced_by`` follows the predicted time
+    where it is not this machine's."""
 
     def __init__(self, loader, interval: int, label: str = "train", verbose: bool = True, writers=(None, None),
-                 priced_by: "str | None" = None):
+                 priced_by: "str | None" = None, plan_line: "bool | None" = None):
         self.loader, self.interval, self.label, self.verbose = loader, max(1, int(interval)), label, verbose
         self.priced_by = priced_by
+        self.plan_line = verbose if plan_line is None else plan_line
         self.tensorboard, self.wandb = writers
         # real tokens trained since the last report, counted when the next batch is asked for
         self._since, self._tokens, self._pending = None, 0, 0
@@ -88,8 +91,9 @@ class LoggedLoader:
         return batch
 
     def _report(self, batch, summary: dict, rate: "float | None") -> None:
-        if self.verbose:
+        if self.plan_line:
             print(f"> megatron-dynapipe {self.label} {describe_plan(batch)}", flush=True)
+        if self.verbose:
             print(f"> megatron-dynapipe {self.label} {describe_iteration(summary, rate, self.priced_by)}", flush=True)
         if self.tensorboard is None and self.wandb is None:
             return

@@ -427,7 +427,7 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, train_val_test
                                **_rampup(args), **common)
     _LOADERS.append(train)
     train = LoggedLoader(train, int(getattr(args, "log_interval", 1) or 1), "train", verbose=host, writers=_writers(),
-                         priced_by=_priced_by(args))
+                         priced_by=_priced_by(args), plan_line=layout.dp_rank == 0 and layout.tp_rank == 0)
     valid = None
     if eval_iters > 0:
         if getattr(args, "skip_train", False):

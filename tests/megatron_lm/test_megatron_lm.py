@@ -553,7 +553,7 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 DYNAPIPE = ["--dynapipe", "--dynapipe-memory-limit", "2", "--dynapipe-preprocess-workers", "1",
             "--calculate-per-token-loss"]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")
-PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batches \[([^\]]*)\]")
+PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batches \[([^\]]*)\].*, stage (\d+) of 2")
 
 
 def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240):
@@ -567,7 +567,9 @@ def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, time
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     losses = [float(loss) for _, loss in ITERATION.findall(proc.stdout)]
-    plans = [(int(n), shapes.split()) for _, n, shapes in PLAN.findall(proc.stdout)]
+    stages = [(int(i), int(stage)) for i, _, _, stage in PLAN.findall(proc.stdout)]
+    assert sorted(stages) == [(i, stage) for i in range(4) for stage in (0, 1)], stages  # every stage's plan
+    plans = [(int(n), shapes.split()) for _, n, shapes, stage in PLAN.findall(proc.stdout) if stage == "0"]
     return proc.stdout, losses, plans
 
 
