@@ -205,7 +205,8 @@ def collect_batch(configs: Sequence[TraceConfig], output_dir: str | os.PathLike 
 
 
 def _collect_config(config: TraceConfig, output_dir: Path, training: MegatronOptions) -> ConfigResult:
-    start = time.perf_counter()
+    """A config's traced ranks, read; its time is what their tracing took (each trace says), not
+    the reading."""
     result = ConfigResult(config, OK, folder=output_dir / config.folder_name(training))
     reps = config.representatives()
     result.ranks_traced = len(reps)
@@ -221,6 +222,7 @@ def _collect_config(config: TraceConfig, output_dir: Path, training: MegatronOpt
         try:
             trace = traces[rep.global_rank] = RankTrace.read(path)
             rank.files, rank.stats = [path.name], _trace_stats(trace)
+            rank.seconds = float(trace.meta.get("trace_seconds", 0.0))
         except FileNotFoundError:
             rank.status, rank.error = FAILED, f"no {path.name}" + (f": see {rank.log}" if rank.log else "")
         except (OSError, TraceFormatError) as error:
@@ -231,7 +233,7 @@ def _collect_config(config: TraceConfig, output_dir: Path, training: MegatronOpt
     if len(modes) == 1:  # each launcher run chose shapes-only or real compute by the same rule
         result.shapes_only, result.shapes_only_reason = modes == {"shapes_only"}, "as the ranks were traced"
     write_timeline(result, traces)
-    result.seconds = time.perf_counter() - start
+    result.seconds = sum(rank.seconds for rank in result.ranks)
     write_summary(result)
     return result
 

@@ -36,7 +36,13 @@ def stand_in_trace(layout, rank, model, options) -> RankTrace:
                    start_us=10.0 * i, dur_us=5.0) for i in range(3)]
     return RankTrace(rank=rank, stage=0, layout={"world_size": layout.world_size}, coords={}, groups={},
                      model={"name": model.label}, iteration=dict(options, cost_model=None),
-                     mode="shapes_only" if options["shapes_only"] else "real", ops=ops)
+                     mode="shapes_only" if options["shapes_only"] else "real", ops=ops,
+                     meta={"trace_seconds": stand_in_seconds(rank)})
+
+
+def stand_in_seconds(rank: int) -> float:
+    """How long the stand-in says tracing ``rank`` took (as trace_fake_rank records it)."""
+    return 1.5 + rank / 64
 
 
 class UnreadableTrace:

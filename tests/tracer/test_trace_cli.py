@@ -14,7 +14,7 @@ from megatron_dynapipe.tracer.batch_config import parse_configs
 from megatron_dynapipe.tracer.batch_run import run_batch
 from megatron_dynapipe.tracer.trace_format import RankTrace
 
-from stand_in import FakeTTY, cfg, ok_folder, stand_in_trace, stand_in_tracer
+from stand_in import FakeTTY, cfg, ok_folder, stand_in_seconds, stand_in_trace, stand_in_tracer
 
 # --------------------------------------------------------------------------------------------
 # the trace command, in this process with the stand-in
@@ -65,6 +65,9 @@ def test_collect_writes_what_a_trace_run_writes_from_ranks_traced_elsewhere(tmp_
     assert summary["error"] == "rank 24: no rank_24.trace.jsonl: see fake_rank_24.log"
     assert summary["shapes_only"] is True and (failed / "timeline.json").is_file()
     assert traced[1]["status"] == collected[1]["status"] == "failed"
+    # a config's time is what tracing its ranks took (one after another), not the collecting
+    assert collected[0]["seconds"] == pytest.approx(sum(stand_in_seconds(r["rank"]) for r in got["ranks"]))
+    assert [r["seconds"] for r in summary["ranks"]][:3] == [pytest.approx(stand_in_seconds(r)) for r in (0, 8, 16)]
 
 
 def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
