@@ -144,15 +144,6 @@ def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing(plain):
     assert t.model["sequence_parallel"] is True
 
 
-def test_sequence_parallel_needs_tensor_parallelism():
-    from megatron_dynapipe.compat import cpu_compat
-    from megatron_dynapipe.tracer.fake_rank import trace_fake_rank
-
-    with cpu_compat.cpu_mode(), pytest.raises(ValueError, match="--sequence-parallel needs tensor parallelism"):
-        trace_fake_rank(ParallelLayout(world_size=4, tp=1, pp=2), 0, MODEL, micro_batch_size=1, num_microbatches=2,
-                        seq_length=SEQ, shapes_only=True, training=MegatronOptions(sequence_parallel=True))
-
-
 @pytest.mark.parametrize("options, message", [
     (dict(overlap_param_gather=True), "--overlap-param-gather needs --use-distributed-optimizer"),
     (dict(recompute_granularity="full"), "needs --recompute-method"),
