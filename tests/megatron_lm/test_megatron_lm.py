@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -558,19 +559,25 @@ PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batch
 
 def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240):
     master, kv, _kv_valid = _free_ports(3)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(master), "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
-               *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv),
-               "--dynapipe-fast-mode", "true" if fast else "false"]
-    proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
-                          timeout=timeout, cwd=script.parent)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    losses = [float(loss) for _, loss in ITERATION.findall(proc.stdout)]
-    stages = [(int(i), int(stage)) for i, _, _, stage in PLAN.findall(proc.stdout)]
+    with tempfile.TemporaryDirectory() as logs:
+        # Each rank's stdout goes to a file of its own: two ranks writing one pipe may cut each
+        # other's lines, and every stage's plan line is checked.
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(master), "--log-dir", logs, "--redirects", "1",
+                   "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
+                   *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv),
+                   "--dynapipe-fast-mode", "true" if fast else "false"]
+        proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
+                              timeout=timeout, cwd=script.parent)
+        ranks = sorted(Path(logs).glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name))
+        stdout = proc.stdout + "".join(path.read_text() for path in ranks)
+    assert proc.returncode == 0, (stdout + proc.stderr)[-6000:]
+    assert len(ranks) == 2, f"torchrun wrote no per-rank stdout files under its --log-dir: {ranks}"
+    losses = [float(loss) for _, loss in ITERATION.findall(stdout)]
+    stages = [(int(i), int(stage)) for i, _, _, stage in PLAN.findall(stdout)]
     assert sorted(stages) == [(i, stage) for i in range(4) for stage in (0, 1)], stages  # every stage's plan
-    plans = [(int(n), shapes.split()) for _, n, shapes, stage in PLAN.findall(proc.stdout) if stage == "0"]
-    return proc.stdout, losses, plans
+    plans = [(int(n), shapes.split()) for _, n, shapes, stage in PLAN.findall(stdout) if stage == "0"]
+    return stdout, losses, plans
 
 
 def _check_training(stdout, losses, plans):
