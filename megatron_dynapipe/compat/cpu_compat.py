@@ -397,14 +397,15 @@ SPOTS: tuple["Spot | OneOf", ...] = (
         _scope(
             "megatron.core.distributed.param_and_grad_buffer",
             "_ParamAndGradBucketGroup.start_grad_sync",
-            ("current_stream = torch.cuda.current_stream()",),
-            "waits on the current CUDA stream for CUDA-graph gradient events on every grad sync (0.19)",
+            ("torch.cuda.current_stream()",),
+            "waits on the current CUDA stream: on every grad sync for CUDA-graph gradient events (0.19), and "
+            "with several distributed-optimizer instances before their reduction (0.17 on)",
         ),
         Spot(
             "megatron.core.distributed.param_and_grad_buffer",
             "_ParamAndGradBucketGroup.start_grad_sync",
             (),
-            "asks for no CUDA stream on a grad sync (before 0.19)",
+            "asks for no CUDA stream on a grad sync (before 0.17)",
             lacks=("torch.cuda.current_stream()",),
         ),
     ),
