@@ -27,12 +27,17 @@ def test_the_installed_megatron_core_is_found_without_importing_it_and_is_suppor
     code = ("import sys; from megatron_dynapipe.compat import upstream; print(upstream.check_supported()); "
             "print('megatron.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         env=dict(os.environ, PYTHONPATH=_before_pythonpath(ROOT)))
     assert out.returncode == 0, out.stderr
     version, imported = out.stdout.split()
     from megatron.core import package_info  # megatron-core's own answer
 
     assert version == package_info.__version__ and imported == "False"
+
+
+def _before_pythonpath(folder) -> str:
+    """``folder`` first, then this process's PYTHONPATH (which may name the megatron-core it runs)."""
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
 
 
 def _fake_megatron_core(root, version: str):
@@ -84,7 +89,7 @@ def test_version_names_this_package_and_the_upstream_it_would_run(tmp_path):
     checkout = _fake_megatron_core(tmp_path / "Megatron-LM", "0.19.0")
     out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "--version"], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path,
-                         env=dict(os.environ, PYTHONPATH=str(tmp_path), MEGATRON_LM_DIR=str(checkout)))
+                         env=dict(os.environ, PYTHONPATH=_before_pythonpath(tmp_path), MEGATRON_LM_DIR=str(checkout)))
     assert out.returncode == 0, out.stderr
     first, core, lm = out.stdout.splitlines()
     assert first.startswith(f"megatron-dynapipe {megatron_dynapipe.__version__} (Python ")
