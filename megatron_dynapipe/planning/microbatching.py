@@ -389,19 +389,50 @@ def partition_uniform(lengths, indices, microbatch_size: int, round_to: int = 8)
 
 
 def pack_fixed_length(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Megatron-style packing: first-fit decreasing of samples into sequences of `seq_len` tokens."""
+    """Megatron-style packing: first-fit decreasing of samples into sequences of `seq_len` tokens.
+
+    Each sample goes into the first open sequence with room for it, found in O(log sequences)
+    (:class:`_FirstFit`), so packing a batch takes O(n log n), not the O(n x sequences) of
+    trying every open sequence in turn."""
     too_long = [n for n in lengths if n > seq_len]
     if too_long:
         raise MicroBatchingError(f"a sample of {max(too_long)} tokens exceeds the packed length {seq_len}")
     bins: list[list[int]] = []
-    room: list[int] = []
+    first_fit = _FirstFit(len(lengths))
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[index] <= free:
-                bins[b].append(index)
-                room[b] -= lengths[index]
-                break
-        else:
-            bins.append([index])
-            room.append(seq_len - lengths[index])
+        b = first_fit.first_with_room(lengths[index])
+        if b is None:
+            b = len(bins)
+            bins.append([])
+            first_fit.set_room(b, seq_len)
+        bins[b].append(index)
+        first_fit.set_room(b, first_fit.room(b) - lengths[index])
     return bins
+
+
+class _FirstFit:
+    """The free room of up to ``capacity`` bins opened in order, as a max-tree: the first bin
+    with room for a sample is found by walking down from the root, always left where the left
+    subtree has room."""
+
+    def __init__(self, capacity: int):
+        self._leaves = 1 << max(0, capacity - 1).bit_length()
+        self._max = [-1] * (2 * self._leaves)  # -1: a bin not opened yet, with room for nothing
+
+    def room(self, b: int) -> int:
+        return self._max[self._leaves + b]
+
+    def set_room(self, b: int, room: int) -> None:
+        node = self._leaves + b
+        self._max[node] = room
+        while node > 1:
+            node //= 2
+            self._max[node] = max(self._max[2 * node], self._max[2 * node + 1])
+
+    def first_with_room(self, need: int) -> "int | None":
+        if self._max[1] < need:
+            return None
+        node = 1
+        while node < self._leaves:
+            node = 2 * node if self._max[2 * node] >= need else 2 * node + 1
+        return node - self._leaves

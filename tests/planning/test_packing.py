@@ -159,6 +159,37 @@ def test_packing_is_checked():
         TrainingSpec(packing="varlen", partition="uniform")
 
 
+def _first_fit_decreasing(lengths, seq_len):
+    """The definition: longest first, each into the first open sequence it fits, else a new one."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, free in enumerate(room) if lengths[i] <= free), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(seq_len)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_megatron_style_packing_is_first_fit_decreasing(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    lengths = [int(x) for x in np.clip(rng.lognormal(5, 1.2, n), 1, 1024)]
+    if seed == 0:
+        lengths = [512] * 7 + [1024, 1, 1023]  # exact fits and ties keep their order
+    bins = pack_fixed_length(lengths, 1024)
+    assert bins == _first_fit_decreasing(lengths, 1024)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in bins)
+
+
+def test_megatron_style_packing_takes_a_batch_too_large_to_try_every_open_sequence():
+    bins = pack_fixed_length([1000] * 50_000 + [24] * 50_000, 1024)  # each short one closes a long one's
+    assert len(bins) == 50_000 and bins[-1] == [49_999, 99_999]
+
+
 def test_the_thd_baseline_rows_hold_k_packed_sequences(costs_pp4):
     lengths = [100, 60, 50, 30, 20, 10, 90, 8, 128, 64]
     sequences = pack_fixed_length(lengths, 128)
