@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -189,6 +190,37 @@ def test_the_readme_plan_example_runs_as_written(tmp_path):
                                                   r"([0-9.]+)x; the rest: recompute and pipeline bubbles\)",
                                                   out.stdout).groups())
     assert speedup > alone > 1
+
+
+def _readme_command(text: str, start: str) -> list[str]:
+    """The README's command that begins with ``start``: its continued lines joined, its comment dropped."""
+    at = text.index(start)
+    lines = []
+    for line in text[at:].splitlines():
+        lines.append(line.split("#")[0].rstrip().removesuffix("\\"))
+        if not line.split("#")[0].rstrip().endswith("\\"):
+            return shlex.split(" ".join(lines))
+    raise AssertionError(f"{start}: no end")
+
+
+@pytest.mark.slow
+def test_the_readme_trace_walkthrough_simulates_a_job_that_fits_an_h100(tmp_path):
+    from project import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    trace = _readme_command(text, "megatron-dynapipe trace --model 175")
+    trace[trace.index("--output-dir") + 1] = str(tmp_path / "traces")
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", *trace[1:], "--no-progress"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    simulate = _readme_command(text, "megatron-dynapipe simulate traces")
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", simulate[1], str(tmp_path / "traces"),
+                          *simulate[3:], "--json", "--no-timeline"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    reports = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(reports) == 2 and {r["hardware"] for r in reports} == {"H100-80GB-SXM"}
+    assert all(r["fits"] and r["peak_memory_gib"] < r["device_memory_gib"] == 80 for r in reports), \
+        [(r["layout"], r["peak_memory_gib"]) for r in reports]
 
 
 def test_version():
