@@ -24,7 +24,7 @@ from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
 from megatron_dynapipe.planning.spec import PACKINGS, TrainingSpec
-from megatron_dynapipe.progress import progress_bar, progress_enabled
+from megatron_dynapipe.progress import progress_bar
 
 DEFAULT_COST_MODEL = "gpt-6.7b-a100"  # shipped with the package
 SIZES = (8, 16, 32, 64, 256, 1024, 4096)
@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
                    help="also print where planning time goes (micro-batching, scheduling, lowering) per mode")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="a progress bar on stderr when it is a terminal (default on)")
+                   help="progress on stderr: a bar on a terminal, else a line every 30 s (default on)")
 
 
 def run(args) -> int:
@@ -83,7 +83,7 @@ def run(args) -> int:
     costs = fresh_costs()
     generate_execution_plan([64] * 8, spec, costs)  # imports and first-call costs outside the timings
     rows = []
-    with progress_bar(progress_enabled(args.progress), sys.stderr) as bar:
+    with progress_bar(args.progress, sys.stderr) as bar:
         task = bar.add_task(f"planning {args.mix} batches", total=len(args.sizes) * args.seeds)
         for size in args.sizes:
             runs = []

@@ -12,7 +12,7 @@ from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument, recompute_argument
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.progress import progress_bar, progress_enabled
+from megatron_dynapipe.progress import progress_bar
 
 __all__ = ["add_profile_parser", "run_profile"]
 
@@ -47,7 +47,8 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="time a handful of points and fit the analytical model to them instead of profiling the "
                         "grid: a quick cost model (seconds to minutes) where a full profile is too slow")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="draw no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (on a terminal) or lines (elsewhere, every 30 s)")
     p.set_defaults(func=run_profile)
 
 
@@ -96,7 +97,7 @@ def run_profile(args: argparse.Namespace) -> int:
           f"about {expected} points{'' if args.calibrate else _duration(spec, settings, device)}", file=sys.stderr)
     stream = sys.stderr
     _warn_if_busy(device, "before profiling")
-    with progress_bar(progress_enabled(args.progress, stream), stream) as bar:
+    with progress_bar(args.progress, stream) as bar:
         task = bar.add_task("profile", total=expected)
 
         progress = GridProgress(bar, task, expected)

@@ -135,7 +135,8 @@ def add_search_parser(sub) -> None:
     run.add_argument("--jobs", "-j", type=int, metavar="N",
                      help="ranks traced, then shapes simulated, at once (default: one per core)")
     run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (on a terminal) or lines (elsewhere, every 30 s)")
     p.set_defaults(func=run_search_cli)
 
 

@@ -47,7 +47,7 @@ from megatron_dynapipe.planning.cost_model import (
     load_cost_model,
     resolve_cost_model_path,
 )
-from megatron_dynapipe.progress import progress_bar, progress_enabled
+from megatron_dynapipe.progress import progress_bar
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
@@ -509,7 +509,7 @@ def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Opt
     started = time.perf_counter()
     workers = max(1, min(jobs or available_cores(), len(shapes)))
     context = multiprocessing.get_context(rank_start_method())
-    with progress_bar(progress_enabled(progress, sys.stderr), sys.stderr) as bar, \
+    with progress_bar(progress, sys.stderr) as bar, \
             ProcessPoolExecutor(workers, mp_context=context) as pool:
         task = bar.add_task("simulating layouts", total=len(todo))
         running = {}

@@ -1,0 +1,50 @@
+"""Long work is never silent: a bar on a terminal, plain lines elsewhere, on a clock the test turns."""
+
+import io
+
+from megatron_dynapipe import progress
+from megatron_dynapipe.profiling.cli import GridProgress
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_without_a_terminal_progress_is_a_line_every_interval_and_one_at_the_end():
+    out, clock = io.StringIO(), Clock()
+    lines = progress._ProgressLines(out, every=30.0, clock=clock)
+    task = lines.add_task("simulating layouts", total=5)
+    for step in range(4):  # 20 s apart: a line once 30 s have passed since the last
+        clock.now += 20
+        lines.advance(task)
+    clock.now += 1
+    lines.advance(task)  # the last: said at once
+    lines.advance(task)  # past the end: nothing more
+    assert out.getvalue().splitlines() == ["simulating layouts: 2/5 (40 s)", "simulating layouts: 4/5 (1 min 20 s)",
+                                           "simulating layouts: 5/5 (1 min 21 s)"]
+
+
+def test_the_profile_progress_prints_lines_when_stderr_is_a_file():
+    out, clock = io.StringIO(), Clock()
+    with progress.progress_bar(True, out) as bar:
+        assert isinstance(bar, progress._ProgressLines)
+        bar.clock = clock
+        grid = GridProgress(bar, bar.add_task("profile", total=87), expected=87)
+        clock.now += 31
+        grid("tp 1, recompute none, seqlen 512", 12)
+        grid("tp 1, recompute none, seqlen 1024", 3)  # within 30 s of the last line
+        clock.now += 200
+        grid.finish()
+    assert out.getvalue().splitlines() == ["tp 1, recompute none, seqlen 512: 12/87 (31 s)",
+                                           "tp 1, recompute none, seqlen 1024: 15/15 (3 min 51 s)"]
+
+
+def test_no_progress_asked_for_prints_nothing():
+    out = io.StringIO()
+    with progress.progress_bar(False, out) as bar:
+        bar.advance(bar.add_task("x", total=1))
+    assert out.getvalue() == ""
