@@ -60,17 +60,24 @@ def fixed_length_baseline(
     samples padded to the longest): split evenly over data-parallel ranks, 1F1B, the micro-batch
     size and uniform recompute of the fastest simulated iteration within the memory limit."""
     per_rank = -(-num_sequences // costs.dp)  # the busiest rank sets the iteration time
-    best = None
-    for mbs in PACKING_MICROBATCH_SIZES:
-        if mbs > per_rank and mbs > 1:
-            break
+    sizes = [mbs for mbs in PACKING_MICROBATCH_SIZES if mbs <= per_rank or mbs == 1]
+    candidates = []  # (a bound its simulation cannot beat, the size's rank, recompute, size, micro-batches)
+    for order, mbs in enumerate(sizes):
         microbatches = uniform_microbatches(per_rank, mbs, seq_len)
-        for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
-            result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
-            if result is not None:
-                if best is None or result.makespan < best.makespan_ms:
-                    best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan)
-                break
+        for rc in RecomputeType:
+            uniform = np.full((costs.pp, len(microbatches)), int(rc))
+            candidates.append((lower_bound_ms(costs, microbatches, uniform), order, rc, mbs, microbatches))
+    # The fastest (size, recompute) that fits wins; ties go to the smaller size, then the cheaper
+    # recompute. Tried likeliest first, and none simulated whose bound cannot beat the best found:
+    # a simulation of a large batch takes seconds.
+    best, best_key = None, None
+    for bound, order, rc, mbs, microbatches in sorted(candidates, key=lambda c: c[:3]):
+        if best_key is not None and (bound, order, rc) > best_key:
+            continue
+        result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
+        if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
+            best_key = (result.makespan, order, rc)
+            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan)
     return best
 
 

@@ -427,7 +427,10 @@ class _FirstFit:
         self._max[node] = room
         while node > 1:
             node //= 2
-            self._max[node] = max(self._max[2 * node], self._max[2 * node + 1])
+            highest = max(self._max[2 * node], self._max[2 * node + 1])
+            if self._max[node] == highest:  # nor will any node above change
+                return
+            self._max[node] = highest
 
     def first_with_room(self, need: int) -> "int | None":
         if self._max[1] < need:

@@ -289,3 +289,33 @@ def test_no_cliff_at_the_tightest_memory_limit(costs_pp4):
         middle = (infeasible + feasible) / 2
         infeasible, feasible = (infeasible, middle) if makespan(middle) else (middle, feasible)
     assert makespan(feasible) <= 1.05 * makespan(feasible + 1_000)
+
+
+@pytest.mark.parametrize("num_sequences, seq_len, limit", [(64, 4096, 36_000), (37, 2048, 60_000), (300, 512, 40_000),
+                                                           (300, 512, 80_000), (300, 2048, 40_000), (64, 4096, 1_000)])
+def test_the_packing_baseline_is_the_fastest_size_and_recompute_that_fits(costs_pp4, num_sequences, seq_len, limit):
+    """Its bounds skip simulations; its answer is still the best of simulating every choice."""
+    from megatron_dynapipe.planning.baselines import fixed_length_baseline
+    from megatron_dynapipe.planning.schedules import one_f_one_b
+    from megatron_dynapipe.planning.simulator import simulate, stage_work
+    from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+
+    found = []
+    for mbs in (1, 2, 4, 8, 16, 32):
+        if mbs > num_sequences and mbs > 1:
+            break
+        microbatches = [MicroBatch(tuple(range(i, min(i + mbs, num_sequences))), seq_len)
+                        for i in range(0, num_sequences, mbs)]
+        for rc in RecomputeType:
+            work = stage_work(costs_pp4, microbatches, np.full((4, len(microbatches)), int(rc)))
+            if not np.isfinite(work.forward + work.backward + work.peak).all():
+                continue
+            result = simulate(one_f_one_b(work, limit), work)
+            if result.fits(limit):
+                found.append((result.makespan, mbs, rc))
+    baseline = fixed_length_baseline(num_sequences, seq_len, costs_pp4, limit)
+    if not found:
+        assert limit == 1_000 and baseline is None
+        return
+    makespan, mbs, rc = min(found)
+    assert (baseline.makespan_ms, baseline.microbatch_size, baseline.recompute) == (makespan, mbs, rc)
