@@ -160,8 +160,13 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model)
     out = check_output_folder(args.output_dir, "--output-dir")
-    result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,
-                        say=lambda line: print(line, file=sys.stderr))
+    try:
+        result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,
+                            say=lambda line: print(line, file=sys.stderr))
+    except KeyboardInterrupt:  # no ranking of what was traced so far: it would read as the answer
+        print(f"megatron-dynapipe search: interrupted, no ranking written; the shapes traced in full are kept in "
+              f"{out / 'traces'} and the same command again reuses them", file=sys.stderr)
+        return 130
     document = result.to_json()
     document.update(memory_headroom=args.memory_headroom, usable_memory_gib=hardware.memory_gib)
     document["plot"] = str(plot_search(result, out / "search.png"))

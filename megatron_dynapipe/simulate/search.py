@@ -52,6 +52,7 @@ from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
+from megatron_dynapipe.tracer.batch_results import INTERRUPTED
 from megatron_dynapipe.tracer.batch_run import available_cores, run_batch
 from megatron_dynapipe.tracer.isolation import rank_start_method
 from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
@@ -479,6 +480,8 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
         results = run_batch([c for _, c in shapes], folder, shapes_only=True, dtype=space.dtype, training=training,
                             cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress,
                             timeline=False)  # nobody views the timelines of shapes a search tries
+        if any(r.status == INTERRUPTED for r in results):  # a ranking of the shapes traced so far would mislead
+            raise KeyboardInterrupt
         for (key, _), r in zip(shapes, results):
             out[key] = r.folder if r.status == "ok" else (r.error or "; ".join(r.reasons) or r.status)
     result.traced = sum(len(shapes) for shapes in todo.values())

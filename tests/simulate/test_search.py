@@ -334,3 +334,32 @@ def test_layouts_must_leave_the_memory_headroom_free(tmp_path, capsys):
     # the tiny GPT's model state alone is over 0.01 GiB a GPU: leaving all but 0.004 GiB free fits no layout
     assert main([*argv, "--memory-headroom", "0.99995"]) == 2
     assert "no layout fits 0.004 GiB per GPU" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_search_writes_no_ranking_and_exits_130(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) while shapes are traced."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "megatron_dynapipe.cli", "search", "--model", "175", "--world-size", "1024",
+               "--global-batch-size", "512", "--max-traced", "4", "--output-dir", str(tmp_path), "--no-progress"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        said = []
+        for line in proc.stderr:  # the search says when tracing starts
+            said.append(line)
+            if "best-estimated shapes" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = "".join(said) + err
+    assert proc.returncode == 130, err[-3000:]
+    assert f"interrupted, no ranking written; the shapes traced in full are kept in {tmp_path / 'traces'}" in err
+    assert not (tmp_path / "search.json").exists() and "best" not in out
