@@ -67,26 +67,32 @@ def test_a_process_without_the_secret_cannot_feed_the_job(server):
     # a peer that knows host and port, not the secret: it replaces the value with its own
     intruder = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=5))
     intruder.set(key, b"\x80\x04payload that would run code if unpickled")
+    intruder.get(key)  # TCPStore's set does not wait for the server; a read on its connection does
     with pytest.raises(DataPipelineError, match=r"t/ns/it/0/plan/0/0 .* was not written by this job .*"
                                                 r"another process writes to the store"):
         client.get(key)
     # a value sealed with another secret is refused the same way
     other = _client(server, secret=b"o" * 32)
     other.put(key, b"sealed elsewhere")
+    other.store.get(key)
     with pytest.raises(DataPipelineError, match="not written by this job"):
         client.get(key)
     # a forged error fails the job too, saying so
     intruder.set(client.meta_key(KVStoreMetaKeys.ERROR), b"please run rm -rf")
+    intruder.get(client.meta_key(KVStoreMetaKeys.ERROR))
     assert "was not written by this job" in client.get_error()
 
 
 def test_the_store_listens_only_where_it_is_told():
-    server = KVStoreClient.host("127.0.0.2", 0, SECRET, timeout_s=5)  # another loopback address
+    server = KVStoreClient.host("127.0.0.2", 0, SECRET, namespace="t/ns", timeout_s=5)  # another loopback address
     try:
-        with socket.create_connection(("127.0.0.2", server.port), timeout=5):
-            pass
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        key = server.plan_key(0, 0, 0)
+        KVStoreClient.connect("127.0.0.2", server.port, SECRET, namespace="t/ns", timeout_s=5).put(key, b"here")
+        assert server.get(key) == b"here"
+        # At 127.0.0.1 that port is refused, or on a shared machine another program's: never this
+        # store (a connection there finds no key of it).
+        with pytest.raises(RuntimeError):  # torch's DistNetworkError / DistStoreError
+            dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=2)).get(key)
     finally:
         server.close()
 
