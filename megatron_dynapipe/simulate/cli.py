@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import signal
 
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
@@ -140,6 +142,28 @@ def add_search_parser(sub) -> None:
     p.set_defaults(func=run_search_cli)
 
 
+@contextlib.contextmanager
+def _ctrl_c_noted():
+    """Ctrl-C noted as well as raised: the KeyboardInterrupt may land where it is swallowed (a hook
+    that runs at fork, while a rank starts) and the work go on, but the work is still interrupted.
+    Yields the list the signal is noted in."""
+    came: list[int] = []
+
+    def note(signum, frame):
+        came.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    try:
+        previous = signal.signal(signal.SIGINT, note)
+    except ValueError:  # not the main thread, where signals are not delivered anyway
+        yield came
+        return
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_search_cli(args: argparse.Namespace) -> int:
     import sys
 
@@ -160,10 +184,13 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model)
     out = check_output_folder(args.output_dir, "--output-dir")
-    try:
-        result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs, progress=not args.no_progress,
-                            say=lambda line: print(line, file=sys.stderr))
-    except KeyboardInterrupt:  # no ranking of what was traced so far: it would read as the answer
+    with _ctrl_c_noted() as interrupted:
+        try:
+            result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
+                                progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
+        except KeyboardInterrupt:
+            interrupted.append(signal.SIGINT)
+    if interrupted:  # no ranking of what was traced so far: it would read as the answer
         print(f"megatron-dynapipe search: interrupted, no ranking written; the shapes traced in full are kept in "
               f"{out / 'traces'} and the same command again reuses them", file=sys.stderr)
         return 130

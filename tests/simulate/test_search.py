@@ -363,3 +363,18 @@ def test_ctrl_c_during_a_search_writes_no_ranking_and_exits_130(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert f"interrupted, no ranking written; the shapes traced in full are kept in {tmp_path / 'traces'}" in err
     assert not (tmp_path / "search.json").exists() and "best" not in out
+
+
+def test_a_ctrl_c_swallowed_where_it_landed_still_counts():
+    """As when the KeyboardInterrupt lands in a hook run at fork, which ignores it, and the search goes on."""
+    import signal
+
+    from megatron_dynapipe.simulate.cli import _ctrl_c_noted
+
+    with _ctrl_c_noted() as interrupted:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # swallowed
+    assert interrupted == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
