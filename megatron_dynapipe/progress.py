@@ -76,9 +76,9 @@ def _elapsed(seconds: float) -> str:
 
 
 @contextmanager
-def progress_bar(enabled: bool, stream, *, lines_every: float = LINE_EVERY_SECONDS) -> Any:
-    """A bar where ``stream`` is a terminal; progress lines every ``lines_every`` seconds where it
-    is not; nothing where progress was not asked for (``enabled`` False)."""
+def progress_bar(enabled: bool, stream) -> Any:
+    """A bar where ``stream`` is a terminal; progress lines every LINE_EVERY_SECONDS where it is
+    not; nothing where progress was not asked for (``enabled`` False)."""
     if not enabled:
         yield _NoProgress()
         return
@@ -87,7 +87,7 @@ def progress_bar(enabled: bool, stream, *, lines_every: float = LINE_EVERY_SECON
 
     console = Console(file=stream)
     if not console.is_terminal:
-        yield _ProgressLines(stream, lines_every)
+        yield _ProgressLines(stream)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     # What else writes to stderr meanwhile (megatron-core's warnings, log records) is printed above
