@@ -33,6 +33,7 @@ __all__ = [
     "check_spots",
     "in_megatron",
     "megatron_core_version",
+    "release_name",
 ]
 
 _MISSING = object()
@@ -43,12 +44,21 @@ class UpstreamChanged(RuntimeError):
 
 
 def megatron_core_version() -> str:
+    """The loaded megatron-core's release, ``MAJOR.MINOR.PATCH[PRE_RELEASE]``. Not its ``__version__``:
+    megatron-core 0.19 appends the commit of whatever git repository holds the install, so a virtual
+    environment inside a project would report the project's commit as megatron-core's."""
     try:
         from megatron.core import package_info
 
-        return package_info.__version__
+        return release_name(package_info.VERSION)
     except Exception:  # megatron-core absent, or without package_info
         return "unknown"
+
+
+def release_name(version: tuple) -> str:
+    """``(0, 19, 2, "rc1")`` -> ``"0.19.2rc1"``, as megatron-core's package_info spells a release."""
+    major, minor, patch, *pre_release = version
+    return f"{major}.{minor}.{patch}{''.join(map(str, pre_release))}"
 
 
 @dataclasses.dataclass(frozen=True)

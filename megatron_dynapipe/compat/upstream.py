@@ -38,7 +38,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_dynapipe.compat.patching import OneOf, Spot, UpstreamChanged, check_spots, megatron_core_version
+from megatron_dynapipe.compat.patching import (OneOf, Spot, UpstreamChanged, check_spots, megatron_core_version,
+                                               release_name)
 
 __all__ = [
     "LOCAL_CORE_ATTENTION",
@@ -127,7 +128,7 @@ def _package_info_version(path: Path) -> str:
             values[node.targets[0].id] = node.value.value
     if not all(key in values for key in ("MAJOR", "MINOR", "PATCH")):
         return "unknown"
-    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE') or ''}"
+    return release_name((values["MAJOR"], values["MINOR"], values["PATCH"], values.get("PRE_RELEASE") or ""))
 
 
 def check_supported() -> str:
