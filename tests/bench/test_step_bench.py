@@ -118,8 +118,11 @@ def test_packed_rows_keep_each_samples_own_labels():
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
     (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),
     (["--hidden-dropout", "0.1"], "bench step runs without dropout"),
-    (["--cost-model", "PROFILE"], "was profiled with another model or dtype: attention local (job: sdpa)"),
-    (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0)"),
+    (["--cost-model", "PROFILE"], "was profiled with another model or dtype: attention local (job: sdpa); profile "
+     "this job's model (megatron-dynapipe profile with --attention sdpa and this job's other model flags)"),
+    (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0); "
+     "attention local (job: sdpa); profile this job's model (megatron-dynapipe profile with --hidden-dropout 0 "
+     "--attention-dropout 0 --attention sdpa and this job's other model flags)"),
 ])
 def test_bad_input_is_one_line_before_any_work(tiny_profile, lengths_file, tmp_path, args, message):
     with_dropout = tmp_path / "dropout.json"  # the fixture's profile, as if made with Megatron's default dropout

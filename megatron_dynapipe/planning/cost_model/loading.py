@@ -52,14 +52,35 @@ ARCHITECTURE_FIELDS = ("hidden_size", "num_attention_heads", "query_groups", "ff
 def profile_mismatch(metadata: Mapping, *, model: "Mapping | None" = None, dtype: "str | None" = None) -> "str | None":
     """How a profile's recorded model and dtype differ from a job's (``model``: ModelSpec fields),
     in words; None when they agree or the profile records neither (as the shipped A100 one)."""
-    differences = []
-    profiled = metadata.get("model")
-    if model is not None and isinstance(profiled, Mapping):
-        mine, theirs = _architecture(model), _architecture(profiled)
-        differences += [f"{k} {theirs[k]} (job: {mine[k]})" for k in ARCHITECTURE_FIELDS if mine[k] != theirs[k]]
+    differences = [f"{k} {theirs} (job: {mine})" for k, (theirs, mine) in _differences(metadata, model).items()]
     if dtype is not None and metadata.get("dtype") not in (None, dtype):
         differences.append(f"dtype {metadata['dtype']} (job: {dtype})")
     return "; ".join(differences) or None
+
+
+def _differences(metadata: Mapping, model: "Mapping | None") -> dict:
+    """``{field: (profiled, job's)}`` for the architecture fields where they differ."""
+    profiled = metadata.get("model")
+    if model is None or not isinstance(profiled, Mapping):
+        return {}
+    mine, theirs = _architecture(model), _architecture(profiled)
+    return {k: (theirs[k], mine[k]) for k in ARCHITECTURE_FIELDS if mine[k] != theirs[k]}
+
+
+#: Fields whose profile flag is ``--`` and the field's name in dashes, with the value as its argument.
+_VALUED_FLAGS = {"hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "normalization",
+                 "position_embedding_type", "hidden_dropout", "attention_dropout", "attention"}
+
+
+def _profile_fix(metadata: Mapping, model: Mapping) -> str:
+    """How to make the profile this job needs: the flags that set the differing fields where each is
+    one flag and a value (dropout, sizes, the attention core), else the job's flags in general."""
+    differences = _differences(metadata, model)
+    if differences and set(differences) <= _VALUED_FLAGS and all(mine is not None for _, mine in differences.values()):
+        flags = " ".join(f"--{k.replace('_', '-')} {mine:g}" if isinstance(mine, float) else
+                         f"--{k.replace('_', '-')} {mine}" for k, (_, mine) in differences.items())
+        return f"megatron-dynapipe profile with {flags} and this job's other model flags"
+    return "megatron-dynapipe profile with its flags"
 
 
 def _architecture(fields: Mapping) -> dict:
@@ -107,7 +128,7 @@ def load_job_cost_model(path: "str | os.PathLike | None", model: Mapping, *, tp:
     mismatch = path is not None and profile_mismatch(cost_model.metadata, model=model, dtype=dtype)
     if mismatch:
         raise CostModelError(f"{flag} {os.fspath(path)} was profiled with another model or dtype: {mismatch}; "
-                             "profile this job's model (megatron-dynapipe profile with its flags) or drop the flag")
+                             f"profile this job's model ({_profile_fix(cost_model.metadata, model)}) or drop the flag")
     return cost_model
 
 
