@@ -63,10 +63,11 @@ def test_recompute_is_raised_only_to_the_allowed_types(costs_pp4):
 
 
 def test_wait_free_cyclic_holds_fewer_where_recompute_cannot_lighten_enough(costs_pp4):
-    # Twelve 4096-token micro-batches under 34,000 MB: the first stage (29,120 MB of model state)
+    # Twelve 4096-token micro-batches under 34,500 MB: the first stage (29,120 MB of model state)
     # has room for two of them in flight, fully recomputed (4,014 MB transient, 502 MB stored
-    # each), not 1F1B's four; wait-free-cyclic fills a stage only while memory lasts.
-    mbs, limit = microbatches(12, 1, 4096), 34_000
+    # each), not 1F1B's four (the last stage, whose loss keeps 836 MB more of each, for one);
+    # wait-free-cyclic fills a stage only while memory lasts.
+    mbs, limit = microbatches(12, 1, 4096), 34_500
     full = np.full((4, 12), int(RecomputeType.FULL))
     assert adjust_rc_plan(mbs, full, costs_pp4, "1f1b", limit) is None
     plan = adjust_rc_plan(mbs, none(12), costs_pp4, "wait-free-cyclic", limit)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+from megatron_dynapipe.planning.cost_model import StageCosts, cost_model_from_document, load_cost_model
 from megatron_dynapipe.profiling.measure import time_step
 
 MB = 2**20
@@ -426,3 +426,50 @@ def test_a_profile_says_up_front_how_long_it_will_take_at_least():
     floor_only = estimated_seconds(get_model("tiny"), dataclasses.replace(small, min_time_ms=1000.0), 1e30)
     points = sum(len(list(small.micro_batch_sizes(s))) for s in small.seq_lengths())
     assert floor_only == pytest.approx(points * (2 + len(small.recompute)) * 1.0)
+
+
+HEAD_MEMORY = """
+import json, sys, torch
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.layers import build_parts, fake_tp_rank
+from megatron_dynapipe.profiling.measure import measure_memory
+
+dtype, spec = getattr(torch, sys.argv[1]), ModelSpec(**json.loads(sys.argv[2]))
+with fake_tp_rank(1, torch.device("cpu")):
+    parts = build_parts(spec, 1, dtype, torch.device("cpu"), [RecomputeType.NONE])
+    x = torch.randn(1024, 2, spec.hidden_size, dtype=dtype, requires_grad=True)  # [seq, mbs, hidden]
+    labels = torch.randint(0, spec.vocab_size, (2, 1024))
+    memory = measure_memory(lambda: parts.postprocess(x, labels), torch.device("cpu"))
+print(memory.stored_bytes, memory.peak_bytes)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_loss_memory_the_planner_counts_is_what_megatrons_loss_holds(dtype):
+    """The last stage's LM head and loss measured on the CPU, tensor by tensor (megatron-core's own
+    head, a vocabulary wide enough that the logits are nearly all of it), against what the planner
+    adds to that stage: its fp32 softmax kept to the backward, the 16-bit logits beside it."""
+    from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
+
+    spec = dict(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=16384, max_sequence_length=1024,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    out = subprocess.run([sys.executable, "-c", HEAD_MEMORY, {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                          json.dumps(spec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stored, peak = (int(v) / 2**20 for v in out.stdout.split())
+    planner = AnalyticalCostModel(hidden_size=64, num_heads=4, vocab_size=16384, metadata={"dtype": dtype})
+    planned_stored, planned_peak = (planner.logits_mb(kind, 2, 1024) for kind in ("stored", "peak"))
+    assert planned_stored == pytest.approx(stored, rel=0.05)
+    assert planned_stored + planned_peak == pytest.approx(stored + peak, rel=0.05)
+
+
+def test_a_profiles_logits_are_megatrons_padded_vocabulary_over_tp(tiny_profile):
+    """50257 tokens padded to a multiple of 128 x TP, as Megatron-LM pads them: 50304 at TP 1,
+    50432 (25216 a rank) at TP 2."""
+    doc = json.loads(json.dumps(tiny_profile[1]))
+    doc["metadata"]["model"]["vocab_size"] = 50257
+    for tp, per_rank in ((1, 50304), (2, 25216)):
+        model = cost_model_from_document(doc, tp, source="tiny")
+        assert model.vocab_per_rank() == per_rank
+        assert model.logits_mb("stored", 2, 100) == pytest.approx(2 * 100 * per_rank * 4 / 2**20)

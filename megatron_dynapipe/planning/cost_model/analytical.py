@@ -193,6 +193,9 @@ class AnalyticalCostModel(CostModel):
             value = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) - stored
         return self._mask(value / MB, mbs, seqlen)
 
+    def vocab_per_rank(self) -> float:
+        return self.vocab_size / self.tp
+
     def param_mb(self, layer):
         check_choice("parameter layer", layer, PARAM_LAYERS)
         h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp

@@ -29,6 +29,7 @@ TIMED = (("encoder", "forward"), ("encoder", "backward"), ("postprocess", "forwa
          ("preprocess", "forward"), ("preprocess", "backward"))
 
 INF = math.inf
+LOGIT_STORED_BYTES = 4.0  # fp32 softmax per logit, whatever the model's dtype
 SCALARS = (int, float, np.integer, np.floating)
 
 
@@ -105,6 +106,29 @@ class CostModel(abc.ABC):
     #: ("stage" | "layer", phase) -> (ms, ms per token) of :meth:`microbatch_overhead_ms`; none
     #: unless measured
     microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] = {}
+    #: what the model was measured or calibrated with (``dtype``, ``model``: ModelSpec fields)
+    metadata: Mapping = {}
+
+    def logits_mb(self, kind: str, mbs, seqlen):
+        """MB the loss holds of one micro-batch's logits on the last stage, on top of its layers'.
+        Megatron's vocab-parallel cross-entropy computes in fp32 and keeps its softmax from the
+        loss's forward to its backward (``kind`` "stored": 4 B a logit); while the head runs, the
+        16-bit logits (forward) or their gradient (backward) sit beside it ("peak": 2 B a logit;
+        none in fp32, where they are that same tensor)."""
+        check_choice("activation kind", kind, KINDS)
+        per_logit = LOGIT_STORED_BYTES if kind == "stored" else (0.0 if self.activation_dtype == "fp32" else 2.0)
+        return as_float(mbs) * as_float(seqlen) * (self.vocab_per_rank() * per_logit / MB)
+
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype activations run in: the measured one, else 16-bit as on a GPU."""
+        return self.metadata.get("dtype") or "bf16"
+
+    def vocab_per_rank(self) -> float:
+        """Logits per token on one tensor-parallel rank (the padded vocabulary over TP), here read off
+        the embedding's 16-bit parameters, which hold learned positions too where the model has them
+        (a little high, then); a model that knows its vocabulary says so."""
+        return self.param_mb("embedding") * MB / (2.0 * self.hidden_size)
 
     def shape_costs(self, types: "Sequence[RecomputeType]", mbs, seqlen) -> np.ndarray:
         """Everything a pipeline stage needs of one micro-batch shape under each recompute type

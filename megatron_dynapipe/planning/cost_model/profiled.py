@@ -105,6 +105,13 @@ class ProfiledCostModel(CostModel):
             return full_inf(mbs, seqlen)
         return grid(mbs, seqlen)
 
+    def vocab_per_rank(self) -> float:
+        model = self.metadata.get("model") or {}
+        if not model.get("vocab_size"):  # a profile that records no model (the shipped A100 one)
+            return super().vocab_per_rank()
+        multiple = (model.get("make_vocab_size_divisible_by") or 128) * self.tp  # as Megatron-LM pads it
+        return math.ceil(model["vocab_size"] / multiple) * multiple / self.tp
+
     def param_mb(self, layer):
         try:
             return self._params[layer]

@@ -78,13 +78,19 @@ class StageCosts:
         return self._time("backward", stage, mbs, seqlen, recompute)
 
     def stored_mb(self, stage: int, mbs, seqlen, recompute):
-        """Activations one micro-batch keeps on the stage from its forward to its backward."""
-        return self.layers_on(stage) * self.model.activation_mb("stored", recompute, mbs, seqlen)
+        """Activations one micro-batch keeps on the stage from its forward to its backward (on the
+        last stage the loss's softmax too)."""
+        mb = self.layers_on(stage) * self.model.activation_mb("stored", recompute, mbs, seqlen)
+        return mb + self.model.logits_mb("stored", mbs, seqlen) if stage == self.pp - 1 else mb
 
     def peak_mb(self, stage: int, mbs, seqlen, recompute):
-        """Transient memory on top of the stored activations while one of its layers runs."""
+        """Transient memory on top of the stored activations while one of its layers (or, on the
+        last stage, the LM head) runs."""
         self.layers_on(stage)  # validates the stage
-        return self.model.activation_mb("peak", recompute, mbs, seqlen)
+        peak = self.model.activation_mb("peak", recompute, mbs, seqlen)
+        if stage == self.pp - 1:
+            return np.maximum(peak, self.model.logits_mb("peak", mbs, seqlen))
+        return peak
 
     def all_stages(self, mbs, seqlen, recompute) -> dict[str, np.ndarray]:
         """forward/backward ms and stored/peak MB of every stage at once, as read-only
@@ -119,8 +125,9 @@ class StageCosts:
             + overhead["forward"],
             "backward": layers * encoder_bwd + np.where(is_last, head_bwd, 0.0) + np.where(is_first, embed_bwd, 0.0)
             + overhead["backward"],
-            "stored": layers * stored,
-            "peak": np.broadcast_to(peak, (len(types), self.pp) + shape),
+            "stored": layers * stored + np.where(is_last, self.model.logits_mb("stored", mbs, seqlen), 0.0),
+            "peak": np.broadcast_to(np.where(is_last, np.maximum(peak, self.model.logits_mb("peak", mbs, seqlen)), peak),
+                                    (len(types), self.pp) + shape),
         }
         for array in out.values():
             array.flags.writeable = False
