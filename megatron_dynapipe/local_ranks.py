@@ -39,7 +39,12 @@ _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' r
 
 
 class LocalRanksError(RuntimeError):
-    """A rank failed, died or did not finish in time."""
+    """A rank failed, died or did not finish in time; ``raised`` holds, by rank, the exceptions
+    the ranks raised that pickle (what a caller may act on; the message has every traceback)."""
+
+    def __init__(self, message: str, raised: "dict[int, BaseException] | None" = None):
+        super().__init__(message)
+        self.raised = dict(raised or {})
 
 
 def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60,
@@ -65,9 +70,11 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         for proc in procs:
             proc.start()
         values, errors = _collect(procs, results, deadline)
-        problem = _problem(name, world_size, procs, values, errors, timeout)
+        problem = _problem(name, world_size, procs, values, {rank: text for rank, (text, _) in errors.items()},
+                           timeout)
         if problem:
-            raise LocalRanksError(problem)
+            raised = {rank: _unpickled(error) for rank, (_, error) in errors.items()}
+            raise LocalRanksError(problem, {rank: error for rank, error in raised.items() if error is not None})
         return [values[rank] for rank in range(world_size)]
     finally:
         for proc in procs:
@@ -94,13 +101,27 @@ def _child(rank, world_size, port, backend, payload, results, pg_timeout_s) -> N
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         message = (rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs)))
-    except BaseException:  # report everything, including SystemExit / KeyboardInterrupt
-        message = (rank, False, traceback.format_exc())
+    except BaseException as error:  # report everything, including SystemExit / KeyboardInterrupt
+        message = (rank, False, (traceback.format_exc(), _pickled(error)))
     # Report before tearing the group down: a failing rank's own traceback should reach the
     # parent before its peers' "connection closed" errors that the teardown provokes.
     results.put(message)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _pickled(error: BaseException) -> "bytes | None":
+    try:
+        return pickle.dumps(error)
+    except Exception:  # an exception holding what does not pickle: its traceback says enough
+        return None
+
+
+def _unpickled(data: "bytes | None") -> "BaseException | None":
+    try:
+        return None if data is None else pickle.loads(data)
+    except Exception:  # an exception class that does not rebuild from its arguments
+        return None
 
 
 def _collect(procs, results, deadline) -> tuple[dict[int, Any], dict[int, str]]:

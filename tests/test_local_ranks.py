@@ -52,5 +52,12 @@ def _fail_or_block(rank, world_size, how):
 def test_harness_reports_failures_and_kills_the_rest(how, timeout, expected):
     # A failure is reported as it happens: were it cut at the timeout instead, the message would
     # say the ranks did not finish. A hang is cut at the timeout, however slowly the ranks start.
-    with pytest.raises(LocalRanksError, match=expected):
+    with pytest.raises(LocalRanksError, match=expected) as info:
         run_local_ranks(_fail_or_block, 2, how, timeout=timeout)
+    # what a rank raised comes back as itself, for the caller to act on (rank 1 may add its barrier's
+    # error at the teardown); a rank that exited or hung raised nothing
+    raised = info.value.raised
+    if how == "raise":
+        assert type(raised[0]) is ValueError and str(raised[0]) == "rank zero gave up"
+    else:
+        assert 0 not in raised

@@ -50,7 +50,8 @@ from megatron_dynapipe.config.model_flags import add_model_arguments, model_from
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
 from megatron_dynapipe.gpt.build import uses_transformer_engine
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
-from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_rows, uniform_microbatches
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model
 from megatron_dynapipe.planning.microbatching import pack_fixed_length
@@ -70,6 +71,7 @@ DEFAULT_SAMPLES = 64
 # relative, each method without leakage against pad-to-max
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
 ATTENTION = "sdpa"  # without --attention: the core that runs the packed methods too
+CPU_MEMORY_LIMIT_MB = 36_000.0  # the CPU has no device memory to read: a 40 GB A100's planning limit
 
 
 def add_arguments(p) -> None:
@@ -90,7 +92,8 @@ def add_arguments(p) -> None:
                    help="Megatron's --seq-length: the longest sample, pad-to-max and packing length (default: the "
                         "model's positions)")
     p.add_argument("--memory-limit", type=float, metavar="MB",
-                   help="per-device memory the plans must fit (default: the GPU's memory, 36000 on the CPU)")
+                   help=f"per-device memory the plans must fit (default: {1 - MEMORY_HEADROOM:g} of the GPU's memory, the "
+                        f"rest left for the CUDA context, NCCL and the allocator; {CPU_MEMORY_LIMIT_MB:.0f} on the CPU)")
     add_device_arguments(p, "run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5, at least 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
@@ -108,6 +111,8 @@ class Method:
     plans: list  # [dp rank][stage] ExecutionPlan
     microbatches: list  # [dp rank] dict of numpy arrays per micro-batch
     predicted_ms: float
+    #: the cost model's peak of activations (what a step adds to weights and gradients), fullest stage
+    predicted_activations_mb: float
     planning_s: float | None = None
 
 
@@ -117,12 +122,13 @@ def run(args) -> int:
     methods = _methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
           f"(PP={args.pp}, DP={args.dp}) ...", file=sys.stderr, flush=True)
-    backend = "nccl" if job["device"] == "cuda" else "gloo"
-    per_rank = run_local_ranks(_rank, args.pp * args.dp, job, methods, args.warmup, args.steps, timeout=args.timeout,
-                      backend=backend)
-    row = summarize(per_rank, methods, lengths, job)
+    per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
+    row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
     print(json.dumps(row) if args.json else format_table(row))
-    return 0
+    if failed:
+        print(f"bench step: {', '.join(failed)} failed (its row says why); the other methods' results stand",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _checked(args) -> dict:
@@ -158,8 +164,8 @@ def _checked(args) -> dict:
     if not 2 <= max_seq_length <= spec.max_sequence_length or max_seq_length % 8:
         raise ValueError(f"--max-seq-length {max_seq_length}: pick a multiple of 8 up to the model's "
                          f"{spec.max_sequence_length} positions (the planner pads lengths to multiples of 8)")
-    memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20
-                                         if device == "cuda" else 36_000.0)
+    memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20 * (1 - MEMORY_HEADROOM)
+                                         if device == "cuda" else CPU_MEMORY_LIMIT_MB)
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     packs = spec.attention == "sdpa" or uses_transformer_engine(device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
@@ -198,7 +204,8 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     for name, fast, packing in planned:
         result = generate_execution_plan(lengths, dataclasses.replace(spec, packing=packing), costs, fast_mode=fast)
         microbatches = [[_tensors(tokens, mb) for mb in plans[0].microbatches] for plans in result.plans]
-        methods[name] = Method(result.plans, microbatches, result.makespan_ms, result.planning_seconds)
+        methods[name] = Method(result.plans, microbatches, result.makespan_ms,
+                               _activations_mb(result.peak_memory_mb, costs), result.planning_seconds)
     seq = job["max_seq_length"]
     sequences = pack_fixed_length(lengths, seq)
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
@@ -223,7 +230,7 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
                                            best.recompute.name.lower(), "1f1b"))
         tensors.append([_packed([[tokens[i] for i in sequences[mine[s]]] for s in mb.samples], seq_len)
                         for mb in micro])
-    return Method(plans, tensors, best.makespan_ms)
+    return Method(plans, tensors, best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
 
 
 def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.ndarray], seq_len: int, costs,
@@ -234,10 +241,16 @@ def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.
     best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb)
     if best is None:
         raise _unfit(seq_len, spec)
-    per_rank, recompute, makespan = best
-    plans = [build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, recompute.label, "1f1b")
-             for micro in per_rank]
-    return Method(plans, [[_tensors(tokens, mb) for mb in micro] for micro in per_rank], makespan)
+    plans = [build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, best.recompute.label, "1f1b")
+             for micro in best.per_rank]
+    return Method(plans, [[_tensors(tokens, mb) for mb in micro] for micro in best.per_rank], best.makespan_ms,
+                  _activations_mb(best.stage_peak_mb, costs))
+
+
+def _activations_mb(stage_peak_mb, costs: StageCosts) -> float:
+    """The fullest stage's predicted peak less its model state: what a step allocates on top of the
+    weights and gradients, as :func:`_memory_mb` measures it (a step benchmark makes no optimizer)."""
+    return max(peak - costs.model_state_mb(stage) for stage, peak in enumerate(stage_peak_mb))
 
 
 def _check_feeds(sequences: list, seq_len: int, spec) -> None:
@@ -278,6 +291,48 @@ def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]
 # --------------------------------------------------------------------------------------------
 
 
+class MethodFailed(RuntimeError):
+    """One method's step raised on a rank (out of memory, say): the others may still run."""
+
+    def __init__(self, method: str, reason: str):
+        super().__init__(method, reason)
+        self.method, self.reason = method, reason
+
+    def __str__(self) -> str:
+        return f"{self.method}: {self.reason}"
+
+
+def run_methods(methods: dict[str, Method], job: dict, *, warmup: int, steps: int,
+                timeout: float) -> tuple[list[dict], dict[str, str]]:
+    """Every method's steps on the local ranks: the per-rank results, and ``{method: why}`` for the
+    methods that failed. A failing method takes its peers down with it (a stage waits on the one
+    that raised), so the others run again without it: one method's out-of-memory costs a rerun,
+    not every method's results."""
+    failed: dict[str, str] = {}
+    while True:
+        remaining = {name: method for name, method in methods.items() if name not in failed}
+        try:
+            return run_local_ranks(_rank, job["pp"] * job["dp"], job, remaining, warmup, steps, timeout=timeout,
+                                   backend="nccl" if job["device"] == "cuda" else "gloo"), failed
+        except LocalRanksError as error:
+            failure = next((e for e in error.raised.values() if isinstance(e, MethodFailed)), None)
+            if failure is None or len(remaining) == 1:
+                raise
+            failed[failure.method] = failure.reason
+            print(f"{failure}; running the other methods again without it", file=sys.stderr, flush=True)
+
+
+def _failing_as(name: str, run):
+    """``run`` whose exceptions name the method they ended."""
+    def step():
+        try:
+            return run()
+        except Exception as error:
+            lines = str(error).strip().splitlines()
+            raise MethodFailed(name, f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]) from error
+    return step
+
+
 def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], warmup: int, steps: int) -> dict:
     import warnings
 
@@ -301,12 +356,13 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         ddp = build_training_stage(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"])
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
-        runs = {name: planned_step(ddp, method.plans[dp_rank][stage], method.microbatches[dp_rank], device)
+        runs = {name: _failing_as(name, planned_step(ddp, method.plans[dp_rank][stage], method.microbatches[dp_rank],
+                                                     device))
                 for name, method in methods.items()}
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=ddp.zero_grad_buffer,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
         return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
-                "peak_mb": {name: _peak_mb(run, ddp, device) for name, run in runs.items()}}
+                "memory_mb": {name: _memory_mb(run, ddp, device) for name, run in runs.items()}}
     finally:
         destroy_model_parallel()
         if on_cpu:
@@ -333,8 +389,11 @@ def _global_loss(per_rank: list[dict], name: str) -> float:
     return sum(s for s, _ in sums) / sum(n for _, n in sums)
 
 
-def _peak_mb(run, ddp, device) -> float:
-    """The allocator's peak during one step on CUDA; on the CPU the bytes of the tensors it creates."""
+def _memory_mb(run, ddp, device) -> tuple[float, "float | None"]:
+    """What one step allocates on top of what was there before it (the weights and gradient
+    buffers; a step benchmark makes no optimizer), and on CUDA the allocator's peak in all. On the
+    CPU, which keeps no counters, the first is the bytes of the tensors the step creates, the
+    second unknown."""
     import torch
 
     from megatron_dynapipe.profiling.measure import LiveBytes
@@ -342,13 +401,15 @@ def _peak_mb(run, ddp, device) -> float:
     ddp.zero_grad_buffer()
     if device.type == "cuda":
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         run()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20
+        peak = torch.cuda.max_memory_allocated()
+        return (peak - before) / 2**20, peak / 2**20
     with LiveBytes() as live:
         run()
-    return live.peak / 2**20
+    return live.peak / 2**20, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,9 +417,11 @@ def _peak_mb(run, ddp, device) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: dict) -> dict:
+def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: dict,
+              failed: "dict[str, str] | None" = None) -> dict:
     """Per method: median step time (slowest rank each step), real tokens per second, predicted
-    time and its error, peak memory (largest rank); speed-ups and whether the losses agree."""
+    time and its error, peak memory (largest rank); speed-ups and whether the losses agree; and
+    why each method in ``failed`` did not run."""
     real_tokens = sum(lengths)
     rows = {}
     for name, method in methods.items():
@@ -371,10 +434,13 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job["predicts"] else None,
             microbatches=sum(map(len, method.microbatches)),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
-            peak_mb=max(rank["peak_mb"][name] for rank in per_rank), planning_s=method.planning_s,
+            activations_mb=max(rank["memory_mb"][name][0] for rank in per_rank),
+            predicted_activations_mb=method.predicted_activations_mb,
+            peak_mb=_largest([rank["memory_mb"][name][1] for rank in per_rank]),
+            planning_s=method.planning_s,
             loss=_global_loss(per_rank, name))
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
-            for name, row in rows.items() if name not in LEAKY and name != PAD}
+            for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
                 for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DYNAPIPE), (THD, PAD))
                 if a in rows and b in rows}
@@ -383,10 +449,28 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
                       pp=job["pp"], dp=job["dp"], attention=job["model"].attention,
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
-        methods=rows, speedups=speedups,
+        methods=rows, failed=dict(failed or {}), speedups=speedups,
         loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job["dtype"]] for gap in gaps.values()),
         threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
         profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
+
+
+def _largest(values: list) -> "float | None":
+    """The largest, or None where any is unknown."""
+    return None if None in values else max(values)
+
+
+def _loss_lines(row: dict) -> list[str]:
+    """Whether the methods without leakage agree with pad-to-max, where it ran."""
+    methods = row["methods"]
+    if PAD not in methods:
+        return ["losses: pad-to-max failed, so none is checked against it"]
+    agree = "agree" if row["losses_agree"] else "DISAGREE"
+    gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in row["loss_gaps"].items())
+    leaky = (f"; packing {methods[PACK]['loss']:.5f} (samples attend to their neighbours)" if PACK in methods
+             else "")
+    return [f"losses: pad-to-max {methods[PAD]['loss']:.5f}; the others without leakage {agree} with it "
+            f"(relative gaps: {gaps}){leaky}"]
 
 
 def format_table(row: dict) -> str:
@@ -396,22 +480,22 @@ def format_table(row: dict) -> str:
         f"{s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), attention {s['attention']}, "
         f"cost model {s['cost_model']}",
-        "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error | peak MB | planning s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error "
+        "| activations MB (predicted) | peak MB | planning s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in row["methods"].items():
         planning = "" if m["planning_s"] is None else f"{m['planning_s']:.2f}"
+        peak = "-" if m["peak_mb"] is None else f"{m['peak_mb']:.0f}"  # the CPU keeps no allocator peak
         predicted, error = (("-", "-") if m["predicted_ms"] is None
                             else (f"{m['predicted_ms']:.1f}", f"{m['prediction_error_pct']:+.0f}%"))
         lines.append(f"| {name} | {m['microbatches']} | {m['padded_tokens']} | {m['median_ms']:.1f} | "
-                     f"{m['tokens_per_s']:.0f} | {predicted} | {error} | {m['peak_mb']:.0f} | {planning} |")
+                     f"{m['tokens_per_s']:.0f} | {predicted} | {error} | {m['activations_mb']:.0f} "
+                     f"({m['predicted_activations_mb']:.0f}) | {peak} | {planning} |")
+    lines += [f"| {name} | failed: {why} | | | | | | | | |" for name, why in row["failed"].items()]
     lines.append("real tokens per second: " + ", ".join(f"{name} {x:.2f}x" for name, x in row["speedups"].items()))
-    agree = "agree" if row["losses_agree"] else "DISAGREE"
-    gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in row["loss_gaps"].items())
-    lines.append(f"losses: pad-to-max {row['methods'][PAD]['loss']:.5f}; the others without leakage {agree} with it "
-                 f"(relative gaps: {gaps}); packing {row['methods'][PACK]['loss']:.5f} (samples attend to their "
-                 "neighbours)")
-    if row["methods"][DYNAPIPE]["predicted_ms"] is None:
+    lines += _loss_lines(row)
+    if not any(m["predicted_ms"] is not None for m in row["methods"].values()):
         lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "
                      "--cost-model FILE to compare predicted with measured")

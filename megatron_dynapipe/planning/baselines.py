@@ -4,7 +4,7 @@ bound, the ideal gain."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -28,6 +28,17 @@ class PackingBaseline:
     num_sequences: int
     makespan_ms: float
     method: str = f"{YARDSTICKS['pad']} + 1f1b"
+    stage_peak_mb: tuple = ()  # each stage's peak memory by the cost model (the busiest data-parallel rank's)
+
+
+class ThdRows(NamedTuple):
+    """:func:`thd_packing_rows`' answer: per data-parallel rank its micro-batches, their uniform
+    recompute, the slowest rank's time and each stage's peak memory (over the ranks)."""
+
+    per_rank: list
+    recompute: RecomputeType
+    makespan_ms: float
+    stage_peak_mb: tuple
 
 
 def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float,
@@ -77,7 +88,8 @@ def fixed_length_baseline(
         result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
         if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
             best_key = (result.makespan, order, rc)
-            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan)
+            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan,
+                                   stage_peak_mb=tuple(map(float, result.peak_memory)))
     return best
 
 
@@ -92,20 +104,18 @@ def thd_packing_baseline(
     found = thd_packing_rows(sequences, lengths, seq_len, costs, memory_limit_mb)
     if found is None:
         return None
-    per_rank, recompute, makespan_ms = found
-    return PackingBaseline(seq_len, per_rank[0][0].seq_len // seq_len, recompute, len(sequences), makespan_ms,
-                           f"{YARDSTICKS['varlen']} + 1f1b")
+    return PackingBaseline(seq_len, found.per_rank[0][0].seq_len // seq_len, found.recompute, len(sequences),
+                           found.makespan_ms, f"{YARDSTICKS['varlen']} + 1f1b", found.stage_peak_mb)
 
 
 def thd_packing_rows(
     sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float
-) -> tuple[list[list[MicroBatch]], RecomputeType, float] | None:
+) -> ThdRows | None:
     """Megatron's packed sequences without attention across samples (THD): ``sequences`` (sample
     indices packed into ``seq_len`` tokens each, as :func:`pack_fixed_length` packs them) dealt
     out in order to the data-parallel ranks as evenly as they go; each micro-batch is one row of
     k of them (a fixed budget of k x ``seq_len`` tokens), run 1F1B with the k and uniform
-    recompute of the fastest simulated iteration within the memory limit. Per data-parallel rank
-    its micro-batches, the recompute and the slowest rank's time; None when nothing fits."""
+    recompute of the fastest simulated iteration within the memory limit; None when nothing fits."""
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
     best = None
     for k in PACKING_MICROBATCH_SIZES:
@@ -117,8 +127,9 @@ def thd_packing_rows(
             results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb) for microbatches in per_rank]
             if all(r is not None for r in results):
                 makespan = max(r.makespan for r in results)
-                if best is None or makespan < best[2]:
-                    best = (per_rank, rc, makespan)
+                if best is None or makespan < best.makespan_ms:
+                    peaks = np.max([r.peak_memory for r in results], axis=0)
+                    best = ThdRows(per_rank, rc, makespan, tuple(map(float, peaks)))
                 break
     return best
 
