@@ -14,6 +14,7 @@ from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 from megatron_dynapipe.planning.baselines import default_pack_length
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings
@@ -182,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "leaves_signals_alone", False):
+        return _run(args)
+    return exit_status(lambda: _run(args))
+
+
+def _run(args) -> int:
     try:
         if getattr(args, "megatron_core", False):
             upstream.check_supported()  # before any work

@@ -22,3 +22,24 @@ def patch_for(checkout: Path) -> Path:
             if subprocess.run(["git", "apply", "--check", str(patch)], cwd=checkout, capture_output=True).returncode == 0]
     assert len(fits) == 1, f"{len(fits)} of the patches in patches/ apply to {checkout}: {[p.name for p in fits]}"
     return fits[0]
+
+
+def interrupt_when(command: list, ready, signum: int, *, timeout: float = 600):
+    """Start ``command``, send it (alone, as a scheduler or ``kill`` does) ``signum`` once ``ready()``
+    holds, and return it finished with its ``(out, err)``. Polls: no test waits on a speed."""
+    import signal
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, f"{command} ended before it was ready to interrupt: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signum)
+        return proc, proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

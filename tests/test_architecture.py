@@ -22,6 +22,7 @@ ALLOWED = {
     "compat": set(),
     "files": set(),
     "progress": set(),
+    "interrupts": set(),
     "local_ranks": set(),
     "chrome_trace": {"files"},
     "planning": {"config"},
@@ -31,14 +32,15 @@ ALLOWED = {
     "runtime": {"config", "planning", "compat", "gpt", "data"},
     "profiling": {"config", "planning", "compat", "gpt", "runtime", "data", "files", "progress"},
     "hardware": {"planning", "files"},
-    "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace", "hardware"},
-    "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks", "hardware"},
+    "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace", "hardware", "interrupts"},
+    "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks", "hardware",
+                 "interrupts"},
     "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
     "megatron": {"megatron_lm", "runtime"},
     "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
-              "progress"},
+              "progress", "hardware"},
     "cli": {"config", "planning", "compat", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files",
-            "viz", "hardware"},
+            "viz", "hardware", "interrupts"},
 }
 
 

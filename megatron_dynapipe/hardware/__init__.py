@@ -55,6 +55,7 @@ from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 
 __all__ = [
+    "MEMORY_HEADROOM",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "COLLECTIVE_KINDS",
@@ -66,6 +67,11 @@ __all__ = [
     "ring_terms",
     "flat_collective_us",
 ]
+
+#: The share of a GPU's memory left for what plans and traces do not count: each rank's CUDA
+#: context, NCCL's buffers and the caching allocator's fragmentation (``search``'s
+#: ``--memory-headroom`` default, and what ``bench step`` keeps free of a GPU by default).
+MEMORY_HEADROOM = 0.1
 
 FORMAT_NAME = "megatron-dynapipe-hardware"
 FORMAT_VERSION = 1

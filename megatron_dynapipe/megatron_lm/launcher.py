@@ -128,7 +128,8 @@ def add_launch_parser(subparsers) -> argparse.ArgumentParser:
     (``func`` set to :func:`run_from_namespace`)."""
     parser = subparsers.add_parser("launch", help="run Megatron-LM's pretrain_gpt.py with DynaPipe (under torchrun)")
     _configure(parser)
-    parser.set_defaults(func=run_from_namespace)
+    # Ctrl-C and SIGTERM stay as Megatron-LM's script and torchrun take them (its --exit-signal-handler)
+    parser.set_defaults(func=run_from_namespace, leaves_signals_alone=True)
     return parser
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import signal
@@ -11,7 +10,8 @@ import signal
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.files import check_output_folder, write_atomically
-from megatron_dynapipe.hardware import hardware_names, load_hardware
+from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
+from megatron_dynapipe.interrupts import exit_code, interrupted
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
@@ -20,10 +20,6 @@ from megatron_dynapipe.simulate.search import SearchSpace, run_search
 from megatron_dynapipe.simulate.search_report import format_search, plot_search
 
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
-
-
-#: share of a GPU's memory search leaves free by default (CUDA context, NCCL buffers, fragmentation)
-MEMORY_HEADROOM = 0.1
 
 
 def add_hardware_arguments(group, default_note: str) -> None:
@@ -142,28 +138,6 @@ def add_search_parser(sub) -> None:
     p.set_defaults(func=run_search_cli)
 
 
-@contextlib.contextmanager
-def _ctrl_c_noted():
-    """Ctrl-C noted as well as raised: the KeyboardInterrupt may land where it is swallowed (a hook
-    that runs at fork, while a rank starts) and the work go on, but the work is still interrupted.
-    Yields the list the signal is noted in."""
-    came: list[int] = []
-
-    def note(signum, frame):
-        came.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    try:
-        previous = signal.signal(signal.SIGINT, note)
-    except ValueError:  # not the main thread, where signals are not delivered anyway
-        yield came
-        return
-    try:
-        yield came
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def run_search_cli(args: argparse.Namespace) -> int:
     import sys
 
@@ -184,16 +158,15 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model)
     out = check_output_folder(args.output_dir, "--output-dir")
-    with _ctrl_c_noted() as interrupted:
-        try:
-            result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
-                                progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
-        except KeyboardInterrupt:
-            interrupted.append(signal.SIGINT)
-    if interrupted:  # no ranking of what was traced so far: it would read as the answer
+    try:
+        result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
+                            progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
+    except KeyboardInterrupt:
+        result = None
+    if result is None or interrupted() is not None:  # no ranking of what was traced so far: it would read as the answer
         print(f"megatron-dynapipe search: interrupted, no ranking written; the shapes traced in full are kept in "
               f"{out / 'traces'} and the same command again reuses them", file=sys.stderr)
-        return 130
+        return exit_code(interrupted() or signal.SIGINT)
     document = result.to_json()
     document.update(memory_headroom=args.memory_headroom, usable_memory_gib=hardware.memory_gib)
     document["plot"] = str(plot_search(result, out / "search.png"))

@@ -28,9 +28,9 @@ import hashlib
 import json
 import math
 import multiprocessing
+import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -40,6 +40,7 @@ from megatron_dynapipe.config.layout import model_problems
 from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
+from megatron_dynapipe.interrupts import INTERRUPTS
 from megatron_dynapipe.planning.cost_model import (
     MB,
     CostModel,
@@ -512,18 +513,29 @@ def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Opt
     started = time.perf_counter()
     workers = max(1, min(jobs or available_cores(), len(shapes)))
     context = multiprocessing.get_context(rank_start_method())
-    with progress_bar(progress, sys.stderr) as bar, \
-            ProcessPoolExecutor(workers, mp_context=context) as pool:
+    groups = list(shapes.values())
+    calls = [(i, folders[key], [(o.candidate.recompute, o.candidate.distributed_optimizer) for o in outcomes],
+              space.hardware) for i, (key, outcomes) in enumerate(shapes.items())]
+    # a Pool, not a ProcessPoolExecutor: leaving it on an interrupt terminates the workers at once
+    # instead of waiting for the shapes they are on
+    with progress_bar(progress, sys.stderr) as bar, context.Pool(workers, initializer=_default_signals) as pool:
         task = bar.add_task("simulating layouts", total=len(todo))
-        running = {}
-        for key, outcomes in shapes.items():
-            variants = [(o.candidate.recompute, o.candidate.distributed_optimizer) for o in outcomes]
-            running[pool.submit(_simulate_shape, folders[key], variants, space.hardware)] = outcomes
-        for future in as_completed(running):
-            for o, (simulated, error) in zip(running[future], future.result()):
+        for i, simulated_variants in pool.imap_unordered(_simulate_numbered, calls):
+            for o, (simulated, error) in zip(groups[i], simulated_variants):
                 o.report, o.status, o.error = simulated, "simulated" if simulated is not None else "failed", error
-            bar.advance(task, len(running[future]))
+            bar.advance(task, len(groups[i]))
     result.simulate_seconds = time.perf_counter() - started
+
+
+def _default_signals() -> None:
+    """A worker dies quietly of Ctrl-C or SIGTERM (its parent says what was interrupted)."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _simulate_numbered(call: tuple) -> tuple[int, list[tuple]]:
+    number, *arguments = call
+    return number, _simulate_shape(*arguments)
 
 
 def _simulate_shape(folder, variants: list[tuple[str, bool]], hardware: Hardware) -> list[tuple]:

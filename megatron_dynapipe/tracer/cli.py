@@ -33,6 +33,7 @@ from megatron_dynapipe.config.model_flags import (
 )
 from megatron_dynapipe.files import check_output_folder
 from megatron_dynapipe.hardware import hardware_names, load_hardware
+from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.planning.cost_model import load_cost_model
 from megatron_dynapipe.tracer.batch_config import (
     TraceConfig,
@@ -391,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """``megatron-dynapipe trace`` as a module of its own (the examples call it this way)."""
     args = build_parser().parse_args(argv)
+    return exit_status(lambda: _run(args))
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as error:

@@ -19,6 +19,7 @@ from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdo
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from megatron_dynapipe.interrupts import INTERRUPTS, interrupted
 from megatron_dynapipe.tracer.batch_results import error_line
 
 __all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_forked_many",
@@ -102,7 +103,8 @@ def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
     os.close(fd)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for signum in INTERRUPTS:  # the parent's handlers, inherited at fork, are the parent's business
+        signal.signal(signum, signal.SIG_DFL)
     logging.getLogger().handlers.clear()
     with _rank_logging(sys.stderr):
         try:
@@ -126,6 +128,9 @@ def rank_start_method() -> str:
     if torch is not None and torch.cuda.is_available():
         return "spawn"
     return "fork"
+
+
+NOTED_POLL_S = 0.5  # how often the wait for ranks looks for a noted interrupt
 
 
 def run_forked(work: Callable[[], dict], log_path: Path, timeout: float | None,
@@ -160,7 +165,9 @@ def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: i
             if not running:
                 continue
             ready = wait([c.receive for c in running.values()] + [c.process.sentinel for c in running.values()],
-                         timeout=_next_deadline(running.values()))
+                         timeout=_next_wake(running.values()))
+            if interrupted() is not None:  # its KeyboardInterrupt may have been swallowed (at fork, say)
+                raise KeyboardInterrupt
             for index, child in list(running.items()):
                 outcome = child.outcome_if_done(ready)
                 if outcome is not None:
@@ -171,9 +178,11 @@ def run_forked_many(jobs: Sequence[tuple[Callable[[], dict], Path]], parallel: i
             child.kill()
 
 
-def _next_deadline(children) -> float | None:
+def _next_wake(children) -> float:
+    """Seconds until the first child's deadline, and at most :data:`NOTED_POLL_S`: an interrupt whose
+    KeyboardInterrupt was swallowed is only noted, and this loop must look."""
     deadlines = [c.deadline for c in children if c.deadline is not None]
-    return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    return min([NOTED_POLL_S] + [max(0.0, d - time.monotonic()) for d in deadlines])
 
 
 class _Child:

@@ -212,6 +212,24 @@ def test_an_interrupted_profile_resumes_where_it_stopped(tiny_profile, tmp_path)
     assert lost and lost <= set(points) and len(points) == len(set(points))
 
 
+@pytest.mark.slow
+def test_sigterm_keeps_what_was_measured_for_resume_and_exits_143(tmp_path):
+    """SIGTERM to the command alone once the first points are on disk: the file stays a profile that
+    says it is incomplete, the message names --resume, the exit is 143."""
+    import signal
+
+    from project import interrupt_when
+
+    out = tmp_path / "tiny.json"
+    command = ["megatron_dynapipe.cli", "profile", "--no-progress", "--model", "tiny", "--tp", "1", "2",
+               "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1", "--warmup", "0", "-o", str(out)]
+    proc, (_, err) = interrupt_when(command, out.exists, signal.SIGTERM)
+    assert proc.returncode == 143, err[-3000:]
+    assert f"interrupted: {out} holds what was measured; run again with --resume to go on" in err
+    doc = json.loads(out.read_text())
+    assert doc["metadata"]["complete"] is False and doc["layer_time"] and "Traceback" not in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "--tp 3 does not divide the model's 8 attention heads"),
     (["--max-seq-length", "512"], "exceeds the model's 256 learned positions"),

@@ -337,12 +337,16 @@ def test_layouts_must_leave_the_memory_headroom_free(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_search_writes_no_ranking_and_exits_130(tmp_path):
-    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) while shapes are traced."""
+@pytest.mark.parametrize("signum, to_group", [("SIGINT", True), ("SIGTERM", False)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_search_writes_no_ranking_and_exits_as_the_signal_says(tmp_path, signum, to_group):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group), or SIGTERM as a scheduler or
+    ``kill`` sends it (to the command alone), while shapes are traced: 130 or 143, no ranking."""
     import os
     import signal
     import subprocess
     import sys
+
+    signum = getattr(signal, signum)
 
     command = [sys.executable, "-m", "megatron_dynapipe.cli", "search", "--model", "175", "--world-size", "1024",
                "--global-batch-size", "512", "--max-traced", "4", "--output-dir", str(tmp_path), "--no-progress"]
@@ -354,27 +358,31 @@ def test_ctrl_c_during_a_search_writes_no_ranking_and_exits_130(tmp_path):
             said.append(line)
             if "best-estimated shapes" in line:
                 break
-        os.killpg(proc.pid, signal.SIGINT)
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = "".join(said) + err
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 128 + signum, err[-3000:]
     assert f"interrupted, no ranking written; the shapes traced in full are kept in {tmp_path / 'traces'}" in err
     assert not (tmp_path / "search.json").exists() and "best" not in out
 
 
-def test_a_ctrl_c_swallowed_where_it_landed_still_counts():
-    """As when the KeyboardInterrupt lands in a hook run at fork, which ignores it, and the search goes on."""
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_swallowed_where_it_landed_still_counts(signum):
+    """As when the KeyboardInterrupt lands in a hook run at fork, which ignores it, and the work goes on."""
     import signal
 
-    from megatron_dynapipe.simulate.cli import _ctrl_c_noted
+    from megatron_dynapipe import interrupts
 
-    with _ctrl_c_noted() as interrupted:
+    signum = getattr(signal, signum)
+    before = {s: signal.getsignal(s) for s in interrupts.INTERRUPTS}
+    with interrupts.noted_interrupts():
         try:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signum)
         except KeyboardInterrupt:
             pass  # swallowed
-    assert interrupted == [signal.SIGINT]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+        assert interrupts.interrupted() == signum and interrupts.exit_code(signum) == 128 + signum
+    assert {s: signal.getsignal(s) for s in interrupts.INTERRUPTS} == before  # put back
+    assert interrupts.interrupted() is None  # and nothing stays noted for what runs later in this process

@@ -280,3 +280,20 @@ def test_what_megatron_core_has_not_or_the_tracer_does_not_follow_is_refused_wit
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_trace_marks_the_folder_interrupted_and_exits_143(tmp_path):
+    """SIGTERM to the command alone (a scheduler's, or ``kill``'s) once its first rank is traced: the
+    ranks still running are ended, the folder says interrupted, not complete."""
+    import signal
+
+    from project import interrupt_when
+
+    command = ["megatron_dynapipe.cli", "trace", "--model", "175", "--config", "8192 16 8", "--output-dir",
+               str(tmp_path), "--no-progress", "--jobs", "1"]
+    proc, (out, err) = interrupt_when(command, lambda: any(tmp_path.glob("*/fake_rank_*.log")), signal.SIGTERM)
+    assert proc.returncode == 143, err[-3000:]
+    summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
+    assert (summary["status"], summary["complete"]) == ("interrupted", False)
+    assert 1 <= len(summary["ranks"]) < 16 and "Traceback" not in err

@@ -1,0 +1,69 @@
+"""Ctrl-C and SIGTERM, taken alike by every command.
+
+Each raises KeyboardInterrupt where it lands, so a command stops the way it stops for Ctrl-C:
+what finished is kept and says so, nothing half-done reads as complete. Each is also *noted*,
+because the KeyboardInterrupt can land where it is swallowed (a hook that runs at fork while a rank
+starts) and the work go on; the command line then still exits as the shell reports a command
+stopped by that signal (128 + its number: 130 for Ctrl-C, 143 for SIGTERM), never 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from typing import Callable, Iterator, Optional
+
+__all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status"]
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+_noted: list[int] = []
+
+
+def _note(signum, frame) -> None:
+    _noted.append(signum)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def noted_interrupts() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt and are noted while this runs (on the main thread;
+    elsewhere signals are not delivered to Python anyway). What is noted lasts as long as this does:
+    outside it :func:`interrupted` is None."""
+    _noted.clear()
+    previous = {}
+    try:
+        for signum in INTERRUPTS:
+            previous[signum] = signal.signal(signum, _note)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _noted.clear()
+
+
+def interrupted() -> Optional[int]:
+    """The last interrupting signal noted while :func:`noted_interrupts` runs, or None."""
+    return _noted[-1] if _noted else None
+
+
+def exit_code(signum: int = signal.SIGINT) -> int:
+    """What a shell reports for a command that ``signum`` stopped."""
+    return 128 + int(signum)
+
+
+def exit_status(command: Callable[[], int]) -> int:
+    """A command's exit status: what ``command()`` returns, unless an interrupt came while it ran
+    (noted, as the module docstring says), then the signal's. A KeyboardInterrupt that reaches here
+    stops a command that keeps nothing."""
+    with noted_interrupts():
+        try:
+            code = command()
+        except KeyboardInterrupt:
+            print("megatron-dynapipe: interrupted", file=sys.stderr)
+            code = exit_code(signal.SIGINT)
+        signum = interrupted()
+    return code if signum is None else exit_code(signum)
