@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -141,12 +142,18 @@ def job_secret(secret: "bytes | str | None" = None) -> "bytes | None":
 
 
 def _stop_poller(proc: subprocess.Popen, wait_s: float) -> None:
+    """The poller ends (killed after ``wait_s``), and then whatever is left of its process group: a
+    worker that was stopped (SIGSTOP, a debugger) would otherwise outlive the job, stopped."""
     if proc.poll() is None:
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left of it
+        pass
 
 
 def _cost_model_document(cost_model, tp: int) -> "dict | None":
@@ -231,7 +238,8 @@ class DataPipelineHost:
                    "from megatron_dynapipe.data.preprocess import poller_main; poller_main()",
                    "--host", self.bind_host, "--port", str(self.port), "--namespace", self.namespace,
                    "--parent-pid", str(os.getpid()), "--timeout", str(self.settings.store_timeout_s)]
-        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        # a process group of its own: stopping it ends its workers too, stopped ones included
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def check_alive(self) -> None:
         """Raise (and publish for every rank) if the poller ended before its work was done."""

@@ -431,6 +431,9 @@ class _Poller:
                 proc.terminate()
         for proc in processes:
             proc.join(timeout=5)
+            if proc.is_alive():  # stopped (SIGTERM waits for a SIGCONT), or deaf to it
+                proc.kill()
+                proc.join(timeout=5)
 
 
 def poller_main(argv: "Sequence[str] | None" = None) -> None:
