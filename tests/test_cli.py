@@ -47,6 +47,21 @@ def test_plan_default_mix_with_pictures(tmp_path):
     assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_of_one_micro_batch_shape_is_written_once_with_its_count(tmp_path):
+    """400 samples of 1024 tokens and 40 of 16: the plan's line of shapes names each run once with
+    its count, and the counts add up to the micro-batches it says it has."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(["1024"] * 400 + ["16"] * 40))
+    out = run_cli("plan", "--lengths", str(path), "--pp", "2", "--num-layers", "4", "--fast-mode")
+    assert out.returncode == 0, out.stderr
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("dp rank 0:")]
+    total = int(re.search(r"(\d+) micro-batches", line).group(1))
+    shapes = line.split("in pipeline order): ")[1].split(", ")
+    counts = [int(m.group(1)) if (m := re.search(r"\(x(\d+)\)$", shape)) else 1 for shape in shapes]
+    assert sum(counts) == total and len(shapes) < total and len(line) < 400
+    assert all(a.split()[0] != b.split()[0] for a, b in zip(shapes, shapes[1:]))  # runs are whole
+
+
 def test_dp_lengths_split_shows_every_rank():
     out = run_cli("plan", "--num-samples", "20", "--pp", "2", "--dp", "2", "--memory-limit", "70000", "--json")
     assert out.returncode == 0, out.stderr

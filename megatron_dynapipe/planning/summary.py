@@ -80,7 +80,7 @@ def format_summary(summary: dict) -> str:
     ]
     for r, rank in enumerate(summary["dp_ranks"]):
         packed = any(m["packed"] for m in rank["microbatches"])
-        shapes = ", ".join(f"{m['size']}{'in' if packed else 'x'}{m['seq_len']}" for m in rank["microbatches"])
+        shapes = _runs(f"{m['size']}{'in' if packed else 'x'}{m['seq_len']}" for m in rank["microbatches"])
         lines += [
             f"dp rank {r}: {rank['schedule']}, {len(rank['microbatches'])} micro-batches "
             f"({'samples in packed length' if packed else 'size x padded length'}, in pipeline order): {shapes}",
@@ -107,3 +107,15 @@ def format_summary(summary: dict) -> str:
         if key in summary:
             lines.append(f"wrote {what} to {summary[key]}")
     return "\n".join(lines)
+
+
+def _runs(shapes) -> str:
+    """Shapes in order, a run of one shape written once with its count (``1x1024 (x512)``): a plan
+    of 65,536 micro-batches is a few lines, not a line of half a megabyte."""
+    runs: list[list] = []
+    for shape in shapes:
+        if runs and runs[-1][0] == shape:
+            runs[-1][1] += 1
+        else:
+            runs.append([shape, 1])
+    return ", ".join(shape if count == 1 else f"{shape} (x{count})" for shape, count in runs)
