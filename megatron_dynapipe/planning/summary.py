@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Sequence
 
@@ -112,10 +113,5 @@ def format_summary(summary: dict) -> str:
 def _runs(shapes) -> str:
     """Shapes in order, a run of one shape written once with its count (``1x1024 (x512)``): a plan
     of 65,536 micro-batches is a few lines, not a line of half a megabyte."""
-    runs: list[list] = []
-    for shape in shapes:
-        if runs and runs[-1][0] == shape:
-            runs[-1][1] += 1
-        else:
-            runs.append([shape, 1])
+    runs = ((shape, sum(1 for _ in run)) for shape, run in itertools.groupby(shapes))
     return ", ".join(shape if count == 1 else f"{shape} (x{count})" for shape, count in runs)
