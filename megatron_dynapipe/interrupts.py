@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Callable, Iterator, Optional
 
-__all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status"]
+__all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status", "default_signals"]
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _noted: list[int] = []
@@ -43,6 +43,13 @@ def noted_interrupts() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _noted.clear()
+
+
+def default_signals() -> None:
+    """In a child process: Ctrl-C and SIGTERM end it quietly, whatever handlers it inherited at fork
+    (its parent says what was interrupted)."""
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def interrupted() -> Optional[int]:

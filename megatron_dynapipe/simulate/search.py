@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import multiprocessing
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from megatron_dynapipe.config.layout import model_problems
 from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.interrupts import INTERRUPTS
+from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.planning.cost_model import (
     MB,
     CostModel,
@@ -518,19 +517,13 @@ def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Opt
               space.hardware) for i, (key, outcomes) in enumerate(shapes.items())]
     # a Pool, not a ProcessPoolExecutor: leaving it on an interrupt terminates the workers at once
     # instead of waiting for the shapes they are on
-    with progress_bar(progress, sys.stderr) as bar, context.Pool(workers, initializer=_default_signals) as pool:
+    with progress_bar(progress, sys.stderr) as bar, context.Pool(workers, initializer=default_signals) as pool:
         task = bar.add_task("simulating layouts", total=len(todo))
         for i, simulated_variants in pool.imap_unordered(_simulate_numbered, calls):
             for o, (simulated, error) in zip(groups[i], simulated_variants):
                 o.report, o.status, o.error = simulated, "simulated" if simulated is not None else "failed", error
             bar.advance(task, len(groups[i]))
     result.simulate_seconds = time.perf_counter() - started
-
-
-def _default_signals() -> None:
-    """A worker dies quietly of Ctrl-C or SIGTERM (its parent says what was interrupted)."""
-    for signum in INTERRUPTS:
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def _simulate_numbered(call: tuple) -> tuple[int, list[tuple]]:

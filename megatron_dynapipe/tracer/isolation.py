@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdo
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from megatron_dynapipe.interrupts import INTERRUPTS, interrupted
+from megatron_dynapipe.interrupts import default_signals, interrupted
 from megatron_dynapipe.tracer.batch_results import error_line
 
 __all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_forked_many",
@@ -103,8 +103,7 @@ def _child_main(work: Callable[[], dict], conn, log_path: Path) -> None:
     os.close(fd)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
-    for signum in INTERRUPTS:  # the parent's handlers, inherited at fork, are the parent's business
-        signal.signal(signum, signal.SIG_DFL)
+    default_signals()
     logging.getLogger().handlers.clear()
     with _rank_logging(sys.stderr):
         try:
