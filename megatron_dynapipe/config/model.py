@@ -28,7 +28,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS",
-           "POSITION_EMBEDDINGS", "ATTENTIONS"]
+           "POSITION_EMBEDDINGS", "ATTENTIONS", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """The vocabulary Megatron-LM builds: ``vocab_size`` padded to a multiple of ``divisible_by * tp``
+    (its ``--make-vocab-size-divisible-by`` times the tensor-parallel size)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -144,8 +152,7 @@ class ModelSpec:
     def padded_vocab_size(self, tp: int = 1) -> int:
         """The vocabulary Megatron-LM builds at tensor-parallel size ``tp``: padded to a multiple
         of ``make_vocab_size_divisible_by * tp``."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     @classmethod
     def from_any(cls, model: "ModelSpec | str | Mapping[str, Any]") -> "ModelSpec":

@@ -9,6 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
+from megatron_dynapipe.config.model import ModelSpec, padded_vocab_size
 from megatron_dynapipe.planning.cost_model import profile_file
 from megatron_dynapipe.planning.cost_model.base import (
     KINDS,
@@ -109,8 +110,8 @@ class ProfiledCostModel(CostModel):
         model = self.metadata.get("model") or {}
         if not model.get("vocab_size"):  # a profile that records no model (the shipped A100 one)
             return super().vocab_per_rank()
-        multiple = (model.get("make_vocab_size_divisible_by") or 128) * self.tp  # as Megatron-LM pads it
-        return math.ceil(model["vocab_size"] / multiple) * multiple / self.tp
+        divisible_by = model.get("make_vocab_size_divisible_by") or ModelSpec.make_vocab_size_divisible_by
+        return padded_vocab_size(model["vocab_size"], divisible_by, self.tp) / self.tp
 
     def param_mb(self, layer):
         try:
