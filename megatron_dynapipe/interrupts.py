@@ -14,7 +14,8 @@ import signal
 import sys
 from typing import Callable, Iterator, Optional
 
-__all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status", "default_signals"]
+__all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status", "default_signals",
+           "held_while_forking"]
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _noted: list[int] = []
@@ -46,10 +47,23 @@ def noted_interrupts() -> Iterator[None]:
 
 
 def default_signals() -> None:
-    """In a child process: Ctrl-C and SIGTERM end it quietly, whatever handlers it inherited at fork
-    (its parent says what was interrupted)."""
+    """In a child process: Ctrl-C and SIGTERM end it quietly, whatever handlers (and, from
+    :func:`held_while_forking`, mask) it inherited (its parent says what was interrupted)."""
     for signum in INTERRUPTS:
         signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
+
+
+@contextlib.contextmanager
+def held_while_forking() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held back while a child process starts: raised in a hook that runs at fork,
+    the KeyboardInterrupt would be printed with a traceback and dropped; held, the signal arrives
+    right after, where it stops the work. The child must call :func:`default_signals`."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def interrupted() -> Optional[int]:

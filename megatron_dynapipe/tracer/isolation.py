@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdo
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from megatron_dynapipe.interrupts import default_signals, interrupted
+from megatron_dynapipe.interrupts import default_signals, held_while_forking, interrupted
 from megatron_dynapipe.tracer.batch_results import error_line
 
 __all__ = ["PRELOAD_MODULES", "preload_tracer_modules", "rank_start_method", "run_forked", "run_forked_many",
@@ -197,7 +197,8 @@ class _Child:
         receive, send = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_child_main, args=(work, send, log_path), daemon=True)
         try:
-            process.start()
+            with held_while_forking():
+                process.start()
         except BaseException:
             receive.close()
             raise
