@@ -48,7 +48,7 @@ from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
-from megatron_dynapipe.gpt.build import uses_transformer_engine
+from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
@@ -167,7 +167,7 @@ def _checked(args) -> dict:
     memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20 * (1 - MEMORY_HEADROOM)
                                          if device == "cuda" else CPU_MEMORY_LIMIT_MB)
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
-    packs = spec.attention == "sdpa" or uses_transformer_engine(device)
+    packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, dp=args.dp, seed=args.seed,
                 cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)

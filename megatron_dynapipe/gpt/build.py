@@ -13,7 +13,7 @@ from typing import Any, Optional
 from megatron_dynapipe.config.model import ModelSpec
 
 __all__ = ["transformer_config", "layer_spec", "with_core_attention", "build_gpt", "wrap_in_ddp",
-           "uses_transformer_engine", "RECOMPUTE_CHOICES"]
+           "uses_transformer_engine", "runs_packed", "RECOMPUTE_CHOICES"]
 
 #: Megatron-LM's ``--recompute-granularity`` values (``None``: no recomputation).
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -28,6 +28,12 @@ def uses_transformer_engine(device_type: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def runs_packed(spec: ModelSpec, device_type: str) -> bool:
+    """Whether the model's attention core runs packed (THD) micro-batches here: the SDPA core, or
+    transformer-engine's; megatron-core's local core refuses them."""
+    return spec.attention == "sdpa" or uses_transformer_engine(device_type)
 
 
 def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,

@@ -116,6 +116,7 @@ def thd_packing_rows(
     out in order to the data-parallel ranks as evenly as they go; each micro-batch is one row of
     k of them (a fixed budget of k x ``seq_len`` tokens), run 1F1B with the k and uniform
     recompute of the fastest simulated iteration within the memory limit; None when nothing fits."""
+    costs = costs.packed()
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
     best = None
     for k in PACKING_MICROBATCH_SIZES:

@@ -131,6 +131,8 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     lengths = _check_lengths(lengths)
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
+    if spec.packing == "varlen":
+        costs = costs.packed()
     _check_memory(costs, spec.memory_limit_mb)
     clock = PhaseClock()
     with clock("micro-batching"):

@@ -18,7 +18,7 @@ import torch
 
 from megatron_dynapipe.compat import cpu_compat
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.gpt.build import build_gpt, layer_spec, transformer_config, uses_transformer_engine
+from megatron_dynapipe.gpt.build import build_gpt, layer_spec, runs_packed, transformer_config, uses_transformer_engine
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["RECOMPUTE_GRANULARITY", "Parts", "fake_tp_rank", "build_parts"]
@@ -60,13 +60,16 @@ class Parts:
     """What one TP rank runs of a transformer layer and of the model's last stage.
 
     ``encoders[rc](x)`` maps hidden states ``[seq, mbs, hidden]`` to the same shape (one layer,
-    recompute type ``rc`` as Megatron runs it); ``postprocess(x, labels)`` is the final norm, the
+    recompute type ``rc`` as Megatron runs it); ``packed_encoders[rc](x, seq)`` the same layer on one
+    packed row ``[mbs * seq, 1, hidden]`` of samples of ``seq`` tokens each attending to itself alone
+    (megatron-core's THD format), where the attention core runs them (else there are none); ``postprocess(x, labels)`` is the final norm, the
     LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
     token ids (word and learned positions), both the same whatever the layers recompute.
     Parameter counts are of this rank's shards.
     """
 
     encoders: dict[RecomputeType, Callable[[torch.Tensor], torch.Tensor]]
+    packed_encoders: dict[RecomputeType, Callable[[torch.Tensor, int], torch.Tensor]]
     postprocess: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     preprocess: Callable[[torch.Tensor], torch.Tensor]
     encoder_params: int
@@ -96,6 +99,10 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
     def encoder(block):
         return lambda x: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(x.shape[0]))
 
+    def packed_encoder(block):
+        return lambda x, seq: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(seq),
+                                    packed_seq_params=_equal_segments(x.shape[0], seq, device))
+
     def postprocess(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = head.decoder.final_layernorm(x)
         weight = head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights else None
@@ -107,10 +114,22 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
         return head.embedding(input_ids=tokens, position_ids=positions)
 
     return Parts(
-        encoders={rc: encoder(block) for rc, block in blocks.items()}, postprocess=postprocess, preprocess=preprocess,
+        encoders={rc: encoder(block) for rc, block in blocks.items()},
+        packed_encoders={rc: packed_encoder(block) for rc, block in blocks.items()} if runs_packed(spec, device.type)
+        else {},
+        postprocess=postprocess, preprocess=preprocess,
         encoder_params=sum(p.numel() for p in head.decoder.layers[0].parameters()),
         embedding_params=sum(p.numel() for p in head.embedding.parameters()),
     )
+
+
+def _equal_segments(tokens: int, seq: int, device: torch.device):
+    """megatron-core's THD ``PackedSeqParams`` of a row of ``tokens`` cut into samples of ``seq``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.arange(0, tokens + 1, seq, dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=seq, max_seqlen_kv=seq)
 
 
 def _rotary_embeddings(rope, device: torch.device) -> Callable[[int], "torch.Tensor | None"]:

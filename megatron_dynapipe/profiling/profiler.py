@@ -4,7 +4,10 @@ For each tensor-parallel size, each recompute type, and each point of a grid of 
 lengths and micro-batch sizes: the forward and backward time of one transformer layer and of the
 last stage's head (final norm, LM head and loss) and of the first stage's embedding, the layer's
 stored and peak activation memory,
-and the 16-bit parameter memory of a layer and of the embeddings.
+and the 16-bit parameter memory of a layer and of the embeddings.  Where the attention core runs
+packed micro-batches (``--attention sdpa``, transformer-engine), the layer is measured on packed
+rows too, ``mbs`` samples of ``seqlen`` tokens back to back at each point, so that the planner
+prices packed micro-batches from packed measurements.
 
 The grid is geometric: sequence lengths double from ``min_seq_length`` to ``max_seq_length``,
 micro-batch sizes double from 1 while ``mbs * seqlen <= max_tokens``; a row stops growing at the
@@ -91,9 +94,11 @@ class ProfileRun:
     device: torch.device
     records: ProfileRecords = field(default_factory=ProfileRecords)
 
-    def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int) -> bool:
-        return ((tp, rc.label, "encoder", "forward", seq, mbs) in self.records.times
-                or (tp, rc.label, seq, mbs) in self.records.infeasible)
+    def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int, packed: bool) -> bool:
+        key = (tp, rc.label, "encoder", "forward", seq, mbs)
+        if (tp, rc.label, seq, mbs) in self.records.infeasible:
+            return True
+        return key in self.records.times and (not packed or key in self.records.packed_times)
 
     def document(self, complete: bool) -> dict[str, Any]:
         return {
@@ -238,7 +243,7 @@ def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: P
     """Every micro-batch size of one sequence length, each recompute type until it runs out."""
     open_rows = list(profile.settings.recompute)
     for mbs in profile.settings.micro_batch_sizes(seq):
-        done = [rc for rc in open_rows if profile.has(tp, rc, seq, mbs)]  # measured before a resume
+        done = [rc for rc in open_rows if profile.has(tp, rc, seq, mbs, bool(parts.packed_encoders))]  # before a resume
         open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.records.infeasible]
         todo = [rc for rc in open_rows if rc not in done]
         if todo:
@@ -271,16 +276,43 @@ def measure_point(profile: ProfileRun, parts: Parts, tp: int, recompute: Sequenc
         if not measured:
             profile.records.infeasible.add((tp, rc.label, seq, mbs))
             continue
-        timing, memory = measured
-        for layer, t in (("encoder", timing), ("postprocess", head), ("preprocess", embedding)):
-            for phase, ms, spread in (("forward", t.forward_ms, t.forward_spread_ms),
-                                      ("backward", t.backward_ms, t.backward_spread_ms)):
-                profile.records.times[(tp, rc.label, layer, phase, seq, mbs)] = ms
-                profile.records.spread[(tp, rc.label, layer, phase, seq, mbs)] = spread
-        profile.records.memory[(tp, rc.label, "stored", seq, mbs)] = memory.stored_bytes / MB
-        profile.records.memory[(tp, rc.label, "peak", seq, mbs)] = memory.peak_bytes / MB
+        r = profile.records
+        for layer, t in (("encoder", measured[0]), ("postprocess", head), ("preprocess", embedding)):
+            _record_timing(r.times, r.spread, (tp, rc.label, layer), seq, mbs, t)
+        _record_memory(r.memory, (tp, rc.label), seq, mbs, measured[1])
+        if rc in parts.packed_encoders:
+            _measure_packed(profile, parts.packed_encoders[rc], tp, rc, seq, mbs)
         fits.append(rc)
     return fits
+
+
+def _measure_packed(profile: ProfileRun, packed_encoder, tp: int, rc: RecomputeType, seq: int, mbs: int) -> None:
+    """The layer on one packed row of ``mbs`` samples of ``seq`` tokens; nothing recorded where it
+    runs out of memory (the cost model then prices no packed micro-batch that large)."""
+    s, device = profile.settings, profile.device
+    row = unless_out_of_memory(device, lambda: torch.randn(
+        seq * mbs, 1, profile.spec.hidden_size, device=device, dtype=torch_dtype(s.dtype), requires_grad=True))
+    if row is None:
+        return
+    step = lambda: packed_encoder(row, seq)  # noqa: E731
+    timing = unless_out_of_memory(device, lambda: time_step(step, device, **_timing(s)))
+    memory = timing and unless_out_of_memory(device, lambda: measure_memory(step, device))
+    if memory:
+        r = profile.records
+        _record_timing(r.packed_times, r.packed_spread, (tp, rc.label, "encoder"), seq, mbs, timing)
+        _record_memory(r.packed_memory, (tp, rc.label), seq, mbs, memory)
+
+
+def _record_timing(times: dict, spread: dict, key: tuple, seq: int, mbs: int, t) -> None:
+    for phase, ms, spread_ms in (("forward", t.forward_ms, t.forward_spread_ms),
+                                 ("backward", t.backward_ms, t.backward_spread_ms)):
+        times[(*key, phase, seq, mbs)] = ms
+        spread[(*key, phase, seq, mbs)] = spread_ms
+
+
+def _record_memory(memory: dict, key: tuple, seq: int, mbs: int, measured) -> None:
+    memory[(*key, "stored", seq, mbs)] = measured.stored_bytes / MB
+    memory[(*key, "peak", seq, mbs)] = measured.peak_bytes / MB
 
 
 def _inputs(profile: ProfileRun, seq: int, mbs: int) -> "tuple[torch.Tensor, torch.Tensor] | None":

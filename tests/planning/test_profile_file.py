@@ -73,15 +73,66 @@ def test_a_calibrated_file_round_trips_to_the_analytical_model(tmp_path):
         load_cost_model(path, tp=1)
 
 
-@pytest.mark.parametrize("version", [999, 2, "1", None])
+@pytest.mark.parametrize("version", [999, 3, "1", None])
 def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, version):
     """What a later (or broken) megatron-dynapipe wrote is not read as this version's format."""
     doc = {"name": "test", "metadata": {"format_version": version}, **_records().records()}
     path = tmp_path / "future.json"
     path.write_text(to_text(doc))
     with pytest.raises(CostModelError, match=rf"future\.json has format_version {version!r}; this megatron-dynapipe "
-                                             r"reads version 1: re-profile"):
+                                             r"reads versions 1 and 2: re-profile"):
         load_cost_model(path, tp=1)
-    doc["metadata"]["format_version"] = 1
-    path.write_text(to_text(doc))
-    assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)
+    for readable in (1, 2):
+        doc["metadata"]["format_version"] = readable
+        path.write_text(to_text(doc))
+        assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)
+
+
+def _with_packed_rows(records: ProfileRecords, factor: float) -> ProfileRecords:
+    """``records`` with the encoder measured on packed rows too, of recompute none only, each
+    ``factor`` times its padded twin."""
+    for (tp, rc, layer, phase, s, m), ms in list(records.times.items()):
+        if layer == "encoder" and rc == "none":
+            records.packed_times[(tp, rc, layer, phase, s, m)] = ms * factor
+            records.packed_spread[(tp, rc, layer, phase, s, m)] = 0.125
+    for (tp, rc, kind, s, m), mb in list(records.memory.items()):
+        if rc == "none":
+            records.packed_memory[(tp, rc, kind, s, m)] = mb * factor
+    return records
+
+
+def test_packed_rows_survive_the_file_and_price_packed_microbatches_alone(tmp_path):
+    records = _with_packed_rows(_records(), factor=1.25)
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    assert ProfileRecords.from_document(read_document(path), str(path)) == records
+    thd = [r for r in json.loads(path.read_text())["layer_time"] if r.get("layout") == "thd"]
+    assert len(thd) == 2 * 2 * 2 and {r["layer"] for r in thd} == {"encoder"}  # 2 lengths x 2 sizes x 2 phases
+    padded = load_cost_model(path, tp=1)
+    packed = padded.packed()
+    for phase in ("forward", "backward"):
+        assert packed.layer_ms("encoder", phase, "none", 2, 96) == pytest.approx(
+            1.25 * padded.layer_ms("encoder", phase, "none", 2, 96))
+        # measured for none alone: full, the head and the embedding stay as measured padded
+        assert packed.layer_ms("encoder", phase, "full", 2, 96) == padded.layer_ms("encoder", phase, "full", 2, 96)
+        assert packed.layer_ms("postprocess", phase, "none", 2, 96) == padded.layer_ms("postprocess", phase, "none", 2, 96)
+    assert packed.activation_mb("stored", "none", 1, 128) == pytest.approx(1.25 * 3.0 * 2)
+    assert packed.packed() is packed and load_cost_model(tmp_path / "p.json", tp=1).packed() is not padded
+
+
+def test_a_profile_without_packed_rows_prices_packed_microbatches_as_padded_ones(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **_records().records()}))
+    model = load_cost_model(path, tp=1)
+    assert model.packed() is model
+
+
+def test_a_packed_record_of_another_layer_than_the_encoder_is_refused(tmp_path):
+    doc = {"name": "test", **_records().records()}
+    head = next(n for n, r in enumerate(doc["layer_time"]) if r["layer"] == "postprocess")
+    doc["layer_time"][head]["layout"] = "thd"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CostModelError, match=r"bad\.json has a layer_time record of layout 'thd': use padded, or thd "
+                                             r"for the encoder"):
+        load_cost_model(path, tp=1)

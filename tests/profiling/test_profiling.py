@@ -491,3 +491,47 @@ def test_a_profiles_logits_are_megatrons_padded_vocabulary_over_tp(tiny_profile)
         model = cost_model_from_document(doc, tp, source="tiny")
         assert model.vocab_per_rank() == per_rank
         assert model.logits_mb("stored", 2, 100) == pytest.approx(2 * 100 * per_rank * 4 / 2**20)
+
+
+def test_the_sdpa_layer_is_measured_on_packed_rows_at_every_point_and_the_local_one_is_not(tiny_sdpa_profile,
+                                                                                          tiny_profile):
+    """A packed row of mbs samples of seqlen tokens is measured beside each padded point; it keeps
+    the same tensors from forward to backward (the same tokens, and SDPA keeps no s x s scores),
+    so its stored memory is the padded point's. megatron-core's local core runs no packed rows."""
+    _, doc = tiny_sdpa_profile
+
+    def points(table, layout):
+        return {(r["recompute"], r.get("phase", r.get("kind")), r["seqlen"], r["mbs"]): r.get("ms", r.get("mb"))
+                for r in doc[table] if r["layer"] == "encoder" and r.get("layout", "padded") == layout}
+
+    assert points("layer_time", "thd").keys() == points("layer_time", "padded").keys()
+    padded, packed = points("activation_memory", "padded"), points("activation_memory", "thd")
+    assert packed.keys() == padded.keys() and doc["metadata"]["format_version"] == 2
+    for (rc, kind, s, m), mb in packed.items():
+        if kind == "stored":
+            assert mb == pytest.approx(padded[rc, kind, s, m], rel=0.01, abs=1e-3)
+    assert not [r for r in tiny_profile[1]["layer_time"] if r.get("layout") == "thd"]
+
+
+def test_packed_plans_and_thd_packing_are_priced_from_packed_rows(tiny_sdpa_profile):
+    """With the packed rows' times tripled in the file, a varlen plan and the THD baseline price
+    their micro-batches three times as slow in the layers; a padded plan is priced as before."""
+    from megatron_dynapipe.planning import TrainingSpec, generate_execution_plan
+    from megatron_dynapipe.planning.baselines import thd_packing_baseline
+
+    doc = json.loads(json.dumps(tiny_sdpa_profile[1]))
+    for r in doc["layer_time"]:
+        if r.get("layout") == "thd":
+            r["ms"] *= 3
+    model = cost_model_from_document(doc, 1, source="tripled")
+    measured = cost_model_from_document(tiny_sdpa_profile[1], 1, source="as measured")
+    lengths = [40, 100, 17, 64, 128, 90, 33, 75]
+    for packing, expected in (("varlen", lambda *q: 3 * measured.packed().layer_ms(*q)), ("pad", measured.layer_ms)):
+        spec = TrainingSpec(num_layers=2, pp=2, memory_limit_mb=4000, packing=packing)
+        costs = generate_execution_plan(lengths, spec, model).costs
+        for phase in ("forward", "backward"):
+            query = ("encoder", phase, "none", 2, 64)
+            assert costs.model.layer_ms(*query) == pytest.approx(expected(*query))
+    tripled = thd_packing_baseline(lengths, StageCosts(model, 2, pp=2), 4000, 128)
+    as_measured = thd_packing_baseline(lengths, StageCosts(measured, 2, pp=2), 4000, 128)
+    assert tripled.makespan_ms > 1.5 * as_measured.makespan_ms

@@ -82,6 +82,12 @@ class CostModel(abc.ABC):
     def param_mb(self, layer: str) -> float:
         """MB of 16-bit parameters of one "embedding" or one "encoder" layer on one TP rank."""
 
+    def packed(self) -> "CostModel":
+        """The costs of packed micro-batches (samples back to back in one row, each attending to
+        itself alone), queried at their :func:`~megatron_dynapipe.planning.types.packed_cost_shape`:
+        this model itself unless it measured packed rows apart."""
+        return self
+
     def describe(self) -> str:
         """What the plan was priced with, in a few words (the plan summary prints it)."""
         return f"{type(self).__name__} {self.name or ''}".strip() + f", hidden {self.hidden_size}, tp {self.tp}"

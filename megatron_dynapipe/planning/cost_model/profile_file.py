@@ -4,7 +4,9 @@ A file is one JSON object.  A *measured* profile holds records: ``layer_time`` (
 a phase at a (seqlen, mbs) point), ``activation_memory`` (MB an encoder layer stores and peaks at),
 ``model_state_memory`` (16-bit parameter MB of the embedding and of an encoder layer),
 ``infeasible`` (points that ran out of memory) and ``microbatch_overhead`` (what a whole training
-step adds per micro-batch, once per stage and once per layer).  A *calibrated* file holds instead an
+step adds per micro-batch, once per stage and once per layer).  An encoder's ``layer_time`` and
+``activation_memory`` records with ``"layout": "thd"`` (format version 2) measure packed rows: ``mbs``
+samples of ``seqlen`` tokens each, back to back in one row, each attending to itself alone.  A *calibrated* file holds instead an
 ``analytical`` object: the GPT's sizes and the rates ``profile --calibrate`` fitted.  Both may
 carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype, versions, model).
 
@@ -28,7 +30,9 @@ from megatron_dynapipe.planning.types import RecomputeType
 __all__ = ["ProfileRecords", "read_document", "to_text", "is_calibrated", "calibrated_settings",
            "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "OVERHEAD_PER"]
 
-FORMAT_VERSION = 1  # metadata.format_version of the files megatron-dynapipe profile writes
+FORMAT_VERSION = 2  # metadata.format_version of the files megatron-dynapipe profile writes
+READABLE_VERSIONS = (1, 2)  # 2 added the packed (``"layout": "thd"``) records
+LAYOUTS = ("padded", "thd")  # a record's optional ``layout``: padded rows (the default) or packed ones
 FORMAT_HINT = "see docs/cost_model.md for the format"
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
 OVERHEAD_PER = ("stage", "layer")  # what a microbatch_overhead record is paid once per
@@ -74,10 +78,11 @@ def _check_format_version(doc: Any, path: str) -> None:
     (files without ``metadata.format_version``, such as hand-made ones, are read as version 1)."""
     if not isinstance(doc, dict):
         return  # not a cost model at all: the reader names what is missing
-    version = (metadata_of(doc) or {}).get("format_version", FORMAT_VERSION)
-    if version != FORMAT_VERSION:
+    version = (metadata_of(doc) or {}).get("format_version", 1)
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise CostModelError(f"cost model file {path} has format_version {version!r}; this megatron-dynapipe reads "
-                             f"version {FORMAT_VERSION}: re-profile with this version, or use the megatron-dynapipe "
+                             f"versions {readable}: re-profile with this version, or use the megatron-dynapipe "
                              "that wrote it")
 
 
@@ -115,17 +120,28 @@ class ProfileRecords:
     infeasible: set[tuple] = field(default_factory=set)  # (tp, recompute, seqlen, mbs)
     overhead: dict[int, dict] = field(default_factory=dict)  # tp -> {(per, phase): (ms, ms_per_token)}
     overhead_points: dict[int, int] = field(default_factory=dict)  # tp -> shapes the overhead was fitted to
+    # the encoder on packed rows (layout "thd"), keyed as times and memory are, layer and phase
+    # or kind included
+    packed_times: dict[tuple, float] = field(default_factory=dict)
+    packed_spread: dict[tuple, float] = field(default_factory=dict)
+    packed_memory: dict[tuple, float] = field(default_factory=dict)
 
     # -- writing -------------------------------------------------------------------------------
 
     def records(self) -> dict[str, list]:
         """The record tables of the file, sorted."""
+        def times(table, spread, layout):
+            return [dict(tp=k[0], recompute=k[1], layer=k[2], phase=k[3], seqlen=k[4], mbs=k[5], **layout,
+                         ms=round(v, 4), spread_ms=round(spread.get(k, 0.0), 4)) for k, v in sorted(table.items())]
+
+        def memory(table, layout):
+            return [dict(tp=k[0], recompute=k[1], layer="encoder", kind=k[2], seqlen=k[3], mbs=k[4], **layout,
+                         mb=round(v, 4)) for k, v in sorted(table.items())]
+
+        thd = {"layout": "thd"}
         return {
-            "layer_time": [dict(tp=k[0], recompute=k[1], layer=k[2], phase=k[3], seqlen=k[4], mbs=k[5],
-                                ms=round(v, 4), spread_ms=round(self.spread.get(k, 0.0), 4))
-                           for k, v in sorted(self.times.items())],
-            "activation_memory": [dict(tp=k[0], recompute=k[1], layer="encoder", kind=k[2], seqlen=k[3], mbs=k[4],
-                                       mb=round(v, 4)) for k, v in sorted(self.memory.items())],
+            "layer_time": times(self.times, self.spread, {}) + times(self.packed_times, self.packed_spread, thd),
+            "activation_memory": memory(self.memory, {}) + memory(self.packed_memory, thd),
             "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
                                    for k, v in sorted(self.params.items())],
             "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
@@ -166,12 +182,13 @@ class ProfileRecords:
     def _add(self, table: str, values: tuple, rec: dict, where: _Source) -> None:
         *key, value = values
         key = tuple(key)
+        packed = _layout(where, table, rec) == "thd"
         if table == "layer_time":
-            _put(where, self.times, key, value, table)
-            self.spread[key] = float(rec.get("spread_ms", 0.0) or 0.0)
+            _put(where, self.packed_times if packed else self.times, key, value, table)
+            (self.packed_spread if packed else self.spread)[key] = float(rec.get("spread_ms", 0.0) or 0.0)
         elif table == "activation_memory":
             tp, rc, _layer, kind, s, m = key
-            _put(where, self.memory, (tp, rc, kind, s, m), value, table)
+            _put(where, self.packed_memory if packed else self.memory, (tp, rc, kind, s, m), value, table)
         else:  # one value per recompute type, equal up to noise
             self.params[key] = max(self.params.get(key, 0.0), value)
 
@@ -211,6 +228,23 @@ class ProfileRecords:
             if layer not in params:
                 where.fail(f"has no model_state_memory of the {layer} for tp={tp}")
         return times, memory, params
+
+    def packed_tables(self, tp: int) -> tuple[dict, dict]:
+        """The encoder's packed-row tables of ``tp``, keyed as :meth:`tables` keys its own, for the
+        recompute types measured in both phases and both kinds; empty where none were."""
+        times: dict = {}
+        for (t, rc, layer, phase, s, m), v in self.packed_times.items():
+            if t == tp:
+                times.setdefault((layer, phase, RecomputeType.parse(rc)), {})[s, m] = v
+        memory: dict = {}
+        for (t, rc, kind, s, m), v in self.packed_memory.items():
+            if t == tp:
+                memory.setdefault((kind, RecomputeType.parse(rc)), {})[s, m] = v
+        complete = {rc for _, _, rc in times
+                    if all(("encoder", phase, rc) in times for phase in PHASES)
+                    and all((kind, rc) in memory for kind in KINDS)}
+        return ({k: v for k, v in times.items() if k[2] in complete},
+                {k: v for k, v in memory.items() if k[1] in complete})
 
 
 def hidden_size_of(doc: Mapping, source: str) -> "int | None":
@@ -288,6 +322,13 @@ def _record(where: _Source, table: str, n: int, rec: Any) -> tuple:
             v = float(v)
         out.append(v)
     return tuple(out)
+
+
+def _layout(where: _Source, table: str, rec: dict) -> str:
+    layout = rec.get("layout", "padded")
+    if layout not in LAYOUTS or (layout == "thd" and rec.get("layer") != "encoder"):
+        where.fail(f"has a {table} record of layout {layout!r}: use padded, or thd for the encoder")
+    return layout
 
 
 def _put(where: _Source, grid: dict, key: tuple, value: float, table: str) -> None:

@@ -38,7 +38,8 @@ class ProfiledCostModel(CostModel):
     sizes; between two profiled sequence lengths it is linear in the sequence length. Shorter
     sequences than the shortest profiled cost as much as the shortest; longer sequences than the
     longest profiled, and micro-batches larger than a bracketing row profiled, are ``inf``.
-    A recompute type absent from the profile is ``inf`` everywhere.
+    A recompute type absent from the profile is ``inf`` everywhere.  Where the profile measured
+    the encoder on packed rows, :meth:`packed` prices packed micro-batches from those.
     """
 
     def __init__(
@@ -53,6 +54,8 @@ class ProfiledCostModel(CostModel):
         metadata: dict | None = None,
         microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
         document: Mapping | None = None,
+        packed_times: dict[tuple[str, str, RecomputeType], Grid] | None = None,
+        packed_memory: dict[tuple[str, RecomputeType], Grid] | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
@@ -65,6 +68,8 @@ class ProfiledCostModel(CostModel):
         self.recompute_types = tuple(sorted({rc for _, _, rc in self._times}))
         self._stacks: dict[tuple, GridStack | None] = {}  # by tuple of recompute types, built on first use
         self._document = None if document is None else dict(document)  # the file it came from, for to_document
+        self._packed_times = dict(packed_times or {})  # the encoder on packed rows, where measured
+        self._packed_memory = dict(packed_memory or {})
 
     def describe(self) -> str:
         model = self.metadata.get("model") or {}
@@ -88,6 +93,18 @@ class ProfiledCostModel(CostModel):
             return super().shape_costs(types, mbs, seqlen)
         values = stack.general(np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float))
         return values.reshape((len(types), len(TIMED) + len(KINDS)) + values.shape[1:])
+
+    def packed(self) -> "ProfiledCostModel":
+        """This profile with the encoder's times and memory of packed rows in place of padded ones,
+        for the recompute types measured so; itself where none were. Packed micro-batches query at
+        their :func:`~megatron_dynapipe.planning.types.packed_cost_shape`, which for a row of
+        ``mbs`` samples of ``seqlen`` tokens each is ``(mbs, seqlen)``: the point it was measured at."""
+        if not self._packed_times:
+            return self
+        return ProfiledCostModel(
+            tp=self.tp, hidden_size=self.hidden_size, times={**self._times, **self._packed_times},
+            memory={**self._memory, **self._packed_memory}, params_mb=self._params, name=self.name,
+            metadata=self.metadata, microbatch_overhead=self.microbatch_overhead, document=self._document)
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         rc = as_recompute(recompute)
@@ -146,6 +163,7 @@ class ProfiledCostModel(CostModel):
                 "of those tensor-parallel sizes or profile this one"
             )
         times, memory, params = records.tables(tp, source)
+        packed_times, packed_memory = records.packed_tables(tp)
         if hidden_size is None:
             hidden_size = profile_file.hidden_size_of(doc, source)
         if hidden_size is None:
@@ -160,6 +178,8 @@ class ProfiledCostModel(CostModel):
             metadata=profile_file.metadata_of(doc),
             microbatch_overhead=records.overhead.get(tp, {}),
             document=dict(doc, hidden_size=hidden_size),
+            packed_times={k: Grid(v) for k, v in packed_times.items()},
+            packed_memory={k: Grid(v) for k, v in packed_memory.items()},
         )
 
     def to_document(self) -> dict:

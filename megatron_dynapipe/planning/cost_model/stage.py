@@ -3,6 +3,7 @@ question the planner asks."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,6 +53,11 @@ class StageCosts:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if not self.p2p_gbps > 0:
             raise ValueError(f"p2p_gbps must be > 0, got {self.p2p_gbps}")
+
+    def packed(self) -> "StageCosts":
+        """These stages pricing packed micro-batches (:meth:`CostModel.packed`)."""
+        model = self.model.packed()
+        return self if model is self.model else dataclasses.replace(self, model=model)
 
     def layers_on(self, stage: int) -> int:
         if not 0 <= stage < self.pp:
