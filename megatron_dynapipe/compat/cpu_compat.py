@@ -10,7 +10,7 @@ Two kinds of redirection are used, narrowest first:
 
 * **scope** -- the megatron function is kept as it is and only *called* inside
   :func:`cuda_as_cpu`, a scope in which ``device="cuda"`` / ``device=<int>`` arguments of torch
-  functions become ``"cpu"``, ``Tensor.cuda()`` returns the tensor itself, and
+  functions become ``"cpu"`` (and ``pin_memory=True``, which needs CUDA, False), ``Tensor.cuda()`` returns the tensor itself, and
   ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()`` answer for the CPU, and
   ``Tensor.type()`` of a CPU tensor reads ``torch.cuda.FloatTensor`` & co. (megatron asserts
   it). The device rewrite is a per-thread torch function mode; the two ``torch.cuda`` functions
@@ -81,6 +81,9 @@ def cpu_arguments(func, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict
     """``(args, kwargs)`` of a torch function call with its CUDA device request turned into the
     CPU, or None when the call asks for no CUDA device. ``Tensor.cuda()`` is not handled here:
     callers answer it with the tensor itself."""
+    if kwargs.get("pin_memory"):  # page-locked memory is for copies to CUDA, which CPU mode never makes
+        kwargs = dict(kwargs, pin_memory=False)
+        return cpu_arguments(func, args, kwargs) or (args, kwargs)
     if "device" in kwargs and is_cuda_device(kwargs["device"]):
         return args, dict(kwargs, device="cpu")
     if func is torch.Tensor.to and len(args) > 1 and is_cuda_device(args[1]):
@@ -319,6 +322,13 @@ SPOTS: tuple["Spot | OneOf", ...] = (
         "local_multi_tensor_l2_norm",
         ('device="cuda"',),
         "returns the grad norm as a CUDA tensor (bound as clip_grads.l2_norm_impl)",
+    ),
+    _scope(
+        "megatron.core.models.common.embeddings.rope_utils",
+        "get_pos_emb_on_this_cp_rank",
+        ('pin_memory=True', '.cuda(non_blocking=True)'),
+        "picks this context-parallel rank's rotary positions by an index tensor made in pinned memory and moved "
+        "to CUDA",
     ),
     _scope(
         "megatron.core.transformer.utils",

@@ -87,3 +87,16 @@ def test_a_context_parallel_rank_does_a_cth_of_the_whole_sequences_layer_work(cp
         local = layers * model.layer_ms("encoder", phase, "none", 1, s // cp)
         whole = layers * model.layer_ms("encoder", phase, "none", 1, s)
         assert local + ring[phase] == pytest.approx(whole / cp, rel=1e-9)
+
+
+def test_a_rope_model_traces_with_context_parallelism_on_the_cpu(tmp_path):
+    """megatron-core picks a CP rank's rotary positions with an index made in pinned memory, which
+    needs CUDA; CPU mode makes it in plain memory, and the ring is traced as without rope."""
+    from megatron_dynapipe.config.model import get_model
+
+    rope = dataclasses.replace(get_model("tiny"), position_embedding_type="rope", name="")
+    (result,) = run_batch(parse_configs(["8 1 1 cp=2 nmb=2"], model=rope), tmp_path, shapes_only=True, progress=False)
+    assert result.status == "ok", result.error
+    job = load_job(result.folder)
+    assert job.model.position_embedding_type == "rope"
+    assert len(ring_ops(job.traces[0], "forward")) == 2 * LAYERS * (2 - 1)
