@@ -11,10 +11,12 @@ timed runs after warm-up (CUDA events), with the spread:
   time for the same shape (``measured / roofline``).
 * **Causal attention** (torch's ``scaled_dot_product_attention``, flash and cuDNN backends), head
   dim 128, sequence lengths 2048-16384, forward and backward, in TFLOP/s counted on the causal
-  half (forward 2 GEMMs, backward 5, ``2 s^2 d / 2`` FLOPs each per head).
+  half (forward 2 GEMMs, backward 5, ``2 s^2 d / 2`` FLOPs each per head), and per backend and
+  phase the line ``flops / rate + latency`` fitted to them: the hardware file's ``fused_attention``.
 * **Memory bandwidth**: a device-to-device copy, bytes read and written.
 
     python benchmarks/bench_kernels.py --hardware h100 --json > kernels.json
+    python benchmarks/bench_kernels.py --summarize benchmarks/results/h100-kernels.json
 
 On a CPU (no CUDA) it runs a token-sized version of every measurement, to check the script.
 """
@@ -27,6 +29,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from megatron_dynapipe.hardware import load_hardware
@@ -119,18 +122,34 @@ def copy_row(device, nbytes: int, args) -> dict:
     return dict(kind="copy", bytes=nbytes, ms=ms, spread_ms=spread, GBps=2 * nbytes / ms / 1e6)
 
 
+def attention_line(rows: list[dict], backend: str, phase: str) -> dict:
+    """The roofline's fused-attention constants for one backend and phase: ``ms = flops / rate +
+    latency`` fitted by least squares on relative error over every measured shape (forward two
+    GEMMs over the causal half, backward five)."""
+    mine = [r for r in rows if r.get("backend") == backend and "error" not in r]
+    gemms = 2 if phase == "forward" else 5
+    flops = np.array([gemms * r["seq"] ** 2 * r["head_dim"] * r["heads"] for r in mine], dtype=float)
+    ms = np.array([r[f"{phase}_ms"] for r in mine])
+    (per_flop, latency_ms), *_ = np.linalg.lstsq(np.stack([flops / ms, 1 / ms], axis=1), np.ones_like(ms), rcond=None)
+    errors = (flops * per_flop + latency_ms) / ms - 1
+    return {"tflops": 1 / per_flop / 1e9, "latency_us": latency_ms * 1e3,
+            "worst_error_pct": float(np.max(np.abs(errors)) * 100), "median_error_pct": float(np.median(np.abs(errors)) * 100)}
+
+
 def summary(rows: list[dict], peak_tflops: float, bandwidth: float) -> dict:
-    """Medians the roofline's constants are read from: GEMM TFLOP/s over the peak (rows of at
-    least 1 TFLOP), each backend's attention TFLOP/s over the peak, the copy over the bandwidth."""
+    """What the roofline's constants are read from: GEMM TFLOP/s over the peak (median of the GEMMs
+    of at least 1 TFLOP) and measured over roofline time (median of all), each attention backend's
+    line (:func:`attention_line`) with its rate over the peak, the fastest copy over the bandwidth."""
     big = [r["tflops"] for r in rows if r["kind"] == "gemm" and 2 * r["m"] * r["n"] * r["k"] >= 1e12]
     out = {"gemm_efficiency_large": statistics.median(big) / peak_tflops if big else None,
            "gemm_measured_over_roofline": statistics.median(
                [r["measured_over_roofline"] for r in rows if r["kind"] == "gemm"] or [float("nan")])}
     for backend in sorted({r["backend"] for r in rows if r["kind"] == "attention" and "error" not in r}):
-        mine = [r for r in rows if r.get("backend") == backend and "error" not in r]
+        lines = {phase: attention_line(rows, backend, phase) for phase in ("forward", "backward")}
         out[f"attention_{backend.lower()}"] = {
-            "forward_efficiency": statistics.median(r["forward_tflops"] for r in mine) / peak_tflops,
-            "backward_efficiency": statistics.median(r["backward_tflops"] for r in mine) / peak_tflops}
+            **{f"{phase}_efficiency": line["tflops"] / peak_tflops for phase, line in lines.items()},
+            **{f"{phase}_latency_us": line["latency_us"] for phase, line in lines.items()},
+            **{f"{phase}_worst_error_pct": line["worst_error_pct"] for phase, line in lines.items()}}
     copies = [r["GBps"] for r in rows if r["kind"] == "copy"]
     out["memory_efficiency"] = max(copies) / bandwidth if copies else None
     return out
@@ -142,7 +161,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--summarize", metavar="FILE", help="summarize an earlier run's JSON instead of measuring")
     args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            earlier = json.load(f)
+        print(json.dumps(summary(earlier["rows"], earlier["peak_tflops"],
+                                 load_hardware(earlier["hardware"]).memory_bandwidth_GBps), indent=1))
+        return 0
     hardware = load_hardware(args.hardware)
     roofline = hardware.roofline("bfloat16")
     cuda = torch.cuda.is_available()

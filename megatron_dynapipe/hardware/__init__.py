@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from megatron_dynapipe.files import write_atomically
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 
 __all__ = [
@@ -232,9 +232,7 @@ class Hardware:
         roofline of its ``compute`` section, else the analytical model at half of peak.  A
         micro-batch whose layer does not fit the device costs ``inf`` unless not
         ``memory_limited`` (a simulation times it and reports the memory apart)."""
-        gpt = dict(hidden_size=model.hidden_size, num_heads=model.num_attention_heads,
-                   ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.padded_vocab_size(tp), tp=tp,
-                   device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf)
+        gpt = dict(gpt_shape(model, tp), device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf)
         roofline = self.roofline(dtype)
         built = (RooflineCostModel(roofline, **gpt) if roofline is not None
                  else AnalyticalCostModel(peak_tflops=self.peak(dtype), **gpt))
@@ -338,15 +336,17 @@ class _Fields:
         section = self.mapping("compute", required=False)
         if not section:
             return {}
-        unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency"}
+        unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency", "fused_attention"}
         if unknown or "sms" not in section:
             raise HardwareFileError(f"{self.source}: compute needs 'sms' and may have gemm_tile, gemm_efficiency, "
-                                    f"memory_efficiency (got {sorted(section)}); {_FIX}")
+                                    f"memory_efficiency, fused_attention (got {sorted(section)}); {_FIX}")
         try:
             DeviceRoofline.from_section(section, peak_tflops=1.0, memory_bandwidth_GBps=1.0)
-        except (TypeError, ValueError):
-            raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers and the "
-                                    f"efficiencies in (0, 1], got {section}; {_FIX}") from None
+        except (TypeError, ValueError, KeyError):
+            raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers, the "
+                                    "efficiencies in (0, 1], and fused_attention forward_efficiency, "
+                                    "backward_efficiency, forward_latency_us and backward_latency_us, got "
+                                    f"{section}; {_FIX}") from None
         return dict(section)
 
     def link(self, name: str, value: Any) -> Link:

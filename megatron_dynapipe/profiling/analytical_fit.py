@@ -31,8 +31,8 @@ import torch
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.gpt.device import torch_dtype
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
-from megatron_dynapipe.planning.cost_model.profile_file import calibrated_document, to_text
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, gpt_shape
+from megatron_dynapipe.planning.cost_model.profile_file import CALIBRATED_SHAPE, calibrated_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.layers import build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.measure import steady_cpu_allocator
@@ -136,8 +136,7 @@ def _flop_parts(model: AnalyticalCostModel, point: dict) -> tuple[float, float]:
 
 
 def _analytical(spec: ModelSpec, tp: int) -> AnalyticalCostModel:
-    return AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                               ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.padded_vocab_size(tp), tp=tp)
+    return AnalyticalCostModel(**gpt_shape(spec, tp))
 
 
 def _document(profile: ProfileRun) -> dict:
@@ -149,8 +148,9 @@ def _document(profile: ProfileRun) -> dict:
     else:
         memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
     gpt = _analytical(profile.spec, 1)
-    values = dict(fit, hidden_size=gpt.hidden_size, num_heads=gpt.num_heads, ffn_hidden_size=gpt.ffn_hidden_size,
-                  vocab_size=gpt.vocab_size, device_memory_mb=round(memory_mb, 1))
+    values = dict(fit, **{key: getattr(gpt, key) for key in ("hidden_size", "num_heads", "ffn_hidden_size",
+                                                             "vocab_size") + CALIBRATED_SHAPE},
+                  device_memory_mb=round(memory_mb, 1))
     return calibrated_document(
         name=f"{profile.spec.label} on {measured['metadata']['device']}, calibrated",
         source=measured["source"] + ", calibrated analytical model",

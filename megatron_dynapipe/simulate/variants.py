@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
-from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts
+from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts, gpt_shape
 from megatron_dynapipe.simulate.replay import TracedJob
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
 
@@ -134,8 +134,7 @@ def _with_distributed_optimizer(ops: list[TraceOp], dtype: str) -> list[TraceOp]
 def _analytical(job: TracedJob) -> StageCosts:
     """The analytical cost model of ``job``'s GPT at its TP, seen over its pipeline stages."""
     m = job.model
-    model = AnalyticalCostModel(hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
-                                ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, tp=job.layout.tp)
+    model = AnalyticalCostModel(**gpt_shape(m, job.layout.tp))
     return StageCosts(model, num_layers=m.num_layers, pp=job.layout.pp)
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts, as_stage_costs
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts, as_stage_costs, gpt_shape
 
 __all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms", "ring_attention_ms"]
 
@@ -69,9 +69,7 @@ def ring_attention_ms(costs, spec: ModelSpec, tp: int, cp: int, mbs: int, seq_lo
     blocks.  A block's time is the layer's times its attention core's share of the FLOPs."""
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
-    share = AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size,
-                                tp=tp).attention_core_share(seq_local)
+    share = AnalyticalCostModel(**gpt_shape(spec, tp)).attention_core_share(seq_local)
     return {phase: (cp - 1) * layers * share * float(costs.model.layer_ms("encoder", phase, "none", mbs, seq_local))
             for phase in ("forward", "backward")}
 

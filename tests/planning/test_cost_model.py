@@ -424,7 +424,7 @@ def test_a_file_in_the_working_directory_wins_over_a_shipped_name(tmp_path, monk
 
 def test_an_unknown_name_lists_the_shipped_profiles(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CostModelError, match=r"not found: .*shipped profile \(gpt-6\.7b-a100, gpt-6\.7b-h100\)"):
+    with pytest.raises(CostModelError, match=r"not found: .*shipped profile \(gpt-0\.94b-h100-sdpa, gpt-6\.7b-a100, gpt-6\.7b-h100\)"):
         load_cost_model("gpt-1t-h100", 1)
 
 

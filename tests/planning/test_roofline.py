@@ -91,7 +91,77 @@ def test_the_shipped_hardware_prices_compute_by_shape_and_names_itself():
     assert 1.5 < ratio < 989.4 / 312  # faster, but less than the peaks' ratio: memory-bound kernels gain less
 
 
+def test_every_matmul_of_a_gqa_swiglu_layer_is_priced_at_its_width():
+    """Llama-style: 8 key/value groups of 128 narrow K and V to 1024 each, SwiGLU's gate doubles
+    the first MLP matmul, its activation reads two values and writes one."""
+    h, a, groups, f, s, b, t = 8192, 64, 8, 28672, 4096, 1, 4
+    model = RooflineCostModel(A100, hidden_size=h, num_heads=a, ffn_hidden_size=f, vocab_size=128256, tp=t,
+                              num_query_groups=groups, swiglu=True)
+    T, heads, d = b * s, a // t, 128
+    g = A100.gemm_ms
+    gemms = (g(T, (a + 2 * groups) * d // t, h) + g(T, h, h // t) + g(T, 2 * f // t, h) + g(T, h, f // t)
+             + g(s, s, d, b * heads) + g(s, d, s, b * heads))
+    elements = T * (2 * 2 * h + 2 * 3.5 * h + 3 * f / t) + b * heads * s * s * 4.5
+    assert model.layer_ms("encoder", "forward", "none", b, s) == pytest.approx(
+        gemms + 2 * elements / (2039e9 * 0.85) * 1e3)
+    plain = RooflineCostModel(A100, hidden_size=h, num_heads=a, ffn_hidden_size=f, vocab_size=128256, tp=t)
+    # parameters: QKV (h x (a + 2g) d) + output h^2 + gated MLP 3 h f, biases, two norms
+    weights = h * (a + 2 * groups) * 128 + h * h + 3 * h * f
+    assert model.param_mb("encoder") == pytest.approx(2 * (weights + (a + 2 * groups) * 128 + 2 * f) / t / 2**20
+                                                      + 2 * (4 * h + 2 * h) / 2**20)
+    assert model.param_mb("encoder") > plain.param_mb("encoder")
+
+
+H100_ATTENTION = DeviceRoofline(peak_tflops=989.4, memory_bandwidth_GBps=3350.0, sms=132, gemm_efficiency=0.7,
+                                attention_efficiency=(0.6, 0.5), attention_latency_us=(50.0, 200.0))
+
+
+def test_a_fused_attention_core_computes_the_causal_half_at_its_measured_line():
+    """Forward: two GEMMs over the causal half, 2 b a s^2 d FLOPs at 0.6 of peak plus 50 us; backward
+    2.5 times those FLOPs at 0.5 plus 200 us; no softmax or dropout pass over the scores."""
+    h, a, s, b, t = 4096, 32, 8192, 1, 2
+    fused = RooflineCostModel(H100_ATTENTION, hidden_size=h, num_heads=a, vocab_size=51200, tp=t,
+                              fused_attention=True)
+    unfused = RooflineCostModel(H100_ATTENTION, hidden_size=h, num_heads=a, vocab_size=51200, tp=t)
+    flops = 2 * b * (a // t) * s * s * 128
+    core = {"forward": flops / (989.4e12 * 0.6) * 1e3 + 0.05, "backward": 2.5 * flops / (989.4e12 * 0.5) * 1e3 + 0.2}
+    for phase in ("forward", "backward"):
+        linear = unfused._linear_ms(phase, b, s)
+        assert fused.layer_ms("encoder", phase, "none", b, s) == pytest.approx(linear + core[phase])
+        assert fused.layer_ms("encoder", phase, "none", b, s) < unfused.layer_ms("encoder", phase, "none", b, s)
+    assert fused.layer_ms("encoder", "backward", "selective", b, s) == pytest.approx(
+        unfused._linear_ms("backward", b, s) + core["backward"] + core["forward"])
+    # a fused core keeps no s x s scores: no recompute keeps what selective keeps of the unfused one
+    assert fused.activation_mb("stored", "none", b, s) == pytest.approx(unfused.activation_mb("stored", "selective", b, s))
+    assert fused.activation_mb("stored", "none", b, s) < 0.5 * unfused.activation_mb("stored", "none", b, s)
+
+
+def test_the_h100_file_carries_its_measured_attention_and_the_job_says_which_core_runs():
+    """A job whose attention is SDPA (fused) is priced by the H100's measured attention line; the
+    local (unfused) one by its GEMMs and softmax passes; the constants are those the kernel
+    benchmark fitted (benchmarks/results/h100-kernels.json)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    h100 = load_hardware("h100")
+    assert h100.roofline("bfloat16").attention_efficiency == (0.621, 0.518)
+    spec = get_model("6.7")
+    fused = h100.cost_model(dataclasses.replace(spec, attention="sdpa"), tp=1, dtype="bfloat16")
+    local = h100.cost_model(spec, tp=1, dtype="bfloat16")
+    assert fused.fused_attention and not local.fused_attention
+    assert fused.layer_ms("encoder", "forward", "none", 1, 8192) < 0.85 * local.layer_ms("encoder", "forward", "none", 1, 8192)
+    fitted = subprocess.run([sys.executable, "benchmarks/bench_kernels.py", "--summarize",
+                             "benchmarks/results/h100-kernels.json"], capture_output=True, text=True, timeout=120)
+    line = json.loads(fitted.stdout)["attention_cudnn_attention"]
+    assert (round(line["forward_efficiency"], 3), round(line["backward_efficiency"], 3)) == (0.621, 0.518)
+    assert h100.roofline("bfloat16").attention_latency_us == pytest.approx(
+        (line["forward_latency_us"], line["backward_latency_us"]), abs=0.1)
+
+
 @pytest.mark.parametrize("compute,says", [({"gemm_tile": [256, 128]}, "needs 'sms'"),
+                                          ({"sms": 108, "fused_attention": {"forward_efficiency": 0.5}},
+                                           "fused_attention forward_efficiency, backward_efficiency"),
                                           ({"sms": 108, "gemm_efficiency": 1.5}, "efficiencies in (0, 1]"),
                                           ({"sms": 108, "tiles": 4}, "may have gemm_tile")])
 def test_a_bad_compute_section_is_refused_in_one_line(tmp_path, compute, says):

@@ -12,7 +12,7 @@ turns that into what one pipeline stage costs, which is what the planner asks.  
 read and written in :mod:`.profile_file` only; :mod:`.loading` picks the model a job plans with.
 """
 
-from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel
+from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
 from megatron_dynapipe.planning.cost_model.base import (
     KINDS,
     LAYERS,
@@ -36,7 +36,7 @@ from megatron_dynapipe.planning.cost_model.profiled import ProfiledCostModel
 from megatron_dynapipe.planning.cost_model.stage import StageCosts
 
 __all__ = [
-    "AnalyticalCostModel", "CostModel", "CostModelError", "ProfiledCostModel", "StageCosts", "as_stage_costs",
+    "AnalyticalCostModel", "gpt_shape", "CostModel", "CostModelError", "ProfiledCostModel", "StageCosts", "as_stage_costs",
     "cost_model_from_document",
     "load_cost_model", "load_job_cost_model", "profile_mismatch", "resolve_cost_model_path", "shipped_profiles",
     "CALIBRATED", "KINDS", "LAYERS", "MB", "PARAM_LAYERS", "PHASES",

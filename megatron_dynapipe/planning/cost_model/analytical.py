@@ -8,7 +8,13 @@ from typing import Mapping
 
 import numpy as np
 
-from megatron_dynapipe.config.accounting import activation_bytes, layer_flops_per_token, output_flops_per_token
+from megatron_dynapipe.config.accounting import (
+    activation_bytes,
+    layer_flops_per_token,
+    layer_params,
+    norm_params,
+    output_flops_per_token,
+)
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import profile_file
 from megatron_dynapipe.planning.cost_model.base import (
@@ -26,7 +32,16 @@ from megatron_dynapipe.planning.cost_model.base import (
 )
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["AnalyticalCostModel"]
+__all__ = ["AnalyticalCostModel", "gpt_shape"]
+
+
+def gpt_shape(spec: ModelSpec, tp: int) -> dict:
+    """The keyword arguments that give :class:`AnalyticalCostModel` (and the roofline) the shape of
+    ``spec`` at ``tp``: its widths, query groups, gated MLP, vocabulary as padded at ``tp``, and
+    whether its attention core is fused (anything but megatron-core's unfused local one)."""
+    return dict(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
+                vocab_size=spec.padded_vocab_size(tp), tp=tp, num_query_groups=spec.num_query_groups,
+                swiglu=spec.swiglu, fused_attention=spec.attention != "local")
 
 
 class AnalyticalCostModel(CostModel):
@@ -34,7 +49,11 @@ class AnalyticalCostModel(CostModel):
 
     Time is ``FLOPs / (peak_tflops * mfu)`` plus ``overhead_ms`` per layer and phase, where the
     attention core's FLOPs (scores and their weighted sum, quadratic in the sequence) run at
-    ``attention_mfu`` (default: ``mfu``) and the matmuls at ``mfu``; a layer on
+    ``attention_mfu`` (default: ``mfu``) and the matmuls at ``mfu``. The matmuls are every one the
+    layer has: query groups narrow the key and value projections (``num_query_groups``), SwiGLU
+    doubles the first MLP matmul (``swiglu``). An unfused attention core (megatron-core's local
+    one) computes and keeps the whole ``s x s`` score square; a fused one (``fused_attention``:
+    flash, cuDNN or torch's SDPA kernels) computes the causal half and keeps no scores. A layer on
     fewer than ``saturation_tokens`` tokens takes as long as on that many, because small kernels
     leave the GPU under-used (the A100 profile flattens below about 1k tokens per layer). Memory is
     16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
@@ -57,6 +76,9 @@ class AnalyticalCostModel(CostModel):
         saturation_tokens: int = 1024,
         microbatch_overhead: Mapping[tuple[str, str], tuple[float, float]] | None = None,
         metadata: dict | None = None,
+        num_query_groups: int | None = None,
+        swiglu: bool = False,
+        fused_attention: bool = False,
     ):
         ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
@@ -86,15 +108,22 @@ class AnalyticalCostModel(CostModel):
         self.saturation_tokens = int(saturation_tokens)
         self.microbatch_overhead = dict(microbatch_overhead or {})
         self.metadata = dict(metadata or {})  # a calibrated model's: what `profile --calibrate` recorded
+        self.layer = ModelSpec(num_layers=1, hidden_size=self.hidden_size, num_attention_heads=self.num_heads,
+                               ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size,
+                               num_query_groups=num_query_groups, swiglu=bool(swiglu))  # checks the groups
+        if self.layer.query_groups % tp:
+            raise ValueError(f"num_query_groups {self.layer.query_groups} is not divisible by tp {tp}")
+        self.num_query_groups = self.layer.num_query_groups
+        self.swiglu = self.layer.swiglu
+        self.fused_attention = bool(fused_attention)
         self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
         self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
-        h, t = self.hidden_size, self.tp
-        layer = layer_flops_per_token(ModelSpec(num_layers=1, hidden_size=h, num_attention_heads=self.num_heads,
-                                                ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size),
-                                      1, causal=False)  # an unfused attention core computes the whole square
+        t = self.tp
+        # an unfused attention core computes the whole square; a fused one the causal half
+        layer = layer_flops_per_token(self.layer, 1, causal=self.fused_attention)
         self._matmul_flop_per_token = layer.linear / t
         self._attention_flop = layer.attention / t  # times b * s^2
-        self._head_flop_per_token = output_flops_per_token(h, self.vocab_size) / t
+        self._head_flop_per_token = output_flops_per_token(self.hidden_size, self.vocab_size) / t
         self._encoder_state_mb = 8.0 * self.param_mb("encoder")
 
     def describe(self) -> str:
@@ -107,7 +136,8 @@ class AnalyticalCostModel(CostModel):
                 f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
                 f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, attention_mfu={self.attention_mfu}, "
                 f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms}, "
-                f"saturation_tokens={self.saturation_tokens})")
+                f"saturation_tokens={self.saturation_tokens}, num_query_groups={self.num_query_groups}, "
+                f"swiglu={self.swiglu}, fused_attention={self.fused_attention})")
 
     @classmethod
     def calibrated(cls, doc: dict, tp: int, *, source: str) -> "AnalyticalCostModel":
@@ -125,7 +155,7 @@ class AnalyticalCostModel(CostModel):
 
     def to_document(self) -> dict:
         """This model as a calibrated file (its GPT sizes, rates and per-micro-batch overhead)."""
-        settings = {key: getattr(self, key) for key in profile_file.CALIBRATED}
+        settings = {key: getattr(self, key) for key in profile_file.CALIBRATED + profile_file.CALIBRATED_SHAPE}
         overhead = [dict(tp=self.tp, per=per, phase=phase, ms=ms, ms_per_token=per_token)
                     for (per, phase), (ms, per_token) in sorted(self.microbatch_overhead.items())]
         return profile_file.calibrated_document(name=self.name, source=self.metadata.get("source", self.name),
@@ -180,7 +210,9 @@ class AnalyticalCostModel(CostModel):
 
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
-        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=rc.label)
+        # a fused core keeps no scores: what selective recompute leaves of an unfused one
+        kept = "selective" if self.fused_attention and rc == RecomputeType.NONE else rc.label
+        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=kept)
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         check_choice("activation kind", kind, KINDS)
@@ -198,11 +230,12 @@ class AnalyticalCostModel(CostModel):
 
     def param_mb(self, layer):
         check_choice("parameter layer", layer, PARAM_LAYERS)
-        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        h, t = self.hidden_size, self.tp
         if layer == "embedding":
             params = self.vocab_size * h / t
-        else:  # TP-split QKV, projection, FFN weights and split biases; replicated biases + 2 LNs
-            params = (4 * h * h + 2 * h * f + 3 * h + f) / t + 6 * h
+        else:  # everything TP-split but the two layer norms and the row-parallel biases
+            replicated = norm_params(self.layer) + 2 * h
+            params = (layer_params(self.layer) - replicated) / t + replicated
         return 2.0 * params / MB
 
     def fits(self, mbs, seqlen):

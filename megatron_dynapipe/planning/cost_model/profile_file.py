@@ -28,7 +28,7 @@ from megatron_dynapipe.planning.cost_model.base import KINDS, LAYERS, PARAM_LAYE
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["ProfileRecords", "read_document", "to_text", "is_calibrated", "calibrated_settings",
-           "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "OVERHEAD_PER"]
+           "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "CALIBRATED_SHAPE", "OVERHEAD_PER"]
 
 FORMAT_VERSION = 2  # metadata.format_version of the files megatron-dynapipe profile writes
 READABLE_VERSIONS = (1, 2)  # 2 added the packed (``"layout": "thd"``) records
@@ -39,6 +39,9 @@ OVERHEAD_PER = ("stage", "layer")  # what a microbatch_overhead record is paid o
 #: the keys of a calibrated model's ``analytical`` object: the GPT's sizes, then what was fitted
 CALIBRATED = ("hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
               "peak_tflops", "mfu", "attention_mfu", "overhead_ms", "saturation_tokens", "device_memory_mb")
+#: the optional keys of an ``analytical`` object: the GPT's shape beyond its widths (absent: a
+#: GPT-3-style layer, one key/value head per query head, GeLU MLP, megatron-core's unfused core)
+CALIBRATED_SHAPE = ("num_query_groups", "swiglu", "fused_attention")
 
 #: per record table: the fields that key a record, and the one that holds its value
 _FIELDS = {
@@ -268,7 +271,7 @@ def calibrated_settings(doc: Mapping, source: str) -> dict[str, Any]:
     missing = [key for key in CALIBRATED if not isinstance(settings, dict) or key not in settings]
     if missing:
         _Source(source).fail(f"has an 'analytical' object without {', '.join(map(repr, missing))}")
-    return {key: settings[key] for key in CALIBRATED}
+    return {key: settings[key] for key in CALIBRATED + CALIBRATED_SHAPE if key in settings}
 
 
 def calibrated_document(*, name: str, source: str, hidden_size: int, metadata: dict, settings: Mapping[str, Any],
@@ -276,7 +279,8 @@ def calibrated_document(*, name: str, source: str, hidden_size: int, metadata: d
     """A calibrated file: the analytical model's ``settings`` (the keys the reader reads, in its
     order) and the measured ``overhead`` records."""
     return {"name": name, "source": source, "hidden_size": hidden_size, "metadata": metadata,
-            "analytical": {key: settings[key] for key in CALIBRATED}, "microbatch_overhead": overhead}
+            "analytical": {key: settings[key] for key in CALIBRATED + CALIBRATED_SHAPE if key in settings},
+            "microbatch_overhead": overhead}
 
 
 # ---- record checks -------------------------------------------------------------------------------

@@ -11,12 +11,17 @@ and computes padding in its edge tiles; a GEMM moving more bytes than it compute
 memory (``2 (mk + kn + mn)`` bytes of 16-bit operands at ``memory_bandwidth * memory_efficiency``).
 Efficiency thus rises with GEMM size, as measured GEMM throughput does.
 
-A transformer layer on one TP rank (``T = b s`` tokens, ``a`` heads of this rank, head size
-``d``) runs, forward: the QKV projection ``(T, 3ad, h)``, the attention scores ``b a`` x
-``(s, s, d)``, their weighted sum ``b a`` x ``(s, d, s)``, the output projection ``(T, h, ad)``
-and the two FFN GEMMs ``(T, f/t, h)`` and ``(T, h, f/t)``; and the elementwise kernels of
-megatron-core's local layer: two layer norms, two fused bias-dropout-add, the fused bias-GeLU,
-the fused scale-mask-softmax and the attention dropout.  The backward pass runs two GEMMs per
+A transformer layer on one TP rank (``T = b s`` tokens, ``a`` heads and ``g`` key/value groups of
+this rank, head size ``d``) runs, forward: the QKV projection ``(T, (a + 2g) d, h)``, the attention
+core, the output projection ``(T, h, ad)`` and the two FFN GEMMs ``(T, u/t, h)`` and
+``(T, h, f/t)`` (``u = 2f`` with SwiGLU's gate, else ``f``); and the elementwise kernels of
+megatron-core's local layer: two layer norms, two fused bias-dropout-add and the fused bias-GeLU
+(or SwiGLU). megatron-core's unfused local core computes the scores ``b a`` x ``(s, s, d)`` and
+their weighted sum ``b a`` x ``(s, d, s)`` as GEMMs over the whole square and runs the fused
+scale-mask-softmax and the attention dropout over it at memory bandwidth; a fused core (flash,
+cuDNN, torch's SDPA) computes the causal half, ``2 b a s^2 d`` FLOPs forward and 2.5 times that
+backward, at the device's measured ``attention_efficiency`` plus a fixed ``attention_latency_us`` a
+call (the line ``benchmarks/bench_kernels.py`` fits to the device's causal attention).  The backward pass runs two GEMMs per
 forward GEMM (the input's gradient ``(m, k, n)`` and the weight's ``(k, n, m)``) and moves twice
 the forward's elementwise bytes.  Selective recompute adds the attention core's forward, full
 recompute the whole forward.  The LM head is the logits GEMM ``(T, V/t, h)`` and the
@@ -44,6 +49,7 @@ SPLIT_K_SLICE = 128  # the shortest stretch of k one SM takes under split-K
 #: unit (bias-GeLU: read and write) and per attention score (softmax: 2, dropout: 2 + a mask)
 ELEMENTS_PER_HIDDEN = 2 * 2 + 2 * 3.5
 ELEMENTS_PER_FFN = 2.0
+ELEMENTS_PER_GATED_FFN = 3.0  # SwiGLU reads the gate and the value, writes their product
 ELEMENTS_PER_SCORE = 2.0 + 2.5
 #: bytes per logit the cross-entropy moves in fp32: forward max, exp-sum and loss passes, backward one pass
 CROSS_ENTROPY_BYTES = {"forward": 12.0, "backward": 8.0}
@@ -59,13 +65,19 @@ class DeviceRoofline:
     gemm_tile: tuple[int, int] = (256, 128)
     gemm_efficiency: float = 0.8
     memory_efficiency: float = 0.85
+    #: a fused causal attention core's FLOP rate over the peak and fixed time a call, by phase
+    #: (None: the GEMM efficiency and no latency, for a device whose attention was not measured)
+    attention_efficiency: "tuple[float, float] | None" = None
+    attention_latency_us: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
+        attention = self.attention_efficiency or (self.gemm_efficiency,) * 2
         if not (self.peak_tflops > 0 and self.memory_bandwidth_GBps > 0 and self.sms >= 1
                 and all(t >= 1 for t in self.gemm_tile) and 0 < self.gemm_efficiency <= 1
-                and 0 < self.memory_efficiency <= 1):
-            raise ValueError(f"a device roofline needs positive peak, bandwidth, SMs and tile sizes and efficiencies "
-                             f"in (0, 1], got {self}")
+                and 0 < self.memory_efficiency <= 1 and len(attention) == 2 and all(0 < e <= 1 for e in attention)
+                and len(self.attention_latency_us) == 2 and all(t >= 0 for t in self.attention_latency_us)):
+            raise ValueError(f"a device roofline needs positive peak, bandwidth, SMs and tile sizes, efficiencies "
+                             f"in (0, 1] and latencies >= 0, got {self}")
 
     @classmethod
     def from_section(cls, section, peak_tflops: float, memory_bandwidth_GBps: float) -> "DeviceRoofline":
@@ -74,8 +86,20 @@ class DeviceRoofline:
         optional = {key: float(section[key]) for key in ("gemm_efficiency", "memory_efficiency") if key in section}
         if "gemm_tile" in section:
             optional["gemm_tile"] = tuple(section["gemm_tile"])
+        attention = section.get("fused_attention")
+        if attention is not None:
+            optional["attention_efficiency"] = (float(attention["forward_efficiency"]),
+                                                float(attention["backward_efficiency"]))
+            optional["attention_latency_us"] = (float(attention["forward_latency_us"]),
+                                                float(attention["backward_latency_us"]))
         return cls(peak_tflops=peak_tflops, memory_bandwidth_GBps=memory_bandwidth_GBps, sms=int(section["sms"]),
                    **optional)
+
+    def fused_attention_ms(self, phase: str, flops):
+        """Milliseconds of a fused causal attention core doing ``flops`` in ``phase``."""
+        k = PHASES.index(phase)
+        efficiency = (self.attention_efficiency or (self.gemm_efficiency,) * 2)[k]
+        return flops / (self.peak_tflops * 1e9 * efficiency) + self.attention_latency_us[k] / 1e3
 
     def gemm_ms(self, m, n, k, batch=1.0):
         """Milliseconds of ``batch`` GEMMs of ``(m x k) @ (k x n)`` (arrays broadcast)."""
@@ -120,17 +144,23 @@ class RooflineCostModel(AnalyticalCostModel):
         return sum(g(m, k, n, batch) + g(k, n, m, batch) for m, n, k, batch in shapes)
 
     def _attention_core_ms(self, phase: str, b, s):
-        heads, d = self.num_heads / self.tp, self.hidden_size / self.num_heads
+        heads, d = self.num_heads / self.tp, self.layer.head_dim
+        if self.fused_attention:
+            forward = 2.0 * b * heads * s * s * d  # two GEMMs over the causal half
+            return self.roofline.fused_attention_ms(phase, forward if phase == "forward" else 2.5 * forward)
         gemms = self._gemms([(s, s, d, b * heads), (s, d, s, b * heads)], phase)
         elementwise = self.roofline.memory_ms(BYTES * ELEMENTS_PER_SCORE * b * s * s * heads)
         return gemms + elementwise * (1.0 if phase == "forward" else 2.0)
 
     def _linear_ms(self, phase: str, b, s):
-        h, f, t = self.hidden_size, self.ffn_hidden_size, self.tp
+        h, f, t, spec = self.hidden_size, self.ffn_hidden_size, self.tp, self.layer
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.query_groups * spec.head_dim
+        up = 2 * f if spec.swiglu else f
         tokens = b * s
-        gemms = self._gemms([(tokens, 3 * h / t, h, 1.0), (tokens, h, h / t, 1.0),
-                             (tokens, f / t, h, 1.0), (tokens, h, f / t, 1.0)], phase)
-        elements = tokens * (ELEMENTS_PER_HIDDEN * h + ELEMENTS_PER_FFN * f / t)
+        gemms = self._gemms([(tokens, (q + 2 * kv) / t, h, 1.0), (tokens, h, q / t, 1.0),
+                             (tokens, up / t, h, 1.0), (tokens, h, f / t, 1.0)], phase)
+        per_ffn = ELEMENTS_PER_GATED_FFN if spec.swiglu else ELEMENTS_PER_FFN
+        elements = tokens * (ELEMENTS_PER_HIDDEN * h + per_ffn * f / t)
         return gemms + self.roofline.memory_ms(BYTES * elements) * (1.0 if phase == "forward" else 2.0)
 
     def _encoder_ms(self, phase: str, rc: RecomputeType, b, s):
