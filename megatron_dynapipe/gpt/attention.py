@@ -70,6 +70,8 @@ class SDPAttention(DotProductAttention):
         return torch.cat(outs, dim=0).reshape(query.size(0), -1)
 
     def _attend(self, q, k, v, mask, causal: bool):
+        if q.is_meta and mask is None:
+            return self._fused_on_meta(q, k, v, causal)
         dropout = self._dropout_p()
 
         def attend():
@@ -80,6 +82,18 @@ class SDPAttention(DotProductAttention):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return attend()
         return attend()
+
+    def _fused_on_meta(self, q, k, v, causal: bool):
+        """Meta tensors (a shapes-only trace) would take the math kernel, which keeps the s x s
+        probabilities for backward; a fused kernel on a GPU keeps only q, k, v, the output and a
+        log-sum-exp per row (with dropout, a seed: its mask is drawn again). The CPU flash kernel
+        saves exactly those, so autograd records what the GPU job holds; query groups are
+        repeated up to the heads first (the kernel takes no groups), counting k and v as wide."""
+        if self._gqa():
+            repeat = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                           scale=self.softmax_scale)[0]
 
     def _dropout_p(self) -> float:
         return self.attention_dropout.p if self.training else 0.0

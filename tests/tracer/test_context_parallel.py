@@ -100,3 +100,17 @@ def test_a_rope_model_traces_with_context_parallelism_on_the_cpu(tmp_path):
     job = load_job(result.folder)
     assert job.model.position_embedding_type == "rope"
     assert len(ring_ops(job.traces[0], "forward")) == 2 * LAYERS * (2 - 1)
+
+
+def test_a_shapes_only_trace_of_a_fused_attention_core_keeps_no_scores(tmp_path):
+    """On meta tensors torch's SDPA would take its math kernel and keep the s x s probabilities;
+    a fused kernel keeps q, k, v, its output and one log-sum-exp a row, and so does the trace:
+    at 256 tokens and 8 heads of 16, 4 s h values in bf16 (the trace's dtype) and s a in fp32."""
+    from megatron_dynapipe.config.model import get_model
+
+    fused = dataclasses.replace(get_model("tiny"), attention="sdpa", name="")
+    (result,) = run_batch(parse_configs(["2 2 1 nmb=2"], model=fused), tmp_path, shapes_only=True, progress=False)
+    assert result.status == "ok", result.error
+    probes = load_job(result.folder).traces[0].memory["activation_probe_bytes"]
+    assert probes["core_attention"] == 4 * SEQ * HIDDEN * 2 + SEQ * HEADS * 4
+    assert probes["core_attention"] < SEQ * SEQ * HEADS * 2  # far below the scores alone
