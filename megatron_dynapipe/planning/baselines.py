@@ -3,6 +3,7 @@ bound, the ideal gain."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -11,7 +12,7 @@ import numpy as np
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.schedules import one_f_one_b
-from megatron_dynapipe.planning.simulator import SimulationResult, simulate, stage_work
+from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -147,12 +148,48 @@ def uniform_microbatches(num_sequences: int, microbatch_size: int, seq_len: int)
             for i in range(0, num_sequences, microbatch_size)]
 
 
-def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> SimulationResult | None:
+class UniformRun(NamedTuple):
+    """What a baseline needs of a simulated 1F1B run: its makespan and each stage's peak memory."""
+
+    makespan: float
+    peak_memory: np.ndarray
+
+
+#: a run of identical micro-batches longer than this many times PP, plus a few, is simulated that
+#: long and extended by its steady-state period (:func:`_simulate_uniform`)
+STEADY_AFTER_STAGES = 4
+
+
+def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
+    """1F1B over ``microbatches`` under uniform recompute ``rc``; None where a micro-batch cannot
+    run or the run does not fit.
+
+    A long run of one micro-batch shape (a packing baseline's: a few dozen stages, tens of
+    thousands of micro-batches) is periodic once its pipeline has filled: each more micro-batch
+    adds the same period, and the drain and every stage's peak stay as they are. So such a run is
+    simulated with ``k``, ``k + 1`` and ``k + 2`` micro-batches of that shape (then its last, if
+    that one differs), and, where both increments agree, extended by the period to its length;
+    otherwise, and for short or mixed runs, simulated whole."""
+    n, k = len(microbatches), STEADY_AFTER_STAGES * costs.pp + 4
+    tail = [mb for mb in microbatches[-1:] if mb.cost_shape != microbatches[0].cost_shape]
+    body = n - len(tail)
+    if body > k + 2 and all(mb.cost_shape == microbatches[0].cost_shape for mb in microbatches[1:body]):
+        runs = [_simulate_whole(microbatches[:j] + tail, costs, rc, memory_limit_mb) for j in (k, k + 1, k + 2)]
+        if None in runs:
+            return None
+        first, second = runs[1].makespan - runs[0].makespan, runs[2].makespan - runs[1].makespan
+        if math.isclose(first, second, rel_tol=1e-9, abs_tol=1e-9) and np.array_equal(runs[1].peak_memory,
+                                                                                        runs[2].peak_memory):
+            return UniformRun(runs[2].makespan + (body - k - 2) * second, runs[2].peak_memory)
+    return _simulate_whole(microbatches, costs, rc, memory_limit_mb)
+
+
+def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
     work = stage_work(costs, microbatches, np.full((costs.pp, len(microbatches)), int(rc)))
     if not np.all(np.isfinite(work.forward + work.backward + work.stored + work.peak)):
         return None
     result = simulate(one_f_one_b(work, memory_limit_mb), work)
-    return result if result.fits(memory_limit_mb) else None
+    return UniformRun(result.makespan, result.peak_memory) if result.fits(memory_limit_mb) else None
 
 
 def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> float:

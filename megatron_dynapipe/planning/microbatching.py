@@ -401,12 +401,13 @@ def pack_fixed_length(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     first_fit = _FirstFit(len(lengths))
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = first_fit.first_with_room(lengths[index])
-        if b is None:
+        if b is None:  # a new sequence, its room set once
             b = len(bins)
             bins.append([])
-            first_fit.set_room(b, seq_len)
+            first_fit.set_room(b, seq_len - lengths[index])
+        else:
+            first_fit.set_room(b, first_fit.room(b) - lengths[index])
         bins[b].append(index)
-        first_fit.set_room(b, first_fit.room(b) - lengths[index])
     return bins
 
 

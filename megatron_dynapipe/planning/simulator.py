@@ -328,7 +328,7 @@ def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, back
 def _fits(m, held, in_use, stored, peak, limit) -> bool:
     """Whether admitting m keeps every op until the next free within the limit: m's forward, and
     the backward of any held micro-batch, which then runs with m's activations held too."""
-    transient = max(peak[m], max(peak[h] for h in held)) if held else peak[m]
+    transient = max(peak[m], max(map(peak.__getitem__, held))) if held else peak[m]
     return in_use + stored[m] + transient <= limit
 
 

@@ -213,3 +213,29 @@ def test_a_packed_plan_travels_with_its_samples_lengths():
     assert ExecutionPlan.from_bytes(bytearray(data)).microbatches[1].packed
     with pytest.raises(ValueError, match="all packed or all padded"):
         build_execution_plans(one_f_one_b_orders(2, 2), [mbs[0], MicroBatch((1,), 16)], "none", "1f1b", 5.0)[0].to_bytes()
+
+
+@pytest.mark.parametrize("pp,n,size,seq_len,rc", [(4, 40, 1, 1024, "full"), (4, 57, 1, 1024, "selective"),
+                                                   (4, 401, 4, 512, "none"), (8, 200, 2, 2048, "full"),
+                                                   (6, 200, 3, 128, "selective")])
+def test_a_long_uniform_run_extended_by_its_period_is_the_run_simulated_whole(profiled_model, monkeypatch, pp, n,
+                                                                             size, seq_len, rc):
+    """1F1B over many micro-batches of one shape (the last may be smaller) is simulated for a few
+    dozen and extended by its steady-state period: the same makespan and peaks as the whole run."""
+    from megatron_dynapipe.planning import baselines
+    from megatron_dynapipe.planning.baselines import uniform_microbatches
+    from megatron_dynapipe.planning.cost_model import StageCosts
+
+    costs = StageCosts(profiled_model, num_layers=48, pp=pp)
+    microbatches = uniform_microbatches(n, size, seq_len)
+    rc = RecomputeType.parse(rc)
+    whole = baselines._simulate_whole(microbatches, costs, rc, 80_000)
+    assert whole is not None  # fits
+    simulated = []
+    simulate_whole = baselines._simulate_whole
+    monkeypatch.setattr(baselines, "_simulate_whole",
+                        lambda mbs, *args: simulated.append(len(mbs)) or simulate_whole(mbs, *args))
+    extended = baselines._simulate_uniform(microbatches, costs, rc, 80_000)
+    assert max(simulated) < len(microbatches)  # extended, not simulated whole
+    assert extended.makespan == pytest.approx(whole.makespan, rel=1e-9)
+    np.testing.assert_array_equal(extended.peak_memory, whole.peak_memory)
