@@ -318,4 +318,5 @@ def test_the_packing_baseline_is_the_fastest_size_and_recompute_that_fits(costs_
         assert limit == 1_000 and baseline is None
         return
     makespan, mbs, rc = min(found)
-    assert (baseline.makespan_ms, baseline.microbatch_size, baseline.recompute) == (makespan, mbs, rc)
+    assert (baseline.microbatch_size, baseline.recompute) == (mbs, rc)
+    assert baseline.makespan_ms == pytest.approx(makespan, rel=1e-12)  # long runs extended by their period
