@@ -24,6 +24,10 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
 * with ``tp_comm_overlap`` the tensor-parallel all-gathers and reduce-scatters inside a forward
   or backward run on their own stream beside the pass's compute (transformer-engine overlaps
   each with the GEMM next to it), and the pass ends when both are done;
+* with ``overlap_param_gather`` the distributed optimizer's parameter all-gathers inside a
+  forward (one a bucket, in the first micro-batch's) run on their own stream beside its compute,
+  but the first, which the forward waits for before any layer can run; the pass ends when both
+  are done (megatron-core dispatches each bucket's gather as the one before it is waited on);
 * an optimizer step the trace did not time (shapes-only) streams the rank's model state through
   device memory once to read and once to write.
 
@@ -59,6 +63,7 @@ __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay",
            "simulate_job", "job_folders"]
 
 GRAD_STREAM, TP_STREAM, CP_STREAM = "gradient reduction", "tensor parallel", "context parallel"  # overlap streams
+PARAM_STREAM = "parameter gather"
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 _RETRACE = "re-trace the config with `megatron-dynapipe trace`"
 
@@ -103,6 +108,10 @@ class TracedJob:
     @property
     def tp_comm_overlap(self) -> bool:
         return bool((self.iteration.get("training") or {}).get("tp_comm_overlap"))
+
+    @property
+    def overlap_param_gather(self) -> bool:
+        return bool((self.iteration.get("ddp") or {}).get("overlap_param_gather"))
 
     def representative_of(self, rank: int) -> int:
         """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
@@ -238,16 +247,25 @@ class _StepBuilder:
     def _compute(self, op: TraceOp, nested: list[TraceOp]) -> None:
         total = self._compute_us(op, nested)
         segments = self._segments(op, nested, total)
+        gathers = [c for c in nested if self._param_gather(c)]
         for index, segment in enumerate(segments):
             self.steps.append(Step("compute", op.kind, segment, op.phase, op.microbatch))
             if index < len(nested):
-                self.steps.append(self._comm(nested[index]))
+                # the first bucket's gather is waited for before any layer runs
+                self.steps.append(self._comm(nested[index], overlapped=nested[index] in gathers[1:]))
+        if len(gathers) > 1:
+            self.steps.append(Step("drain", "exposed overlapped parameter gather", phase=op.phase,
+                                   microbatch=op.microbatch, key="all_gather", stream=PARAM_STREAM))
         if any(self._overlapped_tp(c) for c in nested):
             self.steps.append(Step("drain", "exposed overlapped TP communication", phase=op.phase,
                                    microbatch=op.microbatch, key="tp_overlap", stream=TP_STREAM))
         if any(self._within_my_stage(c) for c in nested):
             self.steps.append(Step("drain", "exposed context-parallel ring", phase=op.phase,
                                    microbatch=op.microbatch, key="cp_ring", stream=CP_STREAM))
+
+    def _param_gather(self, op: TraceOp) -> bool:
+        """A bucket's parameter all-gather the distributed optimizer overlaps with the forward."""
+        return self.job.overlap_param_gather and op.kind == "all_gather" and op.name.endswith("start_param_sync")
 
     def _overlapped_tp(self, op: TraceOp) -> bool:
         """A sequence-parallel TP collective transformer-engine overlaps with a GEMM."""
@@ -271,14 +289,15 @@ class _StepBuilder:
             used = total
         return segments + [total - used]
 
-    def _comm(self, op: TraceOp) -> Step:
+    def _comm(self, op: TraceOp, overlapped: bool = False) -> Step:
+        """The step of communication op ``op``; ``overlapped``: a parameter gather beside the pass."""
         if op.kind in _COLLECTIVES:
             group = tuple(op.group or (self.trace.rank,))
             index = self.group_count[group]
             self.group_count[group] += 1
             members = self.job.representatives_of(group)
             stream = (GRAD_STREAM if self._launches_overlapped_reduction(op)
-                      else TP_STREAM if self._overlapped_tp(op) else "")
+                      else TP_STREAM if self._overlapped_tp(op) else PARAM_STREAM if overlapped else "")
             return Step("async" if stream else "collective", op.kind, self._collective_us(op.kind, op.bytes, group),
                         op.phase, op.microbatch, key=(group, index), members=members, bytes=op.bytes, stream=stream)
         parts = _parts(op)

@@ -90,3 +90,42 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_behind_their_pass(t
     on, off = simulate_job(overlapped, hw), simulate_job(blocking, hw)
     assert off.iteration_us - on.iteration_us == pytest.approx(hidden_us, rel=1e-6)
     assert sum(r.comm_us["tp_overlap"] for r in on.ranks.values()) == 0
+
+
+def test_overlap_param_gather_runs_all_but_the_first_buckets_gather_beside_the_forward(tmp_path):
+    """The distributed optimizer's bucket all-gathers inside the first micro-batch's forward: the
+    first is waited for, every later one runs beside the rest of the pass, which ends when both
+    are done. PP 2, DP 2 of the tiny GPT (two buckets a stage), 1F1B over two micro-batches, whose
+    critical path holds each stage's first forward; the passes' durations the test's own."""
+    training = MegatronOptions(distributed_optimizer=True, overlap_param_gather=True)
+    [result] = run_batch(parse_configs(["4 2 1 nmb=2"], model="tiny"), tmp_path, shapes_only=True, progress=False,
+                         training=training)
+    assert result.status == "ok", result.error
+    F, B = 4000.0, 8000.0
+    overlapped = uniform(load_job(result.folder), F, B)
+    blocking = dataclasses.replace(overlapped, iteration={**overlapped.iteration, "ddp": {
+        **overlapped.iteration["ddp"], "overlap_param_gather": False}})
+    for gbps in (1000.0, 0.05):  # gathers far shorter than the compute beside them, and far longer
+        hw = dataclasses.replace(A100, intra_node=Link(gbps, 0.0))
+        saved = 0.0
+        for trace in overlapped.traces.values():
+            gathers = [op for op in trace.ops if op.kind == "all_gather" and op.name.endswith("start_param_sync")]
+            (forward,) = {op.parent for op in gathers}
+            nested = [op for op in trace.ops if op.parent == forward and op.cat == "comm"]
+            assert len(gathers) >= 2 and nested[:len(gathers)] == gathers  # the gathers come first
+            cost = [hw.collective_us(op.kind, op.bytes, op.group) for op in nested]
+            segment = F / (len(nested) + 1)  # the pass is cut evenly around its nested communication
+            # overlapped: the first gather after its segment; the other gathers launched one per
+            # segment, each after the one before on their own stream; the rest blocking as before;
+            # the pass ending with both
+            stream_end, clock = 0.0, segment + cost[0]
+            for op, c in zip(nested[1:], cost[1:]):
+                clock += segment
+                if op in gathers:
+                    stream_end = max(stream_end, clock) + c
+                else:
+                    clock += c
+            saved += F + sum(cost) - max(clock + segment, stream_end)  # against every gather blocking
+        on, off = simulate_job(overlapped, hw), simulate_job(blocking, hw)
+        assert off.iteration_us - on.iteration_us == pytest.approx(saved, rel=1e-6)
+        assert saved > 0
