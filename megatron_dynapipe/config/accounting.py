@@ -16,8 +16,9 @@ full activation recomputation runs again.
 
 **Activations** follow Korthikanti et al. (2022), Table 2, in 16-bit values per layer:
 ``s b h (10 + 24/t + 5 a s / (h t))`` without sequence parallelism, ``s b h (34/t + 5 a s / (h t))``
-with it; selective recompute drops the ``5 a s / (h t)`` attention scores, full recompute keeps only
-the layer's input (``2 s b h``, split by ``t`` under sequence parallelism).
+with it; selective recompute drops the ``5 a s / (h t)`` attention scores (a fused attention core
+never keeps them), full recompute keeps only the layer's input (``2 s b h``, split by ``t`` under
+sequence parallelism).
 """
 
 from __future__ import annotations
@@ -166,16 +167,19 @@ def microbatch_flops(model: ModelSpec, pp: int, tp: int = 1, *, micro_batch_size
 
 
 def activation_bytes(seq_length, micro_batch_size, hidden_size: int, num_heads: int, tp: int = 1, *,
-                     recompute: str = "none", sequence_parallel: bool = False, value_bytes: int = 2):
+                     recompute: str = "none", sequence_parallel: bool = False, value_bytes: int = 2,
+                     fused_attention: bool = False):
     """Bytes one transformer layer keeps from its forward to its backward (module docstring), for
-    ``value_bytes`` per value (2: 16-bit training; 4: fp32); numbers or numpy arrays."""
+    ``value_bytes`` per value (2: 16-bit training; 4: fp32); numbers or numpy arrays. A fused
+    attention core (flash, cuDNN, SDPA) keeps no scores, whatever the recompute."""
     _check_recompute(recompute)
     sbh = seq_length * micro_batch_size * hidden_size
     if recompute == "full":
         kept = 2.0 * sbh / (tp if sequence_parallel else 1)
     else:
         outside = 34.0 / tp if sequence_parallel else 10.0 + 24.0 / tp  # values outside the attention core
-        scores = 5.0 * num_heads * seq_length / (hidden_size * tp) if recompute == "none" else 0.0
+        keeps_scores = recompute == "none" and not fused_attention
+        scores = 5.0 * num_heads * seq_length / (hidden_size * tp) if keeps_scores else 0.0
         kept = sbh * (outside + scores)
     return kept * (value_bytes / 2)
 

@@ -145,6 +145,12 @@ class ModelSpec:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def fused_attention(self) -> bool:
+        """Whether its attention core is fused (torch's SDPA, flash, transformer-engine's): the
+        causal half computed, no scores kept; megatron-core's local core is not."""
+        return self.attention != "local"
+
+    @property
     def query_groups(self) -> int:
         """Key/value heads: ``num_query_groups``, else one per attention head."""
         return self.num_query_groups or self.num_attention_heads

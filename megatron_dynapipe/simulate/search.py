@@ -319,8 +319,9 @@ def _sequence_parallel_share(space: SearchSpace, c: Candidate) -> float:
     """What sequence parallelism leaves of a layer's stored activations."""
     args = (space.seq_length // c.cp, c.micro_batch_size, space.model.hidden_size, space.model.num_attention_heads,
             c.tp)
-    return (activation_bytes(*args, recompute=c.recompute, sequence_parallel=True)
-            / activation_bytes(*args, recompute=c.recompute))
+    fused = space.model.fused_attention
+    return (activation_bytes(*args, recompute=c.recompute, sequence_parallel=True, fused_attention=fused)
+            / activation_bytes(*args, recompute=c.recompute, fused_attention=fused))
 
 
 # -- the rule of thumb ----------------------------------------------------------------------

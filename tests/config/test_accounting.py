@@ -111,3 +111,16 @@ def test_what_the_training_options_save():
 def test_an_unknown_recompute_is_refused():
     with pytest.raises(ValueError, match="use none, selective or full"):
         step_flops(GPT3, 1, 1, recompute="partial")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_fused_attention_core_keeps_no_scores(sequence_parallel):
+    """Korthikanti's 5 a s / (h t) score term is what an unfused core adds without recompute; a fused
+    core never keeps it: s b h (10 + 24/t), or 34/t with sequence parallelism, at 16 bits."""
+    s, b, h, a, t = 4096, 2, 8192, 64, 8
+    outside = 34 / t if sequence_parallel else 10 + 24 / t
+    for recompute in ("none", "selective"):
+        assert activation_bytes(s, b, h, a, t, recompute=recompute, sequence_parallel=sequence_parallel,
+                                fused_attention=True) == pytest.approx(s * b * h * outside)
+    unfused = activation_bytes(s, b, h, a, t, sequence_parallel=sequence_parallel)
+    assert unfused == pytest.approx(s * b * h * (outside + 5 * a * s / (h * t)))

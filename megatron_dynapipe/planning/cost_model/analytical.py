@@ -41,7 +41,7 @@ def gpt_shape(spec: ModelSpec, tp: int) -> dict:
     whether its attention core is fused (anything but megatron-core's unfused local one)."""
     return dict(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
                 vocab_size=spec.padded_vocab_size(tp), tp=tp, num_query_groups=spec.num_query_groups,
-                swiglu=spec.swiglu, fused_attention=spec.attention != "local")
+                swiglu=spec.swiglu, fused_attention=spec.fused_attention)
 
 
 class AnalyticalCostModel(CostModel):
@@ -210,9 +210,8 @@ class AnalyticalCostModel(CostModel):
 
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
-        # a fused core keeps no scores: what selective recompute leaves of an unfused one
-        kept = "selective" if self.fused_attention and rc == RecomputeType.NONE else rc.label
-        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=kept)
+        return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=rc.label,
+                                fused_attention=self.fused_attention)
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         check_choice("activation kind", kind, KINDS)
