@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -75,7 +74,7 @@ class MicroBatch:
         """Its shape in a few characters: "4x128", or "3in1024" for three samples packed in 1024."""
         return f"{self.size}in{self.seq_len}" if self.packed else f"{self.size}x{self.seq_len}"
 
-    @functools.cached_property  # a plan asks it of every micro-batch dozens of times
+    @property
     def cost_shape(self) -> tuple[float, float]:
         """The (micro-batch size, sequence length) a cost model prices it at. A padded one is its
         shape. A packed one of T tokens whose segments (its samples and the padding after them)
