@@ -151,8 +151,12 @@ def test_the_h100_file_carries_its_measured_attention_and_the_job_says_which_cor
     local = h100.cost_model(spec, tp=1, dtype="bfloat16")
     assert fused.fused_attention and not local.fused_attention
     assert fused.layer_ms("encoder", "forward", "none", 1, 8192) < 0.85 * local.layer_ms("encoder", "forward", "none", 1, 8192)
-    fitted = subprocess.run([sys.executable, "benchmarks/bench_kernels.py", "--summarize",
-                             "benchmarks/results/h100-kernels.json"], capture_output=True, text=True, timeout=120)
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    fitted = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--summarize",
+                             str(root / "benchmarks/results/h100-kernels.json")], capture_output=True, text=True,
+                            timeout=120)
     line = json.loads(fitted.stdout)["attention_cudnn_attention"]
     assert (round(line["forward_efficiency"], 3), round(line["backward_efficiency"], 3)) == (0.621, 0.518)
     assert h100.roofline("bfloat16").attention_latency_us == pytest.approx(
