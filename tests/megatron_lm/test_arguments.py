@@ -289,5 +289,6 @@ def test_plan_and_megatron_flags_give_the_same_search_settings():
 
 
 def test_a_missing_cost_model_names_the_megatron_flag():
-    with pytest.raises(DynapipeArgumentError, match=r"pass --dynapipe-cost-model PATH .*\(gpt-6.7b-a100, gpt-6.7b-h100\)"):
+    with pytest.raises(DynapipeArgumentError, match=r"pass --dynapipe-cost-model PATH .*\(gpt-0\.94b-h100-sdpa, gpt-6\.7b-a100, "
+                                                   r"gpt-6\.7b-h100\)"):
         validated(*ON, "--dynapipe-cost-model", "no-such-profile")
