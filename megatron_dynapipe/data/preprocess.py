@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -225,6 +226,21 @@ def _watch_parent(parent: int, every_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="dynapipe-parent-watch", daemon=True).start()
 
 
+def _end_with_parent(parent: int) -> None:
+    """Have the kernel end this process when its parent ends (Linux's ``PR_SET_PDEATHSIG``), and
+    end it now if that happened already. The watch thread (:func:`_watch_parent`) can start only
+    once the workers are forked, and reaching the store or starting them can wait for minutes: an
+    orphan poller waiting there held the job's output open long after the job had failed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the watch thread alone, once it runs
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def worker_init(host: str, port: int, namespace: str, timeout_s: float) -> None:
     """Process-pool initializer: connect to the store; read the state from it unless inherited."""
     global _STATE
@@ -287,6 +303,8 @@ def run_poller(host: str, port: int, namespace: str, parent_pid: "int | None" = 
                timeout_s: float = 60.0, poll_s: float = 0.01) -> int:
     """The poller's loop (module docstring). Returns 0 when every iteration was consumed or
     rank 0 asked it to stop, 1 after an error (published under the error key)."""
+    if parent_pid is not None:
+        _end_with_parent(parent_pid)
     client = KVStoreClient.connect(host, port, bytes.fromhex(os.environ[SECRET_ENV]), namespace, timeout_s)
     poller = None
     try:
