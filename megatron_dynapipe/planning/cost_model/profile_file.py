@@ -5,8 +5,9 @@ a phase at a (seqlen, mbs) point), ``activation_memory`` (MB an encoder layer st
 ``model_state_memory`` (16-bit parameter MB of the embedding and of an encoder layer),
 ``infeasible`` (points that ran out of memory) and ``microbatch_overhead`` (what a whole training
 step adds per micro-batch, once per stage and once per layer).  An encoder's ``layer_time`` and
-``activation_memory`` records with ``"layout": "thd"`` (format version 2) measure packed rows: ``mbs``
-samples of ``seqlen`` tokens each, back to back in one row, each attending to itself alone.  A *calibrated* file holds instead an
+``activation_memory`` records with ``"layout": "thd"`` (format version 2) measure packed rows:
+``mbs`` samples of ``seqlen`` tokens each, back to back in one row, each attending to itself
+alone.  A *calibrated* file holds instead an
 ``analytical`` object: the GPT's sizes and the rates ``profile --calibrate`` fitted.  Both may
 carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype, versions, model).
 
@@ -204,14 +205,7 @@ class ProfileRecords:
         mbs): MB} and layer -> parameter MB (the largest of the recompute types' records); a
         layer missing from ``OPTIONAL_LAYERS`` is priced at nothing, any other absence fails."""
         where = _Source(source)
-        times: dict = {}
-        for (t, rc, layer, phase, s, m), v in self.times.items():
-            if t == tp:
-                times.setdefault((layer, phase, RecomputeType.parse(rc)), {})[s, m] = v
-        memory: dict = {}
-        for (t, rc, kind, s, m), v in self.memory.items():
-            if t == tp:
-                memory.setdefault((kind, RecomputeType.parse(rc)), {})[s, m] = v
+        times, memory = _grids(self.times, tp), _grids(self.memory, tp)
         params: dict[str, float] = {}
         for (t, _rc, layer), v in self.params.items():
             if t == tp:
@@ -235,19 +229,22 @@ class ProfileRecords:
     def packed_tables(self, tp: int) -> tuple[dict, dict]:
         """The encoder's packed-row tables of ``tp``, keyed as :meth:`tables` keys its own, for the
         recompute types measured in both phases and both kinds; empty where none were."""
-        times: dict = {}
-        for (t, rc, layer, phase, s, m), v in self.packed_times.items():
-            if t == tp:
-                times.setdefault((layer, phase, RecomputeType.parse(rc)), {})[s, m] = v
-        memory: dict = {}
-        for (t, rc, kind, s, m), v in self.packed_memory.items():
-            if t == tp:
-                memory.setdefault((kind, RecomputeType.parse(rc)), {})[s, m] = v
+        times, memory = _grids(self.packed_times, tp), _grids(self.packed_memory, tp)
         complete = {rc for _, _, rc in times
                     if all(("encoder", phase, rc) in times for phase in PHASES)
                     and all((kind, rc) in memory for kind in KINDS)}
         return ({k: v for k, v in times.items() if k[2] in complete},
                 {k: v for k, v in memory.items() if k[1] in complete})
+
+
+def _grids(records: Mapping[tuple, float], tp: int) -> dict:
+    """Records keyed ``(tp, recompute, *what, seqlen, mbs)`` of tensor-parallel size ``tp`` as
+    grids: ``(*what, RecomputeType)`` -> {(seqlen, mbs): value}."""
+    grids: dict = {}
+    for (t, rc, *what, s, m), v in records.items():
+        if t == tp:
+            grids.setdefault((*what, RecomputeType.parse(rc)), {})[s, m] = v
+    return grids
 
 
 def hidden_size_of(doc: Mapping, source: str) -> "int | None":

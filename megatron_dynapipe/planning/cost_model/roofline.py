@@ -71,7 +71,7 @@ class DeviceRoofline:
     attention_latency_us: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
-        attention = self.attention_efficiency or (self.gemm_efficiency,) * 2
+        attention = self.fused_attention_efficiency
         if not (self.peak_tflops > 0 and self.memory_bandwidth_GBps > 0 and self.sms >= 1
                 and all(t >= 1 for t in self.gemm_tile) and 0 < self.gemm_efficiency <= 1
                 and 0 < self.memory_efficiency <= 1 and len(attention) == 2 and all(0 < e <= 1 for e in attention)
@@ -95,11 +95,16 @@ class DeviceRoofline:
         return cls(peak_tflops=peak_tflops, memory_bandwidth_GBps=memory_bandwidth_GBps, sms=int(section["sms"]),
                    **optional)
 
+    @property
+    def fused_attention_efficiency(self) -> tuple[float, float]:
+        """(forward, backward): the measured ones, else the GEMM efficiency."""
+        return self.attention_efficiency or (self.gemm_efficiency,) * 2
+
     def fused_attention_ms(self, phase: str, flops):
         """Milliseconds of a fused causal attention core doing ``flops`` in ``phase``."""
         k = PHASES.index(phase)
-        efficiency = (self.attention_efficiency or (self.gemm_efficiency,) * 2)[k]
-        return flops / (self.peak_tflops * 1e9 * efficiency) + self.attention_latency_us[k] / 1e3
+        rate = self.peak_tflops * 1e9 * self.fused_attention_efficiency[k]  # FLOP/ms
+        return flops / rate + self.attention_latency_us[k] / 1e3
 
     def gemm_ms(self, m, n, k, batch=1.0):
         """Milliseconds of ``batch`` GEMMs of ``(m x k) @ (k x n)`` (arrays broadcast)."""
