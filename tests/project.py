@@ -2,6 +2,8 @@
 that plans on it runs on a fresh clone)."""
 
 import os
+import random
+import socket
 import subprocess
 from pathlib import Path
 
@@ -43,3 +45,21 @@ def interrupt_when(command: list, ready, signum: int, *, timeout: float = 600):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free TCP ports on 127.0.0.1 (torchrun's master port, the data pipeline's KV
+    stores at --dynapipe-kv-port and the next one), below Linux's ephemeral range (32768-60999):
+    the ranks' own connections (gloo opens many) take their local ports from that range and could
+    take a store's port before it binds."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports between 20000 and 32768")

@@ -40,6 +40,7 @@ from megatron_dynapipe.data.preprocess import worker_state
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
 from megatron_dynapipe.planning.planner import generate_execution_plan
+from project import free_ports
 
 COST_MODEL = AnalyticalCostModel(hidden_size=64, num_heads=4, vocab_size=128, saturation_tokens=256)
 MAX_SEQ_LEN = 128
@@ -378,9 +379,7 @@ def _gloo_rank(rank, port, kv_port, results):
 def _gloo_job(kv_port):
     ctx = _context()
     results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_gloo_rank, args=(r, port, kv_port, results), daemon=True) for r in range(2)]
     for proc in procs:
         proc.start()
@@ -391,11 +390,10 @@ def _gloo_job(kv_port):
 
 
 @pytest.mark.slow
-def test_ranks_of_one_process_group_share_the_secret_and_a_taken_port():
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        kv_port = free.getsockname()[1]
+def test_ranks_of_one_process_group_share_the_secret_the_port_and_a_taken_port():
+    kv_port = free_ports(1)[0]
     assert _gloo_job(kv_port) == {0: "ok 0", 1: "ok 0"}  # no secret given: rank 0 drew one and shared it
+    assert _gloo_job(0) == {0: "ok 0", 1: "ok 0"}  # any free port: rank 1 learnt rank 0's from it
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -416,6 +414,8 @@ def test_settings_are_versioned_json_every_rank_checks():
         with pytest.raises(ValueError, match="differs from the pipeline host's"):
             DynaPipeDataLoader(dp_rank=0, stage=1, spec=_spec(pp=4, dp=1), port=host.port, secret=SECRET,
                                connect_timeout_s=WAIT_S)
+    with pytest.raises(ValueError, match=r"port=0 \(any free port\) needs process_group="):
+        DynaPipeDataLoader(dp_rank=0, stage=1, port=0, secret=SECRET)
     with pytest.raises(ValueError, match="needs the job's secret on every rank: set DYNAPIPE_KV_SECRET"):
         DynaPipeDataLoader(TokenListDataset(_samples(8), MAX_SEQ_LEN), _spec(pp=2, dp=1), COST_MODEL, 4,
                            dp_rank=0, stage=0, port=0)

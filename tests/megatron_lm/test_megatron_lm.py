@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -37,7 +36,7 @@ import pytest
 from megatron_dynapipe.megatron_lm import launcher, pretrain_hooks
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, check_data_pipeline_args
 
-from project import MEGATRON_LM_DIR, NO_CHECKOUT, ROOT, patch_for
+from project import MEGATRON_LM_DIR, NO_CHECKOUT, ROOT, free_ports, patch_for
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,27 +522,6 @@ def training_ready(checkout) -> Path:
     return checkout
 
 
-def _free_ports(n: int) -> list[int]:
-    """n consecutive free TCP ports (the KV stores use --dynapipe-kv-port and the next one)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return list(range(base, base + n))
-    raise RuntimeError("no free ports")
-
-
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
             "--attention-dropout", "0", "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer",
@@ -558,7 +536,7 @@ PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batch
 
 
 def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240):
-    master, kv, _kv_valid = _free_ports(3)
+    master, kv, _kv_valid = free_ports(3)
     with tempfile.TemporaryDirectory() as logs:
         # Each rank's stdout goes to a file of its own: two ranks writing one pipe may cut each
         # other's lines, and every stage's plan line is checked.

@@ -5,34 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from project import ROOT
+from project import ROOT, free_ports
 
 EXAMPLE = ROOT / "examples" / "megatron_fast_mode_example.py"
 BUDGET_S = 110  # the example must run in under 2 minutes here, start-up included
-
-
-def _two_free_ports() -> int:
-    """A free port whose successor is free too (torchrun's MASTER_PORT; the KV store takes +1),
-    below Linux's ephemeral range (32768-60999): the ranks' own connections, which take ports
-    from that range, cannot take the KV store's port before it binds."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32766)
-        try:
-            for candidate in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", candidate))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.mark.slow
@@ -42,7 +23,7 @@ def test_example_trains_with_planned_fast_mode_schedule(tmp_path, layout):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DYNAPIPE_FAST_MODE", None)  # the example turns fast mode on itself
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_two_free_ports()), str(EXAMPLE), *layout, "--summary", str(summary_file)]
+               "--master-port", str(free_ports(2)[0]), str(EXAMPLE), *layout, "--summary", str(summary_file)]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BUDGET_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]  # within BUDGET_S, or it timed out
 
