@@ -309,8 +309,8 @@ class DynaPipeDataLoader:
     * ``dp_rank``, ``stage``, ``tp_rank``: this rank's coordinates.
     * ``host_pipeline``: host the pipeline here; default: when this rank is (0, 0, 0).
     * ``master_addr`` / ``port``: where the store is; rank 0 binds it to that address (defaults:
-      ``MASTER_ADDR`` or 127.0.0.1; ``DYNAPIPE_KV_PORT``, else ``MASTER_PORT + 1``; a hosting rank
-      may use ``port=0`` when nobody else connects by the default).
+      ``MASTER_ADDR`` or 127.0.0.1; ``DYNAPIPE_KV_PORT``, else ``MASTER_PORT + 1``). ``port=0``
+      lets rank 0's OS pick a free port; with ``process_group`` the others learn it from rank 0.
     * ``secret``, ``process_group``: the job's secret (module docstring).
     * ``timeout_s``: longest wait for one iteration; ``connect_timeout_s``: to reach the store
       and its settings; ``close_timeout_s``: how long the host's ``close`` waits for the others.
@@ -339,11 +339,13 @@ class DynaPipeDataLoader:
         hosting = self.layout.is_first if host_pipeline is None else bool(host_pipeline)
         addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = _default_port() if port is None else int(port)
-        secret = self._start(hosting, secret, process_group, dataset, spec, cost_model, global_batch_size,
-                             addr, port, namespace, connect_timeout_s, host_options)
+        if port == 0 and not hosting and process_group is None:
+            raise ValueError("port=0 (any free port) needs process_group=, over which rank 0 tells the others "
+                             "the port it got: pass the store's port instead")
+        secret, port = self._start(hosting, secret, process_group, dataset, spec, cost_model, global_batch_size,
+                                   addr, port, namespace, connect_timeout_s, host_options)
         try:
-            self.client = KVStoreClient.connect(addr, self.host.port if self.host else port, secret, namespace,
-                                                connect_timeout_s)
+            self.client = KVStoreClient.connect(addr, port, secret, namespace, connect_timeout_s)
             self.settings = PipelineSettings.from_json(self.client.get_json(KVStoreMetaKeys.SETTINGS,
                                                                             timeout_s=connect_timeout_s))
             self._check_settings(spec, global_batch_size, host_options)
@@ -359,8 +361,9 @@ class DynaPipeDataLoader:
         self._next = self.settings.start_iteration
 
     def _start(self, hosting, secret, process_group, dataset, spec, cost_model, global_batch_size, addr, port,
-               namespace, connect_timeout_s, host_options) -> bytes:
-        """Start the host here if this rank hosts; settle the job's secret. Returns the secret."""
+               namespace, connect_timeout_s, host_options) -> tuple[bytes, int]:
+        """Start the host here if this rank hosts; settle the job's secret and the store's port
+        (the one the host bound: with ``port=0`` the OS picks it). Returns (secret, port)."""
         secret = job_secret(secret)
         failure = None
         if hosting:
@@ -379,14 +382,16 @@ class DynaPipeDataLoader:
                 failure = str(error)
                 if process_group is None:
                     raise
+        if self.host is not None:
+            port = self.host.port
         if process_group is not None:
-            secret, failure = _share_over(process_group, hosting, secret, failure)
+            secret, failure, port = _share_over(process_group, hosting, secret, failure, port)
         if failure is not None:
             raise DataPipelineError(failure if hosting else f"rank 0 could not start the data pipeline: {failure}")
         if secret is None:
             raise ValueError(f"the data pipeline needs the job's secret: set {SECRET_ENV} on every rank (as on rank 0) "
                              "or pass secret=")
-        return secret
+        return secret, port
 
     def _check_settings(self, spec, global_batch_size, host_options) -> None:
         s = self.settings
@@ -523,6 +528,8 @@ class DynaPipeDataLoader:
 
 
 _SHARED_MESSAGE = 512
+_SHARED_HEAD = 2 + 2 + 32  # flags, port, secret
+
 
 def share_host_failure(process_group, message: str) -> None:
     """From the hosting rank, before it builds its loaders: tell every rank of ``process_group``
@@ -531,19 +538,22 @@ def share_host_failure(process_group, message: str) -> None:
     _share_over(process_group, True, None, message)
 
 
-def _share_over(group, hosting: bool, secret: "bytes | None", failure: "str | None") -> tuple[bytes, "str | None"]:
-    """Rank 0 of ``group`` (the host) sends every rank the job's secret and whether its store
-    started (with its error), in one broadcast over the job's own process group."""
+def _share_over(group, hosting: bool, secret: "bytes | None", failure: "str | None",
+                port: int = 0) -> tuple[bytes, "str | None", int]:
+    """Rank 0 of ``group`` (the host) sends every rank the job's secret, the port its store
+    listens on, and whether the store started (with its error), in one broadcast over the job's
+    own process group. Returns (secret, failure, port)."""
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    buffer = torch.zeros(2 + 32 + _SHARED_MESSAGE, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(_SHARED_HEAD + _SHARED_MESSAGE, dtype=torch.uint8, device=device)
     if hosting:
         text = (failure or "").encode("utf-8")[:_SHARED_MESSAGE]
-        payload = bytes([1 if failure else 0, 1 if secret else 0]) + (secret or bytes(32)) + text
+        payload = (bytes([1 if failure else 0, 1 if secret else 0]) + int(port).to_bytes(2, "big")
+                   + (secret or bytes(32)) + text)
         buffer[:len(payload)] = torch.tensor(list(payload), dtype=torch.uint8)
     dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
     data = bytes(buffer.cpu().tolist())
-    message = data[34:].rstrip(b"\0").decode("utf-8", "replace") if data[0] else None
-    shared = data[2:34] if data[1] else None
-    return secret or shared, message
+    message = data[_SHARED_HEAD:].rstrip(b"\0").decode("utf-8", "replace") if data[0] else None
+    shared = data[4:_SHARED_HEAD] if data[1] else None
+    return secret or shared, message, int.from_bytes(data[2:4], "big")

@@ -89,7 +89,8 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="host of the KV store that ships plans to the ranks (default: MASTER_ADDR, "
                         "else 127.0.0.1)")
     g.add_argument("--dynapipe-kv-port", type=int, default=DEFAULT_KV_PORT, metavar="PORT",
-                   help=f"port of that KV store (default {DEFAULT_KV_PORT})")
+                   help=f"port of that KV store (default {DEFAULT_KV_PORT}); validation's store takes any free "
+                        "port on that host")
     g.add_argument("--dynapipe-comm-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a pipeline send/receive that waits longer (default: the process "
                         "group's timeout)")

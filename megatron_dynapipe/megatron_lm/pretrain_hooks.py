@@ -391,7 +391,7 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, train_val_test
     """``(train, valid, None)``: this rank's :class:`~megatron_dynapipe.data.DynaPipeDataLoader`
     for training (iterations ``args.iteration .. args.train_iters - 1``, ``--global-batch-size``
     samples each, or Megatron's ramp-up) and, with ``--eval-iters`` > 0, for validation (on the
-    valid split; its own KV store on ``--dynapipe-kv-port`` + 1). The test split is not evaluated.
+    valid split; its own KV store on a port rank 0's OS picks). The test split is not evaluated.
 
     Every rank calls this at once (Megatron builds the data on every rank under DynaPipe): the
     hosting rank (global rank 0: DP 0, stage 0, TP 0) opens the data (:func:`~.datasets.open_splits`),
@@ -435,7 +435,9 @@ def build_data_loaders(args: Optional[argparse.Namespace] = None, train_val_test
         else:
             total = (int(args.train_iters) // int(args.eval_interval) + 1) * eval_iters
         valid_start = int(getattr(args, "consumed_valid_samples", 0) or 0) // gbs
-        valid = DynaPipeDataLoader(valid_ds, spec, cost_model, gbs, port=int(args.dynapipe_kv_port) + 1,
+        # Any free port, sent to the others over the job's group: a fixed one (--dynapipe-kv-port
+        # + 1) could be taken meanwhile by one of the job's own connections.
+        valid = DynaPipeDataLoader(valid_ds, spec, cost_model, gbs, port=0,
                                    namespace=VALID_NAMESPACE, start_iteration=valid_start,
                                    num_iterations=max(0, total - valid_start), **common)
         _LOADERS.append(valid)
