@@ -11,7 +11,7 @@ import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
-from megatron_dynapipe.planning.schedules import one_f_one_b
+from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
@@ -188,7 +188,7 @@ def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | No
     work = stage_work(costs, microbatches, np.full((costs.pp, len(microbatches)), int(rc)))
     if not np.all(np.isfinite(work.forward + work.backward + work.stored + work.peak)):
         return None
-    result = simulate(one_f_one_b(work, memory_limit_mb), work)
+    result = simulate(one_f_one_b_orders(work.pp, work.n), work)
     return UniformRun(result.makespan, result.peak_memory) if result.fits(memory_limit_mb) else None
 
 

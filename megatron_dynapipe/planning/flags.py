@@ -87,7 +87,7 @@ def add_planner_arguments(group, prefix: str = "") -> None:
         help="profiled cost model: a JSON file (docs/cost_model.md) or a shipped profile's name, e.g. "
              "gpt-6.7b-a100 (default: the analytical GPT cost model)")
     add("schedule", nargs="+", choices=SCHEDULES, default=list(d.schedules), metavar="NAME",
-        help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} (default: all)")
+        help=f"schedules the planner may choose from: {', '.join(SCHEDULES)} (default: {' '.join(d.schedules)})")
     add("partition", choices=PARTITION_METHODS, default=d.partition,
         help="micro-batching: dynamic programming (dp, default), token_based or uniform")
     add("recompute", action=ListAction, type=recompute_argument, default=list(d.recompute_types),

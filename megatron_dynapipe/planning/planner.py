@@ -31,7 +31,7 @@ from megatron_dynapipe.planning.microbatching import (
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.samples import check_lengths
-from megatron_dynapipe.planning.schedules import SCHEDULES
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, fast_mode_schedule
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
@@ -264,14 +264,14 @@ def build_candidates(
     microbatchings: Sequence[Microbatching],
     costs: StageCosts,
     fast_mode: bool = False,
-    schedules: Sequence[str] = tuple(SCHEDULES),
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
     seed: int = 0,
     max_permutations: int = 8,
 ) -> list[Candidate]:
-    """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules only
-    wait-free-cyclic when it is among the allowed ones."""
+    """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules one
+    (:func:`~.schedules.fast_mode_schedule`: wait-free-cyclic when it is allowed)."""
     if fast_mode:
-        schedules = ["wait-free-cyclic" if "wait-free-cyclic" in schedules else schedules[0]]
+        schedules = [fast_mode_schedule(tuple(schedules))]
     out = []
     for option in microbatchings:
         count = orders_to_try(len(option.microbatches), max_permutations)
@@ -321,7 +321,7 @@ def optimize_schedule(
     costs: StageCosts,
     memory_limit_mb: float,
     fast_mode: bool = False,
-    schedules: Sequence[str] = tuple(SCHEDULES),
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
     seed: int = 0,
     max_permutations: int = 8,
     recompute_types: Sequence[RecomputeType] = tuple(RecomputeType),

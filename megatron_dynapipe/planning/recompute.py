@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.schedules import SCHEDULES, simulate_schedule
+from megatron_dynapipe.planning.schedules import FixedSchedule, Schedule, get_schedule
 from megatron_dynapipe.planning.simulator import (
     MEMORY_TOLERANCE_MB,
     Order,
@@ -35,7 +35,7 @@ def adjust_rc_plan(
     microbatches: Sequence[MicroBatch],
     recompute: np.ndarray,
     costs: StageCosts,
-    schedule: str,
+    schedule: "str | Schedule",
     memory_limit_mb: float,
     fast_mode: bool = False,
     work_table: WorkTable | None = None,
@@ -46,20 +46,22 @@ def adjust_rc_plan(
     ops above the limit count, re-simulating after each round, until the schedule fits.
 
     A round brings every op above the limit under it, worst first (:func:`_raise_recompute`).
-    Where what a wait-free-cyclic stage holds can be lightened no further, the schedule stops
-    filling stages past the limit instead (``strict_memory``); 1F1B's fixed orders cannot, and such
-    a plan cannot fit. Fast mode stops after FAST_MODE_ROUNDS rounds. Returns None when the plan
-    cannot be made to fit, or as soon as its makespan cannot stay at or below ``give_up_above_ms``
-    (a search's best so far): when its lower bound under any raised recompute passes it, or the
-    simulation of the current recompute does -- for fixed orders, whose ops only lengthen as
-    recompute rises, and in fast mode (wait-free-cyclic may end sooner with more recompute).
+    Where what a stage holds can be lightened no further, a schedule that follows the timeline
+    (wait-free-cyclic) stops filling stages past the limit instead (``strict_memory``); fixed
+    orders (:class:`~.schedules.FixedSchedule`: 1F1B, GPipe) cannot, and such a plan cannot fit.
+    Fast mode stops after FAST_MODE_ROUNDS rounds. Returns None when the plan cannot be made to
+    fit, or as soon as its makespan cannot stay at or below ``give_up_above_ms`` (a search's best
+    so far): when its lower bound under any raised recompute passes it, or the simulation of the
+    current recompute does -- for fixed orders, whose ops only lengthen as recompute rises, and in
+    fast mode (a schedule that follows the timeline may end sooner with more recompute).
     ``work_table`` (of these micro-batches, in this order) saves evaluating the cost model.
     """
     table = work_table or WorkTable(costs, microbatches)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
     max_rounds = FAST_MODE_ROUNDS if fast_mode else costs.pp * len(microbatches) * len(RecomputeType)
     heavier = _next_types(types)
-    fixed = schedule != "wait-free-cyclic"
+    schedule = get_schedule(schedule)
+    fixed = isinstance(schedule, FixedSchedule)
     rounds, strict = 0, False
     while True:
         if table.makespan_lower_bound(recompute) > give_up_above_ms:
@@ -87,15 +89,15 @@ def adjust_rc_plan(
 def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict):
     """(the simulation, []) when the schedule fits, (None, the ops above the limit) when it does
     not, (None, []) when it is sure to end after ``give_up_above_ms``."""
-    if schedule != "wait-free-cyclic":
+    if isinstance(schedule, FixedSchedule):
         # Memory under fixed orders follows from the orders: time them only once they fit. Their
         # ops only lengthen as recompute rises, so that simulation may stop at the cutoff.
-        over = over_limit(SCHEDULES[schedule](work, memory_limit_mb), work, memory_limit_mb)
-        return (None, over) if over else (simulate_schedule(schedule, work, memory_limit_mb, give_up_above_ms), [])
-    # wait-free-cyclic's greedy may end sooner with more recompute (it then holds less and runs
-    # ahead more): only fast mode stops it at the cutoff.
+        over = over_limit(schedule.orders(work), work, memory_limit_mb)
+        return (None, over) if over else (schedule.simulate(work, memory_limit_mb, give_up_above_ms), [])
+    # A schedule that follows the timeline may end sooner with more recompute (it then holds less
+    # and runs ahead more): only fast mode stops it at the cutoff.
     cut = give_up_above_ms if fast_mode else math.inf
-    result = simulate_schedule(schedule, work, memory_limit_mb, cut, strict_memory=strict)
+    result = schedule.simulate(work, memory_limit_mb, cut, strict_memory=strict)
     if result is None:
         return None, []
     if result.fits(memory_limit_mb):

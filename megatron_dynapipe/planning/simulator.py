@@ -8,6 +8,7 @@ wait-free-cyclic's greedy policy into start/end times, the makespan and per-stag
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import deque
@@ -17,9 +18,9 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
+from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType, cost_shapes
 
-Order = list[tuple[str, int]]  # ("F" | "B", micro-batch) in execution order, one list per stage
+Order = list[Action]  # one stage's compute ops in execution order
 # An op that ran above the memory limit: (stage, MB in use, the micro-batches whose stored
 # activations were held then, the op's own micro-batch, whose transient memory came on top).
 OverLimit = tuple[int, float, tuple[int, ...], int]
@@ -77,7 +78,7 @@ class WorkTable:
         this recompute or any raised from it.
 
         Every schedule runs forwards in entry order and backwards in arrival order (see
-        schedules.py), so stage s starts no earlier than micro-batch 0's forwards and sends
+        schedules/base.py), so stage s starts no earlier than micro-batch 0's forwards and sends
         through stages 0..s-1, is busy for all its own ops, and after its last op (the backward
         of micro-batch n-1) that gradient still passes back through stages s-1..0.
         """
@@ -181,6 +182,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
     held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
     held_total, peak = [0.0] * pp, list(state)
     ran: list[Order] = [[] for _ in range(pp)]
+    forwards, backwards = _actions(n)
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     events: list[Event] = []
@@ -236,7 +238,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
             peak[s] = in_use
         if in_use > report_over_mb + MEMORY_TOLERANCE_MB:
             over.append((s, in_use, tuple(held[s]), m))
-        ran[s].append((kind, m))
+        ran[s].append(forwards[m] if kind == "F" else backwards[m])
         starts[s].append(start)
         ends[s].append(end)
         if record:
@@ -270,6 +272,13 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
         wake_at(s, end)
     return SimulationResult(makespan=max(free) if n else 0.0, peak_memory=np.array(peak), orders=ran, events=events,
                             op_starts=starts, op_ends=ends, over_limit=over)
+
+
+@functools.lru_cache(maxsize=8)
+def _actions(n: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    """Every forward and every backward of n micro-batches, made once: the orders of every
+    candidate and recompute round of a batch share them."""
+    return tuple(Action("F", m) for m in range(n)), tuple(Action("B", m) for m in range(n))
 
 
 def over_limit(orders: Sequence[Order], work: StageWork, limit_mb: float) -> list[OverLimit]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from megatron_dynapipe.planning.fast_mode import FastMode
-from megatron_dynapipe.planning.schedules import SCHEDULES as SCHEDULE_ORDERS
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
+from megatron_dynapipe.planning.schedules import SCHEDULES as REGISTERED_SCHEDULES
 from megatron_dynapipe.planning.types import RecomputeType
 
-SCHEDULES = tuple(SCHEDULE_ORDERS)  # the schedules the planner can choose from, by name
+SCHEDULES = tuple(REGISTERED_SCHEDULES)  # the schedules the planner can choose from, by name
 PARTITION_METHODS = ("dp", "token_based", "uniform")
 #: "pad": each micro-batch's samples padded to its longest; "varlen": packed into one row, each
 #: sample attending to itself alone (megatron-core's THD format), priced by its tokens and squares
@@ -26,7 +27,7 @@ class TrainingSpec:
     zero_stage: int = 0
     memory_limit_mb: float = 36_000.0
     fast_mode: FastMode = None
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     recompute_types: tuple[RecomputeType, ...] = tuple(RecomputeType)
     partition: str = "dp"  # micro-batching: dynamic programming, token_based or uniform
     seqlen_round: int = 8  # sequence lengths are padded to a multiple of this

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -30,6 +30,17 @@ class RecomputeType(enum.IntEnum):
                     f"unknown recompute type {value!r}: use one of none, selective, full"
                 ) from None
         return cls(value)
+
+
+class Action(NamedTuple):
+    """One compute op of a stage's order (planning/schedules: who makes them). It is a tuple:
+    a plain ``("F", m)`` pair stands for ``Action("F", m)`` wherever orders are read."""
+
+    phase: str  # "F": forward, "B": backward
+    microbatch: int  # index in pipeline entry order
+
+    def __str__(self) -> str:
+        return f"{self.phase}{self.microbatch}"
 
 
 @dataclass(frozen=True)

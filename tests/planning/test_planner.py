@@ -141,7 +141,7 @@ def test_clear_errors(costs_pp4):
     with pytest.raises(PlanningError, match="model state alone needs .* raise the memory limit"):
         generate_execution_plan([100], TrainingSpec(memory_limit_mb=20_000), costs_pp4)
     with pytest.raises(ValueError, match="unknown schedule"):
-        TrainingSpec(schedules=("gpipe",))
+        TrainingSpec(schedules=("chimera",))
     with pytest.raises(ValueError, match="layers cannot fill"):
         TrainingSpec(num_layers=2, pp=4)
 
@@ -296,7 +296,7 @@ def test_no_cliff_at_the_tightest_memory_limit(costs_pp4):
 def test_the_packing_baseline_is_the_fastest_size_and_recompute_that_fits(costs_pp4, num_sequences, seq_len, limit):
     """Its bounds skip simulations; its answer is still the best of simulating every choice."""
     from megatron_dynapipe.planning.baselines import fixed_length_baseline
-    from megatron_dynapipe.planning.schedules import one_f_one_b
+    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
     from megatron_dynapipe.planning.simulator import simulate, stage_work
     from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
@@ -310,7 +310,7 @@ def test_the_packing_baseline_is_the_fastest_size_and_recompute_that_fits(costs_
             work = stage_work(costs_pp4, microbatches, np.full((4, len(microbatches)), int(rc)))
             if not np.isfinite(work.forward + work.backward + work.peak).all():
                 continue
-            result = simulate(one_f_one_b(work, limit), work)
+            result = simulate(one_f_one_b_orders(4, len(microbatches)), work)
             if result.fits(limit):
                 found.append((result.makespan, mbs, rc))
     baseline = fixed_length_baseline(num_sequences, seq_len, costs_pp4, limit)

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_dynapipe.planning import recompute as recompute_module
 from megatron_dynapipe.planning.recompute import adjust_rc_plan
-from megatron_dynapipe.planning.schedules import SCHEDULES
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
@@ -33,7 +33,7 @@ def test_only_stages_over_the_limit_are_raised(costs_pp4):
     assert plan.recompute[3].sum() < plan.recompute[0].sum()
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", DEFAULT_SCHEDULES)
 def test_one_round_covers_every_op_over_the_limit(schedule, costs_pp4):
     # Twelve micro-batches of 2 x 1024 tokens: dozens of ops over the limit without recompute.
     mbs = microbatches(12, 2, 1024)
@@ -79,9 +79,25 @@ def test_wait_free_cyclic_holds_fewer_where_recompute_cannot_lighten_enough(cost
 
 def test_a_plan_that_cannot_end_by_the_cutoff_is_dropped(costs_pp4):
     mbs = microbatches(12, 2, 1024)
-    for schedule in SCHEDULES:
+    for schedule in DEFAULT_SCHEDULES:
         plan = adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT)
         makespan = plan.simulation.makespan
         # a search's cutoff allows for rounding: its best makespan plus a billionth
         assert adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT, give_up_above_ms=makespan * (1 + 1e-9))
         assert adjust_rc_plan(mbs, none(12), costs_pp4, schedule, LIMIT, give_up_above_ms=makespan * 0.999) is None
+
+
+def test_gpipe_holds_every_microbatch_and_so_recomputes_more_than_1f1b(costs_pp4):
+    # Eight 1024-token micro-batches: 1F1B's first stage holds four of them and fully recomputes
+    # some; GPipe's stages hold all eight, so every stage recomputes at least as much.
+    mbs = microbatches(8, 1, 1024)
+    one_f_one_b = adjust_rc_plan(mbs, none(8), costs_pp4, "1f1b", LIMIT)
+    gpipe = adjust_rc_plan(mbs, none(8), costs_pp4, "gpipe", LIMIT)
+    check_fits_when_simulated_again(gpipe, mbs, costs_pp4)
+    for plan, most in ((one_f_one_b, 4), (gpipe, 8)):
+        first = plan.orders[0]
+        assert max(sum(1 if kind == "F" else -1 for kind, _ in first[:i + 1]) for i in range(len(first))) == most
+    assert np.all(gpipe.recompute.sum(axis=1) >= one_f_one_b.recompute.sum(axis=1))
+    assert gpipe.recompute.sum() > one_f_one_b.recompute.sum()
+    # heavier recompute, same micro-batches: a longer step
+    assert gpipe.simulation.makespan > one_f_one_b.simulation.makespan

@@ -6,9 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
-from megatron_dynapipe.planning.schedules import SCHEDULES, one_f_one_b, simulate_schedule, wait_free_cyclic
+from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, WorkTable, over_limit, simulate
 from megatron_dynapipe.planning.types import MicroBatch
+
+one_f_one_b = SCHEDULES["1f1b"].orders
+wait_free_cyclic = SCHEDULES["wait-free-cyclic"].orders
 
 
 def uniform_work(pp, n, f=1.0, b=2.0, stored=10.0, peak=1.0, state=100.0, comm=0.0):
@@ -118,7 +121,7 @@ def test_no_schedule_beats_the_work_table_lower_bound_whatever_recompute_is_rais
     bound = table.makespan_lower_bound(start)
     assert table.makespan_lower_bound(raised) >= bound  # raising recompute never lowers it
     for name in SCHEDULES:
-        makespan = simulate_schedule(name, table.work(raised), 1e12).makespan
+        makespan = SCHEDULES[name].simulate(table.work(raised), 1e12).makespan
         assert makespan >= bound * (1 - 1e-12), name
 
 
@@ -130,7 +133,7 @@ def test_the_lower_bound_is_reached_by_one_stage_and_one_microbatch():
     floor_f = min(table.tables["forward"][:, 0, 0])
     floor_b = min(table.tables["backward"][:, 0, 0])
     assert table.makespan_lower_bound(np.zeros((1, 1), dtype=np.int64)) == pytest.approx(floor_f + floor_b)
-    assert simulate_schedule("1f1b", work, 1e12).makespan >= floor_f + floor_b
+    assert SCHEDULES["1f1b"].simulate(work, 1e12).makespan >= floor_f + floor_b
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -138,10 +141,10 @@ def test_a_schedule_gives_up_only_when_its_makespan_passes_the_cutoff(name):
     # Uniform work without communication: 1F1B's textbook makespan, (n + pp - 1) * (f + b) = 33,
     # which wait-free-cyclic also reaches with room to spare.
     work = uniform_work(4, 8)
-    full = simulate_schedule(name, work, 1e9)
+    full = SCHEDULES[name].simulate(work, 1e9)
     assert full.makespan == pytest.approx(33.0)
-    assert simulate_schedule(name, work, 1e9, give_up_above_ms=33.0).makespan == full.makespan
-    assert simulate_schedule(name, work, 1e9, give_up_above_ms=32.9) is None
+    assert SCHEDULES[name].simulate(work, 1e9, give_up_above_ms=33.0).makespan == full.makespan
+    assert SCHEDULES[name].simulate(work, 1e9, give_up_above_ms=32.9) is None
 
 
 def _random_work(data, pp, n):
@@ -169,7 +172,7 @@ def test_the_ops_over_the_limit_are_those_a_replay_of_the_orders_finds(pp, n, da
     work = _random_work(data, pp, n)
     limit = data.draw(st.floats(0, 400))
     for name in SCHEDULES:
-        result = simulate_schedule(name, work, limit)
+        result = SCHEDULES[name].simulate(work, limit)
         expected = [op for op in _memory_replayed(result.orders, work) if op[1] > limit + 1e-6]
         for found in (result.over_limit, over_limit(result.orders, work, limit)):
             found = sorted(found, key=lambda op: op[0])  # stage by stage (the simulation lists them in time)
@@ -184,6 +187,6 @@ def test_wait_free_cyclic_with_strict_memory_never_passes_a_limit_every_microbat
     work = _random_work(data, pp, n)
     alone = np.max(work.state[:, None] + work.stored + work.peak)  # the most any one micro-batch needs
     limit = alone + data.draw(st.floats(0, 200))
-    strict = simulate_schedule("wait-free-cyclic", work, limit, strict_memory=True)
+    strict = SCHEDULES["wait-free-cyclic"].simulate(work, limit, strict_memory=True)
     assert max(used for _, used, *_ in _memory_replayed(strict.orders, work)) <= limit + 1e-6
     assert strict.fits(limit) and not strict.over_limit

@@ -62,7 +62,7 @@ def _plans(schedule, shapes, recompute, pp=2):
     import numpy as np
 
     from megatron_dynapipe.planning.plan import build_execution_plans
-    from megatron_dynapipe.planning.schedules import one_f_one_b, wait_free_cyclic
+    from megatron_dynapipe.planning.schedules import SCHEDULES
     from megatron_dynapipe.planning.simulator import StageWork
     from megatron_dynapipe.planning.types import MicroBatch
 
@@ -70,7 +70,7 @@ def _plans(schedule, shapes, recompute, pp=2):
     cost = np.tile(tokens, (pp, 1))
     work = StageWork(forward=cost, backward=2 * cost, stored=cost / 100, peak=cost / 100,
                      state=np.zeros(pp), comm=np.ones(len(shapes)))
-    orders = {"1f1b": one_f_one_b, "wait-free-cyclic": wait_free_cyclic}[schedule](work, 1e9)
+    orders = SCHEDULES[schedule].orders(work, 1e9)
     mbs, first = [], 0
     for size, seq in shapes:
         mbs.append(MicroBatch(tuple(range(first, first + size)), seq))

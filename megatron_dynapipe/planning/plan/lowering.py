@@ -55,11 +55,11 @@ import numpy as np
 from megatron_dynapipe.planning.plan.deadlock import check_deadlock_free
 from megatron_dynapipe.planning.plan.execution_plan import ExecutionPlan
 from megatron_dynapipe.planning.plan.instructions import ROW, Instructions, Op, as_recompute
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
 __all__ = ["ComputeOrder", "lower_to_instructions", "build_execution_plans"]
 
-ComputeOrder = Sequence[tuple[str, int]]  # ("F" | "B", micro-batch), in execution order
+ComputeOrder = Sequence[Action]  # in execution order; plain ("F" | "B", micro-batch) pairs read the same
 RecomputeSpec = Union[RecomputeType, int, str, Sequence["RecomputeType | int | str"]]
 
 # Durations of the reference timeline used to place send FINISHes. Any positive values keep the

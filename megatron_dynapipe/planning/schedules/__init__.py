@@ -1,0 +1,42 @@
+"""Pipeline schedules, by name: the contract (:mod:`.base`) and the registry.
+
+A new schedule is one module here defining a :class:`Schedule` (or, when its orders depend on
+``pp`` and ``n`` alone, a :class:`FixedSchedule`) and one entry in :data:`SCHEDULES`
+(docs/schedules.md walks through one).
+"""
+
+from __future__ import annotations
+
+from megatron_dynapipe.planning.schedules.base import FixedSchedule, Schedule
+from megatron_dynapipe.planning.schedules.gpipe import GPipe
+from megatron_dynapipe.planning.schedules.one_f_one_b import OneFOneB
+from megatron_dynapipe.planning.schedules.wait_free_cyclic import WaitFreeCyclic
+from megatron_dynapipe.planning.simulator import Order
+
+__all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "get_schedule", "fast_mode_schedule",
+           "one_f_one_b_orders"]
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe())}
+#: what the planner searches unless told otherwise
+DEFAULT_SCHEDULES: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items() if s.searched_by_default)
+
+
+def get_schedule(schedule: "str | Schedule") -> Schedule:
+    """The registered schedule of that name (a Schedule is returned as is)."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    try:
+        return SCHEDULES[schedule]
+    except KeyError:
+        raise ValueError(f"unknown schedule {schedule!r}: choose from {', '.join(SCHEDULES)}") from None
+
+
+def fast_mode_schedule(allowed: "tuple[str, ...] | list[str]") -> str:
+    """The one schedule fast mode searches among ``allowed``: the first whose orders follow the
+    simulated timeline (it adapts to each batch's costs as fixed orders cannot), else the first."""
+    return next((name for name in allowed if not isinstance(get_schedule(name), FixedSchedule)), allowed[0])
+
+
+def one_f_one_b_orders(pp: int, n: int) -> list[Order]:
+    """1F1B's per-stage orders of ``n`` micro-batches on ``pp`` stages."""
+    return SCHEDULES["1f1b"].orders_for(pp, n)

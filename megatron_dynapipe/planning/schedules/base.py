@@ -1,0 +1,67 @@
+"""What a pipeline schedule provides to the planner (docs/schedules.md has a worked example).
+
+A schedule turns ``n`` micro-batches on ``pp`` stages into one *order* per stage: the stage's
+compute ops, each an :class:`~megatron_dynapipe.planning.types.Action` (forward or backward of a
+micro-batch), in the order the stage runs them. Every part of the planner reads a schedule
+through this contract alone -- the search (:mod:`..planner`), recompute adjustment
+(:mod:`..recompute`), the simulator and lowering -- so a new schedule is one module and one
+entry in the registry (:data:`megatron_dynapipe.planning.schedules.SCHEDULES`).
+
+Every order must be *FIFO-consistent*: each stage runs the forwards in entry order (0 .. n-1)
+and the backwards in entry order too. Sends and receives between two stages carry no tags and
+pair up in the order they are posted, and lowering's deadlock proof rests on it
+(:mod:`..plan.lowering`); ``build_execution_plans(..., verify=True)`` checks both.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import ClassVar
+
+from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, run_timeline
+
+
+class Schedule(abc.ABC):
+    """A pipeline schedule: per-stage orders, and their simulation on a cost model's work."""
+
+    #: the name the planner's ``schedules``, ``--dynapipe-schedule`` and plans know it by
+    name: ClassVar[str]
+    #: whether the planner searches it when not told which schedules to use
+    searched_by_default: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
+                 strict_memory: bool = False) -> "SimulationResult | None":
+        """The orders and their simulated timeline, every op that ran above ``memory_limit_mb``
+        listed (``over_limit``: what recompute adjustment lightens); None as soon as the makespan
+        is sure to exceed ``give_up_above_ms``. ``strict_memory``: stay within the limit where the
+        schedule can choose (recompute adjustment asks once raising recompute cannot help)."""
+
+    def orders(self, work: StageWork, memory_limit_mb: float) -> list[Order]:
+        """The per-stage orders on this work."""
+        result = self.simulate(work, memory_limit_mb)
+        assert result is not None  # no cutoff was given
+        return result.orders
+
+
+class FixedSchedule(Schedule):
+    """A schedule whose orders follow from ``pp`` and ``n`` alone, whatever the micro-batches
+    cost. The memory its stages hold then follows from the orders without timing them, and
+    raising recompute only lengthens its ops: recompute adjustment relies on both."""
+
+    @abc.abstractmethod
+    def stage_order(self, stage: int, pp: int, n: int) -> Order:
+        """Stage ``stage``'s order of ``n`` micro-batches on ``pp`` stages."""
+
+    def orders_for(self, pp: int, n: int) -> list[Order]:
+        """Every stage's order, no cost model needed."""
+        return [self.stage_order(s, pp, n) for s in range(pp)]
+
+    def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
+        return self.orders_for(work.pp, work.n)
+
+    def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
+                 strict_memory: bool = False) -> "SimulationResult | None":
+        return run_timeline(work, orders=self.orders(work), give_up_above_ms=give_up_above_ms,
+                            report_over_mb=memory_limit_mb)

@@ -1,0 +1,74 @@
+"""The schedule contract (planning/schedules/base.py), checked on every registered schedule: a
+schedule added to the registry is held to it by these tests without writing any."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dynapipe.planning.plan import build_execution_plans
+from megatron_dynapipe.planning.planner import generate_execution_plan
+from megatron_dynapipe.planning.schedules import (
+    DEFAULT_SCHEDULES,
+    SCHEDULES,
+    FixedSchedule,
+    fast_mode_schedule,
+    get_schedule,
+)
+from megatron_dynapipe.planning.simulator import StageWork, simulate
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import Action, MicroBatch
+
+
+def _work(data, pp, n):
+    draw = lambda lo, hi, shape: np.array(data.draw(st.lists(  # noqa: E731
+        st.floats(lo, hi), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))).reshape(shape)
+    return StageWork(forward=draw(0.1, 5, (pp, n)), backward=draw(0.1, 10, (pp, n)), stored=draw(1, 50, (pp, n)),
+                     peak=draw(0, 10, (pp, n)), state=draw(0, 100, (pp,)), comm=draw(0, 1, (n,)))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@settings(max_examples=30, deadline=None)
+@given(pp=st.integers(1, 5), n=st.integers(1, 10), limit=st.floats(50, 1000), data=st.data())
+def test_every_schedule_keeps_the_contract(name, pp, n, limit, data):
+    schedule = SCHEDULES[name]
+    work = _work(data, pp, n)
+    result = schedule.simulate(work, limit)
+    for order in result.orders:
+        assert all(isinstance(action, Action) for action in order)
+        # FIFO-consistent: forwards and backwards each in entry order, each once
+        assert [a.microbatch for a in order if a.phase == "F"] == list(range(n))
+        assert [a.microbatch for a in order if a.phase == "B"] == list(range(n))
+    assert schedule.orders(work, limit) == result.orders
+    if isinstance(schedule, FixedSchedule):
+        assert result.orders == schedule.orders_for(pp, n)  # whatever the work costs
+    # the timeline is that of the orders, and lowering proves them deadlock-free
+    again = simulate(result.orders, work)
+    assert again.makespan == pytest.approx(result.makespan)
+    assert again.peak_memory == pytest.approx(result.peak_memory)
+    microbatches = [MicroBatch((m,), 8) for m in range(n)]
+    plans = build_execution_plans(result.orders, microbatches, "none", name, result.makespan, verify=True,
+                                  timeline=(result.op_starts, result.op_ends))
+    assert [p.schedule for p in plans] == [name] * pp
+
+
+def test_the_registry_by_name_and_what_the_planner_searches():
+    assert DEFAULT_SCHEDULES == ("1f1b", "wait-free-cyclic")  # gpipe only when asked for
+    assert get_schedule("gpipe") is SCHEDULES["gpipe"] and get_schedule(SCHEDULES["1f1b"]) is SCHEDULES["1f1b"]
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h1': choose from 1f1b, wait-free-cyclic, gpipe"):
+        get_schedule("zb-h1")
+    # fast mode searches one schedule: one that follows the timeline where allowed
+    assert fast_mode_schedule(("1f1b", "wait-free-cyclic")) == "wait-free-cyclic"
+    assert fast_mode_schedule(("gpipe", "1f1b")) == "gpipe"
+    assert TrainingSpec().schedules == DEFAULT_SCHEDULES
+
+
+def test_the_planner_plans_with_a_schedule_asked_for_by_name(costs_pp4):
+    lengths = [512, 300, 1024, 77, 900, 2048, 128, 640] * 2
+    plans = {}
+    for names in (("gpipe",), ("1f1b",)):
+        result = generate_execution_plan(lengths, TrainingSpec(schedules=names, fast_mode=False), costs_pp4)
+        assert {p.schedule for rank in result.plans for p in rank} == set(names)
+        plans[names[0]] = result
+    # GPipe holds every micro-batch at once: it recomputes at least as much as 1F1B to fit
+    assert plans["gpipe"].choices[0].recompute.sum() >= plans["1f1b"].choices[0].recompute.sum()
