@@ -14,6 +14,8 @@ from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
+from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 from megatron_dynapipe.planning.baselines import default_pack_length
@@ -40,13 +42,15 @@ def _plan_parser(sub) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel size (default 1)")
-    p.add_argument("--num-layers", type=int, default=32, help="transformer layers (default 32)")
+    p.add_argument("--num-layers", type=int, help="transformer layers (default: --model's, else 32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="optimizer-state sharding over DP; 1 is Megatron's --use-distributed-optimizer (default 0)")
     p.add_argument("--use-distributed-optimizer", dest="zero_stage", action="store_const", const=1,
                    help="Megatron's distributed optimizer: --zero-stage 1")
-    p.add_argument("--memory-limit", type=float, default=36_000.0, metavar="MB", help="per-GPU memory limit (default 36000)")
+    p.add_argument("--memory-limit", type=float, metavar="MB",
+                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else 36000)")
     add_planner_arguments(p)
+    add_pricing_arguments(p)
     p.add_argument("--pack-length", type=int, help="baseline packing length (default: longest sample rounded up to a power of two)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE", help="write the predicted timeline as Chrome-trace JSON")
@@ -59,16 +63,13 @@ def _check_plan_args(args) -> None:
     import math
 
     for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if not (math.isfinite(args.memory_limit) and args.memory_limit > 0):
+    if args.memory_limit is not None and not (math.isfinite(args.memory_limit) and args.memory_limit > 0):
         raise ValueError(f"--memory-limit must be a positive number of MB, got {args.memory_limit}")
     if args.pack_length is not None and args.pack_length < 1:
         raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
                          "leave it out for the longest sample rounded up to a power of two")
-    split = layers_problem(args.num_layers, args.pp, pp_name="--pp")
-    if split:
-        raise ValueError(split)
     if args.chrome_trace:
         check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
     if args.gantt:
@@ -77,13 +78,14 @@ def _check_plan_args(args) -> None:
 
 def _run_plan(args) -> int:
     _check_plan_args(args)
+    cost_model, num_layers, memory_limit = _pricing(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
     if args.pack_length is not None and args.pack_length < max(lengths):
         raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
                          f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
-    spec = TrainingSpec(num_layers=args.num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
-                        memory_limit_mb=args.memory_limit, **planner_settings(args))
-    result = generate_execution_plan(lengths, spec, args.cost_model)
+    spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
+                        memory_limit_mb=memory_limit, **planner_settings(args))
+    result = generate_execution_plan(lengths, spec, cost_model)
     summary = summarize(result, lengths, spec, args.pack_length)
     if args.chrome_trace or args.gantt:
 
@@ -94,6 +96,19 @@ def _run_plan(args) -> int:
             summary["gantt"] = str(write_gantt(timelines, args.gantt, _gantt_titles(result)))
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
+
+
+def _pricing(args) -> tuple:
+    """(cost model, layers, memory limit MB) of the plan command's flags: ``--cost-model`` (or the
+    analytical GPT-6.7B), or ``--model`` on ``--hardware``'s roofline."""
+    priced = pricing_from_args(args, args.tp)
+    num_layers = args.num_layers or (priced.num_layers if priced else 32)
+    split = layers_problem(num_layers, args.pp, pp_name="--pp")
+    if split:
+        raise ValueError(split)
+    if priced is None:
+        return args.cost_model, num_layers, args.memory_limit or 36_000.0
+    return priced.cost_model, num_layers, args.memory_limit or priced.memory_limit_mb
 
 
 def _gantt_titles(result) -> list[str]:

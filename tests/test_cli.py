@@ -282,6 +282,35 @@ def test_plan_says_what_it_priced_the_layers_with(tiny_profile, tmp_path):
     assert json.loads(default.stdout)["cost_model"].startswith("the analytical GPT model (hidden 4096, 32 heads")
 
 
+def test_plan_prices_a_named_model_on_a_device_at_a_large_layout():
+    # GPT-175B (96 layers, hidden 12288) on H100s, TP 8 x PP 16 x DP 64 = 8192 GPUs, 256 samples
+    out = run_cli("plan", "--model", "175B", "--hardware", "h100", "--tp", "8", "--pp", "16", "--dp", "64",
+                  "--num-samples", "256", "--fast-mode", "--json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["num_layers"] == 96 and (summary["pp"], summary["tp"], summary["dp"]) == (16, 8, 64)
+    assert summary["memory_limit_mb"] == 0.9 * 80 * 1024  # the H100's 80 GiB less the headroom
+    assert summary["cost_model"].startswith("the roofline GPT model (hidden 12288, 96 heads")
+    assert "989.4 TFLOP/s" in summary["cost_model"] and summary["cost_model"].endswith("tp 8")
+    assert len(summary["dp_ranks"]) == 64 and summary["makespan_ms"] >= summary["lower_bound_ms"] > 0
+    # the same 256 samples on A100s (312 TFLOP/s, 2039 GB/s) take longer
+    a100 = json.loads(run_cli("plan", "--model", "175B", "--hardware", "a100", "--tp", "8", "--pp", "16", "--dp", "64",
+                              "--num-samples", "256", "--fast-mode", "--json").stdout)
+    assert a100["makespan_ms"] > summary["makespan_ms"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "175B", "--cost-model", "gpt-6.7b-a100"], "--cost-model and --model/--hardware both say how to price"),
+    (["--model", "176B"], "unknown model '176B'"),
+    (["--model", "175B", "--pp", "5"], "96 layers do not split evenly into --pp = 5 pipeline stages"),
+])
+def test_a_named_model_that_cannot_be_priced_is_refused_in_one_line(args, message):
+    out = run_cli("plan", "--num-samples", "8", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
 def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
     from megatron_dynapipe.cli import build_parser
 

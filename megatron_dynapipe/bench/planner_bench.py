@@ -1,6 +1,7 @@
 """Planner benchmark: planning time and plan quality, normal vs fast mode.
 
-GPT-6.7B on A100 (profiled cost model), PP=4, 36 000 MB, lognormal(5.3, 0.9) lengths clipped
+GPT-6.7B on A100 (profiled cost model; ``--model`` on ``--hardware`` prices a named GPT on a
+device's roofline instead), PP=4, 36 000 MB, lognormal(5.3, 0.9) lengths clipped
 to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); for each global
 batch size, medians over seeds of planning seconds and predicted makespan in both modes, plus
 the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans each batch at the
@@ -19,6 +20,8 @@ import statistics
 import sys
 from dataclasses import replace
 
+from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
@@ -46,21 +49,26 @@ def memory_limit(text: str) -> "float | str":
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, metavar="NAME|FILE",
+    p.add_argument("--cost-model", metavar="NAME|FILE",
                    help=f"profiled cost model (default: the shipped {DEFAULT_COST_MODEL})")
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), metavar="N",
                    help=f"global batch sizes, in samples (default {' '.join(map(str, SIZES))})")
     p.add_argument("--seeds", type=int, default=3, help="seeds per size (medians are reported; default 3)")
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=4,
                    help="pipeline stages (default 4)")
-    p.add_argument("--memory-limit", type=memory_limit, default=36_000.0, metavar="MB|tight",
-                   help="per-GPU memory limit (default 36000), or 'tight': per batch, the tightest limit "
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size (default 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks, each planned (default 1)")
+    p.add_argument("--memory-limit", type=memory_limit, metavar="MB|tight",
+                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else "
+                        "36000), or 'tight': per batch, the tightest limit "
                         f"normal mode can plan it under (bisection to {TIGHT_RESOLUTION_MB} MB)")
     p.add_argument("--mix", default="lognormal", choices=MIXES, help="built-in length mix (default lognormal)")
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
     p.add_argument("--packing", choices=PACKINGS, default="pad",
                    help="micro-batches padded, or packed without attention between samples and measured "
                         "against THD packing (default pad)")
+    add_pricing_arguments(p)
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
     p.add_argument("--phases", action="store_true",
                    help="also print where planning time goes (micro-batching, scheduling, lowering) per mode")
@@ -74,11 +82,16 @@ def run(args) -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
 
     tight = args.memory_limit == TIGHT
-    spec = TrainingSpec(pp=args.pp, memory_limit_mb=36_000.0 if tight else args.memory_limit, packing=args.packing)
-    model = load_cost_model(args.cost_model, tp=1)
+    priced = pricing_from_args(args, args.tp)
+    model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
+    default_limit = priced.memory_limit_mb if priced else 36_000.0
+    spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
+                        dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
+                        else default_limit, packing=args.packing)
+    args.layout = f"{model.describe()}, PP={spec.pp} DP={spec.dp}"
 
     def fresh_costs():  # each timed plan starts with no remembered cost-model answers
-        return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp)
+        return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
 
     costs = fresh_costs()
     generate_execution_plan([64] * 8, spec, costs)  # imports and first-call costs outside the timings
@@ -163,8 +176,8 @@ def _row(size: int, runs: list[dict]) -> dict:
 
 
 def format_table(rows: list[dict], args) -> str:
-    limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{args.memory_limit:.0f} MB"
-    head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, PP={args.pp}, {limit}, "
+    limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{rows[0]['limit_mb']:.0f} MB"
+    head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, {args.layout}, {limit}, "
             f"medians of {rows[0]['seeds'] if rows else 0} seeds, {YARDSTICKS[args.packing]} to {args.pack_length}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]
