@@ -94,7 +94,7 @@ def run(args) -> int:
         return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
 
     costs = fresh_costs()
-    generate_execution_plan([64] * 8, spec, costs)  # imports and first-call costs outside the timings
+    generate_execution_plan([64] * max(8, spec.dp), spec, costs)  # imports and first-call costs outside the timings
     rows = []
     with progress_bar(args.progress, sys.stderr) as bar:
         task = bar.add_task(f"planning {args.mix} batches", total=len(args.sizes) * args.seeds)

@@ -344,8 +344,7 @@ def optimize_schedule(
         mine = [i for i, c in enumerate(candidates) if c.microbatching == m.label]
         if mine:
             recompute = np.tile(np.array(m.recompute, dtype=np.int64), (costs.pp, 1))
-            bounds[mine] = tables[m.label].order_bounds(recompute, [candidates[i].order[0] for i in mine],
-                                                        [candidates[i].order[-1] for i in mine])
+            bounds[mine] = tables[m.label].order_bounds(recompute, [candidates[i].order for i in mine])
     bounds = bounds.tolist()
     gap = FAST_MODE_GAP if fast_mode else -BOUND_SLACK
     best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)

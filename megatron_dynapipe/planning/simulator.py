@@ -75,33 +75,59 @@ class WorkTable:
 
     def makespan_lower_bound(self, recompute: np.ndarray) -> float:
         """A makespan no schedule of these micro-batches, in this entry order, can beat with
-        this recompute or any raised from it.
+        this recompute or any raised from it (:meth:`order_bounds`)."""
+        return float(self.order_bounds(recompute, [range(self.comm.size)])[0])
 
-        Every schedule runs forwards in entry order and backwards in arrival order (see
-        schedules/base.py), so stage s starts no earlier than micro-batch 0's forwards and sends
-        through stages 0..s-1, is busy for all its own ops, and after its last op (the backward
-        of micro-batch n-1) that gradient still passes back through stages s-1..0.
-        """
-        return float(self.order_bounds(recompute, [0], [self.comm.size - 1])[0])
-
-    def order_bounds(self, recompute: np.ndarray, firsts: Sequence[int], lasts: Sequence[int]) -> np.ndarray:
-        """:meth:`makespan_lower_bound` of several entry orders of these micro-batches at once,
-        each given by the micro-batch it starts and the one it ends with: only those two depend
-        on the order (``recompute`` [pp, n] is per micro-batch, in this table's order)."""
+    def order_bounds(self, recompute: np.ndarray, orders: Sequence[Sequence[int]]) -> np.ndarray:
+        """:meth:`makespan_lower_bound` of several entry orders of these micro-batches (each a
+        permutation of their indices; ``recompute`` [pp, n] is per micro-batch, in this table's
+        order): :func:`makespan_bounds` with every op at its least time under any recompute from
+        the given one."""
         index = np.asarray(recompute, dtype=np.int64)[None]
         forward = np.take_along_axis(self.floors["forward"], index, axis=0)[0]
         backward = np.take_along_axis(self.floors["backward"], index, axis=0)[0]
-        busy = forward.sum(axis=1) + backward.sum(axis=1)
-        firsts, lasts = np.asarray(firsts, dtype=np.int64), np.asarray(lasts, dtype=np.int64)
-        head = np.cumsum(forward[:-1, firsts] + self.comm[firsts], axis=0)  # stage s: the first reaches it
-        tail = np.cumsum(backward[:-1, lasts] + self.comm[lasts], axis=0)  # ... and the last's gradient leaves it
-        return np.max(busy[:, None] + np.concatenate([np.zeros((1, len(firsts))), head + tail]), axis=0)
+        return makespan_bounds(forward, backward, self.comm, orders)
 
     def work(self, recompute: np.ndarray) -> StageWork:
         """StageWork for the recompute type of every (stage, micro-batch), recompute[pp, n]."""
         index = np.asarray(recompute, dtype=np.int64)[None]
         picked = {name: np.take_along_axis(table, index, axis=0)[0] for name, table in self.tables.items()}
         return StageWork(state=self.state, comm=self.comm, **picked)
+
+
+def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
+                    orders: Sequence[Sequence[int]]) -> np.ndarray:
+    """Per entry order (a permutation of the micro-batches), a makespan no schedule can beat
+    whose ops take ``forward``/``backward`` [pp, n] ms and whose transfers ``comm`` [n] ms.
+
+    Every schedule runs forwards and backwards in entry order (schedules/base.py), so two bounds
+    hold on every stage s. Its work: it starts no earlier than micro-batch 0's forwards and sends
+    through stages 0..s-1, is busy for all its own ops, and after its last op (the backward of the
+    last micro-batch) that gradient still passes back through stages s-1..0. And each micro-batch
+    j's path: from that same start, s runs the forwards of the micro-batches ahead of j, then j
+    goes forward through stages s..pp-1 and back (a transfer each way between neighbours), then s
+    runs the backwards of those behind j, and the last gradient passes back. The second dominates
+    where few micro-batches of unequal cost fill many stages: the pipeline never reaches a
+    steady state, and the longest round trip sets the pace.
+    """
+    pp = forward.shape[0]
+    busy = forward.sum(axis=1) + backward.sum(axis=1)
+    hops = 2.0 * np.arange(pp - 1, -1, -1)[:, None]  # transfers of a round trip from stage s
+    bounds = []
+    for order in orders:
+        cols = np.asarray(order, dtype=np.int64)
+        if cols.size == 0:
+            bounds.append(0.0)
+            continue
+        f, b, c = forward[:, cols], backward[:, cols], comm[cols]
+        head = np.concatenate([[0.0], np.cumsum(f[:-1, 0] + c[0])])  # micro-batch 0 reaches stage s
+        tail = np.concatenate([[0.0], np.cumsum(b[:-1, -1] + c[-1])])  # the last gradient leaves it
+        trip = np.cumsum((f + b)[::-1], axis=0)[::-1] + hops * c  # [s, j]: j from s to the end and back
+        ahead = np.cumsum(f, axis=1) - f  # [s, j]: forwards of those ahead of j
+        behind = np.cumsum(b[:, ::-1], axis=1)[:, ::-1] - b  # [s, j]: backwards of those behind j
+        path = (ahead + trip + behind).max(axis=1)
+        bounds.append(float(np.max(head + tail + np.maximum(busy, path))))
+    return np.array(bounds)
 
 
 def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> StageWork:

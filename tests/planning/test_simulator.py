@@ -7,7 +7,14 @@ from hypothesis import strategies as st
 
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
 from megatron_dynapipe.planning.schedules import SCHEDULES
-from megatron_dynapipe.planning.simulator import ScheduleDeadlock, StageWork, WorkTable, over_limit, simulate
+from megatron_dynapipe.planning.simulator import (
+    ScheduleDeadlock,
+    StageWork,
+    WorkTable,
+    makespan_bounds,
+    over_limit,
+    simulate,
+)
 from megatron_dynapipe.planning.types import MicroBatch
 
 one_f_one_b = SCHEDULES["1f1b"].orders
@@ -190,3 +197,33 @@ def test_wait_free_cyclic_with_strict_memory_never_passes_a_limit_every_microbat
     strict = SCHEDULES["wait-free-cyclic"].simulate(work, limit, strict_memory=True)
     assert max(used for _, used, *_ in _memory_replayed(strict.orders, work)) <= limit + 1e-6
     assert strict.fits(limit) and not strict.over_limit
+
+
+@pytest.mark.parametrize("pp", [2, 4, 16])
+def test_a_big_microbatch_beside_a_tiny_one_is_bounded_by_its_round_trip(pp):
+    # A tiny micro-batch (e each way) and a big one (F forward, B backward on every stage), no
+    # transfer time, in either order. Nothing overlaps the big one's trip through every stage and
+    # back, and stage 0 still runs the tiny one's forward before it or its backward after it:
+    # e + pp (F + B), which 1F1B and wait-free-cyclic both take.
+    e, F, B = 0.01, 3.0, 5.0
+    for order in ([0, 1], [1, 0]):
+        forward = np.tile([e, F], (pp, 1))[:, order]
+        backward = np.tile([e, B], (pp, 1))[:, order]
+        (bound,) = makespan_bounds(forward, backward, np.zeros(2), [[0, 1]])
+        assert bound == pytest.approx(e + pp * (F + B))
+        work = StageWork(forward=forward, backward=backward, stored=np.ones((pp, 2)), peak=np.zeros((pp, 2)),
+                         state=np.zeros(pp), comm=np.zeros(2))
+        for name in ("1f1b", "wait-free-cyclic"):
+            assert SCHEDULES[name].simulate(work, 1e9).makespan == pytest.approx(bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.integers(1, 6), n=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_no_schedule_beats_the_bound_of_its_entry_order(pp, n, seed, data):
+    work = _random_work(data, pp, n)
+    order = np.random.default_rng(seed).permutation(n)
+    reordered = StageWork(forward=work.forward[:, order], backward=work.backward[:, order], stored=work.stored[:, order],
+                          peak=work.peak[:, order], state=work.state, comm=work.comm[order])
+    (bound,) = makespan_bounds(work.forward, work.backward, work.comm, [order])
+    for name in SCHEDULES:
+        assert SCHEDULES[name].simulate(reordered, 1e12).makespan >= bound * (1 - 1e-12), name
