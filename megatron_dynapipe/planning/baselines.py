@@ -193,14 +193,16 @@ def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | No
 
 
 def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> float:
-    """No schedule of these micro-batches is faster: for each stage, its total work plus the
-    cheapest forward pass through the stages before it (fill) and the cheapest backward pass
-    back through them (drain); the bound is the largest over stages."""
+    """No schedule of these micro-batches, in any order, is faster: for each stage, its total
+    work plus the cheapest forward pass through the stages before it (fill) and the cheapest
+    backward pass back through them (drain); nor than any one micro-batch's round trip, forward
+    through every stage and back (what sets the pace where few micro-batches fill many stages)."""
     work = stage_work(costs, microbatches, recompute)
     fill = np.concatenate([[0.0], np.cumsum(work.forward, axis=0)[:-1].min(axis=1)])
     drain = np.concatenate([[0.0], np.cumsum(work.backward, axis=0)[:-1].min(axis=1)])
     busy = (work.forward + work.backward).sum(axis=1)
-    return float(np.max(busy + fill + drain))
+    round_trip = (work.forward + work.backward).sum(axis=0) + 2 * (costs.pp - 1) * work.comm
+    return float(max(np.max(busy + fill + drain), np.max(round_trip, initial=0.0)))
 
 
 def ideal_gain(lengths: Sequence[int], costs: StageCosts, seq_len: int, round_to: int = 8) -> float:

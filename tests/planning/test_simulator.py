@@ -227,3 +227,28 @@ def test_no_schedule_beats_the_bound_of_its_entry_order(pp, n, seed, data):
     (bound,) = makespan_bounds(work.forward, work.backward, work.comm, [order])
     for name in SCHEDULES:
         assert SCHEDULES[name].simulate(reordered, 1e12).makespan >= bound * (1 - 1e-12), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), pp=st.integers(1, 16), n=st.integers(1, 6))
+def test_the_summary_bound_holds_for_any_order_and_is_the_longest_round_trip_on_deep_pipelines(seed, pp, n):
+    from megatron_dynapipe.planning.baselines import lower_bound_ms
+
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    microbatches = [MicroBatch(tuple(range(size)), 8 * size) for size in range(1, n + 1)]
+    recompute = np.zeros((pp, n), dtype=np.int64)
+    bound = lower_bound_ms(costs, microbatches, recompute)
+    work = WorkTable(costs, microbatches).work(recompute)
+    for order in (range(n), range(n - 1, -1, -1)):
+        cols = list(order)
+        reordered = StageWork(forward=work.forward[:, cols], backward=work.backward[:, cols],
+                              stored=work.stored[:, cols], peak=work.peak[:, cols], state=work.state,
+                              comm=work.comm[cols])
+        for name in SCHEDULES:
+            assert SCHEDULES[name].simulate(reordered, 1e12).makespan >= bound * (1 - 1e-12)
+    # micro-batch j forward through every stage, a transfer between each pair, and back
+    trips = [sum(work.forward[s, j] + work.backward[s, j] for s in range(pp)) + 2 * (pp - 1) * work.comm[j]
+             for j in range(n)]
+    assert bound >= max(trips) * (1 - 1e-12)
+    if n == 1:  # one micro-batch: its round trip is the whole makespan, and the bound
+        assert bound == pytest.approx(trips[0])
