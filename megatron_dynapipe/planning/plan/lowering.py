@@ -318,55 +318,99 @@ class _Ops(NamedTuple):
                    np.concatenate([codes[o.microbatch] for _, o, codes in stages]))
 
 
-def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
-           ref: "_Reference | None") -> list["Instructions"]:
-    """Every instruction gets a sort key (stage, block, place, tie): block i of a stage holds, in
-    this order, the send FINISHes placed before compute op i (by the op that sent), op i's
-    receive FINISH, its LOAD_INPUT, the op itself, its send START, its FREE_BUFFER, and the
-    receive START of op i + 2 (block -1 posts the receives of ops 0 and 1; block len(order) the
-    last FINISHes). One sort of the keys, over all stages at once, is every instruction list."""
-    ops = _Ops.of(stages)
-    stage, forward, position = ops.stage, ops.forward, ops.position
-    first, last = stage == 0, stage == num_stages - 1
-    rows = np.arange(len(stage))
-    longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
-    parts = []  # (op, micro-batch, peer, recompute, sort key) arrays
+class _Lowering:
+    """Instructions being lowered, each with a sort key (stage, block, place, tie): block i of a
+    stage holds, in this order, the send FINISHes placed before compute op i (by the op that
+    sent), op i's receive FINISH, its LOAD_INPUT, the op itself, its send START, its FREE_BUFFER,
+    and the receive START of op i + 2 (block -1 posts the receives of ops 0 and 1; block
+    len(order) the last FINISHes). Each pass (:data:`_PASSES`) adds one kind of instruction; one
+    sort of the keys, over all stages at once, is then every instruction list."""
 
-    def add(where, op, peer=-1, rc=0, block=None, place=0, tie=0):
-        block = position[where] if block is None else block
-        key = ((stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
-        parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
-                      for c in (op, ops.microbatch[where], peer, rc, key)])
+    def __init__(self, stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int, ref: "_Reference | None"):
+        self.stages, self.num_stages, self.ref = stages, num_stages, ref
+        self.ops = ops = _Ops.of(stages)
+        self.rows = np.arange(len(ops.stage))
+        self.first, self.last = ops.stage == 0, ops.stage == num_stages - 1
+        self.longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
+        self.parts: list[list[np.ndarray]] = []  # (op, micro-batch, peer, recompute, sort key) arrays
 
-    add(rows, np.where(forward, _FORWARD, _BACKWARD), rc=ops.recompute, place=_COMPUTE)
-    add(rows[forward & first], _LOAD_INPUT, place=_LOAD)
-    add(rows[~forward], _FREE_BUFFER, place=_FREE)
-    receives = rows[np.where(forward, ~first, ~last)]
-    start = np.where(forward[receives], _RECV_ACT, _RECV_GRAD)
-    peer = np.where(forward[receives], stage[receives] - 1, stage[receives] + 1)
-    add(receives, start, peer, block=np.maximum(position[receives] - 2, -1), place=_NEXT_RECV_STARTS,
-        tie=position[receives])
-    add(receives, start + 1, peer, place=_RECV_FINISH)
-    sends = rows[np.where(forward, ~last, ~first)]
-    start = np.where(forward[sends], _SEND_ACT, _SEND_GRAD)
-    peer = np.where(forward[sends], stage[sends] + 1, stage[sends] - 1)
-    add(sends, start, peer, place=_SEND_START)
-    if ref is not None:
-        slots = _send_finish_slots(ops, sends, ref)
+    def add(self, where, op, peer=-1, rc=0, block=None, place=0, tie=0) -> None:
+        """Instructions ``op`` for the compute ops ``where`` (rows), in ``block`` (default: the
+        op's own) at ``place`` within it, ordered there by ``tie``."""
+        ops, longest = self.ops, self.longest
+        block = ops.position[where] if block is None else block
+        key = ((ops.stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
+        self.parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
+                           for c in (op, ops.microbatch[where], peer, rc, key)])
+
+    def instruction_lists(self) -> list["Instructions"]:
+        op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in self.parts]) for k in range(5))
+        sort = np.argsort(key, kind="stable")
+        table = np.empty(len(sort), dtype=ROW)
+        table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
+        stage_of_key = key // (7 * self.longest * (self.longest + 1))
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=self.num_stages))])
+        return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in self.stages]
+
+
+def _computes(lowering: _Lowering) -> None:
+    """Every FORWARD and BACKWARD, with its micro-batch's recompute."""
+    ops = lowering.ops
+    lowering.add(lowering.rows, np.where(ops.forward, _FORWARD, _BACKWARD), rc=ops.recompute, place=_COMPUTE)
+
+
+def _loads_and_frees(lowering: _Lowering) -> None:
+    """The first stage loads each forward's input; every backward frees its buffers."""
+    rows, forward = lowering.rows, lowering.ops.forward
+    lowering.add(rows[forward & lowering.first], _LOAD_INPUT, place=_LOAD)
+    lowering.add(rows[~forward], _FREE_BUFFER, place=_FREE)
+
+
+def _receives(lowering: _Lowering) -> None:
+    """A forward's activation (not on the first stage) and a backward's gradient (not on the
+    last) are received: the START two compute ops ahead, the FINISH right before the op."""
+    ops = lowering.ops
+    receives = lowering.rows[np.where(ops.forward, ~lowering.first, ~lowering.last)]
+    forward, stage, position = ops.forward[receives], ops.stage[receives], ops.position[receives]
+    start = np.where(forward, _RECV_ACT, _RECV_GRAD)
+    peer = np.where(forward, stage - 1, stage + 1)
+    lowering.add(receives, start, peer, block=np.maximum(position - 2, -1), place=_NEXT_RECV_STARTS, tie=position)
+    lowering.add(receives, start + 1, peer, place=_RECV_FINISH)
+
+
+def _sends(lowering: _Lowering) -> None:
+    """A forward's activation (not on the last stage) and a backward's gradient (not on the
+    first) are sent: the START right after the op, the FINISH as early as provably safe
+    (module docstring: placement rule)."""
+    ops = lowering.ops
+    sends = lowering.rows[np.where(ops.forward, ~lowering.last, ~lowering.first)]
+    forward, stage = ops.forward[sends], ops.stage[sends]
+    start = np.where(forward, _SEND_ACT, _SEND_GRAD)
+    peer = np.where(forward, stage + 1, stage - 1)
+    lowering.add(sends, start, peer, place=_SEND_START)
+    if lowering.ref is not None:
+        slots = _send_finish_slots(ops, sends, lowering.ref)
     else:  # each stage on its own
         slots = np.empty(len(sends), dtype=np.int64)
-        for s, order, _ in stages:
-            mine = stage[sends] == s
+        for s, order, _ in lowering.stages:
+            mine = stage == s
             if mine.any():
-                slots[mine] = _send_finish_slots_alone(order, position[sends[mine]])
-    add(sends, start + 1, peer, block=slots, place=_SEND_FINISHES, tie=position[sends])
-    op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in parts]) for k in range(5))
-    sort = np.argsort(key, kind="stable")
-    table = np.empty(len(sort), dtype=ROW)
-    table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
-    stage_of_key = key // (7 * longest * (longest + 1))
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=num_stages))])
-    return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in stages]
+                slots[mine] = _send_finish_slots_alone(order, ops.position[sends[mine]])
+    lowering.add(sends, start + 1, peer, block=slots, place=_SEND_FINISHES, tie=ops.position[sends])
+
+
+# Lowering, pass by pass; the deadlock proof (check_deadlock_free) checks what they made.
+_PASSES = (_computes, _loads_and_frees, _receives, _sends)
+
+
+def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
+           ref: "_Reference | None") -> list["Instructions"]:
+    """The instruction lists of ``stages`` ((stage, order, recompute codes by micro-batch id)
+    each), from every pass of :data:`_PASSES`."""
+    lowering = _Lowering(stages, num_stages, ref)
+    for lowering_pass in _PASSES:
+        lowering_pass(lowering)
+    return lowering.instruction_lists()
 
 
 def build_execution_plans(
