@@ -208,7 +208,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
     held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
     held_total, peak = [0.0] * pp, list(state)
     ran: list[Order] = [[] for _ in range(pp)]
-    forwards, backwards = _actions(n)
+    forwards, backwards = actions(n)
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     events: list[Event] = []
@@ -301,9 +301,10 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
 
 
 @functools.lru_cache(maxsize=8)
-def _actions(n: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+def actions(n: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     """Every forward and every backward of n micro-batches, made once: the orders of every
-    candidate and recompute round of a batch share them."""
+    candidate and recompute round of a batch share them (an Action costs several times a
+    plain tuple to make)."""
     return tuple(Action("F", m) for m in range(n)), tuple(Action("B", m) for m in range(n))
 
 

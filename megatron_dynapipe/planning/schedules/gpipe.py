@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from megatron_dynapipe.planning.schedules.base import FixedSchedule
-from megatron_dynapipe.planning.simulator import Order
-from megatron_dynapipe.planning.types import Action
+from megatron_dynapipe.planning.simulator import Order, actions
 
 
 class GPipe(FixedSchedule):
@@ -16,4 +15,5 @@ class GPipe(FixedSchedule):
     searched_by_default = False
 
     def stage_order(self, stage: int, pp: int, n: int) -> Order:
-        return [Action("F", m) for m in range(n)] + [Action("B", m) for m in range(n)]
+        forward, backward = actions(n)
+        return list(forward) + list(backward)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from megatron_dynapipe.planning.schedules.base import FixedSchedule
-from megatron_dynapipe.planning.simulator import Order
-from megatron_dynapipe.planning.types import Action
+from megatron_dynapipe.planning.simulator import Order, actions
 
 
 class OneFOneB(FixedSchedule):
@@ -14,8 +13,9 @@ class OneFOneB(FixedSchedule):
     name = "1f1b"
 
     def stage_order(self, stage: int, pp: int, n: int) -> Order:
+        forward, backward = actions(n)
         warmup = min(pp - stage - 1, n)
-        order = [Action("F", m) for m in range(warmup)]
+        order = list(forward[:warmup])
         for m in range(n - warmup):
-            order += [Action("F", m + warmup), Action("B", m)]
-        return order + [Action("B", m) for m in range(n - warmup, n)]
+            order += (forward[m + warmup], backward[m])
+        return order + list(backward[n - warmup:])
