@@ -31,7 +31,7 @@ ALLOWED = {
     "data": {"config", "planning"},
     "runtime": {"config", "planning", "compat", "gpt", "data"},
     "profiling": {"config", "planning", "compat", "gpt", "runtime", "data", "files", "progress"},
-    "hardware": {"planning", "files"},
+    "hardware": {"config", "planning", "files"},
     "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace", "hardware", "interrupts"},
     "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks", "hardware",
                  "interrupts"},
