@@ -150,7 +150,7 @@ def predicted_megatron_ms(args, rows: list[list[int]], pp: int, dp: int, method:
     import numpy as np
 
     from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
-    from megatron_dynapipe.planning.schedules import one_f_one_b
+    from megatron_dynapipe.planning.schedules import one_f_one_b_orders
     from megatron_dynapipe.planning.simulator import simulate, stage_work
     from megatron_dynapipe.planning.types import MicroBatch
 
@@ -169,7 +169,7 @@ def predicted_megatron_ms(args, rows: list[list[int]], pp: int, dp: int, method:
             else:
                 microbatches = [MicroBatch(tuple(range(len(mb))), seq) for mb in mine]
             work = stage_work(costs, microbatches, np.zeros((pp, len(microbatches)), dtype=int))
-            slowest = max(slowest, simulate(one_f_one_b(work, float("inf")), work).makespan)
+            slowest = max(slowest, simulate(one_f_one_b_orders(pp, len(microbatches)), work).makespan)
         times.append(slowest)
     return times
 
