@@ -10,6 +10,7 @@ concatenate samples into sequences of one fixed length.
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -63,13 +64,14 @@ def split_across_dp(lengths: Sequence[int], dp: int, costs: StageCosts, round_to
     padded = round_up(np.asarray(lengths), round_to)
     per_sample = microbatch_times(costs, 1, padded, RecomputeType.NONE)
     per_sample = np.where(np.isfinite(per_sample), per_sample, padded)  # order only; fit is checked later
-    load = np.zeros(dp)
     ranks: list[list[int]] = [[] for _ in range(dp)]
-    for index in np.argsort(-per_sample, kind="stable"):
-        # Fewest samples first among equally loaded ranks so that no rank is left empty.
-        target = min(range(dp), key=lambda r: (load[r], len(ranks[r])))
-        ranks[target].append(int(index))
-        load[target] += per_sample[index]
+    # the least loaded rank next; among equally loaded ones the fewest samples (so that none is
+    # left empty), then the first
+    heap = [(0.0, 0, r) for r in range(dp)]
+    for index in np.argsort(-per_sample, kind="stable").tolist():
+        load, count, target = heapq.heappop(heap)
+        ranks[target].append(index)
+        heapq.heappush(heap, (load + float(per_sample[index]), count + 1, target))
     return [sorted(r) for r in ranks]
 
 

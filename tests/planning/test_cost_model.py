@@ -630,8 +630,11 @@ def test_analytical_small_microbatches_cost_as_much_as_saturating_ones():
         == pytest.approx(t(16) / 16)
 
 
-def test_all_stages_agrees_with_the_per_stage_queries_and_remembers_read_only_answers(models):
+def test_all_stages_agrees_with_the_per_stage_queries_and_asks_the_model_each_shape_once(models, monkeypatch):
     costs = StageCosts(models[1], num_layers=30, pp=4)
+    asked = []
+    shape_costs = models[1].shape_costs
+    monkeypatch.setattr(models[1], "shape_costs", lambda types, m, s: asked.append(np.size(m)) or shape_costs(types, m, s))
     mbs, seq = np.array([1, 2, 3, 8]), np.array([512, 1000, 2048, 256])
     for rc in R:
         answer = costs.all_stages(mbs, seq, rc)
@@ -640,10 +643,13 @@ def test_all_stages_agrees_with_the_per_stage_queries_and_remembers_read_only_an
             assert answer["backward"][s] == pytest.approx(costs.backward_ms(s, mbs, seq, rc))
             assert answer["stored"][s] == pytest.approx(costs.stored_mb(s, mbs, seq, rc))
             assert answer["peak"][s] == pytest.approx(costs.peak_mb(s, mbs, seq, rc))
-        again = costs.all_stages(mbs.copy(), seq.copy(), rc)  # asked again: answered from memory
-        assert all(np.shares_memory(again[k], answer[k]) for k in answer)
-        with pytest.raises(ValueError):
-            answer["forward"][0, 0] = 0.0  # shared answers cannot be changed by a caller
+        before = len(asked)
+        again = costs.all_stages(mbs[::-1].copy(), seq[::-1].copy(), rc)  # the same shapes: from memory
+        assert len(asked) == before
+        assert all(np.array_equal(again[k], answer[k][:, ::-1]) for k in answer)
+        grown = costs.all_stages(np.array([[2, 5], [5, 1]]), np.array([[1000, 64], [64, 512]]), rc)
+        assert asked[before:] == [1]  # only the new shape, 5 x 64, once
+        assert grown["forward"].shape == (4, 2, 2) and grown["forward"][:, 0, 0] == pytest.approx(answer["forward"][:, 1])
     assert costs.all_stages(mbs[:2], seq[:2], R.NONE)["forward"].shape == (4, 2)  # another query
 
 
@@ -695,3 +701,17 @@ def test_shape_costs_at_once_agree_with_each_quantity_asked_alone(models, rc):
                      else models[2].activation_mb(("stored", "peak")[k - 6], rc, m, s))
             assert value == pytest.approx(alone, rel=1e-12) or (math.isinf(value) and math.isinf(alone))
     assert any(np.isinf(together[0])) and any(np.isfinite(together[0]))  # both regimes were exercised
+
+
+def test_remembered_answers_are_forgotten_at_once_past_their_budget(models, monkeypatch):
+    from megatron_dynapipe.planning.cost_model import stage
+
+    costs = StageCosts(models[1], num_layers=30, pp=4)
+    monkeypatch.setattr(stage, "ELEMENTS_KEPT", 4 * 10)  # ten shapes of one recompute type on 4 stages
+    first = costs.all_stages(np.arange(1, 9), 512, R.NONE)
+    assert first["forward"].shape == (4, 8)
+    more = costs.all_stages(np.arange(1, 9), 1024, R.NONE)  # 16 shapes would pass it: only these 8 are kept
+    memo = costs._answers[(R.NONE,)]
+    assert memo.size == 8 and set(memo.keys.imag) == {1024.0}
+    assert more["forward"][:, 0] == pytest.approx(costs.all_stages(1, 1024, R.NONE)["forward"])
+    np.testing.assert_array_equal(costs.all_stages(np.arange(1, 9), 512, R.NONE)["forward"], first["forward"])

@@ -13,7 +13,7 @@ from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_flo
 
 __all__ = ["StageCosts"]
 
-ANSWERS_KEPT = 256  # StageCosts.all_stages queries remembered (a plan asks a few dozen)
+ELEMENTS_KEPT = 1 << 24  # answers remembered per kind (128 MB of float64 each), then all forgotten at once
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,9 @@ class StageCosts:
     p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
     #: layers of each stage when not split evenly (Megatron-LM's uneven first/last stages)
     layers: Optional[tuple[int, ...]] = None
-    # all_stages answers by query: one plan asks the same micro-batch shapes several times
-    # (recompute choice, candidate orders, work tables), and interpolation dominates small plans.
+    # answers by micro-batch shape: one plan asks the same shapes many times (recompute choice,
+    # candidate orders, work tables, and every DP rank's micro-batching tables), and evaluating
+    # the model dominated planning where the shapes repeat.
     _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -101,21 +102,20 @@ class StageCosts:
     def all_stages(self, mbs, seqlen, recompute) -> dict[str, np.ndarray]:
         """forward/backward ms and stored/peak MB of every stage at once, as read-only
         [pp, *shape] arrays, evaluating each per-layer quantity once instead of once per stage
-        (the planner's hot path); a query asked before is answered from memory."""
+        (the planner's hot path); a shape asked before is answered from memory."""
         return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
 
     def by_recompute(self, mbs, seqlen, types) -> dict[str, np.ndarray]:
         """:meth:`all_stages` under each recompute type of ``types`` in one evaluation, as
         read-only [len(types), pp, *shape] arrays."""
-        mbs, seqlen = np.asarray(mbs), np.asarray(seqlen)
+        mbs, seqlen = np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float)
         types = tuple(as_recompute(rc) for rc in types)
-        key = (types, mbs.dtype.str, mbs.shape, mbs.tobytes(), seqlen.dtype.str, seqlen.shape, seqlen.tobytes())
-        answer = self._answers.get(key)
-        if answer is None:
-            if len(self._answers) >= ANSWERS_KEPT:
-                self._answers.clear()
-            answer = self._answers[key] = self._by_recompute(mbs, seqlen, types)
-        return answer
+        shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
+        # one complex number a shape: numpy sorts and searches them by (mbs, seqlen)
+        keys = (np.broadcast_to(mbs, shape) + 1j * np.broadcast_to(seqlen, shape)).ravel()
+        memo = self._answers.setdefault(types, _ShapeMemo())
+        answers = memo.answers(keys, lambda new: self._by_recompute(new.real, new.imag, types))
+        return {name: values.reshape(values.shape[:2] + shape) for name, values in answers.items()}
 
     def _by_recompute(self, mbs: np.ndarray, seqlen: np.ndarray, types: tuple) -> dict[str, np.ndarray]:
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
@@ -135,8 +135,6 @@ class StageCosts:
             "peak": np.broadcast_to(np.where(is_last, np.maximum(peak, self.model.logits_mb("peak", mbs, seqlen)), peak),
                                     (len(types), self.pp) + shape),
         }
-        for array in out.values():
-            array.flags.writeable = False
         return out
 
     def param_mb(self, stage: int) -> float:
@@ -166,3 +164,46 @@ class StageCosts:
         return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
 
 
+class _ShapeMemo:
+    """A cost model's answers by micro-batch shape (``mbs + 1j * seqlen``): the shapes sorted for
+    search, each with the slot of its answers in stores that grow by doubling. A query evaluates
+    only the shapes never asked before, all at once."""
+
+    def __init__(self):
+        self.keys = np.empty(0, dtype=complex)  # sorted
+        self.slots = np.empty(0, dtype=np.int64)  # of each key, in the stores
+        self.stores: dict[str, np.ndarray] = {}  # name -> [types, pp, capacity]
+        self.size = 0
+
+    def answers(self, keys: np.ndarray, evaluate) -> dict[str, np.ndarray]:
+        """Each answer of ``evaluate`` (of a 1-D array of shapes: name -> [types, pp, shapes]) at
+        ``keys``, [types, pp, len(keys)]."""
+        unique, inverse = np.unique(keys, return_inverse=True)
+        where = np.searchsorted(self.keys, unique)
+        known = where < len(self.keys)
+        known[known] = self.keys[where[known]] == unique[known]
+        if not self.stores or not known.all():
+            per_shape = max((store[..., 0].size for store in self.stores.values()), default=0)
+            if (self.size + len(unique)) * per_shape > ELEMENTS_KEPT:
+                self.__init__()
+                known[:] = False
+            self._add(unique[~known], evaluate(unique[~known]))
+            where = np.searchsorted(self.keys, unique)
+        picked = self.slots[where][inverse.ravel()]
+        return {name: store[..., picked] for name, store in self.stores.items()}
+
+    def _add(self, new: np.ndarray, values: dict) -> None:
+        end = self.size + len(new)
+        for name, value in values.items():
+            store = self.stores.get(name)
+            if store is None or store.shape[-1] < end:
+                grown = np.empty(np.shape(value)[:-1] + (max(end, 2 * (0 if store is None else store.shape[-1]), 64),))
+                if store is not None:
+                    grown[..., :self.size] = store[..., :self.size]
+                self.stores[name] = store = grown
+            store[..., self.size:end] = value
+        keys = np.concatenate([self.keys, new])
+        order = np.argsort(keys, kind="stable")
+        self.keys = keys[order]
+        self.slots = np.concatenate([self.slots, np.arange(self.size, end)])[order]
+        self.size = end
