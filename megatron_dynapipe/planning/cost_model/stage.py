@@ -178,19 +178,23 @@ class _ShapeMemo:
     def answers(self, keys: np.ndarray, evaluate) -> dict[str, np.ndarray]:
         """Each answer of ``evaluate`` (of a 1-D array of shapes: name -> [types, pp, shapes]) at
         ``keys``, [types, pp, len(keys)]."""
-        unique, inverse = np.unique(keys, return_inverse=True)
-        where = np.searchsorted(self.keys, unique)
-        known = where < len(self.keys)
-        known[known] = self.keys[where[known]] == unique[known]
+        where = np.searchsorted(self.keys, keys)
+        known = self._known(keys, where)
         if not self.stores or not known.all():
+            new = np.unique(keys[~known])
             per_shape = max((store[..., 0].size for store in self.stores.values()), default=0)
-            if (self.size + len(unique)) * per_shape > ELEMENTS_KEPT:
+            if (self.size + len(new)) * per_shape > ELEMENTS_KEPT:
                 self.__init__()
-                known[:] = False
-            self._add(unique[~known], evaluate(unique[~known]))
-            where = np.searchsorted(self.keys, unique)
-        picked = self.slots[where][inverse.ravel()]
+                new = np.unique(keys)
+            self._add(new, evaluate(new))
+            where = np.searchsorted(self.keys, keys)
+        picked = self.slots[where]
         return {name: store[..., picked] for name, store in self.stores.items()}
+
+    def _known(self, keys: np.ndarray, where: np.ndarray) -> np.ndarray:
+        known = where < len(self.keys)
+        known[known] = self.keys[where[known]] == keys[known]
+        return known
 
     def _add(self, new: np.ndarray, values: dict) -> None:
         end = self.size + len(new)
