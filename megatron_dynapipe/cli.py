@@ -102,12 +102,12 @@ def _pricing(args) -> tuple:
     """(cost model, layers, memory limit MB) of the plan command's flags: ``--cost-model`` (or the
     analytical GPT-6.7B), or ``--model`` on ``--hardware``'s roofline."""
     priced = pricing_from_args(args, args.tp)
-    num_layers = args.num_layers or (priced.num_layers if priced else 32)
+    num_layers = args.num_layers or (priced.num_layers if priced else TrainingSpec.num_layers)
     split = layers_problem(num_layers, args.pp, pp_name="--pp")
     if split:
         raise ValueError(split)
     if priced is None:
-        return args.cost_model, num_layers, args.memory_limit or 36_000.0
+        return args.cost_model, num_layers, args.memory_limit or TrainingSpec.memory_limit_mb
     return priced.cost_model, num_layers, args.memory_limit or priced.memory_limit_mb
 
 

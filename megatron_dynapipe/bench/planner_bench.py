@@ -84,7 +84,7 @@ def run(args) -> int:
     tight = args.memory_limit == TIGHT
     priced = pricing_from_args(args, args.tp)
     model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
-    default_limit = priced.memory_limit_mb if priced else 36_000.0
+    default_limit = priced.memory_limit_mb if priced else TrainingSpec.memory_limit_mb
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
                         dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
                         else default_limit, packing=args.packing)

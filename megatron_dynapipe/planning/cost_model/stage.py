@@ -100,7 +100,7 @@ class StageCosts:
         return peak
 
     def all_stages(self, mbs, seqlen, recompute) -> dict[str, np.ndarray]:
-        """forward/backward ms and stored/peak MB of every stage at once, as read-only
+        """forward/backward ms and stored/peak MB of every stage at once, as
         [pp, *shape] arrays, evaluating each per-layer quantity once instead of once per stage
         (the planner's hot path); a shape asked before is answered from memory."""
         return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
