@@ -142,6 +142,14 @@ def _thd_row(sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len
     return MicroBatch(samples, len(sequences) * seq_len, tuple(int(lengths[i]) for i in samples))
 
 
+def fixed_shape_run(costs: StageCosts, num_sequences: int, microbatch_size: int, seq_len: int,
+                    recompute: RecomputeType, memory_limit_mb: float = math.inf) -> "UniformRun | None":
+    """Megatron's step at one setting: ``num_sequences`` sequences of ``seq_len`` tokens on the
+    busiest data-parallel rank, ``microbatch_size`` a micro-batch, 1F1B, ``recompute`` throughout."""
+    return _simulate_uniform(uniform_microbatches(num_sequences, microbatch_size, seq_len), costs, recompute,
+                             memory_limit_mb)
+
+
 def uniform_microbatches(num_sequences: int, microbatch_size: int, seq_len: int) -> list[MicroBatch]:
     """Sequences 0..n-1 in order, `microbatch_size` at a time (the last micro-batch may be smaller)."""
     return [MicroBatch(tuple(range(i, min(i + microbatch_size, num_sequences))), seq_len)

@@ -82,3 +82,49 @@ def read_lengths(path: str | Path) -> list[int]:
     if not isinstance(values, list):
         raise ValueError(f"{path} holds a JSON {type(values).__name__}, not a list of lengths: {fix}")
     return check_lengths(values, str(path))
+
+
+class LengthSource:
+    """Where a sizing run's samples come from: the lengths in a file (drawn with replacement) or
+    a documented mix (:func:`synthetic_lengths`). ``label`` names it in reports."""
+
+    def __init__(self, label: str, *, pool: Sequence[int] | None = None, mix: str | None = None):
+        if (pool is None) == (mix is None):
+            raise ValueError("a length source is a pool of lengths or a mix, one of the two")
+        if mix is not None and mix not in MIXES:
+            raise ValueError(f"unknown length mix {mix!r}: choose from {', '.join(MIXES)}")
+        self.label, self.mix = label, mix
+        self.pool = None if pool is None else np.asarray(check_lengths(pool, label))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "LengthSource":
+        return cls(str(path), pool=read_lengths(path))
+
+    @classmethod
+    def from_mix(cls, mix: str) -> "LengthSource":
+        return cls(f"the {mix} mix", mix=mix)
+
+    def batches(self, tokens: int, cap: int, count: int, seed: int = 0) -> list[list[int]]:
+        """``count`` global batches of exactly ``tokens`` tokens each: samples drawn in turn,
+        each clipped to ``cap`` (the longest sequence the job takes), the last cut to the budget.
+        Batch ``i`` depends on ``seed`` and ``i`` alone."""
+        return [self._batch(tokens, cap, np.random.default_rng([seed, i])) for i in range(count)]
+
+    def _batch(self, tokens: int, cap: int, rng: np.random.Generator) -> list[int]:
+        drawn: list[int] = []
+        total, chunk = 0, 256
+        while total < tokens:
+            lengths = np.minimum(self._draw(chunk, rng), cap)
+            drawn.extend(lengths.tolist())
+            total += int(lengths.sum())
+            chunk = int((tokens - total) / max(1.0, total / len(drawn)) * 1.1) + 16
+        ends = np.cumsum(drawn)
+        last = int(np.searchsorted(ends, tokens))  # the sample that reaches the budget
+        batch = drawn[:last + 1]
+        batch[-1] -= int(ends[last]) - tokens
+        return batch
+
+    def _draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.pool is not None:
+            return rng.choice(self.pool, n)
+        return np.asarray(synthetic_lengths(n, int(rng.integers(2**32)), self.mix))

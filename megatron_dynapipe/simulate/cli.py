@@ -13,11 +13,13 @@ from megatron_dynapipe.files import check_output_folder, write_atomically
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_code, interrupted
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
+from megatron_dynapipe.planning.samples import MIXES, LengthSource
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
+from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search
-from megatron_dynapipe.simulate.search_report import format_search, plot_search
+from megatron_dynapipe.simulate.search_report import format_methods, format_search, plot_methods, plot_search
 
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
@@ -123,6 +125,20 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--num-virtual-stages-per-pipeline-rank", dest="virtual_stages", action=ListAction,
                        type=positive_int_argument, metavar="V",
                        help="model chunks per pipeline rank, 1 for plain 1F1B (default 1 2 4, where they divide)")
+    data = p.add_argument_group("on your data: methods as a dimension (docs/simulate.md, \"On your data\")")
+    source = data.add_mutually_exclusive_group()
+    source.add_argument("--lengths", metavar="FILE",
+                        help="sample lengths (a JSON list, or one a line) from which global batches are drawn")
+    source.add_argument("--mix", choices=MIXES, help="draw the samples from a documented length mix instead")
+    data.add_argument("--method", action=ListAction, metavar="NAME",
+                      help=f"{', '.join(METHODS)} or all (default all, given --lengths or --mix)")
+    data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
+                      help="global batches drawn, each of global batch x seq-length tokens (default 8)")
+    data.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn batches (default 0)")
+    data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
+                      help="price the methods at the N fastest traced layouts a planner runs: one model chunk a "
+                           "rank, no context parallelism (default 4; half the traced shapes are such layouts)")
+    data.add_argument("--fast-mode", action="store_true", help="DynaPipe plans in fast mode")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "
@@ -131,7 +147,7 @@ def add_search_parser(sub) -> None:
                      help="traces, search.json and search.png go here; traces found here are reused (default search)")
     run.add_argument("--top", type=int, default=10, metavar="N", help="layouts in the table (default 10)")
     run.add_argument("--jobs", "-j", type=int, metavar="N",
-                     help="ranks traced, then shapes simulated, at once (default: one per core)")
+                     help="ranks traced, then shapes simulated, then batches priced, at once (default: one per core)")
     run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress bars (on a terminal) or lines (elsewhere, every 30 s)")
@@ -150,6 +166,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
     for flag in ("top", "max_traced"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    source, methods = data_from_args(args)
     model = model_from_args(args, default=DEFAULT_MODEL)
     space = SearchSpace(model=model, world_size=args.world_size, global_batch_size=args.global_batch_size,
                         seq_length=args.seq_length or model.max_sequence_length, hardware=hardware, dtype=args.dtype,
@@ -160,7 +177,11 @@ def run_search_cli(args: argparse.Namespace) -> int:
     out = check_output_folder(args.output_dir, "--output-dir")
     try:
         result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
-                            progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
+                            progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr),
+                            plannable_shapes=-(-args.max_traced // 2) if source else 0)
+        on_data = source and price_methods(space, result, source, methods, batches=args.batches, seed=args.seed,
+                                           layouts=args.method_layouts, fast_mode=args.fast_mode, jobs=args.jobs,
+                                           progress=not args.no_progress)
     except KeyboardInterrupt:
         result = None
     if result is None or interrupted() is not None:  # no ranking of what was traced so far: it would read as the answer
@@ -170,8 +191,24 @@ def run_search_cli(args: argparse.Namespace) -> int:
     document = result.to_json()
     document.update(memory_headroom=args.memory_headroom, usable_memory_gib=hardware.memory_gib)
     document["plot"] = str(plot_search(result, out / "search.png"))
+    text = format_search(result, args.top)
+    if on_data:
+        document["on_data"] = on_data.to_json()
+        document["on_data"]["plot"] = str(plot_methods(on_data, out / "methods.png"))
+        text += "\n\n" + format_methods(on_data) + f"\n  real tokens/s by method: {document['on_data']['plot']}"
     document["json"] = str(out / "search.json")
     write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n")
-    print(json.dumps(document) if args.json else format_search(result, args.top)
+    print(json.dumps(document) if args.json else text
           + f"\n\nall candidates: {document['json']}\ntime against memory: {document['plot']}")
     return 0
+
+
+def data_from_args(args: argparse.Namespace):
+    """(the length source, the methods) of ``--lengths``/``--mix`` and ``--method``; (None, ())
+    without data. Checked before any work."""
+    if not (args.lengths or args.mix):
+        if args.method:
+            raise ValueError("--method prices methods on your data: give --lengths FILE or --mix NAME too")
+        return None, ()
+    source = LengthSource.from_file(args.lengths) if args.lengths else LengthSource.from_mix(args.mix)
+    return source, parse_methods(args.method or ["all"])

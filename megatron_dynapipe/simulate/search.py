@@ -425,10 +425,12 @@ class SearchResult:
 
 
 def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int = 12, jobs: Optional[int] = None,
-               progress: bool = True, say: Callable[[str], None] = lambda line: None) -> SearchResult:
+               progress: bool = True, say: Callable[[str], None] = lambda line: None,
+               plannable_shapes: int = 0) -> SearchResult:
     """Enumerate, prune and rank by estimate, trace ``max_traced`` (TP, PP, CP, micro-batch)
-    shapes -- the best-estimated, the rule of thumb's among them (in place of the last) from two
-    up -- and simulate their variants."""
+    shapes -- the best-estimated, at least ``plannable_shapes`` of them among those a planner
+    runs (one model chunk a rank, no context parallelism), the rule of thumb's among them (in
+    place of the last) from two up -- and simulate their variants."""
     if max_traced < 1:
         raise SearchError(f"--max-traced must be at least 1, got {max_traced}")
     candidates = enumerate_candidates(space)
@@ -451,7 +453,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
         raise SearchError(f"no layout fits {space.hardware.memory_gib:g} GiB per GPU: the smallest, "
                           f"{smallest.candidate.describe()}, needs {smallest.estimate.memory_bytes / 2**30:.1f} GiB; "
                           "use more GPUs, a shorter --seq-length or hardware with more memory")
-    keys = list(dict.fromkeys(o.candidate.trace_key for o in kept))[:max_traced]
+    keys = _shapes_to_trace([o.candidate.trace_key for o in kept], max_traced, plannable_shapes)
     if rule is not None and rule.trace_key not in keys and max_traced > 1:
         keys[max_traced - 1:] = [rule.trace_key]
     say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
@@ -461,6 +463,14 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
                      result)
     _simulate(space, result, folders, rule, progress, jobs)
     return result
+
+
+def _shapes_to_trace(keys: list[tuple], count: int, plannable: int) -> list[tuple]:
+    """The first ``count`` of ``keys`` (best-estimated first), the first ``plannable`` of those
+    with one model chunk a rank and no context parallelism among them."""
+    keys = list(dict.fromkeys(keys))
+    flat = [k for k in keys if k[2] == 1 and k[5] == 1][:min(plannable, count)]
+    return flat + [k for k in keys if k not in flat][:count - len(flat)]
 
 
 def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models: dict[int, CostModel], jobs,

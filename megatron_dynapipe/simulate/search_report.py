@@ -1,5 +1,6 @@
 """What a layout search says: the top layouts as a table, the rule of thumb's slowdown, and a
-picture of predicted time against memory for every candidate."""
+picture of predicted time against memory for every candidate; on the user's data, each method's
+best layout and real tokens/s, and a picture of them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 from pathlib import Path
 
 from megatron_dynapipe.files import atomic_path
+from megatron_dynapipe.simulate.methods import METHODS, MethodsResult
 from megatron_dynapipe.simulate.search import Outcome, SearchResult
 
-__all__ = ["format_search", "plot_search"]
+__all__ = ["format_search", "plot_search", "format_methods", "plot_methods"]
 
 _RECOMPUTE_COLOURS = {"none": "#4C72B0", "selective": "#55A868", "full": "#DD8452"}
 
@@ -90,3 +92,66 @@ def plot_search(result: SearchResult, path: "str | os.PathLike") -> Path:
         fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
     return Path(path)
+
+
+def format_methods(result: MethodsResult) -> str:
+    """Each method's best layout, its step time (mean and p95 over the batches), real tokens/s
+    and peak memory; then, at every layout priced, DynaPipe's gain over THD packing."""
+    samples = f"{min(result.samples)}-{max(result.samples)}" if len(set(result.samples)) > 1 else str(result.samples[0])
+    lines = [f"On your data ({result.source}): {len(result.samples)} batches of {result.tokens:,} tokens "
+             f"({samples} samples), {len(result.layouts())} layouts priced in {result.seconds:.0f} s",
+             f"  {'method':<22} {'step s (mean, p95)':>19} {'real tokens/s':>14} {'mem GiB':>8}  best layout, setting"]
+    for method in result.methods:
+        best = result.best(method)
+        if best is None:
+            errors = {s.error for s in result.steps if s.method == method and s.error}
+            lines.append(f"  {METHODS[method]:<22} {'-':>19} {'-':>14} {'-':>8}  "
+                         + ("; ".join(sorted(errors)) if errors else "no layout priced"))
+            continue
+        lines.append(f"  {METHODS[method]:<22} {best.mean_s:>9.4g} {best.p95_s:>9.4g} {result.tokens / best.mean_s:>14,.0f} "
+                     f"{best.peak_memory_gib:>8.1f}  {_short(best.candidate)}, {best.setting}")
+    gains = []
+    for method in ("dynapipe", "dynapipe-varlen"):
+        for c in result.layouts():
+            ours, thd = result.at(method, c), result.at("thd", c)
+            if ours and thd and ours.ok and thd.ok:
+                gains.append(f"{METHODS[method]} {_short(c)} {thd.mean_s / ours.mean_s:.2f}x")
+    if gains:
+        lines.append("  over THD packing at the same layout: " + ", ".join(gains))
+    return "\n".join(lines)
+
+
+def plot_methods(result: MethodsResult, path: "str | os.PathLike") -> Path:
+    """Real tokens/s of every method at every layout priced (mean over the batches, the bar's
+    line spanning the slowest to the fastest batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = result.layouts()
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(layouts) + 2), 4.5))
+    width = 0.8 / max(1, len(result.methods))
+    for i, method in enumerate(result.methods):
+        xs, mean, low, high = [], [], [], []
+        for x, c in enumerate(layouts):
+            step = result.at(method, c)
+            if step is not None and step.ok:
+                rates = [result.tokens / s for s in step.step_s]
+                xs.append(x + (i - (len(result.methods) - 1) / 2) * width)
+                mean.append(result.tokens / step.mean_s)
+                low.append(max(0.0, mean[-1] - min(rates)))  # equal steps: rounding, not a spread
+                high.append(max(0.0, max(rates) - mean[-1]))
+        ax.bar(xs, mean, width, yerr=[low, high], capsize=2, label=METHODS[method])
+    ax.set_xticks(range(len(layouts)), [_short(c) for c in layouts], fontsize=8)
+    ax.set(ylabel="real tokens/s", title=f"{len(result.samples)} batches of {result.source}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return Path(path)
+
+
+def _short(c) -> str:
+    return f"TP{c.tp} PP{c.pp} DP{c.dp}" + (" dist-opt" if c.distributed_optimizer else "")

@@ -1,0 +1,267 @@
+"""Methods as a dimension of a search: how the best traced layouts would train on the user's own
+data (docs/simulate.md, "On your data").
+
+A search given data (``--lengths FILE`` or ``--mix NAME``) draws ``batches`` global batches from
+it, each of exactly ``global batch x seq-length`` tokens (what the fixed-shape step trains on),
+and prices each method on them at the best traced layouts a planner can run (one model chunk a
+rank, no context parallelism):
+
+* ``megatron``: Megatron's fixed shapes, its GPT data path: the samples back to back, cut into
+  windows of ``seq-length`` tokens that attend across documents. The traced step, as simulated.
+* ``thd``: the same windows without attention across documents (THD packing): each
+  data-parallel rank's windows in rows of k, 1F1B, the k and uniform recompute of the fastest
+  run that fits (:func:`~megatron_dynapipe.planning.baselines.thd_packing_rows`).
+* ``dynapipe`` and ``dynapipe-varlen``: the planner on each batch (padded, or packed THD
+  micro-batches), every data-parallel rank planned; a step is its slowest rank's.
+
+Where a method differs from the traced step is the pipeline, so a method's step is the
+pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
+plus what the trace holds besides it: the traced iteration less the planner's simulation of
+the traced layout's own fixed-shape 1F1B (the gradient reduction, the optimizer step, and
+whatever else the replay prices that the planner's stage costs do not).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from megatron_dynapipe.planning.baselines import fixed_shape_run, thd_packing_rows
+from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
+from megatron_dynapipe.planning.samples import LengthSource
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.interrupts import default_signals
+from megatron_dynapipe.progress import progress_bar
+from megatron_dynapipe.simulate.search import Candidate, Outcome, SearchResult, SearchSpace
+from megatron_dynapipe.tracer.batch_run import available_cores
+from megatron_dynapipe.tracer.isolation import rank_start_method
+
+__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "plannable", "price_methods", "windows"]
+
+#: what each method is called in reports
+METHODS = {"megatron": "Megatron fixed shapes", "thd": "THD packing", "dynapipe": "DynaPipe",
+           "dynapipe-varlen": "DynaPipe varlen"}
+
+
+def parse_methods(values: Sequence[str]) -> tuple[str, ...]:
+    """``--method`` values: names of :data:`METHODS`, or ``all``."""
+    if "all" in values:
+        return tuple(METHODS)
+    unknown = [v for v in values if v not in METHODS]
+    if unknown or not values:
+        raise ValueError(f"--method {','.join(unknown) or '(none)'}: choose from {', '.join(METHODS)}, or all")
+    return tuple(dict.fromkeys(values))
+
+
+def plannable(candidate: Candidate) -> bool:
+    """A layout the planner runs: one model chunk a pipeline rank, no context parallelism."""
+    return candidate.virtual_stages == 1 and candidate.cp == 1
+
+
+def windows(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[list[int]]]:
+    """The samples back to back, cut into windows of ``seq_length`` tokens, as Megatron's GPT
+    data path cuts documents: (the pieces' lengths, each window's piece indices). The last
+    window may be short."""
+    pieces, out, room = [], [[]], seq_length
+    for length in lengths:
+        while length:
+            if not room:
+                out.append([])
+                room = seq_length
+            piece = min(length, room)
+            out[-1].append(len(pieces))
+            pieces.append(piece)
+            length, room = length - piece, room - piece
+    return pieces, out
+
+
+@dataclass
+class MethodStep:
+    """One method at one traced layout, on every drawn batch. The planned methods and THD
+    packing choose their own micro-batches and recompute (``setting``); ``candidate`` gives
+    the layout's TP, PP, DP and optimizer."""
+    method: str
+    candidate: Candidate
+    step_s: list[float] = field(default_factory=list)  # per batch; empty where it failed
+    peak_memory_gib: float = 0.0
+    setting: str = ""
+    planning_s: float = 0.0
+    error: Optional[str] = None
+
+    def add(self, batch: int, priced: "_Priced") -> None:
+        """One batch's pricing (batches arrive in order); the first failure ends the method here."""
+        if self.error is not None:
+            return
+        if priced.error is not None:
+            self.error, self.step_s = priced.error, []
+            return
+        self.step_s.append((priced.pipeline_ms + priced.rest_ms) / 1e3)
+        self.peak_memory_gib = max(self.peak_memory_gib, priced.peak_mb / 1024)
+        self.setting = priced.setting
+        self.planning_s += priced.seconds
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.step_s)
+
+    @property
+    def mean_s(self) -> float:
+        return float(np.mean(self.step_s)) if self.ok else math.inf
+
+    @property
+    def p95_s(self) -> float:
+        return float(np.percentile(self.step_s, 95)) if self.ok else math.inf
+
+    def to_json(self, tokens: int) -> dict[str, Any]:
+        c = self.candidate
+        out = {"method": self.method, "tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "virtual_stages":
+               c.virtual_stages, "distributed_optimizer": c.distributed_optimizer, "layout": c.describe(),
+               "setting": self.setting, "error": self.error}
+        if self.ok:
+            out.update(step_s=self.step_s, mean_step_s=self.mean_s, p95_step_s=self.p95_s,
+                       real_tokens_per_s=tokens / self.mean_s, peak_memory_gib=self.peak_memory_gib,
+                       planning_s_per_batch=self.planning_s / len(self.step_s))
+        return out
+
+
+@dataclass
+class MethodsResult:
+    source: str
+    methods: tuple[str, ...]
+    tokens: int  # every batch's, every method trains the same tokens
+    samples: list[int]  # per batch
+    fast_mode: bool
+    steps: list[MethodStep]
+    seconds: float = 0.0
+
+    def best(self, method: str) -> Optional[MethodStep]:
+        """The method's fastest layout, by mean step time over the batches."""
+        done = [s for s in self.steps if s.method == method and s.ok]
+        return min(done, key=lambda s: (s.mean_s, s.candidate)) if done else None
+
+    def at(self, method: str, candidate: Candidate) -> Optional[MethodStep]:
+        return next((s for s in self.steps if s.method == method and s.candidate == candidate), None)
+
+    def layouts(self) -> list[Candidate]:
+        return list(dict.fromkeys(s.candidate for s in self.steps))
+
+    def to_json(self) -> dict[str, Any]:
+        best = {m: (b.to_json(self.tokens) if (b := self.best(m)) else None) for m in self.methods}
+        return {"source": self.source, "methods": list(self.methods), "tokens_per_batch": self.tokens,
+                "samples_per_batch": self.samples, "fast_mode": self.fast_mode, "seconds": self.seconds,
+                "best": best, "steps": [s.to_json(self.tokens) for s in self.steps]}
+
+
+def representatives(result: SearchResult, count: int) -> list[Outcome]:
+    """The fastest simulated layout that fits of each (TP, PP, DP, optimizer) a planner runs, the
+    ``count`` fastest of them: the layouts the methods are priced at."""
+    best: dict[tuple, Outcome] = {}
+    for o in result.ranked():
+        c = o.candidate
+        if plannable(c):
+            best.setdefault((c.tp, c.pp, c.dp, c.distributed_optimizer), o)
+    return list(best.values())[:count]
+
+
+def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource, methods: Sequence[str], *,
+                  batches: int = 8, seed: int = 0, layouts: int = 4, fast_mode: bool = False,
+                  jobs: Optional[int] = None, progress: bool = True) -> MethodsResult:
+    """Each method on ``batches`` batches drawn from ``source``, at the ``layouts`` best traced
+    layouts a planner runs (:func:`representatives`); the batches are priced ``jobs`` at a time
+    (default one per core), each worker remembering its layouts' cost-model answers."""
+    started = time.perf_counter()
+    tokens = space.global_batch_size * space.seq_length
+    drawn = source.batches(tokens, space.seq_length, batches, seed)
+    out = MethodsResult(source.label, tuple(methods), tokens, [len(b) for b in drawn], fast_mode, [])
+    chosen = representatives(result, layouts)
+    steps = {(i, m): MethodStep(m, o.candidate) for i, o in enumerate(chosen) for m in methods}
+    for (i, method), step in steps.items():
+        if method == "megatron":
+            c, r = chosen[i].candidate, chosen[i].report
+            step.step_s, step.peak_memory_gib = [r.iteration_s] * batches, r.peak_memory_gib
+            step.setting = f"mbs {c.micro_batch_size} x {c.num_microbatches}, recompute {c.recompute}"
+    todo = [(i, m, b) for (i, m) in steps if m != "megatron" for b in range(batches)]
+    workers = max(1, min(jobs or available_cores(), len(todo)))
+    context = multiprocessing.get_context(rank_start_method())
+    with progress_bar(progress, sys.stderr) as bar, context.Pool(
+            workers, initializer=_start_worker, initargs=(space, chosen, drawn, fast_mode)) as pool:
+        task = bar.add_task("pricing methods on your data", total=len(todo))
+        for (i, method, b), priced in zip(todo, pool.imap(_price, todo)):
+            steps[i, method].add(b, priced)
+            bar.advance(task)
+    out.steps = list(steps.values())
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """One method on one batch at one layout."""
+    pipeline_ms: float = math.nan
+    rest_ms: float = 0.0
+    peak_mb: float = 0.0
+    setting: str = ""
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+_WORKER: dict[str, Any] = {}  # a pricing worker's search space, layouts, batches, and their _Layouts so far
+
+
+def _start_worker(space: SearchSpace, chosen: list[Outcome], drawn: list[list[int]], fast_mode: bool) -> None:
+    default_signals()
+    _WORKER.update(space=space, chosen=chosen, drawn=drawn, fast_mode=fast_mode, layouts={})
+
+
+def _price(todo: tuple[int, str, int]) -> _Priced:
+    i, method, b = todo
+    layouts = _WORKER["layouts"]
+    if i not in layouts:
+        layouts[i] = _Layout(_WORKER["space"], _WORKER["chosen"][i])
+    return layouts[i].price(method, _WORKER["drawn"][b], _WORKER["fast_mode"])
+
+
+class _Layout:
+    """One traced layout seen by the planner: its stage costs, memory limit and the non-pipeline
+    time its trace holds."""
+
+    def __init__(self, space: SearchSpace, outcome: Outcome):
+        c = outcome.candidate
+        self.space, self.candidate = space, c
+        self.costs = StageCosts(space.cost_model_for(c.tp), num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
+                                zero_stage=1 if c.distributed_optimizer else 0)
+        self.memory_limit_mb = space.hardware.memory_gib * 1024
+        fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
+                                space.seq_length, RecomputeType.parse(c.recompute))
+        self.rest_ms = 1e3 * outcome.report.iteration_s - fixed.makespan
+
+    def price(self, method: str, lengths: list[int], fast_mode: bool) -> _Priced:
+        """One batch's pipeline time by ``method``, what the trace adds to it, and its peak."""
+        started = time.perf_counter()
+        if method == "thd":
+            pieces, rows = windows(lengths, self.space.seq_length)
+            found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb)
+            if found is None:
+                return _Priced(error="does not fit at any rows of windows and recompute")
+            k = found.per_rank[0][0].seq_len // self.space.seq_length
+            return _Priced(found.makespan_ms, self.rest_ms, max(found.stage_peak_mb),
+                           f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
+                           time.perf_counter() - started)
+        spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
+                            dp=self.candidate.dp, zero_stage=self.costs.zero_stage,
+                            memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
+                            packing="varlen" if method == "dynapipe-varlen" else "pad")
+        try:
+            plan = generate_execution_plan(lengths, spec, self.costs)
+        except PlanningError as error:
+            return _Priced(error=str(error).splitlines()[0])
+        return _Priced(plan.makespan_ms, self.rest_ms, float(plan.peak_memory_mb.max()),
+                       "planned" + (", fast mode" if fast_mode else ""), time.perf_counter() - started)

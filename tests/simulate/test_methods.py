@@ -1,0 +1,128 @@
+"""A search on the user's data: batches drawn to an exact token budget, Megatron's windows, and
+each method's step put together from the planner and the trace -- checked against identities
+that hold whatever the cost model says, and end to end on fake-rank traces of the tiny GPT."""
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_dynapipe.cli import main
+from megatron_dynapipe.planning.samples import LengthSource
+from megatron_dynapipe.simulate.methods import METHODS, parse_methods, windows
+from megatron_dynapipe.simulate.search import _shapes_to_trace
+
+# -- drawing batches --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [LengthSource.from_mix("multitask"), LengthSource("pool", pool=[5, 900, 37])])
+def test_each_drawn_batch_holds_exactly_the_token_budget_of_samples_no_longer_than_the_cap(source):
+    batches = source.batches(tokens=10_000, cap=512, count=5, seed=3)
+    assert len(batches) == 5
+    for batch in batches:
+        assert sum(batch) == 10_000 and min(batch) >= 1 and max(batch) <= 512
+    assert batches == source.batches(tokens=10_000, cap=512, count=5, seed=3)  # the seed alone decides
+    assert batches[0] != batches[1] and batches != source.batches(tokens=10_000, cap=512, count=5, seed=4)
+
+
+def test_a_pool_is_drawn_from_its_own_lengths_clipped_to_the_cap():
+    batch = LengthSource("pool", pool=[5, 900, 37]).batches(tokens=100_000, cap=512, count=1)[0]
+    assert set(batch[:-1]) == {5, 512, 37}  # the last sample is cut to the budget
+    shares = np.bincount([{5: 0, 512: 1, 37: 2}[n] for n in batch[:-1]]) / (len(batch) - 1)
+    assert shares == pytest.approx([1 / 3] * 3, abs=0.05)  # with replacement, each as likely
+
+
+def test_a_lengths_file_and_a_mix_are_checked_before_anything_runs(tmp_path):
+    bad = tmp_path / "lengths.txt"
+    bad.write_text("12\n0\n")
+    with pytest.raises(ValueError, match="integer lengths"):
+        LengthSource.from_file(bad)
+    with pytest.raises(ValueError, match="unknown length mix 'zipf'"):
+        LengthSource.from_mix("zipf")
+
+
+def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cuts_documents():
+    pieces, rows = windows([300, 50, 700, 10], 256)
+    assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 36]
+    assert pieces == [256, 44, 50, 162, 256, 256, 26, 10]  # a document continues where the last window ended
+    assert [i for row in rows for i in row] == list(range(len(pieces)))
+
+
+# -- choosing what to trace and price ----------------------------------------------------------
+
+
+def test_at_least_the_asked_share_of_traced_shapes_is_one_a_planner_runs():
+    # (tp, pp, cp, mbs, sp, chunks), best-estimated first: interleaved and CP shapes lead
+    keys = [(8, 16, 1, 1, True, 2), (8, 16, 2, 1, True, 2), (8, 8, 1, 1, True, 4), (8, 16, 1, 1, True, 1),
+            (8, 16, 2, 1, True, 1), (8, 8, 1, 2, True, 1), (4, 16, 1, 1, True, 1)]
+    assert _shapes_to_trace(keys, 4, 0) == keys[:4]
+    picked = _shapes_to_trace(keys, 4, 2)
+    assert len(picked) == 4 and set(picked) == {keys[3], keys[5], keys[0], keys[1]}
+    assert _shapes_to_trace(keys, 2, 5) == [keys[3], keys[5]]
+
+
+def test_methods_are_named_or_all():
+    assert parse_methods(["all"]) == tuple(METHODS)
+    assert parse_methods(["thd", "dynapipe", "thd"]) == ("thd", "dynapipe")
+    with pytest.raises(ValueError, match="--method padded: choose from megatron, thd"):
+        parse_methods(["padded"])
+
+
+# -- end to end on the tiny GPT ------------------------------------------------------------------
+
+
+def _search(tmp_path, capsys, *extra):
+    argv = ["search", "--model", "tiny", "--output-dir", str(tmp_path / "out"), "--no-progress", "--json", *extra]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_where_every_sample_fills_a_window_alone_every_method_takes_the_traced_step(tmp_path, capsys):
+    # One sample of the full 256 tokens per data-parallel rank: Megatron's window, THD's row of one
+    # window, and the planner's one micro-batch are the same micro-batch, priced the same (a packed
+    # row of one sample costs what that sample padded costs), so whatever the cost model says,
+    # each method's step is the traced one -- if the planner's pipeline and what the trace holds
+    # besides it are put together right.
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("256\n" * 10)
+    document = _search(tmp_path, capsys, "--world-size", "4", "--global-batch-size", "2", "--tp", "1", "--pp", "2",
+                       "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+                       "--num-virtual-stages-per-pipeline-rank", "1", "--max-traced", "1", "--lengths", str(lengths),
+                       "--batches", "2")
+    data = document["on_data"]
+    assert data["tokens_per_batch"] == 2 * 256 and data["samples_per_batch"] == [2, 2]
+    traced = document["best"]["iteration_s"]
+    for method in METHODS:
+        best = data["best"][method]
+        assert best["step_s"] == pytest.approx([traced, traced], rel=1e-9), method
+        assert best["real_tokens_per_s"] == pytest.approx(512 / traced, rel=1e-9)
+        assert (best["tp"], best["pp"], best["dp"]) == (1, 2, 2)
+
+
+def test_a_search_on_a_mix_prices_every_method_at_layouts_a_planner_runs(tmp_path, capsys):
+    document = _search(tmp_path, capsys, "--world-size", "8", "--global-batch-size", "16", "--max-traced", "4",
+                       "--recompute", "none", "--mix", "multitask", "--batches", "3", "--method-layouts", "2")
+    data = document["on_data"]
+    assert data["methods"] == list(METHODS) and len(data["samples_per_batch"]) == 3
+    assert data["tokens_per_batch"] == 16 * 256
+    layouts = {(s["tp"], s["pp"], s["dp"], s["distributed_optimizer"]) for s in data["steps"]}
+    assert len(layouts) == 2 and all(s["cp"] == 1 and s["virtual_stages"] == 1 for s in data["steps"])
+    for step in data["steps"]:
+        assert step["error"] is None and len(step["step_s"]) == 3
+        assert step["mean_step_s"] == pytest.approx(np.mean(step["step_s"]))
+        assert step["real_tokens_per_s"] == pytest.approx(16 * 256 / step["mean_step_s"])
+    for method, best in data["best"].items():  # each method's best is its fastest layout
+        assert best["mean_step_s"] == min(s["mean_step_s"] for s in data["steps"] if s["method"] == method)
+    simulated = {c["iteration_s"] for c in document["candidates"] if c["status"] == "simulated"}
+    for step in data["steps"]:  # Megatron's step at a layout is its traced, simulated one, every batch
+        if step["method"] == "megatron":
+            assert step["step_s"][0] in simulated and len(set(step["step_s"])) == 1
+    assert (tmp_path / "out" / "methods.png").stat().st_size > 0 and data["plot"].endswith("methods.png")
+
+
+def test_methods_without_data_are_refused_before_the_search(tmp_path, capsys):
+    argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "4", "--method", "thd",
+            "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--method prices methods on your data: give --lengths FILE or --mix NAME" in capsys.readouterr().err
+    assert not (tmp_path / "traces").exists()
