@@ -13,7 +13,7 @@ from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 from megatron_dynapipe.planning.simulator import simulate, stage_work
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -125,6 +125,9 @@ def thd_packing_rows(
             break
         per_rank = [[_thd_row([sequences[i] for i in mine[at:at + k]], lengths, seq_len)
                      for at in range(0, len(mine), k)] for mine in shares]
+        # every rank's rows priced in one evaluation, which each rank's simulations find remembered:
+        # packed rows rarely share a shape, so rank by rank the cost model would run per handful
+        costs.by_recompute(*cost_shapes([row for rows in per_rank for row in rows]), tuple(RecomputeType))
         for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
             results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb) for microbatches in per_rank]
             if all(r is not None for r in results):

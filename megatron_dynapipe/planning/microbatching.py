@@ -319,16 +319,28 @@ def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> Mi
         "or truncate long samples")
 
 
+#: runs up to this many are all priced at once to find the widest fitting ones; more are bisected
+PACKED_WIDTHS_AT_ONCE = 4096
+
+
 def _packed_widths(evaluate, ends: np.ndarray, most: np.ndarray) -> np.ndarray:
     """Per run end, the largest run size up to ``most`` that fits (``evaluate(ends, sizes)`` is
-    finite), found by bisection on all ends at once: a longer run ending there holds more tokens
-    and more attention, so fitting only shrinks with its size. A run of one fits everywhere (the
-    longest sample alone was checked)."""
+    finite): a longer run ending there holds more tokens and more attention, so fitting only
+    shrinks with its size, and the fitting sizes are counted where there are few runs, else
+    found by bisection on all ends at once. A run of one fits everywhere (the longest sample
+    alone was checked)."""
+    if int(most.sum()) <= PACKED_WIDTHS_AT_ONCE:  # few runs (a rank of a large DP): all in one evaluation
+        starts = np.cumsum(most) - most
+        sizes = 1 + np.arange(int(most.sum())) - np.repeat(starts, most)
+        fits = evaluate(np.repeat(ends, most), sizes) < np.inf
+        return np.maximum(1, np.add.reduceat(fits.astype(np.int64), starts))
     lo, hi = np.ones_like(most), most.copy()
-    while np.any(lo < hi):
-        mid = (lo + hi + 1) // 2
-        fits = evaluate(ends, mid) < np.inf
-        lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+    todo = np.flatnonzero(lo < hi)
+    while todo.size:  # only the ends not settled yet are evaluated again
+        mid = (lo[todo] + hi[todo] + 1) // 2
+        fits = evaluate(ends[todo], mid) < np.inf
+        lo[todo], hi[todo] = np.where(fits, mid, lo[todo]), np.where(fits, hi[todo], mid - 1)
+        todo = todo[lo[todo] < hi[todo]]
     return lo
 
 

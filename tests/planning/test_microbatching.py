@@ -167,3 +167,22 @@ def test_each_microbatch_starts_at_the_lightest_recompute_under_which_it_runs_al
     # only the allowed types are chosen
     assert set(lightest_fitting_alone(costs_pp4, mbs, (RecomputeType.NONE, RecomputeType.FULL), 36_000)) <= {
         RecomputeType.NONE, RecomputeType.FULL}
+
+
+@pytest.mark.parametrize("at_once", [0, 1 << 20])  # bisection, and every run priced in one evaluation
+def test_the_widest_fitting_packed_run_at_each_end_is_found_either_way(monkeypatch, at_once):
+    from megatron_dynapipe.planning import microbatching
+
+    monkeypatch.setattr(microbatching, "PACKED_WIDTHS_AT_ONCE", at_once)
+    lengths = np.sort(np.random.default_rng(5).integers(1, 300, size=60))
+    tokens = np.concatenate([[0], np.cumsum(lengths)])
+    budget = 1000  # a run fits while its tokens do
+
+    def evaluate(ends, sizes):
+        return np.where(tokens[ends] - tokens[ends - sizes] <= budget, 1.0, np.inf)
+
+    ends = np.arange(1, 61)
+    most = np.minimum(ends, 25)
+    expected = [max(k for k in range(1, m + 1) if tokens[e] - tokens[e - k] <= budget or k == 1)
+                for e, m in zip(ends, most)]
+    assert microbatching._packed_widths(evaluate, ends, most).tolist() == expected
