@@ -34,7 +34,7 @@ ALLOWED = {
     "hardware": {"config", "planning", "files"},
     "tracer": {"config", "planning", "compat", "gpt", "files", "progress", "chrome_trace", "hardware", "interrupts"},
     "simulate": {"config", "planning", "tracer", "files", "progress", "chrome_trace", "local_ranks", "hardware",
-                 "interrupts"},
+                 "interrupts", "data"},
     "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
     "megatron": {"megatron_lm", "runtime"},
     "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",

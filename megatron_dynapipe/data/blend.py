@@ -14,9 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.data.datasets import fingerprint, open_descriptor, register_kind
+from megatron_dynapipe.data.datasets import fingerprint, open_dataset, open_descriptor, register_kind
 
-__all__ = ["BlendedDataset", "SplitDataset", "split_dataset"]
+__all__ = ["BlendedDataset", "SplitDataset", "split_dataset", "blend_lengths"]
 
 
 class BlendedDataset:
@@ -141,3 +141,19 @@ def split_dataset(dataset, split: "str | None") -> list[SplitDataset]:
 
 register_kind("blend", BlendedDataset)
 register_kind("split", SplitDataset)
+
+
+def blend_lengths(data_path: Sequence[str], max_seq_len: int, long_samples: str = "split"
+                  ) -> tuple[list[np.ndarray], list[float]]:
+    """The sample lengths of each dataset of Megatron's ``--data-path`` (one path, or a blend
+    ``W1 P1 W2 P2 ...`` as megatron-core reads it), samples longer than ``max_seq_len`` handled
+    as ``long_samples`` says, and each dataset's weight: the blend's, else its size (Megatron
+    then takes every sample once)."""
+    from megatron.core.datasets.utils import get_blend_from_list  # megatron-core's reading of the flag
+
+    paths, weights = get_blend_from_list(list(data_path))
+    datasets = [open_dataset(path, max_seq_len, long_samples=long_samples) for path in paths]
+    empty = [path for path, dataset in zip(paths, datasets) if not len(dataset)]
+    if empty:
+        raise ValueError(f"--data-path {empty[0]} holds no samples: give a dataset with documents in it")
+    return [np.asarray(d.lengths) for d in datasets], list(weights) if weights else [float(len(d)) for d in datasets]

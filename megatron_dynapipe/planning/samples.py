@@ -85,16 +85,24 @@ def read_lengths(path: str | Path) -> list[int]:
 
 
 class LengthSource:
-    """Where a sizing run's samples come from: the lengths in a file (drawn with replacement) or
-    a documented mix (:func:`synthetic_lengths`). ``label`` names it in reports."""
+    """Where a sizing run's samples come from: the lengths of one pool (a file's, drawn with
+    replacement), of several pools drawn from by weight (a blend of datasets), or a documented
+    mix (:func:`synthetic_lengths`). ``label`` names it in reports."""
 
-    def __init__(self, label: str, *, pool: Sequence[int] | None = None, mix: str | None = None):
-        if (pool is None) == (mix is None):
-            raise ValueError("a length source is a pool of lengths or a mix, one of the two")
+    def __init__(self, label: str, *, pool: Sequence[int] | None = None, mix: str | None = None,
+                 pools: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None):
+        if pool is not None:
+            pools = [pool]
+        if (pools is None) == (mix is None):
+            raise ValueError("a length source is a pool of lengths (or several) or a mix, one of these")
         if mix is not None and mix not in MIXES:
             raise ValueError(f"unknown length mix {mix!r}: choose from {', '.join(MIXES)}")
         self.label, self.mix = label, mix
-        self.pool = None if pool is None else np.asarray(check_lengths(pool, label))
+        self.pools = None if pools is None else [np.asarray(check_lengths(p, label)) for p in pools]
+        weights = np.ones(len(self.pools or ())) if weights is None else np.asarray(weights, dtype=float)
+        if self.pools is not None and (len(weights) != len(self.pools) or np.any(weights < 0) or weights.sum() <= 0):
+            raise ValueError(f"{label}: give one non-negative weight per pool of lengths, some positive")
+        self.weights = weights / weights.sum() if self.pools else weights
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LengthSource":
@@ -125,6 +133,12 @@ class LengthSource:
         return batch
 
     def _draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        if self.pool is not None:
-            return rng.choice(self.pool, n)
-        return np.asarray(synthetic_lengths(n, int(rng.integers(2**32)), self.mix))
+        if self.pools is None:
+            return np.asarray(synthetic_lengths(n, int(rng.integers(2**32)), self.mix))
+        if len(self.pools) == 1:
+            return rng.choice(self.pools[0], n)
+        part = rng.choice(len(self.pools), n, p=self.weights)
+        out = np.empty(n, dtype=np.int64)
+        for j, pool in enumerate(self.pools):
+            out[part == j] = rng.choice(pool, int(np.count_nonzero(part == j)))
+        return out

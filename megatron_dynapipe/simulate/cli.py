@@ -9,6 +9,8 @@ import signal
 
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.data.blend import blend_lengths
+from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.files import check_output_folder, write_atomically
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_code, interrupted
@@ -130,6 +132,12 @@ def add_search_parser(sub) -> None:
     source.add_argument("--lengths", metavar="FILE",
                         help="sample lengths (a JSON list, or one a line) from which global batches are drawn")
     source.add_argument("--mix", choices=MIXES, help="draw the samples from a documented length mix instead")
+    source.add_argument("--data-path", nargs="+", metavar="PATH",
+                        help="draw them from datasets as Megatron-LM's --data-path takes them: a .bin/.idx prefix, "
+                             "a .jsonl file of token lists or a token-file folder, or a blend W1 P1 W2 P2 ...")
+    data.add_argument("--long-samples", choices=LONG_SAMPLES, default="split",
+                      help="with --data-path, documents longer than --seq-length are split into windows (as "
+                           "Megatron cuts them), truncated, or refused (default split)")
     data.add_argument("--method", action=ListAction, metavar="NAME",
                       help=f"{', '.join(METHODS)} or all (default all, given --lengths or --mix)")
     data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
@@ -166,8 +174,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
     for flag in ("top", "max_traced"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    source, methods = data_from_args(args)
     model = model_from_args(args, default=DEFAULT_MODEL)
+    source, methods = data_from_args(args, args.seq_length or model.max_sequence_length)
     space = SearchSpace(model=model, world_size=args.world_size, global_batch_size=args.global_batch_size,
                         seq_length=args.seq_length or model.max_sequence_length, hardware=hardware, dtype=args.dtype,
                         tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,
@@ -203,12 +211,15 @@ def run_search_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def data_from_args(args: argparse.Namespace):
+def data_from_args(args: argparse.Namespace, seq_length: int):
     """(the length source, the methods) of ``--lengths``/``--mix`` and ``--method``; (None, ())
     without data. Checked before any work."""
-    if not (args.lengths or args.mix):
+    if not (args.lengths or args.mix or args.data_path):
         if args.method:
-            raise ValueError("--method prices methods on your data: give --lengths FILE or --mix NAME too")
+            raise ValueError("--method prices methods on your data: give --lengths FILE, --mix NAME or --data-path too")
         return None, ()
-    source = LengthSource.from_file(args.lengths) if args.lengths else LengthSource.from_mix(args.mix)
-    return source, parse_methods(args.method or ["all"])
+    methods = parse_methods(args.method or ["all"])
+    if args.data_path:
+        pools, weights = blend_lengths(args.data_path, seq_length, args.long_samples)
+        return LengthSource(" ".join(args.data_path), pools=pools, weights=weights), methods
+    return (LengthSource.from_file(args.lengths) if args.lengths else LengthSource.from_mix(args.mix)), methods

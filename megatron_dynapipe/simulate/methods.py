@@ -182,12 +182,10 @@ def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource
     drawn = source.batches(tokens, space.seq_length, batches, seed)
     out = MethodsResult(source.label, tuple(methods), tokens, [len(b) for b in drawn], fast_mode, [])
     chosen = representatives(result, layouts)
-    steps = {(i, m): MethodStep(m, o.candidate) for i, o in enumerate(chosen) for m in methods}
-    for (i, method), step in steps.items():
-        if method == "megatron":
-            c, r = chosen[i].candidate, chosen[i].report
-            step.step_s, step.peak_memory_gib = [r.iteration_s] * batches, r.peak_memory_gib
-            step.setting = f"mbs {c.micro_batch_size} x {c.num_microbatches}, recompute {c.recompute}"
+    steps = {(i, m): MethodStep(m, o.candidate) for i, o in enumerate(chosen) for m in methods if m != "megatron"}
+    if "megatron" in methods:  # at each layout priced, and at the search's best, interleaved or CP as it may be
+        for o in chosen + [o for o in result.ranked()[:1] if o not in chosen]:
+            steps[o.candidate, "megatron"] = _traced_step(o, batches)
     todo = [(i, m, b) for (i, m) in steps if m != "megatron" for b in range(batches)]
     workers = max(1, min(jobs or available_cores(), len(todo)))
     context = multiprocessing.get_context(rank_start_method())
@@ -200,6 +198,15 @@ def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource
     out.steps = list(steps.values())
     out.seconds = time.perf_counter() - started
     return out
+
+
+def _traced_step(outcome: Outcome, batches: int) -> MethodStep:
+    """Megatron's fixed shapes: the traced layout's simulated step, whatever the batch."""
+    c, r = outcome.candidate, outcome.report
+    chunks = f", {c.virtual_stages} chunks a rank" if c.virtual_stages > 1 else ""
+    return MethodStep("megatron", c, [r.iteration_s] * batches, r.peak_memory_gib,
+                      f"mbs {c.micro_batch_size} x {c.num_microbatches}, recompute {c.recompute}{chunks}"
+                      + (f", CP {c.cp}" if c.cp > 1 else ""))
 
 
 @dataclass(frozen=True)

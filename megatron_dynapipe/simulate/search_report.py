@@ -145,8 +145,8 @@ def plot_methods(result: MethodsResult, path: "str | os.PathLike") -> Path:
         ax.bar(xs, mean, width, yerr=[low, high], capsize=2, label=METHODS[method])
     ax.set_xticks(range(len(layouts)), [_short(c) for c in layouts], fontsize=8)
     ax.set(ylabel="real tokens/s", title=f"{len(result.samples)} batches of {result.source}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(fontsize=8, loc="lower center", ncol=len(result.methods))  # below the bars, not over them
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
@@ -154,4 +154,6 @@ def plot_methods(result: MethodsResult, path: "str | os.PathLike") -> Path:
 
 
 def _short(c) -> str:
-    return f"TP{c.tp} PP{c.pp} DP{c.dp}" + (" dist-opt" if c.distributed_optimizer else "")
+    return (f"TP{c.tp}{' SP' if c.sequence_parallel else ''} PP{c.pp}"
+            + (f" VPP{c.virtual_stages}" if c.virtual_stages > 1 else "") + (f" CP{c.cp}" if c.cp > 1 else "")
+            + f" DP{c.dp}" + (" dist-opt" if c.distributed_optimizer else ""))

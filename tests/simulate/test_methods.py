@@ -105,8 +105,11 @@ def test_a_search_on_a_mix_prices_every_method_at_layouts_a_planner_runs(tmp_pat
     data = document["on_data"]
     assert data["methods"] == list(METHODS) and len(data["samples_per_batch"]) == 3
     assert data["tokens_per_batch"] == 16 * 256
-    layouts = {(s["tp"], s["pp"], s["dp"], s["distributed_optimizer"]) for s in data["steps"]}
-    assert len(layouts) == 2 and all(s["cp"] == 1 and s["virtual_stages"] == 1 for s in data["steps"])
+    priced = [s for s in data["steps"] if s["method"] != "megatron"]  # by the planner: one chunk a rank, no CP
+    layouts = {(s["tp"], s["pp"], s["dp"], s["distributed_optimizer"]) for s in priced}
+    assert len(layouts) == 2 and all(s["cp"] == 1 and s["virtual_stages"] == 1 for s in priced)
+    # Megatron's fixed shapes at their best are the search's best, interleaved or not
+    assert data["best"]["megatron"]["mean_step_s"] == pytest.approx(document["best"]["iteration_s"])
     for step in data["steps"]:
         assert step["error"] is None and len(step["step_s"]) == 3
         assert step["mean_step_s"] == pytest.approx(np.mean(step["step_s"]))
@@ -124,5 +127,50 @@ def test_methods_without_data_are_refused_before_the_search(tmp_path, capsys):
     argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "4", "--method", "thd",
             "--output-dir", str(tmp_path)]
     assert main(argv) == 2
-    assert "--method prices methods on your data: give --lengths FILE or --mix NAME" in capsys.readouterr().err
+    assert "--method prices methods on your data: give --lengths FILE, --mix NAME or --data-path" in capsys.readouterr().err
     assert not (tmp_path / "traces").exists()
+
+
+# -- Megatron datasets as the data ---------------------------------------------------------------
+
+
+def _indexed(prefix, documents):
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    for length in documents:
+        builder.add_item(torch.arange(length, dtype=torch.int64))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def test_a_blend_of_megatron_datasets_is_drawn_by_its_weights_with_long_documents_split(tmp_path):
+    from megatron_dynapipe.data.blend import blend_lengths
+
+    short = _indexed(tmp_path / "short_text_document", [100] * 5)
+    long = _indexed(tmp_path / "long_text_document", [300, 40])
+    pools, weights = blend_lengths(["0.25", short, "0.75", long], 256)
+    # 300 tokens in windows of 256 overlapping by one: 256 and 45 (every token after the first a target once)
+    assert [sorted(p.tolist()) for p in pools] == [[100] * 5, [40, 45, 256]] and weights == [0.25, 0.75]
+    batch = LengthSource("blend", pools=pools, weights=weights).batches(tokens=400_000, cap=256, count=1)[0]
+    assert set(batch[:-1]) == {100, 256, 45, 40}
+    assert batch[:-1].count(100) / (len(batch) - 1) == pytest.approx(0.25, abs=0.02)
+    assert blend_lengths([short, long], 256)[1] == [5.0, 3.0]  # unweighted: each dataset by its size, as Megatron
+
+
+def test_a_search_draws_from_megatrons_data_path_and_refuses_a_missing_one_before_tracing(tmp_path, capsys):
+    prefix = _indexed(tmp_path / "corpus_text_document", [180, 256, 20, 64])
+    document = _search(tmp_path, capsys, "--world-size", "2", "--global-batch-size", "2", "--tp", "1", "--pp", "2",
+                       "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+                       "--num-virtual-stages-per-pipeline-rank", "1", "--max-traced", "1", "--data-path", prefix,
+                       "--method", "dynapipe", "--batches", "2")
+    data = document["on_data"]
+    assert data["source"] == prefix and data["methods"] == ["dynapipe"] and data["tokens_per_batch"] == 512
+    assert data["best"]["dynapipe"]["error"] is None
+    argv = ["search", "--model", "tiny", "--world-size", "2", "--global-batch-size", "2", "--output-dir",
+            str(tmp_path / "missing"), "--data-path", str(tmp_path / "nothing_text_document")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing_text_document" in err[0] and not (tmp_path / "missing" / "traces").exists()
