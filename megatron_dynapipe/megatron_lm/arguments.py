@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
 from megatron_dynapipe.config.model import ATTENTIONS
+from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
@@ -251,6 +252,11 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
             "--dynapipe's schedules run one model chunk per pipeline stage (interleaved variable-length schedules "
             "are not planned): drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
+    split = _pipeline_split(args)
+    uneven = None if split.even else split.problem(_get(args, "num_layers", 1),
+                                                   _get(args, "pipeline_model_parallel_size", 1))
+    if uneven:  # an even split is checked with the rest of the layout
+        refuse(uneven)
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full" and (getattr(args, "recompute_method", None) != "uniform"
                                   or _get(args, "recompute_num_layers", 1) != 1):
@@ -417,8 +423,26 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
         memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
         microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),
+        stage_layers=stage_layers(args),
         **settings,
     )
+
+
+def _pipeline_split(args: argparse.Namespace) -> PipelineSplit:
+    return PipelineSplit(getattr(args, "decoder_first_pipeline_num_layers", None),
+                         getattr(args, "decoder_last_pipeline_num_layers", None),
+                         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                         bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
+
+def stage_layers(args: argparse.Namespace) -> "tuple[int, ...] | None":
+    """The transformer layers megatron-core builds on each pipeline stage under Megatron-LM's
+    pipeline-split flags (first/last stages of their own, the embedding or loss counted as a
+    layer), for the planner to price; None where the split is even."""
+    split = _pipeline_split(args)
+    if split.even:
+        return None
+    return tuple(split.chunk_layers(_get(args, "num_layers", 1), _get(args, "pipeline_model_parallel_size", 1)))
 
 
 def _recompute_at_least(types, granularity: "str | None") -> tuple:

@@ -189,7 +189,7 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
 def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
     """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout."""
     return as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp,
-                          zero_stage=spec.zero_stage)
+                          zero_stage=spec.zero_stage, layers=spec.stage_layers)
 
 
 def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:

@@ -36,6 +36,9 @@ class TrainingSpec:
     max_permutations: int = 8
     seed: int = 0
     packing: str = "pad"
+    #: transformer layers of each pipeline stage where not split evenly (Megatron-LM's
+    #: --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split); None: even
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations"):
@@ -62,12 +65,20 @@ class TrainingSpec:
             raise ValueError(f"packing varlen cuts micro-batches by dynamic programming: partition {self.partition!r} "
                              "pads; use partition dp")
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
+        if self.stage_layers is not None:
+            self.stage_layers = tuple(self.stage_layers)
+            if (len(self.stage_layers) != self.pp or sum(self.stage_layers) != self.num_layers
+                    or min(self.stage_layers) < 0):
+                raise ValueError(f"stage_layers {list(self.stage_layers)} do not place {self.num_layers} layers on "
+                                 f"{self.pp} pipeline stages: give one count a stage, summing to num_layers")
 
     def to_json(self) -> dict:
         """The spec as JSON values (recompute types by label), for :meth:`from_json`."""
         values = asdict(self)
         values["schedules"] = list(self.schedules)
         values["recompute_types"] = [rc.label for rc in self.recompute_types]
+        if self.stage_layers is not None:
+            values["stage_layers"] = list(self.stage_layers)
         return values
 
     @classmethod

@@ -16,6 +16,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     training_spec_from_args,
 )
 from megatron_dynapipe.planning.fast_mode import FAST_MODE_ENV
+from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
 
@@ -139,6 +140,8 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
      "add --dynapipe-attention sdpa, use --transformer-impl transformer_engine, or --dynapipe-packing pad"),
     (ON + ("--dynapipe-packing", "varlen", "--dynapipe-partition", "uniform"), {},
      "packing varlen cuts micro-batches by dynamic programming"),
+    (ON, {"num_layers": 126, "pipeline_model_parallel_size": 16, "decoder_first_pipeline_num_layers": 5,
+          "decoder_last_pipeline_num_layers": 5}, "do not split evenly: change --decoder-first-pipeline-num-layers"),
 ])
 def test_validation_errors_name_the_fix(argv, megatron, fix):
     with pytest.raises(DynapipeArgumentError) as info:
@@ -176,6 +179,21 @@ def test_training_spec_from_megatron_args():
     on_local_layers = validated(*ON, "--dynapipe-packing", "varlen", "--dynapipe-attention", "sdpa",
                                 transformer_impl="local", num_layers=24)
     assert training_spec_from_args(on_local_layers).packing == "varlen"
+
+
+@pytest.mark.parametrize("megatron, layers", [
+    ({"num_layers": 24, "pipeline_model_parallel_size": 4}, None),  # even: the planner splits them itself
+    # Llama 3 405B's split: 126 layers, the first and last stage 7, the 14 in between 8 each
+    ({"num_layers": 126, "pipeline_model_parallel_size": 16, "decoder_first_pipeline_num_layers": 7,
+      "decoder_last_pipeline_num_layers": 7}, (7,) + (8,) * 14 + (7,)),
+    ({"num_layers": 3, "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 1}, (1, 2)),
+    # the embedding and the loss count as a layer each: 30 + 2 over 4 stages, 8 a stage, 7 on the ends
+    ({"num_layers": 30, "pipeline_model_parallel_size": 4, "account_for_embedding_in_pipeline_split": True,
+      "account_for_loss_in_pipeline_split": True}, (7, 8, 8, 7)),
+])
+def test_the_planner_prices_the_stages_megatron_builds(megatron, layers):
+    spec = training_spec_from_args(validated(*ON, calculate_per_token_loss=True, **megatron))
+    assert spec.stage_layers == layers and TrainingSpec.from_json(spec.to_json()) == spec
 
 
 # --------------------------------------------------------------------------------------------

@@ -543,7 +543,7 @@ def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, time
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                    "--master-addr", "127.0.0.1", "--master-port", str(master), "--log-dir", logs, "--redirects", "1",
                    "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
-                   *TINY_GPT, *data_args, *DYNAPIPE, "--dynapipe-kv-port", str(kv),
+                   *TINY_GPT, *DYNAPIPE, *data_args, "--dynapipe-kv-port", str(kv),  # data_args override
                    "--dynapipe-fast-mode", "true" if fast else "false"]
         proc = subprocess.run(command, env=_env(pythonpath=list(pythonpath)), capture_output=True, text=True,
                               timeout=timeout, cwd=script.parent)
@@ -637,6 +637,18 @@ def test_cpu_smoke_run_on_a_megatron_indexed_dataset(training_ready, tmp_path):
     stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
                                    ["--data-path", str(docs), "--split", "90,10,0"])
     _check_training(stdout, losses, plans)
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_stages_train_with_plans_priced_as_megatron_builds_them(training_ready):
+    """--decoder-first-pipeline-num-layers: megatron-core builds 1 + 2 layers on the two stages and
+    the planner prices the stages so, where it once assumed an even split (the last stage's two
+    layers and the head need 3 MB where an even split's one layer and head fit 2)."""
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
+                                   ["--mock-data", "--num-layers", "3", "--decoder-first-pipeline-num-layers", "1",
+                                    "--dynapipe-memory-limit", "3"])
+    _check_training(stdout, losses, plans)
+    assert "pipeline stages of 1 + 2 transformer layers (Megatron-LM's pipeline split)" in stdout
 
 
 def _patched(checkout: Path, tmp_path: Path) -> Path:

@@ -320,3 +320,19 @@ def test_the_packing_baseline_is_the_fastest_size_and_recompute_that_fits(costs_
     makespan, mbs, rc = min(found)
     assert (baseline.microbatch_size, baseline.recompute) == (mbs, rc)
     assert baseline.makespan_ms == pytest.approx(makespan, rel=1e-12)  # long runs extended by their period
+
+
+def test_uneven_stages_are_planned_with_the_layers_each_holds():
+    lengths = synthetic_lengths(48, seed=1)
+    even = plan_and_check(lengths, TrainingSpec(num_layers=8, pp=2, memory_limit_mb=16_000))
+    uneven = plan_and_check(lengths, TrainingSpec(num_layers=8, pp=2, memory_limit_mb=16_000, stage_layers=(2, 6)))
+    assert [uneven.costs.layers_on(s) for s in range(2)] == [2, 6]
+    # stage 1 runs two layers more than an even split's, and stage 0 two fewer, per micro-batch
+    size, seq = len(uneven.choices[0].microbatches[0].samples), uneven.choices[0].microbatches[0].seq_len
+    layer = SMALL.layer_ms("encoder", "forward", "none", size, seq)
+    for stage, more in ((0, -2), (1, 2)):
+        assert (uneven.costs.forward_ms(stage, size, seq, "none")
+                - even.costs.forward_ms(stage, size, seq, "none")) == pytest.approx(more * layer)
+    for bad in ((4, 4, 0), (3, 4), (9, -1)):
+        with pytest.raises(ValueError, match=r"do not place 8 layers on 2 pipeline stages"):
+            TrainingSpec(num_layers=8, pp=2, stage_layers=bad)

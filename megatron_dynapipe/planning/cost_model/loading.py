@@ -133,14 +133,15 @@ def load_job_cost_model(path: "str | os.PathLike | None", model: Mapping, *, tp:
 
 
 def as_stage_costs(cost_model: "CostModel | StageCosts | str | os.PathLike | None", *, tp: int, num_layers: int,
-                   pp: int, dp: int, zero_stage: int = 0, **analytical_kwargs) -> StageCosts:
+                   pp: int, dp: int, zero_stage: int = 0, layers: "tuple[int, ...] | None" = None,
+                   **analytical_kwargs) -> StageCosts:
     """What a caller holds -- per-stage costs, a cost model, a profile's path or name, or None
     for the analytical model (``analytical_kwargs`` describe its GPT) -- as the per-stage costs
-    of ``num_layers`` layers over ``pp`` stages."""
+    of ``num_layers`` layers over ``pp`` stages (``layers`` of each, where not split evenly)."""
     if isinstance(cost_model, StageCosts):
         return cost_model
     if cost_model is None or isinstance(cost_model, (str, os.PathLike)):
         cost_model = load_cost_model(cost_model, tp, **analytical_kwargs)
     if not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a CostModel, StageCosts, path or None, got {cost_model!r}")
-    return StageCosts(cost_model, num_layers=num_layers, pp=pp, dp=dp, zero_stage=zero_stage)
+    return StageCosts(cost_model, num_layers=num_layers, pp=pp, dp=dp, zero_stage=zero_stage, layers=layers)
