@@ -92,12 +92,12 @@ class MethodStep:
     candidate: Candidate
     step_s: list[float] = field(default_factory=list)  # per batch; empty where it failed
     peak_memory_gib: float = 0.0
-    setting: str = ""
+    setting: str = ""  # the last batch's
     planning_s: float = 0.0
     error: Optional[str] = None
 
-    def add(self, batch: int, priced: "_Priced") -> None:
-        """One batch's pricing (batches arrive in order); the first failure ends the method here."""
+    def add(self, priced: "_Priced") -> None:
+        """The next batch's pricing; the first failure ends the method at this layout."""
         if self.error is not None:
             return
         if priced.error is not None:
@@ -192,8 +192,8 @@ def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource
     with progress_bar(progress, sys.stderr) as bar, context.Pool(
             workers, initializer=_start_worker, initargs=(space, chosen, drawn, fast_mode)) as pool:
         task = bar.add_task("pricing methods on your data", total=len(todo))
-        for (i, method, b), priced in zip(todo, pool.imap(_price, todo)):
-            steps[i, method].add(b, priced)
+        for (i, method, _), priced in zip(todo, pool.imap(_price, todo)):  # in order: batch by batch
+            steps[i, method].add(priced)
             bar.advance(task)
     out.steps = list(steps.values())
     out.seconds = time.perf_counter() - started
