@@ -136,10 +136,10 @@ def add_search_parser(sub) -> None:
                         help="draw them from datasets as Megatron-LM's --data-path takes them: a .bin/.idx prefix, "
                              "a .jsonl file of token lists or a token-file folder, or a blend W1 P1 W2 P2 ...")
     data.add_argument("--long-samples", choices=LONG_SAMPLES, default="split",
-                      help="with --data-path, documents longer than --seq-length are split into windows (as "
-                           "Megatron cuts them), truncated, or refused (default split)")
+                      help="with --data-path, documents longer than --seq-length are split into windows, "
+                           "truncated, or refused (default split)")
     data.add_argument("--method", action=ListAction, metavar="NAME",
-                      help=f"{', '.join(METHODS)} or all (default all, given --lengths or --mix)")
+                      help=f"{', '.join(METHODS)} or all (default all, given data)")
     data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
                       help="global batches drawn, each of global batch x seq-length tokens (default 8)")
     data.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn batches (default 0)")
