@@ -31,8 +31,8 @@ def round_up(value, multiple: int):
 
 def microbatch_times(costs: StageCosts, mbs, seqlen, recompute: RecomputeType) -> np.ndarray:
     """Bottleneck-stage forward + backward time (ms) of micro-batches; inf when infeasible."""
-    stages = costs.all_stages(mbs, seqlen, recompute)
-    return np.max(stages["forward"] + stages["backward"], axis=0)
+    stages = costs.by_recompute(mbs, seqlen, (recompute,), costs.worst_stages())
+    return np.max(stages["forward"][0] + stages["backward"][0], axis=0)
 
 
 def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float) -> np.ndarray:
@@ -42,11 +42,13 @@ def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, me
 
 def _times_where_fit(costs: StageCosts, mbs, seqlen, types, memory_limit_mb: float) -> np.ndarray:
     """[len(types), *shape]: the bottleneck time under each recompute type where every stage
-    fits its 1F1B steady state, inf elsewhere."""
-    stages = costs.by_recompute(mbs, seqlen, types)
-    column = (1, costs.pp) + (1,) * (stages["stored"].ndim - 2)
-    in_flight = (costs.pp - np.arange(costs.pp)).reshape(column)
-    state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(column)
+    fits its 1F1B steady state, inf elsewhere (asked of one stage of each kind,
+    :meth:`StageCosts.worst_stages`: a middle stage of a deep pipeline is asked once)."""
+    worst = costs.worst_stages()
+    stages = costs.by_recompute(mbs, seqlen, types, worst)
+    column = (1, len(worst)) + (1,) * (stages["stored"].ndim - 2)
+    in_flight = (costs.pp - worst).reshape(column)
+    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(column)
     need = state + in_flight * stages["stored"] + stages["peak"]
     times = np.max(stages["forward"] + stages["backward"], axis=1)
     return np.where(np.all(need <= memory_limit_mb, axis=1), times, np.inf)
@@ -157,8 +159,9 @@ def lightest_fitting_alone(costs: StageCosts, microbatches: Sequence[MicroBatch]
     does)."""
     mbs, seq = cost_shapes(microbatches)
     types = tuple(sorted(_types(allowed)))
-    stages = costs.by_recompute(mbs, seq, types)
-    state = np.array([costs.model_state_mb(s) for s in range(costs.pp)]).reshape(1, costs.pp, 1)
+    worst = costs.worst_stages()  # alone, every stage of a kind needs the same
+    stages = costs.by_recompute(mbs, seq, types, worst)
+    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(1, len(worst), 1)
     fits = np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb, axis=1)  # [type, micro-batch]
     first = np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(types) - 1)
     return [types[i] for i in first.tolist()]

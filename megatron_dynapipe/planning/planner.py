@@ -255,7 +255,7 @@ def _times(costs, microbatches, recompute) -> np.ndarray:
     """Bottleneck-stage time of each micro-batch under its own recompute type. Every type is
     evaluated: the same query as the work table's (simulator.WorkTable), answered once."""
     mbs, seq = cost_shapes(microbatches)
-    stages = costs.by_recompute(mbs, seq, tuple(RecomputeType))
+    stages = costs.by_recompute(mbs, seq, tuple(RecomputeType), costs.worst_stages())
     per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
     return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
 

@@ -715,3 +715,30 @@ def test_remembered_answers_are_forgotten_at_once_past_their_budget(models, monk
     assert memo.size == 8 and set(memo.keys.imag) == {1024.0}
     assert more["forward"][:, 0] == pytest.approx(costs.all_stages(1, 1024, R.NONE)["forward"])
     np.testing.assert_array_equal(costs.all_stages(np.arange(1, 9), 512, R.NONE)["forward"], first["forward"])
+
+
+@pytest.mark.parametrize("num_layers, pp, layers, worst", [
+    (96, 16, None, [0, 1, 15]),  # first, the middle ones alike, last
+    (18, 4, None, [0, 1, 2, 3]),  # 5, 5, 4, 4 layers: the middle ones differ
+    (8, 1, None, [0]),
+    (8, 2, None, [0, 1]),
+    (126, 16, (7,) + (8,) * 14 + (7,), [0, 1, 15]),
+])
+def test_one_stage_of_each_kind_answers_for_the_bottleneck_and_the_memory_check(num_layers, pp, layers, worst):
+    from megatron_dynapipe.planning.microbatching import _times_where_fit
+
+    costs = StageCosts(AnalyticalCostModel(hidden_size=1024, num_heads=16, vocab_size=32000),
+                       num_layers=num_layers, pp=pp, layers=layers)
+    assert costs.worst_stages().tolist() == worst
+    # every stage asked, as 1F1B's steady state holds pp - s micro-batches on stage s
+    mbs, seq = np.repeat([1, 2, 4, 8, 16], 6), np.tile([128, 512, 1024, 2048, 4096, 8192], 5)
+    types = tuple(R)
+    every = costs.by_recompute(mbs, seq, types)
+    state = np.array([costs.model_state_mb(s) for s in range(pp)]).reshape(1, pp, 1)
+    need = state + (pp - np.arange(pp)).reshape(1, pp, 1) * every["stored"] + every["peak"]
+    bound = []
+    for limit in (2_000.0, 20_000.0, 60_000.0):
+        expected = np.where(np.all(need <= limit, axis=1), np.max(every["forward"] + every["backward"], axis=1), np.inf)
+        np.testing.assert_array_equal(_times_where_fit(costs, mbs, seq, types, limit), expected)
+        bound.append(np.isinf(expected).any() and np.isfinite(expected).any())
+    assert any(bound)  # some limit fits some shapes and not others

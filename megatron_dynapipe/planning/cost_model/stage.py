@@ -105,17 +105,26 @@ class StageCosts:
         (the planner's hot path); a shape asked before is answered from memory."""
         return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
 
-    def by_recompute(self, mbs, seqlen, types) -> dict[str, np.ndarray]:
+    def by_recompute(self, mbs, seqlen, types, stages: "np.ndarray | None" = None) -> dict[str, np.ndarray]:
         """:meth:`all_stages` under each recompute type of ``types`` in one evaluation, as
-        read-only [len(types), pp, *shape] arrays."""
+        [len(types), pp, *shape] arrays; only those of ``stages`` (indices) where given."""
         mbs, seqlen = np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float)
         types = tuple(as_recompute(rc) for rc in types)
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
         # one complex number a shape: numpy sorts and searches them by (mbs, seqlen)
         keys = (np.broadcast_to(mbs, shape) + 1j * np.broadcast_to(seqlen, shape)).ravel()
         memo = self._answers.setdefault(types, _ShapeMemo())
-        answers = memo.answers(keys, lambda new: self._by_recompute(new.real, new.imag, types))
+        answers = memo.answers(keys, lambda new: self._by_recompute(new.real, new.imag, types), stages)
         return {name: values.reshape(values.shape[:2] + shape) for name, values in answers.items()}
+
+    def worst_stages(self) -> np.ndarray:
+        """The earliest stage of each kind -- first, last, and the rest by their layers: stages of
+        one kind cost the same per micro-batch, and under 1F1B the earliest holds the most
+        micro-batches in flight, so its time and memory checks stand for its kind's."""
+        kinds = {}
+        for stage in range(self.pp):
+            kinds.setdefault((stage == 0, stage == self.pp - 1, self.layers_on(stage)), stage)
+        return np.array(sorted(kinds.values()), dtype=np.int64)
 
     def _by_recompute(self, mbs: np.ndarray, seqlen: np.ndarray, types: tuple) -> dict[str, np.ndarray]:
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
@@ -175,9 +184,9 @@ class _ShapeMemo:
         self.stores: dict[str, np.ndarray] = {}  # name -> [types, pp, capacity]
         self.size = 0
 
-    def answers(self, keys: np.ndarray, evaluate) -> dict[str, np.ndarray]:
+    def answers(self, keys: np.ndarray, evaluate, stages: "np.ndarray | None" = None) -> dict[str, np.ndarray]:
         """Each answer of ``evaluate`` (of a 1-D array of shapes: name -> [types, pp, shapes]) at
-        ``keys``, [types, pp, len(keys)]."""
+        ``keys``, [types, pp, len(keys)], or [types, len(stages), len(keys)] for those ``stages``."""
         where = np.searchsorted(self.keys, keys)
         known = self._known(keys, where)
         if not self.stores or not known.all():
@@ -189,7 +198,9 @@ class _ShapeMemo:
             self._add(new, evaluate(new))
             where = np.searchsorted(self.keys, keys)
         picked = self.slots[where]
-        return {name: store[..., picked] for name, store in self.stores.items()}
+        if stages is None:
+            return {name: store[..., picked] for name, store in self.stores.items()}
+        return {name: store[:, stages[:, None], picked] for name, store in self.stores.items()}
 
     def _known(self, keys: np.ndarray, where: np.ndarray) -> np.ndarray:
         known = where < len(self.keys)
