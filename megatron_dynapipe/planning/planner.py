@@ -31,7 +31,7 @@ from megatron_dynapipe.planning.microbatching import (
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.samples import check_lengths
-from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, fast_mode_schedule
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, fast_mode_schedules
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
@@ -270,14 +270,13 @@ def build_candidates(
 ) -> list[Candidate]:
     """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules one
     (:func:`~.schedules.fast_mode_schedule`: wait-free-cyclic when it is allowed)."""
-    if fast_mode:
-        schedules = [fast_mode_schedule(tuple(schedules))]
     out = []
     for option in microbatchings:
+        names = fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp) if fast_mode else schedules
         count = orders_to_try(len(option.microbatches), max_permutations)
         for order in microbatch_orders(option, costs, seed, count):
             out += [Candidate(name, option.label, order, tuple(option.microbatches[i] for i in order),
-                              tuple(option.recompute[i] for i in order)) for name in schedules]
+                              tuple(option.recompute[i] for i in order)) for name in names]
     return out
 
 

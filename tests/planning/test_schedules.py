@@ -13,6 +13,7 @@ from megatron_dynapipe.planning.schedules import (
     SCHEDULES,
     FixedSchedule,
     fast_mode_schedule,
+    fast_mode_schedules,
     get_schedule,
 )
 from megatron_dynapipe.planning.simulator import StageWork, simulate
@@ -60,6 +61,11 @@ def test_the_registry_by_name_and_what_the_planner_searches():
     # fast mode searches one schedule: one that follows the timeline where allowed
     assert fast_mode_schedule(("1f1b", "wait-free-cyclic")) == "wait-free-cyclic"
     assert fast_mode_schedule(("gpipe", "1f1b")) == "gpipe"
+    # ... and where the micro-batches never fill the pipeline (fewer than 2 a stage), 1F1B too
+    assert fast_mode_schedules(DEFAULT_SCHEDULES, 31, 16) == ["wait-free-cyclic", "1f1b"]
+    assert fast_mode_schedules(DEFAULT_SCHEDULES, 32, 16) == ["wait-free-cyclic"]
+    assert fast_mode_schedules(("wait-free-cyclic",), 3, 16) == ["wait-free-cyclic"]
+    assert fast_mode_schedules(("1f1b",), 3, 16) == ["1f1b"]
     assert TrainingSpec().schedules == DEFAULT_SCHEDULES
 
 
