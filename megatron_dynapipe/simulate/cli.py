@@ -146,7 +146,8 @@ def add_search_parser(sub) -> None:
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
                       help="price the methods at the N fastest traced layouts a planner runs: one model chunk a "
                            "rank, no context parallelism (default 4; half the traced shapes are such layouts)")
-    data.add_argument("--fast-mode", action="store_true", help="DynaPipe plans in fast mode")
+    data.add_argument("--fast-mode", action="store_true",
+                      help="DynaPipe plans in fast mode (else as DYNAPIPE_FAST_MODE says; default normal mode)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "
@@ -188,7 +189,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
                             progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr),
                             plannable_shapes=-(-args.max_traced // 2) if source else 0)
         on_data = source and price_methods(space, result, source, methods, batches=args.batches, seed=args.seed,
-                                           layouts=args.method_layouts, fast_mode=args.fast_mode, jobs=args.jobs,
+                                           layouts=args.method_layouts, jobs=args.jobs,
+                                           fast_mode=True if args.fast_mode else None,  # None: DYNAPIPE_FAST_MODE
                                            progress=not args.no_progress)
     except KeyboardInterrupt:
         result = None
