@@ -14,6 +14,7 @@ from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.files import check_output_folder, write_atomically
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_code, interrupted
+from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.planning.samples import MIXES, LengthSource
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
@@ -190,7 +191,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
                             plannable_shapes=-(-args.max_traced // 2) if source else 0)
         on_data = source and price_methods(space, result, source, methods, batches=args.batches, seed=args.seed,
                                            layouts=args.method_layouts, jobs=args.jobs,
-                                           fast_mode=True if args.fast_mode else None,  # None: DYNAPIPE_FAST_MODE
+                                           fast_mode=resolve_fast_mode_setting(args.fast_mode or None),
                                            progress=not args.no_progress)
     except KeyboardInterrupt:
         result = None

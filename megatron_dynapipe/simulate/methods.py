@@ -138,7 +138,7 @@ class MethodsResult:
     methods: tuple[str, ...]
     tokens: int  # every batch's, every method trains the same tokens
     samples: list[int]  # per batch
-    fast_mode: "bool | None"  # as asked: None leaves it to DYNAPIPE_FAST_MODE (each step's setting says)
+    fast_mode: "bool | str"  # the setting (True, False or "auto"); each planned step's setting says how it ran
     steps: list[MethodStep]
     seconds: float = 0.0
 
@@ -172,7 +172,7 @@ def representatives(result: SearchResult, count: int) -> list[Outcome]:
 
 
 def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource, methods: Sequence[str], *,
-                  batches: int = 8, seed: int = 0, layouts: int = 4, fast_mode: "bool | None" = None,
+                  batches: int = 8, seed: int = 0, layouts: int = 4, fast_mode: "bool | str" = False,
                   jobs: Optional[int] = None, progress: bool = True) -> MethodsResult:
     """Each method on ``batches`` batches drawn from ``source``, at the ``layouts`` best traced
     layouts a planner runs (:func:`representatives`); the batches are priced ``jobs`` at a time
@@ -223,7 +223,7 @@ class _Priced:
 _WORKER: dict[str, Any] = {}  # a pricing worker's search space, layouts, batches, and their _Layouts so far
 
 
-def _start_worker(space: SearchSpace, chosen: list[Outcome], drawn: list[list[int]], fast_mode: "bool | None") -> None:
+def _start_worker(space: SearchSpace, chosen: list[Outcome], drawn: list[list[int]], fast_mode: "bool | str") -> None:
     default_signals()
     _WORKER.update(space=space, chosen=chosen, drawn=drawn, fast_mode=fast_mode, layouts={})
 
@@ -250,7 +250,7 @@ class _Layout:
                                 space.seq_length, RecomputeType.parse(c.recompute))
         self.rest_ms = 1e3 * outcome.report.iteration_s - fixed.makespan
 
-    def price(self, method: str, lengths: list[int], fast_mode: "bool | None") -> _Priced:
+    def price(self, method: str, lengths: list[int], fast_mode: "bool | str") -> _Priced:
         """One batch's pipeline time by ``method``, what the trace adds to it, and its peak."""
         started = time.perf_counter()
         if method == "thd":
