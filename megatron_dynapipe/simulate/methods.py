@@ -44,7 +44,7 @@ from megatron_dynapipe.simulate.search import Candidate, Outcome, SearchResult, 
 from megatron_dynapipe.tracer.batch_run import available_cores
 from megatron_dynapipe.tracer.isolation import rank_start_method
 
-__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "plannable", "price_methods", "windows"]
+__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "windows"]
 
 #: what each method is called in reports
 METHODS = {"megatron": "Megatron fixed shapes", "thd": "THD packing", "dynapipe": "DynaPipe",
@@ -59,11 +59,6 @@ def parse_methods(values: Sequence[str]) -> tuple[str, ...]:
     if unknown or not values:
         raise ValueError(f"--method {','.join(unknown) or '(none)'}: choose from {', '.join(METHODS)}, or all")
     return tuple(dict.fromkeys(values))
-
-
-def plannable(candidate: Candidate) -> bool:
-    """A layout the planner runs: one model chunk a pipeline rank, no context parallelism."""
-    return candidate.virtual_stages == 1 and candidate.cp == 1
 
 
 def windows(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[list[int]]]:
@@ -166,7 +161,7 @@ def representatives(result: SearchResult, count: int) -> list[Outcome]:
     best: dict[tuple, Outcome] = {}
     for o in result.ranked():
         c = o.candidate
-        if plannable(c):
+        if c.plannable:
             best.setdefault((c.tp, c.pp, c.dp, c.distributed_optimizer), o)
     return list(best.values())[:count]
 

@@ -207,6 +207,11 @@ class Candidate:
     virtual_stages: int = 1
 
     @property
+    def plannable(self) -> bool:
+        """A layout DynaPipe's planner runs: one model chunk a pipeline rank, no context parallelism."""
+        return self.virtual_stages == 1 and self.cp == 1
+
+    @property
     def trace_key(self) -> tuple[int, int, int, int, bool, int]:
         """Layouts that share a trace: recompute and the optimizer are derived from it."""
         return self.tp, self.pp, self.cp, self.micro_batch_size, self.sequence_parallel, self.virtual_stages
@@ -453,7 +458,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
         raise SearchError(f"no layout fits {space.hardware.memory_gib:g} GiB per GPU: the smallest, "
                           f"{smallest.candidate.describe()}, needs {smallest.estimate.memory_bytes / 2**30:.1f} GiB; "
                           "use more GPUs, a shorter --seq-length or hardware with more memory")
-    keys = _shapes_to_trace([o.candidate.trace_key for o in kept], max_traced, plannable_shapes)
+    keys = _shapes_to_trace([o.candidate for o in kept], max_traced, plannable_shapes)
     if rule is not None and rule.trace_key not in keys and max_traced > 1:
         keys[max_traced - 1:] = [rule.trace_key]
     say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
@@ -465,11 +470,11 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
     return result
 
 
-def _shapes_to_trace(keys: list[tuple], count: int, plannable: int) -> list[tuple]:
-    """The first ``count`` of ``keys`` (best-estimated first), the first ``plannable`` of those
-    with one model chunk a rank and no context parallelism among them."""
-    keys = list(dict.fromkeys(keys))
-    flat = [k for k in keys if k[2] == 1 and k[5] == 1][:min(plannable, count)]
+def _shapes_to_trace(candidates: list[Candidate], count: int, plannable: int) -> list[tuple]:
+    """The trace keys of the first ``count`` shapes of ``candidates`` (best-estimated first), the
+    first ``plannable`` of the :attr:`Candidate.plannable` ones among them."""
+    keys = list(dict.fromkeys(c.trace_key for c in candidates))
+    flat = list(dict.fromkeys(c.trace_key for c in candidates if c.plannable))[:min(plannable, count)]
     return flat + [k for k in keys if k not in flat][:count - len(flat)]
 
 

@@ -10,7 +10,7 @@ import pytest
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.simulate.methods import METHODS, parse_methods, windows
-from megatron_dynapipe.simulate.search import _shapes_to_trace
+from megatron_dynapipe.simulate.search import Candidate, _shapes_to_trace
 
 # -- drawing batches --------------------------------------------------------------------------
 
@@ -55,10 +55,12 @@ def test_at_least_the_asked_share_of_traced_shapes_is_one_a_planner_runs():
     # (tp, pp, cp, mbs, sp, chunks), best-estimated first: interleaved and CP shapes lead
     keys = [(8, 16, 1, 1, True, 2), (8, 16, 2, 1, True, 2), (8, 8, 1, 1, True, 4), (8, 16, 1, 1, True, 1),
             (8, 16, 2, 1, True, 1), (8, 8, 1, 2, True, 1), (4, 16, 1, 1, True, 1)]
-    assert _shapes_to_trace(keys, 4, 0) == keys[:4]
-    picked = _shapes_to_trace(keys, 4, 2)
+    candidates = [Candidate(tp, pp, cp, 8192 // (tp * pp * cp), mbs, 4, recompute, False, sp, chunks)
+                  for tp, pp, cp, mbs, sp, chunks in keys for recompute in ("none", "full")]  # two a shape
+    assert _shapes_to_trace(candidates, 4, 0) == keys[:4]
+    picked = _shapes_to_trace(candidates, 4, 2)
     assert len(picked) == 4 and set(picked) == {keys[3], keys[5], keys[0], keys[1]}
-    assert _shapes_to_trace(keys, 2, 5) == [keys[3], keys[5]]
+    assert _shapes_to_trace(candidates, 2, 5) == [keys[3], keys[5]]
 
 
 def test_methods_are_named_or_all():
