@@ -177,18 +177,19 @@ def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource
     drawn = source.batches(tokens, space.seq_length, batches, seed)
     out = MethodsResult(source.label, tuple(methods), tokens, [len(b) for b in drawn], fast_mode, [])
     chosen = representatives(result, layouts)
-    steps = {(i, m): MethodStep(m, o.candidate) for i, o in enumerate(chosen) for m in methods if m != "megatron"}
+    priced = [m for m in methods if m != "megatron"]
+    steps = {(o.candidate, m): MethodStep(m, o.candidate) for o in chosen for m in priced}
     if "megatron" in methods:  # at each layout priced, and at the search's best, interleaved or CP as it may be
         for o in chosen + [o for o in result.ranked()[:1] if o not in chosen]:
             steps[o.candidate, "megatron"] = _traced_step(o, batches)
-    todo = [(i, m, b) for (i, m) in steps if m != "megatron" for b in range(batches)]
+    todo = [(i, m, b) for i in range(len(chosen)) for m in priced for b in range(batches)]  # i: into chosen
     workers = max(1, min(jobs or available_cores(), len(todo)))
     context = multiprocessing.get_context(rank_start_method())
     with progress_bar(progress, sys.stderr) as bar, context.Pool(
             workers, initializer=_start_worker, initargs=(space, chosen, drawn, fast_mode)) as pool:
         task = bar.add_task("pricing methods on your data", total=len(todo))
-        for (i, method, _), priced in zip(todo, pool.imap(_price, todo)):  # in order: batch by batch
-            steps[i, method].add(priced)
+        for (i, method, _), answer in zip(todo, pool.imap(_price, todo)):  # in order: batch by batch
+            steps[chosen[i].candidate, method].add(answer)
             bar.advance(task)
     out.steps = list(steps.values())
     out.seconds = time.perf_counter() - started
@@ -243,10 +244,14 @@ class _Layout:
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                 space.seq_length, RecomputeType.parse(c.recompute))
-        self.rest_ms = 1e3 * outcome.report.iteration_s - fixed.makespan
+        # None where the cost model prices the traced micro-batch as not fitting the device at all
+        self.rest_ms = None if fixed is None else 1e3 * outcome.report.iteration_s - fixed.makespan
 
     def price(self, method: str, lengths: list[int], fast_mode: "bool | str") -> _Priced:
         """One batch's pipeline time by ``method``, what the trace adds to it, and its peak."""
+        if self.rest_ms is None:
+            return _Priced(error="the cost model gives the traced micro-batch no time (its layer does not fit the "
+                                 "device): nothing to set the other methods against")
         started = time.perf_counter()
         if method == "thd":
             pieces, rows = windows(lengths, self.space.seq_length)
