@@ -337,8 +337,5 @@ def megatron_options_from_args(args: argparse.Namespace) -> MegatronOptions:
         virtual_stages=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
         # Megatron-LM turns the overlap off without interleaving, where it means nothing
         overlap_p2p_comm=bool(getattr(args, "overlap_p2p_comm", True)) or not interleaved,
-        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
-        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None),
-        account_for_embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        account_for_loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        **dataclasses.asdict(PipelineSplit.from_args(args)),  # its fields are MegatronOptions' own
     )

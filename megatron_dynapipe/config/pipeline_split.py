@@ -31,6 +31,14 @@ class PipelineSplit:
     account_for_embedding: bool = False
     account_for_loss: bool = False
 
+    @classmethod
+    def from_args(cls, args) -> "PipelineSplit":
+        """The split Megatron-LM's parsed flags (an argparse namespace) ask for."""
+        return cls(getattr(args, "decoder_first_pipeline_num_layers", None),
+                   getattr(args, "decoder_last_pipeline_num_layers", None),
+                   bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                   bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
     @property
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None

@@ -252,7 +252,7 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
             "--dynapipe's schedules run one model chunk per pipeline stage (interleaved variable-length schedules "
             "are not planned): drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
-    split = _pipeline_split(args)
+    split = PipelineSplit.from_args(args)
     uneven = None if split.even else split.problem(_get(args, "num_layers", 1),
                                                    _get(args, "pipeline_model_parallel_size", 1))
     if uneven:  # an even split is checked with the rest of the layout
@@ -428,18 +428,11 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     )
 
 
-def _pipeline_split(args: argparse.Namespace) -> PipelineSplit:
-    return PipelineSplit(getattr(args, "decoder_first_pipeline_num_layers", None),
-                         getattr(args, "decoder_last_pipeline_num_layers", None),
-                         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-                         bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
-
-
 def stage_layers(args: argparse.Namespace) -> "tuple[int, ...] | None":
     """The transformer layers megatron-core builds on each pipeline stage under Megatron-LM's
     pipeline-split flags (first/last stages of their own, the embedding or loss counted as a
     layer), for the planner to price; None where the split is even."""
-    split = _pipeline_split(args)
+    split = PipelineSplit.from_args(args)
     if split.even:
         return None
     return tuple(split.chunk_layers(_get(args, "num_layers", 1), _get(args, "pipeline_model_parallel_size", 1)))
