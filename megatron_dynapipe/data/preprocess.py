@@ -281,12 +281,25 @@ def preprocess_iteration(iteration: int, ids: Sequence[int]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _exit_note(processes: dict, wait_s: float = 2.0) -> str:
-    deadline = time.monotonic() + wait_s
-    for process in processes.values():  # the pool's own thread may be reaping them right now
-        if process.exitcode is None:
-            process.join(max(0.0, deadline - time.monotonic()))
-    codes = {pid: p.exitcode for pid, p in processes.items() if p.exitcode not in (None, 0)}
+def _exit_code(process) -> "int | None":
+    """The exit code of a worker whose sentinel says it has ended. The pool's own thread reaps its
+    workers too, and a reaper racing it sees no status: whichever thread reaps one records its
+    code on the process, so wait for that to appear (the process is gone; only the recording is
+    pending), not for a time that a loaded machine could outlast."""
+    for _ in range(100_000):  # about a minute; only a process nobody reaps outlasts it
+        code = process.exitcode
+        if code is not None:
+            return code
+        time.sleep(0.0005)
+    return None
+
+
+def _exit_note(processes: dict) -> str:
+    from multiprocessing.connection import wait
+
+    ended = set(wait([p.sentinel for p in processes.values()], timeout=0))
+    codes = {pid: _exit_code(p) for pid, p in processes.items() if p.sentinel in ended}
+    codes = {pid: code for pid, code in codes.items() if code not in (None, 0)}
     if not codes:
         return "its exit status is unknown"
     return "; ".join(

@@ -14,6 +14,7 @@ import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -36,7 +37,7 @@ from megatron_dynapipe.data import (
 )
 from megatron_dynapipe.data.liveness import process_state
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
-from megatron_dynapipe.data.preprocess import worker_state
+from megatron_dynapipe.data.preprocess import _exit_note, worker_state
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
 from megatron_dynapipe.planning.planner import generate_execution_plan
@@ -302,6 +303,20 @@ def test_a_stopped_or_killed_worker_stops_every_rank(fault, expected):
     assert not ok and body.startswith("DataPipelineError") and len(body.splitlines()) == 1
     # the job's end takes the worker with it, stopped or not (a zombie only until init reaps it)
     _wait_until(lambda: process_state(worker) in (None, "Z"), "the worker to be gone")
+
+
+def test_a_dead_workers_signal_is_named_even_when_the_pools_thread_reaped_it_first():
+    """The pool's own thread reaps its workers: between its waitpid and its recording the code,
+    the process has no status left to read. The note waits for the recording, not for a time."""
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    worker.start()
+    os.kill(worker.pid, signal.SIGKILL)
+    _, status = os.waitpid(worker.pid, 0)  # the pool's thread reaps it ...
+    recorder = threading.Timer(0.5, setattr, (worker._popen, "returncode", os.waitstatus_to_exitcode(status)))
+    recorder.start()  # ... and records the code a moment later
+    note = _exit_note({worker.pid: worker})
+    recorder.join()
+    assert note == f"worker pid {worker.pid} was killed by signal 9"
 
 
 @pytest.mark.slow
