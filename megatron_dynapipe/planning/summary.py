@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from typing import Sequence
+
+import numpy as np
 
 from megatron_dynapipe.planning.baselines import (
     YARDSTICKS,
@@ -54,12 +55,13 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
 
 
 def _rank_summary(choice) -> dict:
-    counts = Counter(RecomputeType(int(r)).label for r in choice.recompute.ravel())
+    counts = np.bincount(np.ravel(choice.recompute), minlength=len(RecomputeType))
     return {
         "schedule": choice.candidate.schedule,
         "makespan_ms": choice.makespan_ms,
         "candidates_tried": choice.candidates_tried,
-        "recompute_ops": dict(counts),  # (stage, micro-batch) pairs per recompute type
+        # (stage, micro-batch) pairs per recompute type
+        "recompute_ops": {rc.label: int(counts[rc]) for rc in RecomputeType if counts[rc]},
         "microbatches": [{"size": mb.size, "seq_len": mb.seq_len, "samples": list(mb.samples), "packed": mb.packed}
                          for mb in choice.microbatches],
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -55,12 +55,23 @@ class MicroBatch:
     samples: tuple[int, ...]
     seq_len: int  # padded: every row's length; packed: the one row's length
     packed_lengths: tuple[int, ...] = ()
+    #: the (micro-batch size, sequence length) a cost model prices it at. A padded one is its shape.
+    #: A packed one of T tokens whose segments (its samples and the padding after them) have
+    #: squared lengths summing to Q does the linear work of T tokens and the attention work of Q:
+    #: the shape of T^2 / Q rows of Q / T tokens does both (its tokens m s = T, its attention
+    #: m s^2 = Q). Made once: the planner prices the same micro-batches for every candidate order.
+    cost_shape: tuple[float, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.packed_lengths and (len(self.packed_lengths) != len(self.samples)
-                                    or sum(self.packed_lengths) > self.seq_len):
+        if not self.packed_lengths:
+            object.__setattr__(self, "cost_shape", (len(self.samples), self.seq_len))
+            return
+        tokens = sum(self.packed_lengths)
+        if len(self.packed_lengths) != len(self.samples) or tokens > self.seq_len:
             raise ValueError(f"a packed micro-batch of {len(self.samples)} samples has {len(self.packed_lengths)} "
-                             f"lengths summing to {sum(self.packed_lengths)} tokens, over its {self.seq_len}")
+                             f"lengths summing to {tokens} tokens, over its {self.seq_len}")
+        squares = sum(n * n for n in self.packed_lengths)
+        object.__setattr__(self, "cost_shape", packed_cost_shape(self.seq_len, tokens, squares))
 
     @property
     def packed(self) -> bool:
@@ -84,17 +95,6 @@ class MicroBatch:
     def label(self) -> str:
         """Its shape in a few characters: "4x128", or "3in1024" for three samples packed in 1024."""
         return f"{self.size}in{self.seq_len}" if self.packed else f"{self.size}x{self.seq_len}"
-
-    @property
-    def cost_shape(self) -> tuple[float, float]:
-        """The (micro-batch size, sequence length) a cost model prices it at. A padded one is its
-        shape. A packed one of T tokens whose segments (its samples and the padding after them)
-        have squared lengths summing to Q does the linear work of T tokens and the attention work of
-        Q: the shape of T^2 / Q rows of Q / T tokens does both (its tokens m s = T, its attention
-        m s^2 = Q)."""
-        if not self.packed:
-            return self.size, self.seq_len
-        return packed_cost_shape(self.seq_len, sum(self.packed_lengths), sum(n * n for n in self.packed_lengths))
 
 
 def cost_shapes(microbatches: "Sequence[MicroBatch]") -> tuple[np.ndarray, np.ndarray]:
