@@ -73,20 +73,20 @@ def fixed_length_baseline(
     size and uniform recompute of the fastest simulated iteration within the memory limit."""
     per_rank = -(-num_sequences // costs.dp)  # the busiest rank sets the iteration time
     sizes = [mbs for mbs in PACKING_MICROBATCH_SIZES if mbs <= per_rank or mbs == 1]
-    candidates = []  # (a bound its simulation cannot beat, the size's rank, recompute, size, micro-batches)
+    candidates = []  # (a bound its simulation cannot beat, the size's rank, recompute, size)
     for order, mbs in enumerate(sizes):
-        microbatches = uniform_microbatches(per_rank, mbs, seq_len)
+        distinct, counts = zip(*_fixed_shapes(per_rank, mbs, seq_len))
         for rc in RecomputeType:
-            uniform = np.full((costs.pp, len(microbatches)), int(rc))
-            candidates.append((lower_bound_ms(costs, microbatches, uniform), order, rc, mbs, microbatches))
+            uniform = np.full((costs.pp, len(distinct)), int(rc))
+            candidates.append((lower_bound_ms(costs, distinct, uniform, counts), order, rc, mbs))
     # The fastest (size, recompute) that fits wins; ties go to the smaller size, then the cheaper
     # recompute. Tried likeliest first, and none simulated whose bound cannot beat the best found:
     # a simulation of a large batch takes seconds.
     best, best_key = None, None
-    for bound, order, rc, mbs, microbatches in sorted(candidates, key=lambda c: c[:3]):
+    for bound, order, rc, mbs in sorted(candidates, key=lambda c: c[:3]):
         if best_key is not None and (bound, order, rc) > best_key:
             continue
-        result = _simulate_uniform(microbatches, costs, rc, memory_limit_mb)
+        result = fixed_shape_run(costs, per_rank, mbs, seq_len, rc, memory_limit_mb)
         if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
             best_key = (result.makespan, order, rc)
             best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan,
@@ -149,8 +149,19 @@ def fixed_shape_run(costs: StageCosts, num_sequences: int, microbatch_size: int,
                     recompute: RecomputeType, memory_limit_mb: float = math.inf) -> "UniformRun | None":
     """Megatron's step at one setting: ``num_sequences`` sequences of ``seq_len`` tokens on the
     busiest data-parallel rank, ``microbatch_size`` a micro-batch, 1F1B, ``recompute`` throughout."""
-    return _simulate_uniform(uniform_microbatches(num_sequences, microbatch_size, seq_len), costs, recompute,
-                             memory_limit_mb)
+    shapes = _fixed_shapes(num_sequences, microbatch_size, seq_len)
+    if not shapes:
+        return _simulate_whole([], costs, recompute, memory_limit_mb)
+    (first, count), tail = shapes[0], [mb for mb, _ in shapes[1:]]
+    return _simulate_copies(first, count, tail, costs, recompute, memory_limit_mb)
+
+
+def _fixed_shapes(num_sequences: int, microbatch_size: int, seq_len: int) -> list[tuple[MicroBatch, int]]:
+    """Those micro-batches as (micro-batch, how many in a row): the full ones, then any smaller
+    last one (:func:`uniform_microbatches` without making each)."""
+    full, rest = divmod(num_sequences, microbatch_size)
+    return [(MicroBatch(tuple(range(size)), seq_len), count)
+            for size, count in ((microbatch_size, full), (rest, 1)) if size and count]
 
 
 def uniform_microbatches(num_sequences: int, microbatch_size: int, seq_len: int) -> list[MicroBatch]:
@@ -167,32 +178,40 @@ class UniformRun(NamedTuple):
 
 
 #: a run of identical micro-batches longer than this many times PP, plus a few, is simulated that
-#: long and extended by its steady-state period (:func:`_simulate_uniform`)
+#: long and extended by its steady-state period (:func:`_simulate_copies`)
 STEADY_AFTER_STAGES = 4
 
 
 def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
     """1F1B over ``microbatches`` under uniform recompute ``rc``; None where a micro-batch cannot
-    run or the run does not fit.
+    run or the run does not fit. A run of one shape (but perhaps its last) is
+    :func:`_simulate_copies`'s."""
+    tail = [mb for mb in microbatches[-1:] if mb.cost_shape != microbatches[0].cost_shape]
+    body = len(microbatches) - len(tail)
+    if body and all(mb.cost_shape == microbatches[0].cost_shape for mb in microbatches[1:body]):
+        return _simulate_copies(microbatches[0], body, tail, costs, rc, memory_limit_mb)
+    return _simulate_whole(microbatches, costs, rc, memory_limit_mb)
+
+
+def _simulate_copies(first: MicroBatch, count: int, tail: list, costs, rc, memory_limit_mb) -> UniformRun | None:
+    """1F1B over ``count`` micro-batches of ``first``'s shape, then ``tail``.
 
     A long run of one micro-batch shape (a packing baseline's: a few dozen stages, tens of
     thousands of micro-batches) is periodic once its pipeline has filled: each more micro-batch
     adds the same period, and the drain and every stage's peak stay as they are. So such a run is
-    simulated with ``k``, ``k + 1`` and ``k + 2`` micro-batches of that shape (then its last, if
-    that one differs), and, where both increments agree, extended by the period to its length;
-    otherwise, and for short or mixed runs, simulated whole."""
-    n, k = len(microbatches), STEADY_AFTER_STAGES * costs.pp + 4
-    tail = [mb for mb in microbatches[-1:] if mb.cost_shape != microbatches[0].cost_shape]
-    body = n - len(tail)
-    if body > k + 2 and all(mb.cost_shape == microbatches[0].cost_shape for mb in microbatches[1:body]):
-        runs = [_simulate_whole(microbatches[:j] + tail, costs, rc, memory_limit_mb) for j in (k, k + 1, k + 2)]
+    simulated with ``k``, ``k + 1`` and ``k + 2`` micro-batches of that shape (then the tail), and,
+    where both increments agree, extended by the period to its length; otherwise, and for short
+    runs, simulated whole."""
+    k = STEADY_AFTER_STAGES * costs.pp + 4
+    if count > k + 2:
+        runs = [_simulate_whole([first] * j + tail, costs, rc, memory_limit_mb) for j in (k, k + 1, k + 2)]
         if None in runs:
             return None
-        first, second = runs[1].makespan - runs[0].makespan, runs[2].makespan - runs[1].makespan
-        if math.isclose(first, second, rel_tol=1e-9, abs_tol=1e-9) and np.array_equal(runs[1].peak_memory,
-                                                                                        runs[2].peak_memory):
-            return UniformRun(runs[2].makespan + (body - k - 2) * second, runs[2].peak_memory)
-    return _simulate_whole(microbatches, costs, rc, memory_limit_mb)
+        first_step, second_step = runs[1].makespan - runs[0].makespan, runs[2].makespan - runs[1].makespan
+        if math.isclose(first_step, second_step, rel_tol=1e-9, abs_tol=1e-9) and np.array_equal(
+                runs[1].peak_memory, runs[2].peak_memory):
+            return UniformRun(runs[2].makespan + (count - k - 2) * second_step, runs[2].peak_memory)
+    return _simulate_whole([first] * count + tail, costs, rc, memory_limit_mb)
 
 
 def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
@@ -203,15 +222,17 @@ def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | No
     return UniformRun(result.makespan, result.peak_memory) if result.fits(memory_limit_mb) else None
 
 
-def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> float:
+def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray,
+                   counts: "Sequence[int] | None" = None) -> float:
     """No schedule of these micro-batches, in any order, is faster: for each stage, its total
     work plus the cheapest forward pass through the stages before it (fill) and the cheapest
     backward pass back through them (drain); nor than any one micro-batch's round trip, forward
-    through every stage and back (what sets the pace where few micro-batches fill many stages)."""
+    through every stage and back (what sets the pace where few micro-batches fill many stages).
+    ``counts``: how many times each micro-batch runs (default once), for long uniform runs."""
     work = stage_work(costs, microbatches, recompute)
     fill = np.concatenate([[0.0], np.cumsum(work.forward, axis=0)[:-1].min(axis=1)])
     drain = np.concatenate([[0.0], np.cumsum(work.backward, axis=0)[:-1].min(axis=1)])
-    busy = (work.forward + work.backward).sum(axis=1)
+    busy = (work.forward + work.backward) @ (np.ones(work.n) if counts is None else np.asarray(counts, dtype=float))
     round_trip = (work.forward + work.backward).sum(axis=0) + 2 * (costs.pp - 1) * work.comm
     return float(max(np.max(busy + fill + drain), np.max(round_trip, initial=0.0)))
 

@@ -252,3 +252,18 @@ def test_the_summary_bound_holds_for_any_order_and_is_the_longest_round_trip_on_
     assert bound >= max(trips) * (1 - 1e-12)
     if n == 1:  # one micro-batch: its round trip is the whole makespan, and the bound
         assert bound == pytest.approx(trips[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), pp=st.integers(1, 8), counts=st.lists(st.integers(1, 40), min_size=1, max_size=3))
+def test_a_bound_of_counted_micro_batches_is_the_bound_of_the_run_written_out(seed, pp, counts):
+    """What the packing baseline bounds its long uniform runs with: each distinct micro-batch and
+    how often it runs, in place of tens of thousands of copies."""
+    from megatron_dynapipe.planning.baselines import lower_bound_ms
+
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    distinct = [MicroBatch(tuple(range(size)), 8 * size) for size in range(1, len(counts) + 1)]
+    written_out = [mb for mb, count in zip(distinct, counts) for _ in range(count)]
+    counted = lower_bound_ms(costs, distinct, np.zeros((pp, len(distinct)), dtype=np.int64), counts)
+    whole = lower_bound_ms(costs, written_out, np.zeros((pp, len(written_out)), dtype=np.int64))
+    assert counted == pytest.approx(whole, rel=1e-12)
