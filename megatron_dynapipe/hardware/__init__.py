@@ -227,12 +227,15 @@ class Hardware:
             return None
         return DeviceRoofline.from_section(self.compute, self.peak(dtype), self.memory_bandwidth_GBps)
 
-    def cost_model(self, model, tp: int, dtype: str, *, memory_limited: bool = True) -> CostModel:
+    def cost_model(self, model, tp: int, dtype: str, *, memory_limited: bool = True,
+                   sequence_parallel: bool = False) -> CostModel:
         """The compute times of GPT ``model`` (a ModelSpec) at ``tp`` on this device: the
-        roofline of its ``compute`` section, else the analytical model at half of peak.  A
-        micro-batch whose layer does not fit the device costs ``inf`` unless not
-        ``memory_limited`` (a simulation times it and reports the memory apart)."""
-        gpt = dict(gpt_shape(model, tp), device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf)
+        roofline of its ``compute`` section, else the analytical model at half of peak; its
+        activations with ``sequence_parallel`` or without.  A micro-batch whose layer does not fit
+        the device costs ``inf`` unless not ``memory_limited`` (a simulation times it and reports
+        the memory apart)."""
+        gpt = dict(gpt_shape(model, tp), device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf,
+                   sequence_parallel=sequence_parallel)
         roofline = self.roofline(dtype)
         built = (RooflineCostModel(roofline, **gpt) if roofline is not None
                  else AnalyticalCostModel(peak_tflops=self.peak(dtype), **gpt))

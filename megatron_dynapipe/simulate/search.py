@@ -170,10 +170,18 @@ class SearchSpace:
                     out.append(options)
         return out
 
-    def cost_model_for(self, tp: int) -> CostModel:
+    def cost_model_for(self, tp: int, sequence_parallel: bool = False) -> CostModel:
+        """The layers' costs at ``tp``: the hardware's roofline, its activations with or without
+        ``sequence_parallel``; or the ``cost_model`` profile, as measured (without sequence
+        parallelism: :attr:`prices_sequence_parallel`)."""
         if self.cost_model is not None:
             return load_cost_model(self.cost_model, tp, hidden_size=self.model.hidden_size)
-        return self.hardware.cost_model(self.model, tp, self.dtype)
+        return self.hardware.cost_model(self.model, tp, self.dtype, sequence_parallel=sequence_parallel)
+
+    @property
+    def prices_sequence_parallel(self) -> bool:
+        """Whether :meth:`cost_model_for` counts sequence parallelism's smaller activations."""
+        return self.cost_model is None
 
     @property
     def compute_label(self) -> str:
@@ -271,7 +279,7 @@ class Estimate:
         return self.memory_bytes <= hardware.memory_bytes
 
 
-def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, CostModel]] = None) -> Estimate:
+def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[tuple, CostModel]] = None) -> Estimate:
     """Memory: per stage, model state (16 B a parameter, Adam's 12 B sharded over DP with the
     distributed optimizer) plus the activations of the ``min(pp - stage, micro-batches)``
     micro-batches 1F1B holds (with V model chunks, megatron-core's warm-up of
@@ -282,7 +290,7 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     data-parallel gradient reduction (not overlapped) and the optimizer step.  Context parallelism
     adds its ring's other ``c - 1`` attention blocks; its communication, overlapped with them, is
     left to the trace."""
-    model = (cost_models or {}).get(c.tp) or space.cost_model_for(c.tp)
+    model = (cost_models or {}).get((c.tp, c.sequence_parallel)) or space.cost_model_for(c.tp, c.sequence_parallel)
     costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
                        zero_stage=1 if c.distributed_optimizer else 0)
     hw, seq = space.hardware, space.seq_length // c.cp
@@ -293,7 +301,9 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[int, C
     p2p_us = hw.p2p_us(activation, 0, c.tp * c.cp * c.dp) if c.pp > 1 else 0.0
     tp_per_layer = 4 + (2 if c.recompute == "full" else 0)  # forward 2, backward 2, recomputed forward 2
     v = c.virtual_stages
-    stored_share = _sequence_parallel_share(space, c) if c.sequence_parallel else 1.0
+    # a profile is measured without sequence parallelism: its stored activations scaled as counted
+    stored_share = _sequence_parallel_share(space, c) if c.sequence_parallel and not space.prices_sequence_parallel \
+        else 1.0
     ring = ring_attention_ms(costs, space.model, c.tp, c.cp, b, seq, 1)  # CP's other attention blocks, a layer
     ring_per_layer_ms = ring["forward"] + ring["backward"]
     slowest, memory, tail_us = 0.0, 0.0, 0.0
@@ -446,7 +456,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
     rule = rule_of_thumb(space)
     # the rule's micro-batch size 1 may be outside the searched ones, and with it its TP
     tps = {c.tp for c in candidates} | ({rule.tp} if rule else set())
-    cost_models = {tp: space.cost_model_for(tp) for tp in tps}
+    cost_models = {(tp, sp): space.cost_model_for(tp, sp) for tp in tps for sp in (False, True)}
     outcomes = []
     for c in candidates:
         e = estimate(space, c, cost_models)
@@ -478,7 +488,7 @@ def _shapes_to_trace(candidates: list[Candidate], count: int, plannable: int) ->
     return flat + [k for k in keys if k not in flat][:count - len(flat)]
 
 
-def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models: dict[int, CostModel], jobs,
+def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models: dict[tuple, CostModel], jobs,
            progress: bool, result: SearchResult) -> dict[tuple, Any]:
     """Trace each shape once (reusing a complete trace of the same config in ``folder``);
     returns key -> config folder, or key -> error line for a shape that failed."""
@@ -493,8 +503,9 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
             todo.setdefault(training, []).append((key, config))
     started = time.perf_counter()
     for training, shapes in todo.items():  # a batch per set of training options
+        priced = {tp: model for (tp, sp), model in cost_models.items() if sp == training.sequence_parallel}
         results = run_batch([c for _, c in shapes], folder, shapes_only=True, dtype=space.dtype, training=training,
-                            cost_model=lambda config: cost_models[config.tp], jobs=jobs, progress=progress,
+                            cost_model=lambda config: priced[config.tp], jobs=jobs, progress=progress,
                             timeline=False)  # nobody views the timelines of shapes a search tries
         if any(r.status == INTERRUPTED for r in results):  # a ranking of the shapes traced so far would mislead
             raise KeyboardInterrupt

@@ -570,6 +570,20 @@ def test_analytical_activation_by_hand():
         assert total == pytest.approx(2 * 3 * 512 * 4096 * (34 + 5 * 32 * 512 / 4096) / 2**20)
 
 
+def test_sequence_parallelism_splits_what_lies_outside_the_tensor_parallel_regions_by_hand():
+    # tp 8 with --sequence-parallel: 34 / 8 + 5 a s / (h t) = 4.25 + 10 per s b h (Korthikanti et al.)
+    sp = AnalyticalCostModel(tp=8, sequence_parallel=True)
+    assert sp.activation_mb("stored", R.NONE, 1, 2048) == pytest.approx(2048 * 4096 * 14.25 / 2**20)
+    assert sp.activation_mb("stored", R.SELECTIVE, 1, 2048) == pytest.approx(2048 * 4096 * 4.25 / 2**20)
+    assert sp.activation_mb("stored", R.FULL, 1, 2048) == pytest.approx(2 * 2048 * 4096 / 8 / 2**20)  # the input
+    # its working set shrinks alike; its times do not
+    assert sp.activation_mb("peak", R.FULL, 1, 2048) == pytest.approx(
+        2 * 2048 * 4096 * 14.25 / 2**20 - 2 * 2048 * 4096 / 8 / 2**20)
+    plain = AnalyticalCostModel(tp=8)
+    assert sp.layer_ms("encoder", "backward", R.FULL, 4, 1024) == plain.layer_ms("encoder", "backward", R.FULL, 4, 1024)
+    assert "sequence parallelism" in sp.describe() and "sequence" not in plain.describe()
+
+
 def test_analytical_params_by_hand():
     cm = AnalyticalCostModel()
     assert cm.param_mb("encoder") == pytest.approx((12 * 4096**2 + 13 * 4096) * 2 / 2**20)

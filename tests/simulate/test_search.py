@@ -10,6 +10,7 @@ import pytest
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.hardware import Hardware, Link, load_hardware
+from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.search import (
     Candidate,
@@ -170,17 +171,28 @@ def test_estimated_memory_is_the_textbook_formula_on_the_first_stage():
     assert estimate(s, c).memory_bytes == pytest.approx(state + activations, rel=1e-9)
 
 
-def test_sequence_parallelism_divides_the_stored_activations_outside_the_attention_core():
-    # as above with --sequence-parallel: Korthikanti et al.'s 34/t in place of 10 + 24/t
+def test_sequence_parallelism_divides_the_activations_outside_the_attention_core():
+    # as above with --sequence-parallel: Korthikanti et al.'s 34/t in place of 10 + 24/t, in what
+    # the micro-batches keep and in a layer's working set
     s = space("6.7", world=64, gbs=64, hardware=load_hardware("a100"))
     c = Candidate(2, 4, 1, 8, 1, 8, "none", True, sequence_parallel=True)
     h, a, L, V, t, p, seq = 4096, 32, 32, 51200, 2, 4, 2048
     params = L // p * ((12 * h * h + 7 * h) / t + 6 * h) + V * h / t
     state = params * (4 + 12 / 8)
-    per_layer = seq * h * (10 + 24 / t + 5 * a * seq / (h * t))
     per_layer_sp = seq * h * (34 / t + 5 * a * seq / (h * t))
-    activations = p * (L // p) * per_layer_sp + per_layer
+    activations = p * (L // p) * per_layer_sp + per_layer_sp
     assert estimate(s, c).memory_bytes == pytest.approx(state + activations, rel=1e-9)
+
+
+def test_a_profile_measured_without_sequence_parallelism_has_its_kept_activations_scaled():
+    s = dataclasses.replace(space("6.7", world=64, gbs=64, hardware=load_hardware("a100")), cost_model="gpt-6.7b-a100")
+    plain, sp = (Candidate(2, 4, 1, 8, 1, 8, "none", True, sequence_parallel=on) for on in (False, True))
+    costs = StageCosts(s.cost_model_for(2), num_layers=32, pp=4, dp=8, zero_stage=1)
+    kept = 4 * costs.stored_mb(0, 1, 2048, "none") * 2**20  # 4 micro-batches in flight on the first stage
+    h, a, t, seq = 4096, 32, 2, 2048
+    share = (34 / t + 5 * a * seq / (h * t)) / (10 + 24 / t + 5 * a * seq / (h * t))
+    assert estimate(s, plain).memory_bytes - estimate(s, sp).memory_bytes == pytest.approx(kept * (1 - share),
+                                                                                           rel=1e-9)
 
 
 def test_interleaving_divides_the_estimated_bubble_by_the_chunks():

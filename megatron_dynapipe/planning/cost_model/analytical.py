@@ -56,7 +56,9 @@ class AnalyticalCostModel(CostModel):
     flash, cuDNN or torch's SDPA kernels) computes the causal half and keeps no scores. A layer on
     fewer than ``saturation_tokens`` tokens takes as long as on that many, because small kernels
     leave the GPU under-used (the A100 profile flattens below about 1k tokens per layer). Memory is
-    16-bit activations without sequence parallelism (Korthikanti et al. 2022). A micro-batch whose
+    16-bit activations as Korthikanti et al. (2022) count them, with Megatron's sequence parallelism
+    where ``sequence_parallel`` (the layer's activations outside tensor-parallel regions split over
+    TP too; times are unchanged: the same FLOPs, its collectives priced apart). A micro-batch whose
     single encoder layer (its stored and peak activations plus the 16-byte-per-parameter model
     state of that layer) exceeds ``device_memory_mb`` is infeasible (``inf``).
     """
@@ -79,6 +81,7 @@ class AnalyticalCostModel(CostModel):
         num_query_groups: int | None = None,
         swiglu: bool = False,
         fused_attention: bool = False,
+        sequence_parallel: bool = False,
     ):
         ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         for what, v in (("hidden_size", hidden_size), ("num_heads", num_heads),
@@ -116,6 +119,7 @@ class AnalyticalCostModel(CostModel):
         self.num_query_groups = self.layer.num_query_groups
         self.swiglu = self.layer.swiglu
         self.fused_attention = bool(fused_attention)
+        self.sequence_parallel = bool(sequence_parallel)
         self.name = f"analytical(h={hidden_size}, heads={num_heads}, ffn={ffn}, vocab={vocab_size})"
         self._flop_per_ms = self.peak_tflops * 1e9 * self.mfu  # TFLOP/s -> FLOP/ms
         t = self.tp
@@ -129,7 +133,11 @@ class AnalyticalCostModel(CostModel):
     def describe(self) -> str:
         return (f"the analytical GPT model (hidden {self.hidden_size}, "
                 f"{self.num_heads} heads, FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}, "
-                f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:g} of it), tp {self.tp}")
+                f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:g} of it), tp {self.tp}{self._sp_label}")
+
+    @property
+    def _sp_label(self) -> str:
+        return " with sequence parallelism" if self.sequence_parallel else ""
 
     def __repr__(self) -> str:
         return (f"AnalyticalCostModel(hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
@@ -137,7 +145,8 @@ class AnalyticalCostModel(CostModel):
                 f"peak_tflops={self.peak_tflops}, mfu={self.mfu}, attention_mfu={self.attention_mfu}, "
                 f"device_memory_mb={self.device_memory_mb}, overhead_ms={self.overhead_ms}, "
                 f"saturation_tokens={self.saturation_tokens}, num_query_groups={self.num_query_groups}, "
-                f"swiglu={self.swiglu}, fused_attention={self.fused_attention})")
+                f"swiglu={self.swiglu}, fused_attention={self.fused_attention}, "
+                f"sequence_parallel={self.sequence_parallel})")
 
     @classmethod
     def calibrated(cls, doc: dict, tp: int, *, source: str) -> "AnalyticalCostModel":
@@ -211,7 +220,7 @@ class AnalyticalCostModel(CostModel):
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
         return activation_bytes(s, b, self.hidden_size, self.num_heads, self.tp, recompute=rc.label,
-                                fused_attention=self.fused_attention)
+                                fused_attention=self.fused_attention, sequence_parallel=self.sequence_parallel)
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         check_choice("activation kind", kind, KINDS)

@@ -134,11 +134,12 @@ class RooflineCostModel(AnalyticalCostModel):
         r = self.roofline
         return (f"the roofline GPT model (hidden {self.hidden_size}, {self.num_heads} heads, "
                 f"FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}; {r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
-                f"{r.memory_bandwidth_GBps:g} GB/s), tp {self.tp}")
+                f"{r.memory_bandwidth_GBps:g} GB/s), tp {self.tp}{self._sp_label}")
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.roofline!r}, hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
-                f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp})")
+                f"ffn_hidden_size={self.ffn_hidden_size}, vocab_size={self.vocab_size}, tp={self.tp}, "
+                f"sequence_parallel={self.sequence_parallel})")
 
     # -- kernels ----------------------------------------------------------------------------------
     def _gemms(self, shapes, phase: str):
