@@ -177,3 +177,25 @@ def test_a_bad_compute_section_is_refused_in_one_line(tmp_path, compute, says):
         load_hardware(path)
     assert "\n" not in str(error.value)
 
+
+
+@pytest.mark.parametrize("name,tp,fused", [("175", 8, True), ("6.7", 1, False), ("tiny", 1, True)])
+def test_one_pass_over_a_shapes_kernels_answers_what_asking_each_layer_and_recompute_type_does(name, tp, fused):
+    """shape_costs prices each kernel once and composes the recompute types from them; the
+    planner must see exactly what layer_ms and activation_mb give one question at a time,
+    including the shapes that do not fit the device (inf)."""
+    import dataclasses
+
+    import numpy as np
+
+    from megatron_dynapipe.planning.cost_model.base import CostModel
+    from megatron_dynapipe.planning.types import RecomputeType
+
+    model = dataclasses.replace(get_model(name), attention="sdpa" if fused else "local")
+    cm = load_hardware("h100").cost_model(model, tp, "bfloat16", sequence_parallel=tp > 1)
+    types = tuple(RecomputeType)
+    mbs, seq = np.array([1, 2, 3, 8, 64, 1]), np.array([48, 512, 2048, 4096, 8192, 1 << 24])
+    one_pass = cm.shape_costs(types, mbs, seq)
+    assert np.isinf(one_pass[:, :, -1]).all() and np.isfinite(one_pass[:, :, 0]).all()
+    np.testing.assert_array_equal(one_pass, CostModel.shape_costs(cm, types, mbs, seq))
+    np.testing.assert_array_equal(cm.shape_costs(types[1:], 2, 1024), CostModel.shape_costs(cm, types[1:], 2, 1024))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel
-from megatron_dynapipe.planning.cost_model.base import LAYERS, PHASES, as_float, as_recompute, check_choice
+from megatron_dynapipe.planning.cost_model.base import INF, KINDS, LAYERS, PHASES, as_float, as_recompute, check_choice
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["DeviceRoofline", "RooflineCostModel"]
@@ -170,28 +170,64 @@ class RooflineCostModel(AnalyticalCostModel):
         return gemms + self.roofline.memory_ms(BYTES * elements) * (1.0 if phase == "forward" else 2.0)
 
     def _encoder_ms(self, phase: str, rc: RecomputeType, b, s):
-        if phase == "forward":
-            return self._linear_ms("forward", b, s) + self._attention_core_ms("forward", b, s)
-        backward = self._linear_ms("backward", b, s) + self._attention_core_ms("backward", b, s)
-        if rc == RecomputeType.SELECTIVE:
-            return backward + self._attention_core_ms("forward", b, s)
-        if rc == RecomputeType.FULL:
-            return backward + self._encoder_ms("forward", RecomputeType.NONE, b, s)
-        return backward
+        return self._encoder_parts(b, s).ms(phase, rc)
+
+    def _encoder_parts(self, b, s) -> "_EncoderParts":
+        return _EncoderParts(*(self._linear_ms(phase, b, s) for phase in PHASES),
+                             *(self._attention_core_ms(phase, b, s) for phase in PHASES))
 
     def _head_ms(self, phase: str, b, s):
         tokens, vocab = b * s, self.vocab_size / self.tp
         logits = self._gemms([(tokens, vocab, self.hidden_size, 1.0)], phase)
         return logits + self.roofline.memory_ms(CROSS_ENTROPY_BYTES[phase] * tokens * vocab)
 
+    def _embedding_ms(self, phase: str, b, s):
+        """The embedding lookup writes (forward) or accumulates (backward) T x h."""
+        return self.roofline.memory_ms(BYTES * b * s * self.hidden_size * (1.0 if phase == "forward" else 2.0))
+
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         check_choice("layer", layer, LAYERS)
         check_choice("phase", phase, PHASES)
         b, s = as_float(mbs), as_float(seqlen)
-        if layer == "preprocess":  # the embedding lookup writes (forward) or accumulates (backward) T x h
-            value = self.roofline.memory_ms(BYTES * b * s * self.hidden_size * (1.0 if phase == "forward" else 2.0))
+        if layer == "preprocess":
+            value = self._embedding_ms(phase, b, s)
         elif layer == "encoder":
             value = self._encoder_ms(phase, as_recompute(recompute), b, s)
         else:
             value = self._head_ms(phase, b, s)
         return self._mask(value, mbs, seqlen)
+
+    def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
+        """:meth:`CostModel.shape_costs` pricing each kernel once a shape: recompute types differ
+        only in what the backward runs again (the planner asks every type of thousands of shapes)."""
+        b, s = as_float(mbs), as_float(seqlen)
+        shape = np.broadcast_shapes(np.shape(mbs), np.shape(seqlen))
+        fits = self.fits(mbs, seqlen)
+        encoder = self._encoder_parts(b, s)
+        rest = [self._head_ms(phase, b, s) for phase in PHASES] + [self._embedding_ms(phase, b, s) for phase in PHASES]
+        rows = []
+        for rc in map(as_recompute, types):
+            times = [np.where(fits, ms, INF) for ms in (encoder.ms("forward", rc), encoder.ms("backward", rc), *rest)]
+            rows.append(times + [self.activation_mb(kind, rc, mbs, seqlen) for kind in KINDS])
+        return np.array([[np.broadcast_to(np.asarray(v, dtype=float), shape) for v in row] for row in rows])
+
+
+@dataclass(frozen=True)
+class _EncoderParts:
+    """One encoder layer's kernels at one shape (ms, numbers or arrays): its linear layers' and
+    its attention core's, forward and backward."""
+
+    linear_forward: object
+    linear_backward: object
+    attention_forward: object
+    attention_backward: object
+
+    def ms(self, phase: str, rc: RecomputeType):
+        """The layer's time in ``phase``; the backward runs again what ``rc`` recomputes: the
+        attention core (selective) or the whole forward (full)."""
+        forward = self.linear_forward + self.attention_forward
+        if phase == "forward":
+            return forward
+        again = {RecomputeType.NONE: 0.0, RecomputeType.SELECTIVE: self.attention_forward,
+                 RecomputeType.FULL: forward}[rc]
+        return self.linear_backward + self.attention_backward + again
