@@ -10,10 +10,12 @@ from typing import Optional
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_float, as_recompute
+from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["StageCosts"]
 
 ELEMENTS_KEPT = 1 << 24  # answers remembered per kind (128 MB of float64 each), then all forgotten at once
+EVERY_TYPE = tuple(RecomputeType)  # what each shape is evaluated under, once
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,10 @@ class StageCosts:
     p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
     #: layers of each stage when not split evenly (Megatron-LM's uneven first/last stages)
     layers: Optional[tuple[int, ...]] = None
-    # answers by micro-batch shape: one plan asks the same shapes many times (recompute choice,
-    # candidate orders, work tables, and every DP rank's micro-batching tables), and evaluating
-    # the model dominated planning where the shapes repeat.
-    _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # answers by micro-batch shape, under every recompute type: one plan asks the same shapes many
+    # times (recompute choice, candidate orders, work tables, and every DP rank's micro-batching
+    # tables, one type or several), and evaluating the model dominated planning where they repeat.
+    _answers: "_ShapeMemo" = field(default_factory=lambda: _ShapeMemo(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.pp < 1 or self.dp < 1:
@@ -113,9 +115,10 @@ class StageCosts:
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
         # one complex number a shape: numpy sorts and searches them by (mbs, seqlen)
         keys = (np.broadcast_to(mbs, shape) + 1j * np.broadcast_to(seqlen, shape)).ravel()
-        memo = self._answers.setdefault(types, _ShapeMemo())
-        answers = memo.answers(keys, lambda new: self._by_recompute(new.real, new.imag, types), stages)
-        return {name: values.reshape(values.shape[:2] + shape) for name, values in answers.items()}
+        answers = self._answers.answers(keys, lambda new: self._by_recompute(new.real, new.imag, EVERY_TYPE), stages)
+        wanted = [EVERY_TYPE.index(rc) for rc in types]
+        return {name: values[wanted].reshape((len(types),) + values.shape[1:2] + shape)
+                for name, values in answers.items()}
 
     def worst_stages(self) -> np.ndarray:
         """The earliest stage of each kind -- first, last, and the rest by their layers: stages of
