@@ -110,24 +110,21 @@ def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
     where few micro-batches of unequal cost fill many stages: the pipeline never reaches a
     steady state, and the longest round trip sets the pace.
     """
-    pp = forward.shape[0]
-    busy = forward.sum(axis=1) + backward.sum(axis=1)
-    hops = 2.0 * np.arange(pp - 1, -1, -1)[:, None]  # transfers of a round trip from stage s
-    bounds = []
-    for order in orders:
-        cols = np.asarray(order, dtype=np.int64)
-        if cols.size == 0:
-            bounds.append(0.0)
-            continue
-        f, b, c = forward[:, cols], backward[:, cols], comm[cols]
-        head = np.concatenate([[0.0], np.cumsum(f[:-1, 0] + c[0])])  # micro-batch 0 reaches stage s
-        tail = np.concatenate([[0.0], np.cumsum(b[:-1, -1] + c[-1])])  # the last gradient leaves it
-        trip = np.cumsum((f + b)[::-1], axis=0)[::-1] + hops * c  # [s, j]: j from s to the end and back
-        ahead = np.cumsum(f, axis=1) - f  # [s, j]: forwards of those ahead of j
-        behind = np.cumsum(b[:, ::-1], axis=1)[:, ::-1] - b  # [s, j]: backwards of those behind j
-        path = (ahead + trip + behind).max(axis=1)
-        bounds.append(float(np.max(head + tail + np.maximum(busy, path))))
-    return np.array(bounds)
+    pp, n = forward.shape
+    cols = np.asarray([list(order) for order in orders], dtype=np.int64).reshape(len(orders), n)  # [k, n]
+    if not cols.size:
+        return np.zeros(len(orders))
+    busy = (forward.sum(axis=1) + backward.sum(axis=1))[:, None]  # [s, 1]: the same in any order
+    hops = 2.0 * np.arange(pp - 1, -1, -1)[:, None, None]  # transfers of a round trip from stage s
+    f, b, c = forward[:, cols], backward[:, cols], comm[cols]  # [s, k, j] in each order k; c [k, j]
+    zero = np.zeros((1, len(cols)))
+    head = np.concatenate([zero, np.cumsum(f[:-1, :, 0] + c[:, 0], axis=0)])  # [s, k]: micro-batch 0 reaches s
+    tail = np.concatenate([zero, np.cumsum(b[:-1, :, -1] + c[:, -1], axis=0)])  # [s, k]: the last gradient leaves s
+    trip = np.cumsum((f + b)[::-1], axis=0)[::-1] + hops * c  # [s, k, j]: j from s to the end and back
+    ahead = np.cumsum(f, axis=2) - f  # forwards of those ahead of j
+    behind = np.cumsum(b[:, :, ::-1], axis=2)[:, :, ::-1] - b  # backwards of those behind j
+    path = (ahead + trip + behind).max(axis=2)  # [s, k]
+    return np.max(head + tail + np.maximum(busy, path), axis=0)
 
 
 def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> StageWork:

@@ -267,3 +267,16 @@ def test_a_bound_of_counted_micro_batches_is_the_bound_of_the_run_written_out(se
     counted = lower_bound_ms(costs, distinct, np.zeros((pp, len(distinct)), dtype=np.int64), counts)
     whole = lower_bound_ms(costs, written_out, np.zeros((pp, len(written_out)), dtype=np.int64))
     assert counted == pytest.approx(whole, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), pp=st.integers(1, 12), n=st.integers(0, 9), k=st.integers(0, 5))
+def test_the_bounds_of_several_orders_at_once_are_each_orders_bound_alone(seed, pp, n, k):
+    rng = np.random.default_rng(seed)
+    forward, backward, comm = rng.uniform(0.1, 5, (pp, n)), rng.uniform(0.1, 9, (pp, n)), rng.uniform(0, 1, n)
+    orders = [tuple(rng.permutation(n).tolist()) for _ in range(k)] + [range(n)]
+    together = makespan_bounds(forward, backward, comm, orders)
+    assert together.shape == (k + 1,)
+    for order, bound in zip(orders, together):
+        assert bound == makespan_bounds(forward, backward, comm, [order])[0]
+    assert makespan_bounds(forward, backward, comm, []).shape == (0,)
