@@ -116,18 +116,10 @@ def _cheapest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndar
 
 def _lightest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_cheapest_times` taking the first of ``types`` that fits instead of comparing all:
-    a heavier recompute runs more, so it is slower wherever a lighter one fits, and each type
-    is evaluated only where the lighter ones do not fit."""
-    best, which = np.full(len(mbs), np.inf), np.zeros(len(mbs), dtype=np.int64)
-    todo = np.arange(len(mbs))
-    for index, rc in enumerate(types):
-        times = _times_where_fit(costs, mbs[todo], seqlen[todo], (rc,), memory_limit_mb)[0]
-        fits = times < np.inf
-        best[todo[fits]], which[todo[fits]] = times[fits], index
-        todo = todo[~fits]
-        if not todo.size:
-            break
-    return best, which
+    a heavier recompute runs more, so it is slower wherever a lighter one fits."""
+    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb)
+    which = np.argmax(times < np.inf, axis=0)  # 0, at inf, where none fits
+    return times[which, np.arange(len(mbs))], which
 
 
 def _evaluate(costs, mbs, seqlen, recompute, memory_limit_mb):
