@@ -224,14 +224,16 @@ class AnalyticalCostModel(CostModel):
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         check_choice("activation kind", kind, KINDS)
-        rc = as_recompute(recompute)
-        b, s = as_float(mbs), as_float(seqlen)
+        return self._mask(self._activation_mb(kind, as_recompute(recompute), as_float(mbs), as_float(seqlen)),
+                          mbs, seqlen)
+
+    def _activation_mb(self, kind: str, rc: RecomputeType, b, s):
+        """:meth:`activation_mb` whether the micro-batch fits or not."""
         stored = self._activation_bytes(rc, b, s)
         if kind == "stored":
-            value = stored
-        else:  # backward materialises the whole layer plus as much again in gradients
-            value = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) - stored
-        return self._mask(value / MB, mbs, seqlen)
+            return stored / MB
+        # backward materialises the whole layer plus as much again in gradients
+        return (2.0 * self._activation_bytes(RecomputeType.NONE, b, s) - stored) / MB
 
     def vocab_per_rank(self) -> float:
         return self.vocab_size / self.tp

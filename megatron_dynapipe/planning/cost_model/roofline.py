@@ -207,9 +207,10 @@ class RooflineCostModel(AnalyticalCostModel):
         rest = [self._head_ms(phase, b, s) for phase in PHASES] + [self._embedding_ms(phase, b, s) for phase in PHASES]
         rows = []
         for rc in map(as_recompute, types):
-            times = [np.where(fits, ms, INF) for ms in (encoder.ms("forward", rc), encoder.ms("backward", rc), *rest)]
-            rows.append(times + [self.activation_mb(kind, rc, mbs, seqlen) for kind in KINDS])
-        return np.array([[np.broadcast_to(np.asarray(v, dtype=float), shape) for v in row] for row in rows])
+            values = (encoder.ms("forward", rc), encoder.ms("backward", rc), *rest,
+                      *(self._activation_mb(kind, rc, b, s) for kind in KINDS))
+            rows.append([np.broadcast_to(np.where(fits, v, INF), shape) for v in values])  # fits: asked once
+        return np.array(rows, dtype=float)
 
 
 @dataclass(frozen=True)
