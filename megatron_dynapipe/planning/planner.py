@@ -268,8 +268,9 @@ def build_candidates(
     seed: int = 0,
     max_permutations: int = 8,
 ) -> list[Candidate]:
-    """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules one
-    (:func:`~.schedules.fast_mode_schedule`: wait-free-cyclic when it is allowed)."""
+    """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules
+    :func:`~.schedules.fast_mode_schedules`: wait-free-cyclic when it is allowed, and 1F1B too
+    where a micro-batching does not fill the pipeline."""
     out = []
     for option in microbatchings:
         names = fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp) if fast_mode else schedules

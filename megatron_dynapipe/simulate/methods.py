@@ -239,8 +239,8 @@ class _Layout:
     def __init__(self, space: SearchSpace, outcome: Outcome):
         c = outcome.candidate
         self.space, self.candidate = space, c
-        self.costs = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
-                                zero_stage=1 if c.distributed_optimizer else 0)
+        self.costs = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
+                                pp=c.pp, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                 space.seq_length, RecomputeType.parse(c.recompute))
