@@ -14,8 +14,10 @@ Each traced rank becomes one ``<prefix>.<rank>.et`` file: Chakra's ``GlobalMetad
   becomes one such node per part, its bytes split as its parts are.
 
 Dependencies follow the trace's replay rule: each node depends (``ctrl_deps``) on the node issued
-before it on the rank, so the rank's issue order is kept. Byte and node counts equal the trace's:
-one node per op, ``batch_isend_irecv`` counted by its parts.
+before it on the rank, so the rank's issue order is kept, but for a transfer the rank waits on
+later (a ``wait`` op: Megatron's overlapped pipeline communication): what follows it does not wait
+for it, and the node after its wait depends on it. Byte and node counts equal the trace's: one
+node per op, ``batch_isend_irecv`` counted by its parts, ``wait`` none.
 """
 
 from __future__ import annotations
@@ -56,21 +58,29 @@ def _attr(pb, name: str, **value):
 
 def _nodes(trace: RankTrace, pb):
     """The rank's ops as Chakra nodes, in issue order (module docstring)."""
+    waited = {op.handle for op in trace.ops if op.kind == "wait"}
     next_id = 0
+    after: list[int] = []  # what the next node depends on
+    posted: dict[int, list[int]] = {}  # a request's nodes, until it is waited on
 
     def node(op: TraceOp, node_type, name: str, *attrs):
-        nonlocal next_id
+        nonlocal next_id, after
         made = pb.Node(id=next_id, name=name, type=node_type, start_time_micros=int(op.start_us),
                        duration_micros=int(round(op.dur_us)),
                        attr=[_attr(pb, "is_cpu_op", bool_val=False), *attrs])
-        if next_id:
-            made.ctrl_deps.append(next_id - 1)
+        made.ctrl_deps.extend(after)
+        if op.handle in waited:
+            posted.setdefault(op.handle, []).append(next_id)
+        else:
+            after = [next_id]
         next_id += 1
         return made
 
     for op in trace.ops:
         label = f"{op.kind}:{op.name}" if op.name else op.kind
-        if op.cat == "compute":
+        if op.kind == "wait":
+            after = after + posted.pop(op.handle, [])
+        elif op.cat == "compute":
             yield node(op, pb.COMP_NODE, label)
         elif op.kind in _COLLECTIVES:
             yield node(op, pb.COMM_COLL_NODE, label,

@@ -13,7 +13,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from megatron_dynapipe.tracer.tensor_sizes import dtype_name, is_tensor, tensor_bytes
 
-__all__ = ["CollectiveSpec", "WRAPPED_COLLECTIVES", "describe", "dry_result", "fill", "DoneWork", "DoneCoalesced"]
+__all__ = ["CollectiveSpec", "WRAPPED_COLLECTIVES", "REQUEST_KINDS", "describe", "dry_result", "fill", "DoneWork",
+           "DoneCoalesced", "RecordedRequest"]
 
 #: the backend's isend and irecv, whatever wraps them later (a batched op names its function)
 ORIGINAL_ISEND, ORIGINAL_IRECV = c10d.isend, c10d.irecv
@@ -45,6 +46,9 @@ WRAPPED_COLLECTIVES: dict[str, CollectiveSpec] = {
     "irecv": CollectiveSpec("irecv", "p2p"),
     "batch_isend_irecv": CollectiveSpec("batch_isend_irecv", "batch"),
 }
+
+#: the kinds that return requests to wait on (the recorder notes when they are waited)
+REQUEST_KINDS = ("isend", "irecv", "batch_isend_irecv")
 
 
 class DoneWork:
@@ -85,6 +89,20 @@ class DoneCoalesced:
 
     def wait(self) -> None:
         return None
+
+
+class RecordedRequest:
+    """A request whose waits go through ``waited(wait)``, which calls ``wait`` and may record
+    it; everything else is the wrapped request's."""
+
+    def __init__(self, work, waited: Callable[[Callable[[], Any]], Any]) -> None:
+        self._work, self._waited = work, waited
+
+    def wait(self, *args, **kwargs):
+        return self._waited(lambda: self._work.wait(*args, **kwargs))
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def dry_result(spec: CollectiveSpec, a: dict):

@@ -67,9 +67,11 @@ import torch.distributed.distributed_c10d as c10d
 from megatron_dynapipe.compat.patching import Patches
 from megatron_dynapipe.tracer.activation_meter import ActivationMeter
 from megatron_dynapipe.tracer.collectives import (
+    REQUEST_KINDS,
     WRAPPED_COLLECTIVES,
     CollectiveSpec,
     DoneCoalesced,
+    RecordedRequest,
     describe,
     dry_result,
     fill,
@@ -157,6 +159,8 @@ class Recorder:
         self._phase_stack: list[str] = []
         self._coalesce_stack: list[int] = []
         self._next_coalesce = 0
+        self._next_handle = 0
+        self._waited: set[int] = set()  # request handles whose wait is recorded
         self._forward_count = 0
         # forward passes awaiting their backward, as (micro-batch, model chunk)
         self._pending_backward: dict[int, tuple[Any, tuple]] = {}
@@ -369,9 +373,36 @@ class Recorder:
                 self._local.depth -= 1
             if op is not None:
                 self._end(op, timer)
+                if spec.kind in REQUEST_KINDS:
+                    result = self._requests(op, result)
             return result
 
         return wrapper
+
+    def _requests(self, op: TraceOp, result):
+        """``result`` (a p2p op's request, or a batch's list of them) with its waits recorded:
+        the op gets a ``handle``, and the first wait on any of its requests is a ``wait`` op
+        carrying it, so that a replay knows when the rank blocked on the transfer."""
+        with self._lock:
+            op.handle = handle = self._next_handle
+            self._next_handle += 1
+
+        def waited(wait: Callable[[], Any]):
+            with self._lock:
+                first = self.recording and handle not in self._waited
+                self._waited.add(handle)
+            if not first:
+                return wait()
+            record = self._new_op("comm", "wait", name=_call_site(), handle=handle)
+            timer = self._begin(record)
+            try:
+                return wait()
+            finally:
+                self._end(record, timer)
+
+        if isinstance(result, list):
+            return [RecordedRequest(work, waited) if work is not None else work for work in result]
+        return RecordedRequest(result, waited) if result is not None else result
 
     def _wrap_coalescing(self, original: Callable) -> Callable:
         @contextlib.contextmanager

@@ -61,12 +61,19 @@ def extend(ops: list[TraceOp], num_microbatches: int, period: int) -> list[Trace
     return _renumbered(out)
 
 
+#: ids that count up as a rank issues ops: a repeated block moves them on
+_IDS = ("coalesced", "handle")
+
+
 @dataclasses.dataclass
 class _Shift:
-    """What repeating blocks adds to every later op: time and coalescing ids (micro-batch
-    numbers restart with each iteration)."""
+    """What repeating blocks adds to every later op: time, coalescing ids and request handles
+    (micro-batch numbers restart with each iteration)."""
     us: float = 0.0
-    coalesced: int = 0
+    ids: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_IDS, 0))
+
+    def plus(self, other: "_Shift", times: int = 1) -> "_Shift":
+        return _Shift(self.us + times * other.us, {k: self.ids[k] + times * other.ids[k] for k in _IDS})
 
 
 def _extend_iteration(ops: list[TraceOp], num_microbatches: int, period: int, shift: _Shift) -> list[TraceOp]:
@@ -74,7 +81,7 @@ def _extend_iteration(ops: list[TraceOp], num_microbatches: int, period: int, sh
     recorded = max(starts) + 1 if starts else 0
     extra = num_microbatches - recorded
     if extra == 0:
-        return [_moved(op, 0, shift.us, shift.coalesced) for op in ops]
+        return [_moved(op, 0, shift) for op in ops]
     if extra < 0 or extra % period:
         raise NotPeriodic(f"{recorded} micro-batches traced cannot extend to {num_microbatches} "
                           f"in groups of {period}")
@@ -82,13 +89,13 @@ def _extend_iteration(ops: list[TraceOp], num_microbatches: int, period: int, sh
     begin, end = starts[k], starts[k + period]
     step = _step(ops, starts[k - period], begin, end)
     copies = extra // period
-    out = [_moved(op, 0, shift.us, shift.coalesced) for op in ops[:end]]
+    out = [_moved(op, 0, shift) for op in ops[:end]]
     for j in range(1, copies + 1):
-        out += [_moved(op, j * period, shift.us + j * step.us, shift.coalesced + j * step.coalesced)
-                for op in ops[begin:end]]
-    shift.us += copies * step.us
-    shift.coalesced += copies * step.coalesced
-    out += [_moved(op, extra, shift.us, shift.coalesced) for op in ops[end:]]
+        moved = shift.plus(step, j)
+        out += [_moved(op, j * period, moved) for op in ops[begin:end]]
+    after = shift.plus(step, copies)
+    shift.us, shift.ids = after.us, after.ids
+    out += [_moved(op, extra, shift) for op in ops[end:]]
     return out
 
 
@@ -117,36 +124,40 @@ def _steady(ops: list[TraceOp], lo: int, hi: int) -> bool:
 
 def _keys(ops: list[TraceOp], lo: int, hi: int, k: int) -> list[tuple]:
     """Ops ``lo:hi`` (the block of micro-batch ``k``) with micro-batch numbers, seqs, coalescing
-    ids and times made relative to the block's start, and the block's length."""
+    ids, request handles and times made relative to the block's start, and the block's length."""
     first = ops[lo]
-    base = min((op.coalesced for op in ops[lo:hi] if op.coalesced is not None), default=0)
+    base = _first_ids(ops, lo, hi)
     keys = []
     for op in ops[lo:hi]:
         fields = op.to_json()
         fields.update(seq=op.seq - first.seq, start_us=round(op.start_us - first.start_us, 3),
                       microbatch=None if op.microbatch is None else op.microbatch - k,
-                      parent=None if op.parent is None else op.parent - first.seq,
-                      coalesced=None if op.coalesced is None else op.coalesced - base)
+                      parent=None if op.parent is None else op.parent - first.seq)
+        fields.update({name: getattr(op, name) - (base[name] or 0) for name in _IDS if getattr(op, name) is not None})
         keys.append(tuple(sorted((name, repr(value)) for name, value in fields.items())))
     keys.append(("length", round(ops[hi].start_us - first.start_us, 3)))
     return keys
 
 
+def _first_ids(ops: list[TraceOp], lo: int, hi: int) -> dict[str, Optional[int]]:
+    """The least coalescing id and request handle among ops ``lo:hi`` (None: the block has none)."""
+    return {name: min((getattr(op, name) for op in ops[lo:hi] if getattr(op, name) is not None), default=None)
+            for name in _IDS}
+
+
 def _step(ops: list[TraceOp], previous: int, begin: int, end: int) -> _Shift:
-    """How far one block moves time and coalescing ids: from block ``previous:begin`` to the
-    matching block ``begin:end``."""
-    def ids(lo: int, hi: int) -> Optional[int]:
-        return min((op.coalesced for op in ops[lo:hi] if op.coalesced is not None), default=None)
-
-    before, now = ids(previous, begin), ids(begin, end)
+    """How far one block moves time, coalescing ids and request handles: from block
+    ``previous:begin`` to the matching block ``begin:end``."""
+    before, now = _first_ids(ops, previous, begin), _first_ids(ops, begin, end)
     return _Shift(us=ops[begin].start_us - ops[previous].start_us,
-                  coalesced=0 if before is None or now is None else now - before)
+                  ids={name: 0 if before[name] is None or now[name] is None else now[name] - before[name]
+                       for name in _IDS})
 
 
-def _moved(op: TraceOp, microbatches: int, us: float, coalesced: int) -> TraceOp:
-    return dataclasses.replace(
-        op, microbatch=None if op.microbatch is None else op.microbatch + microbatches,
-        start_us=op.start_us + us, coalesced=None if op.coalesced is None else op.coalesced + coalesced)
+def _moved(op: TraceOp, microbatches: int, shift: _Shift) -> TraceOp:
+    moved = {name: getattr(op, name) + shift.ids[name] for name in _IDS if getattr(op, name) is not None}
+    return dataclasses.replace(op, microbatch=None if op.microbatch is None else op.microbatch + microbatches,
+                               start_us=op.start_us + shift.us, **moved)
 
 
 def _renumbered(ops: list[TraceOp]) -> list[TraceOp]:

@@ -65,6 +65,7 @@ COMM_KINDS = (
     "isend",
     "irecv",
     "batch_isend_irecv",
+    "wait",
 )
 P2P_SEND_KINDS = ("send", "isend")
 P2P_RECV_KINDS = ("recv", "irecv")
@@ -109,7 +110,9 @@ class TraceOp:
     reduce roots), ``shape``/``dtype``/``bytes`` the full-size buffer (see docs/trace_format.md
     for which buffer that is per kind), ``parts`` the sends and receives of a
     ``batch_isend_irecv``, ``splits`` the ``in``/``out`` split sizes of an uneven all-to-all,
-    ``coalesced`` an id shared by the collectives launched together under one coalescing manager.
+    ``coalesced`` an id shared by the collectives launched together under one coalescing manager,
+    ``handle`` the id of a point-to-point op's request, and on a ``wait`` op the request it waits
+    for (the first wait on any of an op's requests; a request never waited on has no ``wait``).
     """
 
     seq: int
@@ -131,6 +134,7 @@ class TraceOp:
     parts: Optional[list[dict[str, Any]]] = None
     splits: Optional[dict[str, Optional[list[int]]]] = None
     coalesced: Optional[int] = None
+    handle: Optional[int] = None
     start_us: float = 0.0
     dur_us: float = 0.0
 

@@ -86,10 +86,16 @@ def test_recorder_captures_collectives_and_p2p_on_gloo():
             "all_reduce",
             "all_gather",
             "isend" if rank == 0 else "irecv",
+            "wait",
             "batch_isend_irecv",
+            "wait",  # the batch's first request waited on; its second adds nothing
         ]
-        assert [op.seq for op in ops] == [0, 1, 2, 3]
-        reduce, gather, p2p, batch = ops
+        assert [op.seq for op in ops] == list(range(6))
+        reduce, gather, p2p, p2p_wait, batch, batch_wait = ops
+        # each request's wait carries the handle of the op that posted it
+        assert (p2p.handle, p2p_wait.handle, batch.handle, batch_wait.handle) == (0, 0, 1, 1)
+        assert reduce.handle is None and gather.handle is None
+        ops = [reduce, gather, p2p, batch]
         assert all(op.cat == "comm" and op.iteration == 0 and op.parent is None for op in ops)
         assert reduce.group == (0, 1) and reduce.shape == (4, 8)
         assert reduce.dtype == "float32" and reduce.bytes == 4 * 8 * 4
@@ -149,7 +155,7 @@ def test_fill_delivers_what_identical_peers_would(fake_group):
     kinds = [(op.kind, op.bytes) for op in recorder.ops]
     assert kinds == [
         ("all_reduce", 8), ("all_reduce", 4), ("all_gather", 32), ("reduce_scatter", 32),
-        ("all_to_all", 24), ("irecv", 48),
+        ("all_to_all", 24), ("irecv", 48), ("wait", 0),
     ]
     assert recorder.ops[4].splits == {"in": [1, 1, 0, 0], "out": [2, 1, 1, 1]}
     assert recorder.ops[5].peer == 0 and recorder.ops[0].group == (0, 1, 2, 3)
@@ -175,9 +181,10 @@ def test_dry_run_records_meta_collectives_without_the_backend(fake_group):
         assert all(r.wait() for r in reqs)
         with recorder.compute("forward", microbatch=0):
             dist.all_reduce(torch.empty(3, device="meta"))
-    first, second, batch, fwd, inner = recorder.ops
+    first, second, batch, wait, fwd, inner = recorder.ops
     assert first.bytes == 2000 and first.dtype == "bfloat16" and first.coalesced == second.coalesced
     assert batch.parts[0]["peer"] == 2 and batch.parts[1]["peer"] == 0 and batch.bytes == 64
+    assert wait.kind == "wait" and wait.handle == batch.handle == 0 and wait.dur_us == 0.0
     assert fwd.cat == "compute" and fwd.dur_us == 1000.0 and inner.parent == fwd.seq
     assert inner.microbatch == 0 and inner.phase == "forward" and inner.coalesced is None
 

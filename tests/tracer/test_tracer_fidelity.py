@@ -345,7 +345,7 @@ def _collectives_by_group(traces):
     for rank, trace in traces.items():
         per_group = collections.defaultdict(list)
         for op in trace.comm_ops:
-            if op.kind != "batch_isend_irecv" and op.peer is None:
+            if op.kind not in ("batch_isend_irecv", "wait") and op.peer is None:
                 per_group[op.group].append((op.kind, op.bytes, op.dtype))
         for group, ops in per_group.items():
             seen[group][rank] = ops
@@ -378,6 +378,24 @@ def test_traces_satisfy_the_replay_contract(real, fake, source, case):
         assert all(s == sequences[0] for s in sequences), f"group {group} members disagree"
     sends, recvs = _p2p_streams(traces)
     assert sends and sends == recvs
+    _check_waits(traces)
+
+
+def _check_waits(traces):
+    """Rule 4: a wait names the request of one point-to-point op issued before it, once."""
+    waits = 0
+    for trace in traces.values():
+        posted = {}
+        for op in trace.ops:
+            if op.kind in ("isend", "irecv", "batch_isend_irecv"):
+                assert op.handle is not None and op.handle not in posted
+                posted[op.handle] = op
+            elif op.kind == "wait":
+                assert posted.pop(op.handle, None) is not None, f"rank {trace.rank}: wait {op.seq} names no request"
+                waits += 1
+            else:
+                assert op.handle is None
+    assert waits  # every case pipelines: its ranks wait on transfers
 
 
 # --------------------------------------------------------------------------------------------
