@@ -14,7 +14,10 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
   when the last of them arrives; a group inside one representative's stage stands for peers
   that run the same ops at the same time, so it only costs time;
 * point-to-point transfers match by order per (sender, receiver) pair; a batch of them ends when
-  its slowest part has arrived, a part starts when both sides have posted it;
+  its slowest part has arrived, a part starts when both sides have posted it; a rank blocks on
+  a transfer at its recorded ``wait`` (Megatron's overlapped pipeline communication posts the
+  next chunk's receive and waits for it only before that chunk's pass, so the transfer hides
+  behind the compute between), and at the op itself where the trace records no wait;
 * with ``overlap_grad_reduce`` the data-parallel bucket reductions a backward launches (or, on
   later pipeline stages, the schedule launches right after the last backward) run on a separate
   stream, and the first step after the last backward waits for them;
@@ -38,6 +41,7 @@ its time went.  Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import Counter, defaultdict
@@ -64,6 +68,7 @@ __all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay",
 
 GRAD_STREAM, TP_STREAM, CP_STREAM = "gradient reduction", "tensor parallel", "context parallel"  # overlap streams
 PARAM_STREAM = "parameter gather"
+POSTED = "posted"  # the key of a p2p step that waits for transfers posted earlier
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 _RETRACE = "re-trace the config with `megatron-dynapipe trace`"
 
@@ -183,8 +188,9 @@ class Step:
 
     ``what`` is ``compute``, ``collective`` (blocking; ``key`` = (group, index), ``members`` the
     representatives taking part), ``p2p`` (blocking; ``transfers`` of (sender, receiver, index,
-    cost)), ``async`` (a collective on the overlap ``stream``) or ``drain`` (wait for that
-    stream; what it exposes counts as ``key``'s communication).
+    cost); ``key`` ``POSTED`` where it waits for transfers a ``post`` began), ``post`` (posts
+    ``transfers`` and goes on), ``async`` (a collective on the overlap ``stream``) or ``drain``
+    (wait for that stream; what it exposes counts as ``key``'s communication).
     """
 
     what: str
@@ -215,6 +221,10 @@ class _StepBuilder:
         self.collective_costs: dict[tuple, float] = {}
         self.overlap = job.overlap_grad_reduce
         self.steps: list[Step] = []
+        top = [op for op in trace.ops if op.parent is None]
+        #: request handles waited on between passes, and the transfers posted under each
+        self.waited = {op.handle for op in top if op.kind == "wait"}
+        self.requests: dict[int, Step] = {}
 
     def build(self) -> list[Step]:
         trees = subtrees(self.trace.ops)
@@ -222,15 +232,25 @@ class _StepBuilder:
         for op in self.trace.ops:
             if op.parent is not None:
                 continue
+            if op.kind == "wait":
+                self._wait(op)
+                continue
             if self.overlap and not drained and op.phase in ("finalize_grads", "optimizer_step"):
                 self.steps.append(Step("drain", "exposed overlapped gradient reduction", phase=op.phase,
                                        key="all_reduce", stream=GRAD_STREAM))
                 drained = True
             if op.cat == "compute":
-                self._compute(op, [child for child in trees[op.seq][1:] if child.cat == "comm"])
+                # a wait inside a pass (the context-parallel ring's) is priced with the pass
+                self._compute(op, [child for child in trees[op.seq][1:] if child.cat == "comm" and child.kind != "wait"])
             else:
                 self.steps.append(self._comm(op))
         return self.steps
+
+    def _wait(self, op: TraceOp) -> None:
+        """The rank blocks until the transfers of request ``op.handle`` have arrived."""
+        posted = self.requests.pop(op.handle, None)
+        if posted is not None:
+            self.steps.append(dataclasses.replace(posted, what="p2p", phase=op.phase, key=POSTED))
 
     def _launches_overlapped_reduction(self, op: TraceOp) -> bool:
         """A DP bucket reduction DDP starts asynchronously: from a backward pass, or right after
@@ -307,8 +327,12 @@ class _StepBuilder:
             cost = max((self.hw.p2p_us(part["bytes"], self.trace.rank, part["peer"]) for part in parts), default=0.0)
             return Step("async", "cp_ring", cost, op.phase, op.microbatch, bytes=op.bytes, stream=CP_STREAM)
         transfers = tuple(self._transfer(part) for part in parts)
-        return Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
+        step = Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
                     transfers=transfers, bytes=op.bytes)
+        if op.handle in self.waited and op.parent is None:
+            step.what = "post"
+            self.requests[op.handle] = step
+        return step
 
     def _collective_us(self, kind: str, nbytes: int, group: tuple) -> float:
         """The hardware's price, asked once per distinct collective (a rank repeats each per layer
@@ -505,6 +529,10 @@ class _Loop:
                     self.clock[rank] = self.now + exposed
                     self._push(self.now + exposed, rank)
                     return
+            elif step.what == "post":
+                for sender, receiver, index, _ in step.transfers:
+                    self.posted[(sender, receiver, index)].setdefault("send" if sender == rank else "recv", self.now)
+                self._wake_peers(rank, step.match_keys)
             else:
                 self._communicate(rank, step)
                 return
@@ -514,7 +542,12 @@ class _Loop:
             self.waiting[rank] = step
             for key in step.match_keys:
                 self.watchers[key].add(rank)
-        for key in step.match_keys:  # this rank's arrival may be what a waiting peer lacked
+        self._wake_peers(rank, step.match_keys)
+
+    def _wake_peers(self, rank: int, keys: list) -> None:
+        """Complete the steps of peers waiting on ``keys``: this rank's arrival (or posting) may be
+        what they lacked."""
+        for key in keys:
             for peer in list(self.watchers.get(key, ())):
                 if peer != rank and self._try_complete(peer, self.waiting[peer]):
                     self._stop_waiting(peer)
@@ -537,6 +570,8 @@ class _Loop:
         self._span(rank, step, "comm", start, end - start)
         out.wait_us[waited] += start - now
         out.comm_us[step.label if step.what == "collective" else "p2p"] += end - start
+        if step.key == POSTED:  # what moved before the rank came to wait was hidden
+            out.overlapped_us += step.dur_us - (end - start)
         self.clock[rank] = end
         self._push(end, rank)
         return True
@@ -559,8 +594,9 @@ class _Loop:
             ends.append((posted, cost))
         if any(len(posted) < 2 for posted, _ in ends):
             return None
-        end = max(max(posted.values()) + cost for posted, cost in ends)
-        return end - step.dur_us if end - step.dur_us >= now else now, end
+        # a transfer posted earlier may have arrived before the rank came to wait for it
+        end = max(now, max(max(posted.values()) + cost for posted, cost in ends))
+        return max(end - step.dur_us, now), end
 
 
 def simulate_job(job: TracedJob, hardware: Hardware, *, spans: bool = True) -> Replay:

@@ -395,3 +395,68 @@ def test_uneven_stages_take_the_bottleneck_closed_form(tmp_path):
                 op.dur_us = {"forward": F, "backward": B}.get(op.kind, 0.0) * layers[trace.stage]
     expected = sum(layers[:3]) * (F + B) + m * layers[3] * (F + B)
     assert simulate_job(job, FREE).iteration_us == pytest.approx(expected, rel=1e-6)
+
+
+# -- overlapped pipeline communication ----------------------------------------------------------
+
+
+def _two_stage_ops(rank: int, waited: bool) -> list:
+    """Stage 0 computes 1 ms, posts a send to stage 1, computes 3 ms and waits for the send;
+    stage 1 posts the receive, computes 0.5 ms, waits for it, computes 0.7 ms.  Without
+    ``waited`` the trace records no waits: each transfer blocks at its op."""
+    from megatron_dynapipe.tracer.trace_format import TraceOp
+
+    def op(kind, **fields):
+        cat = "compute" if kind in ("forward", "backward") else "comm"
+        return TraceOp(seq=0, iteration=0, stage=rank, cat=cat, kind=kind, **fields)
+
+    send = dict(peer=1 - rank, bytes=1000, handle=0)
+    ops = ([op("forward", dur_us=1000.0), op("isend", **send), op("forward", dur_us=3000.0), op("wait", handle=0)]
+           if rank == 0 else
+           [op("irecv", **send), op("backward", dur_us=500.0), op("wait", handle=0), op("backward", dur_us=700.0)])
+    ops = [o for o in ops if waited or o.kind != "wait"]
+    for seq, o in enumerate(ops):
+        o.seq = seq
+    return ops
+
+
+@pytest.mark.parametrize("waited", [True, False])
+def test_a_posted_transfer_blocks_only_at_its_wait(tiny_traces, waited):
+    """A 2 ms transfer from stage 0 to 1, posted by stage 0 at 1 ms (stage 1 posted at 0): it
+    arrives at 3 ms.  Waited on after their next compute, stage 0 ends at max(1 + 3, 3) = 4 ms and
+    stage 1 at max(0.5, 3) + 0.7 = 3.7 ms, with the 2 ms hidden behind stage 0's compute.
+    Blocking at the ops instead: stage 0 ends at 1 + 2 + 3 = 6 ms, stage 1 at 3 + 0.5 + 0.7."""
+    job = load_job(tiny_traces["4 4 1"])
+    for rank, trace in job.traces.items():
+        trace.meta.pop("compute_hardware", None)
+        trace.ops = _two_stage_ops(rank, waited) if rank < 2 else []
+    replay = simulate_job(job, dataclasses.replace(FREE, intra_node=Link(1e12, 2000.0)))
+    ends = [replay.ranks[rank].end_us for rank in (0, 1)]
+    assert ends == (pytest.approx([4000.0, 3700.0]) if waited else pytest.approx([6000.0, 4200.0]))
+    assert replay.ranks[0].overlapped_us == pytest.approx(2000.0 if waited else 0.0)
+    # stage 1 waits for stage 0 to post (0.5 -> 1 ms) or from its start, then for the transfer
+    assert replay.ranks[1].wait_us["pipeline"] == pytest.approx(500.0 if waited else 1000.0)
+    assert replay.ranks[1].comm_us["p2p"] == pytest.approx(2000.0)
+
+
+def test_megatrons_overlapped_interleaved_communication_hides_behind_compute(tmp_path):
+    """Megatron's interleaved schedule posts each chunk's transfers and waits for them just
+    before they are needed: with transfers shorter than a pass, the replay of its trace is
+    faster than the same ops blocking at each transfer (the trace's waits dropped), and no faster
+    than with free links."""
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+
+    (traced,) = run_batch(parse_configs(["4 2 1 nmb=4"], model="tiny"), tmp_path, shapes_only=True,
+                          progress=False, training=MegatronOptions(layers_per_virtual_stage=1))
+    assert traced.status == "ok", traced.error
+    job = uniform(load_job(traced.folder), 1000.0, 2000.0)
+    assert all(any(op.kind == "wait" for op in trace.ops) for trace in job.traces.values())
+    slow = dataclasses.replace(FREE, intra_node=Link(1e12, 400.0))
+    overlapped = simulate_job(job, slow)
+    for trace in job.traces.values():
+        trace.ops = [op for op in trace.ops if op.kind != "wait"]
+    blocking = simulate_job(job, slow)
+    assert simulate_job(job, FREE).iteration_us <= overlapped.iteration_us < blocking.iteration_us
+    assert report(overlapped).overlapped_comm_s > 0 == report(blocking).overlapped_comm_s
