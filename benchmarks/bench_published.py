@@ -16,7 +16,9 @@ kernels at memory bandwidth: docs/cost_model.md); where a shipped profile matche
 width (``gpt-6.7b-a100``: hidden 4096) a second prediction uses it.  Communication is NCCL's
 ring or tree over NVLink and one 200 Gb/s rail per GPU (docs/simulate.md).  The table gives
 neither micro-batch sizes nor which runs interleave, so the search tries 1, 2 and 4 model chunks
-a rank where they apply (printed as V); sequence parallelism postdates the paper and stays off.
+a rank where they apply (printed as V); sequence parallelism postdates the paper and stays off, and
+so does overlapped pipeline communication: the paper's Megatron-LM blocked on each transfer
+(``--no-overlap-p2p-communication``, with which megatron-core interleaves only at PP > 2).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
                       max_sequence_length=SEQ)
     space = SearchSpace(model, gpus, batch, SEQ, load_hardware("a100"), tp=(tp,), pp=(pp,),
                         micro_batch_sizes=tuple(micro_batch_sizes), recompute=("full",), distributed_optimizer=(False,),
-                        sequence_parallel=(False,), cost_model=cost_model)
+                        sequence_parallel=(False,), cost_model=cost_model, overlap_p2p_comm=False)
     result = run_search(space, out, progress=sys.stderr.isatty())
     best = result.ranked()[0]
     return {"iteration_s": best.iteration_s, "micro_batch_size": best.candidate.micro_batch_size,

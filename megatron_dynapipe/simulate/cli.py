@@ -128,6 +128,9 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--num-virtual-stages-per-pipeline-rank", dest="virtual_stages", action=ListAction,
                        type=positive_int_argument, metavar="V",
                        help="model chunks per pipeline rank, 1 for plain 1F1B (default 1 2 4, where they divide)")
+    fixed.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                       help="interleaved layouts block on each pipeline transfer, as Megatron-LM with this flag "
+                            "(default: post them and wait just before they are needed); needs PP > 2")
     data = p.add_argument_group("on your data: methods as a dimension (docs/simulate.md, \"On your data\")")
     source = data.add_mutually_exclusive_group()
     source.add_argument("--lengths", metavar="FILE",
@@ -183,7 +186,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,
                         recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
-                        cost_model=args.cost_model)
+                        cost_model=args.cost_model, overlap_p2p_comm=args.overlap_p2p_comm)
     out = check_output_folder(args.output_dir, "--output-dir")
     try:
         result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,

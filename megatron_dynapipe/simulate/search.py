@@ -77,7 +77,9 @@ class SearchSpace:
     ``micro_batch_sizes``, ``sequence_parallel``, ``virtual_stages`` (model chunks a pipeline
     rank; 1 is plain 1F1B), ``recompute`` and ``distributed_optimizer`` fixes that dimension to
     the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
-    name for compute times (``None``: the hardware's own model, :meth:`Hardware.cost_model`)."""
+    name for compute times (``None``: the hardware's own model, :meth:`Hardware.cost_model`).
+    ``overlap_p2p_comm``: interleaved layouts post their pipeline transfers and wait for them
+    later, as Megatron-LM does by default (False: they block, and need PP > 2)."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -94,6 +96,7 @@ class SearchSpace:
     virtual_stages: Optional[tuple[int, ...]] = None
     max_tp: Optional[int] = None
     cost_model: Optional[str] = None
+    overlap_p2p_comm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("world_size", "global_batch_size", "seq_length"):
@@ -164,11 +167,17 @@ class SearchSpace:
             if sp and tp == 1:  # Megatron-LM turns it off at TP 1: the candidate without it
                 continue
             for v in sorted(set(self.virtual_stages or (1, 2, 4))):
-                options = MegatronOptions(sequence_parallel=sp, virtual_stages=v if v > 1 else None)
+                options = self.training_options((tp, pp, 1, 1, sp, v))
                 if not options.layout_problem(tp=tp, pp=pp, num_layers=self.model.num_layers,
                                               num_microbatches=num_microbatches):
                     out.append(options)
         return out
+
+    def training_options(self, key: tuple) -> MegatronOptions:
+        """The Megatron-LM options of a ``trace_key``: its sequence parallelism and interleaving."""
+        sequence_parallel, chunks = key[4], key[5]
+        return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None,
+                               overlap_p2p_comm=self.overlap_p2p_comm)
 
     def cost_model_for(self, tp: int, sequence_parallel: bool = False) -> CostModel:
         """The layers' costs at ``tp``: the hardware's roofline, its activations with or without
@@ -254,16 +263,10 @@ def enumerate_candidates(space: SearchSpace) -> list[Candidate]:
 
 
 def trace_config(space: SearchSpace, tp: int, pp: int, cp: int, mbs: int, *_: Any) -> TraceConfig:
-    """The trace of a ``trace_key``'s layout (its training options: :func:`training_options`)."""
+    """The trace of a ``trace_key``'s layout (its training options: :meth:`SearchSpace.training_options`)."""
     return TraceConfig(world_size=space.world_size, pp=pp, tp=tp, cp=cp, model=space.model, micro_batch_size=mbs,
                        global_batch_size=space.global_batch_size, seq_length=space.seq_length,
                        source="search")
-
-
-def training_options(key: tuple) -> MegatronOptions:
-    """The sequence parallelism and interleaving of a ``trace_key``."""
-    sequence_parallel, chunks = key[4], key[5]
-    return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None)
 
 
 # -- estimates ------------------------------------------------------------------------------
@@ -494,7 +497,7 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
     returns key -> config folder, or key -> error line for a shape that failed."""
     out, todo = {}, {}
     for key in keys:
-        config, training = trace_config(space, *key), training_options(key)
+        config, training = trace_config(space, *key), space.training_options(key)
         existing = folder / config.folder_name(training)
         if _complete(existing, config):
             out[key] = existing

@@ -159,6 +159,18 @@ def test_enumeration_matches_megatrons_divisibility_rules():
     assert len(found) == len(set(found)) and set(found) == expected
 
 
+def test_blocking_pipeline_communication_interleaves_only_from_pp_3_and_traces_with_megatrons_flag():
+    # Megatron-LM batches the transfers it does not overlap, and refuses interleaving at PP 2 then
+    blocking = space(world=8, gbs=16, overlap_p2p_comm=False)
+    assert {c.virtual_stages for c in enumerate_candidates(blocking) if c.pp == 2} == {1}
+    assert {c.virtual_stages for c in enumerate_candidates(space(world=8, gbs=16)) if c.pp == 2} == {1, 2}
+    deeper = space("6.7", world=8, gbs=16, overlap_p2p_comm=False)  # 8 layers a stage at PP 4
+    chunked = [c for c in enumerate_candidates(deeper) if c.pp == 4]
+    assert {c.virtual_stages for c in chunked} == {1, 2, 4}
+    options = deeper.training_options(next(c for c in chunked if c.virtual_stages == 2).trace_key)
+    assert "--no-overlap-p2p-communication" in options.megatron_args()
+
+
 def test_estimated_memory_is_the_textbook_formula_on_the_first_stage():
     # 6.7B, TP 2, PP 4, DP 8, 8 micro-batches of 1 x 2048, no recompute, Adam sharded over DP
     s = space("6.7", world=64, gbs=64, hardware=load_hardware("a100"))
