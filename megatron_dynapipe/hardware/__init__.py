@@ -339,15 +339,18 @@ class _Fields:
         section = self.mapping("compute", required=False)
         if not section:
             return {}
-        unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency", "fused_attention"}
+        unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency", "fused_attention",
+                                  "layer_overhead_us"}
         if unknown or "sms" not in section:
             raise HardwareFileError(f"{self.source}: compute needs 'sms' and may have gemm_tile, gemm_efficiency, "
-                                    f"memory_efficiency, fused_attention (got {sorted(section)}); {_FIX}")
+                                    f"memory_efficiency, fused_attention, layer_overhead_us (got {sorted(section)}); "
+                                    f"{_FIX}")
         try:
             DeviceRoofline.from_section(section, peak_tflops=1.0, memory_bandwidth_GBps=1.0)
         except (TypeError, ValueError, KeyError):
             raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers, the "
-                                    "efficiencies in (0, 1], and fused_attention forward_efficiency, "
+                                    "efficiencies in (0, 1], layer_overhead_us >= 0, and fused_attention "
+                                    "forward_efficiency, "
                                     "backward_efficiency, forward_latency_us and backward_latency_us, got "
                                     f"{section}; {_FIX}") from None
         return dict(section)

@@ -11,6 +11,9 @@ matrices (peak FLOP/s of each dtype while all ranks compute at once) and copies 
 the cores over each rank's torch threads).  The file says ``gpus_per_node = N``: the measured links are the
 intra-node ones, and the inter-node link repeats the slowest measured kind (a single machine
 cannot measure a network it does not have: edit it, or use a shipped file for multi-node jobs).
+
+``--from-profile`` starts no process: it fits the compute rates of ``--hardware``'s roofline to a
+profile's measured layer times and writes that hardware file with them (:mod:`..hardware.fit`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give up (and stop every process) after this long (default 600)")
     p.add_argument("-o", "--output", default="hardware.json", metavar="FILE",
                    help="hardware file to write (default hardware.json)")
+    fit = p.add_argument_group("compute rates from a profile (no process started)")
+    fit.add_argument("--from-profile", metavar="NAME|FILE",
+                     help="fit the roofline's GEMM and memory rates and its per-layer overhead to this profile's "
+                          "layer times (a shipped profile's name or a file `megatron-dynapipe profile` wrote)")
+    fit.add_argument("--hardware", default="h100", metavar="NAME|FILE",
+                     help="with --from-profile: the hardware file whose rates are fitted (default h100)")
 
 
 def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
@@ -77,6 +86,8 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     path = check_output_file(args.output, "--output", (".json",))
+    if args.from_profile:
+        return _fit_profile(args, path)
     nproc, backend, sizes = _settings(args)
     started = time.perf_counter()
     points, device = measure(nproc, backend, sizes, repeats=args.repeats, timeout=args.timeout)
@@ -90,6 +101,28 @@ def run(args: argparse.Namespace) -> int:
     peaks = ", ".join(f"{k} {v:.3g}" for k, v in hardware.peak_tflops.items())
     print(f"peak TFLOP/s per rank ({peaks}), memory {hardware.memory_gib:.1f} GiB at "
           f"{hardware.memory_bandwidth_GBps:.1f} GB/s; measured in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {path}")
+    return 0
+
+
+def _fit_profile(args: argparse.Namespace, path) -> int:
+    """``--from-profile``: the hardware file with its compute rates fitted to the profile."""
+    import dataclasses
+
+    from megatron_dynapipe.hardware import load_hardware
+    from megatron_dynapipe.hardware.fit import fit_roofline
+    from megatron_dynapipe.planning.cost_model.loading import resolve_cost_model_path
+    from megatron_dynapipe.planning.cost_model.profile_file import read_document
+
+    hardware = load_hardware(args.hardware)
+    profile = resolve_cost_model_path(args.from_profile, "--from-profile")
+    fit = fit_roofline(hardware, read_document(profile))
+    said = fit.describe(profile.stem)
+    fitted = dataclasses.replace(hardware, name=args.name or f"{hardware.name}-fit-{profile.stem}",
+                                 compute=fit.compute_section(hardware.compute),
+                                 source=f"{hardware.source}; compute: {said}")
+    fitted.write(path)
+    print(said)
     print(f"wrote {path}")
     return 0
 

@@ -460,3 +460,72 @@ def test_megatrons_overlapped_interleaved_communication_hides_behind_compute(tmp
     blocking = simulate_job(job, slow)
     assert simulate_job(job, FREE).iteration_us <= overlapped.iteration_us < blocking.iteration_us
     assert report(overlapped).overlapped_comm_s > 0 == report(blocking).overlapped_comm_s
+
+
+# -- the roofline fitted to a profile -----------------------------------------------------------
+
+
+def _profile_of(hardware, model, **rates):
+    """A profile document whose encoder-layer times are ``hardware``'s roofline with ``rates``
+    (TP 1 and 2, forward and backward, shapes of 2048 to 32768 tokens)."""
+    from megatron_dynapipe.planning.cost_model.analytical import gpt_shape
+    from megatron_dynapipe.planning.cost_model.roofline import RooflineCostModel
+
+    roofline = dataclasses.replace(hardware.roofline("bfloat16"), **rates)
+    rows = []
+    for tp in (1, 2):
+        priced = RooflineCostModel(roofline, **gpt_shape(model, tp), device_memory_mb=math.inf)
+        for mbs, seq in [(1, 2048), (4, 512), (16, 128), (2, 2048), (8, 1024), (16, 2048), (64, 512)]:
+            for phase in ("forward", "backward"):
+                rows.append({"tp": tp, "recompute": "none", "layer": "encoder", "phase": phase, "seqlen": seq,
+                             "mbs": mbs, "ms": float(priced.layer_ms("encoder", phase, "none", mbs, seq))})
+    fields = {f: getattr(model, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                                             "max_sequence_length", "ffn_hidden_size")}
+    return {"metadata": {"dtype": "bf16", "model": fields}, "layer_time": rows}
+
+
+def test_the_roofline_fit_recovers_the_rates_and_overhead_that_made_a_profile():
+    from megatron_dynapipe.hardware.fit import fit_roofline
+
+    h100, model = load_hardware("h100"), get_model("6.7")
+    fit = fit_roofline(h100, _profile_of(h100, model, gemm_efficiency=0.62, memory_efficiency=0.74,
+                                         layer_overhead_us=300.0))
+    assert (fit.gemm_efficiency, fit.memory_efficiency) == pytest.approx((0.62, 0.74), abs=1e-9)
+    assert fit.layer_overhead_us == pytest.approx(300.0, abs=0.5)
+    assert fit.points == 2 * 7 * 2 and fit.median_error < 1e-3
+    assert fit.median_error_before > 0.05  # the file's own rates (0.70, 0.885, no overhead) miss it
+
+
+def test_a_layers_overhead_is_paid_by_each_pass_and_again_by_full_recompute():
+    hw = load_hardware("h100")
+    plain = hw.cost_model(get_model("6.7"), 1, "bfloat16")
+    compute = dict(hw.compute, layer_overhead_us=250.0)
+    paying = dataclasses.replace(hw, compute=compute).cost_model(get_model("6.7"), 1, "bfloat16")
+    extra = {(phase, rc): float(paying.layer_ms("encoder", phase, rc, 2, 1024) - plain.layer_ms("encoder", phase, rc,
+                                                                                                 2, 1024))
+             for phase in ("forward", "backward") for rc in ("none", "selective", "full")}
+    assert extra == pytest.approx({("forward", "none"): 0.25, ("forward", "selective"): 0.25,
+                                   ("forward", "full"): 0.25, ("backward", "none"): 0.25,
+                                   ("backward", "selective"): 0.25, ("backward", "full"): 0.5})
+
+
+def test_calibrate_from_a_profile_writes_the_fitted_rates_into_a_hardware_file(tmp_path):
+    h100 = load_hardware("h100")
+    profile = tmp_path / "made.json"
+    profile.write_text(json.dumps(_profile_of(h100, get_model("6.7"), gemm_efficiency=0.5, memory_efficiency=0.6,
+                                              layer_overhead_us=100.0)))
+    out = tmp_path / "fitted.json"
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "calibrate", "--from-profile", str(profile),
+                          "--hardware", "h100", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    fitted = load_hardware(out)
+    assert fitted.compute["gemm_efficiency"] == pytest.approx(0.5) and fitted.compute["memory_efficiency"] == 0.6
+    assert fitted.compute["layer_overhead_us"] == pytest.approx(100.0, abs=0.5)
+    assert fitted.compute["fused_attention"] == h100.compute["fused_attention"]  # what the fit leaves alone
+    assert "fitted to made" in fitted.source and fitted.source.startswith(h100.source)
+    assert fitted.peak_tflops == h100.peak_tflops and fitted.inter_node == h100.inter_node
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"layer_time": []}))
+    run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "calibrate", "--from-profile", str(bare),
+                          "-o", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no model metadata" in run.stderr and run.stderr.count("\n") == 1

@@ -69,13 +69,17 @@ class DeviceRoofline:
     #: (None: the GEMM efficiency and no latency, for a device whose attention was not measured)
     attention_efficiency: "tuple[float, float] | None" = None
     attention_latency_us: tuple[float, float] = (0.0, 0.0)
+    #: fixed time an encoder layer's pass pays beyond its kernels' shapes (launches, host work):
+    #: 0 for rates measured kernel by kernel, fitted where they come from a profile (hardware/fit.py)
+    layer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         attention = self.fused_attention_efficiency
         if not (self.peak_tflops > 0 and self.memory_bandwidth_GBps > 0 and self.sms >= 1
                 and all(t >= 1 for t in self.gemm_tile) and 0 < self.gemm_efficiency <= 1
                 and 0 < self.memory_efficiency <= 1 and len(attention) == 2 and all(0 < e <= 1 for e in attention)
-                and len(self.attention_latency_us) == 2 and all(t >= 0 for t in self.attention_latency_us)):
+                and len(self.attention_latency_us) == 2 and all(t >= 0 for t in self.attention_latency_us)
+                and self.layer_overhead_us >= 0):
             raise ValueError(f"a device roofline needs positive peak, bandwidth, SMs and tile sizes, efficiencies "
                              f"in (0, 1] and latencies >= 0, got {self}")
 
@@ -83,7 +87,8 @@ class DeviceRoofline:
     def from_section(cls, section, peak_tflops: float, memory_bandwidth_GBps: float) -> "DeviceRoofline":
         """The roofline of a hardware file's ``compute`` section (``sms`` and, optionally, the
         other fields; the defaults above for those it leaves out) at that device's peak."""
-        optional = {key: float(section[key]) for key in ("gemm_efficiency", "memory_efficiency") if key in section}
+        optional = {key: float(section[key]) for key in ("gemm_efficiency", "memory_efficiency", "layer_overhead_us")
+                    if key in section}
         if "gemm_tile" in section:
             optional["gemm_tile"] = tuple(section["gemm_tile"])
         attention = section.get("fused_attention")
@@ -167,7 +172,8 @@ class RooflineCostModel(AnalyticalCostModel):
                              (tokens, up / t, h, 1.0), (tokens, h, f / t, 1.0)], phase)
         per_ffn = ELEMENTS_PER_GATED_FFN if spec.swiglu else ELEMENTS_PER_FFN
         elements = tokens * (ELEMENTS_PER_HIDDEN * h + per_ffn * f / t)
-        return gemms + self.roofline.memory_ms(BYTES * elements) * (1.0 if phase == "forward" else 2.0)
+        overhead = self.roofline.layer_overhead_us / 1e3  # with the linear part: full recompute pays it again
+        return gemms + self.roofline.memory_ms(BYTES * elements) * (1.0 if phase == "forward" else 2.0) + overhead
 
     def _encoder_ms(self, phase: str, rc: RecomputeType, b, s):
         return self._encoder_parts(b, s).ms(phase, rc)
