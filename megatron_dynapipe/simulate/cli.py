@@ -18,7 +18,7 @@ from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.planning.samples import MIXES, LengthSource
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
-from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods
+from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods, representatives, traced_layout
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search
@@ -53,6 +53,10 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--no-timeline", action="store_true",
                    help="do not write simulated_timeline.json (Chrome/Perfetto) into each config folder")
     p.add_argument("--json", action="store_true", help="print one JSON object per config, a line each")
+    data = add_data_arguments(p)
+    data.add_argument("--cost-model", metavar="NAME|FILE",
+                      help="the profile a trace's compute was priced or measured with: the methods are priced by it "
+                           "too (not for shapes-only traces priced by a hardware file, whose methods use --hardware)")
     p.set_defaults(func=run_simulate)
 
 
@@ -60,15 +64,40 @@ def run_simulate(args: argparse.Namespace) -> int:
     hardware = hardware_from_args(args)
     folders = job_folders(args.trace_dir)
     jobs = [load_job(folder) for folder in folders]  # every folder is checked before any is simulated
-    for job in jobs:
+    on_data = [_data_for(args, job, hardware) for job in jobs]  # and so is the data, and what prices it
+    for job, (source, methods) in zip(jobs, on_data):
         replay = simulate_job(job, hardware, spans=not args.no_timeline)
         result = report(replay)
         out = result.to_json()
         if not args.no_timeline:
             out["timeline"] = str(timeline(replay).write(job.folder / "simulated_timeline.json"))
-        print(json.dumps(out) if args.json else format_report(result)
-              + (f"\n  timeline: {out['timeline']}" if "timeline" in out else ""))
+        text = format_report(result) + (f"\n  timeline: {out['timeline']}" if "timeline" in out else "")
+        if source:
+            space, outcome = traced_layout(job, hardware, result, args.cost_model)
+            priced = price_methods(space, [outcome] if outcome.candidate.plannable else [], source, methods,
+                                   traced_too=[outcome], batches=args.batches, seed=args.seed,
+                                   fast_mode=resolve_fast_mode_setting(args.fast_mode or None), progress=False)
+            out["on_data"] = priced.to_json()
+            text += "\n" + format_methods(priced)
+        print(json.dumps(out) if args.json else text)
     return 0
+
+
+def _data_for(args: argparse.Namespace, job, hardware):
+    """(the length source, the methods) ``job`` is priced on: checked, with the layout and what
+    prices it, before anything is simulated."""
+    source, methods = data_from_args(args, int(job.iteration["seq_length"]))
+    if args.cost_model and not source:
+        raise ValueError("--cost-model prices methods on your data: give --lengths FILE, --mix NAME or --data-path too")
+    if source:
+        _, outcome = traced_layout(job, hardware, None, args.cost_model)
+        planned = [m for m in methods if m != "megatron"]
+        if planned and not outcome.candidate.plannable:
+            c = outcome.candidate
+            raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs {c.virtual_stages} model chunks a "
+                             f"rank and CP {c.cp}; the planner runs one chunk a rank without context parallelism, so "
+                             "price those methods on such a trace (or --method megatron here)")
+    return source, methods
 
 
 def add_calibrate_parser(sub) -> None:
@@ -79,6 +108,30 @@ def add_calibrate_parser(sub) -> None:
                                    "`simulate --hardware FILE` reads.")
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_data_arguments(p: argparse.ArgumentParser):
+    """The data a job trains on and the methods priced on it (search and simulate alike); the
+    group, for options of the caller's own."""
+    data = p.add_argument_group("on your data: methods as a dimension (docs/simulate.md, \"On your data\")")
+    source = data.add_mutually_exclusive_group()
+    source.add_argument("--lengths", metavar="FILE",
+                        help="sample lengths (a JSON list, or one a line) from which global batches are drawn")
+    source.add_argument("--mix", choices=MIXES, help="draw the samples from a documented length mix instead")
+    source.add_argument("--data-path", nargs="+", metavar="PATH",
+                        help="draw them from datasets as Megatron-LM's --data-path takes them: a .bin/.idx prefix, "
+                             "a .jsonl file of token lists or a token-file folder, or a blend W1 P1 W2 P2 ...")
+    data.add_argument("--long-samples", choices=LONG_SAMPLES, default="split",
+                      help="with --data-path, documents longer than --seq-length are split into windows, "
+                           "truncated, or refused (default split)")
+    data.add_argument("--method", action=ListAction, metavar="NAME",
+                      help=f"{', '.join(METHODS)} or all (default all, given data)")
+    data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
+                      help="global batches drawn, each of global batch x seq-length tokens (default 8)")
+    data.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn batches (default 0)")
+    data.add_argument("--fast-mode", action="store_true",
+                      help="DynaPipe plans in fast mode (else as DYNAPIPE_FAST_MODE says; default normal mode)")
+    return data
 
 
 def add_search_parser(sub) -> None:
@@ -131,27 +184,10 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
                        help="interleaved layouts block on each pipeline transfer, as Megatron-LM with this flag "
                             "(default: post them and wait just before they are needed); needs PP > 2")
-    data = p.add_argument_group("on your data: methods as a dimension (docs/simulate.md, \"On your data\")")
-    source = data.add_mutually_exclusive_group()
-    source.add_argument("--lengths", metavar="FILE",
-                        help="sample lengths (a JSON list, or one a line) from which global batches are drawn")
-    source.add_argument("--mix", choices=MIXES, help="draw the samples from a documented length mix instead")
-    source.add_argument("--data-path", nargs="+", metavar="PATH",
-                        help="draw them from datasets as Megatron-LM's --data-path takes them: a .bin/.idx prefix, "
-                             "a .jsonl file of token lists or a token-file folder, or a blend W1 P1 W2 P2 ...")
-    data.add_argument("--long-samples", choices=LONG_SAMPLES, default="split",
-                      help="with --data-path, documents longer than --seq-length are split into windows, "
-                           "truncated, or refused (default split)")
-    data.add_argument("--method", action=ListAction, metavar="NAME",
-                      help=f"{', '.join(METHODS)} or all (default all, given data)")
-    data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
-                      help="global batches drawn, each of global batch x seq-length tokens (default 8)")
-    data.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn batches (default 0)")
+    data = add_data_arguments(p)
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
                       help="price the methods at the N fastest traced layouts a planner runs: one model chunk a "
                            "rank, no context parallelism (default 4; half the traced shapes are such layouts)")
-    data.add_argument("--fast-mode", action="store_true",
-                      help="DynaPipe plans in fast mode (else as DYNAPIPE_FAST_MODE says; default normal mode)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "
@@ -192,8 +228,9 @@ def run_search_cli(args: argparse.Namespace) -> int:
         result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
                             progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr),
                             plannable_shapes=-(-args.max_traced // 2) if source else 0)
-        on_data = source and price_methods(space, result, source, methods, batches=args.batches, seed=args.seed,
-                                           layouts=args.method_layouts, jobs=args.jobs,
+        on_data = source and price_methods(space, representatives(result, args.method_layouts), source, methods,
+                                           traced_too=result.ranked()[:1], batches=args.batches, seed=args.seed,
+                                           jobs=args.jobs,
                                            fast_mode=resolve_fast_mode_setting(args.fast_mode or None),
                                            progress=not args.no_progress)
     except KeyboardInterrupt:

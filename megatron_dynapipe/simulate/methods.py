@@ -28,10 +28,12 @@ import multiprocessing
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.baselines import fixed_shape_run, thd_packing_rows
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
@@ -40,11 +42,17 @@ from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.progress import progress_bar
-from megatron_dynapipe.simulate.search import Candidate, Outcome, SearchResult, SearchSpace
+from megatron_dynapipe.simulate.reprice import priced_for
+from megatron_dynapipe.simulate.search import Candidate, Outcome, SearchResult, SearchSpace, estimate
+from megatron_dynapipe.simulate.variants import traced_choices
 from megatron_dynapipe.tracer.batch_run import available_cores
 from megatron_dynapipe.tracer.isolation import rank_start_method
 
-__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "windows"]
+if TYPE_CHECKING:
+    from megatron_dynapipe.simulate.replay import TracedJob
+    from megatron_dynapipe.simulate.report import SimulationReport
+
+__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout", "windows"]
 
 #: what each method is called in reports
 METHODS = {"megatron": "Megatron fixed shapes", "thd": "THD packing", "dynapipe": "DynaPipe",
@@ -166,23 +174,27 @@ def representatives(result: SearchResult, count: int) -> list[Outcome]:
     return list(best.values())[:count]
 
 
-def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource, methods: Sequence[str], *,
-                  batches: int = 8, seed: int = 0, layouts: int = 4, fast_mode: "bool | str" = False,
+def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthSource, methods: Sequence[str], *,
+                  traced_too: Sequence[Outcome] = (), batches: int = 8, seed: int = 0, fast_mode: "bool | str" = False,
                   jobs: Optional[int] = None, progress: bool = True) -> MethodsResult:
-    """Each method on ``batches`` batches drawn from ``source``, at the ``layouts`` best traced
-    layouts a planner runs (:func:`representatives`); the batches are priced ``jobs`` at a time
-    (default one per core), each worker remembering its layouts' cost-model answers."""
+    """Each method on ``batches`` batches drawn from ``source``, at the traced layouts ``chosen``
+    (layouts a planner runs: a search's :func:`representatives`); Megatron's traced step at
+    ``traced_too`` as well (interleaved or CP as they may be). The batches are priced ``jobs`` at
+    a time (default one per core), each worker remembering its layouts' cost-model answers."""
     started = time.perf_counter()
     tokens = space.global_batch_size * space.seq_length
     drawn = source.batches(tokens, space.seq_length, batches, seed)
     out = MethodsResult(source.label, tuple(methods), tokens, [len(b) for b in drawn], fast_mode, [])
-    chosen = representatives(result, layouts)
+    chosen = list(chosen)
     priced = [m for m in methods if m != "megatron"]
     steps = {(o.candidate, m): MethodStep(m, o.candidate) for o in chosen for m in priced}
-    if "megatron" in methods:  # at each layout priced, and at the search's best, interleaved or CP as it may be
-        for o in chosen + [o for o in result.ranked()[:1] if o not in chosen]:
+    if "megatron" in methods:
+        for o in chosen + [o for o in traced_too if o not in chosen]:
             steps[o.candidate, "megatron"] = _traced_step(o, batches)
     todo = [(i, m, b) for i in range(len(chosen)) for m in priced for b in range(batches)]  # i: into chosen
+    if not todo:
+        out.steps, out.seconds = list(steps.values()), time.perf_counter() - started
+        return out
     workers = max(1, min(jobs or available_cores(), len(todo)))
     context = multiprocessing.get_context(rank_start_method())
     with progress_bar(progress, sys.stderr) as bar, context.Pool(
@@ -194,6 +206,39 @@ def price_methods(space: SearchSpace, result: SearchResult, source: LengthSource
     out.steps = list(steps.values())
     out.seconds = time.perf_counter() - started
     return out
+
+
+def traced_layout(job: "TracedJob", hardware: Hardware, simulated: "SimulationReport",
+                  cost_model: Optional[str] = None) -> tuple[SearchSpace, Outcome]:
+    """A traced job as a search would have found it: its space (the model, world size, global
+    batch and sequence length on ``hardware``) and its layout's outcome, for :func:`price_methods`.
+
+    The methods are priced by the cost model that priced the traced step: ``hardware``'s own for a
+    shapes-only trace priced by a hardware file (``simulate`` prices its compute for ``hardware``),
+    else the profile ``cost_model`` names, which must be the one the trace was priced by. Refused
+    in one line otherwise."""
+    trace = next(iter(job.traces.values()))
+    by_profile = trace.meta.get("cost_model")
+    if priced_for(job) is not None:
+        if cost_model is not None:
+            raise ValueError(f"--cost-model: {job.folder.name}'s compute is priced by a hardware file, as the methods "
+                             f"are (for --hardware {hardware.name}); drop --cost-model, or trace with --cost-model")
+    elif cost_model is None:
+        what = f"the profile {by_profile!r}" if by_profile else "a measured run"
+        raise ValueError(f"{job.folder.name}'s compute comes from {what}: give the profile it was priced or measured "
+                         "with as --cost-model, so that the methods are priced alike")
+    options = MegatronOptions(**(job.iteration.get("training") or {}))
+    recompute, distributed_optimizer = traced_choices(job)
+    layout, it = job.layout, job.iteration
+    space = SearchSpace(job.model, layout.world_size, job.global_batch_size, int(it["seq_length"]), hardware,
+                        dtype=job.dtype, cost_model=cost_model)
+    if cost_model is not None and by_profile and space.cost_model_for(layout.tp).name != by_profile:
+        raise ValueError(f"--cost-model {cost_model}: {job.folder.name} was priced by {by_profile!r}; give that "
+                         "profile")
+    candidate = Candidate(layout.tp, layout.pp, layout.cp, layout.dp, int(it["micro_batch_size"]),
+                          int(it["num_microbatches"]), recompute, distributed_optimizer, options.sequence_parallel,
+                          options.virtual_size(job.model.num_layers, layout.pp))
+    return space, Outcome(candidate, estimate(space, candidate), "simulated", simulated)
 
 
 def _traced_step(outcome: Outcome, batches: int) -> MethodStep:

@@ -44,7 +44,7 @@ def derive(job: TracedJob, *, recompute: str = "none", distributed_optimizer: bo
     """``job`` as it would run with ``recompute`` and ``distributed_optimizer``."""
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute {recompute!r}: use one of {', '.join(RECOMPUTE_CHOICES)}")
-    traced = _traced_choices(job)
+    traced = traced_choices(job)
     if traced != ("none", False):
         raise ValueError(f"{job.folder}: the trace already runs recompute={traced[0]}, distributed optimizer="
                          f"{traced[1]}; derive variants from a trace without either")
@@ -58,7 +58,8 @@ def derive(job: TracedJob, *, recompute: str = "none", distributed_optimizer: bo
     return dataclasses.replace(job, traces=traces, iteration=iteration)
 
 
-def _traced_choices(job: TracedJob) -> tuple[str, bool]:
+def traced_choices(job: TracedJob) -> tuple[str, bool]:
+    """The (recompute, distributed optimizer) ``job`` runs: as traced, or as a variant derived."""
     ddp = job.iteration.get("ddp") or {}
     return str(job.iteration.get("recompute_granularity") or "none"), bool(ddp.get("use_distributed_optimizer"))
 

@@ -176,3 +176,43 @@ def test_a_search_draws_from_megatrons_data_path_and_refuses_a_missing_one_befor
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing_text_document" in err[0] and not (tmp_path / "missing" / "traces").exists()
+
+
+def test_simulate_prices_the_methods_on_a_traced_layout_as_the_search_did(tmp_path, capsys):
+    # the search's on-data prices at its traced layout, and `simulate` of that layout's folder on
+    # the same draws: the same layout read back from the trace, so the same steps
+    common = ["--mix", "multitask", "--batches", "2", "--seed", "3"]
+    document = _search(tmp_path, capsys, "--world-size", "4", "--global-batch-size", "8", "--tp", "1", "--pp", "2",
+                       "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+                       "--num-virtual-stages-per-pipeline-rank", "1", "--max-traced", "1", *common)
+    (folder,) = [p.parent for p in (tmp_path / "out" / "traces").rglob("rank_0.trace.jsonl")]
+    assert main(["simulate", str(folder), "--json", "--no-timeline", *common]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["iteration_s"] == pytest.approx(document["best"]["iteration_s"])
+    for method in METHODS:
+        ours, searched = simulated["on_data"]["best"][method], document["on_data"]["best"][method]
+        assert (ours["tp"], ours["pp"], ours["dp"]) == (1, 2, 2)
+        assert ours["step_s"] == pytest.approx(searched["step_s"], rel=1e-9), method
+        assert ours["setting"] == searched["setting"]
+
+
+def test_simulate_refuses_methods_it_cannot_price_before_simulating(tmp_path, capsys, tiny_traces):
+    from megatron_dynapipe.config.megatron_options import MegatronOptions
+    from megatron_dynapipe.tracer.batch_config import parse_configs
+    from megatron_dynapipe.tracer.batch_run import run_batch
+
+    (chunked,) = run_batch(parse_configs(["4 2 1 nmb=4"], model="tiny"), tmp_path, shapes_only=True, progress=False,
+                           training=MegatronOptions(layers_per_virtual_stage=1), timeline=False)
+    cases = [([str(chunked.folder), "--mix", "multitask", "--method", "dynapipe"], "runs 2 model chunks a rank"),
+             ([str(tiny_traces["4 4 1"]), "--mix", "multitask", "--cost-model", "gpt-6.7b-a100"],
+              "priced by a hardware file"),
+             ([str(tiny_traces["4 4 1"]), "--cost-model", "gpt-6.7b-a100"], "give --lengths FILE, --mix NAME")]
+    for argv, says in cases:
+        assert main(["simulate", *argv, "--no-timeline"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    # Megatron's own schedule is priced at any traced layout
+    assert main(["simulate", str(chunked.folder), "--mix", "multitask", "--method", "megatron", "--batches", "1",
+                 "--no-timeline", "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["on_data"]["best"]["megatron"]
+    assert priced["virtual_stages"] == 2 and "2 chunks a rank" in priced["setting"]
