@@ -571,7 +571,7 @@ class _Loop:
         out.wait_us[waited] += start - now
         out.comm_us[step.label if step.what == "collective" else "p2p"] += end - start
         if step.key == POSTED:  # what moved before the rank came to wait was hidden
-            out.overlapped_us += step.dur_us - (end - start)
+            out.overlapped_us += max(step.dur_us - (end - start), 0.0)
         self.clock[rank] = end
         self._push(end, rank)
         return True
