@@ -432,7 +432,7 @@ class SearchResult:
         return {
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
             "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
-            "counts": self.counts(), "traced_layouts": self.traced, "reused_traces": self.reused,
+            "overlap_p2p_comm": s.overlap_p2p_comm, "counts": self.counts(), "traced_layouts": self.traced, "reused_traces": self.reused,
             "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
             "best": best.to_json() if best else None,
             "rule_of_thumb": rule.to_json() if rule else None,

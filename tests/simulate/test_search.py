@@ -15,6 +15,7 @@ from megatron_dynapipe.simulate.replay import load_job, simulate_job
 from megatron_dynapipe.simulate.search import (
     Candidate,
     SearchError,
+    SearchResult,
     SearchSpace,
     enumerate_candidates,
     estimate,
@@ -169,6 +170,7 @@ def test_blocking_pipeline_communication_interleaves_only_from_pp_3_and_traces_w
     assert {c.virtual_stages for c in chunked} == {1, 2, 4}
     options = deeper.training_options(next(c for c in chunked if c.virtual_stages == 2).trace_key)
     assert "--no-overlap-p2p-communication" in options.megatron_args()
+    assert SearchResult(deeper, [], None).to_json()["overlap_p2p_comm"] is False  # search.json says how it was run
 
 
 def test_estimated_memory_is_the_textbook_formula_on_the_first_stage():
