@@ -56,6 +56,7 @@ from megatron_dynapipe.tracer.batch_results import INTERRUPTED
 from megatron_dynapipe.tracer.batch_run import available_cores, run_batch
 from megatron_dynapipe.tracer.isolation import rank_start_method
 from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
+from megatron_dynapipe.tracer.trace_format import RECORDING_REVISION
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
            "enumerate_candidates", "estimate", "rule_of_thumb", "run_search"]
@@ -527,7 +528,8 @@ def _complete(folder: Path, config: TraceConfig) -> bool:
     same = {k: summary.get(k) for k in ("world_size", "pp", "tp", "cp", "ep", "micro_batch_size",
                                         "num_microbatches", "global_batch_size", "seq_length", "model")}
     wanted = {k: v for k, v in config.to_dict().items() if k in same}
-    return summary.get("complete") is True and summary.get("status") == "ok" and same == wanted
+    return (summary.get("complete") is True and summary.get("status") == "ok" and same == wanted
+            and summary.get("recording_revision") == RECORDING_REVISION)  # an older tracer recorded less
 
 
 def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Optional[Candidate],

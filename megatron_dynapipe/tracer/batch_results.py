@@ -18,7 +18,7 @@ from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.config.layout import is_positive_int
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.tracer.batch_config import TraceConfig
-from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
+from megatron_dynapipe.tracer.trace_format import RECORDING_REVISION, RankTrace, TraceFormatError, trace_path
 
 __all__ = ["RankResult", "ConfigResult", "batch_summary", "exit_code", "write_summary", "write_timeline"]
 
@@ -123,7 +123,7 @@ def exit_code(results: Sequence[ConfigResult], *, strict: bool = False) -> int:
 def write_summary(result: ConfigResult, complete: bool = True) -> None:
     """Write ``summary.json`` atomically; a write that fails fails the config (never raises)."""
     assert result.folder is not None
-    doc = {**result.to_dict(), "complete": complete}
+    doc = {**result.to_dict(), "complete": complete, "recording_revision": RECORDING_REVISION}
     try:
         write_atomically(result.folder / SUMMARY_FILE, json.dumps(doc, indent=2) + "\n")
     except OSError as error:

@@ -32,6 +32,7 @@ from megatron_dynapipe.planning.collector import cyclic_gc_paused
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "RECORDING_REVISION",
     "COMPUTE_KINDS",
     "COMM_KINDS",
     "P2P_SEND_KINDS",
@@ -48,6 +49,9 @@ __all__ = [
 FORMAT_NAME = "megatron-dynapipe-trace"
 #: Bumped whenever a field changes meaning or a required field is added; readers refuse others.
 FORMAT_VERSION = 1
+#: Bumped whenever the tracer records more of the same run in the same format (2: the waits on
+#: point-to-point requests), so that a kept trace of an earlier revision is traced again.
+RECORDING_REVISION = 2
 
 #: ``cat == "compute"`` kinds.
 COMPUTE_KINDS = ("forward", "backward", "loss", "optimizer_step")

@@ -315,6 +315,15 @@ def test_search_ranks_simulated_layouts_and_reuses_its_traces(tmp_path, capsys):
     assert second["traced_layouts"] == 0 and second["reused_traces"] == first["traced_layouts"]
     assert second["best"] == first["best"]
 
+    # a trace an earlier tracer recorded (less: no waits) is traced again, not reused
+    (stale, *_) = sorted((tmp_path / "traces").rglob("summary.json"))
+    summary = json.loads(stale.read_text())
+    stale.write_text(json.dumps({k: v for k, v in summary.items() if k != "recording_revision"}))
+    assert main(argv) == 0
+    third = json.loads(capsys.readouterr().out)
+    assert third["traced_layouts"] == 1 and third["reused_traces"] == first["traced_layouts"] - 1
+    assert third["best"] == first["best"]
+
 
 def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
     argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "8", "--max-traced", "1",
