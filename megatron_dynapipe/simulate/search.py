@@ -168,15 +168,15 @@ class SearchSpace:
             if sp and tp == 1:  # Megatron-LM turns it off at TP 1: the candidate without it
                 continue
             for v in sorted(set(self.virtual_stages or (1, 2, 4))):
-                options = self.training_options((tp, pp, 1, 1, sp, v))
+                options = self.training_options(sp, v)
                 if not options.layout_problem(tp=tp, pp=pp, num_layers=self.model.num_layers,
                                               num_microbatches=num_microbatches):
                     out.append(options)
         return out
 
-    def training_options(self, key: tuple) -> MegatronOptions:
-        """The Megatron-LM options of a ``trace_key``: its sequence parallelism and interleaving."""
-        sequence_parallel, chunks = key[4], key[5]
+    def training_options(self, sequence_parallel: bool, chunks: int) -> MegatronOptions:
+        """The Megatron-LM options a layout is traced with: its sequence parallelism and model
+        chunks a rank (a ``trace_key``'s last two), and this space's pipeline overlap."""
         return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None,
                                overlap_p2p_comm=self.overlap_p2p_comm)
 
@@ -433,7 +433,8 @@ class SearchResult:
         return {
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
             "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
-            "overlap_p2p_comm": s.overlap_p2p_comm, "counts": self.counts(), "traced_layouts": self.traced, "reused_traces": self.reused,
+            "overlap_p2p_comm": s.overlap_p2p_comm, "counts": self.counts(), "traced_layouts": self.traced,
+            "reused_traces": self.reused,
             "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
             "best": best.to_json() if best else None,
             "rule_of_thumb": rule.to_json() if rule else None,
@@ -498,7 +499,7 @@ def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models:
     returns key -> config folder, or key -> error line for a shape that failed."""
     out, todo = {}, {}
     for key in keys:
-        config, training = trace_config(space, *key), space.training_options(key)
+        config, training = trace_config(space, *key), space.training_options(*key[4:])
         existing = folder / config.folder_name(training)
         if _complete(existing, config):
             out[key] = existing

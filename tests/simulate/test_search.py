@@ -168,7 +168,7 @@ def test_blocking_pipeline_communication_interleaves_only_from_pp_3_and_traces_w
     deeper = space("6.7", world=8, gbs=16, overlap_p2p_comm=False)  # 8 layers a stage at PP 4
     chunked = [c for c in enumerate_candidates(deeper) if c.pp == 4]
     assert {c.virtual_stages for c in chunked} == {1, 2, 4}
-    options = deeper.training_options(next(c for c in chunked if c.virtual_stages == 2).trace_key)
+    options = deeper.training_options(False, 2)
     assert "--no-overlap-p2p-communication" in options.megatron_args()
     assert SearchResult(deeper, [], None).to_json()["overlap_p2p_comm"] is False  # search.json says how it was run
 
