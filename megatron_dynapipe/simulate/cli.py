@@ -65,7 +65,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     folders = job_folders(args.trace_dir)
     jobs = [load_job(folder) for folder in folders]  # every folder is checked before any is simulated
     on_data = [_data_for(args, job, hardware) for job in jobs]  # and so is the data, and what prices it
-    for job, (source, methods) in zip(jobs, on_data):
+    for job, (source, methods, layout) in zip(jobs, on_data):
         replay = simulate_job(job, hardware, spans=not args.no_timeline)
         result = report(replay)
         out = result.to_json()
@@ -73,7 +73,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             out["timeline"] = str(timeline(replay).write(job.folder / "simulated_timeline.json"))
         text = format_report(result) + (f"\n  timeline: {out['timeline']}" if "timeline" in out else "")
         if source:
-            space, outcome = traced_layout(job, hardware, result, args.cost_model)
+            space, traced = layout
+            outcome = dataclasses.replace(traced, report=result)
             priced = price_methods(space, [outcome] if outcome.candidate.plannable else [], source, methods,
                                    traced_too=[outcome], batches=args.batches, seed=args.seed,
                                    fast_mode=resolve_fast_mode_setting(args.fast_mode or None), progress=False)
@@ -84,20 +85,21 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _data_for(args: argparse.Namespace, job, hardware):
-    """(the length source, the methods) ``job`` is priced on: checked, with the layout and what
-    prices it, before anything is simulated."""
+    """(the length source, the methods, the traced layout's space and outcome but its report)
+    ``job`` is priced on: checked, with what prices them, before anything is simulated."""
     source, methods = data_from_args(args, int(job.iteration["seq_length"]))
     if args.cost_model and not source:
         raise ValueError("--cost-model prices methods on your data: give --lengths FILE, --mix NAME or --data-path too")
-    if source:
-        _, outcome = traced_layout(job, hardware, None, args.cost_model)
-        planned = [m for m in methods if m != "megatron"]
-        if planned and not outcome.candidate.plannable:
-            c = outcome.candidate
-            raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs {c.virtual_stages} model chunks a "
-                             f"rank and CP {c.cp}; the planner runs one chunk a rank without context parallelism, so "
-                             "price those methods on such a trace (or --method megatron here)")
-    return source, methods
+    if not source:
+        return source, methods, None
+    space, outcome = traced_layout(job, hardware, args.cost_model)
+    planned = [m for m in methods if m != "megatron"]
+    if planned and not outcome.candidate.plannable:
+        c = outcome.candidate
+        raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs {c.virtual_stages} model chunks a "
+                         f"rank and CP {c.cp}; the planner runs one chunk a rank without context parallelism, so "
+                         "price those methods on such a trace (or --method megatron here)")
+    return source, methods, (space, outcome)
 
 
 def add_calibrate_parser(sub) -> None:

@@ -50,7 +50,6 @@ from megatron_dynapipe.tracer.isolation import rank_start_method
 
 if TYPE_CHECKING:
     from megatron_dynapipe.simulate.replay import TracedJob
-    from megatron_dynapipe.simulate.report import SimulationReport
 
 __all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout", "windows"]
 
@@ -208,10 +207,11 @@ def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthS
     return out
 
 
-def traced_layout(job: "TracedJob", hardware: Hardware, simulated: "SimulationReport",
+def traced_layout(job: "TracedJob", hardware: Hardware,
                   cost_model: Optional[str] = None) -> tuple[SearchSpace, Outcome]:
     """A traced job as a search would have found it: its space (the model, world size, global
-    batch and sequence length on ``hardware``) and its layout's outcome, for :func:`price_methods`.
+    batch and sequence length on ``hardware``) and its layout's outcome, whose ``report`` the
+    caller sets to the job's simulation, for :func:`price_methods`.
 
     The methods are priced by the cost model that priced the traced step: ``hardware``'s own for a
     shapes-only trace priced by a hardware file (``simulate`` prices its compute for ``hardware``),
@@ -238,7 +238,7 @@ def traced_layout(job: "TracedJob", hardware: Hardware, simulated: "SimulationRe
     candidate = Candidate(layout.tp, layout.pp, layout.cp, layout.dp, int(it["micro_batch_size"]),
                           int(it["num_microbatches"]), recompute, distributed_optimizer, options.sequence_parallel,
                           options.virtual_size(job.model.num_layers, layout.pp))
-    return space, Outcome(candidate, estimate(space, candidate), "simulated", simulated)
+    return space, Outcome(candidate, estimate(space, candidate), "simulated")
 
 
 def _traced_step(outcome: Outcome, batches: int) -> MethodStep:
