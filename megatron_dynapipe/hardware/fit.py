@@ -45,13 +45,14 @@ class RooflineFit:
     memory_efficiency: float
     layer_overhead_us: float
     points: int
+    min_tokens: int  # the least tokens of a point fitted
     median_error: float  # |predicted / measured - 1|, fitted rates
     worst_error: float
     median_error_before: float  # with the hardware file's own rates
     bias: float  # median of predicted / measured - 1, fitted rates
 
     def describe(self, profile: str) -> str:
-        return (f"roofline fitted to {profile} ({self.points} encoder-layer points of at least {MIN_TOKENS} "
+        return (f"roofline fitted to {profile} ({self.points} encoder-layer points of at least {self.min_tokens} "
                 f"tokens): GEMMs at {self.gemm_efficiency:.3f} of peak, elementwise kernels at "
                 f"{self.memory_efficiency:.3f} of the memory bandwidth, {self.layer_overhead_us:.0f} us a layer's "
                 f"pass; median error {self.median_error:.1%}, worst {self.worst_error:.1%} "
@@ -64,9 +65,10 @@ class RooflineFit:
 
 
 def fit_roofline(hardware, profile: Mapping[str, Any], *, min_tokens: int = MIN_TOKENS) -> RooflineFit:
-    """The ``gemm_efficiency`` and ``memory_efficiency`` of ``hardware``'s roofline (a
-    :class:`~megatron_dynapipe.hardware.Hardware` with a ``compute`` section) that fit a profile
-    document's encoder-layer times best (module docstring)."""
+    """The ``gemm_efficiency``, ``memory_efficiency`` and ``layer_overhead_us`` of ``hardware``'s
+    roofline (a :class:`~megatron_dynapipe.hardware.Hardware` with a ``compute`` section) that fit
+    a profile document's encoder-layer times of at least ``min_tokens`` tokens best (module
+    docstring)."""
     metadata = profile.get("metadata") or {}
     fields = {k: v for k, v in (metadata.get("model") or {}).items() if k in ModelSpec.__dataclass_fields__}
     if not fields or not profile.get("layer_time"):
@@ -103,7 +105,7 @@ def fit_roofline(hardware, profile: Mapping[str, Any], *, min_tokens: int = MIN_
     fitted = predicted(gemm, memory, overhead_us) / measured - 1
     before = predicted(base.gemm_efficiency, base.memory_efficiency, base.layer_overhead_us) / measured - 1
     return RooflineFit(gemm_efficiency=gemm, memory_efficiency=memory, layer_overhead_us=overhead_us,
-                       points=fitted.size, median_error=float(np.median(np.abs(fitted))),
+                       points=fitted.size, min_tokens=min_tokens, median_error=float(np.median(np.abs(fitted))),
                        worst_error=float(np.max(np.abs(fitted))), median_error_before=float(np.median(np.abs(before))),
                        bias=float(np.median(fitted)))
 

@@ -241,7 +241,8 @@ class _StepBuilder:
                 drained = True
             if op.cat == "compute":
                 # a wait inside a pass (the context-parallel ring's) is priced with the pass
-                self._compute(op, [child for child in trees[op.seq][1:] if child.cat == "comm" and child.kind != "wait"])
+                nested = [child for child in trees[op.seq][1:] if child.cat == "comm" and child.kind != "wait"]
+                self._compute(op, nested)
             else:
                 self.steps.append(self._comm(op))
         return self.steps
