@@ -128,7 +128,7 @@ def generate_execution_plan(
 
 def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanResult:
     started = time.perf_counter()
-    lengths = _check_lengths(lengths)
+    lengths = np.array(_check_lengths(lengths), dtype=np.int64)  # one array: every DP rank indexes it
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
     if spec.packing == "varlen":
@@ -137,30 +137,38 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     clock = PhaseClock()
     with clock("micro-batching"):
         per_rank = split_across_dp(lengths, spec.dp, costs, spec.seqlen_round)
-    choices = [_schedule_rank(lengths, samples, costs, spec, fast, clock) for samples in per_rank]
+    choices: list[ScheduleChoice] = []
+    for samples in per_rank:
+        # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
+        # planned before it, fast mode looks no further for that rank (the step stays the same).
+        slowest = max((c.makespan_ms for c in choices), default=None) if fast else None
+        choices.append(_schedule_rank(lengths, samples, costs, spec, fast, clock, slowest))
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
 
 
-def _schedule_rank(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock) -> "ScheduleChoice":
-    """One data-parallel rank's best schedule. Where fast mode's trimmed search finds none that
-    fits, normal mode's search runs: fast mode never refuses a batch normal mode can plan."""
+def _schedule_rank(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock,
+                   enough_ms: "float | None" = None) -> "ScheduleChoice":
+    """One data-parallel rank's best schedule (in fast mode, the first found no longer than
+    ``enough_ms``). Where fast mode's trimmed search finds none that fits, normal mode's search
+    runs: fast mode never refuses a batch normal mode can plan."""
     try:
-        return _search(lengths, samples, costs, spec, fast, clock)
+        return _search(lengths, samples, costs, spec, fast, clock, enough_ms)
     except PlanningError:
         if not fast:
             raise
         return _search(lengths, samples, costs, spec, False, clock)
 
 
-def _search(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock) -> "ScheduleChoice":
+def _search(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock,
+            enough_ms: "float | None" = None) -> "ScheduleChoice":
     with clock("micro-batching"):
         microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
     with clock("scheduling"):
         return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast, schedules=spec.schedules,
                                  seed=spec.seed, max_permutations=spec.max_permutations,
-                                 recompute_types=spec.recompute_types)
+                                 recompute_types=spec.recompute_types, enough_ms=enough_ms)
 
 
 class PhaseClock:
@@ -325,6 +333,7 @@ def optimize_schedule(
     seed: int = 0,
     max_permutations: int = 8,
     recompute_types: Sequence[RecomputeType] = tuple(RecomputeType),
+    enough_ms: "float | None" = None,
 ) -> ScheduleChoice:
     """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest
     (the first in candidate order among equals).
@@ -334,7 +343,9 @@ def optimize_schedule(
     is a recompute adjustment carried on once its bound does. The bound holds for any
     recompute the adjustment may raise to, so the choice equals that of simulating them all.
     Fast mode also skips candidates that could improve on the best by at most FAST_MODE_GAP,
-    so its choice is within that fraction of its exhaustive search's.
+    so its choice is within that fraction of its exhaustive search's. With ``enough_ms`` (what
+    another DP rank's plan takes: the step lasts as long as the slowest), the search stops at the
+    first plan that ends by then, which no other could shorten the step below.
     """
     candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
     tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
@@ -349,6 +360,8 @@ def optimize_schedule(
     gap = FAST_MODE_GAP if fast_mode else -BOUND_SLACK
     best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)
     for i in sorted(range(len(candidates)), key=bounds.__getitem__):
+        if best is not None and enough_ms is not None and best[0] <= enough_ms:
+            break
         cutoff = math.inf if best is None else best[0] * (1 - gap)
         if bounds[i] > cutoff:
             break  # so are all later bounds

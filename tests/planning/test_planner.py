@@ -260,6 +260,24 @@ def test_fast_mode_runs_normal_modes_search_where_its_own_finds_nothing(costs_pp
     assert fast.fast_mode and fast.makespan_ms == normal.makespan_ms
 
 
+def test_fast_mode_stops_a_dp_rank_at_a_plan_that_ends_by_an_earlier_ranks(costs_pp4):
+    from megatron_dynapipe.planning.microbatching import split_across_dp
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
+
+    lengths = synthetic_lengths(128, 3, "multitask")  # 16 samples a rank: the order matters
+    spec = TrainingSpec(dp=8, fast_mode=True)
+    result = plan_and_check(lengths, spec, costs_pp4)
+    ranks = split_across_dp(lengths, spec.dp, costs_pp4, spec.seqlen_round)
+    searched = [optimize_schedule(_microbatchings(lengths, samples, costs_pp4, spec, True), costs_pp4,
+                                  spec.memory_limit_mb, fast_mode=True).makespan_ms for samples in ranks]
+    # The step lasts as long as its slowest rank: stopping early leaves it as searching every rank.
+    assert result.makespan_ms == max(searched)
+    chosen = [choice.makespan_ms for choice in result.choices]
+    for rank, (took, best) in enumerate(zip(chosen, searched)):
+        assert took == best or took <= max(chosen[:rank])
+    assert chosen != searched  # some rank stopped at a plan slower than its best
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=64),
        limit=st.sampled_from([5_000.0, 6_000.0, 7_000.0, 9_000.0]))
