@@ -163,12 +163,24 @@ def _schedule_rank(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast
 
 def _search(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock,
             enough_ms: "float | None" = None) -> "ScheduleChoice":
-    with clock("micro-batching"):
-        microbatchings = _microbatchings(lengths, samples, costs, spec, fast)
-    with clock("scheduling"):
-        return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast, schedules=spec.schedules,
-                                 seed=spec.seed, max_permutations=spec.max_permutations,
-                                 recompute_types=spec.recompute_types, enough_ms=enough_ms)
+    def search(mixed_only: bool) -> ScheduleChoice:
+        with clock("micro-batching"):
+            microbatchings = _microbatchings(lengths, samples, costs, spec, fast, mixed_only)
+        with clock("scheduling"):
+            return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
+                                     schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
+                                     recompute_types=spec.recompute_types, enough_ms=enough_ms)
+
+    if enough_ms is not None and spec.partition == "dp" and len(spec.recompute_types) > 1:
+        # The mixed micro-batching alone often has a plan that ends in time; the others are then
+        # never made (partitioning a rank's samples costs about what scheduling them does).
+        try:
+            choice = search(mixed_only=True)
+            if choice.makespan_ms <= enough_ms:
+                return choice
+        except PlanningError:
+            pass  # the whole search below says why, if it fails too
+    return search(mixed_only=False)
 
 
 class PhaseClock:
@@ -209,7 +221,7 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
         )
 
 
-def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Microbatching]:
+def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: bool = False) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
     and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
     the mixed one and the heaviest uniform one, from fewer partition thresholds).
@@ -219,7 +231,8 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
     also offered starting from the lightest recompute under which each micro-batch fits alone
     ("<label>, light start"; fast mode offers only that), which recompute adjustment raises only
     where the simulated schedule runs over the limit. Both are ranked by the partition's predicted
-    iteration time, the light start first: its own prediction ignores what will be raised."""
+    iteration time, the light start first: its own prediction ignores what will be raised.
+    ``mixed_only``: the mixed one alone."""
     limit = spec.memory_limit_mb
     if spec.partition in ("token_based", "uniform"):
         mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)
@@ -230,7 +243,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool) -> list[Micr
     options = [(rc.label, (rc,)) for rc in spec.recompute_types]
     if len(spec.recompute_types) > 1:
         # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
-        options = [("mixed", spec.recompute_types)] + (options[-1:] if fast_mode else options)
+        options = [("mixed", spec.recompute_types)] + ([] if mixed_only else options[-1:] if fast_mode else options)
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     for label, types in options:
         try:
