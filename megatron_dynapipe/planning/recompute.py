@@ -41,6 +41,7 @@ def adjust_rc_plan(
     work_table: WorkTable | None = None,
     give_up_above_ms: float = math.inf,
     types: Sequence[RecomputeType] = tuple(RecomputeType),
+    chunks: int = 1,
 ) -> RecomputePlan | None:
     """Raise recompute (each step to the next of ``types``) of the micro-batches whose memory the
     ops above the limit count, re-simulating after each round, until the schedule fits.
@@ -55,8 +56,10 @@ def adjust_rc_plan(
     current recompute does -- for fixed orders, whose ops only lengthen as recompute rises, and in
     fast mode (a schedule that follows the timeline may end sooner with more recompute).
     ``work_table`` (of these micro-batches, in this order) saves evaluating the cost model.
+    ``chunks``: model chunks a rank (``costs`` then per virtual stage, ``recompute`` too), where
+    no ``work_table`` says.
     """
-    table = work_table or WorkTable(costs, microbatches)
+    table = work_table or WorkTable(costs, microbatches, chunks)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
     max_rounds = FAST_MODE_ROUNDS if fast_mode else costs.pp * len(microbatches) * len(RecomputeType)
     heavier = _next_types(types)
@@ -117,16 +120,24 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
     raising the recompute of the micro-batches whose memory it counted -- those held and its own
     -- the one that saves the op the most memory per millisecond of backward it adds first. A
     micro-batch raised for one op lightens every later op it is held in. Returns whether anything
-    was raised, and whether some op could not be brought under the limit."""
+    was raised, and whether some op could not be brought under the limit. Where ranks hold
+    several model chunks, a stage is a rank and its micro-batches are its chunks' (chunk c's
+    micro-batch m is c * n + m), as the simulation lists them."""
     stages = sorted({s for s, *_ in over_limit})
-    # plain lists of the stages concerned: the loops below read one scalar at a time
-    stored = {s: table.tables["stored"][:, s, :].tolist() for s in stages}  # [recompute][micro-batch]
-    peak = {s: table.tables["peak"][:, s, :].tolist() for s in stages}
-    backward = {s: table.tables["backward"][:, s, :].tolist() for s in stages}
-    level = {s: recompute[s].tolist() for s in stages}
+    pp = len(recompute) // table.chunks
+    rows = {s: [c * pp + s for c in range(table.chunks)] for s in stages}  # a rank's virtual stages
+
+    def flat(name, s):  # [recompute][chunk * n + micro-batch], plain lists: the loops below read scalars
+        values = table.tables[name][:, rows[s], :]
+        return values.reshape(len(values), -1).tolist()
+
+    stored = {s: flat("stored", s) for s in stages}
+    peak = {s: flat("peak", s) for s in stages}
+    backward = {s: flat("backward", s) for s in stages}
+    level = {s: recompute[rows[s]].reshape(-1).tolist() for s in stages}
     raised = stuck = False
     for s, _, held, m in sorted(over_limit, key=lambda op: -op[1]):
-        op = _OpMemory(float(table.state[s]), stored[s], peak[s], level[s], held, m)
+        op = _OpMemory(float(table.state[rows[s]].sum()), stored[s], peak[s], level[s], held, m)
         while op.in_use() > memory_limit_mb + MEMORY_TOLERANCE_MB:
             best = op.best_to_raise(backward[s], heavier)
             if best is None:
@@ -135,7 +146,7 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
             level[s][best] = heavier[level[s][best]]
             raised = True
     for s in stages:
-        recompute[s] = level[s]
+        recompute[rows[s]] = np.reshape(level[s], (table.chunks, -1))
     return raised, stuck
 
 

@@ -22,29 +22,46 @@ from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType, 
 
 Order = list[Action]  # one stage's compute ops in execution order
 # An op that ran above the memory limit: (stage, MB in use, the micro-batches whose stored
-# activations were held then, the op's own micro-batch, whose transient memory came on top).
+# activations were held then, the op's own micro-batch, whose transient memory came on top). Where
+# ranks hold several model chunks the stage is the rank, and micro-batch m of chunk c is c * n + m.
 OverLimit = tuple[int, float, tuple[int, ...], int]
 MEMORY_TOLERANCE_MB = 1e-6  # memory sums in another order may pass an equal limit by rounding
 
 
 @dataclass(frozen=True)
 class StageWork:
-    """Per-stage, per-micro-batch durations (ms) and memory (MB) the simulator consumes."""
+    """Per-stage, per-micro-batch durations (ms) and memory (MB) the simulator consumes.
 
-    forward: np.ndarray  # [pp, n]
-    backward: np.ndarray  # [pp, n]
-    stored: np.ndarray  # [pp, n] held from the end of forward to the end of backward
-    peak: np.ndarray  # [pp, n] transient on top of stored while an op runs
-    state: np.ndarray  # [pp] parameters, gradients and optimizer state
+    With ``chunks`` > 1 each of the ``pp`` ranks runs that many model chunks (an interleaved
+    pipeline): the rows are virtual stages, ``chunks * pp`` of them, chunk c of rank r being row
+    ``c * pp + r``; a rank runs its chunks' ops on one compute stream and holds their memory."""
+
+    forward: np.ndarray  # [stages, n]
+    backward: np.ndarray  # [stages, n]
+    stored: np.ndarray  # [stages, n] held from the end of forward to the end of backward
+    peak: np.ndarray  # [stages, n] transient on top of stored while an op runs
+    state: np.ndarray  # [stages] parameters, gradients and optimizer state
     comm: np.ndarray  # [n] one activation (or gradient) transfer between neighbouring stages
+    chunks: int = 1  # model chunks per rank
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages, virtual ones where ranks hold several chunks."""
+        return self.forward.shape[0]
 
     @property
     def pp(self) -> int:
-        return self.forward.shape[0]
+        """Pipeline ranks."""
+        return self.forward.shape[0] // self.chunks
 
     @property
     def n(self) -> int:
         return self.forward.shape[1]
+
+    @property
+    def rank_state(self) -> np.ndarray:
+        """[pp] each rank's model state: its chunks' together."""
+        return self.state.reshape(self.chunks, -1).sum(axis=0)
 
 
 class WorkTable:
@@ -53,7 +70,9 @@ class WorkTable:
 
     FIELDS = ("forward", "backward", "stored", "peak")
 
-    def __init__(self, costs: StageCosts, microbatches: Sequence[MicroBatch]):
+    def __init__(self, costs: StageCosts, microbatches: Sequence[MicroBatch], chunks: int = 1):
+        """``costs`` per stage: per virtual stage where each rank runs ``chunks`` model chunks."""
+        self.chunks = chunks
         mbs, seq = cost_shapes(microbatches)
         every = costs.by_recompute(mbs, seq, tuple(RecomputeType))
         self.tables = {name: np.array(every[name], dtype=float) for name in self.FIELDS}  # [recompute, pp, n]
@@ -67,6 +86,7 @@ class WorkTable:
     def reordered(self, order: Sequence[int]) -> "WorkTable":
         """The same table with micro-batches in another entry order."""
         other = object.__new__(WorkTable)
+        other.chunks = self.chunks
         cols = np.asarray(order, dtype=np.int64)
         other.tables = {name: table[:, :, cols] for name, table in self.tables.items()}
         other.floors = {name: table[:, :, cols] for name, table in self.floors.items()}
@@ -86,17 +106,17 @@ class WorkTable:
         index = np.asarray(recompute, dtype=np.int64)[None]
         forward = np.take_along_axis(self.floors["forward"], index, axis=0)[0]
         backward = np.take_along_axis(self.floors["backward"], index, axis=0)[0]
-        return makespan_bounds(forward, backward, self.comm, orders)
+        return makespan_bounds(forward, backward, self.comm, orders, self.chunks)
 
     def work(self, recompute: np.ndarray) -> StageWork:
         """StageWork for the recompute type of every (stage, micro-batch), recompute[pp, n]."""
         index = np.asarray(recompute, dtype=np.int64)[None]
         picked = {name: np.take_along_axis(table, index, axis=0)[0] for name, table in self.tables.items()}
-        return StageWork(state=self.state, comm=self.comm, **picked)
+        return StageWork(state=self.state, comm=self.comm, chunks=self.chunks, **picked)
 
 
 def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
-                    orders: Sequence[Sequence[int]]) -> np.ndarray:
+                    orders: Sequence[Sequence[int]], chunks: int = 1) -> np.ndarray:
     """Per entry order (a permutation of the micro-batches), a makespan no schedule can beat
     whose ops take ``forward``/``backward`` [pp, n] ms and whose transfers ``comm`` [n] ms.
 
@@ -109,12 +129,18 @@ def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
     runs the backwards of those behind j, and the last gradient passes back. The second dominates
     where few micro-batches of unequal cost fill many stages: the pipeline never reaches a
     steady state, and the longest round trip sets the pace.
+
+    With ``chunks`` model chunks a rank the rows are virtual stages, and each holds as though it
+    had a rank to itself; a rank's first virtual stage also counts the whole rank's work: its
+    first op waits for micro-batch 0 to reach it, and its last is that stage's last backward.
     """
     pp, n = forward.shape
     cols = np.asarray([list(order) for order in orders], dtype=np.int64).reshape(len(orders), n)  # [k, n]
     if not cols.size:
         return np.zeros(len(orders))
     busy = (forward.sum(axis=1) + backward.sum(axis=1))[:, None]  # [s, 1]: the same in any order
+    if chunks > 1:
+        busy[:pp // chunks] = busy.reshape(chunks, pp // chunks, 1).sum(axis=0)  # a rank's, on its first chunk
     hops = 2.0 * np.arange(pp - 1, -1, -1)[:, None, None]  # transfers of a round trip from stage s
     f, b, c = forward[:, cols], backward[:, cols], comm[cols]  # [s, k, j] in each order k; c [k, j]
     zero = np.zeros((1, len(cols)))
@@ -127,18 +153,21 @@ def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
     return np.max(head + tail + np.maximum(busy, path), axis=0)
 
 
-def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray) -> StageWork:
-    """Evaluate the cost model for every (stage, micro-batch); recompute is [pp, n]."""
-    return WorkTable(costs, microbatches).work(np.asarray(recompute).reshape(costs.pp, len(microbatches)))
+def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray,
+               chunks: int = 1) -> StageWork:
+    """Evaluate the cost model for every (stage, micro-batch); recompute is [pp, n] (``costs``
+    and ``recompute`` per virtual stage where each rank runs ``chunks`` model chunks)."""
+    return WorkTable(costs, microbatches, chunks).work(np.asarray(recompute).reshape(costs.pp, len(microbatches)))
 
 
 @dataclass(frozen=True)
 class Event:
-    stage: int
+    stage: int  # the rank
     kind: str  # "F", "B", "send-act" or "send-grad"
     microbatch: int
     start: float
     end: float
+    chunk: int = 0  # the rank's model chunk that ran or sent it
 
 
 @dataclass
@@ -181,28 +210,36 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
     recompute adjustment may lighten).
     ``strict_memory`` keeps the greedy policy within the limit even while it fills a stage (see
     :func:`_wait_free_pick`).
+    Where ranks hold several model chunks (``work.chunks``), ``orders`` are per rank, each op's
+    ``chunk`` saying which; its input comes from the virtual stage before (the previous rank, or
+    for chunk c > 0 on the first rank, the last rank's chunk c - 1), and its rank's compute stream,
+    memory and links are shared by its chunks.
 
     One loop over local lists on purpose: it runs once per candidate and recompute round, for
     thousands of ops, and method calls and attribute lookups were most of its time.
     """
-    pp, n, last = work.pp, work.n, work.pp - 1
-    forward, backward = work.forward.tolist(), work.backward.tolist()
+    pp, n, chunks, last = work.pp, work.n, work.chunks, work.stages - 1  # last: the last virtual stage
+    forward, backward = work.forward.tolist(), work.backward.tolist()  # [virtual stage][micro-batch]
     stored, peak_of = work.stored.tolist(), work.peak.tolist()
-    state, comm = work.state.tolist(), work.comm.tolist()
+    state, comm = work.rank_state.tolist(), work.comm.tolist()
     greedy = orders is None
-    # A stage's compute still to run, plus -- after its last op, the backward of the last micro-batch
-    # (every schedule runs backwards in entry order) -- that gradient's way back through the
-    # stages before it: the least time from a stage's next op to the end.
-    remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).tolist()
+    if greedy and chunks > 1:
+        raise ValueError("wait-free-cyclic runs one model chunk a rank: give interleaved orders")
+    # A rank's compute still to run, plus -- after its last op, the backward of the last
+    # micro-batch on its first chunk (every schedule runs backwards in entry order) -- that
+    # gradient's way back through the stages before it: the least time from its next op to the end.
+    remaining = (work.forward.sum(axis=1) + work.backward.sum(axis=1)).reshape(chunks, pp).sum(axis=0)
     if n:
-        drain = np.concatenate([[0.0], np.cumsum(work.backward[:-1, -1] + work.comm[-1])])
-        remaining = (np.array(remaining) + drain).tolist()
+        drain = np.concatenate([[0.0], np.cumsum(work.backward[:pp - 1, -1] + work.comm[-1])])
+        remaining = remaining + drain
+    remaining = remaining.tolist()
     total = 2 * pp * n if greedy else sum(len(o) for o in orders)
-    act = [[None] * n for _ in range(pp)]  # when the activation of m is on stage s
-    grad = [[None] * n for _ in range(pp)]  # when the gradient of m is on stage s
+    act = [[None] * n for _ in range(last + 1)]  # when the activation of m is on virtual stage v
+    grad = [[None] * n for _ in range(last + 1)]  # when the gradient of m is on virtual stage v
     last_forward_end = [None] * n  # the last stage's backward of m needs its own forward
-    free, link_down, link_up = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    held: list[dict[int, float]] = [{} for _ in range(pp)]  # micro-batch -> stored MB
+    free, link_down, link_up = [0.0] * pp, [0.0] * pp, [0.0] * pp  # per rank: its compute, its outgoing links
+    # per rank: stored MB held, by micro-batch (chunk * n + micro-batch where ranks hold several)
+    held: list[dict[int, float]] = [{} for _ in range(pp)]
     held_total, peak = [0.0] * pp, list(state)
     ran: list[Order] = [[] for _ in range(pp)]
     forwards, backwards = actions(n)
@@ -215,6 +252,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
     backlog = [deque() for _ in range(pp)]  # greedy: micro-batches whose gradient is due, FIFO
     wake: list = [0.0] * pp  # when each stage next decides; None: waits for a neighbour
     heap = [(0.0, s) for s in range(pp)]
+    v = c = 0  # the op's virtual stage and chunk (one chunk a rank: v is the rank)
 
     def wake_at(s: int, time: float) -> None:
         if time < free[s]:
@@ -236,13 +274,20 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                 kind, m = _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held[s], backlog[s],
                                           next_forward, state[s] + held_total[s], stored[s], peak_of[s],
                                           memory_limit_mb, strict_memory)
+                v = s
                 due = [] if kind else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
             elif position[s] < len(orders[s]):
-                kind, m = orders[s][position[s]]
-                if kind == "F":
-                    ready = 0.0 if s == 0 else act[s][m]
+                op = orders[s][position[s]]
+                kind, m = op[0], op[1]
+                if chunks > 1:
+                    c = op[2]
+                    v = c * pp + s
                 else:
-                    ready = last_forward_end[m] if s == last else grad[s][m]
+                    v = s
+                if kind == "F":
+                    ready = 0.0 if v == 0 else act[v][m]
+                else:
+                    ready = last_forward_end[m] if v == last else grad[v][m]
                 if ready is None or ready > now:
                     kind, due = None, [ready]
                 else:
@@ -254,44 +299,49 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                 if due:
                     wake_at(s, min(due))
         start = free[s] if free[s] > now else now
-        duration = forward[s][m] if kind == "F" else backward[s][m]
+        duration = forward[v][m] if kind == "F" else backward[v][m]
         end = free[s] = start + duration
-        in_use = state[s] + held_total[s] + peak_of[s][m]
+        key = c * n + m if chunks > 1 else m
+        in_use = state[s] + held_total[s] + peak_of[v][m]
         if in_use > peak[s]:
             peak[s] = in_use
         if in_use > report_over_mb + MEMORY_TOLERANCE_MB:
-            over.append((s, in_use, tuple(held[s]), m))
-        ran[s].append(forwards[m] if kind == "F" else backwards[m])
+            over.append((s, in_use, tuple(held[s]), key))
+        if chunks > 1:
+            ran[s].append(Action(kind, m, c))
+        else:
+            ran[s].append(forwards[m] if kind == "F" else backwards[m])
         starts[s].append(start)
         ends[s].append(end)
         if record:
-            events.append(Event(s, kind, m, start, end))
+            events.append(Event(s, kind, m, start, end, c))
         remaining[s] -= duration
         if end + remaining[s] > give_up_above_ms:
             return None
         if kind == "F":
-            held[s][m] = stored[s][m]
-            held_total[s] += stored[s][m]
-            if s < last:
+            held[s][key] = stored[v][m]
+            held_total[s] += stored[v][m]
+            if v < last:
                 begin = link_down[s] if link_down[s] > end else end
                 sent = link_down[s] = begin + comm[m]
                 if record:
-                    events.append(Event(s, "send-act", m, begin, sent))
-                act[s + 1][m] = sent
-                wake_at(s + 1, sent)
+                    events.append(Event(s, "send-act", m, begin, sent, c))
+                act[v + 1][m] = sent
+                wake_at((s + 1) % pp, sent)
             else:
                 last_forward_end[m] = end
                 backlog[s].append(m)  # the last stage turns straight to its own backward
         else:
-            held_total[s] -= held[s].pop(m)
-            if s > 0:
+            held_total[s] -= held[s].pop(key)
+            if v > 0:
                 begin = link_up[s] if link_up[s] > end else end
                 sent = link_up[s] = begin + comm[m]
                 if record:
-                    events.append(Event(s, "send-grad", m, begin, sent))
-                grad[s - 1][m] = sent
-                backlog[s - 1].append(m)
-                wake_at(s - 1, sent)
+                    events.append(Event(s, "send-grad", m, begin, sent, c))
+                grad[v - 1][m] = sent
+                if greedy:
+                    backlog[s - 1].append(m)
+                wake_at((s - 1) % pp, sent)
         wake_at(s, end)
     return SimulationResult(makespan=max(free) if n else 0.0, peak_memory=np.array(peak), orders=ran, events=events,
                             op_starts=starts, op_ends=ends, over_limit=over)
@@ -310,18 +360,23 @@ def over_limit(orders: Sequence[Order], work: StageWork, limit_mb: float) -> lis
     ``over_limit`` lists them, without timing anything: a stage's memory changes only with its
     own ops, so under fixed orders it follows from the orders alone."""
     over, limit_mb = [], limit_mb + MEMORY_TOLERANCE_MB
+    pp, n, chunks = work.pp, work.n, work.chunks
     for s, order in enumerate(orders):
-        stored, peak, base = work.stored[s].tolist(), work.peak[s].tolist(), float(work.state[s])
+        rows = [c * pp + s for c in range(chunks)]  # the rank's virtual stages
+        stored = work.stored[rows].reshape(-1).tolist()  # by chunk * n + micro-batch
+        peak = work.peak[rows].reshape(-1).tolist()
+        base = float(work.rank_state[s])
         held: dict[int, float] = {}
         total = 0.0
-        for kind, m in order:
-            if base + total + peak[m] > limit_mb:
-                over.append((s, base + total + peak[m], tuple(held), m))
+        for op in order:
+            kind, key = op[0], (op[2] * n + op[1] if chunks > 1 else op[1])
+            if base + total + peak[key] > limit_mb:
+                over.append((s, base + total + peak[key], tuple(held), key))
             if kind == "F":
-                held[m] = stored[m]
-                total += stored[m]
+                held[key] = stored[key]
+                total += stored[key]
             else:
-                total -= held.pop(m)
+                total -= held.pop(key)
     return over
 
 

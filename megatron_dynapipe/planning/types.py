@@ -33,14 +33,19 @@ class RecomputeType(enum.IntEnum):
 
 
 class Action(NamedTuple):
-    """One compute op of a stage's order (planning/schedules: who makes them). It is a tuple:
-    a plain ``("F", m)`` pair stands for ``Action("F", m)`` wherever orders are read."""
+    """One compute op of a pipeline rank's order (planning/schedules: who makes them). It is a
+    tuple: a plain ``("F", m)`` pair stands for ``Action("F", m)`` wherever orders are read.
+
+    ``chunk``: which of the rank's model chunks runs it, where a rank holds several
+    (interleaved schedules): chunk c of rank r is virtual stage ``c * pp + r``, as Megatron-LM
+    assigns them."""
 
     phase: str  # "F": forward, "B": backward
     microbatch: int  # index in pipeline entry order
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.phase}{self.microbatch}"
+        return f"{self.phase}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def test_wait_free_cyclic_holds_fewer_where_recompute_cannot_lighten_enough(cost
     plan = adjust_rc_plan(mbs, none(12), costs_pp4, "wait-free-cyclic", limit)
     check_fits_when_simulated_again(plan, mbs, costs_pp4, limit)
     first_stage = plan.orders[0]
-    in_flight = max(sum(1 if kind == "F" else -1 for kind, _ in first_stage[:i + 1]) for i in range(len(first_stage)))
+    in_flight = max(sum(1 if op.phase == "F" else -1 for op in first_stage[:i + 1]) for i in range(len(first_stage)))
     assert in_flight < 4
 
 
@@ -96,8 +96,26 @@ def test_gpipe_holds_every_microbatch_and_so_recomputes_more_than_1f1b(costs_pp4
     check_fits_when_simulated_again(gpipe, mbs, costs_pp4)
     for plan, most in ((one_f_one_b, 4), (gpipe, 8)):
         first = plan.orders[0]
-        assert max(sum(1 if kind == "F" else -1 for kind, _ in first[:i + 1]) for i in range(len(first))) == most
+        assert max(sum(1 if op.phase == "F" else -1 for op in first[:i + 1]) for i in range(len(first))) == most
     assert np.all(gpipe.recompute.sum(axis=1) >= one_f_one_b.recompute.sum(axis=1))
     assert gpipe.recompute.sum() > one_f_one_b.recompute.sum()
     # heavier recompute, same micro-batches: a longer step
     assert gpipe.simulation.makespan > one_f_one_b.simulation.makespan
+
+
+def test_an_interleaved_plan_is_raised_until_every_rank_holds_its_chunks_within_the_limit(profiled_model):
+    from megatron_dynapipe.planning.cost_model import StageCosts
+
+    # 4 ranks x 2 model chunks of 4 layers (virtual stages 0-7), 8 micro-batches of 2 x 2048
+    # tokens. Without recompute the first rank, which warms up with 10 chunk-forwards, would hold
+    # 120,858 MB; with everything recomputed in full, 33,596 MB.
+    costs = StageCosts(profiled_model, num_layers=32, pp=8)
+    mbs = microbatches(8, 2, 2048)
+    nothing = np.zeros((8, 8), dtype=np.int64)
+    plan = adjust_rc_plan(mbs, nothing, costs, "interleaved-1f1b", LIMIT, chunks=2)
+    again = simulate(plan.orders, stage_work(costs, mbs, plan.recompute, chunks=2))
+    assert again.fits(LIMIT) and again.makespan == pytest.approx(plan.simulation.makespan)
+    assert (plan.recompute < int(RecomputeType.FULL)).any()  # only what the limit needs
+    assert {op.chunk for order in plan.orders for op in order} == {0, 1}
+    # below what full recompute everywhere needs, no interleaved plan fits
+    assert adjust_rc_plan(mbs, nothing, costs, "interleaved-1f1b", 33_000, chunks=2) is None

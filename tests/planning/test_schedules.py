@@ -56,7 +56,8 @@ def test_every_schedule_keeps_the_contract(name, pp, n, limit, data):
 def test_the_registry_by_name_and_what_the_planner_searches():
     assert DEFAULT_SCHEDULES == ("1f1b", "wait-free-cyclic")  # gpipe only when asked for
     assert get_schedule("gpipe") is SCHEDULES["gpipe"] and get_schedule(SCHEDULES["1f1b"]) is SCHEDULES["1f1b"]
-    with pytest.raises(ValueError, match="unknown schedule 'zb-h1': choose from 1f1b, wait-free-cyclic, gpipe"):
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h1': choose from 1f1b, wait-free-cyclic, gpipe, "
+                                         "interleaved-1f1b$"):
         get_schedule("zb-h1")
     # fast mode searches one schedule: one that follows the timeline where allowed
     assert fast_mode_schedule(("1f1b", "wait-free-cyclic")) == "wait-free-cyclic"
@@ -67,6 +68,18 @@ def test_the_registry_by_name_and_what_the_planner_searches():
     assert fast_mode_schedules(("wait-free-cyclic",), 3, 16) == ["wait-free-cyclic"]
     assert fast_mode_schedules(("1f1b",), 3, 16) == ["1f1b"]
     assert TrainingSpec().schedules == DEFAULT_SCHEDULES
+
+
+def test_only_an_interleaved_schedule_runs_several_model_chunks_a_rank():
+    with pytest.raises(ValueError, match="schedule '1f1b' runs one model chunk a rank, not 2: use an interleaved"):
+        SCHEDULES["1f1b"].orders_for(2, 4, chunks=2)
+    ones = np.ones((4, 3))
+    work = StageWork(forward=ones, backward=ones, stored=ones, peak=ones, state=np.ones(4), comm=np.ones(3), chunks=2)
+    with pytest.raises(ValueError, match="wait-free-cyclic runs one model chunk a rank"):
+        SCHEDULES["wait-free-cyclic"].simulate(work, 1e9)
+    orders = SCHEDULES["interleaved-1f1b"].orders(work)
+    with pytest.raises(ValueError, match=r"stage 0 order item #2 .* runs model chunk 1: execution plans run one"):
+        build_execution_plans(orders, [MicroBatch((m,), 8) for m in range(3)], "none", "interleaved-1f1b", 1.0)
 
 
 def test_the_planner_plans_with_a_schedule_asked_for_by_name(costs_pp4):

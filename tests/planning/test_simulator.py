@@ -154,22 +154,27 @@ def test_a_schedule_gives_up_only_when_its_makespan_passes_the_cutoff(name):
     assert SCHEDULES[name].simulate(work, 1e9, give_up_above_ms=32.9) is None
 
 
-def _random_work(data, pp, n):
+def _random_work(data, pp, n, chunks=1):
     draw = lambda lo, hi, shape: np.array(data.draw(st.lists(  # noqa: E731
         st.floats(lo, hi), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))).reshape(shape)
-    return StageWork(forward=draw(0.1, 5, (pp, n)), backward=draw(0.1, 10, (pp, n)), stored=draw(1, 50, (pp, n)),
-                     peak=draw(0, 10, (pp, n)), state=draw(0, 100, (pp,)), comm=draw(0, 1, (n,)))
+    rows = pp * chunks
+    return StageWork(forward=draw(0.1, 5, (rows, n)), backward=draw(0.1, 10, (rows, n)),
+                     stored=draw(1, 50, (rows, n)), peak=draw(0, 10, (rows, n)), state=draw(0, 100, (rows,)),
+                     comm=draw(0, 1, (n,)), chunks=chunks)
 
 
 def _memory_replayed(orders, work):
-    """Each op's memory in use, replayed from the orders on its own: the model state, every
-    micro-batch forwarded but not yet backwarded on that stage, and the op's transient."""
-    ops = []
+    """Each op's memory in use, replayed from the orders on its own: the model state of the
+    rank's chunks, every (chunk, micro-batch) forwarded but not yet backwarded on that rank, and
+    the op's transient. Micro-batch m of chunk c is c * n + m, on the rank's row c * pp + s."""
+    ops, pp, n = [], work.pp, work.n
     for s, order in enumerate(orders):
-        for i, (kind, m) in enumerate(order):
-            before = order[:i]
-            held = [h for k, h in before if k == "F" and ("B", h) not in before]
-            ops.append((s, work.state[s] + sum(work.stored[s][h] for h in held) + work.peak[s][m], set(held), m))
+        state = sum(work.state[c * pp + s] for c in range(work.chunks))
+        for i, op in enumerate(order):
+            before = {(a.phase, a.chunk, a.microbatch) for a in order[:i]}
+            held = [(c, h) for k, c, h in before if k == "F" and ("B", c, h) not in before]
+            used = state + sum(work.stored[c * pp + s][h] for c, h in held) + work.peak[op.chunk * pp + s][op.microbatch]
+            ops.append((s, used, {c * n + h for c, h in held}, op.chunk * n + op.microbatch))
     return ops
 
 
@@ -280,3 +285,72 @@ def test_the_bounds_of_several_orders_at_once_are_each_orders_bound_alone(seed, 
     for order, bound in zip(orders, together):
         assert bound == makespan_bounds(forward, backward, comm, [order])[0]
     assert makespan_bounds(forward, backward, comm, []).shape == (0,)
+
+
+# Interleaved pipelines: each rank runs `chunks` model chunks; chunk c of rank r is virtual stage c * pp + r.
+interleaved = SCHEDULES["interleaved-1f1b"].orders
+
+
+def chunked_work(pp, chunks, n, f=1.0, b=2.0, stored=10.0, peak=1.0, state=100.0, comm=0.0):
+    """Uniform work of `chunks` model chunks a rank, each op of a chunk f / b ms; a rank's model
+    state `state` in all."""
+    full = lambda v: np.full((pp * chunks, n), float(v))  # noqa: E731
+    return StageWork(forward=full(f), backward=full(b), stored=full(stored), peak=full(peak),
+                     state=np.full(pp * chunks, state / chunks), comm=np.full(n, comm), chunks=chunks)
+
+
+@pytest.mark.parametrize("pp,chunks,n", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 12), (4, 4, 16), (8, 2, 16)])
+def test_interleaved_1f1b_makespan_matches_the_papers_formula(pp, chunks, n):
+    # Narayanan et al. (SC'21), uniform chunks without communication, pp dividing n: the bubble
+    # is 1F1B's (pp - 1)(f + b) with f and b a chunk's ops, so (n V + pp - 1)(f + b) in all.
+    work = chunked_work(pp, chunks, n, f=1.0, b=2.0)
+    assert simulate(interleaved(work, 1e9), work).makespan == pytest.approx((n * chunks + pp - 1) * 3.0)
+
+
+def test_hand_worked_interleaved_orders_and_memory_on_two_ranks():
+    # pp 2, 2 chunks, 4 micro-batches. The table: group {0, 1} through chunk 0 then chunk 1, then
+    # group {2, 3}. Rank 0 warms up with 2 (pp - 1) + (chunks - 1) pp = 4 forwards, rank 1 with 2;
+    # backwards take each group's chunks last to first.
+    work = chunked_work(2, 2, 4, stored=10.0, peak=1.0, state=100.0)
+    orders = [[str(op) for op in order] for order in interleaved(work, 1e9)]
+    assert orders[0] == ["F0", "F1", "F0.1", "F1.1", "F2", "B0.1", "F3", "B1.1", "F2.1", "B0", "F3.1", "B1",
+                         "B2.1", "B3.1", "B2", "B3"]
+    assert orders[1] == ["F0", "F1", "F0.1", "B0.1", "F1.1", "B1.1", "F2", "B0", "F3", "B1", "F2.1", "B2.1",
+                         "F3.1", "B3.1", "B2", "B3"]
+    # a rank holds its warm-up forwards and one more when its first backward runs
+    assert list(simulate(interleaved(work, 1e9), work).peak_memory) == [100 + 5 * 10 + 1, 100 + 3 * 10 + 1]
+
+
+def test_a_chunk_needs_the_last_rank_s_previous_chunk():
+    # One micro-batch on two ranks, two chunks: F.0 on ranks 0, 1, then F.1 on ranks 0, 1 (rank 0's
+    # second chunk waits for rank 1's first), then the backwards the other way round: 8 ops in a row.
+    work = chunked_work(2, 2, 1, f=1.0, b=2.0, comm=0.5)
+    result = simulate(interleaved(work, 1e9), work, record=True)
+    assert result.makespan == pytest.approx(4 * 1.0 + 4 * 2.0 + 6 * 0.5)  # three hops each way
+    compute = {(e.stage, e.kind, e.chunk): (e.start, e.end) for e in result.events if e.kind in "FB"}
+    assert compute[(0, "F", 1)] == pytest.approx((3.0, 4.0))  # rank 1's F.0 ended at 2.5, sent by 3.0
+    assert compute[(1, "B", 1)] == pytest.approx((5.5, 7.5))  # its own forward ended at 5.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.integers(1, 4), chunks=st.integers(1, 3), n=st.integers(1, 9), data=st.data())
+def test_interleaved_orders_run_each_chunk_once_in_entry_order_and_memory_replays(pp, chunks, n, data):
+    work = _random_work(data, pp, n, chunks)
+    limit = data.draw(st.floats(0, 600))
+    result = SCHEDULES["interleaved-1f1b"].simulate(work, limit)  # no deadlock: it ran
+    for order in result.orders:
+        for c in range(chunks):
+            for phase in "FB":
+                assert [op.microbatch for op in order if (op.phase, op.chunk) == (phase, c)] == list(range(n))
+    # what a rank holds is what its order says, whatever the timing
+    expected = [op for op in _memory_replayed(result.orders, work) if op[1] > limit + 1e-6]
+    for found in (result.over_limit, over_limit(result.orders, work, limit)):
+        found = sorted(found, key=lambda op: op[0])
+        assert [(s, set(held), m) for s, _, held, m in found] == [(s, held, m) for s, _, held, m in expected]
+    assert list(result.peak_memory) == pytest.approx(
+        [max(used for s, used, *_ in _memory_replayed(result.orders, work) if s == rank) for rank in range(pp)])
+    # no schedule beats the bound, the chunks of a rank sharing its compute stream
+    (bound,) = makespan_bounds(work.forward, work.backward, work.comm, [range(n)], chunks)
+    assert result.makespan >= bound * (1 - 1e-12)
+    busy = (work.forward + work.backward).reshape(chunks, pp, n).sum(axis=(0, 2))
+    assert result.makespan >= busy.max() * (1 - 1e-12) and bound >= busy.max() * (1 - 1e-12)

@@ -80,9 +80,9 @@ def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
     """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
     an order a schedule made, trusted to be well formed)."""
     try:
-        if check and any(len(item) != 2 for item in order):
+        if check and any(len(item) != 2 and not _first_chunk_action(item) for item in order):
             raise ValueError  # zip would drop a longer item's extras
-        kinds, ids = zip(*order) if len(order) else ((), ())
+        kinds, ids = (list(zip(*order))[:2]) if len(order) else ((), ())
         microbatch = np.array(ids, dtype=np.int64)
         kinds = np.array(kinds, dtype=object)
     except (TypeError, ValueError, OverflowError):
@@ -104,11 +104,19 @@ def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarr
             and bool(np.all(positions[backward][b_order] > positions[forward][f_order])))
 
 
+def _first_chunk_action(item) -> bool:
+    """An :class:`Action` of a stage's one model chunk (chunk 0): plans run one chunk a stage."""
+    return isinstance(item, Action) and item.chunk == 0
+
+
 def _explain_bad_order(order: ComputeOrder, stage: int) -> NoReturn:
     seen: dict[tuple[str, int], int] = {}
     for i, item in enumerate(order):
+        if isinstance(item, Action) and item.chunk:
+            raise ValueError(f"stage {stage} order item #{i} {item!r} runs model chunk {item.chunk}: execution plans "
+                             "run one model chunk a stage (interleaved plans are not lowered)")
         try:
-            kind, m = item
+            kind, m = item[:2] if isinstance(item, Action) else item
             kind, m = str(kind), int(m)
         except (TypeError, ValueError):
             raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_dynapipe.planning.schedules.base import FixedSchedule, Schedule
 from megatron_dynapipe.planning.schedules.gpipe import GPipe
+from megatron_dynapipe.planning.schedules.interleaved import Interleaved1F1B
 from megatron_dynapipe.planning.schedules.one_f_one_b import OneFOneB
 from megatron_dynapipe.planning.schedules.wait_free_cyclic import WaitFreeCyclic
 from megatron_dynapipe.planning.simulator import Order
@@ -17,9 +18,10 @@ __all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "get_s
            "fast_mode_schedules",
            "one_f_one_b_orders"]
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe())}
-#: what the planner searches unless told otherwise
-DEFAULT_SCHEDULES: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items() if s.searched_by_default)
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe(), Interleaved1F1B())}
+#: what the planner searches unless told otherwise (one model chunk a rank)
+DEFAULT_SCHEDULES: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items()
+                                           if s.searched_by_default and not s.interleaved)
 
 
 def get_schedule(schedule: "str | Schedule") -> Schedule:

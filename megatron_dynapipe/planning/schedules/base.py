@@ -29,6 +29,8 @@ class Schedule(abc.ABC):
     name: ClassVar[str]
     #: whether the planner searches it when not told which schedules to use
     searched_by_default: ClassVar[bool] = True
+    #: whether it runs several model chunks a rank (``StageWork.chunks``); the others run one
+    interleaved: ClassVar[bool] = False
 
     @abc.abstractmethod
     def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
@@ -51,17 +53,28 @@ class FixedSchedule(Schedule):
     raising recompute only lengthens its ops: recompute adjustment relies on both."""
 
     @abc.abstractmethod
-    def stage_order(self, stage: int, pp: int, n: int) -> Order:
-        """Stage ``stage``'s order of ``n`` micro-batches on ``pp`` stages."""
+    def stage_order(self, stage: int, pp: int, n: int, chunks: int = 1) -> Order:
+        """Stage ``stage``'s order of ``n`` micro-batches on ``pp`` stages (ranks, each running
+        ``chunks`` model chunks where the schedule is interleaved)."""
 
-    def orders_for(self, pp: int, n: int) -> list[Order]:
+    def orders_for(self, pp: int, n: int, chunks: int = 1) -> list[Order]:
         """Every stage's order, no cost model needed."""
-        return [self.stage_order(s, pp, n) for s in range(pp)]
+        check_chunks(self, chunks)
+        return [self.stage_order(s, pp, n, chunks) for s in range(pp)]
 
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
-        return self.orders_for(work.pp, work.n)
+        return self.orders_for(work.pp, work.n, work.chunks)
 
     def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
                  strict_memory: bool = False) -> "SimulationResult | None":
         return run_timeline(work, orders=self.orders(work), give_up_above_ms=give_up_above_ms,
                             report_over_mb=memory_limit_mb)
+
+
+def check_chunks(schedule: Schedule, chunks: int) -> None:
+    """ValueError unless ``schedule`` runs ``chunks`` model chunks a rank."""
+    if chunks != 1 and not schedule.interleaved:
+        raise ValueError(f"schedule {schedule.name!r} runs one model chunk a rank, not {chunks}: "
+                         "use an interleaved schedule (interleaved-1f1b)")
+    if chunks < 1:
+        raise ValueError(f"{chunks} model chunks a rank: use at least 1")

@@ -14,6 +14,6 @@ class GPipe(FixedSchedule):
     name = "gpipe"
     searched_by_default = False
 
-    def stage_order(self, stage: int, pp: int, n: int) -> Order:
+    def stage_order(self, stage: int, pp: int, n: int, chunks: int = 1) -> Order:
         forward, backward = actions(n)
         return list(forward) + list(backward)

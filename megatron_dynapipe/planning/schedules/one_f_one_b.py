@@ -12,7 +12,7 @@ class OneFOneB(FixedSchedule):
 
     name = "1f1b"
 
-    def stage_order(self, stage: int, pp: int, n: int) -> Order:
+    def stage_order(self, stage: int, pp: int, n: int, chunks: int = 1) -> Order:
         forward, backward = actions(n)
         warmup = min(pp - stage - 1, n)
         order = list(forward[:warmup])
