@@ -31,7 +31,7 @@ from megatron_dynapipe.planning.microbatching import (
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.samples import check_lengths
-from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, fast_mode_schedules
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, fast_mode_schedules, get_schedule
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
@@ -288,13 +288,18 @@ def build_candidates(
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
     seed: int = 0,
     max_permutations: int = 8,
+    chunks: int = 1,
 ) -> list[Candidate]:
     """Schedule x micro-batching x order (:func:`orders_to_try` of them). Fast mode schedules
     :func:`~.schedules.fast_mode_schedules`: wait-free-cyclic when it is allowed, and 1F1B too
-    where a micro-batching does not fill the pipeline."""
+    where a micro-batching does not fill the pipeline. With ``chunks`` model chunks a rank
+    (``costs`` per virtual stage), every schedule must be an interleaved one."""
+    for name in schedules:
+        check_chunks(get_schedule(name), chunks)
     out = []
     for option in microbatchings:
-        names = fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp) if fast_mode else schedules
+        names = (fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp // chunks) if fast_mode
+                 else schedules)
         count = orders_to_try(len(option.microbatches), max_permutations)
         for order in microbatch_orders(option, costs, seed, count):
             out += [Candidate(name, option.label, order, tuple(option.microbatches[i] for i in order),
@@ -347,6 +352,7 @@ def optimize_schedule(
     max_permutations: int = 8,
     recompute_types: Sequence[RecomputeType] = tuple(RecomputeType),
     enough_ms: "float | None" = None,
+    chunks: int = 1,
 ) -> ScheduleChoice:
     """Simulate every candidate, make it fit memory with adjust_rc_plan, keep the fastest
     (the first in candidate order among equals).
@@ -358,10 +364,11 @@ def optimize_schedule(
     Fast mode also skips candidates that could improve on the best by at most FAST_MODE_GAP,
     so its choice is within that fraction of its exhaustive search's. With ``enough_ms`` (what
     another DP rank's plan takes: the step lasts as long as the slowest), the search stops at the
-    first plan that ends by then, which no other could shorten the step below.
+    first plan that ends by then, which no other could shorten the step below. With ``chunks``
+    model chunks a rank, ``costs`` are per virtual stage and the interleaved schedules searched.
     """
-    candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations)
-    tables = {m.label: WorkTable(costs, m.microbatches) for m in microbatchings
+    candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations, chunks)
+    tables = {m.label: WorkTable(costs, m.microbatches, chunks) for m in microbatchings
               if any(c.microbatching == m.label for c in candidates)}
     bounds = np.empty(len(candidates))
     for m in microbatchings:

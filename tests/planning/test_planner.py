@@ -16,6 +16,7 @@ from megatron_dynapipe.planning.planner import (
     generate_execution_plan,
 )
 from megatron_dynapipe.planning.samples import synthetic_lengths
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
 
@@ -155,13 +156,14 @@ def test_uniform_and_token_based_partitions_plan(costs_pp4):
         generate_execution_plan([2048] * 32, TrainingSpec(partition="uniform", microbatch_size=8), costs_pp4)
 
 
-def _exhaustive(microbatchings, costs, limit, fast):
+def _exhaustive(microbatchings, costs, limit, fast, schedules=DEFAULT_SCHEDULES, chunks=1):
     """The search without pruning: adjust and simulate every candidate in candidate order and
     keep the first of the lowest makespan."""
     best = None
-    for candidate in build_candidates(microbatchings, costs, fast):
+    for candidate in build_candidates(microbatchings, costs, fast, schedules, chunks=chunks):
         recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
-        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, limit, fast)
+        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, limit, fast,
+                                chunks=chunks)
         if fitted and (best is None or fitted.simulation.makespan < best[1].simulation.makespan):
             best = (candidate, fitted)
     return best
@@ -354,3 +356,23 @@ def test_uneven_stages_are_planned_with_the_layers_each_holds():
     for bad in ((4, 4, 0), (3, 4), (9, -1)):
         with pytest.raises(ValueError, match=r"do not place 8 layers on 2 pipeline stages"):
             TrainingSpec(num_layers=8, pp=2, stage_layers=bad)
+
+
+def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_model):
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
+
+    # 4 ranks x 2 model chunks of the profiled GPT-6.7B: 8 virtual stages of 4 layers each
+    costs = StageCosts(profiled_model, num_layers=32, pp=8)
+    lengths = synthetic_lengths(64, 0, "multitask")
+    spec = TrainingSpec(num_layers=32, pp=8)
+    microbatchings = _microbatchings(lengths, range(64), costs, spec, False)
+    with pytest.raises(ValueError, match="schedule '1f1b' runs one model chunk a rank, not 2"):
+        optimize_schedule(microbatchings, costs, 36_000, chunks=2)
+    choice = optimize_schedule(microbatchings, costs, 36_000, schedules=("interleaved-1f1b",), chunks=2)
+    work = stage_work(costs, choice.microbatches, choice.recompute, chunks=2)
+    again = simulate(choice.orders, work)
+    assert again.fits(36_000) and again.makespan == pytest.approx(choice.makespan_ms)
+    assert len(choice.orders) == 4 and {op.chunk for order in choice.orders for op in order} == {0, 1}
+    # branch and bound, its bounds counting a rank's chunks, picks what simulating every candidate picks
+    candidate, fitted = _exhaustive(microbatchings, costs, 36_000, False, ("interleaved-1f1b",), chunks=2)
+    assert (choice.candidate, choice.makespan_ms) == (candidate, fitted.simulation.makespan)

@@ -332,6 +332,22 @@ def test_a_chunk_needs_the_last_rank_s_previous_chunk():
     assert compute[(1, "B", 1)] == pytest.approx((5.5, 7.5))  # its own forward ended at 5.5
 
 
+def test_interleaved_1f1b_runs_any_number_of_micro_batches_without_its_chunks_waiting_on_each_other():
+    # Megatron-LM refuses a last group of fewer than pp micro-batches: with groups of pp, four
+    # ranks and three chunks could not run 5 micro-batches. The groups grow instead.
+    from megatron_dynapipe.planning.schedules.interleaved import group_sizes
+
+    # the fewest a group, at least pp, that leave no last group below pp
+    assert (group_sizes(4, 8), group_sizes(4, 5), group_sizes(2, 7), group_sizes(4, 9)) == ([4, 4], [5], [4, 3], [5, 4])
+    for pp in range(1, 7):
+        for chunks in range(1, 5):
+            for n in range(1, 25):
+                groups = group_sizes(pp, n)
+                assert sum(groups) == n and (n <= pp or min(groups) >= pp), (pp, n, groups)
+                work = chunked_work(pp, chunks, n)
+                simulate(interleaved(work, 1e9), work)  # raises ScheduleDeadlock if they wait on each other
+
+
 @settings(max_examples=60, deadline=None)
 @given(pp=st.integers(1, 4), chunks=st.integers(1, 3), n=st.integers(1, 9), data=st.data())
 def test_interleaved_orders_run_each_chunk_once_in_entry_order_and_memory_replays(pp, chunks, n, data):

@@ -7,16 +7,15 @@ A new schedule is one module here defining a :class:`Schedule` (or, when its ord
 
 from __future__ import annotations
 
-from megatron_dynapipe.planning.schedules.base import FixedSchedule, Schedule
+from megatron_dynapipe.planning.schedules.base import FixedSchedule, Schedule, check_chunks
 from megatron_dynapipe.planning.schedules.gpipe import GPipe
 from megatron_dynapipe.planning.schedules.interleaved import Interleaved1F1B
 from megatron_dynapipe.planning.schedules.one_f_one_b import OneFOneB
 from megatron_dynapipe.planning.schedules.wait_free_cyclic import WaitFreeCyclic
 from megatron_dynapipe.planning.simulator import Order
 
-__all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "get_schedule", "fast_mode_schedule",
-           "fast_mode_schedules",
-           "one_f_one_b_orders"]
+__all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "check_chunks", "get_schedule",
+           "fast_mode_schedule", "fast_mode_schedules", "one_f_one_b_orders"]
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe(), Interleaved1F1B())}
 #: what the planner searches unless told otherwise (one model chunk a rank)
