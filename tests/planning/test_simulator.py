@@ -173,7 +173,8 @@ def _memory_replayed(orders, work):
         for i, op in enumerate(order):
             before = {(a.phase, a.chunk, a.microbatch) for a in order[:i]}
             held = [(c, h) for k, c, h in before if k == "F" and ("B", c, h) not in before]
-            used = state + sum(work.stored[c * pp + s][h] for c, h in held) + work.peak[op.chunk * pp + s][op.microbatch]
+            transient = work.peak[op.chunk * pp + s][op.microbatch]
+            used = state + sum(work.stored[c * pp + s][h] for c, h in held) + transient
             ops.append((s, used, {c * n + h for c, h in held}, op.chunk * n + op.microbatch))
     return ops
 
@@ -299,7 +300,8 @@ def chunked_work(pp, chunks, n, f=1.0, b=2.0, stored=10.0, peak=1.0, state=100.0
                      state=np.full(pp * chunks, state / chunks), comm=np.full(n, comm), chunks=chunks)
 
 
-@pytest.mark.parametrize("pp,chunks,n", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 12), (4, 4, 16), (8, 2, 16)])
+@pytest.mark.parametrize("pp,chunks,n",
+                         [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 12), (4, 4, 16), (8, 2, 16)])
 def test_interleaved_1f1b_makespan_matches_the_papers_formula(pp, chunks, n):
     # Narayanan et al. (SC'21), uniform chunks without communication, pp dividing n: the bubble
     # is 1F1B's (pp - 1)(f + b) with f and b a chunk's ops, so (n V + pp - 1)(f + b) in all.

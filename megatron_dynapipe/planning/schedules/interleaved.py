@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from megatron_dynapipe.planning.schedules.base import FixedSchedule
 from megatron_dynapipe.planning.simulator import Order
 from megatron_dynapipe.planning.types import Action
@@ -12,17 +14,17 @@ class Interleaved1F1B(FixedSchedule):
     (``pp`` where it divides ``n``; :func:`group_sizes`), each group through chunk 0, then
     chunk 1, ... Forwards follow the table; backwards follow it too, with the chunks taken last
     to first. Rank r runs ``2 (pp - r - 1) + (V - 1) G`` warm-up forwards, then alternates one
-    forward and one backward, then drains the backwards (the doubled first term: an activation that leaves the
-    last rank comes back round to the first). With ``pp`` micro-batches or fewer every forward
-    runs first."""
+    forward and one backward, then drains the backwards (the doubled first term: an activation
+    that leaves the last rank comes back round to the first). With ``pp`` micro-batches or fewer
+    every forward runs first."""
 
     name = "interleaved-1f1b"
     interleaved = True
 
     def stage_order(self, stage: int, pp: int, n: int, chunks: int = 1) -> Order:
         groups = group_sizes(pp, n)
-        starts = [sum(groups[:g]) for g in range(len(groups))]
-        table = [(m, c) for start, size in zip(starts, groups) for c in range(chunks) for m in range(start, start + size)]
+        ends = list(itertools.accumulate(groups))
+        table = [(m, c) for size, end in zip(groups, ends) for c in range(chunks) for m in range(end - size, end)]
         forwards = [Action("F", m, c) for m, c in table]
         backwards = [Action("B", m, chunks - 1 - c) for m, c in table]
         total = len(table)
