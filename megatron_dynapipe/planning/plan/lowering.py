@@ -82,7 +82,10 @@ def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
     try:
         if check and any(len(item) != 2 and not _first_chunk_action(item) for item in order):
             raise ValueError  # zip would drop a longer item's extras
-        kinds, ids = (list(zip(*order))[:2]) if len(order) else ((), ())
+        columns = list(zip(*order)) if len(order) else [(), ()]
+        if len(columns) > 2 and any(columns[2]):
+            raise ValueError  # an op of a model chunk past the first, trusted or not: named below
+        kinds, ids = columns[:2]
         microbatch = np.array(ids, dtype=np.int64)
         kinds = np.array(kinds, dtype=object)
     except (TypeError, ValueError, OverflowError):
