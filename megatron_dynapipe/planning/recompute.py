@@ -17,6 +17,7 @@ from megatron_dynapipe.planning.simulator import (
     SimulationResult,
     WorkTable,
     over_limit,
+    rank_rows,
 )
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
@@ -125,7 +126,7 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
     micro-batch m is c * n + m), as the simulation lists them."""
     stages = sorted({s for s, *_ in over_limit})
     pp = len(recompute) // table.chunks
-    rows = {s: [c * pp + s for c in range(table.chunks)] for s in stages}  # a rank's virtual stages
+    rows = {s: rank_rows(s, pp, table.chunks) for s in stages}
 
     def flat(name, s):  # [recompute][chunk * n + micro-batch], plain lists: the loops below read scalars
         values = table.tables[name][:, rows[s], :]

@@ -64,6 +64,11 @@ class StageWork:
         return self.state.reshape(self.chunks, -1).sum(axis=0)
 
 
+def rank_rows(rank: int, pp: int, chunks: int) -> list[int]:
+    """The virtual stages (rows of the work) of a rank's chunks: chunk c of rank r is c * pp + r."""
+    return [c * pp + rank for c in range(chunks)]
+
+
 class WorkTable:
     """Durations and memory of every (recompute type, stage, micro-batch), evaluated once so
     that candidates which only reorder micro-batches or change recompute need no cost model."""
@@ -362,7 +367,7 @@ def over_limit(orders: Sequence[Order], work: StageWork, limit_mb: float) -> lis
     over, limit_mb = [], limit_mb + MEMORY_TOLERANCE_MB
     pp, n, chunks = work.pp, work.n, work.chunks
     for s, order in enumerate(orders):
-        rows = [c * pp + s for c in range(chunks)]  # the rank's virtual stages
+        rows = rank_rows(s, pp, chunks)
         stored = work.stored[rows].reshape(-1).tolist()  # by chunk * n + micro-batch
         peak = work.peak[rows].reshape(-1).tolist()
         base = float(work.rank_state[s])
