@@ -177,6 +177,9 @@ def _check_batch(batch: PlannedBatch, channels: PipelineChannels) -> ExecutionPl
             f"{where} received the plan of stage {plan.stage} of {plan.num_stages}: the pipeline has "
             f"{channels.num_stages} stages; the data pipeline must hand each rank its own stage's plan"
         )
+    if plan.chunks != 1:
+        raise PlanMismatchError(f"{where} received a plan of {plan.chunks} model chunks a stage: the executor runs "
+                                "one (plan without --num-virtual-stages-per-pipeline-rank)")
     n = len(plan.microbatches)
     if len(batch.microbatches) != n:
         raise PlanMismatchError(
@@ -419,7 +422,7 @@ class StageRunner:
 
     def backward(self, i: int, ins) -> None:
         m = ins.microbatch
-        send = (Op.SEND_ACT_START, m, self.stage + 1)
+        send = (Op.SEND_ACT_START, m, self.stage + 1, 0)
         if send in self.transfers:  # a plan that finishes the send later: the backward needs it done
             self._wait(send, i, ins)
             self.finished_early.add(send)

@@ -23,8 +23,9 @@ from megatron_dynapipe.planning.plan import (
     check_deadlock_free,
     lower_to_instructions,
 )
+from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import StageWork, simulate
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
 NONE, SEL, FULL = RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL
 
@@ -324,6 +325,56 @@ def test_mismatched_send_and_receive_order_raises_naming_both_microbatches():
         build_execution_plans(orders, microbatches(2), NONE, "bad")
 
 
+def test_an_interleaved_pipeline_is_lowered_by_hand():
+    # 2 stages x 2 chunks, one micro-batch: virtual stages 0 (stage 0), 1 (stage 1), 2 (stage 0's
+    # chunk 1), 3 (stage 1's chunk 1). Activations go 0 -> 1 -> 2 -> 3 and gradients back: stage
+    # 0's chunk 1 receives from and sends to stage 1 both ways; only virtual stage 0 loads its
+    # input and only virtual stage 3 starts its backward without a gradient received.
+    orders = [[Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("B", 0)]] * 2
+    plans = build_execution_plans(orders, microbatches(1), NONE, "interleaved-1f1b", chunks=2)
+    assert [str(i) for i in plans[0].instructions] == (
+        "RecvActStart(0.1<-s1) Load0 F0 SendActStart(0->s1) RecvGradStart(0.1<-s1) SendActFinish(0->s1) "
+        "RecvActFinish(0.1<-s1) F0.1 SendActStart(0.1->s1) RecvGradStart(0<-s1) SendActFinish(0.1->s1) "
+        "RecvGradFinish(0.1<-s1) B0.1 SendGradStart(0.1->s1) Free0.1 SendGradFinish(0.1->s1) "
+        "RecvGradFinish(0<-s1) B0 Free0").split()
+    assert [str(i) for i in plans[1].instructions] == (
+        "RecvActStart(0<-s0) RecvActStart(0.1<-s0) RecvActFinish(0<-s0) F0 SendActStart(0->s0) SendActFinish(0->s0) "
+        "RecvActFinish(0.1<-s0) F0.1 RecvGradStart(0<-s0) B0.1 SendGradStart(0.1->s0) Free0.1 "
+        "SendGradFinish(0.1->s0) RecvGradFinish(0<-s0) B0 SendGradStart(0->s0) Free0 SendGradFinish(0->s0)").split()
+    assert [p.chunks for p in plans] == [2, 2]
+    back = ExecutionPlan.from_bytes(plans[0].to_bytes())
+    assert back == plans[0] and back.recompute_of(0, 1) == NONE
+
+
+@pytest.mark.parametrize("pp", [2, 3, 5])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_interleaved_plans_of_every_batch_size_are_deadlock_free(pp, chunks):
+    rng = np.random.default_rng(pp * 10 + chunks)
+    for n in range(1, 13):
+        orders = SCHEDULES["interleaved-1f1b"].orders_for(pp, n, chunks)
+        recompute = rng.integers(0, 3, size=(pp * chunks, n))  # one row per virtual stage
+        plans = build_execution_plans(orders, microbatches(n), recompute, "interleaved-1f1b", chunks=chunks)
+        for s, plan in enumerate(plans):  # chunk c of stage s is virtual stage c * pp + s
+            assert [plan.recompute_of(m, c) for c in range(chunks) for m in range(n)] == [
+                RecomputeType(int(recompute[c * pp + s, m])) for c in range(chunks) for m in range(n)]
+            loads = {(i.microbatch, i.chunk) for i in plan.instructions if i.op == Op.LOAD_INPUT}
+            assert loads == ({(m, 0) for m in range(n)} if s == 0 else set())
+
+
+def test_interleaved_orders_that_pair_transfers_differently_are_refused():
+    # stage 1 runs micro-batch 0's second chunk before micro-batch 1's first: it receives chunk 1's
+    # input second on the link from stage 0, which sends micro-batch 1's first-chunk output second
+    orders = SCHEDULES["interleaved-1f1b"].orders_for(2, 2, 2)
+    stage1 = [Action("F", 0), Action("F", 0, 1), Action("F", 1), Action("F", 1, 1)] + [a for a in orders[1] if a.phase == "B"]
+    with pytest.raises(CommMismatchError, match="2nd transfer is the activation of micro-batch 1 on stage 0 but the "
+                                                "activation of micro-batch 0 of model chunk 1 on stage 1"):
+        build_execution_plans([orders[0], stage1], microbatches(2), NONE, "bad", chunks=2)
+    with pytest.raises(ValueError, match="interleaved pipeline needs at least 2 stages"):
+        build_execution_plans([orders[0]], microbatches(2), NONE, "bad", chunks=2)
+    with pytest.raises(ValueError, match="needs every stage's order: pass orders="):
+        lower_to_instructions(orders[0], 0, 2, NONE, chunks=2)
+
+
 def test_structural_errors_are_reported():
     good = build_execution_plans(one_f_one_b(2, 2), microbatches(2), NONE, "1f1b")[1]
 
@@ -354,19 +405,22 @@ def test_structural_errors_are_reported():
 
 @st.composite
 def random_plans(draw) -> ExecutionPlan:
-    pp = draw(st.integers(1, 8))
+    kind = draw(st.sampled_from(["1f1b", "gpipe", "random", "interleaved"]))
+    pp = draw(st.integers(2 if kind == "interleaved" else 1, 8))
     n = draw(st.integers(1, 40))
-    kind = draw(st.sampled_from(["1f1b", "gpipe", "random"]))
+    chunks = draw(st.integers(2, 3)) if kind == "interleaved" else 1
     orders = {"1f1b": lambda: one_f_one_b(pp, n), "gpipe": lambda: gpipe(pp, n),
-              "random": lambda: random_fifo_orders(pp, n, random.Random(draw(st.integers(0, 2**32 - 1))))}[kind]()
+              "random": lambda: random_fifo_orders(pp, n, random.Random(draw(st.integers(0, 2**32 - 1)))),
+              "interleaved": lambda: SCHEDULES["interleaved-1f1b"].orders_for(pp, n, chunks)}[kind]()
     mbs = [MicroBatch(tuple(draw(st.lists(st.integers(0, 2**32 - 1), max_size=6))), draw(st.integers(1, 65536)))
            for _ in range(n)]
     rc = draw(st.lists(st.sampled_from(list(RecomputeType)), min_size=n, max_size=n))
     stage = draw(st.integers(0, pp - 1))
     schedule = draw(st.text(max_size=20))
     makespan = draw(st.floats(allow_nan=False))
-    return ExecutionPlan(stage, pp, schedule, mbs, rc,
-                         lower_to_instructions(orders[stage], stage, pp, rc, orders=orders), makespan)
+    return ExecutionPlan(stage, pp, schedule, mbs, rc * chunks,
+                         lower_to_instructions(orders[stage], stage, pp, rc, orders=orders, chunks=chunks), makespan,
+                         chunks)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -391,8 +445,11 @@ def test_instruction_text_by_hand_and_its_errors():
 # Header 38 bytes + CRC 4; per micro-batch u32 seq_len + u32 size + u8 recompute; u32 per sample;
 # 8 bytes per instruction (u8 op, u8 recompute, i16 peer, u32 micro-batch).
 def size_bound(plan: ExecutionPlan) -> int:
+    """Header 40 and CRC 4, the schedule's name, per micro-batch 8 bytes and a recompute byte per
+    chunk, 4 per sample, 9 per instruction."""
     samples = sum(mb.size for mb in plan.microbatches)
-    return 42 + len(plan.schedule.encode()) + 9 * len(plan.microbatches) + 4 * samples + 8 * len(plan.instructions)
+    return (44 + len(plan.schedule.encode()) + (8 + plan.chunks) * len(plan.microbatches) + 4 * samples
+            + 9 * len(plan.instructions))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -413,9 +470,9 @@ def test_bytes_per_instruction_on_a_realistic_plan():
     middle = plans[3]
     data = middle.to_bytes()
     assert len(middle.instructions) == 11 * n  # recv/fwd/send and recv/bwd/send/free per micro-batch
-    assert len(data) == size_bound(middle) == 42 + 4 + n * (9 + 4 * 4) + 8 * 11 * n
-    # 8 bytes per instruction, plus 25 bytes per micro-batch of 4 samples spread over 11 instructions
-    assert len(data) / len(middle.instructions) < 10.5
+    assert len(data) == size_bound(middle) == 44 + 4 + n * (9 + 4 * 4) + 9 * 11 * n
+    # 9 bytes per instruction, plus 25 bytes per micro-batch of 4 samples spread over 11 instructions
+    assert len(data) / len(middle.instructions) < 11.5
 
 
 def _plan() -> ExecutionPlan:
@@ -433,7 +490,7 @@ def test_bad_magic_raises():
 def test_unsupported_version_raises():
     data = bytearray(_plan().to_bytes())
     struct.pack_into("<H", data, 4, 7)
-    with pytest.raises(ValueError, match="unsupported ExecutionPlan format version 7.*reads version 1"):
+    with pytest.raises(ValueError, match="unsupported ExecutionPlan format version 7.*reads version 2"):
         ExecutionPlan.from_bytes(bytes(data))
 
 

@@ -78,10 +78,13 @@ def test_only_an_interleaved_schedule_runs_several_model_chunks_a_rank():
     with pytest.raises(ValueError, match="wait-free-cyclic runs one model chunk a rank"):
         SCHEDULES["wait-free-cyclic"].simulate(work, 1e9)
     orders = SCHEDULES["interleaved-1f1b"].orders(work)
+    mbs = [MicroBatch((m,), 8) for m in range(3)]
     for verify in (True, False):  # a schedule's own orders, trusted, are not lowered as chunk 0 either
-        with pytest.raises(ValueError, match=r"stage 0 order item #3 .* runs model chunk 1: execution plans run one"):
-            build_execution_plans(orders, [MicroBatch((m,), 8) for m in range(3)], "none", "interleaved-1f1b", 1.0,
-                                  verify=verify)
+        with pytest.raises(ValueError, match=r"stage 0 order item #3 .* runs model chunk 1: the stages hold 1 .*"
+                                             r"pass chunks= for an interleaved pipeline"):
+            build_execution_plans(orders, mbs, "none", "interleaved-1f1b", 1.0, verify=verify)
+        plans = build_execution_plans(orders, mbs, "none", "interleaved-1f1b", 1.0, verify=verify, chunks=2)
+        assert [p.chunks for p in plans] == [2, 2]
 
 
 def test_the_planner_plans_with_a_schedule_asked_for_by_name(costs_pp4):

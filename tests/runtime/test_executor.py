@@ -58,7 +58,7 @@ def _microbatches(shapes, seed):
     return out
 
 
-def _plans(schedule, shapes, recompute, pp=2):
+def _plans(schedule, shapes, recompute, pp=2, chunks=1):
     import numpy as np
 
     from megatron_dynapipe.planning.plan import build_execution_plans
@@ -70,12 +70,12 @@ def _plans(schedule, shapes, recompute, pp=2):
     cost = np.tile(tokens, (pp, 1))
     work = StageWork(forward=cost, backward=2 * cost, stored=cost / 100, peak=cost / 100,
                      state=np.zeros(pp), comm=np.ones(len(shapes)))
-    orders = SCHEDULES[schedule].orders(work, 1e9)
+    orders = SCHEDULES[schedule].orders(work, 1e9) if chunks == 1 else SCHEDULES[schedule].orders_for(pp, len(shapes), chunks)
     mbs, first = [], 0
     for size, seq in shapes:
         mbs.append(MicroBatch(tuple(range(first, first + size)), seq))
         first += size
-    return build_execution_plans(orders, mbs, recompute, schedule)
+    return build_execution_plans(orders, mbs, recompute, schedule, chunks=chunks)
 
 
 SAVED: list = []  # (micro-batch index, bytes saved for backward by its forward), per process
@@ -265,10 +265,16 @@ def _handlers_alone(model):
     from megatron_dynapipe.runtime.executor import PlanMismatchError, StageRunner
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
+    interleaved = _plans("interleaved-1f1b", SHAPES_A[:2], "none", chunks=2)
+    try:
+        StageRunner(forward_step_func=_forward_step, model=[model],
+                    batch=PlannedBatch(0, interleaved[stage], _microbatches(SHAPES_A[:2], 11)))
+    except PlanMismatchError as error:
+        refused = str(error)
     plans = _plans("1f1b", SHAPES_A[:2], "none")
     runner = StageRunner(forward_step_func=_forward_step, batch=PlannedBatch(0, plans[stage], _microbatches(SHAPES_A[:2], 11)),
                          model=[model])
-    seen = {"shape_of_0": runner.shape_of(0)}
+    seen = {"shape_of_0": runner.shape_of(0), "interleaved": refused}
     if stage != 0:
         return seen
     runner.step(0, Instruction(Op.LOAD_INPUT, 0))
@@ -437,6 +443,8 @@ def test_handlers_alone_change_only_their_micro_batch(pp2):
     assert first["tokens"] == 0  # tokens are counted on the last stage, with the loss
     assert "micro-batch 0's output is (1, 2, 64)" in first["mismatch"] and first["started"] == 0
     assert first["kept_after_free"] == [0]
+    for run in (first, second):
+        assert "received a plan of 2 model chunks a stage: the executor runs one" in run["interleaved"]
 
 
 @pytest.mark.slow

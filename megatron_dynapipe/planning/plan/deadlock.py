@@ -1,6 +1,7 @@
 """Whether the plans of every stage run to the end together: a replay of their posts and waits
 under the point-to-point model of NCCL and gloo (untagged sends and receives pair up in posting
-order)."""
+order), with activations and gradients on separate channels as the runtime sends them
+(:mod:`megatron_dynapipe.runtime.p2p`)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,15 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
 
     Model of point-to-point communication (NCCL / gloo ``isend``/``irecv`` without tags):
     STARTs are non-blocking posts; a FINISH blocks until the peer has posted the matching START;
-    between two stages, in one direction, the i-th send posted pairs with the i-th receive
-    posted. Compute ops never block (their inputs are checked by :meth:`ExecutionPlan.validate`).
-    The stages are advanced until all are done or none can move.
+    between two stages, in one direction, the i-th activation (gradient) sent pairs with the
+    i-th activation (gradient) receive posted. Compute ops never block (their inputs are checked
+    by :meth:`ExecutionPlan.validate`). The stages are advanced until all are done or none can
+    move.
 
     Raises ValueError if a plan is malformed or the plans do not form one pipeline,
     :class:`CommMismatchError` if a send and a receive pair up for different micro-batches (or
-    an activation with a gradient), and :class:`DeadlockError` naming every stuck stage's
-    blocking instruction and what it waits for.
+    virtual stages that are not neighbours), and :class:`DeadlockError` naming every stuck
+    stage's blocking instruction and what it waits for.
     """
     pp = len(plans)
     if pp == 0:
@@ -56,29 +58,29 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
             raise ValueError(
                 f"plans[{s}] is stage {plan.stage} of {plan.num_stages}: expected stage {s} of {pp}"
             )
+        if plan.chunks != plans[0].chunks:
+            raise ValueError(f"stage {s}'s plan runs {plan.chunks} model chunks, stage 0's {plans[0].chunks}")
         plan.validate()
 
-    # channel (src, dst) -> posted sends / receives, as (op, micro-batch)
-    sends: dict[tuple[int, int], list[tuple[Op, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[Op, int]]] = {}
-    index: list[dict[tuple[Op, int, int], int]] = [{} for _ in range(pp)]  # transfer -> position
-    waiting: dict[tuple[str, tuple[int, int], int], int] = {}  # (side, channel, k) -> stage
+    # channel (src, dst, activations?) -> posted sends / receives, as (op, micro-batch, chunk)
+    sends: dict[tuple[int, int, bool], list[tuple[Op, int, int]]] = {}
+    recvs: dict[tuple[int, int, bool], list[tuple[Op, int, int]]] = {}
+    index: list[dict[tuple, int]] = [{} for _ in range(pp)]  # transfer -> position
+    waiting: dict[tuple[str, tuple[int, int, bool], int], int] = {}  # (side, channel, k) -> stage
     pc = [0] * pp
     ready = deque(range(pp))
     queued = [True] * pp
 
     def post(s: int, ins: Instruction) -> None:
-        if ins.op.is_send:
-            channel, mine, theirs, side = (s, ins.peer), sends, recvs, "send"
-        else:
-            channel, mine, theirs, side = (ins.peer, s), recvs, sends, "recv"
+        channel = _channel(s, ins)
+        mine, theirs, side = (sends, recvs, "send") if ins.op.is_send else (recvs, sends, "recv")
         posted = mine.setdefault(channel, [])
         k = len(posted)
-        posted.append((ins.op, ins.microbatch))
+        posted.append((ins.op, ins.microbatch, ins.chunk))
         index[s][ins.transfer] = k
         other = theirs.get(channel, [])
         if k < len(other):
-            _check_pair(channel, k, sends[channel][k], recvs[channel][k])
+            _check_pair(channel, k, sends[channel][k], recvs[channel][k], pp)
         waiter = waiting.pop((side, channel, k), None)
         if waiter is not None and not queued[waiter]:
             queued[waiter] = True
@@ -94,10 +96,8 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
                 post(s, ins)
             elif ins.op.is_finish:
                 k = index[s][ins.transfer]
-                if ins.op.is_send:
-                    channel, other_side, other = (s, ins.peer), "recv", recvs
-                else:
-                    channel, other_side, other = (ins.peer, s), "send", sends
+                channel = _channel(s, ins)
+                other_side, other = ("recv", recvs) if ins.op.is_send else ("send", sends)
                 if len(other.get(channel, ())) <= k:
                     waiting[other_side, channel, k] = s
                     break
@@ -118,22 +118,34 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
                  if peer in blocked else f"stage {peer} finished its plan without posting it")
         lines.append(
             f"  stage {s} blocked at #{i} {ins}: waits for stage {peer} to post the matching "
-            f"{what} {verb} of micro-batch {ins.microbatch} (its {_ordinal(k + 1)} {verb} "
+            f"{what} {verb} of {_microbatch(ins.microbatch, ins.chunk)} (its {_ordinal(k + 1)} {what} {verb} "
             f"{towards} stage {s}); {state}"
         )
     raise DeadlockError("\n".join(lines), blocked)
 
 
-def _check_pair(channel: tuple[int, int], k: int, send: tuple[Op, int], recv: tuple[Op, int]) -> None:
-    (send_op, send_mb), (recv_op, recv_mb) = send, recv
-    same_kind = (send_op == Op.SEND_ACT_START) == (recv_op == Op.RECV_ACT_START)
-    if same_kind and send_mb == recv_mb:
+def _channel(stage: int, ins: Instruction) -> tuple[int, int, bool]:
+    """(sender, receiver, carries activations) of a transfer instruction run on ``stage``."""
+    activation = ins.op in (Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.RECV_ACT_START, Op.RECV_ACT_FINISH)
+    return (stage, ins.peer, activation) if ins.op.is_send else (ins.peer, stage, activation)
+
+
+def _microbatch(m: int, chunk: int) -> str:
+    return f"micro-batch {m}" + (f" of model chunk {chunk}" if chunk else "")
+
+
+def _check_pair(channel: tuple[int, int, bool], k: int, send: tuple[Op, int, int], recv: tuple[Op, int, int],
+                pp: int) -> None:
+    """A send and the receive it pairs with move one micro-batch from a virtual stage (chunk c
+    of stage s is ``c * pp + s``) to the next (activations) or the one before (gradients)."""
+    src, dst, activation = channel
+    (_, send_mb, send_chunk), (_, recv_mb, recv_chunk) = send, recv
+    step = 1 if activation else -1
+    if send_mb == recv_mb and recv_chunk * pp + dst == send_chunk * pp + src + step:
         return
-    src, dst = channel
-    send_what = "activation" if send_op == Op.SEND_ACT_START else "gradient"
-    recv_what = "activation" if recv_op == Op.RECV_ACT_START else "gradient"
+    what = "activation" if activation else "gradient"
     raise CommMismatchError(
-        f"send/receive mismatch from stage {src} to stage {dst}: the {_ordinal(k + 1)} transfer is "
-        f"the {send_what} of micro-batch {send_mb} on stage {src} but the {recv_what} of "
-        f"micro-batch {recv_mb} on stage {dst} (untagged point-to-point pairs in posting order)"
+        f"send/receive mismatch from stage {src} to stage {dst}: the {_ordinal(k + 1)} transfer is the {what} "
+        f"of {_microbatch(send_mb, send_chunk)} on stage {src} but the {what} of {_microbatch(recv_mb, recv_chunk)} "
+        f"on stage {dst} (untagged point-to-point pairs in posting order)"
     )

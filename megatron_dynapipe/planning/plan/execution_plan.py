@@ -30,7 +30,10 @@ class _Where:
 class ExecutionPlan:
     """What one pipeline stage of one data-parallel rank runs for one global batch.
 
-    Its binary form is :mod:`.wire`'s (:meth:`to_bytes`, :meth:`from_bytes`).
+    ``chunks``: the model chunks the stage holds (an interleaved pipeline: chunk c of stage s is
+    virtual stage ``c * num_stages + s``); ``recompute`` has one choice per chunk and micro-batch,
+    chunk by chunk (:meth:`recompute_of`). Its binary form is :mod:`.wire`'s (:meth:`to_bytes`,
+    :meth:`from_bytes`).
     """
 
     stage: int
@@ -40,6 +43,7 @@ class ExecutionPlan:
     recompute: list[RecomputeType]
     instructions: Instructions  # any sequence of Instruction is taken
     predicted_makespan_ms: float = 0.0
+    chunks: int = 1
     VERSION: ClassVar[int] = wire.VERSION
 
     def __post_init__(self) -> None:
@@ -49,85 +53,97 @@ class ExecutionPlan:
         self.predicted_makespan_ms = float(self.predicted_makespan_ms)
         if not 0 <= self.stage < self.num_stages:
             raise ValueError(f"stage {self.stage} is outside a pipeline of {self.num_stages} stages")
-        if len(self.recompute) != len(self.microbatches):
+        if self.chunks < 1:
+            raise ValueError(f"a stage holds at least one model chunk, got {self.chunks}")
+        if len(self.recompute) != self.chunks * len(self.microbatches):
+            per_chunk = f" on each of {self.chunks} model chunks" if self.chunks > 1 else ""
             raise ValueError(
-                f"{len(self.recompute)} recompute choices for {len(self.microbatches)} micro-batches"
+                f"{len(self.recompute)} recompute choices for {len(self.microbatches)} micro-batches{per_chunk}"
             )
+
+    def recompute_of(self, microbatch: int, chunk: int = 0) -> RecomputeType:
+        """The recompute choice of ``microbatch`` on model chunk ``chunk``."""
+        return self.recompute[chunk * len(self.microbatches) + microbatch]
 
     # -- structure ---------------------------------------------------------------------------
 
     def validate(self) -> None:
         """Raise ValueError unless the instructions are a well-formed plan for this stage.
 
-        Checks: micro-batch ids and peers in range; comm ops name another stage and other ops
-        none; every START has exactly one later FINISH and every FINISH an earlier START; each
-        micro-batch has exactly one FORWARD and one BACKWARD, with the plan's recompute choice;
-        a FORWARD has its input (LOAD_INPUT or RECV_ACT_FINISH) before it; a BACKWARD has its
-        FORWARD and, except on the last stage, its RECV_GRAD_FINISH before it; FREE_BUFFER at
-        most once, after the BACKWARD.
+        Checks: micro-batch ids, chunks and peers in range; comm ops name another stage and other
+        ops none; every START has exactly one later FINISH and every FINISH an earlier START; each
+        micro-batch has exactly one FORWARD and one BACKWARD on every model chunk, with the plan's
+        recompute choice; a FORWARD has its input (LOAD_INPUT or RECV_ACT_FINISH) before it; a
+        BACKWARD has its FORWARD and, except on the last virtual stage, its RECV_GRAD_FINISH
+        before it; FREE_BUFFER at most once, after the BACKWARD.
         """
         n, where = len(self.microbatches), f"stage {self.stage} plan"
-        forwards: dict[int, int] = {}
-        backwards: dict[int, int] = {}
-        inputs: set[int] = set()
-        grads: set[int] = set()
-        freed: set[int] = set()
-        open_transfers: dict[tuple[Op, int, int], int] = {}
-        closed: set[tuple[Op, int, int]] = set()
+        last = (self.chunks - 1, self.num_stages - 1)  # the last virtual stage's (chunk, stage)
+        forwards: dict[tuple[int, int], int] = {}  # by (chunk, micro-batch)
+        backwards: dict[tuple[int, int], int] = {}
+        inputs: set[tuple[int, int]] = set()
+        grads: set[tuple[int, int]] = set()
+        freed: set[tuple[int, int]] = set()
+        open_transfers: dict[tuple, int] = {}
+        closed: set[tuple] = set()
         for i, ins in enumerate(self.instructions):
-            op, m = ins.op, ins.microbatch
+            op, m, c = ins.op, ins.microbatch, ins.chunk
+            key = (c, m)
             here = _Where(where, i, ins)
             if m >= n:
                 raise ValueError(f"{here}: micro-batch {m} does not exist (the plan has {n})")
+            if c >= self.chunks:
+                raise ValueError(f"{here}: model chunk {c} does not exist (the stage holds {self.chunks})")
             if op.is_comm:
                 if not 0 <= ins.peer < self.num_stages or ins.peer == self.stage:
                     raise ValueError(f"{here}: peer must be another stage in 0..{self.num_stages - 1}")
             elif ins.peer != -1:
                 raise ValueError(f"{here}: only communication ops name a peer")
             if op.is_start:
-                key = ins.transfer
-                if key in open_transfers or key in closed:
+                transfer = ins.transfer
+                if transfer in open_transfers or transfer in closed:
                     raise ValueError(f"{here}: the same transfer is started twice")
-                open_transfers[key] = i
+                open_transfers[transfer] = i
             elif op.is_finish:
-                key = ins.transfer
-                if key not in open_transfers:
+                transfer = ins.transfer
+                if transfer not in open_transfers:
                     raise ValueError(f"{here}: FINISH without an earlier matching START")
-                del open_transfers[key]
-                closed.add(key)
+                del open_transfers[transfer]
+                closed.add(transfer)
                 if op == Op.RECV_ACT_FINISH:
-                    inputs.add(m)
+                    inputs.add(key)
                 elif op == Op.RECV_GRAD_FINISH:
-                    grads.add(m)
+                    grads.add(key)
             elif op == Op.LOAD_INPUT:
-                inputs.add(m)
+                inputs.add(key)
             elif op == Op.FORWARD:
-                if m in forwards:
-                    raise ValueError(f"{here}: second FORWARD of micro-batch {m} (first at #{forwards[m]})")
-                if m not in inputs:
+                if key in forwards:
+                    raise ValueError(f"{here}: second FORWARD of micro-batch {m} (first at #{forwards[key]})")
+                if key not in inputs:
                     raise ValueError(f"{here}: FORWARD before its input (LOAD_INPUT or RECV_ACT_FINISH)")
-                forwards[m] = i
+                forwards[key] = i
             elif op == Op.BACKWARD:
-                if m in backwards:
-                    raise ValueError(f"{here}: second BACKWARD of micro-batch {m} (first at #{backwards[m]})")
-                if m not in forwards:
+                if key in backwards:
+                    raise ValueError(f"{here}: second BACKWARD of micro-batch {m} (first at #{backwards[key]})")
+                if key not in forwards:
                     raise ValueError(f"{here}: BACKWARD before the FORWARD of micro-batch {m}")
-                if self.stage != self.num_stages - 1 and m not in grads:
+                if (c, self.stage) != last and key not in grads:
                     raise ValueError(f"{here}: BACKWARD before its RECV_GRAD_FINISH")
-                backwards[m] = i
+                backwards[key] = i
             elif op == Op.FREE_BUFFER:
-                if m in freed or m not in backwards:
+                if key in freed or key not in backwards:
                     raise ValueError(f"{here}: FREE_BUFFER must come once, after the BACKWARD")
-                freed.add(m)
-            if op.is_compute and ins.recompute != self.recompute[m]:
+                freed.add(key)
+            if op.is_compute and ins.recompute != self.recompute_of(m, c):
                 raise ValueError(
                     f"{here}: recompute {ins.recompute.label} differs from the plan's "
-                    f"{self.recompute[m].label} for micro-batch {m}"
+                    f"{self.recompute_of(m, c).label} for micro-batch {m}"
                 )
         if open_transfers:
-            key, i = min(open_transfers.items(), key=lambda kv: kv[1])
+            transfer, i = min(open_transfers.items(), key=lambda kv: kv[1])
             raise ValueError(f"{where}: instruction #{i} {self.instructions[i]} is never finished")
-        missing = [m for m in range(n) if m not in backwards]  # a BACKWARD implies its FORWARD
+        # a BACKWARD implies its FORWARD
+        missing = sorted({m for c in range(self.chunks) for m in range(n) if (c, m) not in backwards})
         if missing:
             raise ValueError(f"{where}: micro-batches {missing[:10]} lack a FORWARD or BACKWARD")
 
@@ -136,7 +152,7 @@ class ExecutionPlan:
     def to_bytes(self) -> bytes:
         """Compact binary form (:mod:`.wire`, the class docstring); :meth:`from_bytes` reads it back."""
         return wire.encode(self.stage, self.num_stages, self.schedule, self.microbatches, self.recompute,
-                           self.instructions.rows, self.predicted_makespan_ms)
+                           self.instructions.rows, self.predicted_makespan_ms, self.chunks)
 
     @classmethod
     def from_bytes(cls, data: "bytes | bytearray | memoryview") -> "ExecutionPlan":
@@ -153,11 +169,12 @@ class ExecutionPlan:
         lines = [
             f"ExecutionPlan stage {self.stage}/{self.num_stages} schedule={self.schedule} "
             f"micro-batches={len(self.microbatches)} tokens={tokens} instructions={len(self.instructions)} "
-            f"predicted={self.predicted_makespan_ms:.3f} ms"
+            f"predicted={self.predicted_makespan_ms:.3f} ms" + (f" chunks={self.chunks}" if self.chunks > 1 else "")
         ]
-        for m, (mb, rc) in enumerate(zip(self.microbatches, self.recompute)):
+        for m, mb in enumerate(self.microbatches):
             shape = f"{mb.size} packed in {mb.seq_len}" if mb.packed else f"{mb.size} x {mb.seq_len}"
-            lines.append(f"  mb {m:>3}: {shape} ({mb.tokens} tokens) recompute={rc.label}")
+            recompute = "/".join(self.recompute_of(m, c).label for c in range(self.chunks))  # chunk by chunk
+            lines.append(f"  mb {m:>3}: {shape} ({mb.tokens} tokens) recompute={recompute}")
         rows: list[str] = []
         row: list[str] = []
         for ins in self.instructions:

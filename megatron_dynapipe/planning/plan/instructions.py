@@ -2,9 +2,10 @@
 
 A stage's plan is a list of :class:`Instruction`: compute (``FORWARD``, ``BACKWARD``), its
 input (``LOAD_INPUT``), point-to-point communication with a neighbouring stage as non-blocking
-START / blocking FINISH pairs, and ``FREE_BUFFER``.  :class:`Instructions` holds a list of them as
-the rows of the wire format, and every instruction has a text form (``F3[selective]``,
-``SendActStart(1->s2)``) that :meth:`Instruction.parse` reads back.
+START / blocking FINISH pairs, and ``FREE_BUFFER``, each of one micro-batch on one of the stage's
+model chunks (several where the pipeline is interleaved).  :class:`Instructions` holds a list of
+them as the rows of the wire format, and every instruction has a text form (``F3[selective]``,
+``F3.1`` on model chunk 1, ``SendActStart(1->s2)``) that :meth:`Instruction.parse` reads back.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["Op", "Instruction", "Instructions", "ROW", "as_recompute"]
 
-#: One instruction as a row of the wire format: u8 op, u8 recompute, i16 peer, u32 micro-batch.
-ROW = np.dtype([("op", "u1"), ("recompute", "u1"), ("peer", "<i2"), ("microbatch", "<u4")])
+#: One instruction as a row of the wire format: u8 op, u8 recompute, i16 peer, u32 micro-batch,
+#: u8 model chunk.
+ROW = np.dtype([("op", "u1"), ("recompute", "u1"), ("peer", "<i2"), ("microbatch", "<u4"), ("chunk", "u1")])
 
 
 class Op(enum.IntEnum):
@@ -91,8 +93,8 @@ _COMM_NAMES = {
 }
 
 _COMM_OPS = {name: op for op, name in _COMM_NAMES.items()}
-_TEXT_FORM = re.compile(r"(?:(F|B|Load|Free)(\d+)(?:\[(\w+)\])?"
-                        r"|(" + "|".join(_COMM_OPS) + r")\((\d+)(->|<-)s(\d+)\))")
+_TEXT_FORM = re.compile(r"(?:(F|B|Load|Free)(\d+)(?:\.(\d+))?(?:\[(\w+)\])?"
+                        r"|(" + "|".join(_COMM_OPS) + r")\((\d+)(?:\.(\d+))?(->|<-)s(\d+)\))")
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,15 @@ class Instruction:
     a FORWARD stores its activations and how the matching BACKWARD rebuilds them.
     ``FREE_BUFFER(m)`` releases what the stage keeps of micro-batch ``m`` (stored activations,
     received tensors); a tensor still being sent stays owned by its send until the FINISH.
+    ``chunk``: the stage's model chunk the op belongs to (a transfer: the chunk whose compute op
+    it serves); 0 where a stage holds one.
     """
 
     op: Op
     microbatch: int
     peer: int = -1
     recompute: RecomputeType = RecomputeType.NONE
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if type(self.op) is not Op:
@@ -117,9 +122,11 @@ class Instruction:
             object.__setattr__(self, "recompute", RecomputeType.parse(self.recompute))
         if self.microbatch < 0:
             raise ValueError(f"{self.op.name}: micro-batch id must be >= 0, got {self.microbatch}")
+        if self.chunk < 0:
+            raise ValueError(f"{self.op.name}: model chunk must be >= 0, got {self.chunk}")
 
     def __str__(self) -> str:
-        op, m = self.op, self.microbatch
+        op, m = self.op, f"{self.microbatch}.{self.chunk}" if self.chunk else self.microbatch
         if op.is_compute:
             tag = "" if self.recompute == RecomputeType.NONE else f"[{self.recompute.label}]"
             return f"{'F' if op == Op.FORWARD else 'B'}{m}{tag}"
@@ -129,42 +136,43 @@ class Instruction:
 
     @classmethod
     def _trusted(cls, op: Op, microbatch: int, peer: int = -1,
-                 recompute: RecomputeType = RecomputeType.NONE) -> "Instruction":
+                 recompute: RecomputeType = RecomputeType.NONE, chunk: int = 0) -> "Instruction":
         """An instruction from values the lowering already knows are valid, without __init__'s
         checks and frozen-field setters (half the cost of a plan of thousands of instructions)."""
         instruction = object.__new__(cls)
-        instruction.__dict__.update(op=op, microbatch=microbatch, peer=peer, recompute=recompute)
+        instruction.__dict__.update(op=op, microbatch=microbatch, peer=peer, recompute=recompute, chunk=chunk)
         return instruction
 
     @classmethod
     def parse(cls, text: str) -> "Instruction":
-        """The instruction ``str(instruction)`` printed: ``F3[selective]``, ``B3``, ``Load0``,
-        ``Free2``, ``SendActStart(1->s2)``, ``RecvGradFinish(1<-s2)``."""
+        """The instruction ``str(instruction)`` printed: ``F3[selective]``, ``B3``, ``F3.1`` (model
+        chunk 1), ``Load0``, ``Free2``, ``SendActStart(1->s2)``, ``RecvGradFinish(1.1<-s2)``."""
         match = _TEXT_FORM.fullmatch(text.strip())
         if match is None:
             raise ValueError(f"{text!r} is not an instruction: write F<m>[recompute], B<m>[recompute], Load<m>, "
-                             "Free<m> or e.g. SendActStart(<m>->s<peer>), RecvActFinish(<m><-s<peer>)")
-        name, m, recompute, comm, comm_m, arrow, peer = match.groups()
+                             "Free<m> or e.g. SendActStart(<m>->s<peer>), RecvActFinish(<m><-s<peer>), with "
+                             "<m>.<chunk> for a model chunk past the first")
+        name, m, chunk, recompute, comm, comm_m, comm_chunk, arrow, peer = match.groups()
         if comm is not None:
             op = _COMM_OPS[comm]
             if (arrow == "->") != op.is_send:
                 raise ValueError(f"{text!r}: a {'send' if op.is_send else 'receive'} points "
                                  f"{'->' if op.is_send else '<-'} its peer")
-            return cls(op, int(comm_m), int(peer))
+            return cls(op, int(comm_m), int(peer), chunk=int(comm_chunk or 0))
         op = {"F": Op.FORWARD, "B": Op.BACKWARD, "Load": Op.LOAD_INPUT, "Free": Op.FREE_BUFFER}[name]
         if recompute is not None and not op.is_compute:
             raise ValueError(f"{text!r}: only F and B carry a recompute type")
-        return cls(op, int(m), recompute=RecomputeType.parse(recompute or "none"))
+        return cls(op, int(m), recompute=RecomputeType.parse(recompute or "none"), chunk=int(chunk or 0))
 
     @property
-    def transfer(self) -> tuple[Op, int, int]:
-        """(START op, micro-batch, peer): what links a START to its FINISH."""
-        return (_START_OF[self.op], self.microbatch, self.peer)
+    def transfer(self) -> tuple[Op, int, int, int]:
+        """(START op, micro-batch, peer, chunk): what links a START to its FINISH."""
+        return (_START_OF[self.op], self.microbatch, self.peer, self.chunk)
 
 
 class Instructions(Sequence[Instruction]):
     """A stage's instructions, held as the rows of the wire format (op, recompute, peer,
-    micro-batch): lowering and serialising thousands of them makes no object per instruction.
+    micro-batch, chunk): lowering and serialising thousands of them makes no object per instruction.
     Reading them (indexing, iterating) makes the :class:`Instruction` objects, once."""
 
     __slots__ = ("rows", "_objects")
@@ -179,17 +187,19 @@ class Instructions(Sequence[Instruction]):
             return instructions
         items = list(instructions)
         try:
-            rows = np.array([(i.op, i.recompute, i.peer, i.microbatch) for i in items], dtype=ROW)
+            rows = np.array([(i.op, i.recompute, i.peer, i.microbatch, i.chunk) for i in items], dtype=ROW)
         except OverflowError:
-            raise ValueError("an instruction's peer or micro-batch is outside the wire format's 16/32-bit "
-                             "fields: use stages below 32768 and micro-batch ids below 2**32") from None
+            raise ValueError("an instruction's peer, micro-batch or chunk is outside the wire format's 16/32/8-bit "
+                             "fields: use stages below 32768, micro-batch ids below 2**32 and chunks below 256"
+                             ) from None
         return cls(rows, items)
 
     def _list(self) -> list[Instruction]:
         if self._objects is None:
             ops, rcs, make, rows = list(Op), list(RecomputeType), Instruction._trusted, self.rows
-            self._objects = [make(ops[o], m, p, rcs[r]) for o, r, p, m in zip(
-                rows["op"].tolist(), rows["recompute"].tolist(), rows["peer"].tolist(), rows["microbatch"].tolist())]
+            self._objects = [make(ops[o], m, p, rcs[r], c) for o, r, p, m, c in zip(
+                rows["op"].tolist(), rows["recompute"].tolist(), rows["peer"].tolist(), rows["microbatch"].tolist(),
+                rows["chunk"].tolist())]
         return self._objects
 
     def __len__(self) -> int:

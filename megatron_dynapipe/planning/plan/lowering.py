@@ -21,6 +21,12 @@ Lowering (stage ``s`` of ``P``; compute ops ``F(m)``/``B(m)`` in the stage's ord
 * Each send's FINISH goes as early as it provably cannot close a wait cycle: just before the
   next compute op in 1F1B and GPipe, later where the neighbour's order needs it (see below).
 
+Interleaved pipelines (``chunks`` model chunks a stage): the same, read over virtual stages.
+Chunk c of stage s is virtual stage ``v = c * P + s``; its op's input comes from virtual stage
+``v - 1`` (stage ``s - 1``, or for ``s = 0`` stage ``P - 1``'s chunk ``c - 1``) and its output goes
+to ``v + 1``; only virtual stage 0 loads inputs and only the last, ``chunks * P - 1``, runs a
+backward without a gradient received. Every instruction names its chunk (``F3.1``).
+
 Why a send's FINISH cannot always sit before the next compute op: take stage 0 running
 ``F0 F1 F2 F3 F4 B0 ...`` and stage 1 running ``F0 B0 F1 B1 F2 ...`` (both keep forwards and
 backwards in the same micro-batch order, and the pair is executable). With every send finished
@@ -36,9 +42,10 @@ backward 2 time units (every op must take positive time). Then every wait edge o
 plans (a RECV_FINISH waits for the producing op, a SEND_FINISH for such a ``y``, program order)
 points forward in that timeline, so the stage whose
 next compute op starts earliest can always progress: no cycle, no deadlock, for *any* set of
-orders that is executable and FIFO-consistent (every stage forwards the micro-batches in the
-same order and runs the backwards in the same order -- needed anyway because untagged sends
-and receives pair up in posting order). Without the other stages' orders, the rule falls back
+orders that is executable and FIFO-consistent (on each link, in each direction, activations are
+received in the order they are sent, and so are gradients -- needed anyway because untagged
+sends and receives pair up in posting order; with one chunk a stage: every stage forwards the
+micro-batches in the same order and runs the backwards in the same order). Without the other stages' orders, the rule falls back
 to what this stage's order proves alone: an activation send finishes before the first backward
 of a micro-batch forwarded no earlier (at latest its own ``B(m)``; right away for the first two
 forwards, whose receives are posted at the start), a gradient send before the end.
@@ -70,95 +77,103 @@ _FORWARD_TIME, _BACKWARD_TIME = 1.0, 2.0
 
 
 class _Order(NamedTuple):
-    """One stage's compute order as arrays: which ops are forwards, and of which micro-batch."""
+    """One stage's compute order as arrays: which ops are forwards, of which micro-batch, on
+    which of the stage's model chunks."""
 
     forward: np.ndarray  # bool, per compute op
     microbatch: np.ndarray  # int64, per compute op
+    chunk: np.ndarray  # int64, per compute op
 
 
-def _parse_order(order: ComputeOrder, stage: int, check: bool = True) -> _Order:
+def _parse_order(order: ComputeOrder, stage: int, check: bool = True, chunks: int = 1) -> _Order:
     """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
     an order a schedule made, trusted to be well formed)."""
     try:
-        if check and any(len(item) != 2 and not _first_chunk_action(item) for item in order):
+        if check and any(len(item) not in (2, 3) for item in order):
             raise ValueError  # zip would drop a longer item's extras
-        columns = list(zip(*order)) if len(order) else [(), ()]
-        if len(columns) > 2 and any(columns[2]):
-            raise ValueError  # an op of a model chunk past the first, trusted or not: named below
-        kinds, ids = columns[:2]
+        columns = list(zip(*order)) if len(order) else [(), (), ()]
+        if len(columns) == 2:  # pairs (chunk 0), or pairs and actions mixed
+            columns.append([item[2] if len(item) > 2 else 0 for item in order])
+        kinds, ids, chunk = columns
         microbatch = np.array(ids, dtype=np.int64)
+        chunk = np.array(chunk, dtype=np.int64)
         kinds = np.array(kinds, dtype=object)
     except (TypeError, ValueError, OverflowError):
-        _explain_bad_order(order, stage)
+        _explain_bad_order(order, stage, chunks)
     forward, backward = kinds == "F", kinds == "B"
-    if not check or _well_formed(forward, backward, microbatch):
-        return _Order(forward, microbatch)
-    _explain_bad_order(order, stage)
+    if chunk.size and (chunk.min() < 0 or chunk.max() >= chunks):
+        _explain_bad_order(order, stage, chunks)  # trusted or not: a chunk the stage lacks is named
+    if not check or _well_formed(forward, backward, microbatch, chunk):
+        return _Order(forward, microbatch, chunk)
+    _explain_bad_order(order, stage, chunks)
 
 
-def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarray) -> bool:
-    """Every item F or B of a micro-batch >= 0, each once, and each B after its F."""
+def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarray, chunk: np.ndarray) -> bool:
+    """Every item F or B of a micro-batch >= 0, each once per chunk, and each B after its F."""
     if not np.all(forward | backward) or (microbatch.size and microbatch.min() < 0):
         return False
-    positions = np.arange(len(microbatch))
-    f_order, b_order = np.argsort(microbatch[forward], kind="stable"), np.argsort(microbatch[backward], kind="stable")
-    f_ids, b_ids = microbatch[forward][f_order], microbatch[backward][b_order]
+    key = chunk * (int(microbatch.max()) + 1 if microbatch.size else 1) + microbatch
+    positions = np.arange(len(key))
+    f_order, b_order = np.argsort(key[forward], kind="stable"), np.argsort(key[backward], kind="stable")
+    f_ids, b_ids = key[forward][f_order], key[backward][b_order]
     return (np.array_equal(f_ids, b_ids) and bool(np.all(np.diff(f_ids) > 0))
             and bool(np.all(positions[backward][b_order] > positions[forward][f_order])))
 
 
-def _first_chunk_action(item) -> bool:
-    """An :class:`Action` of a stage's one model chunk (chunk 0): plans run one chunk a stage."""
-    return isinstance(item, Action) and item.chunk == 0
-
-
-def _explain_bad_order(order: ComputeOrder, stage: int) -> NoReturn:
-    seen: dict[tuple[str, int], int] = {}
+def _explain_bad_order(order: ComputeOrder, stage: int, chunks: int) -> NoReturn:
+    seen: dict[tuple[str, int, int], int] = {}
     for i, item in enumerate(order):
-        if isinstance(item, Action) and item.chunk:
-            raise ValueError(f"stage {stage} order item #{i} {item!r} runs model chunk {item.chunk}: execution plans "
-                             "run one model chunk a stage (interleaved plans are not lowered)")
         try:
-            kind, m = item[:2] if isinstance(item, Action) else item
-            kind, m = str(kind), int(m)
+            if len(item) not in (2, 3):
+                raise ValueError
+            kind, m, chunk = str(item[0]), int(item[1]), int(item[2]) if len(item) > 2 else 0
         except (TypeError, ValueError):
-            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch) pair") from None
+            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch[, chunk]) "
+                             "item") from None
         if kind not in ("F", "B"):
             raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
         if m < 0:
             raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
-        if (kind, m) in seen:
-            raise ValueError(f"stage {stage} order has {kind}{m} twice (#{seen[kind, m]} and #{i})")
-        if kind == "B" and ("F", m) not in seen:
-            raise ValueError(f"stage {stage} order runs B{m} before F{m}")
-        seen[kind, m] = i
-    unmatched = sorted(m for kind, m in seen if kind == "F" and ("B", m) not in seen)
+        if not 0 <= chunk < chunks:
+            raise ValueError(f"stage {stage} order item #{i} {item!r} runs model chunk {chunk}: the stages hold "
+                             f"{chunks} (chunks 0..{chunks - 1}); pass chunks= for an interleaved pipeline")
+        name = f"{kind}{m}" + (f".{chunk}" if chunk else "")
+        if (kind, m, chunk) in seen:
+            raise ValueError(f"stage {stage} order has {name} twice (#{seen[kind, m, chunk]} and #{i})")
+        if kind == "B" and ("F", m, chunk) not in seen:
+            raise ValueError(f"stage {stage} order runs {name} before F{name[1:]}")
+        seen[kind, m, chunk] = i
+    unmatched = sorted(f"{m}" + (f".{c}" if c else "") for kind, m, c in seen if kind == "F" and ("B", m, c) not in seen)
     raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
 
 
-def _recompute_codes(recompute: RecomputeSpec, order: _Order) -> np.ndarray:
-    """The recompute code of every micro-batch the order forwards, indexed by micro-batch id."""
+def _recompute_codes(recompute: RecomputeSpec, order: _Order, chunks: int) -> np.ndarray:
+    """[chunk, micro-batch id] recompute codes of the micro-batches the order runs (one choice
+    per micro-batch is that micro-batch's on every chunk)."""
     size = int(order.microbatch.max()) + 1 if order.microbatch.size else 0
     if isinstance(recompute, _ONE_CHOICE):
-        return np.full(size, int(as_recompute(recompute)), dtype=np.int64)
+        return np.full((chunks, size), int(as_recompute(recompute)), dtype=np.int64)
     if size > len(recompute):
         raise ValueError(f"no recompute choice for micro-batch {size - 1} (got {len(recompute)})")
-    return _codes(recompute[:size])
+    return np.tile(_codes(recompute[:size]), (chunks, 1))
 
 
 _ONE_CHOICE = (RecomputeType, int, str, np.integer)  # a recompute spec that is one choice, not one per micro-batch
 
 
-def _timeline(orders: Sequence[_Order]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _timeline(orders: Sequence[_Order], chunks: int = 1) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """As-soon-as-possible start/end of every compute op (forward 1, backward 2): F(m) waits for
-    F(m) on the stage before, B(m) for B(m) on the stage after. Ops that never become runnable
-    (the orders wait on each other) get +inf."""
+    F(m) on the virtual stage before, B(m) for B(m) on the virtual stage after (chunk c of stage
+    s is virtual stage ``c * pp + s``). Ops that never become runnable (the orders wait on each
+    other) get +inf."""
     pp = len(orders)
+    last = pp * chunks - 1
     inf = float("inf")
-    ops = [list(zip(o.forward.tolist(), o.microbatch.tolist())) for o in orders]
+    ops = [list(zip(o.forward.tolist(), o.microbatch.tolist(), (o.chunk * pp + s).tolist()))
+           for s, o in enumerate(orders)]
     start = [[inf] * len(o) for o in ops]
     end = [[inf] * len(o) for o in ops]
-    done: list[dict[bool, dict[int, float]]] = [{True: {}, False: {}} for _ in range(pp)]
+    done: list[dict[bool, dict[int, float]]] = [{True: {}, False: {}} for _ in range(last + 1)]  # per virtual stage
     pc = [0] * pp
     free = [0.0] * pp
     progressed = True
@@ -166,19 +181,18 @@ def _timeline(orders: Sequence[_Order]) -> tuple[list[np.ndarray], list[np.ndarr
         progressed = False
         for s in range(pp):
             order, i, t = ops[s], pc[s], free[s]
-            before = done[s - 1][True] if s > 0 else None
-            after = done[s + 1][False] if s + 1 < pp else None
-            mine = done[s]
             while i < len(order):
-                forward, m = order[i]
-                deps = before if forward else after
-                ready = 0.0 if deps is None else deps.get(m)
+                forward, m, v = order[i]
+                if forward:
+                    ready = 0.0 if v == 0 else done[v - 1][True].get(m)
+                else:
+                    ready = 0.0 if v == last else done[v + 1][False].get(m)
                 if ready is None:
                     break
                 t0 = t if t > ready else ready
                 t = t0 + (_FORWARD_TIME if forward else _BACKWARD_TIME)
                 start[s][i], end[s][i] = t0, t
-                mine[forward][m] = t
+                done[v][forward][m] = t
                 i += 1
             if i > pc[s]:
                 pc[s], free[s], progressed = i, t, True
@@ -191,8 +205,9 @@ class _Reference:
     each op starts after its inputs' producers end and after the op before it on its stage,
     with every op of positive duration, keeps the plans deadlock-free (module docstring)."""
 
-    def __init__(self, orders: Sequence[_Order], timeline: "tuple[Sequence, Sequence] | None" = None):
-        self.orders = orders
+    def __init__(self, orders: Sequence[_Order], timeline: "tuple[Sequence, Sequence] | None" = None,
+                 chunks: int = 1):
+        self.orders, self.chunks = orders, chunks
         if timeline is not None:
             start, end = ([np.asarray(t, dtype=float) for t in times] for times in timeline)
             if len(start) != len(orders) or len(end) != len(orders) or any(
@@ -202,7 +217,7 @@ class _Reference:
             if all(np.all(b > a) for a, b in zip(start, end)):
                 self.start, self.end = start, end
                 return
-        self.start, self.end = _timeline(orders)
+        self.start, self.end = _timeline(orders, chunks)
 
     @functools.cached_property
     def end_flat(self) -> np.ndarray:
@@ -215,17 +230,21 @@ class _Reference:
 
     @functools.cached_property
     def _lookup(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """Sorted keys (stage, kind, micro-batch) of every op and their positions in their stage."""
+        """Sorted keys (stage, chunk, kind, micro-batch) of every op and their positions in their stage."""
         width = 1 + max((int(o.microbatch.max()) for o in self.orders if o.microbatch.size), default=0)
-        keys = np.concatenate([(2 * s + ~o.forward) * width + o.microbatch for s, o in enumerate(self.orders)])
+        keys = np.concatenate([self._key(s, o.forward, o.microbatch, o.chunk, width) for s, o in enumerate(self.orders)])
         positions = np.concatenate([np.arange(len(o.microbatch)) for o in self.orders])
         by_key = np.argsort(keys, kind="stable")
         return keys[by_key], positions[by_key], width
 
-    def position(self, stage: np.ndarray, forward: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
-        """Where F (forward) or B of each micro-batch sits in that stage's order; -1 where not."""
+    def _key(self, stage, forward, microbatch, chunk, width):
+        return ((stage * self.chunks + chunk) * 2 + ~forward) * width + microbatch
+
+    def position(self, stage: np.ndarray, forward: np.ndarray, microbatch: np.ndarray, chunk: np.ndarray
+                 ) -> np.ndarray:
+        """Where F (forward) or B of each micro-batch on that chunk sits in that stage's order; -1 where not."""
         keys, positions, width = self._lookup
-        query = (2 * stage + ~forward) * width + microbatch
+        query = self._key(stage, forward, microbatch, chunk, width)
         found = np.minimum(np.searchsorted(keys, query), max(len(keys) - 1, 0))
         hit = (microbatch < width) & (keys[found] == query) if len(keys) else np.zeros(len(query), bool)
         return np.where(hit, positions[found] if len(keys) else -1, -1)
@@ -236,12 +255,12 @@ def _send_finish_slots(ops: "_Ops", sends: np.ndarray, ref: _Reference) -> np.nd
     their stage's order of the compute op each send's FINISH goes before (``len(order)``: the
     end of the plan)."""
     stage, forward, ids = ops.stage[sends], ops.forward[sends], ops.microbatch[sends]
-    peer = np.where(forward, stage + 1, stage - 1)
-    c = ref.position(peer, forward, ids)
+    peer, peer_chunk = _neighbour(ops, sends, np.where(forward, 1, -1))
+    c = ref.position(peer, forward, ids, peer_chunk)
     if np.any(c < 0):
         bad = int(np.argmax(c < 0))
-        raise ValueError(f"stage {peer[bad]} order has no {'F' if forward[bad] else 'B'}{ids[bad]} "
-                         f"to receive stage {stage[bad]}'s send")
+        raise ValueError(f"stage {peer[bad]} order has no {'F' if forward[bad] else 'B'}{ids[bad]}"
+                         + (f".{peer_chunk[bad]}" if peer_chunk[bad] else "") + f" to receive stage {stage[bad]}'s send")
     # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
     posted = np.where(c <= 1, -np.inf, ref.end_flat[ref.offset[peer] + np.maximum(c - 2, 0)])
     slots = ops.position[sends] + 1
@@ -279,6 +298,7 @@ def lower_to_instructions(
     recompute: RecomputeSpec,
     *,
     orders: "Sequence[ComputeOrder] | None" = None,
+    chunks: int = 1,
 ) -> "Instructions":
     """Lower one stage's compute order to its instructions (see the module docstring).
 
@@ -287,20 +307,32 @@ def lower_to_instructions(
     FINISH sits as early as the neighbour's order allows (before the very next compute op in
     1F1B and GPipe); without it, where this stage's order alone proves it safe, which can keep
     send buffers longer. Both are deadlock-free for executable FIFO-consistent orders.
+    ``chunks``: model chunks a stage holds (interleaved orders); more than one needs ``orders``.
     """
-    if num_stages < 1 or not 0 <= stage < num_stages:
+    _check_layout(num_stages, chunks)
+    if not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
-    parsed = _parse_order(order, stage)
+    parsed = _parse_order(order, stage, chunks=chunks)
     ref = None
     if orders is not None:
         if len(orders) != num_stages:
             raise ValueError(f"{len(orders)} orders for {num_stages} stages")
-        all_parsed = [parsed if s == stage else _parse_order(o, s) for s, o in enumerate(orders)]
-        mine = _parse_order(orders[stage], stage)
-        if not (np.array_equal(mine.forward, parsed.forward) and np.array_equal(mine.microbatch, parsed.microbatch)):
+        all_parsed = [parsed if s == stage else _parse_order(o, s, chunks=chunks) for s, o in enumerate(orders)]
+        mine = _parse_order(orders[stage], stage, chunks=chunks)
+        if not all(np.array_equal(a, b) for a, b in zip(mine, parsed)):
             raise ValueError(f"orders[{stage}] differs from the order being lowered")
-        ref = _Reference(all_parsed)
-    return _lower([(stage, parsed, _recompute_codes(recompute, parsed))], num_stages, ref)[0]
+        ref = _Reference(all_parsed, chunks=chunks)
+    elif chunks > 1:
+        raise ValueError("lowering one stage of an interleaved pipeline needs every stage's order: pass orders=")
+    return _lower([(stage, parsed, _recompute_codes(recompute, parsed, chunks))], num_stages, ref, chunks)[0]
+
+
+def _check_layout(num_stages: int, chunks: int) -> None:
+    if num_stages < 1:
+        raise ValueError("need at least one stage order")
+    if chunks < 1 or (chunks > 1 and num_stages < 2):
+        raise ValueError(f"{chunks} model chunks a stage on {num_stages} stage(s): an interleaved pipeline needs "
+                         "at least 2 stages, and every stage at least one chunk")
 
 
 _FORWARD, _BACKWARD, _LOAD_INPUT, _FREE_BUFFER = int(Op.FORWARD), int(Op.BACKWARD), int(Op.LOAD_INPUT), int(Op.FREE_BUFFER)
@@ -316,17 +348,27 @@ class _Ops(NamedTuple):
     stage: np.ndarray
     forward: np.ndarray
     microbatch: np.ndarray
+    chunk: np.ndarray  # the stage's model chunk that runs it
+    virtual: np.ndarray  # its virtual stage, chunk * num_stages + stage
     position: np.ndarray  # in its stage's order
-    recompute: np.ndarray  # code of its micro-batch's recompute on its stage
+    recompute: np.ndarray  # code of its micro-batch's recompute on its virtual stage
+    num_stages: int
 
     @classmethod
-    def of(cls, stages: Sequence[tuple[int, _Order, np.ndarray]]) -> "_Ops":
-        """From (stage, order, recompute codes by micro-batch id) of each stage to lower."""
-        return cls(np.concatenate([np.full(len(o.microbatch), s, dtype=np.int64) for s, o, _ in stages]),
-                   np.concatenate([o.forward for _, o, _ in stages]),
-                   np.concatenate([o.microbatch for _, o, _ in stages]),
+    def of(cls, stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int) -> "_Ops":
+        """From (stage, order, [chunk, micro-batch] recompute codes) of each stage to lower."""
+        stage = np.concatenate([np.full(len(o.microbatch), s, dtype=np.int64) for s, o, _ in stages])
+        chunk = np.concatenate([o.chunk for _, o, _ in stages])
+        return cls(stage, np.concatenate([o.forward for _, o, _ in stages]),
+                   np.concatenate([o.microbatch for _, o, _ in stages]), chunk, chunk * num_stages + stage,
                    np.concatenate([np.arange(len(o.microbatch)) for _, o, _ in stages]),
-                   np.concatenate([codes[o.microbatch] for _, o, codes in stages]))
+                   np.concatenate([codes[o.chunk, o.microbatch] for _, o, codes in stages]), num_stages)
+
+
+def _neighbour(ops: _Ops, rows: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stage and chunk of the virtual stage ``step`` (+1: next, -1: before) from each op's."""
+    virtual = ops.virtual[rows] + step
+    return virtual % ops.num_stages, virtual // ops.num_stages
 
 
 class _Lowering:
@@ -337,13 +379,14 @@ class _Lowering:
     len(order) the last FINISHes). Each pass (:data:`_PASSES`) adds one kind of instruction; one
     sort of the keys, over all stages at once, is then every instruction list."""
 
-    def __init__(self, stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int, ref: "_Reference | None"):
+    def __init__(self, stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int, ref: "_Reference | None",
+                 chunks: int = 1):
         self.stages, self.num_stages, self.ref = stages, num_stages, ref
-        self.ops = ops = _Ops.of(stages)
+        self.ops = ops = _Ops.of(stages, num_stages)
         self.rows = np.arange(len(ops.stage))
-        self.first, self.last = ops.stage == 0, ops.stage == num_stages - 1
+        self.first, self.last = ops.virtual == 0, ops.virtual == chunks * num_stages - 1  # virtual stages
         self.longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
-        self.parts: list[list[np.ndarray]] = []  # (op, micro-batch, peer, recompute, sort key) arrays
+        self.parts: list[list[np.ndarray]] = []  # (op, micro-batch, peer, recompute, chunk, sort key) arrays
 
     def add(self, where, op, peer=-1, rc=0, block=None, place=0, tie=0) -> None:
         """Instructions ``op`` for the compute ops ``where`` (rows), in ``block`` (default: the
@@ -352,13 +395,14 @@ class _Lowering:
         block = ops.position[where] if block is None else block
         key = ((ops.stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
         self.parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
-                           for c in (op, ops.microbatch[where], peer, rc, key)])
+                           for c in (op, ops.microbatch[where], peer, rc, ops.chunk[where], key)])
 
     def instruction_lists(self) -> list["Instructions"]:
-        op, microbatch, peer, rc, key = (np.concatenate([part[k] for part in self.parts]) for k in range(5))
+        op, microbatch, peer, rc, chunk, key = (np.concatenate([part[k] for part in self.parts]) for k in range(6))
         sort = np.argsort(key, kind="stable")
         table = np.empty(len(sort), dtype=ROW)
         table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
+        table["chunk"] = chunk[sort]
         stage_of_key = key // (7 * self.longest * (self.longest + 1))
         bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=self.num_stages))])
         return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in self.stages]
@@ -384,7 +428,7 @@ def _receives(lowering: _Lowering) -> None:
     receives = lowering.rows[np.where(ops.forward, ~lowering.first, ~lowering.last)]
     forward, stage, position = ops.forward[receives], ops.stage[receives], ops.position[receives]
     start = np.where(forward, _RECV_ACT, _RECV_GRAD)
-    peer = np.where(forward, stage - 1, stage + 1)
+    peer, _ = _neighbour(ops, receives, np.where(forward, -1, 1))
     lowering.add(receives, start, peer, block=np.maximum(position - 2, -1), place=_NEXT_RECV_STARTS, tie=position)
     lowering.add(receives, start + 1, peer, place=_RECV_FINISH)
 
@@ -397,7 +441,7 @@ def _sends(lowering: _Lowering) -> None:
     sends = lowering.rows[np.where(ops.forward, ~lowering.last, ~lowering.first)]
     forward, stage = ops.forward[sends], ops.stage[sends]
     start = np.where(forward, _SEND_ACT, _SEND_GRAD)
-    peer = np.where(forward, stage + 1, stage - 1)
+    peer, _ = _neighbour(ops, sends, np.where(forward, 1, -1))
     lowering.add(sends, start, peer, place=_SEND_START)
     if lowering.ref is not None:
         slots = _send_finish_slots(ops, sends, lowering.ref)
@@ -415,10 +459,10 @@ _PASSES = (_computes, _loads_and_frees, _receives, _sends)
 
 
 def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
-           ref: "_Reference | None") -> list["Instructions"]:
-    """The instruction lists of ``stages`` ((stage, order, recompute codes by micro-batch id)
+           ref: "_Reference | None", chunks: int = 1) -> list["Instructions"]:
+    """The instruction lists of ``stages`` ((stage, order, [chunk, micro-batch] recompute codes)
     each), from every pass of :data:`_PASSES`."""
-    lowering = _Lowering(stages, num_stages, ref)
+    lowering = _Lowering(stages, num_stages, ref, chunks)
     for lowering_pass in _PASSES:
         lowering_pass(lowering)
     return lowering.instruction_lists()
@@ -432,6 +476,7 @@ def build_execution_plans(
     predicted_makespan_ms: float = 0.0,
     verify: bool = True,
     timeline: "tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]] | None" = None,
+    chunks: int = 1,
 ) -> list[ExecutionPlan]:
     """One validated :class:`ExecutionPlan` per stage, proven deadlock-free.
 
@@ -439,30 +484,37 @@ def build_execution_plans(
     lowering itself; the planner does so for orders its schedules produce (FIFO-consistent by
     construction, and checked by the test suite).
 
-    ``recompute``: one choice for all, one per micro-batch, or one list per stage (``[s][m]``,
-    e.g. a ``(P, n)`` numpy array). ``timeline``: start and end times of every stage's compute
-    ops in order, from a simulation of these orders (every op of positive duration); send
-    FINISHes are then placed where that timeline says the receive is posted, instead of by a
-    timeline of unit durations. Raises ValueError for malformed orders (every stage must run
-    F and B of exactly the micro-batches ``0..n-1``) and :class:`DeadlockError` when the orders
-    cannot run together (they wait on each other, or pair sends and receives differently).
+    ``chunks``: model chunks a stage holds (an interleaved pipeline; chunk c of stage s is
+    virtual stage ``c * P + s`` and its order items say their chunk, as
+    :class:`~megatron_dynapipe.planning.types.Action` does).
+    ``recompute``: one choice for all, one per micro-batch, or one list per virtual stage
+    (``[v][m]``, e.g. a ``(P * chunks, n)`` numpy array). ``timeline``: start and end times of
+    every stage's compute ops in order, from a simulation of these orders (every op of positive
+    duration); send FINISHes are then placed where that timeline says the receive is posted,
+    instead of by a timeline of unit durations. Raises ValueError for malformed orders (every
+    stage must run F and B of exactly the micro-batches ``0..n-1`` on each chunk) and
+    :class:`DeadlockError` when the orders cannot run together (they wait on each other, or pair
+    sends and receives differently).
     """
     num_stages = len(orders)
-    if num_stages < 1:
-        raise ValueError("need at least one stage order")
+    _check_layout(num_stages, chunks)
     n = len(microbatches)
-    codes = _per_stage_recompute(recompute, num_stages, n)
-    parsed = [_parse_order(o, s, check=verify) for s, o in enumerate(orders)]
+    codes = _per_stage_recompute(recompute, num_stages * chunks, n)  # [virtual stage, micro-batch]
+    parsed = [_parse_order(o, s, check=verify, chunks=chunks) for s, o in enumerate(orders)]
     for s, order in enumerate(parsed):
-        ids = np.sort(order.microbatch[order.forward])
-        if not np.array_equal(ids, np.arange(n)):
-            raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each, got {ids[:12].tolist()}")
-    ref = _Reference(parsed, timeline)
+        forward = order.forward
+        ids = np.sort(order.chunk[forward] * max(n, 1) + order.microbatch[forward])
+        if not np.array_equal(ids, np.arange(n * chunks)):
+            per_chunk = " on each model chunk" if chunks > 1 else ""
+            raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each{per_chunk}, got "
+                             f"{order.microbatch[forward][:12].tolist()}")
+    ref = _Reference(parsed, timeline, chunks)
+    by_stage = [codes[s::num_stages] for s in range(num_stages)]  # [chunk, micro-batch] of each stage
     rcs = list(RecomputeType)
-    lowered = _lower([(s, order, codes[s]) for s, order in enumerate(parsed)], num_stages, ref)
+    lowered = _lower([(s, order, by_stage[s]) for s, order in enumerate(parsed)], num_stages, ref, chunks)
     plans = [ExecutionPlan(stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
-                           recompute=[rcs[c] for c in codes[s].tolist()], instructions=instructions,
-                           predicted_makespan_ms=predicted_makespan_ms)
+                           recompute=[rcs[c] for c in by_stage[s].reshape(-1).tolist()], instructions=instructions,
+                           predicted_makespan_ms=predicted_makespan_ms, chunks=chunks)
              for s, instructions in enumerate(lowered)]
     if verify:
         check_deadlock_free(plans)
@@ -470,7 +522,7 @@ def build_execution_plans(
 
 
 def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
-    """[num_stages, n] recompute codes."""
+    """[num_stages, n] recompute codes (virtual stages, where stages hold several chunks)."""
     if isinstance(recompute, _ONE_CHOICE):
         return np.full((num_stages, n), int(as_recompute(recompute)), dtype=np.int64)
     rows = recompute if isinstance(recompute, np.ndarray) else list(recompute)
@@ -480,7 +532,7 @@ def _per_stage_recompute(recompute, num_stages: int, n: int) -> np.ndarray:
             raise ValueError(f"{len(rows)} recompute choices for {n} micro-batches")
         return np.tile(_codes(rows), (num_stages, 1))
     if len(rows) != num_stages or any(len(row) != n for row in rows):
-        raise ValueError(f"per-stage recompute must be {num_stages} rows of {n} choices")
+        raise ValueError(f"per-stage recompute must be {num_stages} rows of {n} choices (one per virtual stage)")
     return np.stack([_codes(row) for row in rows]) if num_stages else np.zeros((0, n), dtype=np.int64)
 
 

@@ -8,9 +8,10 @@ through this contract alone -- the search (:mod:`..planner`), recompute adjustme
 entry in the registry (:data:`megatron_dynapipe.planning.schedules.SCHEDULES`).
 
 Every order must be *FIFO-consistent*: each stage runs the forwards in entry order (0 .. n-1)
-and the backwards in entry order too. Sends and receives between two stages carry no tags and
-pair up in the order they are posted, and lowering's deadlock proof rests on it
-(:mod:`..plan.lowering`); ``build_execution_plans(..., verify=True)`` checks both.
+and the backwards in entry order too (interleaved: on each chunk, and with activations -- and
+gradients -- received on each link in the order they were sent). Sends and receives between two
+stages carry no tags and pair up in the order they are posted, and lowering's deadlock proof
+rests on it (:mod:`..plan.lowering`); ``build_execution_plans(..., verify=True)`` checks both.
 """
 
 from __future__ import annotations
