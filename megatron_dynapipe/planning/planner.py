@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -88,6 +89,11 @@ class ScheduleChoice:
     def microbatches(self) -> tuple[MicroBatch, ...]:
         return self.candidate.microbatches
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks a rank (recompute has a row per virtual stage, orders one per rank)."""
+        return len(self.recompute) // len(self.orders)
+
 
 @dataclass
 class PlanResult:
@@ -133,43 +139,46 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     costs = stage_costs(cost_model, spec)
     if spec.packing == "varlen":
         costs = costs.packed()
-    _check_memory(costs, spec.memory_limit_mb)
+    sizing = rank_costs(costs, spec)
+    _check_memory(sizing, spec.memory_limit_mb)
     clock = PhaseClock()
     with clock("micro-batching"):
-        per_rank = split_across_dp(lengths, spec.dp, costs, spec.seqlen_round)
+        per_rank = split_across_dp(lengths, spec.dp, sizing, spec.seqlen_round)
     choices: list[ScheduleChoice] = []
     for samples in per_rank:
         # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
         # planned before it, fast mode looks no further for that rank (the step stays the same).
         slowest = max((c.makespan_ms for c in choices), default=None) if fast else None
-        choices.append(_schedule_rank(lengths, samples, costs, spec, fast, clock, slowest))
+        choices.append(_schedule_rank(lengths, samples, costs, sizing, spec, fast, clock, slowest))
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
 
 
-def _schedule_rank(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock,
+def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, spec: TrainingSpec, fast: bool, clock,
                    enough_ms: "float | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
     ``enough_ms``). Where fast mode's trimmed search finds none that fits, normal mode's search
     runs: fast mode never refuses a batch normal mode can plan."""
     try:
-        return _search(lengths, samples, costs, spec, fast, clock, enough_ms)
+        return _search(lengths, samples, costs, sizing, spec, fast, clock, enough_ms)
     except PlanningError:
         if not fast:
             raise
-        return _search(lengths, samples, costs, spec, False, clock)
+        return _search(lengths, samples, costs, sizing, spec, False, clock)
 
 
-def _search(lengths, samples, costs: StageCosts, spec: TrainingSpec, fast: bool, clock,
+def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, spec: TrainingSpec, fast: bool, clock,
             enough_ms: "float | None" = None) -> "ScheduleChoice":
+    """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
+    are sized for: :func:`rank_costs`)."""
     def search(mixed_only: bool) -> ScheduleChoice:
         with clock("micro-batching"):
-            microbatchings = _microbatchings(lengths, samples, costs, spec, fast, mixed_only)
+            microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, mixed_only)
         with clock("scheduling"):
             return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
-                                     recompute_types=spec.recompute_types, enough_ms=enough_ms)
+                                     recompute_types=spec.recompute_types, enough_ms=enough_ms, chunks=spec.chunks)
 
     if enough_ms is not None and spec.partition == "dp" and len(spec.recompute_types) > 1:
         # The mixed micro-batching alone often has a plan that ends in time; the others are then
@@ -207,9 +216,23 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
 
 
 def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
-    """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout."""
-    return as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp,
-                          zero_stage=spec.zero_stage, layers=spec.stage_layers)
+    """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout,
+    one stage per virtual stage (``spec.pp * spec.chunks``)."""
+    stages = spec.pp * spec.chunks
+    costs = as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=stages, dp=spec.dp,
+                           zero_stage=spec.zero_stage, layers=spec.stage_layers)
+    if costs.pp != stages:
+        raise PlanningError(f"the stage costs given price {costs.pp} pipeline stages, the spec has {spec.pp} x "
+                            f"{spec.chunks} virtual stages: give a cost model, or StageCosts of pp={stages}")
+    return costs
+
+
+def rank_costs(costs: StageCosts, spec: TrainingSpec) -> StageCosts:
+    """The pipeline's ranks as its stages, each holding all its chunks' layers and model state:
+    what micro-batches are sized for, as for 1F1B on the same ranks. An interleaved rank warms
+    up with more chunk-forwards than 1F1B holds micro-batches; recompute adjustment raises
+    recompute where the simulated schedule holds more than the limit."""
+    return costs if spec.chunks == 1 else dataclasses.replace(costs, pp=spec.pp)
 
 
 def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
@@ -396,7 +419,8 @@ def optimize_schedule(
         raise PlanningError(
             f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB "
             f"even with {max(recompute_types).label} recompute: raise the memory limit or add pipeline/tensor "
-            "parallelism"
+            "parallelism" + (f", or hold fewer than {chunks} model chunks a rank (its warm-up holds more micro-batches)"
+                             if chunks > 1 else "")
         )
     _, i, fitted = best
     return ScheduleChoice(candidates[i], fitted.recompute, fitted.orders, fitted.simulation, len(candidates))
@@ -409,9 +433,10 @@ def execution_plans(choice: ScheduleChoice) -> list[ExecutionPlan]:
     simulation = choice.simulation
     return build_execution_plans(choice.orders, list(choice.microbatches), choice.recompute,
                                  choice.candidate.schedule, choice.makespan_ms, verify=False,
-                                 timeline=(simulation.op_starts, simulation.op_ends))
+                                 timeline=(simulation.op_starts, simulation.op_ends),
+                                 chunks=choice.chunks)
 
 
 def resimulate(choice: ScheduleChoice, costs: StageCosts) -> SimulationResult:
     """The chosen plan's timeline with every event recorded (for traces and pictures)."""
-    return simulate(choice.orders, stage_work(costs, choice.microbatches, choice.recompute), record=True)
+    return simulate(choice.orders, stage_work(costs, choice.microbatches, choice.recompute, choice.chunks), record=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from megatron_dynapipe.planning.fast_mode import FastMode
-from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
+from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, default_schedules
 from megatron_dynapipe.planning.schedules import SCHEDULES as REGISTERED_SCHEDULES
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -39,9 +39,13 @@ class TrainingSpec:
     #: transformer layers of each pipeline stage where not split evenly (Megatron-LM's
     #: --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split); None: even
     stage_layers: tuple[int, ...] | None = None
+    #: model chunks a pipeline rank holds (Megatron-LM's --num-virtual-stages-per-pipeline-rank):
+    #: above 1 the pipeline is interleaved, and the schedules searched by default are the
+    #: interleaved ones
+    chunks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations"):
+        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_layers < self.pp:
@@ -55,6 +59,7 @@ class TrainingSpec:
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(f"unknown schedule(s) {unknown or '(none)'}: choose from {', '.join(SCHEDULES)}")
+        self._check_chunks()
         if self.partition not in PARTITION_METHODS:
             raise ValueError(
                 f"unknown partition method {self.partition!r}: choose from {', '.join(PARTITION_METHODS)}"
@@ -71,6 +76,23 @@ class TrainingSpec:
                     or min(self.stage_layers) < 0):
                 raise ValueError(f"stage_layers {list(self.stage_layers)} do not place {self.num_layers} layers on "
                                  f"{self.pp} pipeline stages: give one count a stage, summing to num_layers")
+
+    def _check_chunks(self) -> None:
+        """An interleaved layout as Megatron-LM builds one; the default schedules made interleaved."""
+        if self.chunks == 1:
+            return
+        if self.pp < 2:
+            raise ValueError(f"{self.chunks} model chunks a rank need pp >= 2 (an interleaved pipeline), got pp={self.pp}")
+        if self.num_layers % (self.pp * self.chunks):
+            raise ValueError(f"{self.num_layers} layers do not split evenly over {self.pp} x {self.chunks} virtual "
+                             "stages: make num_layers a multiple of pp x chunks")
+        if self.stage_layers is not None:
+            raise ValueError("uneven pipeline stages (stage_layers) are not planned with several model chunks a rank: "
+                             "drop stage_layers or use chunks=1")
+        if tuple(self.schedules) == DEFAULT_SCHEDULES:
+            self.schedules = default_schedules(self.chunks)
+        for name in self.schedules:
+            check_chunks(REGISTERED_SCHEDULES[name], self.chunks)
 
     def to_json(self) -> dict:
         """The spec as JSON values (recompute types by label), for :meth:`from_json`."""

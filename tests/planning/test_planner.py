@@ -30,14 +30,20 @@ def plan_and_check(lengths, spec, model=SMALL):
     placed = sorted(i for choice in result.choices for mb in choice.microbatches for i in mb.samples)
     assert placed == list(range(len(lengths))), "every sample is placed exactly once"
     for choice, plans in zip(result.choices, result.plans):
-        assert len(plans) == spec.pp
+        assert len(plans) == spec.pp and {plan.chunks for plan in plans} == {spec.chunks}
         check_deadlock_free(plans)
         assert np.all(choice.simulation.peak_memory <= spec.memory_limit_mb + 1e-6)
         for mb in choice.microbatches:
             assert mb.seq_len >= max(lengths[i] for i in mb.samples)
         # The executed orders reproduce the predicted makespan when simulated from scratch.
-        again = simulate(choice.orders, stage_work(result.costs, choice.microbatches, choice.recompute))
+        work = stage_work(result.costs, choice.microbatches, choice.recompute, spec.chunks)
+        again = simulate(choice.orders, work)
         assert again.makespan == pytest.approx(choice.makespan_ms)
+        # every forward and backward of every micro-batch on every virtual stage, once
+        ran = sorted((op.phase, op.chunk * spec.pp + s, op.microbatch) for s, order in enumerate(choice.orders)
+                     for op in order)
+        n = len(choice.microbatches)
+        assert ran == sorted((phase, v, m) for phase in "BF" for v in range(spec.pp * spec.chunks) for m in range(n))
     return result
 
 
@@ -54,6 +60,54 @@ def test_random_batches_plan_to_valid_deadlock_free_plans_within_memory(lengths,
         lengths = lengths * dp
     spec = TrainingSpec(num_layers=8, pp=pp, dp=dp, memory_limit_mb=limit, fast_mode=fast)
     plan_and_check(lengths, spec)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=48),
+    pp=st.integers(2, 4),
+    chunks=st.integers(2, 3),
+    dp=st.integers(1, 2),
+    limit=st.sampled_from([9_000.0, 16_000.0]),
+    fast=st.booleans(),
+)
+def test_interleaved_batches_plan_to_valid_deadlock_free_plans_within_memory(lengths, pp, chunks, dp, limit, fast):
+    if len(lengths) < dp:
+        lengths = lengths * dp
+    spec = TrainingSpec(num_layers=2 * pp * chunks, pp=pp, dp=dp, memory_limit_mb=limit, fast_mode=fast, chunks=chunks)
+    assert spec.schedules == ("interleaved-1f1b",)
+    plan_and_check(lengths, spec)
+
+
+def test_an_interleaved_spec_is_one_megatron_lm_builds_and_its_costs_match_it():
+    spec = TrainingSpec(num_layers=16, pp=4, chunks=2)
+    assert spec.schedules == ("interleaved-1f1b",)  # the default schedules run one chunk a rank
+    assert TrainingSpec.from_json(spec.to_json()) == spec
+    for bad, message in ((dict(pp=1), "need pp >= 2"), (dict(num_layers=12), "do not split evenly over 4 x 2"),
+                         (dict(stage_layers=(4, 4, 4, 4)), "drop stage_layers or use chunks=1"),
+                         (dict(schedules=("1f1b",)), "schedule '1f1b' runs one model chunk a rank, not 2"),
+                         (dict(chunks=0), "chunks must be a positive integer")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TrainingSpec(**{**dict(num_layers=16, pp=4, chunks=2), **bad})
+    # costs of the wrong layout are refused, not read as a plain pipeline of virtual stages
+    with pytest.raises(PlanningError, match=r"price 4 pipeline stages, the spec has 4 x 2 virtual stages"):
+        generate_execution_plan([100, 200], spec, StageCosts(SMALL, num_layers=16, pp=4))
+    # micro-batches are sized for what a rank holds: each rank's model state is its two chunks'
+    result = plan_and_check([3000, 100, 2000, 700] * 4, TrainingSpec(num_layers=16, pp=4, chunks=2,
+                                                                     memory_limit_mb=16_000))
+    plain = StageCosts(SMALL, num_layers=16, pp=4)
+    for rank in range(4):
+        assert (result.costs.model_state_mb(rank) + result.costs.model_state_mb(4 + rank)
+                == pytest.approx(plain.model_state_mb(rank)))
+
+
+def test_an_interleaved_batch_that_fits_no_recompute_names_fewer_chunks(profiled_model):
+    # 256 long samples on GPT-6.7B, 4 ranks, 36,000 MB: 1F1B plans them, 2 chunks a rank warm up
+    # with more micro-batches than full recompute fits
+    lengths = synthetic_lengths(256, 0, "long")
+    assert generate_execution_plan(lengths, TrainingSpec(num_layers=32, pp=4), profiled_model).makespan_ms > 0
+    with pytest.raises(PlanningError, match="or hold fewer than 2 model chunks a rank"):
+        generate_execution_plan(lengths, TrainingSpec(num_layers=32, pp=4, chunks=2), profiled_model)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -257,7 +311,7 @@ def test_fast_mode_runs_normal_modes_search_where_its_own_finds_nothing(costs_pp
     normal = generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=False)
     monkeypatch.setattr(recompute, "FAST_MODE_ROUNDS", 0)  # fast mode may raise no recompute at all
     with pytest.raises(PlanningError, match="even with full recompute"):
-        _search(lengths, range(64), costs_pp4, TrainingSpec(), True, PhaseClock())
+        _search(lengths, range(64), costs_pp4, costs_pp4, TrainingSpec(), True, PhaseClock())
     fast = plan_and_check(lengths, TrainingSpec(fast_mode=True), costs_pp4)
     assert fast.fast_mode and fast.makespan_ms == normal.makespan_ms
 

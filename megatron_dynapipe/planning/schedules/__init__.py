@@ -14,13 +14,18 @@ from megatron_dynapipe.planning.schedules.one_f_one_b import OneFOneB
 from megatron_dynapipe.planning.schedules.wait_free_cyclic import WaitFreeCyclic
 from megatron_dynapipe.planning.simulator import Order
 
-__all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "check_chunks", "get_schedule",
-           "fast_mode_schedule", "fast_mode_schedules", "one_f_one_b_orders"]
+__all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "check_chunks", "default_schedules",
+           "get_schedule", "fast_mode_schedule", "fast_mode_schedules", "one_f_one_b_orders"]
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe(), Interleaved1F1B())}
 #: what the planner searches unless told otherwise (one model chunk a rank)
 DEFAULT_SCHEDULES: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items()
                                            if s.searched_by_default and not s.interleaved)
+
+
+def default_schedules(chunks: int = 1) -> tuple[str, ...]:
+    """What the planner searches unless told otherwise, for ranks of ``chunks`` model chunks."""
+    return DEFAULT_SCHEDULES if chunks == 1 else tuple(name for name, s in SCHEDULES.items() if s.interleaved)
 
 
 def get_schedule(schedule: "str | Schedule") -> Schedule:
