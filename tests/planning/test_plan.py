@@ -369,6 +369,9 @@ def test_interleaved_orders_that_pair_transfers_differently_are_refused():
     with pytest.raises(CommMismatchError, match="2nd transfer is the activation of micro-batch 1 on stage 0 but the "
                                                 "activation of micro-batch 0 of model chunk 1 on stage 1"):
         build_execution_plans([orders[0], stage1], microbatches(2), NONE, "bad", chunks=2)
+    with pytest.raises(ValueError, match=r"stage 1 order has no backward for micro-batches 0.1, 1$"):
+        build_execution_plans([orders[0], [a for a in orders[1] if a not in (("B", 1, 0), ("B", 0, 1))]],
+                              microbatches(2), NONE, "bad", chunks=2)
     with pytest.raises(ValueError, match="interleaved pipeline needs at least 2 stages"):
         build_execution_plans([orders[0]], microbatches(2), NONE, "bad", chunks=2)
     with pytest.raises(ValueError, match="needs every stage's order: pass orders="):

@@ -143,8 +143,9 @@ def _explain_bad_order(order: ComputeOrder, stage: int, chunks: int) -> NoReturn
         if kind == "B" and ("F", m, chunk) not in seen:
             raise ValueError(f"stage {stage} order runs {name} before F{name[1:]}")
         seen[kind, m, chunk] = i
-    unmatched = sorted(f"{m}" + (f".{c}" if c else "") for kind, m, c in seen if kind == "F" and ("B", m, c) not in seen)
-    raise ValueError(f"stage {stage} order has no backward for micro-batches {unmatched[:10]}")
+    unmatched = sorted((m, c) for kind, m, c in seen if kind == "F" and ("B", m, c) not in seen)
+    names = ", ".join(f"{m}" + (f".{c}" if c else "") for m, c in unmatched[:10])
+    raise ValueError(f"stage {stage} order has no backward for micro-batches {names}")
 
 
 def _recompute_codes(recompute: RecomputeSpec, order: _Order, chunks: int) -> np.ndarray:
