@@ -142,7 +142,7 @@ class PipelineChannels:
         return self.ranks[stage]
 
     def _group(self, op: Op):
-        return self.activation_group if op in (Op.RECV_ACT_START, Op.SEND_ACT_START) else self.gradient_group
+        return self.activation_group if op.is_activation else self.gradient_group
 
     def _warm_up(self) -> None:
         """One element each way between neighbouring stages on both groups: connections (NCCL

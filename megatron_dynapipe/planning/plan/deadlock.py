@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
-from megatron_dynapipe.planning.plan.instructions import Instruction, Op
+from megatron_dynapipe.planning.plan.instructions import Instruction
 
 if TYPE_CHECKING:  # plans are only read here; lowering builds them and imports this module
     from megatron_dynapipe.planning.plan.execution_plan import ExecutionPlan
@@ -62,9 +62,9 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
             raise ValueError(f"stage {s}'s plan runs {plan.chunks} model chunks, stage 0's {plans[0].chunks}")
         plan.validate()
 
-    # channel (src, dst, activations?) -> posted sends / receives, as (op, micro-batch, chunk)
-    sends: dict[tuple[int, int, bool], list[tuple[Op, int, int]]] = {}
-    recvs: dict[tuple[int, int, bool], list[tuple[Op, int, int]]] = {}
+    # channel (src, dst, activations?) -> posted sends / receives, as (micro-batch, chunk)
+    sends: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
     index: list[dict[tuple, int]] = [{} for _ in range(pp)]  # transfer -> position
     waiting: dict[tuple[str, tuple[int, int, bool], int], int] = {}  # (side, channel, k) -> stage
     pc = [0] * pp
@@ -76,7 +76,7 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
         mine, theirs, side = (sends, recvs, "send") if ins.op.is_send else (recvs, sends, "recv")
         posted = mine.setdefault(channel, [])
         k = len(posted)
-        posted.append((ins.op, ins.microbatch, ins.chunk))
+        posted.append((ins.microbatch, ins.chunk))
         index[s][ins.transfer] = k
         other = theirs.get(channel, [])
         if k < len(other):
@@ -112,7 +112,7 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
         i, ins = blocked[s]
         k = index[s][ins.transfer]
         peer = ins.peer
-        what = "activation" if ins.op in (Op.SEND_ACT_FINISH, Op.RECV_ACT_FINISH) else "gradient"
+        what = "activation" if ins.op.is_activation else "gradient"
         verb, towards = ("receive", "from") if ins.op.is_send else ("send", "to")
         state = (f"stage {peer} is itself blocked at #{blocked[peer][0]} {blocked[peer][1]}"
                  if peer in blocked else f"stage {peer} finished its plan without posting it")
@@ -126,7 +126,7 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
 
 def _channel(stage: int, ins: Instruction) -> tuple[int, int, bool]:
     """(sender, receiver, carries activations) of a transfer instruction run on ``stage``."""
-    activation = ins.op in (Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.RECV_ACT_START, Op.RECV_ACT_FINISH)
+    activation = ins.op.is_activation
     return (stage, ins.peer, activation) if ins.op.is_send else (ins.peer, stage, activation)
 
 
@@ -134,12 +134,12 @@ def _microbatch(m: int, chunk: int) -> str:
     return f"micro-batch {m}" + (f" of model chunk {chunk}" if chunk else "")
 
 
-def _check_pair(channel: tuple[int, int, bool], k: int, send: tuple[Op, int, int], recv: tuple[Op, int, int],
+def _check_pair(channel: tuple[int, int, bool], k: int, send: tuple[int, int], recv: tuple[int, int],
                 pp: int) -> None:
     """A send and the receive it pairs with move one micro-batch from a virtual stage (chunk c
     of stage s is ``c * pp + s``) to the next (activations) or the one before (gradients)."""
     src, dst, activation = channel
-    (_, send_mb, send_chunk), (_, recv_mb, recv_chunk) = send, recv
+    (send_mb, send_chunk), (recv_mb, recv_chunk) = send, recv
     step = 1 if activation else -1
     if send_mb == recv_mb and recv_chunk * pp + dst == send_chunk * pp + src + step:
         return

@@ -63,6 +63,11 @@ class Op(enum.IntEnum):
         return self in _SENDS
 
     @property
+    def is_activation(self) -> bool:
+        """A transfer of activations (forward's output); the other transfers carry gradients."""
+        return self in _ACTIVATIONS
+
+    @property
     def finish(self) -> "Op":
         """The FINISH that completes this START."""
         if not self.is_start:
@@ -80,6 +85,7 @@ class Op(enum.IntEnum):
 _STARTS = frozenset({Op.RECV_ACT_START, Op.SEND_ACT_START, Op.RECV_GRAD_START, Op.SEND_GRAD_START})
 _FINISHES = frozenset({Op.RECV_ACT_FINISH, Op.SEND_ACT_FINISH, Op.RECV_GRAD_FINISH, Op.SEND_GRAD_FINISH})
 _SENDS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.SEND_GRAD_START, Op.SEND_GRAD_FINISH})
+_ACTIVATIONS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.RECV_ACT_START, Op.RECV_ACT_FINISH})
 _START_OF = {op: op for op in _STARTS} | {op: Op(op - 1) for op in _FINISHES}
 _COMM_NAMES = {
     Op.RECV_ACT_START: "RecvActStart",

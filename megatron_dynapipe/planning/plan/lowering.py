@@ -62,6 +62,7 @@ import numpy as np
 from megatron_dynapipe.planning.plan.deadlock import check_deadlock_free
 from megatron_dynapipe.planning.plan.execution_plan import ExecutionPlan
 from megatron_dynapipe.planning.plan.instructions import ROW, Instructions, Op, as_recompute
+from megatron_dynapipe.planning.simulator import rank_rows
 from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
 __all__ = ["ComputeOrder", "lower_to_instructions", "build_execution_plans"]
@@ -427,7 +428,7 @@ def _receives(lowering: _Lowering) -> None:
     last) are received: the START two compute ops ahead, the FINISH right before the op."""
     ops = lowering.ops
     receives = lowering.rows[np.where(ops.forward, ~lowering.first, ~lowering.last)]
-    forward, stage, position = ops.forward[receives], ops.stage[receives], ops.position[receives]
+    forward, position = ops.forward[receives], ops.position[receives]
     start = np.where(forward, _RECV_ACT, _RECV_GRAD)
     peer, _ = _neighbour(ops, receives, np.where(forward, -1, 1))
     lowering.add(receives, start, peer, block=np.maximum(position - 2, -1), place=_NEXT_RECV_STARTS, tie=position)
@@ -510,7 +511,7 @@ def build_execution_plans(
             raise ValueError(f"stage {s} order must run micro-batches 0..{n - 1} once each{per_chunk}, got "
                              f"{order.microbatch[forward][:12].tolist()}")
     ref = _Reference(parsed, timeline, chunks)
-    by_stage = [codes[s::num_stages] for s in range(num_stages)]  # [chunk, micro-batch] of each stage
+    by_stage = [codes[rank_rows(s, num_stages, chunks)] for s in range(num_stages)]  # [chunk, micro-batch] each
     rcs = list(RecomputeType)
     lowered = _lower([(s, order, by_stage[s]) for s, order in enumerate(parsed)], num_stages, ref, chunks)
     plans = [ExecutionPlan(stage=s, num_stages=num_stages, schedule=schedule, microbatches=list(microbatches),
