@@ -1,6 +1,8 @@
 """Run one pipeline stage's :class:`~megatron_dynapipe.planning.plan.ExecutionPlan` in Megatron.
 
-:func:`run_plan` walks the stage's instructions in order:
+:func:`run_plan` walks the stage's instructions in order, each on the model chunk it names (one
+chunk a stage, or megatron-core's list of V chunks of an interleaved pipeline; what the stage
+keeps of a micro-batch is keyed by (chunk, micro-batch)):
 
 * ``LOAD_INPUT(m)`` / ``RECV_ACT_FINISH(m)`` -- the input of ``F(m)``: the micro-batch's data on
   the first stage, the received activation elsewhere;
@@ -30,9 +32,10 @@ megatron-core still reads these attributes at forward time.
 
 Gradients and results
 ---------------------
-As in megatron-core's 1F1B: gradient synchronisation (``config.no_sync_func``) stays off until
-the stage's last backward, then ``config.finalize_model_grads_func`` runs with the number of
-tokens when ``calculate_per_token_loss``. Returns the list of loss dicts on the last stage and
+As in megatron-core's 1F1B: gradient synchronisation (``config.no_sync_func``; with model
+chunks, Megatron-LM's list of one per chunk) stays off until the stage's last backward, then
+``config.finalize_model_grads_func`` runs over every chunk with the number of tokens when
+``calculate_per_token_loss``. Returns the list of loss dicts on the last stage and
 ``[]`` elsewhere. With ``forward_only``, only activations flow (the plan's gradient transfers,
 backwards and their waits are skipped on every stage together, which keeps the plans
 deadlock-free: only waits are removed).
@@ -160,16 +163,16 @@ _GRADIENT_OPS = frozenset({Op.BACKWARD, Op.RECV_GRAD_START, Op.RECV_GRAD_FINISH,
 _CHANNELS: dict = {}
 
 
-def _channels(pp_group, device: torch.device, timeout: Optional[float]) -> PipelineChannels:
-    """One PipelineChannels per (pipeline group, device, timeout), kept across iterations."""
-    key = (id(pp_group), str(device), timeout)
+def _channels(pp_group, device: torch.device, timeout: Optional[float], chunks: int) -> PipelineChannels:
+    """One PipelineChannels per (pipeline group, device, timeout, chunks), kept across iterations."""
+    key = (id(pp_group), str(device), timeout, chunks)
     cached = _CHANNELS.get(key)
     if cached is None or cached.pp_group is not pp_group:
-        cached = _CHANNELS[key] = PipelineChannels(pp_group, device=device, timeout=timeout)
+        cached = _CHANNELS[key] = PipelineChannels(pp_group, device=device, timeout=timeout, chunks=chunks)
     return cached
 
 
-def _check_batch(batch: PlannedBatch, channels: PipelineChannels) -> ExecutionPlan:
+def _check_batch(batch: PlannedBatch, channels: PipelineChannels, chunks: int) -> ExecutionPlan:
     plan = batch.plan
     where = f"pipeline stage {channels.stage} (global rank {channels.rank})"
     if plan.num_stages != channels.num_stages or plan.stage != channels.stage:
@@ -177,9 +180,10 @@ def _check_batch(batch: PlannedBatch, channels: PipelineChannels) -> ExecutionPl
             f"{where} received the plan of stage {plan.stage} of {plan.num_stages}: the pipeline has "
             f"{channels.num_stages} stages; the data pipeline must hand each rank its own stage's plan"
         )
-    if plan.chunks != 1:
-        raise PlanMismatchError(f"{where} received a plan of {plan.chunks} model chunks a stage: the executor runs "
-                                "one (plan without --num-virtual-stages-per-pipeline-rank)")
+    if plan.chunks != chunks:
+        raise PlanMismatchError(
+            f"{where} received a plan of {plan.chunks} model chunk(s) a stage for a model of {chunks}: plan with "
+            f"the model's virtual pipeline size (TrainingSpec(chunks={chunks}), --num-virtual-stages-per-pipeline-rank)")
     n = len(plan.microbatches)
     if len(batch.microbatches) != n:
         raise PlanMismatchError(
@@ -209,7 +213,8 @@ def run_plan(
     options: Optional[ExecutorOptions] = None,
     pg_collection=None,
 ) -> list:
-    """Run this rank's stage of ``batch.plan`` on ``model`` (one chunk, possibly DDP-wrapped).
+    """Run this rank's stage of ``batch.plan`` on ``model`` (one chunk, possibly DDP-wrapped, or
+    the list of the stage's model chunks, as many as the plan's ``chunks``).
 
     The arguments mean what they mean for megatron-core's ``forward_backward_*`` functions.
     Returns the list of loss dicts (or, with ``collect_non_loss_data``, of the loss function's
@@ -236,42 +241,44 @@ class StageRunner:
         from megatron.core.utils import get_model_config, get_model_type
 
         options = options or ExecutorOptions()
-        if isinstance(model, list):
-            if len(model) != 1:
-                raise ValueError(f"DynaPipe runs one model chunk per stage, got {len(model)} (no virtual pipeline)")
-            model = model[0]
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
         self.schedules = schedules
-        self.forward_step_func, self.batch, self.model = forward_step_func, batch, model
+        self.forward_step_func, self.batch = forward_step_func, batch
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.first_val_step, self.adjust_tensor_shapes_fn = first_val_step, adjust_tensor_shapes_fn
-        self.config = get_model_config(model)
+        self.config = get_model_config(self.models[0])
         self.pg_collection = pg_collection if pg_collection is not None else upstream.process_groups()
-        params = next(model.parameters(), None)
+        params = next(self.models[0].parameters(), None)
         self.device = params.device if params is not None else torch.device("cpu")
-        self.channels = _channels(self.pg_collection.pp, self.device, options.comm_timeout_s)
-        self.plan = _check_batch(batch, self.channels)
+        self.channels = _channels(self.pg_collection.pp, self.device, options.comm_timeout_s, len(self.models))
+        self.plan = _check_batch(batch, self.channels, len(self.models))
         if options.validate_plans:
             self.plan.validate()
         self.stage = self.channels.stage
-        self.is_last = self.stage == self.channels.num_stages - 1
+        self.next_stage = (self.stage + 1) % self.channels.num_stages  # where activations go
+        self.is_last = self.stage == self.channels.num_stages - 1  # holds the last virtual stage
         self.dtype = self.config.pipeline_dtype or (params.dtype if params is not None else torch.float32)
-        self.model_type = get_model_type(model)
-        self.switch = RecomputeSwitch(model)
+        self.model_type = get_model_type(self.models[0])
+        self.switch = RecomputeSwitch(self.models)
         self.last_backward = max((i for i, ins in enumerate(self.plan.instructions) if ins.op == Op.BACKWARD),
                                  default=-1)
-        # per micro-batch: its input (None on the first stage), output, gradients
-        self.inputs: dict[int, Optional[torch.Tensor]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.output_grads: dict[int, torch.Tensor] = {}
-        self.input_grads: dict[int, Optional[torch.Tensor]] = {}
+        # per (chunk, micro-batch): its input (None on the first virtual stage), output, gradients
+        self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], Optional[torch.Tensor]] = {}
         self.transfers: dict[tuple, Transfer] = {}  # started, not finished
         self.pending: list[Transfer] = []  # started since the last compute op, not yet posted
         self.finished_early: set[tuple] = set()  # sends a BACKWARD had to wait for
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
-        self.first_forward = True
-        self.no_sync = None
+        self.forwarded_chunks: set[int] = set()  # megatron's "first micro-batch" is per model chunk
+        self.no_sync: Optional[contextlib.ExitStack] = None
         self.embedding_module = None
+
+    def holds_last_virtual_stage(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the pipeline's last virtual stage (computes the loss)."""
+        return self.is_last and chunk == self.plan.chunks - 1
 
     # -- the run ------------------------------------------------------------------------------
     def run(self, force_all_reduce: bool = False) -> list:
@@ -297,12 +304,13 @@ class StageRunner:
     def _begin(self) -> None:
         config = self.config
         if config.finalize_model_grads_func is not None and not self.forward_only:
-            self.embedding_module = self.schedules.clear_embedding_activation_buffer(config, self.model, self.is_last)
+            self.embedding_module = self.schedules.clear_embedding_activation_buffer(config, self.models, self.is_last)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         if not self.forward_only:  # gradient sync waits for the last backward
-            self.no_sync = (config.no_sync_func or contextlib.nullcontext)()
-            self.no_sync.__enter__()
+            self.no_sync = contextlib.ExitStack()
+            for no_sync in _hooks(config.no_sync_func):
+                self.no_sync.enter_context(no_sync())
 
     def _end(self, force_all_reduce: bool) -> None:
         config = self.config
@@ -310,12 +318,13 @@ class StageRunner:
             if self.no_sync is not None:
                 self._leave_no_sync()
                 if config.grad_sync_func is not None:
-                    config.grad_sync_func(self.model.parameters())
+                    for grad_sync, model in zip(_hooks(config.grad_sync_func), self.models):
+                        grad_sync(model.parameters())
             if config.finalize_model_grads_func is not None:
                 self.schedules.finish_embedding_wgrad_compute(config, self.embedding_module, self.is_last,
                                                               self.pg_collection.tp)
                 config.finalize_model_grads_func(
-                    [self.model], self.total_num_tokens if config.calculate_per_token_loss else None,
+                    self.models, self.total_num_tokens if config.calculate_per_token_loss else None,
                     pg_collection=self.pg_collection, force_all_reduce=force_all_reduce)
             if getattr(config, "fine_grained_activation_offloading", False):
                 self.schedules.off_interface.reset()
@@ -323,7 +332,7 @@ class StageRunner:
             config.timers("forward-backward").stop()
 
     def _leave_no_sync(self) -> None:
-        self.no_sync.__exit__(None, None, None)
+        self.no_sync.close()
         self.no_sync = None
 
     def _post_pending(self) -> None:
@@ -343,8 +352,8 @@ class StageRunner:
                 raise NotImplementedError("DynaPipe exchanges one tensor of one shape per micro-batch")
         return tuple(shapes[0])
 
-    def _deallocate_output(self, m: int) -> None:
-        self.schedules.deallocate_output_tensor(self.outputs[m], self.config.deallocate_pipeline_outputs)
+    def _deallocate_output(self, key: tuple[int, int]) -> None:
+        self.schedules.deallocate_output_tensor(self.outputs[key], self.config.deallocate_pipeline_outputs)
 
     # -- STARTs ---------------------------------------------------------------------------------
     def _start(self, i: int, ins, tensor: torch.Tensor) -> None:
@@ -358,20 +367,18 @@ class StageRunner:
                                         dtype=self.dtype))
 
     def send_act_start(self, i: int, ins) -> None:
-        m = ins.microbatch
-        tensor, expected = self.outputs[m], self.shape_of(m)
+        tensor, expected = self.outputs[_key(ins)], self.shape_of(ins.microbatch)
         if tuple(tensor.shape) != expected or tensor.dtype != self.dtype:
             raise PlanMismatchError(
-                f"pipeline stage {self.stage}: micro-batch {m}'s output is {tuple(tensor.shape)} "
+                f"pipeline stage {self.stage}: {_name(ins)}'s output is {tuple(tensor.shape)} "
                 f"{tensor.dtype}, the plan's activation is {expected} {self.dtype} (sequence x batch x "
                 "hidden): the micro-batch's tensors do not have the plan's shape")
         self._start(i, ins, tensor)
 
     def send_grad_start(self, i: int, ins) -> None:
-        tensor = self.input_grads[ins.microbatch]
+        tensor = self.input_grads[_key(ins)]
         if tensor is None:
-            raise RuntimeError(f"pipeline stage {self.stage}: micro-batch {ins.microbatch}'s input received "
-                               "no gradient")
+            raise RuntimeError(f"pipeline stage {self.stage}: {_name(ins)}'s input received no gradient")
         self._start(i, ins, tensor)
 
     # -- FINISHes -------------------------------------------------------------------------------
@@ -379,10 +386,10 @@ class StageRunner:
         return self.channels.finish(self.transfers.pop(key), where=f"plan instruction #{i} {ins}")
 
     def recv_act_finish(self, i: int, ins) -> None:
-        self.inputs[ins.microbatch] = self._wait(ins.transfer, i, ins)
+        self.inputs[_key(ins)] = self._wait(ins.transfer, i, ins)
 
     def recv_grad_finish(self, i: int, ins) -> None:
-        self.output_grads[ins.microbatch] = self._wait(ins.transfer, i, ins)
+        self.output_grads[_key(ins)] = self._wait(ins.transfer, i, ins)
 
     def send_act_finish(self, i: int, ins) -> None:
         if ins.transfer in self.finished_early:  # the BACKWARD waited for it and freed the output
@@ -390,54 +397,73 @@ class StageRunner:
             return
         self._wait(ins.transfer, i, ins)
         if self.forward_only:
-            self.outputs.pop(ins.microbatch, None)
+            self.outputs.pop(_key(ins), None)
         else:
-            self._deallocate_output(ins.microbatch)
+            self._deallocate_output(_key(ins))
 
     def send_grad_finish(self, i: int, ins) -> None:
         self._wait(ins.transfer, i, ins)
 
     # -- compute and buffers --------------------------------------------------------------------
     def load_input(self, i: int, ins) -> None:
-        self.inputs[ins.microbatch] = None
+        self.inputs[_key(ins)] = None
 
     def forward(self, i: int, ins) -> None:
-        m, schedules = ins.microbatch, self.schedules
+        key, m, chunk, schedules = _key(ins), ins.microbatch, ins.chunk, self.schedules
+        is_last = self.holds_last_virtual_stage(chunk)
         with self.switch(ins.recompute):
             output, num_tokens = schedules.forward_step(
-                self.forward_step_func, iter([self.batch.microbatches[m]]), self.model, len(self.plan.microbatches),
-                self.inputs[m], self.forward_data_store, self.config, self.pg_collection.cp.size(),
-                collect_non_loss_data=self.collect_non_loss_data,
+                self.forward_step_func, iter([self.batch.microbatches[m]]), self.models[chunk],
+                len(self.plan.microbatches), self.inputs[key], self.forward_data_store, self.config,
+                self.pg_collection.cp.size(), collect_non_loss_data=self.collect_non_loss_data,
                 is_first_microbatch=schedules.check_first_val_step(self.first_val_step, self.forward_only,
-                                                                   self.first_forward),
-                current_microbatch=m, is_last_stage=self.is_last)
-        self.first_forward = False
+                                                                   chunk not in self.forwarded_chunks),
+                current_microbatch=m, vp_stage=chunk if self.plan.chunks > 1 else None, is_last_stage=is_last)
+        self.forwarded_chunks.add(chunk)
         self.total_num_tokens += num_tokens
         if self.forward_only:
-            self.inputs.pop(m)
-            if not self.is_last:
-                self.outputs[m] = output
+            self.inputs.pop(key)
+            if not is_last:
+                self.outputs[key] = output
         else:
-            self.outputs[m] = output
+            self.outputs[key] = output
 
     def backward(self, i: int, ins) -> None:
-        m = ins.microbatch
-        send = (Op.SEND_ACT_START, m, self.stage + 1, 0)
+        key = _key(ins)
+        send = (Op.SEND_ACT_START, ins.microbatch, self.next_stage, ins.chunk)
         if send in self.transfers:  # a plan that finishes the send later: the backward needs it done
             self._wait(send, i, ins)
             self.finished_early.add(send)
-            self._deallocate_output(m)
+            self._deallocate_output(key)
         if i == self.last_backward and self.no_sync is not None:
             if self.config.grad_sync_func is None or self.stage == 0:
                 self._leave_no_sync()
         with self.switch(ins.recompute):
-            self.input_grads[m] = upstream.backward_step(
-                self.schedules, self.inputs.pop(m), self.outputs.pop(m), self.output_grads.pop(m, None),
+            self.input_grads[key] = upstream.backward_step(
+                self.schedules, self.inputs.pop(key), self.outputs.pop(key), self.output_grads.pop(key, None),
                 self.model_type, self.config)
 
     def free_buffer(self, i: int, ins) -> None:
         for kept in (self.input_grads, self.inputs, self.output_grads):
-            kept.pop(ins.microbatch, None)
+            kept.pop(_key(ins), None)
+
+
+def _key(ins) -> tuple[int, int]:
+    """What the stage keeps of an instruction's micro-batch is keyed by (model chunk, micro-batch)."""
+    return ins.chunk, ins.microbatch
+
+
+def _name(ins) -> str:
+    return f"micro-batch {ins.microbatch}" + (f" (model chunk {ins.chunk})" if ins.chunk else "")
+
+
+def _hooks(hook) -> list:
+    """megatron's ``no_sync_func`` / ``grad_sync_func`` as a list: one callable (for the first model
+    chunk, or bound to a wrapper of all), or, as Megatron-LM sets them when it interleaves, one per
+    model chunk."""
+    if hook is None:
+        return []
+    return list(hook) if isinstance(hook, (list, tuple)) else [hook]
 
 
 #: What each instruction does (every Op has a handler; tests check it).

@@ -17,11 +17,17 @@ activation transfer between the same two stages until the gradient arrives, whic
 (the peer needs those activations first). With one group per direction of travel, each stream
 carries transfers of one kind in one direction, posted in the same order on both ends, and the
 order of operations on a stream is exactly the FIFO pairing the plan is checked against. Gloo has
-no such stream, but uses the same two groups so that one code path is exercised everywhere.
+no such stream, but uses the same groups so that one code path is exercised everywhere.
 
-The gradient groups are created collectively (every rank of the default group, in the same order)
+An interleaved pipeline of two stages sends activations both ways between its two ranks (stage
+1's chunk c feeds stage 0's chunk c + 1), and gradients too; there each kind gets one group per
+direction (four in all), so that again a stream carries one kind in one direction.  With more
+stages every pair of ranks still carries each kind one way only (the last stage's activations
+go to stage 0, which no other activation transfer joins), and two groups suffice.
+
+The extra groups are created collectively (every rank of the default group, in the same order)
 the first time a pipeline group is used, and warmed up with one tiny exchange between
-neighbouring stages on both groups, so that connection set-up never happens inside a plan.
+neighbouring stages on every group, so that connection set-up never happens inside a plan.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Transfer:
     peer_rank: int
     tensor: torch.Tensor
     where: str = ""  # the START instruction, for errors
+    chunk: int = 0  # the model chunk whose compute op it serves
     work: object = None
     posted_at: float = 0.0
 
@@ -71,19 +78,30 @@ class Transfer:
     def describe(self) -> str:
         kind, direction = _KIND[self.start]
         verb = "sending" if self.is_send else "receiving"
-        return (f"{verb} the {kind} of micro-batch {self.microbatch} {direction} stage "
+        chunk = f" (model chunk {self.chunk})" if self.chunk else ""
+        return (f"{verb} the {kind} of micro-batch {self.microbatch}{chunk} {direction} stage "
                 f"{self.peer_stage} (global rank {self.peer_rank})")
 
 
-# pipeline group -> (that group, its gradient twin); replaced when megatron re-creates its groups
-_TWINS: dict[tuple[int, ...], tuple[object, object]] = {}
+# pipeline group ranks -> (that group, the groups made over the same ranks); replaced when
+# megatron re-creates its groups
+_TWINS: dict[tuple[int, ...], tuple[object, list]] = {}
 
 
-def _gradient_group(pp_group, timeout: Optional[timedelta]):
+def _twin_groups(pp_group, count: int, timeout: Optional[timedelta]) -> tuple[list, bool]:
+    """At least ``count`` more groups over ``pp_group``'s ranks, and whether any was made now."""
     ranks = tuple(dist.get_process_group_ranks(pp_group))
     cached = _TWINS.get(ranks)
-    if cached is not None and cached[0] is pp_group:
-        return cached[1]
+    if cached is not None and cached[0] is not pp_group:  # megatron re-created its pipeline group
+        for stale in cached[1]:
+            try:
+                dist.destroy_process_group(stale)
+            except Exception:  # already gone with the old groups
+                pass
+        cached = None
+    twins = [] if cached is None else cached[1]
+    if len(twins) >= count:
+        return twins, False
     # Collective over the default group: every rank learns every pipeline group, then all create
     # the twins in the same (sorted) order, as torch requires of new_group.
     world = dist.get_world_size()
@@ -93,32 +111,28 @@ def _gradient_group(pp_group, timeout: Optional[timedelta]):
     covered = sorted(r for layout in layouts for r in layout)
     if covered != list(range(world)):
         raise RuntimeError(f"pipeline groups {layouts} do not partition the {world} ranks")
-    backend = dist.get_backend(pp_group)
-    twin = None
-    for layout in layouts:
-        kwargs = {"backend": backend}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        group = dist.new_group(list(layout), **kwargs)
-        if layout == ranks:
-            twin = group
-    if cached is not None:  # megatron re-created its pipeline group: drop the stale twin
-        try:
-            dist.destroy_process_group(cached[1])
-        except Exception:  # already gone with the old groups
-            pass
-    _TWINS[ranks] = (pp_group, twin)
-    return twin
+    kwargs = {"backend": dist.get_backend(pp_group)}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    for _ in range(count - len(twins)):
+        for layout in layouts:
+            group = dist.new_group(list(layout), **kwargs)
+            if layout == ranks:
+                twins = twins + [group]
+    _TWINS[ranks] = (pp_group, twins)
+    return twins, True
 
 
 class PipelineChannels:
     """This rank's view of its pipeline: stage, peers' global ranks, and the two groups.
 
     ``device``/``dtype`` are those of the tensors exchanged; ``timeout`` (seconds, or None for
-    the process group's own) bounds each FINISH.
+    the process group's own) bounds each FINISH; ``chunks``: the model chunks a stage holds (two
+    stages of several chunks take a group per kind and direction).
     """
 
-    def __init__(self, pp_group=None, *, device: torch.device, timeout: Optional[float] = None):
+    def __init__(self, pp_group=None, *, device: torch.device, timeout: Optional[float] = None,
+                 chunks: int = 1):
         if pp_group is None:
             from megatron.core import parallel_state
 
@@ -130,26 +144,31 @@ class PipelineChannels:
         self.rank = self.ranks[self.stage]
         self.device = torch.device(device)
         self.timeout = None if timeout is None else timedelta(seconds=float(timeout))
-        self.activation_group = pp_group
-        self.gradient_group = None
+        self.chunks = chunks
+        self.by_direction = self.num_stages == 2 and chunks > 1
+        # [activations, gradients] or, by direction, [up, up, down, down]
+        self.groups = [pp_group]
         if self.num_stages > 1:
-            fresh = _TWINS.get(self.ranks, (None,))[0] is not pp_group
-            self.gradient_group = _gradient_group(pp_group, self.timeout)
+            twins, fresh = _twin_groups(pp_group, 3 if self.by_direction else 1, self.timeout)
+            self.groups += twins[:3 if self.by_direction else 1]
             if fresh:
                 self._warm_up()
 
     def peer_rank(self, stage: int) -> int:
         return self.ranks[stage]
 
-    def _group(self, op: Op):
-        return self.activation_group if op.is_activation else self.gradient_group
+    def _group(self, op: Op, peer_stage: int):
+        upward = (self.stage < peer_stage) == op.is_send  # from the lower stage to the higher
+        return self.groups[(0 if op.is_activation else 1) + (2 if self.by_direction and not upward else 0)]
 
     def _warm_up(self) -> None:
-        """One element each way between neighbouring stages on both groups: connections (NCCL
+        """One element each way between neighbouring stages on every group: connections (NCCL
         communicators) are set up here, together, rather than by the first transfer of a plan."""
-        neighbours = [s for s in (self.stage - 1, self.stage + 1) if 0 <= s < self.num_stages]
+        wrap = self.chunks > 1  # interleaved: the last stage feeds the first
+        neighbours = sorted({s % self.num_stages if wrap else s for s in (self.stage - 1, self.stage + 1)
+                             if wrap or 0 <= s < self.num_stages} - {self.stage})
         started = time.monotonic()
-        for group in (self.activation_group, self.gradient_group):  # a batch holds one group's ops
+        for group in self.groups:  # a batch holds one group's ops
             ops, buffers = [], []
             for s in neighbours:
                 send = torch.full((1,), float(self.stage), device=self.device)
@@ -181,7 +200,7 @@ class PipelineChannels:
     def transfer(self, ins: Instruction, tensor: torch.Tensor, where: str = "") -> Transfer:
         """A START instruction and its tensor (the data to send, or the buffer to receive into);
         ``where`` (the instruction) goes into errors."""
-        return Transfer(ins.op, ins.microbatch, ins.peer, self.ranks[ins.peer], tensor, where)
+        return Transfer(ins.op, ins.microbatch, ins.peer, self.ranks[ins.peer], tensor, where, ins.chunk)
 
     def post(self, transfers: Sequence[Transfer]) -> None:
         """Issue the transfers in order, each as its own non-blocking request.  A peer that is
@@ -191,7 +210,7 @@ class PipelineChannels:
             fn = dist.isend if t.is_send else dist.irecv
             t.posted_at = now
             try:
-                t.work = fn(t.tensor, t.peer_rank, group=self._group(t.start))
+                t.work = fn(t.tensor, t.peer_rank, group=self._group(t.start, t.peer_stage))
             except Exception as exc:
                 raise self._failed(t, t.where, exc) from exc
 

@@ -13,8 +13,11 @@
 
 :func:`forward_backward_dynapipe` takes megatron-core's keyword arguments. Its data iterator
 yields :class:`~megatron_dynapipe.data.batch.PlannedBatch` objects (one per call: this rank's
-stage plan and micro-batches); an item that is not a PlannedBatch -- e.g. an evaluation iterator
-of plain fixed-shape batches -- is run by megatron-core's own schedule, unchanged.
+stage plan and micro-batches); with model chunks it may be a list of one iterator per chunk, as
+megatron-core's interleaved schedule takes them: the first is read (its plans say what every chunk
+runs), the others are not touched (Megatron-LM's are None under ``--dynapipe``).
+An item that is not a PlannedBatch -- e.g. an evaluation iterator of plain fixed-shape batches --
+is run by megatron-core's own schedule, unchanged.
 """
 
 from __future__ import annotations
@@ -84,16 +87,7 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     enabled = _state.enabled if dynapipe is None else dynapipe
     if not enabled:
         return upstream.core_forward_backward_func(pp_size, vp_size, schedule_pg_collection=schedule_pg_collection)
-    if vp_size is None and pp_size is None:
-        from megatron.core import parallel_state
-
-        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vp_size is not None:
-        raise ValueError(
-            f"DynaPipe runs one model chunk per pipeline stage, but the virtual pipeline size is {vp_size}: "
-            "drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-        )
-    return forward_backward_dynapipe
+    return forward_backward_dynapipe  # any virtual pipeline size: the plans say which chunk runs when
 
 
 def forward_backward_dynapipe(
@@ -121,10 +115,13 @@ def forward_backward_dynapipe(
     Returns the list of loss dicts on the last pipeline stage and ``[]`` elsewhere.
     """
     wrapped = isinstance(data_iterator, list)
-    if wrapped:
-        if len(data_iterator) != 1:
-            raise ValueError(f"DynaPipe runs one model chunk per stage, got {len(data_iterator)} data iterators")
-        data_iterator = data_iterator[0]
+    iterators = data_iterator if wrapped else [data_iterator]
+    if wrapped:  # one iterator per model chunk, as megatron-core's interleaved schedule takes them
+        chunks = len(model) if isinstance(model, list) else 1
+        if len(iterators) != chunks:
+            raise ValueError(f"DynaPipe: {len(iterators)} data iterators for {chunks} model chunk(s): "
+                             "pass one per chunk, or one iterator")
+        data_iterator = iterators[0]
     if data_iterator is None:
         from megatron.core import parallel_state
 
@@ -136,8 +133,9 @@ def forward_backward_dynapipe(
     item = next(data_iterator)
     if not isinstance(item, PlannedBatch):
         rest = itertools.chain([item], data_iterator)
+        passed = [rest if it is data_iterator else it for it in iterators] if wrapped else rest
         kwargs: dict[str, Any] = dict(
-            forward_step_func=forward_step_func, data_iterator=[rest] if wrapped else rest, model=model,
+            forward_step_func=forward_step_func, data_iterator=passed, model=model,
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,

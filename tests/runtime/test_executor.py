@@ -149,30 +149,29 @@ def _reference(rank, cases):
 
 
 def _run_cases(model, names, cases, dp_rank):
-    """Run each case through DynaPipe's forward-backward function; grads from DDP's buffers."""
+    """Run each case through DynaPipe's forward-backward function; grads from DDP's buffers.
+    ``model``: this rank's stage, or its list of model chunks (an interleaved pipeline)."""
     from megatron.core import parallel_state
 
     from megatron_dynapipe.data.batch import PlannedBatch
     from megatron_dynapipe.megatron import get_forward_backward_func
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
+    models = model if isinstance(model, list) else [model]
     results = {}
     for key, case in cases.items():
         shapes = case["shapes"][dp_rank]
         plans = _plans(case["schedule"], shapes, case.get("recompute", "none"),
-                       pp=parallel_state.get_pipeline_model_parallel_world_size())
+                       pp=parallel_state.get_pipeline_model_parallel_world_size(), chunks=len(models))
         if "split" in case:  # this DP rank's share of one set of micro-batches
             data = _microbatches(SHAPES_A, seed=case["seeds"][dp_rank])[case["split"][dp_rank]]
         else:
             data = _microbatches(shapes, seed=case["seeds"][dp_rank])
         batch = PlannedBatch(0, plans[stage], data)
-        model.zero_grad_buffer()
-        model.module.config.calculate_per_token_loss = case.get("per_token", True)
-        # Megatron-LM's default: an output sent on is shrunk to one element, backward runs from it
-        model.module.config.deallocate_pipeline_outputs = case.get("deallocate", False)
+        _set_up(models, case)
         del SAVED[:]
         losses = get_forward_backward_func(dynapipe=True)(
-            forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model],
+            forward_step_func=_forward_step, data_iterator=iter([batch]), model=models,
             num_microbatches=0, seq_length=0, micro_batch_size=0,
             forward_only=case.get("forward_only", False))
         results[key] = {
@@ -182,6 +181,15 @@ def _run_cases(model, names, cases, dp_rank):
             "order": [str(i) for i in plans[stage].instructions if i.op.is_compute],
         }
     return results
+
+
+def _set_up(models, case):
+    """Zeroed gradients and the case's loss and output settings on every model chunk's config."""
+    for model in models:
+        model.zero_grad_buffer()
+        model.module.config.calculate_per_token_loss = case.get("per_token", True)
+        # Megatron-LM's default: an output sent on is shrunk to one element, backward runs from it
+        model.module.config.deallocate_pipeline_outputs = case.get("deallocate", False)
 
 
 def _layout_info(names):
@@ -212,6 +220,19 @@ for _case in PP2_CASES.values():
     _case.update(shapes=[SHAPES_A], seeds=[11])
 
 
+# Two model chunks a rank; the recompute of virtual stage v = chunk * 2 + stage, per micro-batch
+INTERLEAVED_RECOMPUTE = [RECOMPUTE_MIX, RECOMPUTE_MIX[::-1], RECOMPUTE_MIX[1:] + RECOMPUTE_MIX[:1], RECOMPUTE_MIX]
+INTERLEAVED_CASES = {
+    "interleaved": dict(schedule="interleaved-1f1b", deallocate=True),
+    "interleaved-recompute": dict(schedule="interleaved-1f1b", recompute=INTERLEAVED_RECOMPUTE),
+    "interleaved-forward-only": dict(schedule="interleaved-1f1b", forward_only=True),
+    "interleaved-fixed": dict(schedule="interleaved-1f1b", shapes=[[(2, 16)] * 4], seeds=[13]),
+}
+for _case in INTERLEAVED_CASES.values():
+    _case.setdefault("shapes", [SHAPES_A])
+    _case.setdefault("seeds", [11])
+
+
 PP1_DP2_CASES = {"1f1b-recompute": dict(schedule="1f1b", recompute=RECOMPUTE_MIX[:3], shapes=[SHAPES_A[:3], SHAPES_A[3:]],
                                          seeds=[11, 11], split=[slice(0, 3), slice(3, 6)])}
 
@@ -229,8 +250,9 @@ def _pp2_work(rank, world_size):
     cpu_compat.enable_cpu_mode()
     batches = _microbatches(SHAPES_A, seed=11)
     fixed = [batches[0], batches[2], batches[4]]  # all (2, 16)
+    four_fixed = _microbatches(INTERLEAVED_CASES["interleaved-fixed"]["shapes"][0], seed=13)
     out = {"reference": _reference(rank, {"per-token": (batches, True), "mean": (batches, False),
-                                          "fixed": (fixed, True)})}
+                                          "fixed": (fixed, True), "four-fixed": (four_fixed, True)})}
     model, names = _stage(1, 1, per_token=True)  # PP=1 x DP=2: the two halves of the batch
     try:
         out["pp1dp2"] = _run_cases(model, names, PP1_DP2_CASES, parallel_state.get_data_parallel_rank())
@@ -252,7 +274,45 @@ def _pp2_work(rank, world_size):
         out["handlers"] = _handlers_alone(model)
     finally:
         destroy_model_parallel()
+    chunks, names = _chunks(pp=2, vpp=2)
+    try:
+        out["interleaved"] = _run_cases(chunks, names, INTERLEAVED_CASES, dp_rank=0)
+        out["interleaved"]["megatron"] = _megatron_interleaved(chunks, names, four_fixed)
+        out["interleaved"]["info"] = _layout_info(names)
+    finally:
+        destroy_model_parallel()
     return out
+
+
+def _chunks(pp, vpp):
+    """This rank's ``vpp`` model chunks of the tiny GPT at PP ``pp``, each DDP-wrapped, with
+    megatron's per-chunk hooks on the first chunk's config, as Megatron-LM sets them up."""
+    from megatron_dynapipe.config.model import ModelSpec
+    from megatron_dynapipe.gpt.build import wrap_in_ddp
+    from megatron_dynapipe.gpt.tiny import build_tiny_gpt, init_model_parallel, reference_name
+
+    init_model_parallel(1, pp, virtual_pp=vpp)
+    chunks = [build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=True, vp_stage=v) for v in range(vpp)]
+    names = [(reference_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
+    ddp = [wrap_in_ddp(chunk, chunk.config) for chunk in chunks]
+    chunks[0].config.no_sync_func = [d.no_sync for d in ddp]
+    return ddp, names
+
+
+def _megatron_interleaved(chunks, names, batches):
+    """megatron-core's own interleaved 1F1B over fixed-shape ``batches`` (two ranks: the two
+    directions kept apart on its unbatched path, as Megatron-LM runs it)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _set_up(chunks, {})
+    config = chunks[0].module.config
+    config.overlap_p2p_comm, config.batch_p2p_comm = True, False
+    size, seq = INTERLEAVED_CASES["interleaved-fixed"]["shapes"][0][0]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+        num_microbatches=len(batches), seq_length=seq, micro_batch_size=size)
+    return {"losses": [d["lm loss"] for d in losses],
+            "grads": {n: p.main_grad.detach().clone() for n, p in names}}
 
 
 def _handlers_alone(model):
@@ -278,17 +338,17 @@ def _handlers_alone(model):
     if stage != 0:
         return seen
     runner.step(0, Instruction(Op.LOAD_INPUT, 0))
-    seen["input_after_load"] = runner.inputs[0]
+    seen["input_after_load"] = runner.inputs[(0, 0)]  # (chunk, micro-batch)
     runner.step(1, Instruction(Op.FORWARD, 0))
-    seen["output_shape"] = tuple(runner.outputs[0].shape)
+    seen["output_shape"] = tuple(runner.outputs[(0, 0)].shape)
     seen["tokens"] = int(runner.total_num_tokens)
-    runner.outputs[0] = runner.outputs[0][:1]  # not what the plan says micro-batch 0 sends
+    runner.outputs[(0, 0)] = runner.outputs[(0, 0)][:1]  # not what the plan says micro-batch 0 sends
     try:
         runner.step(2, Instruction(Op.SEND_ACT_START, 0, peer=1))
     except PlanMismatchError as error:
         seen["mismatch"] = str(error)
     seen["started"] = len(runner.transfers)
-    runner.inputs[1] = None
+    runner.inputs[(0, 1)] = None
     runner.step(3, Instruction(Op.FREE_BUFFER, 1))
     seen["kept_after_free"] = sorted(runner.inputs)
     return seen
@@ -442,9 +502,37 @@ def test_handlers_alone_change_only_their_micro_batch(pp2):
     assert first["output_shape"] == (seq, size, hidden)
     assert first["tokens"] == 0  # tokens are counted on the last stage, with the loss
     assert "micro-batch 0's output is (1, 2, 64)" in first["mismatch"] and first["started"] == 0
-    assert first["kept_after_free"] == [0]
+    assert first["kept_after_free"] == [(0, 0)]
     for run in (first, second):
-        assert "received a plan of 2 model chunks a stage: the executor runs one" in run["interleaved"]
+        assert "received a plan of 2 model chunk(s) a stage for a model of 1" in run["interleaved"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["interleaved", "interleaved-recompute"])
+def test_pp2_interleaved_matches_single_process(pp2, case):
+    """Two model chunks a rank, variable-length micro-batches, per-(chunk, micro-batch) recompute."""
+    _assert_equivalent(pp2, pp2[0]["reference"]["per-token"], case, layout="interleaved")
+    for run in pp2:  # each rank ran both its chunks (its compute ops are F<m>.<chunk>[recompute])
+        ops = {op.split("[")[0] for op in run["interleaved"][case]["order"]}
+        assert {"F0", "B5", "F0.1", "B5.1"} <= ops
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_matches_megatron_interleaved_schedule(pp2):
+    """The same fixed-shape micro-batches through megatron-core's interleaved 1F1B and through a
+    planned interleaved schedule: equal losses and gradients, and both equal one process's."""
+    reference = pp2[0]["reference"]["four-fixed"]
+    _assert_equivalent(pp2, reference, "megatron", layout="interleaved")
+    _assert_equivalent(pp2, reference, "interleaved-fixed", layout="interleaved")
+    ours, theirs = pp2[1]["interleaved"]["interleaved-fixed"], pp2[1]["interleaved"]["megatron"]
+    torch.testing.assert_close(torch.stack(ours["losses"]), torch.stack(theirs["losses"]), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_forward_only_gives_the_losses(pp2):
+    reference = pp2[0]["reference"]["per-token"]
+    losses = torch.stack(pp2[1]["interleaved"]["interleaved-forward-only"]["losses"])
+    torch.testing.assert_close(losses, torch.stack(reference["losses"]), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow
@@ -549,8 +637,7 @@ def test_get_forward_backward_func_falls_back_to_megatron_core_when_off(provider
     assert provider.get_forward_backward_func(2, None) is schedules.forward_backward_pipelining_without_interleaving
     assert provider.get_forward_backward_func(1, None) is schedules.forward_backward_no_pipelining
     assert provider.get_forward_backward_func(2, None, dynapipe=True) is provider.forward_backward_dynapipe
-    with pytest.raises(ValueError, match="drop --num-layers-per-virtual-pipeline-stage"):
-        provider.get_forward_backward_func(2, 2, dynapipe=True)
+    assert provider.get_forward_backward_func(2, 2, dynapipe=True) is provider.forward_backward_dynapipe
 
 
 def test_install_without_megatron_lm_patches_nothing_and_says_so(provider):
