@@ -31,7 +31,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from megatron_dynapipe.config.layout import experts_problem, layout_problems
-from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS
+from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS, megatron_options_from_args
 from megatron_dynapipe.config.model import ATTENTIONS
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
@@ -245,18 +245,14 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
     in one line."""
     problems: list[str] = []
     refuse = problems.append
-    # the interleaving flags, or the virtual pipeline size Megatron-LM derives from them
-    if any(getattr(args, name, None) is not None
-           for name in (*INTERLEAVING_DESTS, "virtual_pipeline_model_parallel_size")):
-        refuse(
-            "--dynapipe's schedules run one model chunk per pipeline stage (interleaved variable-length schedules "
-            "are not planned): drop --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-        )
     split = PipelineSplit.from_args(args)
     uneven = None if split.even else split.problem(_get(args, "num_layers", 1),
                                                    _get(args, "pipeline_model_parallel_size", 1))
     if uneven:  # an even split is checked with the rest of the layout
         refuse(uneven)
+    if not split.even and model_chunks(args) > 1:
+        refuse("--dynapipe plans interleaved pipelines of even stages only: drop --decoder-first-pipeline-num-layers "
+               "/ --decoder-last-pipeline-num-layers / --account-for-*-in-pipeline-split, or the virtual pipeline flags")
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full" and (getattr(args, "recompute_method", None) != "uniform"
                                   or _get(args, "recompute_num_layers", 1) != 1):
@@ -424,8 +420,22 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
         microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),
         stage_layers=stage_layers(args),
+        chunks=model_chunks(args),
         **settings,
     )
+
+
+def model_chunks(args: argparse.Namespace) -> int:
+    """Model chunks a pipeline rank holds: Megatron-LM's virtual pipeline size, as its
+    ``validate_args`` derives it from the interleaving flags (also on a namespace it has not
+    validated)."""
+    size = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if size:
+        return int(size)
+    if not any(getattr(args, name, None) for name in INTERLEAVING_DESTS):
+        return 1
+    return megatron_options_from_args(args).virtual_size(_get(args, "num_layers", 1),
+                                                         _get(args, "pipeline_model_parallel_size", 1))
 
 
 def stage_layers(args: argparse.Namespace) -> "tuple[int, ...] | None":

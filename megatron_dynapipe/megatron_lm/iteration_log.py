@@ -18,10 +18,12 @@ __all__ = ["LoggedLoader", "describe_iteration", "describe_plan", "iteration_sca
 
 def describe_plan(batch) -> str:
     """One line about this stage's plan: micro-batches (size x padded length), schedule and
-    recompute choices."""
+    recompute choices (one letter a micro-batch; with model chunks, one run of letters a chunk)."""
     plan = batch.plan
     shapes = " ".join(mb.label for mb in plan.microbatches)
-    recompute = "".join(str(r.name)[0].lower() for r in plan.recompute)
+    n = len(plan.microbatches)
+    letters = "".join(str(r.name)[0].lower() for r in plan.recompute)
+    recompute = "/".join(letters[c * n:(c + 1) * n] for c in range(plan.chunks))  # one run a model chunk
     return (f"iteration {batch.iteration}: {len(plan.microbatches)} micro-batches [{shapes}], "
             f"schedule {plan.schedule}, recompute [{recompute}] (n/s/f), stage {plan.stage} of {plan.num_stages}")
 

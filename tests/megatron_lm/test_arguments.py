@@ -126,7 +126,14 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
     (ON + ("--dynapipe-preprocess-workers", "0"), {}, "pass e.g. --dynapipe-preprocess-workers 2"),
     (ON + ("--dynapipe-kv-port", "70000"), {}, "pass one in 1..65535"),
     (ON + ("--dynapipe-comm-timeout", "0"), {}, "drop it to use the process group's timeout"),
-    (ON, {"virtual_pipeline_model_parallel_size": 2}, "drop --num-layers-per-virtual-pipeline-stage"),
+    (ON, {"virtual_pipeline_model_parallel_size": 2, "num_layers": 6, "pipeline_model_parallel_size": 2},
+     "make num_layers a multiple of pp x chunks"),
+    (ON, {"num_virtual_stages_per_pipeline_rank": 2, "num_layers": 8, "pipeline_model_parallel_size": 2,
+          "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 6},
+     "--dynapipe plans interleaved pipelines of even stages only"),
+    (ON + ("--dynapipe-schedule", "wait-free-cyclic"),
+     {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8, "pipeline_model_parallel_size": 2},
+     "interleaved-1f1b"),
     (ON, {"recompute_granularity": "full"}, "pass --recompute-method uniform --recompute-num-layers 1"),
     (ON + ("--dynapipe-recompute", "none"), {"recompute_granularity": "selective"},
      "allow selective or drop --recompute-granularity"),
@@ -163,6 +170,16 @@ def test_megatron_recompute_granularity_is_a_floor_for_each_micro_batch(megatron
 def test_per_token_loss_recommended():
     with pytest.warns(UserWarning, match="--calculate-per-token-loss"):
         validated(*ON, calculate_per_token_loss=False)
+
+
+@pytest.mark.parametrize("megatron", [
+    {"virtual_pipeline_model_parallel_size": 2},  # what Megatron-LM's validate_args derives
+    {"num_virtual_stages_per_pipeline_rank": 2},
+    {"num_layers_per_virtual_pipeline_stage": 3},  # 12 layers / 2 ranks / 3 a chunk = 2 chunks
+])
+def test_interleaving_flags_plan_model_chunks(megatron):
+    spec = training_spec_from_args(validated(*ON, num_layers=12, pipeline_model_parallel_size=2, **megatron))
+    assert (spec.pp, spec.chunks, spec.schedules) == (2, 2, ("interleaved-1f1b",))
 
 
 def test_training_spec_from_megatron_args():

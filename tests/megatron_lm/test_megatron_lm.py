@@ -651,6 +651,20 @@ def test_uneven_pipeline_stages_train_with_plans_priced_as_megatron_builds_them(
     assert "pipeline stages of 1 + 2 transformer layers (Megatron-LM's pipeline split)" in stdout
 
 
+@pytest.mark.slow
+def test_an_interleaved_pipeline_trains_with_plans_of_two_model_chunks_a_rank(training_ready):
+    """--num-virtual-stages-per-pipeline-rank 2: Megatron-LM builds two model chunks a rank (one
+    data iterator, the first chunk's), the planner plans interleaved-1f1b over four virtual stages
+    and the executor runs each plan's chunks."""
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
+                                   ["--mock-data", "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                                    "--dynapipe-memory-limit", "3"])
+    _check_training(stdout, losses, plans)
+    assert "schedule interleaved-1f1b" in stdout, stdout[-4000:]
+    for count, line in re.findall(r"train iteration \d+: (\d+) micro-batches .*recompute \[([nsf/]+)\]", stdout):
+        assert [len(run) for run in line.split("/")] == [int(count)] * 2  # a choice per chunk and micro-batch
+
+
 def _patched(checkout: Path, tmp_path: Path) -> Path:
     patched = tmp_path / "patched" / "pretrain_gpt.py"
     patched.parent.mkdir()
