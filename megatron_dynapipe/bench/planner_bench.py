@@ -8,6 +8,8 @@ the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans 
 tightest limit normal mode can plan it under, found by bisection. ``--packing varlen`` plans packed
 micro-batches and measures them against THD packing (Megatron's packed sequences without
 attention between samples); the compute-only ideal is a padded plan's, and is left out there.
+``--chunks V`` plans an interleaved pipeline (V model chunks a rank, ``interleaved-1f1b``); its
+baseline stays packing + 1F1B on the same ranks; its lower bound counts a rank's chunks together.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
-from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
+from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan, rank_costs
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
 from megatron_dynapipe.planning.spec import PACKINGS, TrainingSpec
 from megatron_dynapipe.progress import progress_bar
@@ -59,6 +61,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks, each planned (default 1)")
+    p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
+                   metavar="V", help="model chunks a rank: an interleaved pipeline (default 1)")
     p.add_argument("--memory-limit", type=memory_limit, metavar="MB|tight",
                    help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else "
                         "36000), or 'tight': per batch, the tightest limit "
@@ -87,13 +91,15 @@ def run(args) -> int:
     default_limit = priced.memory_limit_mb if priced else TrainingSpec.memory_limit_mb
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
                         dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
-                        else default_limit, packing=args.packing)
-    args.layout = f"{model.describe()}, PP={spec.pp} DP={spec.dp}"
+                        else default_limit, packing=args.packing, chunks=args.chunks)
+    chunks = f" x {spec.chunks} chunks" if spec.chunks > 1 else ""
+    args.layout = f"{model.describe()}, PP={spec.pp}{chunks} DP={spec.dp}"
 
-    def fresh_costs():  # each timed plan starts with no remembered cost-model answers
-        return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
+    def fresh_costs():  # each timed plan starts with no remembered cost-model answers; one row a virtual stage
+        return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
 
     costs = fresh_costs()
+    args.ranks = rank_costs(costs, spec)  # what the packing baseline runs 1F1B on
     generate_execution_plan([64] * max(8, spec.dp), spec, costs)  # imports and first-call costs outside the timings
     rows = []
     with progress_bar(args.progress, sys.stderr) as bar:
@@ -119,8 +125,8 @@ def _measure(lengths, spec: TrainingSpec, fresh_costs, costs, args) -> dict:
     """One batch planned in both modes, its packing baseline and its lower bound."""
     normal = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=False)
     fast = generate_execution_plan(lengths, spec, fresh_costs(), fast_mode=True)
-    base = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, args.pack_length)
-    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in normal.choices)
+    base = plan_baseline(spec.packing, lengths, args.ranks, spec.memory_limit_mb, args.pack_length)
+    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute, chunks=spec.chunks) for c in normal.choices)
     return {
         "limit_mb": spec.memory_limit_mb,
         "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
@@ -136,7 +142,7 @@ def tightest_limit(lengths, spec: TrainingSpec, fresh_costs) -> float:
     """The least memory limit (to TIGHT_RESOLUTION_MB) under which normal mode plans the batch:
     bisection between the model state, which no limit may be under, and a limit that plans."""
     costs = fresh_costs()
-    infeasible = max(costs.model_state_mb(s) for s in range(costs.pp))
+    infeasible = max(costs.model_state_mb(s) for s in range(costs.pp))  # a chunk's, with chunks: still below
     feasible = 2 * infeasible
     while not _plans(lengths, replace(spec, memory_limit_mb=feasible), fresh_costs):
         infeasible, feasible = feasible, 2 * feasible
@@ -178,7 +184,8 @@ def _row(size: int, runs: list[dict]) -> dict:
 def format_table(rows: list[dict], args) -> str:
     limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{rows[0]['limit_mb']:.0f} MB"
     head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, {args.layout}, {limit}, "
-            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {YARDSTICKS[args.packing]} to {args.pack_length}\n")
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {YARDSTICKS[args.packing]} to {args.pack_length}"
+            f"{' + 1F1B on the same ranks' if getattr(args, 'chunks', 1) > 1 else ''}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -223,18 +223,24 @@ def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | No
 
 
 def lower_bound_ms(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray,
-                   counts: "Sequence[int] | None" = None) -> float:
+                   counts: "Sequence[int] | None" = None, chunks: int = 1) -> float:
     """No schedule of these micro-batches, in any order, is faster: for each stage, its total
     work plus the cheapest forward pass through the stages before it (fill) and the cheapest
     backward pass back through them (drain); nor than any one micro-batch's round trip, forward
     through every stage and back (what sets the pace where few micro-batches fill many stages).
-    ``counts``: how many times each micro-batch runs (default once), for long uniform runs."""
+    ``counts``: how many times each micro-batch runs (default once), for long uniform runs.
+    ``chunks``: model chunks a rank (``costs`` then prices ``pp * chunks`` virtual stages): a rank
+    runs all its chunks' work on one stream, after the fill to its first virtual stage and before
+    the drain back from it."""
     work = stage_work(costs, microbatches, recompute)
     fill = np.concatenate([[0.0], np.cumsum(work.forward, axis=0)[:-1].min(axis=1)])
     drain = np.concatenate([[0.0], np.cumsum(work.backward, axis=0)[:-1].min(axis=1)])
     busy = (work.forward + work.backward) @ (np.ones(work.n) if counts is None else np.asarray(counts, dtype=float))
+    ranks = costs.pp // chunks
+    rank_busy = busy.reshape(chunks, ranks).sum(axis=0)  # virtual stage c * ranks + r is on rank r
     round_trip = (work.forward + work.backward).sum(axis=0) + 2 * (costs.pp - 1) * work.comm
-    return float(max(np.max(busy + fill + drain), np.max(round_trip, initial=0.0)))
+    return float(max(np.max(busy + fill + drain), np.max(rank_busy + fill[:ranks] + drain[:ranks]),
+                     np.max(round_trip, initial=0.0)))
 
 
 def ideal_gain(lengths: Sequence[int], costs: StageCosts, seq_len: int, round_to: int = 8) -> float:

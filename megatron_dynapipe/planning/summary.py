@@ -22,7 +22,7 @@ from megatron_dynapipe.planning.types import RecomputeType
 def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
               pack_length: int | None = None, with_baseline: bool = True) -> dict:
     costs = result.costs
-    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute) for c in result.choices)
+    bound = max(lower_bound_ms(costs, c.microbatches, c.recompute, chunks=spec.chunks) for c in result.choices)
     summary = {
         "num_samples": len(lengths),
         "tokens": int(sum(lengths)),

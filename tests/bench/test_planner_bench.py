@@ -72,3 +72,20 @@ def test_a_memory_limit_that_is_not_one_is_refused_naming_the_choices():
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2
     assert "'lots' is not a memory limit: give MB (e.g. 36000) or 'tight'" in out.stderr
+
+
+def test_interleaved_plans_are_measured_against_packing_on_the_same_ranks():
+    """--chunks 2: the plan runs 4 ranks x 2 chunks; the packing baseline is the one a plain
+    pipeline of the same ranks gets (it does not depend on chunks), and the bound holds."""
+    def bench(chunks, *extra):
+        command = [sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "16", "--seeds", "1",
+                   "--mix", "multitask", "--cost-model", str(GPT_6_7B_A100), "--all-cores", "--chunks", str(chunks)]
+        out = subprocess.run(command + list(extra), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    plain, interleaved = (json.loads(bench(chunks, "--json")) for chunks in (1, 2))
+    packing = [row["normal_makespan_ms"] * row["speedup_vs_packing"] for row in (plain, interleaved)]
+    assert packing[1] == pytest.approx(packing[0], rel=1e-9)
+    assert interleaved["makespan_over_lower_bound"] >= 1.0
+    assert "PP=4 x 2 chunks" in bench(2) and "packing to 4096 + 1F1B on the same ranks" in bench(2)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_dynapipe.planning.baselines import lower_bound_ms
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts
 from megatron_dynapipe.planning.plan import ExecutionPlan, check_deadlock_free
 from megatron_dynapipe.planning.planner import (
@@ -39,6 +40,8 @@ def plan_and_check(lengths, spec, model=SMALL):
         work = stage_work(result.costs, choice.microbatches, choice.recompute, spec.chunks)
         again = simulate(choice.orders, work)
         assert again.makespan == pytest.approx(choice.makespan_ms)
+        bound = lower_bound_ms(result.costs, choice.microbatches, choice.recompute, chunks=spec.chunks)
+        assert choice.makespan_ms >= bound * (1 - 1e-9)  # no plan beats the bound
         # every forward and backward of every micro-batch on every virtual stage, once
         ran = sorted((op.phase, op.chunk * spec.pp + s, op.microbatch) for s, order in enumerate(choice.orders)
                      for op in order)
