@@ -124,7 +124,7 @@ def _twin_groups(pp_group, count: int, timeout: Optional[timedelta]) -> tuple[li
 
 
 class PipelineChannels:
-    """This rank's view of its pipeline: stage, peers' global ranks, and the two groups.
+    """This rank's view of its pipeline: stage, peers' global ranks, and the groups it sends on.
 
     ``device``/``dtype`` are those of the tensors exchanged; ``timeout`` (seconds, or None for
     the process group's own) bounds each FINISH; ``chunks``: the model chunks a stage holds (two
@@ -164,9 +164,10 @@ class PipelineChannels:
     def _warm_up(self) -> None:
         """One element each way between neighbouring stages on every group: connections (NCCL
         communicators) are set up here, together, rather than by the first transfer of a plan."""
-        wrap = self.chunks > 1  # interleaved: the last stage feeds the first
-        neighbours = sorted({s % self.num_stages if wrap else s for s in (self.stage - 1, self.stage + 1)
-                             if wrap or 0 <= s < self.num_stages} - {self.stage})
+        candidates = [self.stage - 1, self.stage + 1]
+        if self.chunks > 1:  # interleaved: the last stage feeds the first
+            candidates = [s % self.num_stages for s in candidates]
+        neighbours = sorted({s for s in candidates if 0 <= s < self.num_stages} - {self.stage})
         started = time.monotonic()
         for group in self.groups:  # a batch holds one group's ops
             ops, buffers = [], []
