@@ -28,6 +28,9 @@ padded and packed; ``bench executor`` compares that executor with megatron-core'
 step is one forward-backward of the whole global batch (no optimizer step: the weights stay the
 same, so every method computes the same per-token losses but leaky packing's; the model runs
 without dropout for the same reason, and its profile must have been made so).
+With ``--chunks V`` (``--pp`` 2 or more) each rank holds V model chunks, built as Megatron-LM's
+``get_model`` builds them: the baselines run Megatron's interleaved 1F1B and DynaPipe plans its
+interleaved pipeline, each priced per virtual stage.
 Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
 slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
 the cost model's prediction for each method and its error, and peak memory (on CUDA the
@@ -58,9 +61,9 @@ from megatron_dynapipe.planning.microbatching import pack_fixed_length
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, MIXES, read_lengths, synthetic_lengths
-from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+from megatron_dynapipe.planning.schedules import megatron_orders
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
+from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
 __all__ = ["add_arguments", "run"]
 
@@ -81,6 +84,9 @@ def add_arguments(p) -> None:
                         "profile) or a shipped profile's name (default: the analytical GPT model)")
     p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
                    help="pipeline stages (default 1)")
+    p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
+                   metavar="V", help="model chunks a rank: an interleaved pipeline, Megatron's interleaved 1F1B "
+                                     "for the baselines and DynaPipe's planned interleaved-1f1b (default 1)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel ranks (default 1); PP x DP local processes run the steps")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
@@ -121,7 +127,7 @@ def run(args) -> int:
     lengths = _lengths(args, job["max_seq_length"])
     methods = _methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
-          f"(PP={args.pp}, DP={args.dp}) ...", file=sys.stderr, flush=True)
+          f"(PP={args.pp}{_chunks(job)}, DP={args.dp}) ...", file=sys.stderr, flush=True)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
     row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
     print(json.dumps(row) if args.json else format_table(row))
@@ -146,7 +152,11 @@ def _checked(args) -> dict:
         raise ValueError(f"--timeout {args.timeout:g}: give the seconds to wait for the ranks, a positive number")
     if args.samples < 1:
         raise ValueError(f"--samples {args.samples}: the global batch needs at least one sample")
-    problem = layers_problem(spec.num_layers, args.pp, pp_name="--pp")
+    if args.chunks < 1 or (args.chunks > 1 and args.pp < 2):
+        raise ValueError(f"--chunks {args.chunks} with --pp {args.pp}: model chunks interleave a pipeline of at least "
+                         "2 stages; give --pp 2 or more, or --chunks 1")
+    problem = layers_problem(spec.num_layers, args.pp * args.chunks,
+                             pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
     if problem:
         raise ValueError(problem)
     if args.dp < 1:
@@ -169,7 +179,7 @@ def _checked(args) -> dict:
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, dp=args.dp, seed=args.seed,
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp, seed=args.seed,
                 cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
 
 
@@ -194,10 +204,11 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
-    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"],
+    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"],
                         memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
-    # built once, as a training job's data pipeline does: planning time is the planner's alone
-    costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp, dp=spec.dp)
+    # built once, as a training job's data pipeline does: planning time is the planner's alone; one
+    # row a virtual stage
+    costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
@@ -217,17 +228,16 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
 
 def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, costs, spec) -> Method:
     """Sequences of ``seq_len`` tokens (each the samples it lists, packed), dealt out in order to
-    the data-parallel ranks as evenly as they go, each rank's run 1F1B with the micro-batch size
-    and recompute the cost model finds fastest."""
+    the data-parallel ranks as evenly as they go, each rank's run 1F1B (interleaved over the
+    spec's chunks) with the micro-batch size and recompute the cost model finds fastest."""
     _check_feeds(sequences, seq_len, spec)
-    best = fixed_length_baseline(len(sequences), seq_len, costs, spec.memory_limit_mb)
+    best = fixed_length_baseline(len(sequences), seq_len, costs, spec.memory_limit_mb, spec.chunks)
     if best is None:
         raise _unfit(seq_len, spec)
     plans, tensors = [], []
     for mine in np.array_split(np.arange(len(sequences)), spec.dp):  # sizes differ by one at most
         micro = uniform_microbatches(len(mine), best.microbatch_size, seq_len)
-        plans.append(build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro,
-                                           best.recompute.name.lower(), "1f1b"))
+        plans.append(_megatron_plans(micro, best.recompute.name.lower(), spec))
         tensors.append([_packed([[tokens[i] for i in sequences[mine[s]]] for s in mb.samples], seq_len)
                         for mb in micro])
     return Method(plans, tensors, best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
@@ -235,16 +245,24 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
 
 def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.ndarray], seq_len: int, costs,
                 spec) -> Method:
-    """The same sequences without attention between their samples: rows of k of them, 1F1B,
-    with the k and recompute the cost model finds fastest (:func:`thd_packing_rows`)."""
+    """The same sequences without attention between their samples: rows of k of them, 1F1B
+    (interleaved over the spec's chunks), with the k and recompute the cost model finds fastest
+    (:func:`thd_packing_rows`)."""
     _check_feeds(sequences, seq_len, spec)
-    best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb)
+    best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb, spec.chunks)
     if best is None:
         raise _unfit(seq_len, spec)
-    plans = [build_execution_plans(one_f_one_b_orders(spec.pp, len(micro)), micro, best.recompute.label, "1f1b")
-             for micro in best.per_rank]
+    plans = [_megatron_plans(micro, best.recompute.label, spec) for micro in best.per_rank]
     return Method(plans, [[_tensors(tokens, mb) for mb in micro] for micro in best.per_rank], best.makespan_ms,
                   _activations_mb(best.stage_peak_mb, costs))
+
+
+def _megatron_plans(microbatches: list, recompute: str, spec) -> list:
+    """Per stage, the plan of Megatron's own schedule over ``microbatches``: 1F1B, or its
+    interleaved 1F1B over the spec's model chunks."""
+    schedule = "interleaved-1f1b" if spec.chunks > 1 else "1f1b"
+    return build_execution_plans(megatron_orders(spec.pp, len(microbatches), spec.chunks), microbatches, recompute,
+                                 schedule, chunks=spec.chunks)
 
 
 def _activations_mb(stage_peak_mb, costs: StageCosts) -> float:
@@ -349,20 +367,27 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     if on_cpu:
         steady_cpu_allocator()  # as the profile was made: timings that do not hang on the steps before
         cpu_compat.enable_cpu_mode()
-    init_model_parallel(1, job["pp"])  # the data-parallel size follows from the world
+    # the data-parallel size follows from the world
+    init_model_parallel(1, job["pp"], virtual_pp=job["chunks"] if job["chunks"] > 1 else None)
     try:
         model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        ddp = build_training_stage(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"])
+        chunks = build_training_chunks(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"],
+                                       chunks=job["chunks"])
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
-        runs = {name: _failing_as(name, planned_step(ddp, method.plans[dp_rank][stage], method.microbatches[dp_rank],
+        runs = {name: _failing_as(name, planned_step(chunks, method.plans[dp_rank][stage], method.microbatches[dp_rank],
                                                      device))
                 for name, method in methods.items()}
-        times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=ddp.zero_grad_buffer,
+
+        def zero_grads():
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+
+        times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=zero_grads,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
         return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
-                "memory_mb": {name: _memory_mb(run, ddp, device) for name, run in runs.items()}}
+                "memory_mb": {name: _memory_mb(run, zero_grads, device) for name, run in runs.items()}}
     finally:
         destroy_model_parallel()
         if on_cpu:
@@ -389,7 +414,7 @@ def _global_loss(per_rank: list[dict], name: str) -> float:
     return sum(s for s, _ in sums) / sum(n for _, n in sums)
 
 
-def _memory_mb(run, ddp, device) -> tuple[float, "float | None"]:
+def _memory_mb(run, zero_grads, device) -> tuple[float, "float | None"]:
     """What one step allocates on top of what was there before it (the weights and gradient
     buffers; a step benchmark makes no optimizer), and on CUDA the allocator's peak in all. On the
     CPU, which keeps no counters, the first is the bytes of the tensors the step creates, the
@@ -398,7 +423,7 @@ def _memory_mb(run, ddp, device) -> tuple[float, "float | None"]:
 
     from megatron_dynapipe.profiling.measure import LiveBytes
 
-    ddp.zero_grad_buffer()
+    zero_grads()
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -432,7 +457,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             # the default analytical model prices an A100, not this device: its times are no prediction
             predicted_ms=method.predicted_ms if job["predicts"] else None,
             prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job["predicts"] else None,
-            microbatches=sum(map(len, method.microbatches)),
+            schedule=method.plans[0][0].schedule, microbatches=sum(map(len, method.microbatches)),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
             activations_mb=max(rank["memory_mb"][name][0] for rank in per_rank),
             predicted_activations_mb=method.predicted_activations_mb,
@@ -446,13 +471,17 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
-                      pp=job["pp"], dp=job["dp"], attention=job["model"].attention,
+                      pp=job["pp"], chunks=job["chunks"], dp=job["dp"], attention=job["model"].attention,
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
         methods=rows, failed=dict(failed or {}), speedups=speedups,
         loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job["dtype"]] for gap in gaps.values()),
         threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
         profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
+
+
+def _chunks(settings: dict) -> str:
+    return f" x {settings['chunks']} chunks" if settings.get("chunks", 1) > 1 else ""
 
 
 def _largest(values: list) -> "float | None":
@@ -476,7 +505,7 @@ def _loss_lines(row: dict) -> list[str]:
 def format_table(row: dict) -> str:
     s = row["settings"]
     lines = [
-        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}, DP={s['dp']}, "
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}{_chunks(s)}, DP={s['dp']}, "
         f"{s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), attention {s['attention']}, "
         f"cost model {s['cost_model']}",

@@ -11,7 +11,7 @@ import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
-from megatron_dynapipe.planning.schedules import one_f_one_b_orders
+from megatron_dynapipe.planning.schedules import megatron_orders
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
@@ -66,11 +66,12 @@ def packing_baseline(
 
 
 def fixed_length_baseline(
-    num_sequences: int, seq_len: int, costs: StageCosts, memory_limit_mb: float
+    num_sequences: int, seq_len: int, costs: StageCosts, memory_limit_mb: float, chunks: int = 1
 ) -> PackingBaseline | None:
     """Megatron's way with `num_sequences` sequences of `seq_len` tokens (packed samples, or
-    samples padded to the longest): split evenly over data-parallel ranks, 1F1B, the micro-batch
-    size and uniform recompute of the fastest simulated iteration within the memory limit."""
+    samples padded to the longest): split evenly over data-parallel ranks, 1F1B (interleaved over
+    ``chunks`` model chunks a rank, ``costs`` then pricing virtual stages), the micro-batch size
+    and uniform recompute of the fastest simulated iteration within the memory limit."""
     per_rank = -(-num_sequences // costs.dp)  # the busiest rank sets the iteration time
     sizes = [mbs for mbs in PACKING_MICROBATCH_SIZES if mbs <= per_rank or mbs == 1]
     candidates = []  # (a bound its simulation cannot beat, the size's rank, recompute, size)
@@ -78,7 +79,7 @@ def fixed_length_baseline(
         distinct, counts = zip(*_fixed_shapes(per_rank, mbs, seq_len))
         for rc in RecomputeType:
             uniform = np.full((costs.pp, len(distinct)), int(rc))
-            candidates.append((lower_bound_ms(costs, distinct, uniform, counts), order, rc, mbs))
+            candidates.append((lower_bound_ms(costs, distinct, uniform, counts, chunks), order, rc, mbs))
     # The fastest (size, recompute) that fits wins; ties go to the smaller size, then the cheaper
     # recompute. Tried likeliest first, and none simulated whose bound cannot beat the best found:
     # a simulation of a large batch takes seconds.
@@ -86,7 +87,7 @@ def fixed_length_baseline(
     for bound, order, rc, mbs in sorted(candidates, key=lambda c: c[:3]):
         if best_key is not None and (bound, order, rc) > best_key:
             continue
-        result = fixed_shape_run(costs, per_rank, mbs, seq_len, rc, memory_limit_mb)
+        result = fixed_shape_run(costs, per_rank, mbs, seq_len, rc, memory_limit_mb, chunks)
         if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
             best_key = (result.makespan, order, rc)
             best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan,
@@ -110,13 +111,15 @@ def thd_packing_baseline(
 
 
 def thd_packing_rows(
-    sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float
+    sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float,
+    chunks: int = 1
 ) -> ThdRows | None:
     """Megatron's packed sequences without attention across samples (THD): ``sequences`` (sample
     indices packed into ``seq_len`` tokens each, as :func:`pack_fixed_length` packs them) dealt
     out in order to the data-parallel ranks as evenly as they go; each micro-batch is one row of
     k of them (a fixed budget of k x ``seq_len`` tokens), run 1F1B with the k and uniform
-    recompute of the fastest simulated iteration within the memory limit; None when nothing fits."""
+    recompute of the fastest simulated iteration within the memory limit; None when nothing fits.
+    ``chunks``: as for :func:`fixed_length_baseline`."""
     costs = costs.packed()
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
     best = None
@@ -129,7 +132,7 @@ def thd_packing_rows(
         # packed rows rarely share a shape, so rank by rank the cost model would run per handful
         costs.by_recompute(*cost_shapes([row for rows in per_rank for row in rows]), tuple(RecomputeType))
         for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
-            results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb) for microbatches in per_rank]
+            results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb, chunks) for microbatches in per_rank]
             if all(r is not None for r in results):
                 makespan = max(r.makespan for r in results)
                 if best is None or makespan < best.makespan_ms:
@@ -146,14 +149,15 @@ def _thd_row(sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len
 
 
 def fixed_shape_run(costs: StageCosts, num_sequences: int, microbatch_size: int, seq_len: int,
-                    recompute: RecomputeType, memory_limit_mb: float = math.inf) -> "UniformRun | None":
+                    recompute: RecomputeType, memory_limit_mb: float = math.inf, chunks: int = 1) -> "UniformRun | None":
     """Megatron's step at one setting: ``num_sequences`` sequences of ``seq_len`` tokens on the
-    busiest data-parallel rank, ``microbatch_size`` a micro-batch, 1F1B, ``recompute`` throughout."""
+    busiest data-parallel rank, ``microbatch_size`` a micro-batch, 1F1B (interleaved over
+    ``chunks``), ``recompute`` throughout."""
     shapes = _fixed_shapes(num_sequences, microbatch_size, seq_len)
     if not shapes:
-        return _simulate_whole([], costs, recompute, memory_limit_mb)
+        return _simulate_whole([], costs, recompute, memory_limit_mb, chunks)
     (first, count), tail = shapes[0], [mb for mb, _ in shapes[1:]]
-    return _simulate_copies(first, count, tail, costs, recompute, memory_limit_mb)
+    return _simulate_copies(first, count, tail, costs, recompute, memory_limit_mb, chunks)
 
 
 def _fixed_shapes(num_sequences: int, microbatch_size: int, seq_len: int) -> list[tuple[MicroBatch, int]]:
@@ -182,28 +186,30 @@ class UniformRun(NamedTuple):
 STEADY_AFTER_STAGES = 4
 
 
-def _simulate_uniform(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
-    """1F1B over ``microbatches`` under uniform recompute ``rc``; None where a micro-batch cannot
-    run or the run does not fit. A run of one shape (but perhaps its last) is
+def _simulate_uniform(microbatches, costs, rc, memory_limit_mb, chunks: int = 1) -> UniformRun | None:
+    """Megatron's schedule over ``microbatches`` under uniform recompute ``rc``; None where a
+    micro-batch cannot run or the run does not fit. A run of one shape (but perhaps its last) is
     :func:`_simulate_copies`'s."""
     tail = [mb for mb in microbatches[-1:] if mb.cost_shape != microbatches[0].cost_shape]
     body = len(microbatches) - len(tail)
     if body and all(mb.cost_shape == microbatches[0].cost_shape for mb in microbatches[1:body]):
-        return _simulate_copies(microbatches[0], body, tail, costs, rc, memory_limit_mb)
-    return _simulate_whole(microbatches, costs, rc, memory_limit_mb)
+        return _simulate_copies(microbatches[0], body, tail, costs, rc, memory_limit_mb, chunks)
+    return _simulate_whole(microbatches, costs, rc, memory_limit_mb, chunks)
 
 
-def _simulate_copies(first: MicroBatch, count: int, tail: list, costs, rc, memory_limit_mb) -> UniformRun | None:
-    """1F1B over ``count`` micro-batches of ``first``'s shape, then ``tail``.
+def _simulate_copies(first: MicroBatch, count: int, tail: list, costs, rc, memory_limit_mb,
+                     chunks: int = 1) -> UniformRun | None:
+    """Megatron's schedule over ``count`` micro-batches of ``first``'s shape, then ``tail``.
 
     A long run of one micro-batch shape (a packing baseline's: a few dozen stages, tens of
     thousands of micro-batches) is periodic once its pipeline has filled: each more micro-batch
     adds the same period, and the drain and every stage's peak stay as they are. So such a run is
     simulated with ``k``, ``k + 1`` and ``k + 2`` micro-batches of that shape (then the tail), and,
     where both increments agree, extended by the period to its length; otherwise, and for short
-    runs, simulated whole."""
+    runs, simulated whole. So are interleaved runs: their micro-batch groups, and so their table,
+    change with the count."""
     k = STEADY_AFTER_STAGES * costs.pp + 4
-    if count > k + 2:
+    if count > k + 2 and chunks == 1:
         runs = [_simulate_whole([first] * j + tail, costs, rc, memory_limit_mb) for j in (k, k + 1, k + 2)]
         if None in runs:
             return None
@@ -211,14 +217,14 @@ def _simulate_copies(first: MicroBatch, count: int, tail: list, costs, rc, memor
         if math.isclose(first_step, second_step, rel_tol=1e-9, abs_tol=1e-9) and np.array_equal(
                 runs[1].peak_memory, runs[2].peak_memory):
             return UniformRun(runs[2].makespan + (count - k - 2) * second_step, runs[2].peak_memory)
-    return _simulate_whole([first] * count + tail, costs, rc, memory_limit_mb)
+    return _simulate_whole([first] * count + tail, costs, rc, memory_limit_mb, chunks)
 
 
-def _simulate_whole(microbatches, costs, rc, memory_limit_mb) -> UniformRun | None:
-    work = stage_work(costs, microbatches, np.full((costs.pp, len(microbatches)), int(rc)))
+def _simulate_whole(microbatches, costs, rc, memory_limit_mb, chunks: int = 1) -> UniformRun | None:
+    work = stage_work(costs, microbatches, np.full((costs.pp, len(microbatches)), int(rc)), chunks)
     if not np.all(np.isfinite(work.forward + work.backward + work.stored + work.peak)):
         return None
-    result = simulate(one_f_one_b_orders(work.pp, work.n), work)
+    result = simulate(megatron_orders(work.pp, work.n, chunks), work)
     return UniformRun(result.makespan, result.peak_memory) if result.fits(memory_limit_mb) else None
 
 

@@ -14,7 +14,7 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
-__all__ = ["build_training_stage", "planned_step"]
+__all__ = ["build_training_chunks", "build_training_stage", "planned_step"]
 
 
 def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, num_layers: int | None = None):
@@ -22,20 +22,38 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
     megatron-core's DDP as Megatron-LM trains it: local layer spec (TE's where TE runs), fp32
     gradient buffer, per-token loss, deallocated pipeline outputs, gradients finalised at the end
     of the step and not synchronised between micro-batches.  Needs megatron's parallel state."""
+    return build_training_chunks(spec, dtype=dtype, device=device, pp=pp, tp=tp, num_layers=num_layers)[0]
+
+
+def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, num_layers: int | None = None,
+                          chunks: int = 1) -> list:
+    """This rank's ``chunks`` model chunks of ``spec`` (an interleaved pipeline where ``chunks`` > 1,
+    megatron's virtual pipeline size, which its parallel state must have been given), each built
+    and wrapped as :func:`build_training_stage` builds one, and their hooks set on the configs as
+    Megatron-LM's ``get_model`` sets them: one ``no_sync`` a chunk."""
     from megatron.core import parallel_state
 
     use_te = uses_transformer_engine(device.type)
+    virtual = dict(virtual_pipeline_model_parallel_size=chunks) if chunks > 1 else {}
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
-                                use_te=use_te, calculate_per_token_loss=True, deallocate_pipeline_outputs=True)
-    model = build_gpt(spec, config, tp=tp, use_te=use_te, pre_process=parallel_state.is_pipeline_first_stage(),
-                      post_process=parallel_state.is_pipeline_last_stage()).to(device=device, dtype=dtype)
-    return wrap_in_ddp(model, config)
+                                use_te=use_te, calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
+                                **virtual)
+    vp_stages = range(chunks) if chunks > 1 else [None]
+    models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v,
+                        pre_process=parallel_state.is_pipeline_first_stage(v is None, v),
+                        post_process=parallel_state.is_pipeline_last_stage(v is None, v)).to(device=device, dtype=dtype)
+              for v in vp_stages]
+    ddp = [wrap_in_ddp(model, config) for model in models]
+    if chunks > 1:
+        config.no_sync_func = [d.no_sync for d in ddp]
+    return ddp
 
 
 def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False) -> Callable[[], list]:
     """A function running one forward-backward (or forward only) of ``plan`` over the
     micro-batches ``tensors`` (dicts of numpy arrays, as ``gpt_microbatch`` makes them) through
-    DynaPipe's executor with Megatron-LM's GPT forward step; it returns the loss dicts."""
+    DynaPipe's executor with Megatron-LM's GPT forward step; it returns the loss dicts. ``ddp``:
+    the stage, or its list of model chunks."""
     import torch
 
     from megatron_dynapipe.compat import cpu_compat
@@ -43,7 +61,7 @@ def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False
     from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
 
     on_device = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in tensors]
-    shape = dict(model=[ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,
+    shape = dict(model=ddp if isinstance(ddp, list) else [ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,
                  micro_batch_size=plan.microbatches[0].rows, forward_only=forward_only)
     cuda_as_cpu = cpu_compat.cuda_as_cpu if device.type == "cpu" else contextlib.nullcontext
 

@@ -32,16 +32,23 @@ def lengths_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp):
+@pytest.mark.parametrize("pp, chunks", [(1, 1), (2, 1), (2, 2)])
+def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp, chunks):
+    """Every method on the same samples; with two model chunks a rank (PP 2 x 2 chunks, the tiny
+    GPT's 4 layers one a chunk) the baselines run Megatron's interleaved 1F1B and DynaPipe its
+    planned interleaved pipeline, and all agree on the loss."""
     profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
-                "--max-seq-length", str(SEQ), "--pp", str(pp), "--steps", "3", "--warmup", "0", "--json")
+                "--max-seq-length", str(SEQ), "--pp", str(pp), "--chunks", str(chunks), "--steps", "3", "--warmup", "0",
+                "--json")
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout)
     methods = row["methods"]
     assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing"}
     assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
+    assert row["settings"]["chunks"] == chunks
+    if chunks > 1:
+        assert {m["schedule"] for m in methods.values()} == {"interleaved-1f1b"}
     assert row["settings"]["attention"] == "sdpa"
     assert methods["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ
     assert methods["packing"]["padded_tokens"] == methods["THD packing"]["padded_tokens"] == 3 * SEQ
@@ -135,6 +142,8 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--bf16"], "--bf16 on the CPU"),
     (["--max-seq-length", "100"], "--max-seq-length 100: pick a multiple of 8"),
     (["--pp", "3"], "4 layers do not split evenly into --pp = 3"),
+    (["--pp", "2", "--chunks", "3"], "4 layers do not split evenly into --pp x --chunks = 6"),
+    (["--chunks", "2"], "--chunks 2 with --pp 1: model chunks interleave a pipeline of at least 2 stages"),
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
     (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),

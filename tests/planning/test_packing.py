@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_dynapipe.planning import TrainingSpec, generate_execution_plan
+from megatron_dynapipe.planning.cost_model.base import CostModel
 from megatron_dynapipe.planning.baselines import thd_packing_rows
 from megatron_dynapipe.planning.microbatching import (
     microbatch_fits,
@@ -239,3 +240,39 @@ def test_a_long_uniform_run_extended_by_its_period_is_the_run_simulated_whole(pr
     assert max(simulated) < len(microbatches)  # extended, not simulated whole
     assert extended.makespan == pytest.approx(whole.makespan, rel=1e-9)
     np.testing.assert_array_equal(extended.peak_memory, whole.peak_memory)
+
+
+
+class _UniformLayers(CostModel):
+    """Every layer 1 ms forward and 2 ms backward per sequence, nothing else costs time, and
+    transfers next to free (one value a token): the setting of Narayanan et al.'s (SC'21)
+    closed form."""
+
+    tp, hidden_size = 1, 1
+
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        return (1.0 if layer == "encoder" else 0.0) * (2 if phase == "backward" else 1) * mbs
+
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        return 1.0 * mbs
+
+    def param_mb(self, layer):
+        return 1.0
+
+
+@pytest.mark.parametrize("pp, chunks, sequences", [(4, 2, 8), (2, 2, 6), (4, 3, 12), (2, 4, 4)])
+def test_megatrons_interleaved_baseline_runs_in_the_sc21_closed_form(pp, chunks, sequences):
+    """Megatron's fixed shapes on ranks of several model chunks run its interleaved 1F1B: n
+    micro-batches of one layer a chunk take (n V + pp - 1)(f + b) (Narayanan et al., SC'21),
+    below 1F1B's (n + pp - 1) V (f + b) on the same ranks; the baseline picks one sequence a
+    micro-batch, the size with the smallest bubble."""
+    from megatron_dynapipe.planning.baselines import fixed_length_baseline, fixed_shape_run
+    from megatron_dynapipe.planning.cost_model import StageCosts
+
+    layers = pp * chunks
+    virtual = StageCosts(_UniformLayers(), num_layers=layers, pp=layers)  # a row a virtual stage
+    best = fixed_length_baseline(sequences, 16, virtual, 1e6, chunks=chunks)
+    assert best.microbatch_size == 1
+    assert best.makespan_ms == pytest.approx((sequences * chunks + pp - 1) * 3.0, rel=1e-6)
+    plain = fixed_shape_run(StageCosts(_UniformLayers(), num_layers=layers, pp=pp), sequences, 1, 16, RecomputeType.NONE)
+    assert plain.makespan == pytest.approx((sequences + pp - 1) * chunks * 3.0, rel=1e-6)
