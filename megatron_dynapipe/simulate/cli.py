@@ -96,9 +96,9 @@ def _data_for(args: argparse.Namespace, job, hardware):
     planned = [m for m in methods if m != "megatron"]
     if planned and not outcome.candidate.plannable:
         c = outcome.candidate
-        raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs {c.virtual_stages} model chunks a "
-                         f"rank and CP {c.cp}; the planner runs one chunk a rank without context parallelism, so "
-                         "price those methods on such a trace (or --method megatron here)")
+        raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs context parallelism (CP {c.cp}), "
+                         "which the planner does not plan yet; price those methods on a trace at CP 1 (or --method "
+                         "megatron here)")
     return source, methods, (space, outcome)
 
 
@@ -188,8 +188,9 @@ def add_search_parser(sub) -> None:
                             "(default: post them and wait just before they are needed); needs PP > 2")
     data = add_data_arguments(p)
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
-                      help="price the methods at the N fastest traced layouts a planner runs: one model chunk a "
-                           "rank, no context parallelism (default 4; half the traced shapes are such layouts)")
+                      help="price the methods at the N fastest traced layouts a planner runs: any pipeline, "
+                           "interleaved or not, without context parallelism (default 4; half the traced shapes are "
+                           "such layouts)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "

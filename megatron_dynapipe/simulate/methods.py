@@ -3,13 +3,13 @@ data (docs/simulate.md, "On your data").
 
 A search given data (``--lengths FILE`` or ``--mix NAME``) draws ``batches`` global batches from
 it, each of exactly ``global batch x seq-length`` tokens (what the fixed-shape step trains on),
-and prices each method on them at the best traced layouts a planner can run (one model chunk a
-rank, no context parallelism):
+and prices each method on them at the best traced layouts a planner can run (no context
+parallelism; interleaved pipelines as Megatron's interleaved 1F1B and DynaPipe's planned one):
 
 * ``megatron``: Megatron's fixed shapes, its GPT data path: the samples back to back, cut into
   windows of ``seq-length`` tokens that attend across documents. The traced step, as simulated.
 * ``thd``: the same windows without attention across documents (THD packing): each
-  data-parallel rank's windows in rows of k, 1F1B, the k and uniform recompute of the fastest
+  data-parallel rank's windows in rows of k, Megatron's 1F1B (interleaved where the layout is), the k and uniform recompute of the fastest
   run that fits (:func:`~megatron_dynapipe.planning.baselines.thd_packing_rows`).
 * ``dynapipe`` and ``dynapipe-varlen``: the planner on each batch (padded, or packed THD
   micro-batches), every data-parallel rank planned; a step is its slowest rank's.
@@ -17,7 +17,7 @@ rank, no context parallelism):
 Where a method differs from the traced step is the pipeline, so a method's step is the
 pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
 plus what the trace holds besides it: the traced iteration less the planner's simulation of
-the traced layout's own fixed-shape 1F1B (the gradient reduction, the optimizer step, and
+the traced layout's own fixed-shape schedule (1F1B, or its interleaved 1F1B) (the gradient reduction, the optimizer step, and
 whatever else the replay prices that the planner's stage costs do not).
 """
 
@@ -163,13 +163,13 @@ class MethodsResult:
 
 
 def representatives(result: SearchResult, count: int) -> list[Outcome]:
-    """The fastest simulated layout that fits of each (TP, PP, DP, optimizer) a planner runs, the
-    ``count`` fastest of them: the layouts the methods are priced at."""
+    """The fastest simulated layout that fits of each (TP, PP, model chunks, DP, optimizer) a
+    planner runs, the ``count`` fastest of them: the layouts the methods are priced at."""
     best: dict[tuple, Outcome] = {}
     for o in result.ranked():
         c = o.candidate
         if c.plannable:
-            best.setdefault((c.tp, c.pp, c.dp, c.distributed_optimizer), o)
+            best.setdefault((c.tp, c.pp, c.virtual_stages, c.dp, c.distributed_optimizer), o)
     return list(best.values())[:count]
 
 
@@ -283,12 +283,13 @@ class _Layout:
 
     def __init__(self, space: SearchSpace, outcome: Outcome):
         c = outcome.candidate
-        self.space, self.candidate = space, c
+        self.space, self.candidate, self.chunks = space, c, c.virtual_stages
+        # one row a virtual stage: chunk v of rank r is row v * pp + r
         self.costs = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
-                                pp=c.pp, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
+                                pp=c.pp * self.chunks, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
-                                space.seq_length, RecomputeType.parse(c.recompute))
+                                space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)
         # None where the cost model prices the traced micro-batch as not fitting the device at all
         self.rest_ms = None if fixed is None else 1e3 * outcome.report.iteration_s - fixed.makespan
 
@@ -300,7 +301,7 @@ class _Layout:
         started = time.perf_counter()
         if method == "thd":
             pieces, rows = windows(lengths, self.space.seq_length)
-            found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb)
+            found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks)
             if found is None:
                 return _Priced(error="does not fit at any rows of windows and recompute")
             k = found.per_rank[0][0].seq_len // self.space.seq_length
@@ -308,7 +309,7 @@ class _Layout:
                            f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
                            time.perf_counter() - started)
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
-                            dp=self.candidate.dp, zero_stage=self.costs.zero_stage,
+                            dp=self.candidate.dp, chunks=self.chunks, zero_stage=self.costs.zero_stage,
                             memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
                             packing="varlen" if method == "dynapipe-varlen" else "pad")
         try:

@@ -226,8 +226,9 @@ class Candidate:
 
     @property
     def plannable(self) -> bool:
-        """A layout DynaPipe's planner runs: one model chunk a pipeline rank, no context parallelism."""
-        return self.virtual_stages == 1 and self.cp == 1
+        """A layout DynaPipe's planner runs: any pipeline, interleaved or not, without context
+        parallelism."""
+        return self.cp == 1
 
     @property
     def trace_key(self) -> tuple[int, int, int, int, bool, int]:
@@ -449,7 +450,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
                plannable_shapes: int = 0) -> SearchResult:
     """Enumerate, prune and rank by estimate, trace ``max_traced`` (TP, PP, CP, micro-batch)
     shapes -- the best-estimated, at least ``plannable_shapes`` of them among those a planner
-    runs (one model chunk a rank, no context parallelism), the rule of thumb's among them (in
+    runs (no context parallelism), the rule of thumb's among them (in
     place of the last) from two up -- and simulate their variants."""
     if max_traced < 1:
         raise SearchError(f"--max-traced must be at least 1, got {max_traced}")

@@ -52,9 +52,9 @@ def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cu
 
 
 def test_at_least_the_asked_share_of_traced_shapes_is_one_a_planner_runs():
-    # (tp, pp, cp, mbs, sp, chunks), best-estimated first: interleaved and CP shapes lead
-    keys = [(8, 16, 1, 1, True, 2), (8, 16, 2, 1, True, 2), (8, 8, 1, 1, True, 4), (8, 16, 1, 1, True, 1),
-            (8, 16, 2, 1, True, 1), (8, 8, 1, 2, True, 1), (4, 16, 1, 1, True, 1)]
+    # (tp, pp, cp, mbs, sp, chunks), best-estimated first: CP shapes lead; interleaved ones are planned
+    keys = [(8, 16, 2, 1, True, 2), (8, 16, 2, 1, True, 1), (8, 8, 2, 1, True, 4), (8, 16, 1, 1, True, 2),
+            (8, 16, 4, 1, True, 1), (8, 8, 1, 2, True, 1), (4, 16, 1, 1, True, 1)]
     candidates = [Candidate(tp, pp, cp, 8192 // (tp * pp * cp), mbs, 4, recompute, False, sp, chunks)
                   for tp, pp, cp, mbs, sp, chunks in keys for recompute in ("none", "full")]  # two a shape
     assert _shapes_to_trace(candidates, 4, 0) == keys[:4]
@@ -107,9 +107,9 @@ def test_a_search_on_a_mix_prices_every_method_at_layouts_a_planner_runs(tmp_pat
     data = document["on_data"]
     assert data["methods"] == list(METHODS) and len(data["samples_per_batch"]) == 3
     assert data["tokens_per_batch"] == 16 * 256
-    priced = [s for s in data["steps"] if s["method"] != "megatron"]  # by the planner: one chunk a rank, no CP
-    layouts = {(s["tp"], s["pp"], s["dp"], s["distributed_optimizer"]) for s in priced}
-    assert len(layouts) == 2 and all(s["cp"] == 1 and s["virtual_stages"] == 1 for s in priced)
+    priced = [s for s in data["steps"] if s["method"] != "megatron"]  # by the planner: no CP
+    layouts = {(s["tp"], s["pp"], s["virtual_stages"], s["dp"], s["distributed_optimizer"]) for s in priced}
+    assert len(layouts) == 2 and all(s["cp"] == 1 for s in priced)
     # Megatron's fixed shapes at their best are the search's best, interleaved or not
     assert data["best"]["megatron"]["mean_step_s"] == pytest.approx(document["best"]["iteration_s"])
     for step in data["steps"]:
@@ -197,13 +197,12 @@ def test_simulate_prices_the_methods_on_a_traced_layout_as_the_search_did(tmp_pa
 
 
 def test_simulate_refuses_methods_it_cannot_price_before_simulating(tmp_path, capsys, tiny_traces):
-    from megatron_dynapipe.config.megatron_options import MegatronOptions
     from megatron_dynapipe.tracer.batch_config import parse_configs
     from megatron_dynapipe.tracer.batch_run import run_batch
 
-    (chunked,) = run_batch(parse_configs(["4 2 1 nmb=4"], model="tiny"), tmp_path, shapes_only=True, progress=False,
-                           training=MegatronOptions(layers_per_virtual_stage=1), timeline=False)
-    cases = [([str(chunked.folder), "--mix", "multitask", "--method", "dynapipe"], "runs 2 model chunks a rank"),
+    (with_cp,) = run_batch(parse_configs(["8 2 1 cp=2 nmb=2"], model="tiny"), tmp_path, shapes_only=True,
+                           progress=False, timeline=False)
+    cases = [([str(with_cp.folder), "--mix", "multitask", "--method", "dynapipe"], "runs context parallelism (CP 2)"),
              ([str(tiny_traces["4 4 1"]), "--mix", "multitask", "--cost-model", "gpt-6.7b-a100"],
               "priced by a hardware file"),
              ([str(tiny_traces["4 4 1"]), "--cost-model", "gpt-6.7b-a100"], "give --lengths FILE, --mix NAME")]
@@ -212,7 +211,32 @@ def test_simulate_refuses_methods_it_cannot_price_before_simulating(tmp_path, ca
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
     # Megatron's own schedule is priced at any traced layout
-    assert main(["simulate", str(chunked.folder), "--mix", "multitask", "--method", "megatron", "--batches", "1",
+    assert main(["simulate", str(with_cp.folder), "--mix", "multitask", "--method", "megatron", "--batches", "1",
                  "--no-timeline", "--json"]) == 0
     priced = json.loads(capsys.readouterr().out)["on_data"]["best"]["megatron"]
-    assert priced["virtual_stages"] == 2 and "2 chunks a rank" in priced["setting"]
+    assert priced["cp"] == 2 and "CP 2" in priced["setting"]
+
+
+def test_at_an_interleaved_layout_thd_rows_of_one_whole_window_take_megatrons_traced_step(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Two model chunks a rank, every sample a whole window: THD packing held to rows of one
+    window runs Megatron's own micro-batches on its interleaved 1F1B, so its step is the traced
+    one -- if the layout's costs, its fixed-shape schedule and THD's are all interleaved alike.
+    DynaPipe plans the same layout, interleaved, and is not slower than THD's run it could choose."""
+    from megatron_dynapipe.planning import baselines
+
+    monkeypatch.setattr(baselines, "PACKING_MICROBATCH_SIZES", (1,))  # the pricing workers are forked
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("256\n" * 10)
+    document = _search(tmp_path, capsys, "--world-size", "4", "--global-batch-size", "4", "--tp", "1", "--pp", "2",
+                       "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+                       "--num-virtual-stages-per-pipeline-rank", "2", "--max-traced", "1", "--lengths", str(lengths),
+                       "--batches", "2", "--method", "all")
+    data, traced = document["on_data"], document["best"]["iteration_s"]
+    assert document["best"]["virtual_stages"] == 2
+    for method in METHODS:
+        assert data["best"][method]["virtual_stages"] == 2 and data["best"][method]["error"] is None, method
+    assert data["best"]["megatron"]["step_s"] == pytest.approx([traced, traced], rel=1e-9)
+    assert data["best"]["thd"]["step_s"] == pytest.approx([traced, traced], rel=1e-9)
+    assert data["best"]["thd"]["setting"] == "rows of 1 window, recompute none"
+    assert all(step <= traced * (1 + 1e-9) for step in data["best"]["dynapipe"]["step_s"])
