@@ -25,6 +25,12 @@ class MicroBatchingError(ValueError):
     """The samples cannot be cut into micro-batches that fit."""
 
 
+def fill_weight(pp: int, chunks: int = 1) -> float:
+    """How many times its largest micro-batch a pipeline of ``pp`` ranks, ``chunks`` model chunks
+    each, spends filling and draining: (pp - 1) / chunks."""
+    return (pp - 1) / chunks
+
+
 def round_up(value, multiple: int):
     return -(-np.asarray(value) // multiple) * multiple
 
@@ -169,12 +175,15 @@ def partition_dp(
     num_thresholds: int = DP_THRESHOLDS,
     fast: bool = False,
     packed: bool = False,
+    chunks: int = 1,
 ) -> tuple[list[MicroBatch], list[RecomputeType]]:
-    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) * max(t), and
-    the recompute type each was costed with: with several, the cheapest that fits (as
+    """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) / V * max(t),
+    and the recompute type each was costed with: with several, the cheapest that fits (as
     `cheapest_recompute` would choose).
 
-    t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain.
+    t is a micro-batch's bottleneck-stage time; the second term is the pipeline's fill and drain,
+    which an interleaved pipeline of ``chunks`` = V model chunks a rank (``costs`` pricing its
+    ranks) cuts V-fold, its chunks each 1/V of a rank's work (Narayanan et al.).
     The max term is handled by trying caps T on t: for each T the best sum is a 1-D dynamic
     programme, and all caps are solved together as rows of one numpy array.
 
@@ -214,7 +223,7 @@ def partition_dp(
         k = np.argmin(total, axis=1)
         before[:, n - j] = total[rows, k]
         choice[:, j] = k + 1
-    objective = before[:, 0] + (costs.pp - 1) * caps
+    objective = before[:, 0] + fill_weight(costs.pp, chunks) * caps
     row = int(np.argmin(objective))
     if not np.isfinite(objective[row]):
         raise MicroBatchingError(f"no micro-batching fits {memory_limit_mb:.0f} MB: raise the memory limit")

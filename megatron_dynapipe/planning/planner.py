@@ -23,6 +23,7 @@ from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
     cheapest_recompute,
+    fill_weight,
     lightest_fitting_alone,
     partition_dp,
     partition_token_based,
@@ -273,12 +274,12 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
                 FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
-                packed=spec.packing == "varlen")
+                packed=spec.packing == "varlen", chunks=spec.chunks)
         except MicroBatchingError as error:
             errors.append(error)
             continue
         partition = Microbatching(label, tuple(mbs), tuple(recompute))
-        rank = predicted_iteration_ms(costs, partition)
+        rank = predicted_iteration_ms(costs, partition, spec.chunks)
         light = tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit))
         if light != partition.recompute:
             found.append((rank, 0, Microbatching(f"{label}, light start", partition.microbatches, light)))
@@ -289,10 +290,11 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
     return [m for _, _, m in sorted(found, key=lambda f: f[:2])]
 
 
-def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching) -> float:
-    """The micro-batching objective: sum of bottleneck times plus (pp - 1) times the largest."""
+def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching, chunks: int = 1) -> float:
+    """The micro-batching objective: sum of bottleneck times plus (pp - 1) / chunks times the
+    largest (:func:`~.microbatching.partition_dp`)."""
     times = _times(costs, microbatching.microbatches, microbatching.recompute)
-    return float(times.sum() + (costs.pp - 1) * times.max())
+    return float(times.sum() + fill_weight(costs.pp, chunks) * times.max())
 
 
 def _times(costs, microbatches, recompute) -> np.ndarray:

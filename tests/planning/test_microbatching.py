@@ -28,26 +28,30 @@ def compositions(n):
         yield list(zip(bounds, bounds[1:]))
 
 
-def objective(costs, runs, sorted_lengths, rc):
+def objective(costs, runs, sorted_lengths, rc, chunks=1):
+    """sum(t) + (pp - 1) / V max(t): an interleaved pipeline fills and drains with chunks of 1/V
+    of a rank's work (Narayanan et al.)."""
     times = []
     for lo, hi in runs:
         seq = -(-sorted_lengths[hi - 1] // 8) * 8
         if not microbatch_fits(costs, hi - lo, seq, rc, LIMIT):
             return np.inf
         times.append(float(microbatch_times(costs, hi - lo, seq, rc)))
-    return sum(times) + (costs.pp - 1) * max(times)
+    return sum(times) + (costs.pp - 1) / chunks * max(times)
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("rc", [RecomputeType.SELECTIVE, RecomputeType.FULL])
-def test_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed, rc):
+@pytest.mark.parametrize("chunks, longest", [(1, 1000), (4, 1000), (1, 200), (4, 200)])
+def test_dynamic_programme_finds_the_brute_force_optimum(costs_pp4, seed, rc, chunks, longest):
+    # short samples: where the interleaved pipeline's smaller fill favours fewer micro-batches
     rng = np.random.default_rng(seed)
-    lengths = [int(x) for x in rng.integers(20, 1000, size=9)]
-    found, _ = partition_dp(lengths, range(len(lengths)), costs_pp4, LIMIT, rc, num_thresholds=10_000)
+    lengths = [int(x) for x in rng.integers(20, longest, size=9)]
+    found, _ = partition_dp(lengths, range(len(lengths)), costs_pp4, LIMIT, rc, num_thresholds=10_000, chunks=chunks)
     sorted_lengths = sorted(lengths)
-    best = min(objective(costs_pp4, runs, sorted_lengths, rc) for runs in compositions(len(lengths)))
+    best = min(objective(costs_pp4, runs, sorted_lengths, rc, chunks) for runs in compositions(len(lengths)))
     times = [float(microbatch_times(costs_pp4, mb.size, mb.seq_len, rc)) for mb in found]
-    assert sum(times) + 3 * max(times) == pytest.approx(best)
+    assert sum(times) + 3 / chunks * max(times) == pytest.approx(best)
 
 
 def test_microbatches_are_consecutive_runs_of_sorted_samples(costs_pp4):
