@@ -22,6 +22,8 @@ from megatron_dynapipe.planning.simulator import (
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 FAST_MODE_ROUNDS = 3
+#: far above what summing an op's memory in another order can change it by
+ROUNDING_MB = 1e-6
 
 
 @dataclass
@@ -139,13 +141,9 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
     raised = stuck = False
     for s, _, held, m in sorted(over_limit, key=lambda op: -op[1]):
         op = _OpMemory(float(table.state[rows[s]].sum()), stored[s], peak[s], level[s], held, m)
-        while op.in_use() > memory_limit_mb + MEMORY_TOLERANCE_MB:
-            best = op.best_to_raise(backward[s], heavier)
-            if best is None:
-                stuck = True
-                break
-            level[s][best] = heavier[level[s][best]]
-            raised = True
+        lightened = op.lighten(memory_limit_mb + MEMORY_TOLERANCE_MB, backward[s], heavier)
+        raised |= lightened > 0
+        stuck |= lightened < 0
     for s in stages:
         recompute[rows[s]] = np.reshape(level[s], (table.chunks, -1))
     return raised, stuck
@@ -172,16 +170,40 @@ class _OpMemory:
         saved = self.stored[rc][m] - self.stored[up][m] if m in self.held else 0.0
         return saved + (self.peak[rc][m] - self.peak[up][m] if m == self.own else 0.0)
 
-    def best_to_raise(self, backward, heavier) -> "int | None":
-        """The micro-batch whose next recompute type saves this op the most memory per
-        millisecond of backward it adds (None when none saves any)."""
-        best, best_rate = None, 0.0
-        for m in dict.fromkeys((*self.held, self.own)):
+    def lighten(self, limit_mb: float, backward, heavier) -> int:
+        """Raise recompute until this op is within ``limit_mb``, each time of the micro-batch whose
+        next recompute type saves it the most memory per millisecond of backward it adds (the
+        first so in held order, then its own). Returns how many raises that took, or -1 where it
+        stays above the limit with nothing left that saves any.
+
+        Raising one micro-batch changes only its own saving and rate, so the others' are worked
+        out once; what is in use falls by each saving, and is summed afresh before any decision
+        that a float's rounding could sway."""
+        in_use, raises = self.in_use(), 0
+        if in_use <= limit_mb:
+            return 0
+        candidates = list(dict.fromkeys((*self.held, self.own)))
+        rates = [self._rate(m, backward, heavier) for m in candidates]
+        while True:
+            best = max(range(len(candidates)), key=rates.__getitem__)
+            if rates[best] <= 0.0:
+                return -1
+            m = candidates[best]
             up = heavier[self.level[m]]
-            if up is None:
-                continue
-            saving = self.saving(m, up)
-            rate = saving / max(backward[up][m] - backward[self.level[m]][m], 1e-9)
-            if saving > 0 and rate > best_rate:
-                best, best_rate = m, rate
-        return best
+            in_use -= self.saving(m, up)
+            self.level[m] = up
+            raises += 1
+            rates[best] = self._rate(m, backward, heavier)
+            if in_use <= limit_mb + ROUNDING_MB:
+                in_use = self.in_use()
+                if in_use <= limit_mb:
+                    return raises
+
+    def _rate(self, m: int, backward, heavier) -> float:
+        """MB this op saves per millisecond of backward added by raising m's recompute one type;
+        0 where that saves nothing or m is at the heaviest."""
+        up = heavier[self.level[m]]
+        if up is None:
+            return 0.0
+        saving = self.saving(m, up)
+        return saving / max(backward[up][m] - backward[self.level[m]][m], 1e-9) if saving > 0 else 0.0
