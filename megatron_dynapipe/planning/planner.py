@@ -269,20 +269,27 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
         # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
         options = [("mixed", spec.recompute_types)] + ([] if mixed_only else options[-1:] if fast_mode else options)
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
-    for label, types in options:
+    # An interleaved pipeline's smaller fill favours larger micro-batches, but its warm-up holds
+    # more of them than the 1F1B steady state they are sized to fit: also offered sized as for
+    # 1F1B, whichever then fits or runs faster (fills: the V the objective divides the fill by)
+    fills = [(spec.chunks, "")] + ([(1, ", 1F1B's fill")] if spec.chunks > 1 else [])
+    for (label, types), (fill, named) in itertools.product(options, fills):
         try:
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
                 FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
-                packed=spec.packing == "varlen", chunks=spec.chunks)
+                packed=spec.packing == "varlen", chunks=fill)
         except MicroBatchingError as error:
             errors.append(error)
             continue
-        partition = Microbatching(label, tuple(mbs), tuple(recompute))
+        partition = Microbatching(label + named, tuple(mbs), tuple(recompute))
+        if named and any(other.label.startswith(label) and other.microbatches == partition.microbatches
+                         for *_, other in found):
+            continue  # sized alike either way
         rank = predicted_iteration_ms(costs, partition, spec.chunks)
         light = tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit))
         if light != partition.recompute:
-            found.append((rank, 0, Microbatching(f"{label}, light start", partition.microbatches, light)))
+            found.append((rank, 0, Microbatching(f"{partition.label}, light start", partition.microbatches, light)))
         if light == partition.recompute or not fast_mode:
             found.append((rank, 1, partition))
     if not found:
