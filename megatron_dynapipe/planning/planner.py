@@ -270,9 +270,11 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
         options = [("mixed", spec.recompute_types)] + ([] if mixed_only else options[-1:] if fast_mode else options)
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     # An interleaved pipeline's smaller fill favours larger micro-batches, but its warm-up holds
-    # more of them than the 1F1B steady state they are sized to fit: also offered sized as for
-    # 1F1B, whichever then fits or runs faster (fills: the V the objective divides the fill by)
-    fills = [(spec.chunks, "")] + ([(1, ", 1F1B's fill")] if spec.chunks > 1 else [])
+    # more of them than the 1F1B steady state they are sized to fit: normal mode also offers them
+    # sized as for 1F1B, whichever then fits or runs faster; fast mode sizes them as for 1F1B
+    # alone (those of the smaller fill can cost rounds of recompute adjustment that end in
+    # nothing). fills: (the V the objective divides the fill by, the label's suffix)
+    fills = ([(spec.chunks, ""), (1, ", 1F1B's fill")] if spec.chunks > 1 and not fast_mode else [(1, "")])
     for (label, types), (fill, named) in itertools.product(options, fills):
         try:
             mbs, recompute = partition_dp(
