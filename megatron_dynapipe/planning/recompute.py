@@ -141,9 +141,9 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
     raised = stuck = False
     for s, _, held, m in sorted(over_limit, key=lambda op: -op[1]):
         op = _OpMemory(float(table.state[rows[s]].sum()), stored[s], peak[s], level[s], held, m)
-        lightened = op.lighten(memory_limit_mb + MEMORY_TOLERANCE_MB, backward[s], heavier)
-        raised |= lightened > 0
-        stuck |= lightened < 0
+        raises, lightened = op.lighten(memory_limit_mb + MEMORY_TOLERANCE_MB, backward[s], heavier)
+        raised |= raises > 0
+        stuck |= not lightened
     for s in stages:
         recompute[rows[s]] = np.reshape(level[s], (table.chunks, -1))
     return raised, stuck
@@ -170,24 +170,24 @@ class _OpMemory:
         saved = self.stored[rc][m] - self.stored[up][m] if m in self.held else 0.0
         return saved + (self.peak[rc][m] - self.peak[up][m] if m == self.own else 0.0)
 
-    def lighten(self, limit_mb: float, backward, heavier) -> int:
+    def lighten(self, limit_mb: float, backward, heavier) -> tuple[int, bool]:
         """Raise recompute until this op is within ``limit_mb``, each time of the micro-batch whose
         next recompute type saves it the most memory per millisecond of backward it adds (the
-        first so in held order, then its own). Returns how many raises that took, or -1 where it
-        stays above the limit with nothing left that saves any.
+        first so in held order, then its own). Returns how many raises it made, and whether the
+        op is within the limit (False: nothing left saves it any).
 
         Raising one micro-batch changes only its own saving and rate, so the others' are worked
         out once; what is in use falls by each saving, and is summed afresh before any decision
         that a float's rounding could sway."""
         in_use, raises = self.in_use(), 0
         if in_use <= limit_mb:
-            return 0
+            return 0, True
         candidates = list(dict.fromkeys((*self.held, self.own)))
         rates = [self._rate(m, backward, heavier) for m in candidates]
         while True:
             best = max(range(len(candidates)), key=rates.__getitem__)
             if rates[best] <= 0.0:
-                return -1
+                return raises, False
             m = candidates[best]
             up = heavier[self.level[m]]
             in_use -= self.saving(m, up)
@@ -197,7 +197,7 @@ class _OpMemory:
             if in_use <= limit_mb + ROUNDING_MB:
                 in_use = self.in_use()
                 if in_use <= limit_mb:
-                    return raises
+                    return raises, True
 
     def _rate(self, m: int, backward, heavier) -> float:
         """MB this op saves per millisecond of backward added by raising m's recompute one type;
