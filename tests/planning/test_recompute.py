@@ -119,3 +119,22 @@ def test_an_interleaved_plan_is_raised_until_every_rank_holds_its_chunks_within_
     assert {op.chunk for order in plan.orders for op in order} == {0, 1}
     # below what full recompute everywhere needs, no interleaved plan fits
     assert adjust_rc_plan(mbs, nothing, costs, "interleaved-1f1b", 33_000, chunks=2) is None
+
+
+def test_an_op_is_lightened_by_the_best_saving_per_millisecond_until_it_fits_or_nothing_saves_more():
+    from megatron_dynapipe.planning.recompute import _OpMemory
+
+    # micro-batch 0 held (10, 7, 5 MB stored as none, selective, full), micro-batch 1 the op's own
+    # (its stored 10 whatever its recompute, so raising it saves nothing); backward 1, 2, 4 ms
+    stored, peak = [[10.0, 10.0], [7.0, 10.0], [5.0, 10.0]], [[0.0, 0.0]] * 3
+    backward, heavier = [[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]], [1, 2, None]
+
+    def op(level):
+        return _OpMemory(0.0, stored, peak, level, held=(0, 1), own=1)
+
+    level = [0, 0]
+    assert op(level).lighten(17.0, backward, heavier) == (1, True) and level == [1, 0]  # 20 -> 17
+    level = [0, 0]
+    assert op(level).lighten(12.0, backward, heavier) == (2, False) and level == [2, 0]  # 20 -> 17 -> 15
+    level = [0, 0]
+    assert op(level).lighten(20.0, backward, heavier) == (0, True) and level == [0, 0]
