@@ -61,7 +61,7 @@ from megatron_dynapipe.planning.microbatching import pack_fixed_length
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, MIXES, read_lengths, synthetic_lengths
-from megatron_dynapipe.planning.schedules import megatron_orders
+from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
@@ -179,8 +179,8 @@ def _checked(args) -> dict:
     cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp, seed=args.seed,
-                cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
+                seed=args.seed, cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -260,9 +260,8 @@ def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.
 def _megatron_plans(microbatches: list, recompute: str, spec) -> list:
     """Per stage, the plan of Megatron's own schedule over ``microbatches``: 1F1B, or its
     interleaved 1F1B over the spec's model chunks."""
-    schedule = "interleaved-1f1b" if spec.chunks > 1 else "1f1b"
     return build_execution_plans(megatron_orders(spec.pp, len(microbatches), spec.chunks), microbatches, recompute,
-                                 schedule, chunks=spec.chunks)
+                                 megatron_schedule(spec.chunks), chunks=spec.chunks)
 
 
 def _activations_mb(stage_peak_mb, costs: StageCosts) -> float:
@@ -481,7 +480,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
 
 
 def _chunks(settings: dict) -> str:
-    return f" x {settings['chunks']} chunks" if settings.get("chunks", 1) > 1 else ""
+    """" x V chunks" after PP where ranks hold several model chunks."""
+    return f" x {settings['chunks']} chunks" if settings["chunks"] > 1 else ""
 
 
 def _largest(values: list) -> "float | None":
@@ -505,8 +505,8 @@ def _loss_lines(row: dict) -> list[str]:
 def format_table(row: dict) -> str:
     s = row["settings"]
     lines = [
-        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}{_chunks(s)}, DP={s['dp']}, "
-        f"{s['samples']} samples "
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}{_chunks(s)}, "
+        f"DP={s['dp']}, {s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), attention {s['attention']}, "
         f"cost model {s['cost_model']}",
         "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error "

@@ -285,9 +285,9 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
             errors.append(error)
             continue
         partition = Microbatching(label + named, tuple(mbs), tuple(recompute))
-        if named and any(other.label.startswith(label) and other.microbatches == partition.microbatches
+        if named and any(other.label == label and other.microbatches == partition.microbatches
                          for *_, other in found):
-            continue  # sized alike either way
+            continue  # sized alike either way (normal mode: the first sizing is always among those found)
         rank = predicted_iteration_ms(costs, partition, spec.chunks)
         light = tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit))
         if light != partition.recompute:

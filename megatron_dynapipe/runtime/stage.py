@@ -61,8 +61,9 @@ def planned_step(ddp, plan, tensors: list, device, *, forward_only: bool = False
     from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
 
     on_device = [{k: torch.from_numpy(v).to(device) for k, v in mb.items()} for mb in tensors]
-    shape = dict(model=ddp if isinstance(ddp, list) else [ddp], num_microbatches=len(on_device), seq_length=plan.microbatches[0].seq_len,
-                 micro_batch_size=plan.microbatches[0].rows, forward_only=forward_only)
+    shape = dict(model=ddp if isinstance(ddp, list) else [ddp], num_microbatches=len(on_device),
+                 seq_length=plan.microbatches[0].seq_len, micro_batch_size=plan.microbatches[0].rows,
+                 forward_only=forward_only)
     cuda_as_cpu = cpu_compat.cuda_as_cpu if device.type == "cpu" else contextlib.nullcontext
 
     def step() -> list:

@@ -9,16 +9,18 @@ parallelism; interleaved pipelines as Megatron's interleaved 1F1B and DynaPipe's
 * ``megatron``: Megatron's fixed shapes, its GPT data path: the samples back to back, cut into
   windows of ``seq-length`` tokens that attend across documents. The traced step, as simulated.
 * ``thd``: the same windows without attention across documents (THD packing): each
-  data-parallel rank's windows in rows of k, Megatron's 1F1B (interleaved where the layout is), the k and uniform recompute of the fastest
-  run that fits (:func:`~megatron_dynapipe.planning.baselines.thd_packing_rows`).
+  data-parallel rank's windows in rows of k, Megatron's 1F1B (interleaved where the layout is),
+  the k and uniform recompute of the fastest run that fits
+  (:func:`~megatron_dynapipe.planning.baselines.thd_packing_rows`).
 * ``dynapipe`` and ``dynapipe-varlen``: the planner on each batch (padded, or packed THD
   micro-batches), every data-parallel rank planned; a step is its slowest rank's.
 
 Where a method differs from the traced step is the pipeline, so a method's step is the
 pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
 plus what the trace holds besides it: the traced iteration less the planner's simulation of
-the traced layout's own fixed-shape schedule (1F1B, or its interleaved 1F1B) (the gradient reduction, the optimizer step, and
-whatever else the replay prices that the planner's stage costs do not).
+the traced layout's own fixed-shape schedule, 1F1B or its interleaved 1F1B (the gradient
+reduction, the optimizer step, and whatever else the replay prices that the planner's stage costs
+do not).
 """
 
 from __future__ import annotations

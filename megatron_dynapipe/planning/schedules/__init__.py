@@ -15,7 +15,8 @@ from megatron_dynapipe.planning.schedules.wait_free_cyclic import WaitFreeCyclic
 from megatron_dynapipe.planning.simulator import Order
 
 __all__ = ["SCHEDULES", "DEFAULT_SCHEDULES", "Schedule", "FixedSchedule", "check_chunks", "default_schedules",
-           "get_schedule", "fast_mode_schedule", "fast_mode_schedules", "megatron_orders", "one_f_one_b_orders"]
+           "get_schedule", "fast_mode_schedule", "fast_mode_schedules", "megatron_orders", "megatron_schedule",
+           "one_f_one_b_orders"]
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OneFOneB(), WaitFreeCyclic(), GPipe(), Interleaved1F1B())}
 #: what the planner searches unless told otherwise (one model chunk a rank)
@@ -63,7 +64,13 @@ def one_f_one_b_orders(pp: int, n: int) -> list[Order]:
     return SCHEDULES["1f1b"].orders_for(pp, n)
 
 
+def megatron_schedule(chunks: int = 1) -> str:
+    """The name of Megatron's own schedule for ranks of ``chunks`` model chunks: 1F1B, interleaved
+    where there are several."""
+    return "interleaved-1f1b" if chunks > 1 else "1f1b"
+
+
 def megatron_orders(pp: int, n: int, chunks: int = 1) -> list[Order]:
-    """Megatron's own schedule of ``n`` micro-batches on ``pp`` ranks: 1F1B, interleaved where each
-    rank holds ``chunks`` model chunks."""
-    return SCHEDULES["interleaved-1f1b"].orders_for(pp, n, chunks) if chunks > 1 else one_f_one_b_orders(pp, n)
+    """The per-rank orders of Megatron's own schedule (:func:`megatron_schedule`) of ``n``
+    micro-batches on ``pp`` ranks of ``chunks`` model chunks."""
+    return SCHEDULES[megatron_schedule(chunks)].orders_for(pp, n, chunks)
