@@ -10,6 +10,8 @@ micro-batches and measures them against THD packing (Megatron's packed sequences
 attention between samples); the compute-only ideal is a padded plan's, and is left out there.
 ``--chunks V`` plans an interleaved pipeline (V model chunks a rank, ``interleaved-1f1b``); its
 baseline stays packing + 1F1B on the same ranks; its lower bound counts a rank's chunks together.
+``--cp C`` splits every micro-batch's rows over C context-parallel ranks, each running the plan on
+its share (every method priced per rank of the group).
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from dataclasses import replace
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
-from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.planning.cost_model import CostModelError, StageCosts, load_cost_model, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan, rank_costs
 from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
 from megatron_dynapipe.planning.spec import PACKINGS, TrainingSpec
 from megatron_dynapipe.progress import progress_bar
 
 DEFAULT_COST_MODEL = "gpt-6.7b-a100"  # shipped with the package
+DEFAULT_MODEL = "6.7B"  # the GPT it measured
 SIZES = (8, 16, 32, 64, 256, 1024, 4096)
 TIGHT = "tight"
 TIGHT_RESOLUTION_MB = 16  # the bisection stops within this of the tightest limit
@@ -63,6 +67,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks, each planned (default 1)")
     p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
                    metavar="V", help="model chunks a rank: an interleaved pipeline (default 1)")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                   help="context-parallel ranks each micro-batch's rows are split over (default 1)")
     p.add_argument("--memory-limit", type=memory_limit, metavar="MB|tight",
                    help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else "
                         "36000), or 'tight': per batch, the tightest limit "
@@ -91,7 +97,13 @@ def run(args) -> int:
     default_limit = priced.memory_limit_mb if priced else TrainingSpec.memory_limit_mb
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
                         dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
-                        else default_limit, packing=args.packing, chunks=args.chunks)
+                        else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp)
+    try:  # the shipped profile's GPT prices the attention core context parallelism repeats
+        model = split_over_cp(model, spec.cp, None if priced or args.cost_model else get_model(DEFAULT_MODEL))
+    except CostModelError:
+        raise ValueError(f"--cp {spec.cp}: {args.cost_model} does not record the GPT it measured, whose attention "
+                         "context parallelism repeats: use a profile made by `megatron-dynapipe profile`, or --model "
+                         "NAME --hardware NAME") from None
     chunks = f" x {spec.chunks} chunks" if spec.chunks > 1 else ""
     args.layout = f"{model.describe()}, PP={spec.pp}{chunks} DP={spec.dp}"
 

@@ -305,8 +305,8 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
     problems: list[str] = []
     refuse = problems.append
     if (getattr(args, "context_parallel_size", 1) or 1) > 1 or getattr(args, "hybrid_context_parallel", False):
-        refuse("--dynapipe does not plan context parallelism (its cost model has no context-parallel dimension): "
-               "drop --context-parallel-size")
+        refuse("--dynapipe does not train with context parallelism yet (its data pipeline does not split samples "
+               "over the CP group; `search` and `simulate` price it): drop --context-parallel-size")
     for flag, name in (("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
                        ("--reset-position-ids", "reset_position_ids"),
                        ("--reset-attention-mask", "reset_attention_mask"), ("--eod-mask-loss", "eod_mask_loss")):

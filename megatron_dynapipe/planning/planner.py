@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
-from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs
+from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
@@ -218,13 +218,19 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
 
 def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
     """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout,
-    one stage per virtual stage (``spec.pp * spec.chunks``)."""
+    one stage per virtual stage (``spec.pp * spec.chunks``), on one rank of its context-parallel
+    group."""
     stages = spec.pp * spec.chunks
     costs = as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=stages, dp=spec.dp,
                            zero_stage=spec.zero_stage, layers=spec.stage_layers)
     if costs.pp != stages:
         raise PlanningError(f"the stage costs given price {costs.pp} pipeline stages, the spec has {spec.pp} x "
                             f"{spec.chunks} virtual stages: give a cost model, or StageCosts of pp={stages}")
+    if costs.model.cp != spec.cp:
+        try:
+            costs = dataclasses.replace(costs, model=split_over_cp(costs.model, spec.cp))
+        except ValueError as error:
+            raise PlanningError(f"cannot price CP {spec.cp} with the cost model given: {error}") from None
     return costs
 
 

@@ -43,9 +43,13 @@ class TrainingSpec:
     #: above 1 the pipeline is interleaved, and the schedules searched by default are the
     #: interleaved ones
     chunks: int = 1
+    #: ranks each micro-batch's rows are split over (Megatron-LM's --context-parallel-size): every
+    #: one runs the same plan on its share of the tokens, priced by
+    #: :class:`~megatron_dynapipe.planning.cost_model.ContextParallelCostModel`
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks"):
+        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks", "cp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_layers < self.pp:
@@ -60,6 +64,9 @@ class TrainingSpec:
         if unknown or not self.schedules:
             raise ValueError(f"unknown schedule(s) {unknown or '(none)'}: choose from {', '.join(SCHEDULES)}")
         self._check_chunks()
+        if self.cp > 1 and self.seqlen_round % (2 * self.cp):
+            raise ValueError(f"context parallelism splits each row into 2 x cp = {2 * self.cp} chunks: make "
+                             f"seqlen_round a multiple of {2 * self.cp} (got {self.seqlen_round})")
         if self.partition not in PARTITION_METHODS:
             raise ValueError(
                 f"unknown partition method {self.partition!r}: choose from {', '.join(PARTITION_METHODS)}"

@@ -75,7 +75,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if source:
             space, traced = layout
             outcome = dataclasses.replace(traced, report=result)
-            priced = price_methods(space, [outcome] if outcome.candidate.plannable else [], source, methods,
+            priced = price_methods(space, [outcome], source, methods,
                                    traced_too=[outcome], batches=args.batches, seed=args.seed,
                                    fast_mode=resolve_fast_mode_setting(args.fast_mode or None), progress=False)
             out["on_data"] = priced.to_json()
@@ -92,14 +92,7 @@ def _data_for(args: argparse.Namespace, job, hardware):
         raise ValueError("--cost-model prices methods on your data: give --lengths FILE, --mix NAME or --data-path too")
     if not source:
         return source, methods, None
-    space, outcome = traced_layout(job, hardware, args.cost_model)
-    planned = [m for m in methods if m != "megatron"]
-    if planned and not outcome.candidate.plannable:
-        c = outcome.candidate
-        raise ValueError(f"--method {','.join(planned)}: {job.folder.name} runs context parallelism (CP {c.cp}), "
-                         "which the planner does not plan yet; price those methods on a trace at CP 1 (or --method "
-                         "megatron here)")
-    return source, methods, (space, outcome)
+    return source, methods, traced_layout(job, hardware, args.cost_model)
 
 
 def add_calibrate_parser(sub) -> None:
@@ -229,8 +222,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
     out = check_output_folder(args.output_dir, "--output-dir")
     try:
         result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
-                            progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr),
-                            plannable_shapes=-(-args.max_traced // 2) if source else 0)
+                            progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
         on_data = source and price_methods(space, representatives(result, args.method_layouts), source, methods,
                                            traced_too=result.ranked()[:1], batches=args.batches, seed=args.seed,
                                            jobs=args.jobs,

@@ -3,8 +3,10 @@ data (docs/simulate.md, "On your data").
 
 A search given data (``--lengths FILE`` or ``--mix NAME``) draws ``batches`` global batches from
 it, each of exactly ``global batch x seq-length`` tokens (what the fixed-shape step trains on),
-and prices each method on them at the best traced layouts a planner can run (no context
-parallelism; interleaved pipelines as Megatron's interleaved 1F1B and DynaPipe's planned one):
+and prices each method on them at the best traced layouts (interleaved pipelines as Megatron's
+interleaved 1F1B and DynaPipe's planned one; under context parallelism every method's costs are
+one rank's of the group, :class:`~megatron_dynapipe.planning.cost_model.ContextParallelCostModel`,
+the ring's transfers at the link between its ranks):
 
 * ``megatron``: Megatron's fixed shapes, its GPT data path: the samples back to back, cut into
   windows of ``seq-length`` tokens that attend across documents. The traced step, as simulated.
@@ -37,7 +39,7 @@ import numpy as np
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.baselines import fixed_shape_run, thd_packing_rows
-from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -165,13 +167,12 @@ class MethodsResult:
 
 
 def representatives(result: SearchResult, count: int) -> list[Outcome]:
-    """The fastest simulated layout that fits of each (TP, PP, model chunks, DP, optimizer) a
-    planner runs, the ``count`` fastest of them: the layouts the methods are priced at."""
+    """The fastest simulated layout that fits of each (TP, PP, model chunks, CP, DP, optimizer),
+    the ``count`` fastest of them: the layouts the methods are priced at."""
     best: dict[tuple, Outcome] = {}
     for o in result.ranked():
         c = o.candidate
-        if c.plannable:
-            best.setdefault((c.tp, c.pp, c.virtual_stages, c.dp, c.distributed_optimizer), o)
+        best.setdefault((c.tp, c.pp, c.virtual_stages, c.cp, c.dp, c.distributed_optimizer), o)
     return list(best.values())[:count]
 
 
@@ -286,9 +287,13 @@ class _Layout:
     def __init__(self, space: SearchSpace, outcome: Outcome):
         c = outcome.candidate
         self.space, self.candidate, self.chunks = space, c, c.virtual_stages
-        # one row a virtual stage: chunk v of rank r is row v * pp + r
-        self.costs = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
-                                pp=c.pp * self.chunks, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
+        # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
+        hardware = space.hardware
+        ring = hardware.link("p2p", c.tp * c.cp > hardware.gpus_per_node)  # CP ranks follow TP's in rank order
+        model = split_over_cp(space.cost_model_for(c.tp, c.sequence_parallel), c.cp, space.model,
+                              ring_gbps=ring.bandwidth_GBps)
+        self.costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp * self.chunks, dp=c.dp,
+                                zero_stage=1 if c.distributed_optimizer else 0)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                 space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)
@@ -311,7 +316,8 @@ class _Layout:
                            f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
                            time.perf_counter() - started)
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
-                            dp=self.candidate.dp, chunks=self.chunks, zero_stage=self.costs.zero_stage,
+                            dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
+                            seqlen_round=math.lcm(8, 2 * self.candidate.cp), zero_stage=self.costs.zero_stage,
                             memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
                             packing="varlen" if method == "dynapipe-varlen" else "pad")
         try:

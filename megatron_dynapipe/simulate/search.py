@@ -46,6 +46,7 @@ from megatron_dynapipe.planning.cost_model import (
     StageCosts,
     load_cost_model,
     resolve_cost_model_path,
+    split_over_cp,
 )
 from megatron_dynapipe.progress import progress_bar
 from megatron_dynapipe.simulate.replay import load_job, simulate_job
@@ -55,7 +56,6 @@ from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.tracer.batch_results import INTERRUPTED
 from megatron_dynapipe.tracer.batch_run import available_cores, run_batch
 from megatron_dynapipe.tracer.isolation import rank_start_method
-from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
 from megatron_dynapipe.tracer.trace_format import RECORDING_REVISION
 
 __all__ = ["SearchError", "SearchSpace", "Candidate", "Estimate", "Outcome", "SearchResult",
@@ -225,12 +225,6 @@ class Candidate:
     virtual_stages: int = 1
 
     @property
-    def plannable(self) -> bool:
-        """A layout DynaPipe's planner runs: any pipeline, interleaved or not, without context
-        parallelism."""
-        return self.cp == 1
-
-    @property
     def trace_key(self) -> tuple[int, int, int, int, bool, int]:
         """Layouts that share a trace: recompute and the optimizer are derived from it."""
         return self.tp, self.pp, self.cp, self.micro_batch_size, self.sequence_parallel, self.virtual_stages
@@ -293,12 +287,13 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[tuple,
     ``(m + (p - 1)/V)`` times the slowest stage's forward, backward (with recomputation),
     tensor-parallel all-reduces and pipeline sends (V a micro-batch) per micro-batch, plus the
     data-parallel gradient reduction (not overlapped) and the optimizer step.  Context parallelism
-    adds its ring's other ``c - 1`` attention blocks; its communication, overlapped with them, is
-    left to the trace."""
+    prices one rank of the group (:class:`~megatron_dynapipe.planning.cost_model.ContextParallelCostModel`:
+    its share of the tokens, the ring's other ``c - 1`` attention blocks); the ring's communication,
+    overlapped with them, is left to the trace."""
     model = (cost_models or {}).get((c.tp, c.sequence_parallel)) or space.cost_model_for(c.tp, c.sequence_parallel)
-    costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp, dp=c.dp,
-                       zero_stage=1 if c.distributed_optimizer else 0)
-    hw, seq = space.hardware, space.seq_length // c.cp
+    costs = StageCosts(split_over_cp(model, c.cp, space.model), num_layers=space.model.num_layers, pp=c.pp,
+                       dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)  # one rank of a CP group
+    hw, seq = space.hardware, space.seq_length // c.cp  # a CP rank's tokens of a sequence
     b, h = c.micro_batch_size, space.model.hidden_size
     activation = 2.0 * b * seq * h  # bytes of one 16-bit activation tensor
     tp_group, dp_group = range(c.tp), range(0, c.tp * c.cp * c.dp, c.tp * c.cp)
@@ -309,21 +304,20 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[tuple,
     # a profile is measured without sequence parallelism: its stored activations scaled as counted
     stored_share = _sequence_parallel_share(space, c) if c.sequence_parallel and not space.prices_sequence_parallel \
         else 1.0
-    ring = ring_attention_ms(costs, space.model, c.tp, c.cp, b, seq, 1)  # CP's other attention blocks, a layer
-    ring_per_layer_ms = ring["forward"] + ring["backward"]
     slowest, memory, tail_us = 0.0, 0.0, 0.0
     for stage in range(c.pp):
         layers = costs.layers_on(stage)
-        per_mb_us = 1e3 * (costs.forward_ms(stage, b, seq, "none") + costs.backward_ms(stage, b, seq, c.recompute)
-                           + layers * ring_per_layer_ms)
+        per_mb_us = 1e3 * (costs.forward_ms(stage, b, space.seq_length, "none")
+                           + costs.backward_ms(stage, b, space.seq_length, c.recompute))
         per_mb_us += layers * tp_per_layer * allreduce_us + 2 * v * p2p_us
         slowest = max(slowest, per_mb_us)
         in_flight = (min(c.pp - stage, c.num_microbatches) if v == 1
                      else min(warmup_passes(c.pp, v) + 1, c.num_microbatches * v) / v)
         state = costs.model_state_mb(stage) * MB
         # one layer's working set: with recomputation, the layer recomputed before its backward
-        memory = max(memory, state + MB * (in_flight * stored_share * costs.stored_mb(stage, b, seq, c.recompute)
-                                           + costs.peak_mb(stage, b, seq, "none")))
+        memory = max(memory, state + MB * (in_flight * stored_share
+                                           * costs.stored_mb(stage, b, space.seq_length, c.recompute)
+                                           + costs.peak_mb(stage, b, space.seq_length, "none")))
         grads = 2 * costs.param_mb(stage) * MB  # fp32 gradients: twice the 16-bit parameters
         if c.distributed_optimizer:
             reduce_us = (hw.collective_us("reduce_scatter", grads, dp_group)
@@ -446,12 +440,10 @@ class SearchResult:
 
 
 def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int = 12, jobs: Optional[int] = None,
-               progress: bool = True, say: Callable[[str], None] = lambda line: None,
-               plannable_shapes: int = 0) -> SearchResult:
+               progress: bool = True, say: Callable[[str], None] = lambda line: None) -> SearchResult:
     """Enumerate, prune and rank by estimate, trace ``max_traced`` (TP, PP, CP, micro-batch)
-    shapes -- the best-estimated, at least ``plannable_shapes`` of them among those a planner
-    runs (no context parallelism), the rule of thumb's among them (in
-    place of the last) from two up -- and simulate their variants."""
+    shapes -- the best-estimated, the rule of thumb's among them (in place of the last) from two
+    up -- and simulate their variants."""
     if max_traced < 1:
         raise SearchError(f"--max-traced must be at least 1, got {max_traced}")
     candidates = enumerate_candidates(space)
@@ -474,7 +466,7 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
         raise SearchError(f"no layout fits {space.hardware.memory_gib:g} GiB per GPU: the smallest, "
                           f"{smallest.candidate.describe()}, needs {smallest.estimate.memory_bytes / 2**30:.1f} GiB; "
                           "use more GPUs, a shorter --seq-length or hardware with more memory")
-    keys = _shapes_to_trace([o.candidate for o in kept], max_traced, plannable_shapes)
+    keys = _shapes_to_trace([o.candidate for o in kept], max_traced)
     if rule is not None and rule.trace_key not in keys and max_traced > 1:
         keys[max_traced - 1:] = [rule.trace_key]
     say(f"{len(candidates)} layouts: {len(candidates) - len(kept)} pruned by estimated memory; tracing the "
@@ -486,12 +478,9 @@ def run_search(space: SearchSpace, output_dir: "str | Path", *, max_traced: int 
     return result
 
 
-def _shapes_to_trace(candidates: list[Candidate], count: int, plannable: int) -> list[tuple]:
-    """The trace keys of the first ``count`` shapes of ``candidates`` (best-estimated first), the
-    first ``plannable`` of the :attr:`Candidate.plannable` ones among them."""
-    keys = list(dict.fromkeys(c.trace_key for c in candidates))
-    flat = list(dict.fromkeys(c.trace_key for c in candidates if c.plannable))[:min(plannable, count)]
-    return flat + [k for k in keys if k not in flat][:count - len(flat)]
+def _shapes_to_trace(candidates: list[Candidate], count: int) -> list[tuple]:
+    """The trace keys of the first ``count`` shapes of ``candidates`` (best-estimated first)."""
+    return list(dict.fromkeys(c.trace_key for c in candidates))[:count]
 
 
 def _trace(space: SearchSpace, keys: Iterable[tuple], folder: Path, cost_models: dict[tuple, CostModel], jobs,

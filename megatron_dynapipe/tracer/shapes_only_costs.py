@@ -10,9 +10,9 @@ from typing import Optional
 from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts, as_stage_costs, gpt_shape
+from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
 
-__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms", "ring_attention_ms"]
+__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms"]
 
 #: the device shapes-only traces are priced for when neither a cost model nor a hardware is given
 DEFAULT_HARDWARE = "a100"
@@ -30,27 +30,26 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
         cost_model = load_hardware(DEFAULT_HARDWARE).cost_model(spec, layout.tp, dtype)
     chunk_layers = training.chunk_layers(spec.num_layers, layout.pp)  # per virtual stage
     chunks = len(chunk_layers) // layout.pp
-    costs = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
+    model = as_stage_costs(cost_model, tp=layout.tp, num_layers=spec.num_layers, pp=layout.pp, dp=layout.dp,
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                           ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size)
-    costs = StageCosts(costs.model, num_layers=spec.num_layers, pp=layout.pp * chunks, dp=layout.dp,
-                       zero_stage=costs.zero_stage, layers=tuple(chunk_layers))
-    seq_local = max(1, seq // layout.cp)
+                           ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size).model
+    # the ring's transfers are traced ops, priced by the replay: the cost model prices its attention alone
+    costs = StageCosts(split_over_cp(model, layout.cp, spec), num_layers=spec.num_layers, pp=layout.pp * chunks,
+                       dp=layout.dp, layers=tuple(chunk_layers))
     table = {}
     for chunk in range(chunks):
         virtual = chunk * layout.pp + stage
-        backward = backward_ms(costs, virtual, mbs, seq_local, training, chunk_layers[virtual])
-        ring = ring_attention_ms(costs, spec, layout.tp, layout.cp, mbs, seq_local, chunk_layers[virtual])
+        backward = backward_ms(costs, virtual, mbs, seq, training, chunk_layers[virtual])
         table[chunk] = {
-            "forward": float(costs.forward_ms(virtual, mbs, seq_local, "none")) + ring["forward"],
-            "backward": backward + ring["backward"],
-            "recompute": backward - float(costs.backward_ms(virtual, mbs, seq_local, "none")),
+            "forward": float(costs.forward_ms(virtual, mbs, seq, "none")),
+            "backward": backward,
+            "recompute": backward - float(costs.backward_ms(virtual, mbs, seq, "none")),
         }
         for kind, ms in table[chunk].items():
             if not math.isfinite(ms):
                 raise ValueError(
                     f"cost model {getattr(costs.model, 'name', costs.model)!r} has no finite {kind} "
-                    f"time for micro-batch {mbs} x {seq_local} tokens on stage {stage} (it does not "
+                    f"time for micro-batch {mbs} x {seq} tokens on stage {stage} (it does not "
                     "fit the profiled device); pass a smaller micro_batch_size/seq_length or another "
                     "cost model"
                 )
@@ -58,20 +57,7 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     def cost(kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
         return table[chunk or 0].get(kind, 0.0)
 
-    return cost, costs.model
-
-
-def ring_attention_ms(costs, spec: ModelSpec, tp: int, cp: int, mbs: int, seq_local: int,
-                      layers: int) -> dict[str, float]:
-    """Attention work context parallelism adds to a rank's pass, by phase: its ``s / c`` queries
-    attend to all ``s`` keys in ``c`` causally balanced steps (transformer-engine's ring), each as
-    much work as the local block the cost model priced at ``s / c`` tokens, so ``c - 1`` more
-    blocks.  A block's time is the layer's times its attention core's share of the FLOPs."""
-    if cp == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    share = AnalyticalCostModel(**gpt_shape(spec, tp)).attention_core_share(seq_local)
-    return {phase: (cp - 1) * layers * share * float(costs.model.layer_ms("encoder", phase, "none", mbs, seq_local))
-            for phase in ("forward", "backward")}
+    return cost, model
 
 
 def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, chunk_layers: int) -> float:

@@ -89,3 +89,21 @@ def test_interleaved_plans_are_measured_against_packing_on_the_same_ranks():
     assert packing[1] == pytest.approx(packing[0], rel=1e-9)
     assert interleaved["makespan_over_lower_bound"] >= 1.0
     assert "PP=4 x 2 chunks" in bench(2) and "packing to 4096 + 1F1B on the same ranks" in bench(2)
+
+
+def test_context_parallel_plans_price_each_rank_of_the_group(capsys):
+    """--cp 2: each rank of a pair runs the plan on half of every row's tokens, every method
+    priced alike; a profile that does not record its GPT cannot say what attention is repeated."""
+    def bench(*extra):
+        command = [sys.executable, str(ROOT / "benchmarks" / "bench_planner.py"), "--sizes", "64", "--seeds", "1",
+                   "--mix", "long", "--all-cores", "--json", *extra]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    plain, split = (json.loads(bench("--cp", str(cp)).stdout) for cp in (1, 2))
+    assert split["makespan_over_lower_bound"] >= 1.0
+    assert split["normal_makespan_ms"] < plain["normal_makespan_ms"]  # twice the GPUs a pipeline
+    from megatron_dynapipe.cli import main
+
+    assert main(["bench", "planner", "--sizes", "8", "--cp", "2", "--all-cores", "--cost-model", str(GPT_6_7B_A100)]) == 2
+    err = capsys.readouterr().err
+    assert "does not record the GPT it measured" in err and err.count("\n") == 1, err

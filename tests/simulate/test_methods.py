@@ -10,7 +10,6 @@ import pytest
 from megatron_dynapipe.cli import main
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.simulate.methods import METHODS, parse_methods, windows
-from megatron_dynapipe.simulate.search import Candidate, _shapes_to_trace
 
 # -- drawing batches --------------------------------------------------------------------------
 
@@ -49,18 +48,6 @@ def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cu
 
 
 # -- choosing what to trace and price ----------------------------------------------------------
-
-
-def test_at_least_the_asked_share_of_traced_shapes_is_one_a_planner_runs():
-    # (tp, pp, cp, mbs, sp, chunks), best-estimated first: CP shapes lead; interleaved ones are planned
-    keys = [(8, 16, 2, 1, True, 2), (8, 16, 2, 1, True, 1), (8, 8, 2, 1, True, 4), (8, 16, 1, 1, True, 2),
-            (8, 16, 4, 1, True, 1), (8, 8, 1, 2, True, 1), (4, 16, 1, 1, True, 1)]
-    candidates = [Candidate(tp, pp, cp, 8192 // (tp * pp * cp), mbs, 4, recompute, False, sp, chunks)
-                  for tp, pp, cp, mbs, sp, chunks in keys for recompute in ("none", "full")]  # two a shape
-    assert _shapes_to_trace(candidates, 4, 0) == keys[:4]
-    picked = _shapes_to_trace(candidates, 4, 2)
-    assert len(picked) == 4 and set(picked) == {keys[3], keys[5], keys[0], keys[1]}
-    assert _shapes_to_trace(candidates, 2, 5) == [keys[3], keys[5]]
 
 
 def test_methods_are_named_or_all():
@@ -107,9 +94,9 @@ def test_a_search_on_a_mix_prices_every_method_at_layouts_a_planner_runs(tmp_pat
     data = document["on_data"]
     assert data["methods"] == list(METHODS) and len(data["samples_per_batch"]) == 3
     assert data["tokens_per_batch"] == 16 * 256
-    priced = [s for s in data["steps"] if s["method"] != "megatron"]  # by the planner: no CP
-    layouts = {(s["tp"], s["pp"], s["virtual_stages"], s["dp"], s["distributed_optimizer"]) for s in priced}
-    assert len(layouts) == 2 and all(s["cp"] == 1 for s in priced)
+    priced = [s for s in data["steps"] if s["method"] != "megatron"]
+    layouts = {(s["tp"], s["pp"], s["virtual_stages"], s["cp"], s["dp"], s["distributed_optimizer"]) for s in priced}
+    assert len(layouts) == 2
     # Megatron's fixed shapes at their best are the search's best, interleaved or not
     assert data["best"]["megatron"]["mean_step_s"] == pytest.approx(document["best"]["iteration_s"])
     for step in data["steps"]:
@@ -202,27 +189,29 @@ def test_simulate_refuses_methods_it_cannot_price_before_simulating(tmp_path, ca
 
     (with_cp,) = run_batch(parse_configs(["8 2 1 cp=2 nmb=2"], model="tiny"), tmp_path, shapes_only=True,
                            progress=False, timeline=False)
-    cases = [([str(with_cp.folder), "--mix", "multitask", "--method", "dynapipe"], "runs context parallelism (CP 2)"),
-             ([str(tiny_traces["4 4 1"]), "--mix", "multitask", "--cost-model", "gpt-6.7b-a100"],
+    cases = [([str(tiny_traces["4 4 1"]), "--mix", "multitask", "--cost-model", "gpt-6.7b-a100"],
               "priced by a hardware file"),
              ([str(tiny_traces["4 4 1"]), "--cost-model", "gpt-6.7b-a100"], "give --lengths FILE, --mix NAME")]
     for argv, says in cases:
         assert main(["simulate", *argv, "--no-timeline"]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
-    # Megatron's own schedule is priced at any traced layout
-    assert main(["simulate", str(with_cp.folder), "--mix", "multitask", "--method", "megatron", "--batches", "1",
+    # every method is priced at a context-parallel layout too
+    assert main(["simulate", str(with_cp.folder), "--mix", "multitask", "--method", "all", "--batches", "1",
                  "--no-timeline", "--json"]) == 0
-    priced = json.loads(capsys.readouterr().out)["on_data"]["best"]["megatron"]
-    assert priced["cp"] == 2 and "CP 2" in priced["setting"]
+    best = json.loads(capsys.readouterr().out)["on_data"]["best"]
+    assert all(best[method]["cp"] == 2 and best[method]["error"] is None for method in METHODS), best
+    assert "CP 2" in best["megatron"]["setting"]
 
 
-def test_at_an_interleaved_layout_thd_rows_of_one_whole_window_take_megatrons_traced_step(tmp_path, capsys,
-                                                                                          monkeypatch):
-    """Two model chunks a rank, every sample a whole window: THD packing held to rows of one
-    window runs Megatron's own micro-batches on its interleaved 1F1B, so its step is the traced
-    one -- if the layout's costs, its fixed-shape schedule and THD's are all interleaved alike.
-    DynaPipe plans the same layout, interleaved, and is not slower than THD's run it could choose."""
+@pytest.mark.parametrize("chunks, cp", [(2, 1), (1, 2)], ids=["interleaved", "context-parallel"])
+def test_at_an_interleaved_or_cp_layout_thd_rows_of_one_whole_window_take_megatrons_traced_step(
+        tmp_path, capsys, monkeypatch, chunks, cp):
+    """Two model chunks a rank (or two context-parallel ranks a sample), every sample a whole
+    window: THD packing held to rows of one window runs Megatron's own micro-batches on its
+    schedule, so its step is the traced one -- if the layout's costs, its fixed-shape schedule and
+    THD's are all interleaved (or split) alike. DynaPipe plans the same layout and is not slower
+    than THD's run it could choose."""
     from megatron_dynapipe.planning import baselines
 
     monkeypatch.setattr(baselines, "PACKING_MICROBATCH_SIZES", (1,))  # the pricing workers are forked
@@ -230,12 +219,12 @@ def test_at_an_interleaved_layout_thd_rows_of_one_whole_window_take_megatrons_tr
     lengths.write_text("256\n" * 10)
     document = _search(tmp_path, capsys, "--world-size", "4", "--global-batch-size", "4", "--tp", "1", "--pp", "2",
                        "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
-                       "--num-virtual-stages-per-pipeline-rank", "2", "--max-traced", "1", "--lengths", str(lengths),
-                       "--batches", "2", "--method", "all")
+                       "--num-virtual-stages-per-pipeline-rank", str(chunks), "--cp", str(cp), "--max-traced", "1", "--lengths", str(lengths), "--batches", "2", "--method", "all")
     data, traced = document["on_data"], document["best"]["iteration_s"]
-    assert document["best"]["virtual_stages"] == 2
+    shape = {"virtual_stages": chunks, "cp": cp}
+    assert {key: document["best"][key] for key in shape} == shape
     for method in METHODS:
-        assert data["best"][method]["virtual_stages"] == 2 and data["best"][method]["error"] is None, method
+        assert {key: data["best"][method][key] for key in shape} == shape and data["best"][method]["error"] is None
     assert data["best"]["megatron"]["step_s"] == pytest.approx([traced, traced], rel=1e-9)
     assert data["best"]["thd"]["step_s"] == pytest.approx([traced, traced], rel=1e-9)
     assert data["best"]["thd"]["setting"] == "rows of 1 window, recompute none"

@@ -68,28 +68,6 @@ def test_the_ring_runs_beside_the_pass_and_shows_only_where_it_outlasts_it(tmp_p
     assert exposed.iteration_us == pytest.approx(m * (pass_f + pass_b), rel=1e-6)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_a_context_parallel_rank_does_a_cth_of_the_whole_sequences_layer_work(cp):
-    # with attention and GEMMs at one efficiency, a rank's s / c tokens through the linear layers
-    # plus c blocks of (s / c)^2 attention are the whole sequence's work over c
-    from megatron_dynapipe.config.model import get_model
-    from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts
-    from megatron_dynapipe.tracer.shapes_only_costs import ring_attention_ms
-
-    spec, tp, layers, s = get_model("tiny"), 2, 4, 256
-    model = AnalyticalCostModel(hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
-                                ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size, tp=tp,
-                                saturation_tokens=0)
-    costs = StageCosts(model, num_layers=layers, pp=1)
-    ring = ring_attention_ms(costs, spec, tp, cp, 1, s // cp, layers)
-    core = 4 * (s // cp) ** 2 * spec.hidden_size / tp / (312.0 * 1e9 * 0.5)  # QK^T and AV, ms at the model's rate
-    assert ring["forward"] == pytest.approx((cp - 1) * layers * core, rel=1e-9)
-    for phase in ("forward", "backward"):
-        local = layers * model.layer_ms("encoder", phase, "none", 1, s // cp)
-        whole = layers * model.layer_ms("encoder", phase, "none", 1, s)
-        assert local + ring[phase] == pytest.approx(whole / cp, rel=1e-9)
-
-
 def test_a_rope_model_traces_with_context_parallelism_on_the_cpu(tmp_path):
     """megatron-core picks a CP rank's rotary positions with an index made in pinned memory, which
     needs CUDA; CPU mode makes it in plain memory, and the ring is traced as without rope."""

@@ -198,6 +198,14 @@ class AnalyticalCostModel(CostModel):
         matmul, attention = self.encoder_flop_parts("forward", "none", 1, seqlen)
         return float(attention / (matmul + attention))
 
+    def attention_core_ms(self, phase: str, recompute, mbs, seqlen):
+        """The attention core's part of an encoder layer's :meth:`layer_ms` (in backward, the
+        core run again by ``recompute`` too): the work context parallelism's ring repeats."""
+        check_choice("phase", phase, PHASES)
+        _, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
+        under_used = np.maximum(1.0, self.saturation_tokens / (as_float(mbs) * as_float(seqlen)))
+        return self._mask(attention * (self.mfu / self.attention_mfu) * under_used / self._flop_per_ms, mbs, seqlen)
+
     def postprocess_flops(self, phase: str, mbs, seqlen):
         """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
         check_choice("phase", phase, PHASES)

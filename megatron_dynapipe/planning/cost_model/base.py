@@ -98,6 +98,13 @@ class CostModel(abc.ABC):
         raise CostModelError(f"{type(self).__name__} has no cost-model file form: pass a profile's path or an "
                              "AnalyticalCostModel")
 
+    #: the context-parallel ranks a micro-batch's rows are split over, of which the model prices one
+    cp: int = 1
+
+    def tokens_per_rank(self, mbs, seqlen):
+        """Tokens one rank holds of a micro-batch of ``mbs`` rows of ``seqlen``."""
+        return as_float(mbs) * as_float(seqlen) / self.cp
+
     def microbatch_overhead_ms(self, phase: str, mbs, seqlen, layers):
         """Milliseconds a training step adds per micro-batch, in ``phase``, to the own times of
         the parts of a stage of ``layers`` layers (GPTModel around them, the loss, DDP's gradient

@@ -203,6 +203,11 @@ class RooflineCostModel(AnalyticalCostModel):
             value = self._head_ms(phase, b, s)
         return self._mask(value, mbs, seqlen)
 
+    def attention_core_ms(self, phase: str, recompute, mbs, seqlen):
+        check_choice("phase", phase, PHASES)
+        return self._mask(self._encoder_parts(as_float(mbs), as_float(seqlen)).attention_ms(phase, as_recompute(recompute)),
+                          mbs, seqlen)
+
     def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
         """:meth:`CostModel.shape_costs` pricing each kernel once a shape: recompute types differ
         only in what the backward runs again (the planner asks every type of thousands of shapes)."""
@@ -232,9 +237,13 @@ class _EncoderParts:
     def ms(self, phase: str, rc: RecomputeType):
         """The layer's time in ``phase``; the backward runs again what ``rc`` recomputes: the
         attention core (selective) or the whole forward (full)."""
-        forward = self.linear_forward + self.attention_forward
         if phase == "forward":
-            return forward
-        again = {RecomputeType.NONE: 0.0, RecomputeType.SELECTIVE: self.attention_forward,
-                 RecomputeType.FULL: forward}[rc]
-        return self.linear_backward + self.attention_backward + again
+            return self.linear_forward + self.attention_forward
+        linear_again = self.linear_forward if rc == RecomputeType.FULL else 0.0
+        return self.linear_backward + linear_again + self.attention_ms(phase, rc)
+
+    def attention_ms(self, phase: str, rc: RecomputeType):
+        """The attention core's part of :meth:`ms`: both recompute types run the core again."""
+        if phase == "forward":
+            return self.attention_forward
+        return self.attention_backward + (0.0 if rc == RecomputeType.NONE else self.attention_forward)

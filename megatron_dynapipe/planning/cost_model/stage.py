@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_float, as_recompute
+from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_recompute
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["StageCosts"]
@@ -171,8 +171,9 @@ class StageCosts:
         return 8.0 * p / dp
 
     def p2p_ms(self, mbs, seqlen):
-        """Time to send one micro-batch's 16-bit activation (or its gradient) to the next stage."""
-        nbytes = 2.0 * as_float(mbs) * as_float(seqlen) * self.model.hidden_size
+        """Time to send one micro-batch's 16-bit activation (or its gradient) to the next stage
+        (its share of the tokens, under context parallelism)."""
+        nbytes = 2.0 * self.model.tokens_per_rank(mbs, seqlen) * self.model.hidden_size
         return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
 
 

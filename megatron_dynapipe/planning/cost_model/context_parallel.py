@@ -1,0 +1,173 @@
+"""Context parallelism seen from one rank: what a micro-batch costs each of the ``cp`` ranks
+its sequences are split over.
+
+Megatron-LM splits every sequence of ``s`` tokens into ``2 cp`` chunks and gives rank ``i``
+chunks ``i`` and ``2 cp - 1 - i``, so that each rank's share of the causal attention is equal.
+Each rank then runs its layers on ``s / cp`` tokens, and its attention core attends to all ``s``
+keys by passing key and value around the group's ring (transformer-engine's
+``AttnFuncWithCPAndKVP2P``): ``cp`` steps, each a block of attention as much work as the local,
+causal one at ``s / cp`` tokens, so ``cp - 1`` blocks more than the local layer does. A step's
+transfer of the next key and value runs while the block computes; only what outlasts the block
+shows (``ring_gbps``; without it the transfers are left to whoever prices communication, as a
+trace's replay does). Recompute runs the ring again with the core it recomputes.
+
+So a rank's encoder layer costs the inner model's layer at ``s / cp`` tokens plus ``cp - 1``
+times its attention core there, its activations and logits are those of ``s / cp`` tokens, and
+its parameters are the whole layer's (context parallelism shares no weights out). The attention
+core's part of a layer comes from a model that prices it apart (an
+:class:`~.analytical.AnalyticalCostModel` or the hardware roofline): the inner model itself where
+it does, else one of the same GPT's shape, by its share.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
+from megatron_dynapipe.planning.cost_model.base import TIMED, CostModel, CostModelError, as_float, as_recompute
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["ContextParallelCostModel", "split_over_cp"]
+
+KV_BYTES = 2.0  # 16-bit keys and values
+
+
+class ContextParallelCostModel(CostModel):
+    """``model``'s costs on one rank of a context-parallel group of ``cp`` ranks: every question
+    about a micro-batch of ``seqlen`` tokens a row is asked of ``model`` at ``seqlen / cp``, the
+    encoder layer's time with the ring's extra attention added.
+
+    ``attention``: a model pricing the attention core apart (``attention_core_ms``) at every shape,
+    whose share of its own layer time is taken of ``model``'s; default ``model`` itself, where it can.
+    ``ring_gbps``: GB/s of the ring's links; when given, what each step's transfer of keys and
+    values (and in backward their gradients) outlasts the step's attention is added too."""
+
+    def __init__(self, model: CostModel, cp: int, *, attention: Optional[AnalyticalCostModel] = None,
+                 ring_gbps: Optional[float] = None):
+        if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 2:
+            raise ValueError(f"context parallelism needs cp >= 2 ranks, got {cp!r}: use the model itself at cp 1")
+        if isinstance(model, ContextParallelCostModel):
+            raise ValueError("the model is already split over a context-parallel group: wrap the inner model once")
+        attention = attention if attention is not None else model if hasattr(model, "attention_core_ms") else None
+        if attention is None:
+            raise CostModelError(f"{model.describe()} does not price the attention core apart, which context "
+                                 "parallelism repeats: give attention=AnalyticalCostModel(**gpt_shape(model, tp))")
+        if attention.tp != model.tp:
+            raise ValueError(f"the attention model is at tp {attention.tp}, the cost model at tp {model.tp}")
+        if ring_gbps is not None and not ring_gbps > 0:
+            raise ValueError(f"ring_gbps must be > 0 GB/s, got {ring_gbps!r}")
+        self.model, self.cp, self.attention, self.ring_gbps = model, int(cp), attention, ring_gbps
+        self.tp, self.hidden_size = model.tp, model.hidden_size
+        self.name, self.metadata = model.name, model.metadata
+        self.microbatch_overhead = model.microbatch_overhead
+
+    def describe(self) -> str:
+        return f"{self.model.describe()}, split over CP {self.cp}"
+
+    def __repr__(self) -> str:
+        return f"ContextParallelCostModel({self.model!r}, cp={self.cp}, ring_gbps={self.ring_gbps})"
+
+    def local(self, seqlen):
+        """Tokens of a row of ``seqlen`` on one rank of the group."""
+        return as_float(seqlen) / self.cp
+
+    # -- time ---------------------------------------------------------------------------------
+    def layer_ms(self, layer, phase, recompute, mbs, seqlen):
+        local = self.local(seqlen)
+        ms = self.model.layer_ms(layer, phase, recompute, mbs, local)
+        return ms + self.ring_ms(phase, as_recompute(recompute), mbs, local, ms) if layer == "encoder" else ms
+
+    def ring_ms(self, phase: str, rc: RecomputeType, mbs, local, encoder_ms):
+        """What the ring adds to one encoder layer of ``encoder_ms`` at ``local`` tokens a row:
+        ``cp - 1`` blocks of its attention core, and the transfers they do not hide."""
+        extra = (self.cp - 1) * self._attention_ms(phase, rc, mbs, local, encoder_ms)
+        return extra if self.ring_gbps is None else extra + self._exposed_ms(phase, rc, mbs, local)
+
+    def _attention_ms(self, phase, rc, mbs, local, encoder_ms=None):
+        """The attention core's part of ``encoder_ms`` (default: the inner model's encoder layer):
+        its share of the attention model's layer."""
+        core = self.attention.attention_core_ms(phase, rc, mbs, local)
+        if self.attention is self.model:
+            return core
+        if encoder_ms is None:
+            encoder_ms = self.model.layer_ms("encoder", phase, rc, mbs, local)
+        return encoder_ms * (core / self.attention.layer_ms("encoder", phase, rc, mbs, local))
+
+    def _exposed_ms(self, phase, rc, mbs, local):
+        """Transfers that outlast the block of attention computed beside them: forward, ``cp - 1``
+        steps of keys and values; backward, ``cp`` steps (keys and values, then with their
+        gradients, the gradients alone last), after the forward ring of a recomputed core."""
+        kv = self._kv_ms(mbs, local)
+
+        def exposed(transfer, block_phase):
+            return np.maximum(0.0, transfer - self._attention_ms(block_phase, RecomputeType.NONE, mbs, local))
+
+        forward = (self.cp - 1) * exposed(kv, "forward")
+        if phase == "forward":
+            return forward
+        backward = 2.0 * exposed(kv, "backward") + (self.cp - 2) * exposed(2.0 * kv, "backward")
+        return backward + (0.0 if rc == RecomputeType.NONE else forward)
+
+    def _kv_ms(self, mbs, local):
+        """One ring step's keys and values of one rank's tokens, over ``ring_gbps``."""
+        layer = self.attention.layer
+        width = 2.0 * layer.query_groups * layer.head_dim / self.tp  # keys and values
+        return KV_BYTES * as_float(mbs) * local * width / (self.ring_gbps * 1e6)  # GB/s = 1e6 bytes per ms
+
+    def microbatch_overhead_ms(self, phase, mbs, seqlen, layers):
+        return self.model.microbatch_overhead_ms(phase, mbs, self.local(seqlen), layers)
+
+    # -- memory -------------------------------------------------------------------------------
+    def activation_mb(self, kind, recompute, mbs, seqlen):
+        return self.model.activation_mb(kind, recompute, mbs, self.local(seqlen))
+
+    def logits_mb(self, kind, mbs, seqlen):
+        return self.model.logits_mb(kind, mbs, self.local(seqlen))
+
+    def param_mb(self, layer):
+        return self.model.param_mb(layer)
+
+    def vocab_per_rank(self) -> float:
+        return self.model.vocab_per_rank()
+
+    @property
+    def activation_dtype(self) -> str:
+        return self.model.activation_dtype
+
+    def packed(self) -> "ContextParallelCostModel":
+        inner = self.model.packed()
+        if inner is self.model:
+            return self
+        return ContextParallelCostModel(inner, self.cp, attention=self.attention, ring_gbps=self.ring_gbps)
+
+    def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
+        """:meth:`CostModel.shape_costs` of the inner model at the local shape (one call, as it
+        shares work between its answers), the ring added to the encoder's times."""
+        types = tuple(map(as_recompute, types))
+        local = self.local(seqlen)
+        costs = np.array(self.model.shape_costs(types, mbs, local), dtype=float)
+        encoder = {phase: TIMED.index(("encoder", phase)) for phase in ("forward", "backward")}
+        for row, rc in enumerate(types):
+            for phase, k in encoder.items():
+                costs[row, k] += self.ring_ms(phase, rc, mbs, local, costs[row, k])
+        return costs
+
+
+def split_over_cp(model: CostModel, cp: int, spec: Optional[ModelSpec] = None, *,
+                  ring_gbps: Optional[float] = None) -> CostModel:
+    """``model`` on one rank of a context-parallel group of ``cp`` ranks (itself at cp 1), its
+    attention core priced by ``spec``'s analytical model where ``model`` does not price it apart."""
+    if cp == model.cp:
+        return model
+    if model.cp != 1:
+        raise ValueError(f"the cost model prices one rank of CP {model.cp}, not of CP {cp}")
+    if spec is None and model.metadata.get("model"):
+        spec = ModelSpec.from_any(model.metadata["model"])  # a profile records the model it measured
+    attention = None
+    if not hasattr(model, "attention_core_ms") and spec is not None:  # its shares only: every shape fits
+        attention = AnalyticalCostModel(**gpt_shape(spec, model.tp), device_memory_mb=math.inf)
+    return ContextParallelCostModel(model, cp, attention=attention, ring_gbps=ring_gbps)

@@ -1,0 +1,179 @@
+"""Context parallelism in the planner: one rank's share of a micro-batch, against the whole
+sequence's work split c ways and the ring's transfers written out here; plans at CP layouts."""
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.hardware import load_hardware
+from megatron_dynapipe.planning.cost_model import (
+    AnalyticalCostModel,
+    ContextParallelCostModel,
+    CostModelError,
+    StageCosts,
+    load_cost_model,
+    split_over_cp,
+)
+from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
+from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
+
+from test_planner import plan_and_check  # tests/planning is on the path, as pytest collects it
+
+RATE = 312.0 * 1e9 * 0.5  # FLOP per ms of the analytical model's defaults
+H, HEADS, FFN = 1024, 16, 4096
+
+
+def flops(phase: str, rc: RecomputeType, s: float, causal: bool) -> float:
+    """One layer's FLOPs on one sequence of ``s`` tokens (tp 1): the linear layers' 2 FLOPs a
+    weight a token (QKV, projection, two MLP matmuls), the scores and their product with the
+    values 2 s^2 h each (half of them causal); backward twice the forward, and what ``rc`` runs
+    again."""
+    linear = 2 * s * (4 * H * H + 2 * H * FFN)
+    attention = 4 * s * s * H * (0.5 if causal else 1.0)
+    forward = linear + attention
+    if phase == "forward":
+        return forward
+    again = {RecomputeType.NONE: 0.0, RecomputeType.SELECTIVE: attention, RecomputeType.FULL: forward}[rc]
+    return 2 * forward + again
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_rank_of_a_cp_group_does_a_cth_of_the_whole_sequences_layer_work(cp, fused):
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, ffn_hidden_size=FFN, saturation_tokens=0,
+                                fused_attention=fused)
+    split = ContextParallelCostModel(model, cp)
+    s = 8192
+    for rc in RecomputeType:
+        for phase in ("forward", "backward"):
+            assert split.layer_ms("encoder", phase, rc, 1, s) == pytest.approx(
+                flops(phase, rc, s, causal=fused) / cp / RATE, rel=1e-9), (rc, phase)
+    # the head and the embedding see the rank's s / c tokens
+    assert split.layer_ms("postprocess", "forward", "none", 2, s) == model.layer_ms("postprocess", "forward", "none",
+                                                                                     2, s // cp)
+
+
+def test_a_rank_holds_the_activations_logits_and_messages_of_its_share_and_every_weight():
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, ffn_hidden_size=FFN)
+    split = ContextParallelCostModel(model, 4)
+    for kind in ("stored", "peak"):
+        for rc in RecomputeType:
+            assert split.activation_mb(kind, rc, 2, 8192) == model.activation_mb(kind, rc, 2, 2048)
+        assert split.logits_mb(kind, 2, 8192) == model.logits_mb(kind, 2, 2048)
+    assert split.param_mb("encoder") == model.param_mb("encoder")
+    costs, whole = StageCosts(split, num_layers=8, pp=2), StageCosts(model, num_layers=8, pp=2)
+    assert costs.p2p_ms(2, 8192) == pytest.approx(2 * 2 * 2048 * H / (100.0 * 1e6))  # 16-bit, 100 GB/s
+    assert costs.model_state_mb(0) == whole.model_state_mb(0)
+    # asked through the stage costs' memo and one by one, the same answers
+    many = costs.all_stages(np.array([1.0, 2.0]), np.array([4096.0, 8192.0]), "selective")
+    assert many["backward"][1, 1] == pytest.approx(costs.backward_ms(1, 2, 8192, "selective"))
+    assert many["stored"][0, 0] == pytest.approx(costs.stored_mb(0, 1, 4096, "selective"))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_rings_transfers_show_where_they_outlast_its_blocks(cp):
+    # GQA: 4 key/value heads of 64 channels (width 256) at tp 2: one step moves K and V of the
+    # rank's s / c tokens, 2 x 2 B x 128 channels each a token
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, ffn_hidden_size=FFN, num_query_groups=4, tp=2,
+                                saturation_tokens=0, fused_attention=True)
+    b, s = 2, 8192
+    local = s // cp
+    kv_ms = lambda gbps: 2 * 2 * b * local * 128 / (gbps * 1e6)  # noqa: E731
+    block = {phase: model.attention_core_ms(phase, "none", b, local) for phase in ("forward", "backward")}
+    hidden = ContextParallelCostModel(model, cp)
+    for gbps in (1.0, 1e6):
+        ring = ContextParallelCostModel(model, cp, ring_gbps=gbps)
+        kv = kv_ms(gbps)
+        forward = (cp - 1) * max(0.0, kv - block["forward"])
+        backward = 2 * max(0.0, kv - block["backward"]) + (cp - 2) * max(0.0, 2 * kv - block["backward"])
+        for rc, expect in ((RecomputeType.NONE, {"forward": forward, "backward": backward}),
+                           (RecomputeType.FULL, {"forward": forward, "backward": backward + forward})):
+            for phase in ("forward", "backward"):
+                exposed = ring.layer_ms("encoder", phase, rc, b, s) - hidden.layer_ms("encoder", phase, rc, b, s)
+                assert exposed == pytest.approx(expect[phase], rel=1e-9, abs=1e-12), (gbps, rc, phase)
+        if gbps == 1.0:
+            assert forward > 0  # a slow link shows
+        else:
+            assert forward == backward == 0.0
+
+
+def test_the_rooflines_attention_core_is_what_selective_recompute_runs_again():
+    roofline = load_hardware("h100").cost_model(get_model("13B"), 2, "bfloat16")
+    for s in (1024, 4096):
+        again = (roofline.layer_ms("encoder", "backward", "selective", 1, s)
+                 - roofline.layer_ms("encoder", "backward", "none", 1, s))
+        assert roofline.attention_core_ms("forward", "none", 1, s) == pytest.approx(again)
+        assert (roofline.attention_core_ms("backward", "selective", 1, s)
+                - roofline.attention_core_ms("backward", "none", 1, s)) == pytest.approx(again)
+    split = split_over_cp(roofline, 2)
+    assert split.attention is roofline  # priced by the roofline's own attention kernels
+
+
+def test_a_profile_takes_the_attention_share_of_its_models_shape():
+    profile = load_cost_model("gpt-6.7b-a100", 1)
+    spec = get_model("6.7B")
+    with pytest.raises(CostModelError, match="does not price the attention core apart"):
+        split_over_cp(profile, 2)
+    split = split_over_cp(profile, 2, spec)
+    shape = AnalyticalCostModel(hidden_size=4096, num_heads=32, ffn_hidden_size=16384,
+                                vocab_size=spec.padded_vocab_size(1))
+    b, s = 1, 4096
+    share = (shape.attention_core_ms("forward", "none", b, s // 2) / shape.layer_ms("encoder", "forward", "none", b,
+                                                                                     s // 2))
+    local = profile.layer_ms("encoder", "forward", "none", b, s // 2)
+    assert split.layer_ms("encoder", "forward", "none", b, s) == pytest.approx(local * (1 + share))
+    assert split_over_cp(profile, 1) is profile
+
+
+def test_bad_context_parallel_settings_are_refused_in_one_line():
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS)
+    for make, says in [(lambda: ContextParallelCostModel(model, 1), "cp >= 2"),
+                       (lambda: ContextParallelCostModel(ContextParallelCostModel(model, 2), 2), "wrap the inner"),
+                       (lambda: ContextParallelCostModel(model, 2, ring_gbps=0.0), "ring_gbps must be > 0"),
+                       (lambda: TrainingSpec(num_layers=8, pp=2, cp=8), "make seqlen_round a multiple of 16")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            make()
+    spec = TrainingSpec(num_layers=8, pp=2, cp=4)
+    with pytest.raises(PlanningError, match="cannot price CP 4 .* not of CP 4"):
+        generate_execution_plan([100, 200], spec, StageCosts(ContextParallelCostModel(model, 2), num_layers=8, pp=2))
+
+
+def test_samples_too_long_for_one_rank_plan_split_over_a_cp_group_and_run_faster():
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, vocab_size=32000, device_memory_mb=16384)
+    lengths = [16384, 12000, 3000, 800, 200, 64]
+    with pytest.raises(PlanningError):
+        generate_execution_plan(lengths, TrainingSpec(num_layers=8, pp=2, memory_limit_mb=6_000.0), model)
+    spec = TrainingSpec(num_layers=8, pp=2, memory_limit_mb=6_000.0, cp=4)
+    result = plan_and_check(lengths, spec, model)
+    assert result.costs.model.cp == 4
+    assert all(mb.seq_len % 8 == 0 for choice in result.choices for mb in choice.microbatches)
+    # on four times the GPUs a batch both layouts plan is faster split than alone
+    short = [4000, 3000, 800, 200, 64, 64]
+    alone = generate_execution_plan(short, TrainingSpec(num_layers=8, pp=2, memory_limit_mb=6_000.0), model)
+    split = generate_execution_plan(short, spec, model)
+    assert split.makespan_ms < alone.makespan_ms
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=40),
+    cp=st.sampled_from([2, 4]),
+    pp=st.integers(1, 3),
+    chunks=st.integers(1, 2),
+    limit=st.sampled_from([6_000.0, 16_000.0]),
+    fast=st.booleans(),
+)
+def test_cp_batches_plan_to_valid_deadlock_free_plans_within_memory(lengths, cp, pp, chunks, limit, fast):
+    # samples up to cp x 4096 tokens: on each rank as long as the plain property test's
+    if pp == 1:
+        chunks = 1
+    lengths = [n * cp for n in lengths]
+    spec = TrainingSpec(num_layers=2 * pp * chunks, pp=pp, memory_limit_mb=limit, fast_mode=fast, chunks=chunks,
+                        cp=cp)
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, vocab_size=32000, device_memory_mb=16384)
+    assert plan_and_check(lengths, spec, model).costs.model.cp == cp
