@@ -60,7 +60,7 @@ from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_mode
 from megatron_dynapipe.planning.microbatching import pack_fixed_length
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.planner import generate_execution_plan
-from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, MAX_LENGTH, MIXES, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.samples import MIX_CAPS, MIXES, read_lengths, synthetic_lengths
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
@@ -193,7 +193,7 @@ def _lengths(args, max_seq_length: int) -> list[int]:
             raise ValueError(f"{args.lengths} has a sample of {max(too_long)} tokens, over --max-seq-length "
                              f"{max_seq_length}: raise it (up to the model's positions) or cut the samples")
         return lengths
-    cap = LONG_MAX_LENGTH if args.mix == "long" else MAX_LENGTH
+    cap = MIX_CAPS[args.mix]
     return [max(2, min(max_seq_length, round(n * max_seq_length / cap)))
             for n in synthetic_lengths(args.samples, args.seed, args.mix)]
 

@@ -28,22 +28,31 @@ LONG_MIX = {
     "article": (0.25, 7.2, 0.5),
     "book": (0.30, 8.6, 0.5),
 }
-MIXES = ("multitask", "lognormal", "long")
+# Long-tail mix, capped at 16384 tokens, for context-parallel layouts: most samples are a page or
+# two, and one in twelve is a long document of 4-8x the median (about 1,300 tokens).
+LONGTAIL_MIX = {
+    "chat": (0.92, 7.0, 0.7),
+    "long-document": (0.08, 8.9, 0.25),
+}
+LONGTAIL_MAX_LENGTH = 16384
+MIXES = ("multitask", "lognormal", "long", "longtail")
+#: the longest sample each mix draws
+MIX_CAPS = {"multitask": MAX_LENGTH, "lognormal": MAX_LENGTH, "long": LONG_MAX_LENGTH, "longtail": LONGTAIL_MAX_LENGTH}
 
 
 def synthetic_lengths(num_samples: int, seed: int = 0, mix: str = "multitask") -> list[int]:
     """Lengths from a documented mix: `multitask` draws from MULTITASK_MIX and `lognormal` from
     lognormal(5.3, 0.9) (median about 200 tokens), both clipped to [8, 2048]; `long` draws from
-    LONG_MIX clipped to [8, 4096]."""
+    LONG_MIX clipped to [8, 4096], `longtail` from LONGTAIL_MIX clipped to [8, 16384]."""
     rng = np.random.default_rng(seed)
     if mix == "lognormal":
         return _clip(rng.lognormal(5.3, 0.9, num_samples), MAX_LENGTH)
-    tasks = {"multitask": MULTITASK_MIX, "long": LONG_MIX}.get(mix)
+    tasks = {"multitask": MULTITASK_MIX, "long": LONG_MIX, "longtail": LONGTAIL_MIX}.get(mix)
     if tasks is None:
         raise ValueError(f"unknown length mix {mix!r}: choose from {', '.join(MIXES)}")
     shares, mus, sigmas = map(np.array, zip(*tasks.values()))
     task = rng.choice(len(shares), size=num_samples, p=shares / shares.sum())
-    return _clip(rng.lognormal(mus[task], sigmas[task]), LONG_MAX_LENGTH if mix == "long" else MAX_LENGTH)
+    return _clip(rng.lognormal(mus[task], sigmas[task]), MIX_CAPS[mix])
 
 
 def _clip(raw: np.ndarray, cap: int) -> list[int]:

@@ -181,9 +181,8 @@ def add_search_parser(sub) -> None:
                             "(default: post them and wait just before they are needed); needs PP > 2")
     data = add_data_arguments(p)
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
-                      help="price the methods at the N fastest traced layouts a planner runs: any pipeline, "
-                           "interleaved or not, without context parallelism (default 4; half the traced shapes are "
-                           "such layouts)")
+                      help="price the methods at the N fastest traced layouts, the fastest of each TP, PP, "
+                           "chunks, CP, DP and optimizer (default 4)")
     run = p.add_argument_group("search")
     run.add_argument("--max-traced", type=int, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "

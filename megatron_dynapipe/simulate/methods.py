@@ -180,8 +180,8 @@ def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthS
                   traced_too: Sequence[Outcome] = (), batches: int = 8, seed: int = 0, fast_mode: "bool | str" = False,
                   jobs: Optional[int] = None, progress: bool = True) -> MethodsResult:
     """Each method on ``batches`` batches drawn from ``source``, at the traced layouts ``chosen``
-    (layouts a planner runs: a search's :func:`representatives`); Megatron's traced step at
-    ``traced_too`` as well (interleaved or CP as they may be). The batches are priced ``jobs`` at
+    (a search's :func:`representatives`); Megatron's traced step at ``traced_too`` as well. The
+    batches are priced ``jobs`` at
     a time (default one per core), each worker remembering its layouts' cost-model answers."""
     started = time.perf_counter()
     tokens = space.global_batch_size * space.seq_length

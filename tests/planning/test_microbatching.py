@@ -119,6 +119,17 @@ def test_the_long_mix_reaches_its_cap_often_and_stays_within_it():
     assert np.median(lengths) < 2048  # and the rest spreads below it
 
 
+def test_the_longtail_mix_has_a_few_samples_of_4_to_8_times_its_median():
+    from megatron_dynapipe.planning.samples import synthetic_lengths
+
+    lengths = np.array(synthetic_lengths(20000, seed=0, mix="longtail"))
+    median = np.median(lengths)
+    assert 1000 < median < 1600 and lengths.max() <= 16384
+    tail = lengths[lengths >= 4 * median]
+    assert 0.06 < len(tail) / len(lengths) < 0.12  # a few
+    assert np.median(tail) < 8 * median
+
+
 def test_the_dp_reports_the_recompute_each_microbatch_was_costed_with(costs_pp4):
     rng = np.random.default_rng(11)
     lengths = [int(x) for x in rng.integers(8, 4096, size=120)]
