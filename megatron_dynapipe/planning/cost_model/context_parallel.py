@@ -55,7 +55,7 @@ class ContextParallelCostModel(CostModel):
         attention = attention if attention is not None else model if hasattr(model, "attention_core_ms") else None
         if attention is None:
             raise CostModelError(f"{model.describe()} does not price the attention core apart, which context "
-                                 "parallelism repeats: give attention=AnalyticalCostModel(**gpt_shape(model, tp))")
+                                 "parallelism repeats: give the GPT's shape, split_over_cp(model, cp, spec)")
         if attention.tp != model.tp:
             raise ValueError(f"the attention model is at tp {attention.tp}, the cost model at tp {model.tp}")
         if ring_gbps is not None and not ring_gbps > 0:
