@@ -181,8 +181,8 @@ def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthS
                   jobs: Optional[int] = None, progress: bool = True) -> MethodsResult:
     """Each method on ``batches`` batches drawn from ``source``, at the traced layouts ``chosen``
     (a search's :func:`representatives`); Megatron's traced step at ``traced_too`` as well. The
-    batches are priced ``jobs`` at
-    a time (default one per core), each worker remembering its layouts' cost-model answers."""
+    batches are priced ``jobs`` at a time (default one per core), each worker remembering its
+    layouts' cost-model answers."""
     started = time.perf_counter()
     tokens = space.global_batch_size * space.seq_length
     drawn = source.batches(tokens, space.seq_length, batches, seed)
