@@ -317,8 +317,8 @@ class _Layout:
                            time.perf_counter() - started)
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
                             dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
-                            seqlen_round=math.lcm(8, 2 * self.candidate.cp), zero_stage=self.costs.zero_stage,
-                            memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
+                            seqlen_round=math.lcm(TrainingSpec.seqlen_round, 2 * self.candidate.cp),
+                            zero_stage=self.costs.zero_stage, memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
                             packing="varlen" if method == "dynapipe-varlen" else "pad")
         try:
             plan = generate_execution_plan(lengths, spec, self.costs)

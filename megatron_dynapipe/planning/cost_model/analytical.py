@@ -203,8 +203,7 @@ class AnalyticalCostModel(CostModel):
         core run again by ``recompute`` too): the work context parallelism's ring repeats."""
         check_choice("phase", phase, PHASES)
         _, attention = self.encoder_flop_parts(phase, recompute, mbs, seqlen)
-        under_used = np.maximum(1.0, self.saturation_tokens / (as_float(mbs) * as_float(seqlen)))
-        return self._mask(attention * (self.mfu / self.attention_mfu) * under_used / self._flop_per_ms, mbs, seqlen)
+        return self._mask(self._compute_ms(attention * (self.mfu / self.attention_mfu), mbs, seqlen), mbs, seqlen)
 
     def postprocess_flops(self, phase: str, mbs, seqlen):
         """FLOPs of the LM head (logits) on one TP rank; recomputation does not touch it."""
@@ -221,9 +220,13 @@ class AnalyticalCostModel(CostModel):
             flops = matmul + attention * (self.mfu / self.attention_mfu)  # as matmul FLOPs at mfu
         else:
             flops = self.postprocess_flops(phase, mbs, seqlen)
-        tokens = as_float(mbs) * as_float(seqlen)
-        under_used = np.maximum(1.0, self.saturation_tokens / tokens)
-        return self._mask(flops * under_used / self._flop_per_ms + self.overhead_ms, mbs, seqlen)
+        return self._mask(self._compute_ms(flops, mbs, seqlen) + self.overhead_ms, mbs, seqlen)
+
+    def _compute_ms(self, flops, mbs, seqlen):
+        """Milliseconds of ``flops`` (as matmul FLOPs at ``mfu``) on a micro-batch of ``mbs`` x
+        ``seqlen`` tokens: fewer than ``saturation_tokens`` take as long as that many."""
+        under_used = np.maximum(1.0, self.saturation_tokens / (as_float(mbs) * as_float(seqlen)))
+        return flops * under_used / self._flop_per_ms
 
     # -- memory ----------------------------------------------------------------------------------
     def _activation_bytes(self, rc: RecomputeType, b, s):
