@@ -1,22 +1,28 @@
-"""Context parallelism's communication for megatron-core's local layer spec, in shapes-only traces.
+"""Context parallelism for megatron-core's local layer spec: the KV ring over the CP group.
 
 Megatron-LM runs context parallelism (``--context-parallel-size``) through transformer-engine's
-attention: each of the ``c`` ranks of a context-parallel group holds ``s / c`` tokens (two
-chunks, for causal balance) and attends to the whole sequence by passing key and value around
-the group's ring (``cp_comm_type p2p``, TE's ``AttnFuncWithCPAndKVP2P``):
+attention: each of the ``c`` ranks of a context-parallel group holds ``s / c`` tokens of every
+sequence -- chunks ``r`` and ``2c - 1 - r`` of its ``2c`` equal chunks, for causal balance
+(megatron-core's ``get_batch_on_this_cp_rank``) -- and attends to the whole sequence by passing
+keys and values around the group's ring (``cp_comm_type p2p``, TE's ``AttnFuncWithCPAndKVP2P``).
+megatron-core's local attention refuses ``context_parallel_size > 1``; :func:`ring_attention`
+wraps a local attention core (megatron-core's, or :class:`~megatron_dynapipe.gpt.attention.SDPAttention`)
+so that it runs under context parallelism without transformer-engine:
 
-* forward: ``c - 1`` steps, each sending this rank's K and V to the next rank of the ring and
-  receiving the previous rank's, while the attention of the step before is computed;
-* backward: ``c`` steps, sending K and V first, then K, V and their gradients, and finally the
-  gradients alone, back to the rank they belong to.
+* **Real tensors** (the CPU over gloo, or a GPU without TE): the ``c - 1`` ring steps bring every
+  other rank's keys and values, each step a send to the next rank and a receive from the previous
+  one (backward passes their gradients the other way round the ring); the core then attends this
+  rank's queries to the whole sequence, each query to the keys at or before its own position.
+  Padded (``[s, b, ...]``) and packed (THD) micro-batches: a packed micro-batch's ``cu_seqlens``
+  are the whole samples' (each a multiple of ``2c`` tokens), and each rank holds chunks ``r`` and
+  ``2c - 1 - r`` of every sample, as transformer-engine splits them.
+* **Shapes-only traces** (meta tensors, nothing computed): only the transfers and shapes matter.
+  The core is built as for one rank, computes ``s / c`` queries against ``s / c`` keys, and records
+  the ring's send/receive pairs as TE issues them (forward: ``c - 1`` steps of K and V; backward:
+  ``c`` steps, K and V first, then with their gradients, the gradients alone last); the tracer
+  prices the missing ``c - 1`` blocks of attention work (:mod:`megatron_dynapipe.tracer.shapes_only_costs`).
 
-megatron-core's local attention refuses ``context_parallel_size > 1``.  A shapes-only trace
-(meta tensors, nothing computed) needs only those transfers and the right shapes:
-:func:`ring_attention` wraps an attention core so that it is built as for one rank and records
-the ring's batched send/receive pairs on the context-parallel group, as TE issues them.  The
-core's own arithmetic stays local (``s / c`` queries against ``s / c`` keys); the tracer prices
-the missing ``c - 1`` blocks of attention work (:mod:`megatron_dynapipe.tracer.shapes_only_costs`).
-Real tensors are refused: numbers need transformer-engine.  Imports torch and megatron-core.
+Imports torch and megatron-core.
 """
 
 from __future__ import annotations
@@ -25,32 +31,134 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "batch_on_this_cp_rank", "sequence_chunk_positions"]
 
 
 def ring_attention(core_class):
-    """``core_class`` (a megatron-core attention core) with context parallelism's KV ring."""
+    """``core_class`` (a megatron-core local attention core) with context parallelism's KV ring."""
 
     class RingAttention(core_class):
         def __init__(self, config, *args, **kwargs):
             super().__init__(dataclasses.replace(config, context_parallel_size=1), *args, **kwargs)
             self.cp_size = config.context_parallel_size
 
-        def forward(self, query, key, value, *args, **kwargs):
-            if not query.is_meta:
-                raise RuntimeError("context parallelism without transformer-engine runs in shapes-only traces "
-                                   "only: install transformer-engine on CUDA to compute it")
-            key, value = _KVRing.apply(key, value)
-            return super().forward(query, key, value, *args, **kwargs)
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if query.is_meta:
+                key, value = _KVRing.apply(key, value)
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal or attention_mask is not None \
+                    or attention_bias is not None:
+                raise ValueError("context parallelism without transformer-engine runs causal self-attention "
+                                 "only (no attention mask or bias)")
+            if self.training and self.attention_dropout.p:
+                raise ValueError("context parallelism without transformer-engine draws no attention dropout: "
+                                 "set --attention-dropout 0")
+            blocks = _gather_over_ring(torch.stack((key, value)))  # each rank's [2, local tokens, ...]
+            if packed_seq_params is None:
+                return self._attend_whole(query, blocks, seq_dim=0)
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"context parallelism packs only the thd format, got {packed_seq_params.qkv_format!r}")
+            return self._attend_packed(query, blocks, packed_seq_params.cu_seqlens_q)
+
+        def _attend_whole(self, query, blocks, seq_dim):
+            """This rank's queries ``[s/c, b, heads, dim]`` against the whole sequence's keys."""
+            cp, rank = len(blocks), _cp_rank()
+            key, value = _in_sequence_order(blocks, seq_dim=seq_dim + 1)
+            q_pos = sequence_chunk_positions(query.size(seq_dim) * cp, cp, rank).to(query.device)
+            k_pos = torch.arange(key.size(seq_dim), device=query.device)
+            masked = (k_pos[None, :] > q_pos[:, None])[None, None]  # megatron masks out where True
+            return super().forward(query, key, value, masked, AttnMaskType.padding)
+
+        def _attend_packed(self, query, blocks, cu_seqlens):
+            """Packed ``[t/c, heads, dim]``: each sample's share against that sample's keys alone."""
+            cp = len(blocks)
+            bounds = (cu_seqlens // cp).tolist()
+            if any(int(n) % (2 * cp) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()):
+                raise ValueError(f"context parallelism splits each packed sample into 2*CP={2 * cp} chunks: pad "
+                                 f"every sample to a multiple of {2 * cp} tokens")
+            outs = [self._attend_whole(query[a:b].unsqueeze(1), [block[:, a:b].unsqueeze(2) for block in blocks],
+                                       seq_dim=0).squeeze(1)
+                    for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            return torch.cat(outs, dim=0)
 
     RingAttention.__name__ = RingAttention.__qualname__ = f"Ring{core_class.__name__}"
     return RingAttention
 
 
+#: The arrays of a GPT micro-batch laid out ``[rows, tokens]``, which context parallelism splits.
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's share of a micro-batch (``batch`` itself without context
+    parallelism): of a padded one, megatron-core's ``get_batch_on_this_cp_rank`` split; of a packed
+    one (``cu_seqlens``), chunks ``r`` and ``2c - 1 - r`` of every sample, whose ``cu_seqlens`` stay
+    the whole samples'."""
+    from megatron.core import utils
+
+    cp = _group_size()
+    if cp == 1:
+        return batch
+    present = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
+    if "cu_seqlens" not in batch:
+        return {**batch, **utils.get_batch_on_this_cp_rank(present)}
+    bounds = batch["cu_seqlens"].tolist()
+    if any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"context parallelism splits each packed sample into 2*CP={2 * cp} chunks: pad every "
+                         f"sample to a multiple of {2 * cp} tokens")
+    index = torch.cat([a + sequence_chunk_positions(b - a, cp, _cp_rank()) for a, b in zip(bounds[:-1], bounds[1:])])
+    return {**batch, **{key: value.index_select(1, index.to(value.device)) for key, value in present.items()}}
+
+
+def sequence_chunk_positions(seq_length: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions, in a sequence of ``seq_length`` tokens, that context-parallel rank ``rank``
+    of ``cp`` holds: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` equal chunks."""
+    chunk = seq_length // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+def _in_sequence_order(blocks, seq_dim):
+    """Every rank's two chunks (``blocks[j]``, split along ``seq_dim``) put back in sequence order:
+    chunk ``k`` of ``2c`` is the first half of rank ``k``'s block for ``k < c``, else the second
+    half of rank ``2c - 1 - k``'s."""
+    cp = len(blocks)
+    halves = [block.chunk(2, dim=seq_dim) for block in blocks]
+    ordered = [halves[k][0] for k in range(cp)] + [halves[2 * cp - 1 - k][1] for k in range(cp, 2 * cp)]
+    return torch.cat(ordered, dim=seq_dim).unbind(0)
+
+
+def _gather_over_ring(tensor):
+    """Every context-parallel rank's ``tensor``, in rank order, brought by ``c - 1`` ring steps."""
+    cp, rank = _group_size(), _cp_rank()
+    blocks, arrived = [None] * cp, tensor
+    blocks[rank] = tensor
+    for step in range(1, cp):
+        arrived = _RingStep.apply(arrived)
+        blocks[(rank - step) % cp] = arrived
+    return blocks
+
+
+class _RingStep(torch.autograd.Function):
+    """One ring step: this rank's tensor to the next rank, the previous rank's in; backward sends
+    the gradient back to the previous rank and takes the next rank's."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return _exchange(tensor.contiguous(), +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), -1)
+
+
 class _KVRing(torch.autograd.Function):
     """Passes K and V around the context-parallel ring (forward) and K, V and their gradients
-    back (backward), returning its inputs unchanged."""
+    back (backward), returning its inputs unchanged: the transfers a shapes-only trace records."""
 
     @staticmethod
     def forward(ctx, key, value):
@@ -77,14 +185,23 @@ def _group_size() -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
-def _exchange(tensor: torch.Tensor) -> None:
-    """One ring step: send ``tensor`` to the next rank of the group, receive as much from the previous."""
+def _cp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_rank()
+
+
+def _exchange(tensor: torch.Tensor, direction: int = +1) -> torch.Tensor:
+    """One ring step: send ``tensor`` to the rank ``direction`` ahead in the group, receive as much
+    from the rank as far behind; returns what arrived."""
     from megatron.core import parallel_state
 
     ranks = parallel_state.get_context_parallel_global_ranks()
     me = parallel_state.get_context_parallel_rank()
     group = parallel_state.get_context_parallel_group()
-    ops = [dist.P2POp(dist.isend, tensor, ranks[(me + 1) % len(ranks)], group),
-           dist.P2POp(dist.irecv, torch.empty_like(tensor), ranks[(me - 1) % len(ranks)], group)]
+    arrived = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, ranks[(me + direction) % len(ranks)], group),
+           dist.P2POp(dist.irecv, arrived, ranks[(me - direction) % len(ranks)], group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
+    return arrived

@@ -11,10 +11,12 @@ __all__ = ["pretrain_gpt_forward_step", "packed_seq_params"]
 
 def pretrain_gpt_forward_step(data_iterator, model):
     """Megatron-LM's ``pretrain_gpt`` forward step, minus the data loader: tokens, labels and
-    positions of one micro-batch, the causal mask from megatron (``attention_mask=None``) or, for a
-    packed micro-batch, its ``PackedSeqParams``; a per-token loss masked and summed, and the token
-    count (the 3-tuple loss convention)."""
-    batch = next(data_iterator)
+    positions of one micro-batch (this context-parallel rank's share of them), the causal mask from
+    megatron (``attention_mask=None``) or, for a packed micro-batch, its ``PackedSeqParams``; a
+    per-token loss masked and summed, and the token count (the 3-tuple loss convention)."""
+    from megatron_dynapipe.gpt.context_parallel import batch_on_this_cp_rank
+
+    batch = batch_on_this_cp_rank(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=packed_seq_params(batch))
     loss_mask = batch["loss_mask"]

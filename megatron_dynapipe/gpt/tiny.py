@@ -69,12 +69,12 @@ def _deterministic(cfg: ModelSpec) -> ModelSpec:
 
 
 def make_transformer_config(cfg: ModelSpec, **overrides: Any) -> TransformerConfig:
-    """An fp32 ``TransformerConfig`` for ``cfg`` without dropout at the current TP/PP (and virtual
+    """An fp32 ``TransformerConfig`` for ``cfg`` without dropout at the current TP/PP/CP (and virtual
     PP) sizes, on the CPU without fused kernels or sequence parallelism. ``overrides`` go to
     TransformerConfig."""
     return transformer_config(
         _deterministic(cfg), dtype=torch.float32, tp=parallel_state.get_tensor_model_parallel_world_size(),
-        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(), cp=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         **overrides)
 
@@ -120,7 +120,7 @@ def build_tiny_gpt(
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    spec = layer_spec(cfg, use_te=False)
+    spec = layer_spec(cfg, use_te=False, context_parallel=config.context_parallel_size > 1)
     spec = dataclasses.replace(
         spec, module=_SeededTransformerLayer, params={**spec.params, "layer_seed": seed}
     )

@@ -334,8 +334,8 @@ class _TraceRun:
         use_te = uses_transformer_engine("cuda" if torch.cuda.is_available() else "cpu") and not shapes_only
         if layout.cp > 1 and not (use_te or shapes_only):
             raise ValueError(
-                f"context parallelism (CP={layout.cp}) needs transformer-engine's attention on CUDA: "
-                "megatron-core's local DotProductAttention refuses CP > 1; trace it with --shapes-only")
+                f"context parallelism (CP={layout.cp}) passes keys and values around its ring of ranks, and a "
+                "fake rank runs alone: trace it with --shapes-only, or run transformer-engine on CUDA")
         if fields["seq_length"] > spec.max_sequence_length:
             spec = dataclasses.replace(spec, max_sequence_length=fields["seq_length"])
         on_gpu = torch.cuda.is_available()
@@ -475,7 +475,8 @@ class _TraceRun:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = _batches(self.spec, self.micro_batch_size, self.seq_length // self.layout.cp,
+        # whole sequences: the forward step takes this context-parallel rank's share, as Megatron-LM's does
+        batches = _batches(self.spec, self.micro_batch_size, self.seq_length,
                            self.recorded_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
         forward_backward = get_forward_backward_func()
         finalize = job.config.finalize_model_grads_func

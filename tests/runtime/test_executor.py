@@ -1,7 +1,8 @@
 """The plan executor inside megatron-core: real processes, gloo, a tiny GPTModel.
 
 Equivalence: one iteration over a PlannedBatch of variable-length micro-batches, run by
-DynaPipe's forward-backward function at PP=2, TP=2 x PP=2 and PP=2 x DP=2, gives the losses and
+DynaPipe's forward-backward function at PP=2, TP=2 x PP=2, PP=2 x CP=2 (each sequence split over
+two ranks that pass keys and values round a ring) and PP=2 x DP=2, gives the losses and
 parameter gradients of a single process running the same micro-batches without pipelining (rtol
 1e-5), for 1F1B and wait-free-cyclic plans and for plans that recompute some micro-batches
 (selective and full). Per-micro-batch recompute is shown to really recompute (the forward keeps
@@ -82,7 +83,9 @@ SAVED: list = []  # (micro-batch index, bytes saved for backward by its forward)
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    from megatron_dynapipe.gpt.context_parallel import batch_on_this_cp_rank
+
+    batch = batch_on_this_cp_rank(next(data_iterator))
     saved = [0]
 
     def pack(t):
@@ -102,7 +105,7 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _stage(tp, pp, per_token, ddp=True):
+def _stage(tp, pp, per_token, ddp=True, cp=1):
     """This rank's stage of the tiny GPT (DDP-wrapped) after initialising model parallelism."""
     from megatron_dynapipe.gpt.build import wrap_in_ddp
     from megatron_dynapipe.gpt.tiny import (
@@ -111,7 +114,7 @@ def _stage(tp, pp, per_token, ddp=True):
         reference_name,
     )
 
-    init_model_parallel(tp, pp)
+    init_model_parallel(tp, pp, context_parallel_size=cp)
     from megatron_dynapipe.config.model import ModelSpec
 
     model = build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=per_token)
@@ -175,12 +178,22 @@ def _run_cases(model, names, cases, dp_rank):
             num_microbatches=0, seq_length=0, micro_batch_size=0,
             forward_only=case.get("forward_only", False))
         results[key] = {
-            "losses": [d["lm loss"] for d in losses],
+            "losses": [_over_context_parallel_ranks(d["lm loss"]) for d in losses],
             "grads": {n: p.main_grad.detach().clone() for n, p in names},
             "saved": dict(SAVED),
             "order": [str(i) for i in plans[stage].instructions if i.op.is_compute],
         }
     return results
+
+
+def _over_context_parallel_ranks(report):
+    """A micro-batch's (loss sum, tokens) over its whole sequences: each context-parallel rank
+    reports its share (Megatron-LM's training log sums them over the CP group too)."""
+    from megatron.core import parallel_state
+
+    report = report.clone()
+    torch.distributed.all_reduce(report, group=parallel_state.get_context_parallel_group())
+    return report
 
 
 def _set_up(models, case):
@@ -202,6 +215,7 @@ def _layout_info(names):
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp_rank": parallel_state.get_data_parallel_rank(),
         "dp": parallel_state.get_data_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
         "partition": {n: p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
                       for n, p in names},
     }
@@ -359,21 +373,25 @@ FOUR_RANK_CASES = {
         "1f1b-recompute": dict(schedule="1f1b", recompute=RECOMPUTE_MIX),
         "wait-free-cyclic": dict(schedule="wait-free-cyclic", recompute=RECOMPUTE_MIX[::-1], deallocate=True),
     },
+    "pp2cp2": {  # every sequence split over two ranks, which pass keys and values round their ring
+        "1f1b-recompute": dict(schedule="1f1b", recompute=RECOMPUTE_MIX),
+        "wait-free-cyclic": dict(schedule="wait-free-cyclic", recompute=RECOMPUTE_MIX[::-1], deallocate=True),
+    },
     "pp2dp2": {
         "1f1b": dict(schedule="1f1b"),
         "wait-free-recompute": dict(schedule="wait-free-cyclic", recompute=RECOMPUTE_MIX[:4]),
     },
 }
-for _case in FOUR_RANK_CASES["tp2pp2"].values():
-    _case.update(shapes=[SHAPES_A], seeds=[11])  # DP=1: both TP ranks of a stage get the same batch
+for _case in (*FOUR_RANK_CASES["tp2pp2"].values(), *FOUR_RANK_CASES["pp2cp2"].values()):
+    _case.update(shapes=[SHAPES_A], seeds=[11])  # DP=1: both TP (CP) ranks of a stage get the same batch
 for _case in FOUR_RANK_CASES["pp2dp2"].values():
     _case.update(shapes=[SHAPES_A, SHAPES_B], seeds=[11, 12])
 FOUR_RANK_CASES["pp2dp2"]["wait-free-recompute"]["shapes"] = [SHAPES_A[:4], SHAPES_B]
 
 
 def _four_rank_work(rank, world_size):
-    """Four ranks: the references (rank 0), then TP=2 x PP=2, then PP=2 x DP=2 (every DP rank
-    plans its own micro-batches; per-token loss over both)."""
+    """Four ranks: the references (rank 0), then TP=2 x PP=2, PP=2 x CP=2, and PP=2 x DP=2 (every
+    DP rank plans its own micro-batches; per-token loss over both)."""
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel
 
@@ -381,8 +399,8 @@ def _four_rank_work(rank, world_size):
     a, b = _microbatches(SHAPES_A, seed=11), _microbatches(SHAPES_B, seed=12)
     out = {"reference": _reference(rank, {"A": (a, True), "A+B": (a + b, True),
                                           "A[:4]+B": (a[:4] + b, True)})}
-    for layout, (tp, pp) in (("tp2pp2", (2, 2)), ("pp2dp2", (1, 2))):
-        model, names = _stage(tp, pp, per_token=True)
+    for layout, (tp, pp, cp) in (("tp2pp2", (2, 2, 1)), ("pp2cp2", (1, 2, 2)), ("pp2dp2", (1, 2, 1))):
+        model, names = _stage(tp, pp, per_token=True, cp=cp)
         try:
             from megatron.core import parallel_state
 
@@ -545,6 +563,16 @@ def test_plain_batches_fall_back_to_megatron_core_schedule(pp2):
 def test_tp2_pp2_matches_single_process(four_ranks, case):
     _assert_equivalent(four_ranks, four_ranks[0]["reference"]["A"], case, layout="tp2pp2")
     assert {r["tp2pp2"]["info"]["tp_rank"] for r in four_ranks} == {0, 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FOUR_RANK_CASES["pp2cp2"]))
+def test_pp2_cp2_matches_single_process(four_ranks, case):
+    """Each stage's two context-parallel ranks hold two of every sequence's four chunks; DDP sums
+    their gradients, and their loss shares add up to the whole sequences'."""
+    _assert_equivalent(four_ranks, four_ranks[0]["reference"]["A"], case, layout="pp2cp2")
+    assert sorted(r["pp2cp2"]["info"]["cp"] for r in four_ranks) == [2] * 4
+    assert [len(r["pp2cp2"][case]["losses"]) for r in four_ranks] == [0, 0, len(SHAPES_A), len(SHAPES_A)]
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""Context parallelism without transformer-engine: two gloo ranks each hold two of a sequence's
+four chunks and pass keys and values around their ring; their loss sums and parameter gradients
+add up to one rank's over the whole sequence (real tiny GPTs: the local and the SDPA core, padded
+and packed micro-batches, learned and rotary positions, grouped-query attention)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
+from megatron_dynapipe.gpt.tiny import TINY_TEST_GPT
+from megatron_dynapipe.local_ranks import run_local_ranks
+
+CP = 2
+# every sample a multiple of 2 x CP tokens, as a packed micro-batch under CP needs
+PACKED_LENGTHS = (8, 20, 4, 12)  # 44 tokens in a row of 48: the last 4 are padding
+SPECS = {
+    "local": TINY_TEST_GPT,
+    "sdpa-rope-gqa": dataclasses.replace(TINY_TEST_GPT, attention="sdpa", position_embedding_type="rope",
+                                         num_query_groups=TINY_TEST_GPT.num_attention_heads // 2),
+}
+
+
+def _samples(lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, TINY_TEST_GPT.vocab_size, size=n) for n in lengths]
+
+
+def _batches(packed: bool):
+    """A padded micro-batch of three samples in rows of 24, and, where the core packs, a packed one."""
+    out = {"padded": gpt_microbatch(_samples((24, 13, 7), seed=1), 24)}
+    if packed:
+        out["packed"] = packed_microbatch(_samples(PACKED_LENGTHS, seed=2), 48)
+    return out
+
+
+def _loss_and_grads(spec, batches):
+    """Per batch: the loss-masked sum of this rank's per-token losses, its token count and the
+    gradient of that sum with respect to every parameter (in the model's parameter order)."""
+    import torch
+
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
+    from megatron_dynapipe.gpt.tiny import build_tiny_gpt
+
+    model = build_tiny_gpt(spec)
+    out = {}
+    for name, batch in batches.items():
+        model.zero_grad()
+        with cpu_compat.cuda_as_cpu():
+            output, loss_func = pretrain_gpt_forward_step(iter([{k: torch.from_numpy(v) for k, v in batch.items()}]),
+                                                          model)
+            loss, tokens, _ = loss_func(output)
+        loss.backward()
+        out[name] = (float(loss), int(tokens), [p.grad.detach().clone() for p in model.parameters()])
+    return out
+
+
+def _run(rank, world_size, spec, packed):
+    """The whole sequence on each rank alone (model parallel sizes 1), then split over CP."""
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
+
+    cpu_compat.enable_cpu_mode()
+    results = {}
+    for cp in (1, CP):
+        init_model_parallel(1, 1, context_parallel_size=cp)
+        try:
+            results[cp] = _loss_and_grads(spec, _batches(packed))
+        finally:
+            destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def cp_runs(request):
+    spec = SPECS[request.param]
+    return run_local_ranks(_run, CP, spec, spec.attention == "sdpa", timeout=240)
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_add_up_to_the_whole_sequence(cp_runs):
+    import torch
+
+    whole = cp_runs[0][1]
+    assert cp_runs[1][1].keys() == whole.keys()
+    for name, (loss, tokens, grads) in whole.items():
+        shares = [run[CP][name] for run in cp_runs]
+        assert sum(share[1] for share in shares) == tokens  # every real token on exactly one rank
+        assert all(0 < share[1] < tokens for share in shares)
+        torch.testing.assert_close(sum(share[0] for share in shares), loss, rtol=1e-5, atol=1e-5)
+        for index, grad in enumerate(grads):
+            torch.testing.assert_close(sum(share[2][index] for share in shares), grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name}, parameter {index}: {m}")
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_two_chunks(cp_runs):
+    """The shares differ (each rank's chunks are its own), so the sums above are not one rank twice."""
+    for name in cp_runs[0][CP]:
+        assert cp_runs[0][CP][name][0] != pytest.approx(cp_runs[1][CP][name][0])
