@@ -69,6 +69,15 @@ def _skip_jit_warmup(original: Callable) -> Callable:
     return _warmup_jit_function
 
 
+def _no_gpu_architecture(original: Callable) -> Callable:
+    def get_device_arch_version():
+        """CPU run: no GPU, so no architecture (0, before any); Megatron-LM then asks TP and CP jobs
+        for CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets on the CPU, where it means nothing."""
+        return 0
+
+    return get_device_arch_version
+
+
 LM_CPU_SPOTS: tuple["Spot | OneOf", ...] = (
     _replace("megatron.training.initialize", "initialize_megatron",
              ('assert torch.cuda.is_available(), "Megatron requires CUDA."', "allow_no_cuda"),
@@ -87,6 +96,10 @@ LM_CPU_SPOTS: tuple["Spot | OneOf", ...] = (
                    _skip_fused_kernels),
           Spot("megatron.training.initialize", "_compile_dependencies", (),
                "builds no fused CUDA kernels at start-up (core_v0.17 and later)", lacks=("fused_kernels",))),
+    OneOf(*(_replace(module, "get_device_arch_version",
+                     ('torch.cuda.get_device_properties(torch.device("cuda:0")).major',),
+                     "reads the GPU's architecture (validate_args does, for TP or CP jobs)", _no_gpu_architecture)
+            for module in ("megatron.training.utils.common_utils", "megatron.training.utils"))),
     _replace("megatron.training.initialize", "_warmup_jit_function",
              ('device="cuda"',), "warms up fused CUDA kernels", _skip_jit_warmup),
     _body("megatron.core.timers", "Timer.start", ("torch.cuda.synchronize()",),

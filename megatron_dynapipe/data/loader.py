@@ -81,45 +81,45 @@ KV_PORT_ENV = "DYNAPIPE_KV_PORT"
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where a rank sits: its data-parallel rank, pipeline stage and tensor-parallel rank."""
+    """Where a rank sits: its data-parallel rank, pipeline stage, tensor- and context-parallel
+    ranks (the TP and CP ranks of a stage read the same micro-batches)."""
 
     dp_rank: int
     stage: int
     tp_rank: int = 0
+    cp_rank: int = 0
 
-    def check(self, dp: int, pp: int, tp: int) -> None:
+    def check(self, dp: int, pp: int, tp: int, cp: int = 1) -> None:
         for name, value, size in (("dp_rank", self.dp_rank, dp), ("stage", self.stage, pp),
-                                  ("tp_rank", self.tp_rank, tp)):
+                                  ("tp_rank", self.tp_rank, tp), ("cp_rank", self.cp_rank, cp)):
             if not 0 <= int(value) < size:
-                raise ValueError(f"{name}={value} is outside the job's layout (dp={dp}, pp={pp}, tp={tp})")
+                raise ValueError(f"{name}={value} is outside the job's layout (dp={dp}, pp={pp}, tp={tp}, cp={cp})")
 
     @property
     def is_first(self) -> bool:
-        return self.dp_rank == 0 and self.stage == 0 and self.tp_rank == 0
+        return self.dp_rank == 0 and self.stage == 0 and self.tp_rank == 0 and self.cp_rank == 0
+
+    def describe(self) -> str:
+        return f"rank (dp {self.dp_rank}, stage {self.stage}, tp {self.tp_rank}" + (
+            f", cp {self.cp_rank})" if self.cp_rank else ")")
 
 
 def from_parallel_state() -> RankLayout:
-    """This rank's layout from megatron-core's initialised ``parallel_state``.
-
-    Context parallelism is not supported: the planner's cost model has no context-parallel
-    dimension (docs: patches/README.md).
-    """
+    """This rank's layout from megatron-core's initialised ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("megatron-core's parallel_state is not initialised: call initialize_model_parallel "
                            "first, or pass dp_rank/stage/tp_rank explicitly")
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("the DynaPipe data pipeline does not support context parallelism")
     return RankLayout(ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                      ps.get_tensor_model_parallel_rank())
+                      ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank())
 
 
 def _parallel_sizes():
     from megatron.core import parallel_state as ps
 
     return (ps.get_data_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_world_size())
+            ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size())
 
 
 def _default_port() -> int:
@@ -205,7 +205,7 @@ class DataPipelineHost:
         self.settings = PipelineSettings(
             dataset=dataset.descriptor(), schedule=schedule, start_iteration=int(start_iteration),
             num_iterations=int(schedule.iterations_per_epoch if num_iterations is None else num_iterations),
-            pad_token_id=int(pad_token_id), dp=spec.dp, pp=spec.pp, tp=spec.tp, lookahead=int(lookahead),
+            pad_token_id=int(pad_token_id), dp=spec.dp, pp=spec.pp, tp=spec.tp, cp=spec.cp, lookahead=int(lookahead),
             num_workers=int(num_workers), worker_start_method=worker_start_method,
             store_timeout_s=float(store_timeout_s))
         spec = dataclasses.replace(spec, fast_mode=resolve_fast_mode_setting(
@@ -306,7 +306,7 @@ class DynaPipeDataLoader:
 
     * ``dataset``, ``spec``, ``cost_model``, ``global_batch_size``: used on the hosting rank
       (the others may pass None; a given ``spec`` is checked against the host's layout).
-    * ``dp_rank``, ``stage``, ``tp_rank``: this rank's coordinates.
+    * ``dp_rank``, ``stage``, ``tp_rank``, ``cp_rank``: this rank's coordinates.
     * ``host_pipeline``: host the pipeline here; default: when this rank is (0, 0, 0).
     * ``master_addr`` / ``port``: where the store is; rank 0 binds it to that address (defaults:
       ``MASTER_ADDR`` or 127.0.0.1; ``DYNAPIPE_KV_PORT``, else ``MASTER_PORT + 1``). ``port=0``
@@ -323,11 +323,11 @@ class DynaPipeDataLoader:
 
     def __init__(self, dataset=None, spec: "TrainingSpec | None" = None, cost_model=None,
                  global_batch_size: "int | None" = None, *, dp_rank: int, stage: int, tp_rank: int = 0,
-                 host_pipeline: "bool | None" = None, master_addr: "str | None" = None,
+                 cp_rank: int = 0, host_pipeline: "bool | None" = None, master_addr: "str | None" = None,
                  port: "int | None" = None, secret: "bytes | str | None" = None, process_group=None,
                  namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 600.0, connect_timeout_s: float = 300.0,
                  close_timeout_s: float = 30.0, **host_options):
-        self.layout = RankLayout(int(dp_rank), int(stage), int(tp_rank))
+        self.layout = RankLayout(int(dp_rank), int(stage), int(tp_rank), int(cp_rank))
         self.timeout_s, self.close_timeout_s = float(timeout_s), float(close_timeout_s)
         self.host: "DataPipelineHost | None" = None
         self.beacon: "RankBeacon | None" = None
@@ -354,8 +354,7 @@ class DynaPipeDataLoader:
             self.beacon = RankBeacon(addr, self.client.port, secret, namespace, consumer, connect_timeout_s)
         except BaseException:
             if self.host is not None:
-                self.host.client.set_error(f"rank (dp {dp_rank}, stage {stage}, tp {tp_rank}) could not join "
-                                           "the data pipeline")
+                self.host.client.set_error(f"{self.layout.describe()} could not join the data pipeline")
                 self.host.close(wait_for_ranks=False)
             raise
         self._next = self.settings.start_iteration
@@ -368,7 +367,7 @@ class DynaPipeDataLoader:
         failure = None
         if hosting:
             if secret is None:
-                single = spec is not None and spec.dp * spec.pp * spec.tp == 1
+                single = spec is not None and spec.dp * spec.pp * spec.tp * spec.cp == 1
                 if process_group is None and not single:
                     raise ValueError(f"the data pipeline needs the job's secret on every rank: set {SECRET_ENV} "
                                      "(e.g. to the output of `openssl rand -hex 32`) or pass secret=, or build the "
@@ -395,10 +394,10 @@ class DynaPipeDataLoader:
 
     def _check_settings(self, spec, global_batch_size, host_options) -> None:
         s = self.settings
-        if spec is not None and (spec.dp, spec.pp, spec.tp) != (s.dp, s.pp, s.tp):
-            raise ValueError(f"this rank's spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}) differs from the "
-                             f"pipeline host's (dp={s.dp}, pp={s.pp}, tp={s.tp})")
-        self.layout.check(s.dp, s.pp, s.tp)
+        if spec is not None and (spec.dp, spec.pp, spec.tp, spec.cp) != (s.dp, s.pp, s.tp, s.cp):
+            raise ValueError(f"this rank's spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}, cp={spec.cp}) differs "
+                             f"from the pipeline host's (dp={s.dp}, pp={s.pp}, tp={s.tp}, cp={s.cp})")
+        self.layout.check(s.dp, s.pp, s.tp, s.cp)
         if self.host is None:  # the host's settings rule; a rank that says otherwise is misconfigured
             theirs = dict(s.schedule.to_json(), start_iteration=s.start_iteration, num_iterations=s.num_iterations,
                           pad_token_id=s.pad_token_id, lookahead=s.lookahead, num_workers=s.num_workers,
@@ -417,13 +416,13 @@ class DynaPipeDataLoader:
         agree with ``spec``'s dp/pp/tp when one is given), on every rank of the job at once: the
         secret and the store's start-up are shared over the world group unless given."""
         layout = from_parallel_state()
-        if spec is not None and (spec.dp, spec.pp, spec.tp) != _parallel_sizes():
-            dp, pp, tp = _parallel_sizes()
-            raise ValueError(f"spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}) differs from megatron's "
-                             f"parallel state (dp={dp}, pp={pp}, tp={tp})")
+        if spec is not None and (spec.dp, spec.pp, spec.tp, spec.cp) != _parallel_sizes():
+            dp, pp, tp, cp = _parallel_sizes()
+            raise ValueError(f"spec (dp={spec.dp}, pp={spec.pp}, tp={spec.tp}, cp={spec.cp}) differs from megatron's "
+                             f"parallel state (dp={dp}, pp={pp}, tp={tp}, cp={cp})")
         options.setdefault("process_group", torch.distributed.group.WORLD)
         return cls(dataset, spec, cost_model, global_batch_size, dp_rank=layout.dp_rank, stage=layout.stage,
-                   tp_rank=layout.tp_rank, **options)
+                   tp_rank=layout.tp_rank, cp_rank=layout.cp_rank, **options)
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -479,9 +478,12 @@ class DynaPipeDataLoader:
             if [len(s) for s in samples] != lengths.tolist():
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
-            build = packed_microbatch if mb.packed else gpt_microbatch
             targets = [dataset.target_mask(int(i)) for i in mb_ids]
-            out.append(build(samples, mb.seq_len, self.settings.pad_token_id, targets))
+            if mb.packed:  # each sample splits into 2 x CP equal chunks
+                out.append(packed_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets,
+                                             sample_multiple=2 * self.settings.cp))
+            else:
+                out.append(gpt_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets))
         return out
 
     @property
@@ -495,7 +497,7 @@ class DynaPipeDataLoader:
         return self._dataset
 
     def _fail(self, message: str) -> None:
-        message = f"rank (dp {self.layout.dp_rank}, stage {self.layout.stage}, tp {self.layout.tp_rank}) {message}"
+        message = f"{self.layout.describe()} {message}"
         try:
             self.client.set_error(message)
         except DataPipelineError:

@@ -19,7 +19,9 @@ A packed micro-batch (:func:`packed_microbatch`, THD in megatron-core's terms) i
 samples back to back, then padding up to ``seq_len``. Each sample keeps the arrays it has alone
 (its own labels, loss mask and positions counted from 0), and ``cu_seqlens`` (int32, the
 cumulative bounds of the samples and of the padding, as one more segment) makes every sample
-attend to itself alone; ``max_seqlen`` is its longest segment.
+attend to itself alone; ``max_seqlen`` is its longest segment. Under context parallelism every
+sample is padded at its right to a multiple of ``2 x CP`` tokens first (``sample_multiple``): each
+rank holds two of its ``2 x CP`` equal chunks.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ def gpt_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: in
 
 
 def packed_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id: int = 0,
-                      targets: "Sequence[np.ndarray | None] | None" = None) -> dict[str, np.ndarray]:
+                      targets: "Sequence[np.ndarray | None] | None" = None,
+                      sample_multiple: int = 1) -> dict[str, np.ndarray]:
     """The GPT arrays of one packed micro-batch (module docstring), each ``[1, seq_len]``, with
-    ``cu_seqlens`` and ``max_seqlen`` for megatron-core's ``PackedSeqParams``."""
-    lengths = [len(sample) for sample in samples]
+    ``cu_seqlens`` and ``max_seqlen`` for megatron-core's ``PackedSeqParams``; each sample padded
+    to a multiple of ``sample_multiple`` tokens."""
+    lengths = [-(-len(sample) // sample_multiple) * sample_multiple for sample in samples]
     used = sum(lengths)
     if used > seq_len:
         raise ValueError(f"samples of {used} tokens do not fit a packed micro-batch of {seq_len}")
@@ -68,8 +72,8 @@ def packed_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id:
            "labels": np.full((1, seq_len), pad_token_id, dtype=np.int64),
            "loss_mask": np.zeros((1, seq_len), dtype=np.float32)}
     if samples:  # each sample's arrays as it has them alone
-        alone = [gpt_microbatch([sample], len(sample), pad_token_id, None if targets is None else [targets[row]])
-                 for row, sample in enumerate(samples)]
+        alone = [gpt_microbatch([sample], length, pad_token_id, None if targets is None else [targets[row]])
+                 for row, (sample, length) in enumerate(zip(samples, lengths))]
         for key, array in out.items():
             array[0, :used] = np.concatenate([a[key][0] for a in alone])
     out["position_ids"] = np.concatenate([np.arange(n, dtype=np.int64) for n in segments])[None, :]

@@ -82,6 +82,7 @@ class PipelineSettings:
     dp: int
     pp: int
     tp: int
+    cp: int = 1  # context-parallel ranks: each reads the whole micro-batches and keeps its share
     lookahead: int = 2
     num_workers: int = 2
     worker_start_method: str = "fork"
@@ -89,7 +90,7 @@ class PipelineSettings:
     version: int = field(default=SETTINGS_VERSION)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "lookahead", "num_workers"):
+        for name in ("dp", "pp", "tp", "cp", "lookahead", "num_workers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.start_iteration < 0 or self.num_iterations < 0:
@@ -106,16 +107,17 @@ class PipelineSettings:
 
     @property
     def num_consumers(self) -> int:
-        """Ranks that take every iteration: one per (DP rank, stage, TP rank)."""
-        return self.dp * self.pp * self.tp
+        """Ranks that take every iteration: one per (DP rank, stage, TP rank, CP rank)."""
+        return self.dp * self.pp * self.tp * self.cp
 
-    def consumer(self, dp_rank: int, stage: int, tp_rank: int) -> int:
-        return (dp_rank * self.pp + stage) * self.tp + tp_rank
+    def consumer(self, dp_rank: int, stage: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((dp_rank * self.pp + stage) * self.tp + tp_rank) * self.cp + cp_rank
 
     def describe_consumer(self, consumer: int) -> str:
-        rest, tp_rank = divmod(consumer, self.tp)
+        rest, cp_rank = divmod(consumer, self.cp)
+        rest, tp_rank = divmod(rest, self.tp)
         dp_rank, stage = divmod(rest, self.pp)
-        return f"(dp {dp_rank}, stage {stage}, tp {tp_rank})"
+        return f"(dp {dp_rank}, stage {stage}, tp {tp_rank}" + (f", cp {cp_rank})" if self.cp > 1 else ")")
 
     @property
     def end_iteration(self) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from megatron_dynapipe.config.model import ModelSpec
 
-__all__ = ["transformer_config", "layer_spec", "with_core_attention", "build_gpt", "wrap_in_ddp",
+__all__ = ["transformer_config", "layer_spec", "with_local_attention", "with_core_attention", "build_gpt", "wrap_in_ddp",
            "uses_transformer_engine", "runs_packed", "RECOMPUTE_CHOICES"]
 
 #: Megatron-LM's ``--recompute-granularity`` values (``None``: no recomputation).
@@ -85,16 +85,23 @@ def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: 
 
 def layer_spec(spec: ModelSpec, use_te: bool, context_parallel: bool = False):
     """Megatron-LM's layer spec for ``spec``: transformer-engine's when it runs, else the local one
-    with ``spec.attention``'s attention core (with context parallelism's KV ring in shapes-only
-    traces: :mod:`megatron_dynapipe.gpt.context_parallel`)."""
+    with ``spec.attention``'s attention core (:func:`with_local_attention`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = spec.num_experts or None
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts)
     local = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, normalization=spec.normalization)
-    core = local.submodules.self_attention.submodules.core_attention
-    if spec.attention == "sdpa":
+    return with_local_attention(local, spec.attention, context_parallel)
+
+
+def with_local_attention(local_layer_spec, attention: str, context_parallel: bool):
+    """megatron-core's local layer spec with the core ``attention`` names ("local": its own
+    unfused core, "sdpa": :class:`~megatron_dynapipe.gpt.attention.SDPAttention`), which under
+    context parallelism passes keys and values round the CP group's ring
+    (:mod:`megatron_dynapipe.gpt.context_parallel`)."""
+    core = local_layer_spec.submodules.self_attention.submodules.core_attention
+    if attention == "sdpa":
         from megatron_dynapipe.gpt.attention import SDPAttention
 
         core = SDPAttention
@@ -102,7 +109,7 @@ def layer_spec(spec: ModelSpec, use_te: bool, context_parallel: bool = False):
         from megatron_dynapipe.gpt.context_parallel import ring_attention
 
         core = ring_attention(core)
-    return with_core_attention(local, core)
+    return with_core_attention(local_layer_spec, core)
 
 
 def with_core_attention(local_layer_spec, core):

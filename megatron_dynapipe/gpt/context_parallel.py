@@ -95,21 +95,18 @@ SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 def batch_on_this_cp_rank(batch: dict) -> dict:
     """This context-parallel rank's share of a micro-batch (``batch`` itself without context
-    parallelism): of a padded one, megatron-core's ``get_batch_on_this_cp_rank`` split; of a packed
-    one (``cu_seqlens``), chunks ``r`` and ``2c - 1 - r`` of every sample, whose ``cu_seqlens`` stay
-    the whole samples'."""
-    from megatron.core import utils
-
+    parallelism): chunks ``r`` and ``2c - 1 - r`` of every row of a padded one (megatron-core's
+    split), of every sample of a packed one (``cu_seqlens``, which stay the whole samples', as
+    transformer-engine's split takes them)."""
     cp = _group_size()
     if cp == 1:
         return batch
     present = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
-    if "cu_seqlens" not in batch:
-        return {**batch, **utils.get_batch_on_this_cp_rank(present)}
-    bounds = batch["cu_seqlens"].tolist()
+    row = next(iter(present.values())).size(1)
+    bounds = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else [0, row]
     if any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"context parallelism splits each packed sample into 2*CP={2 * cp} chunks: pad every "
-                         f"sample to a multiple of {2 * cp} tokens")
+        raise ValueError(f"context parallelism splits each sequence into 2*CP={2 * cp} chunks: pad every "
+                         f"{'packed sample' if len(bounds) > 2 else 'row'} to a multiple of {2 * cp} tokens")
     index = torch.cat([a + sequence_chunk_positions(b - a, cp, _cp_rank()) for a, b in zip(bounds[:-1], bounds[1:])])
     return {**batch, **{key: value.index_select(1, index.to(value.device)) for key, value in present.items()}}
 
@@ -182,7 +179,7 @@ class _KVRing(torch.autograd.Function):
 def _group_size() -> int:
     from megatron.core import parallel_state
 
-    return parallel_state.get_context_parallel_world_size()
+    return parallel_state.get_context_parallel_world_size() or 1  # 0 without torch.distributed: one rank
 
 
 def _cp_rank() -> int:

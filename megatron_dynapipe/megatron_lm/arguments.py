@@ -301,12 +301,12 @@ def check_data_pipeline_args(args: argparse.Namespace) -> None:
     """Megatron-LM settings DynaPipe's data pipeline (:mod:`.pretrain_hooks`) cannot honour, each
     refused in one line that names the fix (with ``--dynapipe`` only).  :func:`validate_dynapipe_args`
     checks what the planned schedule itself needs, for megatron-core users who bring their own data
-    too: it runs context-parallel micro-batches split by the caller, which this pipeline does not do."""
+    too."""
     problems: list[str] = []
     refuse = problems.append
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1 or getattr(args, "hybrid_context_parallel", False):
-        refuse("--dynapipe does not train with context parallelism yet (its data pipeline does not split samples "
-               "over the CP group; `search` and `simulate` price it): drop --context-parallel-size")
+    if getattr(args, "hybrid_context_parallel", False):
+        refuse("--hybrid-context-parallel chooses each sample's CP group itself; --dynapipe plans micro-batches "
+               "for one CP size: drop --hybrid-context-parallel (--context-parallel-size stays)")
     for flag, name in (("--fim-data", "fim_data"), ("--use-legacy-models", "use_legacy_models"),
                        ("--reset-position-ids", "reset_position_ids"),
                        ("--reset-attention-mask", "reset_attention_mask"), ("--eod-mask-loss", "eod_mask_loss")):
@@ -397,7 +397,7 @@ def _validate_tracer(args: argparse.Namespace) -> None:
 def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     """The planner's :class:`TrainingSpec` for these (Megatron + DynaPipe) arguments.
 
-    Layout from Megatron's ``--num-layers``, ``--tensor/pipeline-model-parallel-size`` and the
+    Layout from Megatron's ``--num-layers``, ``--tensor/pipeline/context-parallel-size`` and the
     data-parallel size Megatron derived (``args.data_parallel_size``; else world / (tp*pp*cp));
     ZeRO stage 1 with ``--use-distributed-optimizer``; ``--micro-batch-size`` is the size of a
     uniform partition. Fast mode is the validated setting (None if not validated yet).
@@ -416,6 +416,7 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         pp=pp,
         tp=tp,
         dp=dp,
+        cp=_get(args, "context_parallel_size", 1),
         zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
         memory_limit_mb=_get(args, "dynapipe_memory_limit", TrainingSpec.memory_limit_mb),
         microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),

@@ -1,4 +1,4 @@
-"""``--dynapipe-attention sdpa``: a Megatron-LM job's local layers with the SDPA attention core.
+"""A Megatron-LM job's local layers with DynaPipe's attention cores: SDPA, and the CP ring.
 
 Without transformer-engine (``--transformer-impl local``: every ``--cpu`` run, and a GPU where TE
 is not installed) Megatron-LM builds its layers from megatron-core's ``get_gpt_layer_local_spec``,
@@ -8,9 +8,13 @@ model is built, every binding of ``get_gpt_layer_local_spec`` returns its spec w
 :class:`~megatron_dynapipe.gpt.attention.SDPAttention` as the core (pretrain_gpt's builder and
 megatron-core's MoE block spec both call it); afterwards the original is back. "While the model is
 built" is the script's model provider before core_v0.19 (:func:`layer_attention`) and, from
-core_v0.19, the ``GPTModelConfig.transformer_layer_spec`` it builds from (:func:`sdpa_layer_spec`). The
+core_v0.19, the ``GPTModelConfig.transformer_layer_spec`` it builds from (:func:`local_attention_layer_spec`). The
 builders that never call it (``--spec``, the legacy model, experimental attention variants,
 heterogeneous layers) are refused in one line rather than silently keeping the unfused core.
+
+With ``--context-parallel-size`` > 1 on local layers (whose core refuses it), the same seam gives
+them their core -- the unfused or the SDPA one -- wrapped to pass keys and values round the
+context-parallel group's ring (:mod:`megatron_dynapipe.gpt.context_parallel`).
 """
 
 from __future__ import annotations
@@ -24,18 +28,17 @@ from megatron_dynapipe.compat.patching import Patches, check_spots
 from megatron_dynapipe.compat.upstream import LOCAL_CORE_ATTENTION
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
-__all__ = ["check_attention_args", "layer_attention", "sdpa_layer_spec"]
+__all__ = ["check_attention_args", "layer_attention", "local_attention_layer_spec", "replaces_local_core"]
 
 REVIEW = "megatron_dynapipe/megatron_lm/attention.py (LOCAL_CORE_ATTENTION in megatron_dynapipe/compat/upstream.py)"
 
 
-def _with_sdpa_core(original: Callable) -> Callable:
-    from megatron_dynapipe.gpt.attention import SDPAttention
-    from megatron_dynapipe.gpt.build import with_core_attention
+def _with_core(original: Callable, attention: str, context_parallel: bool) -> Callable:
+    from megatron_dynapipe.gpt.build import with_local_attention
 
     @functools.wraps(original)
     def get_gpt_layer_local_spec(*args, **kwargs):
-        return with_core_attention(original(*args, **kwargs), SDPAttention)
+        return with_local_attention(original(*args, **kwargs), attention, context_parallel)
 
     return get_gpt_layer_local_spec
 
@@ -47,6 +50,17 @@ _OTHER_BUILDERS = (("spec", "--spec"), ("use_legacy_models", "--use-legacy-model
 
 def _sdpa(args: argparse.Namespace) -> bool:
     return getattr(args, "dynapipe_attention", None) == "sdpa"
+
+
+def replaces_local_core(args: argparse.Namespace) -> bool:
+    """Whether the job's local layers get another attention core than megatron-core's."""
+    return _sdpa(args) or _local_context_parallel(args)
+
+
+def _local_context_parallel(args: argparse.Namespace) -> bool:
+    """Context parallelism on megatron-core's local layers, whose core refuses it: the ring's core runs it."""
+    return (getattr(args, "context_parallel_size", 1) or 1) > 1 \
+        and getattr(args, "transformer_impl", "transformer_engine") == "local"
 
 
 def check_attention_args(args: argparse.Namespace) -> None:
@@ -69,22 +83,25 @@ def check_attention_args(args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def layer_attention(args: argparse.Namespace) -> Iterator[None]:
     """Build the model inside this: with ``--dynapipe-attention sdpa`` the local spec's layers get
-    the SDPA core (checked first: :func:`check_attention_args`); otherwise nothing changes."""
+    the SDPA core (checked first: :func:`check_attention_args`), and with ``--context-parallel-size``
+    their core (the local or the SDPA one) passes keys and values round the CP ring; otherwise
+    nothing changes."""
     check_attention_args(args)
-    if not _sdpa(args):
+    if not replaces_local_core(args):
         yield
         return
     [(_spot, owner, name, original)] = check_spots([LOCAL_CORE_ATTENTION], REVIEW)
     with Patches() as patches:
         # every module that bound it: pretrain_gpt's builder (gpt_builders, outside the megatron
         # package) calls its own binding
-        patches.replace(owner, name, _with_sdpa_core(original), where=lambda _module: True)
+        patches.replace(owner, name, _with_core(original, "sdpa" if _sdpa(args) else "local",
+                                                _local_context_parallel(args)), where=lambda _module: True)
         yield
 
 
-def sdpa_layer_spec(args: argparse.Namespace) -> Callable:
+def local_attention_layer_spec(args: argparse.Namespace) -> Callable:
     """A core_v0.19 ``GPTModelConfig.transformer_layer_spec``: Megatron-LM's own choice of layers
-    (``default_layer_spec``), made while the local spec gives them the SDPA core."""
+    (``default_layer_spec``), made while the local spec gives them DynaPipe's core (:func:`layer_attention`)."""
     from megatron_dynapipe.compat.megatron_lm_script import default_layer_spec
 
     default = default_layer_spec()

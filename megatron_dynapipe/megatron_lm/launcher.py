@@ -317,6 +317,8 @@ def launch(options: LaunchOptions) -> int:
             from megatron_dynapipe.compat import megatron_lm_cpu  # torch and megatron: only for a CPU run
 
             megatron_lm_cpu.enable_megatron_lm_cpu_mode()
+            # asked of TP and CP jobs before Blackwell; it orders CUDA kernel launches: nothing to order here
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
             _print_rank0(f"> megatron-dynapipe launch --cpu: appended {' '.join(CPU_FLAGS)}")
         patches = Patches()
         patches.set(training_package, "pretrain", wrap_pretrain(training_package.pretrain, installed))

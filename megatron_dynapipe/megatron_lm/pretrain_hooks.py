@@ -74,7 +74,12 @@ from megatron_dynapipe.megatron_lm.arguments import (
     training_spec_from_args,
     validate_dynapipe_args,
 )
-from megatron_dynapipe.megatron_lm.attention import check_attention_args, layer_attention, sdpa_layer_spec
+from megatron_dynapipe.megatron_lm.attention import (
+    check_attention_args,
+    layer_attention,
+    local_attention_layer_spec,
+    replaces_local_core,
+)
 from megatron_dynapipe.megatron_lm.datasets import open_splits
 from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
@@ -197,11 +202,13 @@ def _attention_core(args) -> str:
     """Which attention core the job's layers compute with."""
     if getattr(args, "transformer_impl", "transformer_engine") != "local":
         return "attention: transformer-engine's core (--transformer-impl transformer_engine)"
+    ring = (", keys and values passed round the context-parallel ring (--context-parallel-size "
+            f"{args.context_parallel_size})") if (getattr(args, "context_parallel_size", 1) or 1) > 1 else ""
     if getattr(args, "dynapipe_attention", None) == "sdpa":
         return ("attention: the SDPA core (torch's scaled_dot_product_attention) on megatron-core's local layers "
-                "(--dynapipe-attention sdpa)")
+                f"(--dynapipe-attention sdpa){ring}")
     return ("attention: megatron-core's unfused local core (--transformer-impl local; --dynapipe-attention sdpa "
-            "for the fused one)")
+            f"for the fused one){ring}")
 
 
 def _every_refusal(args, *checks: Callable) -> None:
@@ -263,14 +270,15 @@ def parse_and_validate_args(original: Callable) -> Callable:
 
 
 def configure_model(model_config: Any, args: Optional[argparse.Namespace] = None) -> Any:
-    """Choose a core_v0.19 ``GPTModelConfig``'s layers as ``--dynapipe-attention`` asks: with
-    ``sdpa``, its ``transformer_layer_spec`` (the supported seam) builds Megatron-LM's default
-    layers with the SDPA core (:mod:`.attention`); otherwise nothing changes. Returns the config."""
+    """Choose a core_v0.19 ``GPTModelConfig``'s layers as ``--dynapipe-attention`` and
+    ``--context-parallel-size`` ask: with ``sdpa``, or CP on local layers, its
+    ``transformer_layer_spec`` (the supported seam) builds Megatron-LM's default layers with that
+    core (:mod:`.attention`); otherwise nothing changes. Returns the config."""
     args = _get_args() if args is None else args
     with _refusals_exit():
         check_attention_args(args)
-    if getattr(args, "dynapipe_attention", None) == "sdpa":
-        model_config.transformer_layer_spec = sdpa_layer_spec(args)
+    if replaces_local_core(args):
+        model_config.transformer_layer_spec = local_attention_layer_spec(args)
     return model_config
 
 
@@ -313,7 +321,9 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None, batch_keys: "Option
     right of each sample with ``loss_mask`` 0, so causal attention needs no mask
     (``attention_mask`` is None). A packed micro-batch (``--dynapipe-packing varlen``) is one row
     with its THD ``packed_seq_params`` (for ``BATCH_KEYS``: its ``cu_seqlens`` and ``max_seqlen``,
-    from which the script builds them). No tensor-parallel broadcast: every TP rank has the same dict.
+    from which the script builds them). No tensor-parallel broadcast: every TP rank has the same dict;
+    a context-parallel rank keeps its two chunks of every sequence (``cu_seqlens`` stay the whole
+    samples', as transformer-engine takes them).
     """
     if data_iterator is None:
         raise ValueError("DynaPipe's get_batch got data_iterator=None: every rank needs its PlannedBatch "
@@ -325,13 +335,15 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None, batch_keys: "Option
                         f"got {got}: the data iterator must be DynaPipe's loader run by the planned schedule")
     import torch
 
+    from megatron_dynapipe.gpt.context_parallel import batch_on_this_cp_rank
+    from megatron_dynapipe.gpt.forward_step import packed_seq_params
+
+    microbatch = batch_on_this_cp_rank(microbatch)
     on_gpu = torch.cuda.is_available()
     tensors = [microbatch[k] for k in _MICROBATCH_TENSORS]
     if on_gpu:
         tensors = [t.cuda(non_blocking=True) for t in tensors]
     tokens, labels, loss_mask, position_ids = tensors
-    from megatron_dynapipe.gpt.forward_step import packed_seq_params
-
     packed = {k: microbatch[k].to(tokens.device) for k in ("cu_seqlens", "max_seqlen") if k in microbatch}
     if batch_keys is None:
         return tokens, labels, loss_mask, None, position_ids, packed_seq_params(packed)

@@ -140,6 +140,8 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     costs = stage_costs(cost_model, spec)
     if spec.packing == "varlen":
         costs = costs.packed()
+        if spec.cp > 1:  # a packed sample splits into 2 x CP equal chunks: the data pipeline pads it so
+            lengths = -(-lengths // (2 * spec.cp)) * (2 * spec.cp)
     sizing = rank_costs(costs, spec)
     _check_memory(sizing, spec.memory_limit_mb)
     clock = PhaseClock()

@@ -446,7 +446,8 @@ def test_layout_from_megatron_parallel_state(monkeypatch):
         from_parallel_state()
     for name, value in [("model_parallel_is_initialized", True), ("get_context_parallel_world_size", 1),
                         ("get_data_parallel_rank", 1), ("get_pipeline_model_parallel_rank", 3),
-                        ("get_tensor_model_parallel_rank", 1), ("get_data_parallel_world_size", 2),
+                        ("get_tensor_model_parallel_rank", 1), ("get_context_parallel_rank", 0),
+                        ("get_data_parallel_world_size", 2),
                         ("get_pipeline_model_parallel_world_size", 4),
                         ("get_tensor_model_parallel_world_size", 2)]:
         monkeypatch.setattr(ps, name, lambda value=value: value)
@@ -456,6 +457,38 @@ def test_layout_from_megatron_parallel_state(monkeypatch):
         DynaPipeDataLoader.from_parallel_state(None, _spec(pp=2, dp=2, tp=2), port=1)
     with pytest.raises(ValueError, match="stage=3 is outside"):
         layout.check(dp=2, pp=2, tp=2)
+    # context parallelism: a CP rank reads its stage's micro-batches like a TP rank; rank 0 of all four hosts
     monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        from_parallel_state()
+    monkeypatch.setattr(ps, "get_context_parallel_rank", lambda: 1)
+    assert from_parallel_state() == RankLayout(dp_rank=1, stage=3, tp_rank=1, cp_rank=1)
+    assert RankLayout(0, 0, 0, 0).is_first and not RankLayout(0, 0, 0, 1).is_first
+    with pytest.raises(ValueError, match=r"cp=1\) differs from megatron's parallel state \(.*cp=2\)"):
+        DynaPipeDataLoader.from_parallel_state(None, _spec(pp=4, dp=2, tp=2), port=1)
+
+
+def test_every_rank_of_a_context_parallel_job_is_one_consumer_of_its_own():
+    """The host frees an iteration once every rank has taken it: each CP rank counts, under its own name."""
+    from megatron_dynapipe.data.preprocess import PipelineSettings
+    from megatron_dynapipe.data.sampling import BatchSchedule
+
+    settings = PipelineSettings(dataset={}, schedule=BatchSchedule(64, 16), start_iteration=0, num_iterations=1,
+                                pad_token_id=0, dp=2, pp=3, tp=2, cp=2)
+    ranks = [(dp, stage, tp, cp) for dp in range(2) for stage in range(3) for tp in range(2) for cp in range(2)]
+    consumers = [settings.consumer(*rank) for rank in ranks]
+    assert settings.num_consumers == 24 and sorted(consumers) == list(range(24))
+    assert [settings.describe_consumer(c) for c in consumers] == [
+        f"(dp {dp}, stage {stage}, tp {tp}, cp {cp})" for dp, stage, tp, cp in ranks]
+    assert settings.describe_consumer(0) == "(dp 0, stage 0, tp 0, cp 0)"
+
+
+def test_under_cp_each_packed_sample_is_padded_to_whole_chunks():
+    """sample_multiple=4 (CP 2): a sample of 5 tokens takes 8, one of 8 takes 8, one of 3 takes 4;
+    each keeps its own arrays, and the padding after it is masked out of the loss."""
+    samples = [np.arange(1, 6), np.arange(10, 18), np.arange(20, 23)]
+    row = packed_microbatch(samples, 24, pad_token_id=0, sample_multiple=4)
+    assert row["cu_seqlens"].tolist() == [0, 8, 16, 20, 24] and row["max_seqlen"].tolist() == [8]
+    assert row["tokens"][0].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, *range(10, 18), 20, 21, 22, 0, 0, 0, 0, 0]
+    assert row["position_ids"][0].tolist() == [*range(8), *range(8), *range(4), *range(4)]
+    assert row["loss_mask"][0].tolist() == [1] * 4 + [0] * 4 + [1] * 7 + [0] + [1, 1, 0, 0] + [0] * 4
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_microbatch(samples, 16, sample_multiple=4)  # 16 real tokens, 20 once padded

@@ -228,7 +228,7 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
         return argparse.Namespace(**base)
 
     check_data_pipeline_args(args())
-    for bad, pattern in ((dict(context_parallel_size=2), "context parallelism"),
+    for bad, pattern in ((dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                          (dict(eod_mask_loss=True), "--eod-mask-loss"),
                          (dict(iterations_to_skip=[3]), "--iterations-to-skip"),
                          (dict(dataloader_inter_document_masking=True), "--dataloader-inter-document-masking"),
@@ -246,6 +246,7 @@ def test_megatron_lm_settings_dynapipe_cannot_honour_are_refused():
                  dict(mock_data=False, data_args_path="blend.txt"),
                  dict(mock_data=False, data_path=["chat.jsonl"], sft=True),
                  dict(rampup_batch_size=["4", "4", "100"]),
+                 dict(context_parallel_size=2),
                  dict(train_iters=None, train_samples=640)):  # iterations derived later
         check_data_pipeline_args(args(**fine))
 
@@ -290,6 +291,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}):
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--hybrid-context-parallel", action="store_true")
     parser.add_argument("--eod-mask-loss", action="store_true")
     return parse_args(extra_args_provider, parser)
 
@@ -343,6 +345,7 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--hybrid-context-parallel", action="store_true")
     parser.add_argument("--eod-mask-loss", action="store_true")
     return (extra_args_provider(parser) if extra_args_provider else parser).parse_args()
 
@@ -449,10 +452,10 @@ def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path, tag):
 @pytest.mark.parametrize("tag", sorted(STAND_INS))
 def test_every_refused_flag_is_named_in_one_line(tmp_path, tag):
     proc = _launch_fake(tmp_path, tag, "--dynapipe", "--dynapipe-memory-limit", "100", "--context-parallel-size", "2",
-                        "--eod-mask-loss")
+                        "--hybrid-context-parallel", "--eod-mask-loss")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert line.startswith("megatron-dynapipe: error: --dynapipe does not train with context parallelism yet")
+    assert line.startswith("megatron-dynapipe: error: --hybrid-context-parallel chooses each sample's CP group")
     assert "--eod-mask-loss is a feature of Megatron's packed GPT datasets" in line
 
 
@@ -535,12 +538,14 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+)")
 PLAN = re.compile(r"> megatron-dynapipe train iteration (\d+): (\d+) micro-batches \[([^\]]*)\].*, stage (\d+) of 2")
 
 
-def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240):
+def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, timeout=240, ranks_per_stage=1):
+    """Train the tiny GPT for four iterations on ``2 x ranks_per_stage`` ranks (PP 2; ``data_args``
+    may add context parallelism over the extra ranks); its log, losses and stage 0's plans."""
     master, kv, _kv_valid = free_ports(3)
     with tempfile.TemporaryDirectory() as logs:
         # Each rank's stdout goes to a file of its own: two ranks writing one pipe may cut each
         # other's lines, and every stage's plan line is checked.
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 * ranks_per_stage),
                    "--master-addr", "127.0.0.1", "--master-port", str(master), "--log-dir", logs, "--redirects", "1",
                    "-m", "megatron_dynapipe.megatron_lm.launcher", "--cpu", str(script),
                    *TINY_GPT, *DYNAPIPE, *data_args, "--dynapipe-kv-port", str(kv),  # data_args override
@@ -550,11 +555,16 @@ def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, time
         ranks = sorted(Path(logs).glob("*/attempt_0/*/stdout.log"), key=lambda path: int(path.parent.name))
         stdout = proc.stdout + "".join(path.read_text() for path in ranks)
     assert proc.returncode == 0, (stdout + proc.stderr)[-6000:]
-    assert len(ranks) == 2, f"torchrun wrote no per-rank stdout files under its --log-dir: {ranks}"
+    assert len(ranks) == 2 * ranks_per_stage, f"torchrun wrote no per-rank stdout files under its --log-dir: {ranks}"
     losses = [float(loss) for _, loss in ITERATION.findall(stdout)]
     stages = [(int(i), int(stage)) for i, _, _, stage in PLAN.findall(stdout)]
-    assert sorted(stages) == [(i, stage) for i in range(4) for stage in (0, 1)], stages  # every stage's plan
+    # every rank's plan of every iteration
+    assert sorted(stages) == [(i, stage) for i in range(4) for stage in (0, 1) for _ in range(ranks_per_stage)], stages
     plans = [(int(n), shapes.split()) for _, n, shapes, stage in PLAN.findall(stdout) if stage == "0"]
+    if ranks_per_stage > 1:  # a stage's ranks (their logs one after another) hold one plan
+        each = len(plans) // ranks_per_stage
+        assert all(plans[k * each:(k + 1) * each] == plans[:each] for k in range(ranks_per_stage)), plans
+        plans = plans[:each]
     return stdout, losses, plans
 
 
@@ -663,6 +673,20 @@ def test_an_interleaved_pipeline_trains_with_plans_of_two_model_chunks_a_rank(tr
     assert "schedule interleaved-1f1b" in stdout, stdout[-4000:]
     for count, line in re.findall(r"train iteration \d+: (\d+) micro-batches .*recompute \[([nsf/]+)\]", stdout):
         assert [len(run) for run in line.split("/")] == [int(count)] * 2  # a choice per chunk and micro-batch
+
+
+@pytest.mark.slow
+def test_context_parallel_training_matches_the_whole_sequences_run(training_ready, launcher_run):
+    """--context-parallel-size 2 on four ranks (PP 2 x CP 2): each stage's two ranks hold two of
+    every micro-batch's four chunks and pass keys and values round their ring (megatron-core's
+    local core has none); the planner prices a rank's half. Same samples and weights as the PP 2
+    run, so each iteration's per-token loss is its loss to float error."""
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py", ["--mock-data", "--context-parallel-size", "2"],
+                                   ranks_per_stage=2, timeout=420)
+    _check_training(stdout, losses, plans)
+    assert "keys and values passed round the context-parallel ring (--context-parallel-size 2)" in stdout
+    np.testing.assert_allclose(losses, launcher_run[1], rtol=1e-5)
+    assert plans != launcher_run[2]  # half the activations a rank: fewer, longer micro-batches fit 2 MB
 
 
 def _patched(checkout: Path, tmp_path: Path) -> Path:

@@ -159,6 +159,21 @@ def test_samples_too_long_for_one_rank_plan_split_over_a_cp_group_and_run_faster
     assert split.makespan_ms < alone.makespan_ms
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_samples_under_cp_take_the_room_their_2cp_chunks_need(cp):
+    """Each packed sample is padded to a multiple of 2 x CP tokens before it is split: the planner
+    packs rows with that room, so the data pipeline's padded samples fit them."""
+    model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS, vocab_size=32000, device_memory_mb=16384)
+    lengths = [int(n) for n in np.random.default_rng(cp).integers(1, 900, size=60)]
+    spec = TrainingSpec(num_layers=8, pp=2, memory_limit_mb=6_000.0, cp=cp, packing="varlen")
+    result = generate_execution_plan(lengths, spec, model)
+    packed = [mb for choice in result.choices for mb in choice.microbatches]
+    assert sorted(i for mb in packed for i in mb.samples) == list(range(60))
+    for mb in packed:
+        room = [-(-lengths[i] // (2 * cp)) * (2 * cp) for i in mb.samples]
+        assert mb.packed and list(mb.packed_lengths) == room and sum(room) <= mb.seq_len
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=40),
