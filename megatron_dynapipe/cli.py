@@ -42,6 +42,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel size (default 1)")
+    p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
+                   metavar="V", help="model chunks a rank: an interleaved pipeline (default 1)")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                   help="context-parallel ranks each micro-batch's sequences are split over (default 1)")
     p.add_argument("--num-layers", type=int, help="transformer layers (default: --model's, else 32)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="optimizer-state sharding over DP; 1 is Megatron's --use-distributed-optimizer (default 0)")
@@ -62,11 +66,14 @@ def _check_plan_args(args) -> None:
     """Everything the plan command can refuse before it works, one line each naming the fix."""
     import math
 
-    for flag in ("num_samples", "pp", "dp", "tp", "num_layers"):
+    for flag in ("num_samples", "pp", "dp", "tp", "chunks", "cp", "num_layers"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.memory_limit is not None and not (math.isfinite(args.memory_limit) and args.memory_limit > 0):
         raise ValueError(f"--memory-limit must be a positive number of MB, got {args.memory_limit}")
+    if args.chunks > 1 and args.pp < 2:
+        raise ValueError(f"--chunks {args.chunks} with --pp {args.pp}: model chunks interleave a pipeline of at least "
+                         "2 stages; give --pp 2 or more, or --chunks 1")
     if args.pack_length is not None and args.pack_length < 1:
         raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
                          "leave it out for the longest sample rounded up to a power of two")
@@ -84,7 +91,7 @@ def _run_plan(args) -> int:
         raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
                          f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
     spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
-                        memory_limit_mb=memory_limit, **planner_settings(args))
+                        memory_limit_mb=memory_limit, chunks=args.chunks, cp=args.cp, **planner_settings(args))
     result = generate_execution_plan(lengths, spec, cost_model)
     summary = summarize(result, lengths, spec, args.pack_length)
     if args.chrome_trace or args.gantt:
@@ -103,7 +110,7 @@ def _pricing(args) -> tuple:
     analytical GPT-6.7B), or ``--model`` on ``--hardware``'s roofline."""
     priced = pricing_from_args(args, args.tp)
     num_layers = args.num_layers or (priced.num_layers if priced else TrainingSpec.num_layers)
-    split = layers_problem(num_layers, args.pp, pp_name="--pp")
+    split = layers_problem(num_layers, args.pp * args.chunks, pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
     if split:
         raise ValueError(split)
     if priced is None:

@@ -71,6 +71,18 @@ def test_dp_lengths_split_shows_every_rank():
     assert placed == list(range(20))
 
 
+def test_plan_interleaves_and_splits_sequences_over_context_parallel_ranks():
+    """--chunks 2 plans interleaved-1f1b with a recompute choice per (virtual stage, micro-batch);
+    --cp 2 prices a rank's half of every sequence, so the same batch plans faster."""
+    base = ["plan", "--num-samples", "48", "--pp", "2", "--num-layers", "8", "--fast-mode", "--json"]
+    plain, chunked, split = (json.loads(run_cli(*base, *extra).stdout) for extra in ([], ["--chunks", "2"], ["--cp", "2"]))
+    assert (chunked["chunks"], split["cp"], plain["chunks"], plain["cp"]) == (2, 2, 1, 1)
+    assert {r["schedule"] for r in chunked["dp_ranks"]} == {"interleaved-1f1b"}
+    assert split["makespan_ms"] < plain["makespan_ms"]
+    header = run_cli(*base[:-1], "--chunks", "2", "--cp", "2").stdout.splitlines()[0]
+    assert "PP=2 x 2 chunks DP=1 TP=1 CP=2" in header
+
+
 @pytest.mark.parametrize("args,message", [
     (["--lengths", "/nonexistent/lengths.txt"], "lengths file /nonexistent/lengths.txt not found"),
     (["--cost-model", "/nonexistent/cm.json"], "not found"),
@@ -121,6 +133,9 @@ def test_fast_mode_flag_refuses_other_words():
     (["--pack-length", "0"], "--pack-length must be at least 1 token"),
     (["--pp", "3"], "32 layers do not split evenly into --pp = 3 pipeline stages: use --pp among 1, 2, 4, 8, 16, 32"),
     (["--num-samples", "0"], "--num-samples must be at least 1"),
+    (["--chunks", "2", "--pp", "1"], "--chunks 2 with --pp 1: model chunks interleave a pipeline of at least 2 stages"),
+    (["--chunks", "3"], "32 layers do not split evenly into --pp x --chunks = 12 pipeline stages"),
+    (["--cp", "0"], "--cp must be at least 1, got 0"),
 ])
 def test_bad_plan_arguments_are_refused_before_planning_and_leave_nothing(tmp_path, args, message):
     out = run_cli("plan", "--num-samples", "8", *[a.format(tmp=tmp_path) for a in args])

@@ -26,7 +26,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
     summary = {
         "num_samples": len(lengths),
         "tokens": int(sum(lengths)),
-        "pp": spec.pp, "dp": spec.dp, "tp": spec.tp, "num_layers": spec.num_layers,
+        "pp": spec.pp, "chunks": spec.chunks, "dp": spec.dp, "tp": spec.tp, "cp": spec.cp, "num_layers": spec.num_layers,
         "cost_model": costs.model.describe(),
         "memory_limit_mb": spec.memory_limit_mb,
         "fast_mode": result.fast_mode,
@@ -77,7 +77,8 @@ def _padding_share(speedup: float, ideal: float) -> str:
 def format_summary(summary: dict) -> str:
     lines = [
         f"global batch: {summary['num_samples']} samples, {summary['tokens']} tokens; "
-        f"PP={summary['pp']} DP={summary['dp']} TP={summary['tp']}, limit {summary['memory_limit_mb']:.0f} MB",
+        f"PP={summary['pp']}{_times(summary.get('chunks', 1), 'chunks')} DP={summary['dp']} TP={summary['tp']}"
+        f"{'' if summary.get('cp', 1) == 1 else ' CP=' + str(summary['cp'])}, limit {summary['memory_limit_mb']:.0f} MB",
         f"fast mode: {'on' if summary['fast_mode'] else 'off'}; planning took {summary['planning_seconds']:.3f} s",
         f"model: {summary['num_layers']} layers priced by {summary['cost_model']}",
     ]
@@ -117,3 +118,7 @@ def _runs(shapes) -> str:
     of 65,536 micro-batches is a few lines, not a line of half a megabyte."""
     runs = ((shape, sum(1 for _ in run)) for shape, run in itertools.groupby(shapes))
     return ", ".join(shape if count == 1 else f"{shape} (x{count})" for shape, count in runs)
+
+
+def _times(count: int, what: str) -> str:
+    return "" if count == 1 else f" x {count} {what}"
