@@ -479,9 +479,10 @@ class DynaPipeDataLoader:
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
             targets = [dataset.target_mask(int(i)) for i in mb_ids]
-            if mb.packed:  # each sample splits into 2 x CP equal chunks
+            if mb.packed:  # under context parallelism each sample splits into 2 x CP equal chunks
+                cp = self.settings.cp
                 out.append(packed_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets,
-                                             sample_multiple=2 * self.settings.cp))
+                                             sample_multiple=2 * cp if cp > 1 else 1))
             else:
                 out.append(gpt_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets))
         return out

@@ -74,9 +74,10 @@ def _key():
     return job_secret(SECRET)
 
 
-def _loader(port, dp=0, stage=0, tp=0, **options):
+def _loader(port, dp=0, stage=0, tp=0, cp=0, **options):
     options.setdefault("timeout_s", WAIT_S)
-    return DynaPipeDataLoader(dp_rank=dp, stage=stage, tp_rank=tp, host_pipeline=False, master_addr="127.0.0.1",
+    return DynaPipeDataLoader(dp_rank=dp, stage=stage, tp_rank=tp, cp_rank=cp, host_pipeline=False,
+                              master_addr="127.0.0.1",
                               port=port, secret=SECRET, connect_timeout_s=WAIT_S, **options)
 
 
@@ -105,13 +106,13 @@ def _context():
     return ctx
 
 
-def _consume(results, port, dp, stage, tp, limit):
-    """One training rank: iterate the loader (at most ``limit`` batches), report what arrived."""
-    rank = (dp, stage, tp)
+def _consume(results, port, rank, limit):
+    """One training rank, at ``rank`` = (dp, stage, tp[, cp]): iterate the loader (at most ``limit``
+    batches), report what arrived."""
     try:
         torch.set_num_threads(1)
         got = []
-        with _loader(port, dp, stage, tp) as loader:
+        with _loader(port, *rank) as loader:
             for batch in loader:
                 arrays = [{k: v.numpy().copy() for k, v in mb.items()} for mb in batch.microbatches]
                 got.append((batch.iteration, batch.plan.to_bytes(), arrays, batch.summary))
@@ -125,7 +126,7 @@ def _consume(results, port, dp, stage, tp, limit):
 def _start_consumers(port, ranks, limit=None):
     ctx = _context()
     results = ctx.Queue()
-    procs = {rank: ctx.Process(target=_consume, args=(results, port, *rank, limit), daemon=True) for rank in ranks}
+    procs = {rank: ctx.Process(target=_consume, args=(results, port, rank, limit), daemon=True) for rank in ranks}
     for proc in procs.values():
         proc.start()
     return results, procs
@@ -222,6 +223,31 @@ def test_packed_plans_deliver_packed_rows(tmp_path):
         for mb, got in zip(plan.microbatches, arrays):
             reference = packed_microbatch([dataset[int(ids[i])] for i in mb.samples], mb.seq_len)
             assert got.keys() == reference.keys() and all(np.array_equal(got[k], reference[k]) for k in got)
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_read_their_stage_packed_rows_with_samples_padded_to_whole_chunks():
+    """CP 2 (and PP 2): all four ranks take every iteration (the host waits for each); a stage's two
+    CP ranks get the same plan and rows, each sample padded to a multiple of 2 x CP = 4 tokens."""
+    import dataclasses
+
+    dataset = TokenListDataset(_samples(24, seed=3), MAX_SEQ_LEN)
+    spec = dataclasses.replace(_spec(pp=2, dp=1), packing="varlen", cp=2)
+    gbs, seed = 12, 5
+    ranks = [(0, stage, 0, cp) for stage in range(2) for cp in range(2)]
+    with _host(dataset, spec, gbs, num_iterations=2, seed=seed) as host:
+        out = _collect(*_start_consumers(host.port, ranks))
+        failures = {rank: body for rank, (ok, body) in out.items() if not ok}
+        assert not failures and len(out) == 4, failures
+    ids = BatchSchedule(len(dataset), gbs, seed=seed).ids(0)
+    expected = generate_execution_plan(dataset.lengths[ids].tolist(), spec, COST_MODEL, fast_mode=True)
+    for stage in range(2):
+        (_, plan_blob, arrays, _), _second = out[0, stage, 0, 0][1]
+        assert out[0, stage, 0, 1][1][0][1] == plan_blob == expected.plans[0][stage].to_bytes()
+        for mb, got, twin in zip(ExecutionPlan.from_bytes(plan_blob).microbatches, arrays, out[0, stage, 0, 1][1][0][2]):
+            reference = packed_microbatch([dataset[int(ids[i])] for i in mb.samples], mb.seq_len, sample_multiple=4)
+            assert all(np.array_equal(got[k], reference[k]) and np.array_equal(twin[k], got[k]) for k in got)
+            assert np.all(np.diff(got["cu_seqlens"]) % 4 == 0)
 
 
 @pytest.mark.slow
