@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_dynapipe.gpt.attention import segment_bounds
+
 __all__ = ["ring_attention", "batch_on_this_cp_rank", "sequence_chunk_positions"]
 
 
@@ -76,13 +78,9 @@ def ring_attention(core_class):
         def _attend_packed(self, query, blocks, cu_seqlens):
             """Packed ``[t/c, heads, dim]``: each sample's share against that sample's keys alone."""
             cp = len(blocks)
-            bounds = (cu_seqlens // cp).tolist()
-            if any(int(n) % (2 * cp) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()):
-                raise ValueError(f"context parallelism splits each packed sample into 2*CP={2 * cp} chunks: pad "
-                                 f"every sample to a multiple of {2 * cp} tokens")
             outs = [self._attend_whole(query[a:b].unsqueeze(1), [block[:, a:b].unsqueeze(2) for block in blocks],
                                        seq_dim=0).squeeze(1)
-                    for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+                    for a, b in ((a // cp, b // cp) for a, b in _whole_chunks(segment_bounds(cu_seqlens), cp))]
             return torch.cat(outs, dim=0)
 
     RingAttention.__name__ = RingAttention.__qualname__ = f"Ring{core_class.__name__}"
@@ -103,12 +101,19 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
         return batch
     present = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
     row = next(iter(present.values())).size(1)
-    bounds = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else [0, row]
-    if any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"context parallelism splits each sequence into 2*CP={2 * cp} chunks: pad every "
-                         f"{'packed sample' if len(bounds) > 2 else 'row'} to a multiple of {2 * cp} tokens")
-    index = torch.cat([a + sequence_chunk_positions(b - a, cp, _cp_rank()) for a, b in zip(bounds[:-1], bounds[1:])])
+    segments = segment_bounds(batch["cu_seqlens"]) if "cu_seqlens" in batch else [(0, row)]
+    index = torch.cat([a + sequence_chunk_positions(b - a, cp, _cp_rank()) for a, b in _whole_chunks(segments, cp)])
     return {**batch, **{key: value.index_select(1, index.to(value.device)) for key, value in present.items()}}
+
+
+def _whole_chunks(segments: list[tuple[int, int]], cp: int) -> list[tuple[int, int]]:
+    """``segments`` ((start, end) of a row, or of a packed row's samples), each checked to split
+    into ``2 cp`` equal chunks."""
+    uneven = [b - a for a, b in segments if (b - a) % (2 * cp)]
+    if uneven:
+        raise ValueError(f"context parallelism splits each sequence into 2*CP={2 * cp} chunks, and one has "
+                         f"{uneven[0]} tokens: pad every row and packed sample to a multiple of {2 * cp}")
+    return segments
 
 
 def sequence_chunk_positions(seq_length: int, cp: int, rank: int) -> torch.Tensor:
