@@ -71,7 +71,7 @@ from megatron_dynapipe.data.sampling import BatchSchedule
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, load_cost_model
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.plan import ExecutionPlan
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 
 __all__ = ["DataPipelineHost", "DynaPipeDataLoader", "RankLayout", "from_parallel_state", "job_secret",
            "share_host_failure"]
@@ -479,10 +479,9 @@ class DynaPipeDataLoader:
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
             targets = [dataset.target_mask(int(i)) for i in mb_ids]
-            if mb.packed:  # under context parallelism each sample splits into 2 x CP equal chunks
-                cp = self.settings.cp
+            if mb.packed:
                 out.append(packed_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets,
-                                             sample_multiple=2 * cp if cp > 1 else 1))
+                                             sample_multiple=packed_sample_multiple(self.settings.cp)))
             else:
                 out.append(gpt_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets))
         return out

@@ -28,6 +28,7 @@ from megatron_dynapipe.planning.microbatching import (
     partition_dp,
     partition_token_based,
     partition_uniform,
+    round_up,
     split_across_dp,
 )
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
@@ -35,7 +36,7 @@ from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.samples import check_lengths
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, fast_mode_schedules, get_schedule
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
@@ -140,8 +141,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     costs = stage_costs(cost_model, spec)
     if spec.packing == "varlen":
         costs = costs.packed()
-        if spec.cp > 1:  # a packed sample splits into 2 x CP equal chunks: the data pipeline pads it so
-            lengths = -(-lengths // (2 * spec.cp)) * (2 * spec.cp)
+        lengths = round_up(lengths, packed_sample_multiple(spec.cp))
     sizing = rank_costs(costs, spec)
     _check_memory(sizing, spec.memory_limit_mb)
     clock = PhaseClock()

@@ -16,6 +16,12 @@ PARTITION_METHODS = ("dp", "token_based", "uniform")
 PACKINGS = ("pad", "varlen")
 
 
+def packed_sample_multiple(cp: int) -> int:
+    """What each sample of a packed row is padded to a multiple of: under context parallelism it
+    splits into 2 x ``cp`` equal chunks (the planner packs with that room, the data pipeline pads so)."""
+    return 2 * cp if cp > 1 else 1
+
+
 @dataclass
 class TrainingSpec:
     """Parallel layout, memory budget and search settings of one training job."""
