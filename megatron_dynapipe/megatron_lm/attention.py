@@ -28,7 +28,8 @@ from megatron_dynapipe.compat.patching import Patches, check_spots
 from megatron_dynapipe.compat.upstream import LOCAL_CORE_ATTENTION
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
-__all__ = ["check_attention_args", "layer_attention", "local_attention_layer_spec", "replaces_local_core"]
+__all__ = ["check_attention_args", "layer_attention", "local_attention_layer_spec", "local_context_parallel",
+           "replaces_local_core"]
 
 REVIEW = "megatron_dynapipe/megatron_lm/attention.py (LOCAL_CORE_ATTENTION in megatron_dynapipe/compat/upstream.py)"
 
@@ -54,10 +55,10 @@ def _sdpa(args: argparse.Namespace) -> bool:
 
 def replaces_local_core(args: argparse.Namespace) -> bool:
     """Whether the job's local layers get another attention core than megatron-core's."""
-    return _sdpa(args) or _local_context_parallel(args)
+    return _sdpa(args) or local_context_parallel(args)
 
 
-def _local_context_parallel(args: argparse.Namespace) -> bool:
+def local_context_parallel(args: argparse.Namespace) -> bool:
     """Context parallelism on megatron-core's local layers, whose core refuses it: the ring's core runs it."""
     return (getattr(args, "context_parallel_size", 1) or 1) > 1 \
         and getattr(args, "transformer_impl", "transformer_engine") == "local"
@@ -95,7 +96,7 @@ def layer_attention(args: argparse.Namespace) -> Iterator[None]:
         # every module that bound it: pretrain_gpt's builder (gpt_builders, outside the megatron
         # package) calls its own binding
         patches.replace(owner, name, _with_core(original, "sdpa" if _sdpa(args) else "local",
-                                                _local_context_parallel(args)), where=lambda _module: True)
+                                                local_context_parallel(args)), where=lambda _module: True)
         yield
 
 

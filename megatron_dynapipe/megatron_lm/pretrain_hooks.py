@@ -78,6 +78,7 @@ from megatron_dynapipe.megatron_lm.attention import (
     check_attention_args,
     layer_attention,
     local_attention_layer_spec,
+    local_context_parallel,
     replaces_local_core,
 )
 from megatron_dynapipe.megatron_lm.datasets import open_splits
@@ -203,7 +204,7 @@ def _attention_core(args) -> str:
     if getattr(args, "transformer_impl", "transformer_engine") != "local":
         return "attention: transformer-engine's core (--transformer-impl transformer_engine)"
     ring = (", keys and values passed round the context-parallel ring (--context-parallel-size "
-            f"{args.context_parallel_size})") if (getattr(args, "context_parallel_size", 1) or 1) > 1 else ""
+            f"{args.context_parallel_size})") if local_context_parallel(args) else ""
     if getattr(args, "dynapipe_attention", None) == "sdpa":
         return ("attention: the SDPA core (torch's scaled_dot_product_attention) on megatron-core's local layers "
                 f"(--dynapipe-attention sdpa){ring}")
