@@ -176,6 +176,7 @@ def partition_dp(
     fast: bool = False,
     packed: bool = False,
     chunks: int = 1,
+    rows: "PaddedRows | None" = None,
 ) -> tuple[list[MicroBatch], list[RecomputeType]]:
     """Consecutive runs of the length-sorted samples minimising sum(t) + (pp - 1) / V * max(t),
     and the recompute type each was costed with: with several, the cheapest that fits (as
@@ -197,6 +198,9 @@ def partition_dp(
     (listed lightest first) that fits rather than the cheapest, and draws the caps from those
     alone; otherwise every size up to the whole batch is costed, and caps span them all. Packed,
     fast mode costs long runs at fewer sizes (:func:`_fast_run_sizes`).
+
+    ``rows``: padded cost-table rows to share with other partitions of the same ``costs`` and
+    memory limit (every DP rank of a batch: :class:`PaddedRows`).
     """
     order, sorted_lengths = _sorted_samples(lengths, indices)
     n = len(order)
@@ -206,7 +210,8 @@ def partition_dp(
         table, chosen = _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast)
         end_row = list(range(n))  # the costs of the runs ending at sample j are row j - 1
     else:
-        table, chosen, end_row = _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast)
+        table, chosen, end_row = _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast,
+                                                     rows)
     caps = _candidate_caps(table, float(table[end_row[-1], 0]), num_thresholds)
     capped = _capped_costs(table, end_row, caps, keep=not packed)
     # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
@@ -240,18 +245,65 @@ def partition_dp(
             [types[chosen[end_row[hi - 1], hi - lo - 1]] for lo, hi in bounds])
 
 
-def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to: int, fast: bool):
-    """:func:`_cost_table` of the padded lengths the sorted samples end at, and the row of each
-    sample's padded length."""
-    n = len(sorted_lengths)
+def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to: int, fast: bool,
+                       rows: "PaddedRows | None"):
+    """:func:`_cost_table` of the padded lengths the sorted samples end at (its rows from ``rows``
+    where given), and the row of each sample's padded length."""
     padded = round_up(sorted_lengths, round_to)
     seqs = np.unique(padded)
-    widths = _feasible_widths(costs, seqs, np.searchsorted(padded, seqs, side="right") if fast else n,
-                              recompute, memory_limit_mb)
-    if widths[-1] == 0:
+    most = np.searchsorted(padded, seqs, side="right") if fast else np.full(len(seqs), len(padded))
+    if rows is None:
+        rows = PaddedRows(costs, memory_limit_mb)
+    elif rows.costs is not costs or rows.memory_limit_mb != memory_limit_mb:
+        raise ValueError("the padded rows given are of another cost model or memory limit")
+    table, chosen = rows.table(seqs, most, _types(recompute), lightest=fast)
+    if not np.isfinite(table[-1, 0]):
         raise _unfit(costs, int(sorted_lengths[-1]), int(padded[-1]), _types(recompute), memory_limit_mb)
-    table, chosen = _cost_table(costs, seqs, widths, recompute, memory_limit_mb, lightest=fast)
     return table, chosen, np.searchsorted(seqs, padded).tolist()
+
+
+class PaddedRows:
+    """The rows of padded cost tables (:func:`_cost_table`) under one memory limit, each padded
+    length's costed once however many partitions ask for it: an entry depends on its length and
+    size alone, so every data-parallel rank of a batch (and each partition of a rank) shares
+    them, and a rank's table is its lengths' rows, cut to its widths."""
+
+    def __init__(self, costs: StageCosts, memory_limit_mb: float):
+        self.costs, self.memory_limit_mb = costs, memory_limit_mb
+        # types -> length -> (its width found up to some size, whether a size above it does not fit)
+        self._reach: dict[tuple, dict[int, tuple[int, bool]]] = {}
+        self._rows: dict[tuple, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # (types, lightest) -> length -> row
+
+    def table(self, seqs: np.ndarray, most: np.ndarray, types: tuple, lightest: bool):
+        """The cost table of sizes 1..``most`` (per length) of ``seqs`` and each entry's recompute
+        (:func:`_cost_table`)."""
+        widths = self._widths(seqs, most, types)
+        rows = self._rows.setdefault((types, lightest), {})
+        short = np.array([len(rows[seq][0]) < width if seq in rows else width > 0
+                          for seq, width in zip(seqs.tolist(), widths.tolist())], dtype=bool)
+        if short.any():
+            times, chosen = _cost_table(self.costs, seqs[short], widths[short], types, self.memory_limit_mb, lightest)
+            for i, (seq, width) in enumerate(zip(seqs[short].tolist(), widths[short].tolist())):
+                rows[seq] = times[i, :width], chosen[i, :width]
+        table = np.full((len(seqs), max(1, int(widths.max()))), np.inf)
+        chosen = np.zeros(table.shape, dtype=np.int64)
+        for i, (seq, width) in enumerate(zip(seqs.tolist(), widths.tolist())):
+            if width:
+                table[i, :width], chosen[i, :width] = rows[seq][0][:width], rows[seq][1][:width]
+        return table, chosen
+
+    def _widths(self, seqs: np.ndarray, most: np.ndarray, types: tuple) -> np.ndarray:
+        """:func:`_feasible_widths` of ``seqs`` up to ``most``, from earlier answers where they
+        settle it: a size that does not fit bounds every larger question, and sizes that all fit
+        up to some bound answer the smaller ones."""
+        reach = self._reach.setdefault(types, {})
+        ask = np.array([seq not in reach or (reach[seq][0] < m and not reach[seq][1])
+                        for seq, m in zip(seqs.tolist(), most.tolist())], dtype=bool)
+        if ask.any():
+            found = _feasible_widths(self.costs, seqs[ask], most[ask], types, self.memory_limit_mb)
+            for seq, width, m in zip(seqs[ask].tolist(), found.tolist(), most[ask].tolist()):
+                reach[seq] = width, width < m
+        return np.minimum([reach[seq][0] for seq in seqs.tolist()], most)
 
 
 #: at most this many packed micro-batches are costed (a run's end times its size), so that a

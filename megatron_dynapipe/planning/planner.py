@@ -22,6 +22,7 @@ from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
     MicroBatchingError,
+    PaddedRows,
     cheapest_recompute,
     fill_weight,
     lightest_fitting_alone,
@@ -148,36 +149,37 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     with clock("micro-batching"):
         per_rank = split_across_dp(lengths, spec.dp, sizing, spec.seqlen_round)
     choices: list[ScheduleChoice] = []
+    rows = PaddedRows(sizing, spec.memory_limit_mb)  # every rank's partitions share them
     for samples in per_rank:
         # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
         # planned before it, fast mode looks no further for that rank (the step stays the same).
         slowest = max((c.makespan_ms for c in choices), default=None) if fast else None
-        choices.append(_schedule_rank(lengths, samples, costs, sizing, spec, fast, clock, slowest))
+        choices.append(_schedule_rank(lengths, samples, costs, sizing, rows, spec, fast, clock, slowest))
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
 
 
-def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, spec: TrainingSpec, fast: bool, clock,
-                   enough_ms: "float | None" = None) -> "ScheduleChoice":
+def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
+                   fast: bool, clock, enough_ms: "float | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
     ``enough_ms``). Where fast mode's trimmed search finds none that fits, normal mode's search
     runs: fast mode never refuses a batch normal mode can plan."""
     try:
-        return _search(lengths, samples, costs, sizing, spec, fast, clock, enough_ms)
+        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms)
     except PlanningError:
         if not fast:
             raise
-        return _search(lengths, samples, costs, sizing, spec, False, clock)
+        return _search(lengths, samples, costs, sizing, rows, spec, False, clock)
 
 
-def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, spec: TrainingSpec, fast: bool, clock,
-            enough_ms: "float | None" = None) -> "ScheduleChoice":
+def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
+            fast: bool, clock, enough_ms: "float | None" = None) -> "ScheduleChoice":
     """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
-    are sized for: :func:`rank_costs`)."""
+    are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``."""
     def search(mixed_only: bool) -> ScheduleChoice:
         with clock("micro-batching"):
-            microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, mixed_only)
+            microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, mixed_only, rows)
         with clock("scheduling"):
             return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
@@ -253,7 +255,8 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
         )
 
 
-def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: bool = False) -> list[Microbatching]:
+def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: bool = False,
+                    rows: "PaddedRows | None" = None) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
     and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
     the mixed one and the heaviest uniform one, from fewer partition thresholds).
@@ -264,7 +267,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
     ("<label>, light start"; fast mode offers only that), which recompute adjustment raises only
     where the simulated schedule runs over the limit. Both are ranked by the partition's predicted
     iteration time, the light start first: its own prediction ignores what will be raised.
-    ``mixed_only``: the mixed one alone."""
+    ``mixed_only``: the mixed one alone. ``rows``: padded cost-table rows shared with other ranks."""
     limit = spec.memory_limit_mb
     if spec.partition in ("token_based", "uniform"):
         mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)
@@ -288,7 +291,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
                 FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
-                packed=spec.packing == "varlen", chunks=fill)
+                packed=spec.packing == "varlen", chunks=fill, rows=rows)
         except MicroBatchingError as error:
             errors.append(error)
             continue

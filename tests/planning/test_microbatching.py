@@ -7,6 +7,7 @@ import pytest
 
 from megatron_dynapipe.planning.microbatching import (
     MicroBatchingError,
+    PaddedRows,
     cheapest_recompute,
     microbatch_fits,
     microbatch_times,
@@ -148,6 +149,25 @@ def test_fast_partition_costs_each_microbatch_with_the_lightest_recompute_that_f
     lightest = [next(rc for rc in types if microbatch_fits(costs_pp4, mb.size, mb.seq_len, rc, LIMIT)) for mb in mbs]
     assert recompute == lightest
     assert set(recompute) != {RecomputeType.NONE}  # the memory limit made some micro-batch recompute
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_partitions_sharing_padded_rows_are_what_each_makes_alone(costs_pp4, fast):
+    """Every DP rank's partitions share one PaddedRows: narrower and wider questions of the same
+    padded lengths, in either order, under one and several recompute types."""
+    rng = np.random.default_rng(13)
+    lengths = [int(x) for x in rng.integers(8, 4096, size=300)]
+    ranks = [range(0, 20), range(20, 140), range(140, 300), range(0, 300)]
+    rows = PaddedRows(costs_pp4, LIMIT)
+    for samples in ranks + ranks[::-1]:
+        for recompute in (tuple(RecomputeType), RecomputeType.FULL):
+            alone = partition_dp(lengths, samples, costs_pp4, LIMIT, recompute, fast=fast)
+            assert partition_dp(lengths, samples, costs_pp4, LIMIT, recompute, fast=fast, rows=rows) == alone
+
+
+def test_padded_rows_of_another_memory_limit_are_refused(costs_pp4):
+    with pytest.raises(ValueError, match="another cost model or memory limit"):
+        partition_dp([100, 200], range(2), costs_pp4, LIMIT, rows=PaddedRows(costs_pp4, LIMIT / 2))
 
 
 @pytest.mark.parametrize("seq", [64, 512, 2048, 4096, 8192])
