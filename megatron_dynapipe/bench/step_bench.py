@@ -31,6 +31,9 @@ without dropout for the same reason, and its profile must have been made so).
 With ``--chunks V`` (``--pp`` 2 or more) each rank holds V model chunks, built as Megatron-LM's
 ``get_model`` builds them: the baselines run Megatron's interleaved 1F1B and DynaPipe plans its
 interleaved pipeline, each priced per virtual stage.
+With ``--cp C`` every row is split over C context-parallel ranks (chunks r and 2C-1-r of it, the
+keys and values passed round the CP group's ring): the cost model is priced on one rank of the
+group, packed samples take whole chunks of their rows, and the baselines pack with that room too.
 Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
 slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
 the cost model's prediction for each method and its error, and peak memory (on CUDA the
@@ -56,13 +59,13 @@ from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, t
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_rows, uniform_microbatches
-from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model
-from megatron_dynapipe.planning.microbatching import pack_fixed_length
+from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
+from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import MIX_CAPS, MIXES, read_lengths, synthetic_lengths
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
 __all__ = ["add_arguments", "run"]
@@ -87,8 +90,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
                    metavar="V", help="model chunks a rank: an interleaved pipeline, Megatron's interleaved 1F1B "
                                      "for the baselines and DynaPipe's planned interleaved-1f1b (default 1)")
-    p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel ranks (default 1); PP x DP local processes run the steps")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                   help="context-parallel ranks each micro-batch's rows are split over (default 1); PP x DP x CP "
+                        "local processes run the steps")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
                    help=f"samples in the global batch (default {DEFAULT_SAMPLES})")
     p.add_argument("--mix", choices=MIXES, default="multitask",
@@ -127,7 +132,7 @@ def run(args) -> int:
     lengths = _lengths(args, job["max_seq_length"])
     methods = _methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
-          f"(PP={args.pp}{_chunks(job)}, DP={args.dp}) ...", file=sys.stderr, flush=True)
+          f"({_layout(job)}) ...", file=sys.stderr, flush=True)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
     row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
     print(json.dumps(row) if args.json else format_table(row))
@@ -161,13 +166,17 @@ def _checked(args) -> dict:
         raise ValueError(problem)
     if args.dp < 1:
         raise ValueError(f"--dp {args.dp}: give at least 1 data-parallel rank")
+    if args.cp not in (1, 2, 4):
+        raise ValueError(f"--cp {args.cp}: context parallelism splits each row into 2 x CP chunks of lengths padded "
+                         "to multiples of 8, so give 1, 2 or 4")
     if args.samples < args.dp and not args.lengths:
         raise ValueError(f"--samples {args.samples} cannot feed --dp {args.dp} ranks: give at least {args.dp}")
     device = resolve_device(args.device)
-    ranks = args.pp * args.dp
+    ranks = args.pp * args.dp * args.cp
     if device == "cuda" and torch.cuda.device_count() < ranks:
-        raise ValueError(f"--device cuda with --pp {args.pp} --dp {args.dp} needs {ranks} GPUs (NCCL puts one rank "
-                         f"on each), this machine has {torch.cuda.device_count()}: lower them or use --device cpu")
+        raise ValueError(f"--device cuda with --pp {args.pp} --dp {args.dp} --cp {args.cp} needs {ranks} GPUs (NCCL "
+                         f"puts one rank on each), this machine has {torch.cuda.device_count()}: lower them or use "
+                         "--device cpu")
     if device == "cpu" and args.dtype != "fp32":
         raise ValueError(f"--{args.dtype} on the CPU: megatron-core's CPU path is fp32, drop the flag or use --device cuda")
     max_seq_length = args.max_seq_length or spec.max_sequence_length
@@ -176,10 +185,10 @@ def _checked(args) -> dict:
                          f"{spec.max_sequence_length} positions (the planner pads lengths to multiples of 8)")
     memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20 * (1 - MEMORY_HEADROOM)
                                          if device == "cuda" else CPU_MEMORY_LIMIT_MB)
-    cost_model = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
+    cost_model = split_over_cp(load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype), args.cp)
     packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp, cp=args.cp,
                 seed=args.seed, cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
 
 
@@ -205,20 +214,21 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"],
-                        memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
+                        cp=job["cp"], memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
     # built once, as a training job's data pipeline does: planning time is the planner's alone; one
-    # row a virtual stage
+    # row a virtual stage, priced on one rank of the context-parallel group
     costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
     for name, fast, packing in planned:
         result = generate_execution_plan(lengths, dataclasses.replace(spec, packing=packing), costs, fast_mode=fast)
-        microbatches = [[_tensors(tokens, mb) for mb in plans[0].microbatches] for plans in result.plans]
+        microbatches = [[_tensors(tokens, mb, spec.cp) for mb in plans[0].microbatches] for plans in result.plans]
         methods[name] = Method(result.plans, microbatches, result.makespan_ms,
                                _activations_mb(result.peak_memory_mb, costs), result.planning_seconds)
     seq = job["max_seq_length"]
-    sequences = pack_fixed_length(lengths, seq)
+    # under CP a packed sample takes whole chunks of its row: the baselines pack with that room too
+    sequences = pack_fixed_length(round_up(lengths, packed_sample_multiple(spec.cp)).tolist(), seq)
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
     methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
     if job["packs"]:
@@ -253,8 +263,8 @@ def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.
     if best is None:
         raise _unfit(seq_len, spec)
     plans = [_megatron_plans(micro, best.recompute.label, spec) for micro in best.per_rank]
-    return Method(plans, [[_tensors(tokens, mb) for mb in micro] for micro in best.per_rank], best.makespan_ms,
-                  _activations_mb(best.stage_peak_mb, costs))
+    return Method(plans, [[_tensors(tokens, mb, spec.cp) for mb in micro] for micro in best.per_rank],
+                  best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
 
 
 def _megatron_plans(microbatches: list, recompute: str, spec) -> list:
@@ -286,10 +296,13 @@ def _sample_tokens(lengths: list[int], vocab_size: int, seed: int) -> list[np.nd
     return [rng.integers(0, vocab_size, n, dtype=np.int64) for n in lengths]
 
 
-def _tensors(tokens: list[np.ndarray], mb) -> dict[str, np.ndarray]:
-    """The arrays of a planned micro-batch: its samples packed in one row, or padded."""
+def _tensors(tokens: list[np.ndarray], mb, cp: int) -> dict[str, np.ndarray]:
+    """The arrays of a planned micro-batch: its samples packed in one row (each in whole chunks of
+    its ``cp`` ranks' split), or padded."""
     samples = [tokens[i] for i in mb.samples]
-    return packed_microbatch(samples, mb.seq_len) if mb.packed else gpt_microbatch(samples, mb.seq_len)
+    if mb.packed:
+        return packed_microbatch(samples, mb.seq_len, sample_multiple=packed_sample_multiple(cp))
+    return gpt_microbatch(samples, mb.seq_len)
 
 
 def _packed(rows: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
@@ -329,7 +342,8 @@ def run_methods(methods: dict[str, Method], job: dict, *, warmup: int, steps: in
     while True:
         remaining = {name: method for name, method in methods.items() if name not in failed}
         try:
-            return run_local_ranks(_rank, job["pp"] * job["dp"], job, remaining, warmup, steps, timeout=timeout,
+            return run_local_ranks(_rank, job["pp"] * job["dp"] * job["cp"], job, remaining, warmup, steps,
+                                   timeout=timeout,
                                    backend="nccl" if job["device"] == "cuda" else "gloo"), failed
         except LocalRanksError as error:
             failure = next((e for e in error.raised.values() if isinstance(e, MethodFailed)), None)
@@ -367,13 +381,14 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         steady_cpu_allocator()  # as the profile was made: timings that do not hang on the steps before
         cpu_compat.enable_cpu_mode()
     # the data-parallel size follows from the world
-    init_model_parallel(1, job["pp"], virtual_pp=job["chunks"] if job["chunks"] > 1 else None)
+    init_model_parallel(1, job["pp"], virtual_pp=job["chunks"] if job["chunks"] > 1 else None,
+                        context_parallel_size=job["cp"])
     try:
         model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         chunks = build_training_chunks(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"],
-                                       chunks=job["chunks"])
+                                       cp=job["cp"], chunks=job["chunks"])
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
         runs = {name: _failing_as(name, planned_step(chunks, method.plans[dp_rank][stage], method.microbatches[dp_rank],
                                                      device))
@@ -406,11 +421,13 @@ def _loss_sums(results: dict[str, list]) -> dict[str, tuple[float, float]]:
     return sums
 
 
-def _global_loss(per_rank: list[dict], name: str) -> float:
-    """The mean over the global batch's loss tokens of the per-token loss: every last stage's
-    (one per data-parallel rank) sums added up."""
+def _global_loss(per_rank: list[dict], name: str) -> tuple[float, int]:
+    """The mean over the global batch's loss tokens of the per-token loss, and how many tokens that
+    is: every last stage's sums added up (one per data-parallel and context-parallel rank, each
+    over its own tokens)."""
     sums = [rank["losses"][name] for rank in per_rank if name in rank["losses"]]
-    return sum(s for s, _ in sums) / sum(n for _, n in sums)
+    tokens = sum(n for _, n in sums)
+    return sum(s for s, _ in sums) / tokens, round(tokens)
 
 
 def _memory_mb(run, zero_grads, device) -> tuple[float, "float | None"]:
@@ -449,6 +466,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
     real_tokens = sum(lengths)
     rows = {}
     for name, method in methods.items():
+        loss, loss_tokens = _global_loss(per_rank, name)
         steps = [max(rank["times"][name][i] for rank in per_rank) for i in range(len(per_rank[0]["times"][name]))]
         median = statistics.median(steps)
         rows[name] = dict(
@@ -462,7 +480,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             predicted_activations_mb=method.predicted_activations_mb,
             peak_mb=_largest([rank["memory_mb"][name][1] for rank in per_rank]),
             planning_s=method.planning_s,
-            loss=_global_loss(per_rank, name))
+            loss=loss, loss_tokens=loss_tokens)
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
@@ -470,7 +488,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
-                      pp=job["pp"], chunks=job["chunks"], dp=job["dp"], attention=job["model"].attention,
+                      pp=job["pp"], chunks=job["chunks"], dp=job["dp"], cp=job["cp"],
+                      attention=job["model"].attention,
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
         methods=rows, failed=dict(failed or {}), speedups=speedups,
@@ -479,9 +498,11 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
 
 
-def _chunks(settings: dict) -> str:
-    """" x V chunks" after PP where ranks hold several model chunks."""
-    return f" x {settings['chunks']} chunks" if settings["chunks"] > 1 else ""
+def _layout(settings: dict) -> str:
+    """"PP=2 x 2 chunks, DP=1, CP=2": the chunks and CP where there are several."""
+    chunks = f" x {settings['chunks']} chunks" if settings["chunks"] > 1 else ""
+    cp = f", CP={settings['cp']}" if settings["cp"] > 1 else ""
+    return f"PP={settings['pp']}{chunks}, DP={settings['dp']}{cp}"
 
 
 def _largest(values: list) -> "float | None":
@@ -505,8 +526,7 @@ def _loss_lines(row: dict) -> list[str]:
 def format_table(row: dict) -> str:
     s = row["settings"]
     lines = [
-        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, PP={s['pp']}{_chunks(s)}, "
-        f"DP={s['dp']}, {s['samples']} samples "
+        f"step benchmark: {s['model']} GPT, {s['dtype']} on {s['device']}, {_layout(s)}, {s['samples']} samples "
         f"({s['real_tokens']} real tokens, up to {s['max_seq_length']}), attention {s['attention']}, "
         f"cost model {s['cost_model']}",
         "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error "

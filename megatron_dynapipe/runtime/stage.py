@@ -25,19 +25,20 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
     return build_training_chunks(spec, dtype=dtype, device=device, pp=pp, tp=tp, num_layers=num_layers)[0]
 
 
-def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, num_layers: int | None = None,
-                          chunks: int = 1) -> list:
+def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, cp: int = 1,
+                          num_layers: int | None = None, chunks: int = 1) -> list:
     """This rank's ``chunks`` model chunks of ``spec`` (an interleaved pipeline where ``chunks`` > 1,
     megatron's virtual pipeline size, which its parallel state must have been given), each built
     and wrapped as :func:`build_training_stage` builds one, and their hooks set on the configs as
-    Megatron-LM's ``get_model`` sets them: one ``no_sync`` a chunk."""
+    Megatron-LM's ``get_model`` sets them: one ``no_sync`` a chunk. With ``cp`` > 1 (the parallel
+    state's context-parallel size) its attention runs over the CP group."""
     from megatron.core import parallel_state
 
     use_te = uses_transformer_engine(device.type)
     virtual = dict(virtual_pipeline_model_parallel_size=chunks) if chunks > 1 else {}
-    config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, num_layers=num_layers, on_gpu=device.type == "cuda",
-                                use_te=use_te, calculate_per_token_loss=True, deallocate_pipeline_outputs=True,
-                                **virtual)
+    config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, cp=cp, num_layers=num_layers,
+                                on_gpu=device.type == "cuda", use_te=use_te, calculate_per_token_loss=True,
+                                deallocate_pipeline_outputs=True, **virtual)
     vp_stages = range(chunks) if chunks > 1 else [None]
     models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v,
                         pre_process=parallel_state.is_pipeline_first_stage(v is None, v),

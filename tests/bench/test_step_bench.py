@@ -117,6 +117,26 @@ def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_sdpa_profi
     assert rows[2]["methods"]["packing"]["padded_tokens"] == rows[2]["methods"]["THD packing"]["padded_tokens"] == 3 * SEQ
 
 
+def test_context_parallel_ranks_split_every_sequence_and_keep_its_loss(tiny_sdpa_profile, lengths_file):
+    """Two context-parallel ranks each run their two chunks of every row (the ring over gloo): every
+    method's loss over the global batch is the one a single rank computes on whole sequences."""
+    profile, _ = tiny_sdpa_profile
+    rows = {}
+    for cp in (1, 2):
+        run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                    "--max-seq-length", str(SEQ), "--cp", str(cp), "--steps", "3", "--warmup", "0", "--json")
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[cp] = json.loads(run.stdout)
+    assert rows[2]["settings"]["cp"] == 2 and rows[2]["losses_agree"]
+    for name, whole in rows[1]["methods"].items():
+        split = rows[2]["methods"][name]
+        assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5), name
+        # each token's loss counted once: by one rank, not by both (each sample's last token predicts nothing)
+        assert split["loss_tokens"] == whole["loss_tokens"] == sum(LENGTHS) - len(LENGTHS), name
+    # the packed samples take whole chunks (multiples of 4 tokens): 100+20+8, 92+32, 60+52+12 still fill 3 rows
+    assert rows[2]["methods"]["THD packing"]["padded_tokens"] == 3 * SEQ
+
+
 def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, lengths_file):
     profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
@@ -147,6 +167,7 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
     (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
+    (["--cp", "3"], "--cp 3: context parallelism splits each row into 2 x CP chunks"),
     (["--lengths", "LENGTHS", "--max-seq-length", "128", "--dp", "4"], "3 sequences of 128 tokens cannot feed --dp 4"),
     (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
