@@ -100,41 +100,26 @@ def test_a_method_that_fails_is_reported_on_its_row_and_the_others_results_stand
     assert "| packing | failed: IndexError: index out of range" in table and "samples attend to their neighbours" not in table
 
 
-def test_data_parallel_ranks_share_the_global_batch_and_its_loss(tiny_sdpa_profile, lengths_file):
-    """Two data-parallel ranks each run their share of the same 8 samples: every method's loss
-    over the global batch is the one a single rank computes on all of them."""
+@pytest.mark.parametrize("flag", ["--dp", "--cp"])
+def test_ranks_sharing_the_global_batch_keep_its_loss(tiny_sdpa_profile, lengths_file, flag):
+    """Two data-parallel ranks each run their share of the same 8 samples, or two context-parallel
+    ranks two chunks of every row (the ring over gloo): every method's loss over the global batch
+    is the one a single rank computes on all of them, each token's counted once."""
     profile, _ = tiny_sdpa_profile
     rows = {}
-    for dp in (1, 2):
+    for size in (1, 2):
         run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
-                    "--max-seq-length", str(SEQ), "--dp", str(dp), "--steps", "3", "--warmup", "0", "--json")
+                    "--max-seq-length", str(SEQ), flag, str(size), "--steps", "3", "--warmup", "0", "--json")
         assert run.returncode == 0, run.stderr[-3000:]
-        rows[dp] = json.loads(run.stdout)
-    assert rows[2]["settings"]["dp"] == 2 and rows[2]["losses_agree"]
+        rows[size] = json.loads(run.stdout)
+    assert rows[2]["settings"][flag[2:]] == 2 and rows[2]["losses_agree"]
     for name, one_rank in rows[1]["methods"].items():
         assert rows[2]["methods"][name]["loss"] == pytest.approx(one_rank["loss"], rel=1e-5), name
+        # by one rank, not by both; each sample's last token predicts nothing
+        assert rows[2]["methods"][name]["loss_tokens"] == sum(LENGTHS) - len(LENGTHS), name
     assert rows[2]["methods"]["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ  # the same 8 rows, split
+    # under CP 2 packed samples take whole chunks (multiples of 4): 100+20+8, 92+32, 60+52+12 still fill 3 rows
     assert rows[2]["methods"]["packing"]["padded_tokens"] == rows[2]["methods"]["THD packing"]["padded_tokens"] == 3 * SEQ
-
-
-def test_context_parallel_ranks_split_every_sequence_and_keep_its_loss(tiny_sdpa_profile, lengths_file):
-    """Two context-parallel ranks each run their two chunks of every row (the ring over gloo): every
-    method's loss over the global batch is the one a single rank computes on whole sequences."""
-    profile, _ = tiny_sdpa_profile
-    rows = {}
-    for cp in (1, 2):
-        run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
-                    "--max-seq-length", str(SEQ), "--cp", str(cp), "--steps", "3", "--warmup", "0", "--json")
-        assert run.returncode == 0, run.stderr[-3000:]
-        rows[cp] = json.loads(run.stdout)
-    assert rows[2]["settings"]["cp"] == 2 and rows[2]["losses_agree"]
-    for name, whole in rows[1]["methods"].items():
-        split = rows[2]["methods"][name]
-        assert split["loss"] == pytest.approx(whole["loss"], rel=1e-5), name
-        # each token's loss counted once: by one rank, not by both (each sample's last token predicts nothing)
-        assert split["loss_tokens"] == whole["loss_tokens"] == sum(LENGTHS) - len(LENGTHS), name
-    # the packed samples take whole chunks (multiples of 4 tokens): 100+20+8, 92+32, 60+52+12 still fill 3 rows
-    assert rows[2]["methods"]["THD packing"]["padded_tokens"] == 3 * SEQ
 
 
 def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, lengths_file):
