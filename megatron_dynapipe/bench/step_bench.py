@@ -188,8 +188,9 @@ def _checked(args) -> dict:
     cost_model = split_over_cp(load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype), args.cp)
     packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp, cp=args.cp,
-                seed=args.seed, cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None)
+                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
+                cp=args.cp, seed=args.seed, cost_model_name=args.cost_model or "analytical",
+                predicts=args.cost_model is not None)
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -343,8 +344,7 @@ def run_methods(methods: dict[str, Method], job: dict, *, warmup: int, steps: in
         remaining = {name: method for name, method in methods.items() if name not in failed}
         try:
             return run_local_ranks(_rank, job["pp"] * job["dp"] * job["cp"], job, remaining, warmup, steps,
-                                   timeout=timeout,
-                                   backend="nccl" if job["device"] == "cuda" else "gloo"), failed
+                                   timeout=timeout, backend="nccl" if job["device"] == "cuda" else "gloo"), failed
         except LocalRanksError as error:
             failure = next((e for e in error.raised.values() if isinstance(e, MethodFailed)), None)
             if failure is None or len(remaining) == 1:
