@@ -9,7 +9,6 @@ concatenate samples into sequences of one fixed length.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from typing import Sequence
 
@@ -213,21 +212,23 @@ def partition_dp(
         table, chosen, end_row = _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_to, fast,
                                                      rows)
     caps = _candidate_caps(table, float(table[end_row[-1], 0]), num_thresholds)
-    capped = _capped_costs(table, end_row, caps, keep=not packed)
+    capped = _capped_costs(table, end_row, caps)
     # before[:, n - j] is the best sum over the first j samples; stored back to front so that the
     # bests of the `width` prefixes a micro-batch ending at j can extend are one contiguous slice.
     before = np.full((len(caps), n + 1), np.inf)
     before[:, n] = 0.0
-    choice = np.zeros((len(caps), n + 1), dtype=np.int64)
-    rows = np.arange(len(caps))
-    for j in range(1, n + 1):
-        costs_here = capped(end_row[j - 1])
+    choice = np.zeros((len(caps), n + 1), dtype=np.int64)  # the size of the last micro-batch, less one
+    rows, table_row = np.arange(len(caps)), None
+    for j in range(1, n + 1):  # one numpy step a sample: as few calls as it takes (it is most of the time)
+        if end_row[j - 1] != table_row:  # sorted samples: the ends sharing a table row are consecutive
+            table_row = end_row[j - 1]
+            costs_here = capped(table_row)
         width = min(j, costs_here.shape[1])
-        # total[:, k-1]: the prefix of j - k samples plus a micro-batch of the k samples ending at j
+        # total[:, k]: the prefix of j - k - 1 samples plus a micro-batch of the k + 1 samples ending at j
         total = before[:, n - j + 1:n - j + 1 + width] + costs_here[:, :width]
-        k = np.argmin(total, axis=1)
+        k = total.argmin(1)
+        choice[:, j] = k
         before[:, n - j] = total[rows, k]
-        choice[:, j] = k + 1
     objective = before[:, 0] + fill_weight(costs.pp, chunks) * caps
     row = int(np.argmin(objective))
     if not np.isfinite(objective[row]):
@@ -235,7 +236,7 @@ def partition_dp(
     bounds = []
     j = n
     while j > 0:
-        k = int(choice[row, j])
+        k = int(choice[row, j]) + 1
         bounds.append((j - k, j))
         j -= k
     bounds.reverse()
@@ -249,9 +250,7 @@ def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
                        rows: "PaddedRows | None"):
     """:func:`_cost_table` of the padded lengths the sorted samples end at (its rows from ``rows``
     where given), and the row of each sample's padded length."""
-    padded = round_up(sorted_lengths, round_to)
-    seqs = np.unique(padded)
-    most = np.searchsorted(padded, seqs, side="right") if fast else np.full(len(seqs), len(padded))
+    padded, seqs, most = _padded_questions(sorted_lengths, round_to, fast)
     if rows is None:
         rows = PaddedRows(costs, memory_limit_mb)
     elif rows.costs is not costs or rows.memory_limit_mb != memory_limit_mb:
@@ -262,35 +261,65 @@ def _padded_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
     return table, chosen, np.searchsorted(seqs, padded).tolist()
 
 
+def _padded_questions(sorted_lengths: np.ndarray, round_to: int, fast: bool):
+    """The padded lengths of sorted samples, the distinct ones, and per distinct length the
+    largest micro-batch a partition of them costs (fast mode: as many samples as are that long
+    or shorter; else all)."""
+    padded = round_up(sorted_lengths, round_to)
+    seqs = np.unique(padded)
+    most = np.searchsorted(padded, seqs, side="right") if fast else np.full(len(seqs), len(padded))
+    return padded, seqs, most
+
+
 class PaddedRows:
     """The rows of padded cost tables (:func:`_cost_table`) under one memory limit, each padded
     length's costed once however many partitions ask for it: an entry depends on its length and
     size alone, so every data-parallel rank of a batch (and each partition of a rank) shares
-    them, and a rank's table is its lengths' rows, cut to its widths."""
+    them, and a rank's table is its lengths' rows, cut to its widths. Where the partitions to
+    come are told first (:meth:`foresee`), each row is costed once, as wide as the widest of
+    them asks, rather than widened rank by rank."""
 
     def __init__(self, costs: StageCosts, memory_limit_mb: float):
         self.costs, self.memory_limit_mb = costs, memory_limit_mb
+        self._foreseen: dict[int, int] = {}  # length -> the largest size a partition to come asks
         # types -> length -> (its width found up to some size, whether a size above it does not fit)
         self._reach: dict[tuple, dict[int, tuple[int, bool]]] = {}
         self._rows: dict[tuple, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # (types, lightest) -> length -> row
 
+    def foresee(self, lengths: Sequence[int], round_to: int, fast: bool) -> None:
+        """Note what a partition of ``lengths`` (one DP rank's samples) will ask."""
+        _, seqs, most = _padded_questions(np.sort(np.asarray(lengths)), round_to, fast)
+        for seq, m in zip(seqs.tolist(), most.tolist()):
+            if m > self._foreseen.get(seq, 0):
+                self._foreseen[seq] = m
+
     def table(self, seqs: np.ndarray, most: np.ndarray, types: tuple, lightest: bool):
         """The cost table of sizes 1..``most`` (per length) of ``seqs`` and each entry's recompute
         (:func:`_cost_table`)."""
-        widths = self._widths(seqs, most, types)
         rows = self._rows.setdefault((types, lightest), {})
-        short = np.array([len(rows[seq][0]) < width if seq in rows else width > 0
-                          for seq, width in zip(seqs.tolist(), widths.tolist())], dtype=bool)
-        if short.any():
-            times, chosen = _cost_table(self.costs, seqs[short], widths[short], types, self.memory_limit_mb, lightest)
-            for i, (seq, width) in enumerate(zip(seqs[short].tolist(), widths[short].tolist())):
-                rows[seq] = times[i, :width], chosen[i, :width]
+        if not rows and self._foreseen:  # the first question of these types: every foreseen row at once
+            ahead = np.array(sorted(self._foreseen))
+            self._cost(ahead, np.array([self._foreseen[seq] for seq in ahead.tolist()]), types, rows, lightest)
+        widths = self._cost(seqs, most, types, rows, lightest)
         table = np.full((len(seqs), max(1, int(widths.max()))), np.inf)
         chosen = np.zeros(table.shape, dtype=np.int64)
         for i, (seq, width) in enumerate(zip(seqs.tolist(), widths.tolist())):
             if width:
                 table[i, :width], chosen[i, :width] = rows[seq][0][:width], rows[seq][1][:width]
         return table, chosen
+
+    def _cost(self, seqs: np.ndarray, most: np.ndarray, types: tuple, rows: dict, lightest: bool) -> np.ndarray:
+        """Cost the rows of ``seqs`` not yet as wide as ``most`` asks -- as wide as they fit, up
+        to the widest question asked or foreseen -- and return the widths asked."""
+        widths = self._widths(seqs, most, types)
+        short = np.array([len(rows[seq][0]) < width if seq in rows else width > 0
+                          for seq, width in zip(seqs.tolist(), widths.tolist())], dtype=bool)
+        if short.any():
+            wide = np.array([self._reach[types][seq][0] for seq in seqs[short].tolist()])
+            times, chosen = _cost_table(self.costs, seqs[short], wide, types, self.memory_limit_mb, lightest)
+            for i, (seq, width) in enumerate(zip(seqs[short].tolist(), wide.tolist())):
+                rows[seq] = times[i, :width], chosen[i, :width]
+        return widths
 
     def _widths(self, seqs: np.ndarray, most: np.ndarray, types: tuple) -> np.ndarray:
         """:func:`_feasible_widths` of ``seqs`` up to ``most``, from earlier answers where they
@@ -300,8 +329,9 @@ class PaddedRows:
         ask = np.array([seq not in reach or (reach[seq][0] < m and not reach[seq][1])
                         for seq, m in zip(seqs.tolist(), most.tolist())], dtype=bool)
         if ask.any():
-            found = _feasible_widths(self.costs, seqs[ask], most[ask], types, self.memory_limit_mb)
-            for seq, width, m in zip(seqs[ask].tolist(), found.tolist(), most[ask].tolist()):
+            asked = np.maximum(most[ask], [self._foreseen.get(seq, 0) for seq in seqs[ask].tolist()])
+            found = _feasible_widths(self.costs, seqs[ask], asked, types, self.memory_limit_mb)
+            for seq, width, m in zip(seqs[ask].tolist(), found.tolist(), asked.tolist()):
                 reach[seq] = width, width < m
         return np.minimum([reach[seq][0] for seq in seqs.tolist()], most)
 
@@ -400,11 +430,10 @@ def _packed_widths(evaluate, ends: np.ndarray, most: np.ndarray) -> np.ndarray:
     return lo
 
 
-def _capped_costs(table: np.ndarray, end_row: list[int], caps: np.ndarray, keep: bool):
+def _capped_costs(table: np.ndarray, end_row: list[int], caps: np.ndarray):
     """A function of a table row (the costs of the runs ending at some j; sorted samples make each
     row one run of ends) giving its costs with those above each cap made inf: [caps, k], as wide
-    as its last finite cost or its last j allows -- wider never wins. ``keep`` remembers each
-    row's answer, for tables whose rows serve many ends."""
+    as its last finite cost or its last j allows -- wider never wins."""
     finite = np.isfinite(table)
     reach = np.where(finite.any(axis=1), table.shape[1] - np.argmax(finite[:, ::-1], axis=1), 1)
     last_j = {row: j for j, row in enumerate(end_row, start=1)}
@@ -413,7 +442,7 @@ def _capped_costs(table: np.ndarray, end_row: list[int], caps: np.ndarray, keep:
         cost = table[row, :min(int(reach[row]), last_j[row])][None, :]
         return np.where(cost <= caps[:, None], cost, np.inf)
 
-    return functools.lru_cache(maxsize=None if keep else 0)(capped)
+    return capped
 
 
 def _candidate_caps(table: np.ndarray, smallest_cap: float, count: int) -> np.ndarray:

@@ -151,14 +151,18 @@ def test_fast_partition_costs_each_microbatch_with_the_lightest_recompute_that_f
     assert set(recompute) != {RecomputeType.NONE}  # the memory limit made some micro-batch recompute
 
 
+@pytest.mark.parametrize("foreseen", [0, 2, 4], ids=["none-foreseen", "two-foreseen", "all-foreseen"])
 @pytest.mark.parametrize("fast", [False, True])
-def test_partitions_sharing_padded_rows_are_what_each_makes_alone(costs_pp4, fast):
+def test_partitions_sharing_padded_rows_are_what_each_makes_alone(costs_pp4, fast, foreseen):
     """Every DP rank's partitions share one PaddedRows: narrower and wider questions of the same
-    padded lengths, in either order, under one and several recompute types."""
+    padded lengths, in either order, under one and several recompute types, with none, some or
+    all of them foreseen (rows then costed as wide as the widest foreseen question)."""
     rng = np.random.default_rng(13)
     lengths = [int(x) for x in rng.integers(8, 4096, size=300)]
     ranks = [range(0, 20), range(20, 140), range(140, 300), range(0, 300)]
     rows = PaddedRows(costs_pp4, LIMIT)
+    for samples in ranks[:foreseen]:
+        rows.foresee([lengths[i] for i in samples], 8, fast)
     for samples in ranks + ranks[::-1]:
         for recompute in (tuple(RecomputeType), RecomputeType.FULL):
             alone = partition_dp(lengths, samples, costs_pp4, LIMIT, recompute, fast=fast)
