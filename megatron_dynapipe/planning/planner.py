@@ -146,27 +146,57 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     sizing = rank_costs(costs, spec)
     _check_memory(sizing, spec.memory_limit_mb)
     clock = PhaseClock()
+    rows = PaddedRows(sizing, spec.memory_limit_mb)  # every rank's partitions share them
     with clock("micro-batching"):
         per_rank = split_across_dp(lengths, spec.dp, sizing, spec.seqlen_round)
-    choices: list[ScheduleChoice] = []
-    rows = PaddedRows(sizing, spec.memory_limit_mb)  # every rank's partitions share them
-    for samples in per_rank:
+        if spec.packing != "varlen":  # packed partitions cost their own runs
+            for samples in per_rank:
+                rows.foresee(lengths[samples], spec.seqlen_round, fast)
+    firsts = _first_tries(lengths, per_rank, sizing, rows, spec, fast, clock)
+    choices: list["ScheduleChoice | None"] = [None] * len(per_rank)
+    for r in _slowest_first(firsts, sizing, spec.chunks):
         # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
         # planned before it, fast mode looks no further for that rank (the step stays the same).
-        slowest = max((c.makespan_ms for c in choices), default=None) if fast else None
-        choices.append(_schedule_rank(lengths, samples, costs, sizing, rows, spec, fast, clock, slowest))
+        slowest = max((c.makespan_ms for c in choices if c), default=None) if fast else None
+        choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, fast, clock, slowest, firsts[r])
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
 
 
+def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec, fast: bool,
+                 clock) -> "list[list[Microbatching] | None]":
+    """Per rank, fast mode's first try where it has one (:func:`_search`: its mixed micro-batching
+    alone), made for every rank before any is scheduled; None where there is none or it fails
+    (the rank's whole search then says why)."""
+    if not (fast and spec.partition == "dp" and len(spec.recompute_types) > 1):
+        return [None] * len(per_rank)
+    firsts = []
+    with clock("micro-batching"):
+        for samples in per_rank:
+            try:
+                firsts.append(_microbatchings(lengths, samples, sizing, spec, fast, True, rows))
+            except PlanningError:
+                firsts.append(None)
+    return firsts
+
+
+def _slowest_first(firsts, sizing: StageCosts, chunks: int) -> list[int]:
+    """The order to plan ranks in: by their first tries' predicted iteration times, slowest first,
+    so that fast mode sets the step's length with the first rank planned and stops the others'
+    searches at the first plan within it. Ranks without a first try come first, in rank order."""
+    predicted = [math.inf if first is None else predicted_iteration_ms(sizing, first[0], chunks) for first in firsts]
+    return sorted(range(len(firsts)), key=lambda r: -predicted[r])
+
+
 def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                   fast: bool, clock, enough_ms: "float | None" = None) -> "ScheduleChoice":
+                   fast: bool, clock, enough_ms: "float | None" = None,
+                   first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
-    ``enough_ms``). Where fast mode's trimmed search finds none that fits, normal mode's search
-    runs: fast mode never refuses a batch normal mode can plan."""
+    ``enough_ms``, trying ``first`` first where given). Where fast mode's trimmed search finds
+    none that fits, normal mode's search runs: fast mode never refuses a batch normal mode can plan."""
     try:
-        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms)
+        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms, first)
     except PlanningError:
         if not fast:
             raise
@@ -174,12 +204,15 @@ def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows
 
 
 def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-            fast: bool, clock, enough_ms: "float | None" = None) -> "ScheduleChoice":
+            fast: bool, clock, enough_ms: "float | None" = None,
+            first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
-    are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``."""
+    are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``,
+    ``first`` the mixed micro-batching alone where made already."""
     def search(mixed_only: bool) -> ScheduleChoice:
         with clock("micro-batching"):
-            microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, mixed_only, rows)
+            microbatchings = (first if mixed_only and first is not None
+                              else _microbatchings(lengths, samples, sizing, spec, fast, mixed_only, rows))
         with clock("scheduling"):
             return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
