@@ -166,9 +166,11 @@ def _checked(args) -> dict:
         raise ValueError(problem)
     if args.dp < 1:
         raise ValueError(f"--dp {args.dp}: give at least 1 data-parallel rank")
-    if args.cp not in (1, 2, 4):
+    round_to = TrainingSpec.seqlen_round  # what the planner pads lengths to: 2 x CP chunks must divide it
+    if args.cp < 1 or round_to % (2 * args.cp):
+        sizes = [c for c in range(1, round_to // 2 + 1) if round_to % (2 * c) == 0]
         raise ValueError(f"--cp {args.cp}: context parallelism splits each row into 2 x CP chunks of lengths padded "
-                         "to multiples of 8, so give 1, 2 or 4")
+                         f"to multiples of {round_to}, so give {', '.join(map(str, sizes[:-1]))} or {sizes[-1]}")
     if args.samples < args.dp and not args.lengths:
         raise ValueError(f"--samples {args.samples} cannot feed --dp {args.dp} ranks: give at least {args.dp}")
     device = resolve_device(args.device)

@@ -153,7 +153,9 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
     (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
-    (["--cp", "3"], "--cp 3: context parallelism splits each row into 2 x CP chunks"),
+    (["--cp", "3"], "--cp 3: context parallelism splits each row into 2 x CP chunks of lengths padded to "
+                    "multiples of 8, so give 1, 2 or 4"),
+    (["--cp", "0"], "--cp 0: context parallelism splits"),
     (["--lengths", "LENGTHS", "--max-seq-length", "128", "--dp", "4"], "3 sequences of 128 tokens cannot feed --dp 4"),
     (["--hidden-size", "64", "--num-attention-heads", "4", "--cost-model", "PROFILE"],
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
