@@ -166,9 +166,10 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
 
 def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec, fast: bool,
                  clock) -> "list[list[Microbatching] | None]":
-    """Per rank, fast mode's first try where it has one (:func:`_search`: its mixed micro-batching
-    alone), made for every rank before any is scheduled; None where there is none or it fails
-    (the rank's whole search then says why)."""
+    """Per rank, fast mode's first try where it has one: its mixed micro-batching alone, which often
+    has a plan that ends by the slowest rank's, and the others are then never made (partitioning a
+    rank's samples costs about what scheduling them does). Made for every rank before any is
+    scheduled; None where there is none or it fails (the rank's whole search then says why)."""
     if not (fast and spec.partition == "dp" and len(spec.recompute_types) > 1):
         return [None] * len(per_rank)
     firsts = []
@@ -208,26 +209,23 @@ def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: Padde
             first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
     are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``,
-    ``first`` the mixed micro-batching alone where made already."""
-    def search(mixed_only: bool) -> ScheduleChoice:
-        with clock("micro-batching"):
-            microbatchings = (first if mixed_only and first is not None
-                              else _microbatchings(lengths, samples, sizing, spec, fast, mixed_only, rows))
+    ``first`` the micro-batchings to try alone before the rest (:func:`_first_tries`)."""
+    def search(microbatchings: list[Microbatching]) -> ScheduleChoice:
         with clock("scheduling"):
             return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
                                      recompute_types=spec.recompute_types, enough_ms=enough_ms, chunks=spec.chunks)
 
-    if enough_ms is not None and spec.partition == "dp" and len(spec.recompute_types) > 1:
-        # The mixed micro-batching alone often has a plan that ends in time; the others are then
-        # never made (partitioning a rank's samples costs about what scheduling them does).
+    if enough_ms is not None and first is not None:
         try:
-            choice = search(mixed_only=True)
+            choice = search(first)
             if choice.makespan_ms <= enough_ms:
                 return choice
         except PlanningError:
             pass  # the whole search below says why, if it fails too
-    return search(mixed_only=False)
+    with clock("micro-batching"):
+        microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, rows=rows)
+    return search(microbatchings)
 
 
 class PhaseClock:
