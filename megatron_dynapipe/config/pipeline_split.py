@@ -99,6 +99,9 @@ class PipelineSplit:
     def chunks_problem(self, num_layers: int, pp: int, chunks: int) -> Optional[str]:
         """Why the ranks' layers (once :meth:`problem` passes) do not split into ``chunks`` model
         chunks each, or None."""
+        if self.first_stage_layers is not None and self.last_stage_layers is not None and pp == 2:
+            return (f"megatron-core cannot interleave a pipeline whose first and last stages are its only ones (its "
+                    f"layer offsets divide by the middle stages): give only {_FIRST} or {_LAST} at PP = 2")
         for stage, layers in enumerate(self.rank_layers(num_layers, pp)):
             if layers % chunks:
                 return (f"the {layers} layers of pipeline stage {stage} do not split into {chunks} model chunks: "

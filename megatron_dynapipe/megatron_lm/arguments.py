@@ -240,19 +240,25 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
         )
 
 
+def _uneven_split_problem(args: argparse.Namespace) -> "str | None":
+    """Why megatron-core cannot build the uneven stages asked for, into their model chunks (an
+    even split is checked with the rest of the layout)."""
+    split = PipelineSplit.from_args(args)
+    if split.even:
+        return None
+    layers, pp = _get(args, "num_layers", 1), _get(args, "pipeline_model_parallel_size", 1)
+    chunks = model_chunks(args)
+    return split.problem(layers, pp) or (split.chunks_problem(layers, pp, chunks) if chunks > 1 else None)
+
+
 def _check_megatron_flags(args: argparse.Namespace) -> None:
     """Megatron flags that cannot go with variable-length planned micro-batches: every one refused,
     in one line."""
     problems: list[str] = []
     refuse = problems.append
-    split = PipelineSplit.from_args(args)
-    uneven = None if split.even else split.problem(_get(args, "num_layers", 1),
-                                                   _get(args, "pipeline_model_parallel_size", 1))
-    if uneven:  # an even split is checked with the rest of the layout
+    uneven = _uneven_split_problem(args)
+    if uneven:
         refuse(uneven)
-    if not split.even and model_chunks(args) > 1:
-        refuse("--dynapipe plans interleaved pipelines of even stages only: drop --decoder-first-pipeline-num-layers "
-               "/ --decoder-last-pipeline-num-layers / --account-for-*-in-pipeline-split, or the virtual pipeline flags")
     granularity = getattr(args, "recompute_granularity", None)
     if granularity == "full" and (getattr(args, "recompute_method", None) != "uniform"
                                   or _get(args, "recompute_num_layers", 1) != 1):
@@ -440,13 +446,15 @@ def model_chunks(args: argparse.Namespace) -> int:
 
 
 def stage_layers(args: argparse.Namespace) -> "tuple[int, ...] | None":
-    """The transformer layers megatron-core builds on each pipeline stage under Megatron-LM's
-    pipeline-split flags (first/last stages of their own, the embedding or loss counted as a
-    layer), for the planner to price; None where the split is even."""
+    """The transformer layers megatron-core builds on each virtual pipeline stage (one a rank
+    without interleaving) under Megatron-LM's pipeline-split flags (first/last stages of their
+    own, the embedding or loss counted as a layer), for the planner to price; None where the
+    split is even."""
     split = PipelineSplit.from_args(args)
     if split.even:
         return None
-    return tuple(split.chunk_layers(_get(args, "num_layers", 1), _get(args, "pipeline_model_parallel_size", 1)))
+    return tuple(split.chunk_layers(_get(args, "num_layers", 1), _get(args, "pipeline_model_parallel_size", 1),
+                                    model_chunks(args)))
 
 
 def _recompute_at_least(types, granularity: "str | None") -> tuple:

@@ -70,6 +70,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     add_arguments,
     chain_providers,
     check_data_pipeline_args,
+    model_chunks,
     stage_layers,
     training_spec_from_args,
     validate_dynapipe_args,
@@ -188,7 +189,8 @@ def setup(args: Optional[argparse.Namespace] = None):
             print(f"> megatron-dynapipe: {_attention_core(args)}", flush=True)
             layers = stage_layers(args) if report.enabled else None
             if layers:
-                print(f"> megatron-dynapipe: pipeline stages of {' + '.join(map(str, layers))} transformer layers "
+                stages = "virtual pipeline stages" if model_chunks(args) > 1 else "pipeline stages"
+                print(f"> megatron-dynapipe: {stages} of {' + '.join(map(str, layers))} transformer layers "
                       "(Megatron-LM's pipeline split), as the plans price them", flush=True)
             if report.enabled and _priced_by(args):
                 print("> megatron-dynapipe: no --dynapipe-cost-model: plans are priced by the analytical model of a GPT "

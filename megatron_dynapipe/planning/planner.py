@@ -274,14 +274,17 @@ def rank_costs(costs: StageCosts, spec: TrainingSpec) -> StageCosts:
     what micro-batches are sized for, as for 1F1B on the same ranks. An interleaved rank warms
     up with more chunk-forwards than 1F1B holds micro-batches; recompute adjustment raises
     recompute where the simulated schedule holds more than the limit."""
-    return costs if spec.chunks == 1 else dataclasses.replace(costs, pp=spec.pp)
+    if spec.chunks == 1:
+        return costs
+    layers = costs.layers and tuple(sum(costs.layers[s::spec.pp]) for s in range(spec.pp))
+    return dataclasses.replace(costs, pp=spec.pp, layers=layers)
 
 
 def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
     state = max(costs.model_state_mb(s) for s in range(costs.pp))
     if state >= memory_limit_mb:
         raise PlanningError(
-            f"the model state alone needs {state:.0f} MB per GPU, above the {memory_limit_mb:.0f} MB "
+            f"the model state alone needs {state:.1f} MB per GPU, above the {memory_limit_mb:.1f} MB "
             f"limit: raise the memory limit, add pipeline/tensor parallelism or a higher ZeRO stage"
         )
 

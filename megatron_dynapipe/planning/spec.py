@@ -42,8 +42,9 @@ class TrainingSpec:
     max_permutations: int = 8
     seed: int = 0
     packing: str = "pad"
-    #: transformer layers of each pipeline stage where not split evenly (Megatron-LM's
-    #: --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split); None: even
+    #: transformer layers of each virtual pipeline stage where not split evenly (Megatron-LM's
+    #: --decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split): pp x chunks
+    #: counts, chunk c of rank s at c pp + s (megatron-core's order); None: even
     stage_layers: tuple[int, ...] | None = None
     #: model chunks a pipeline rank holds (Megatron-LM's --num-virtual-stages-per-pipeline-rank):
     #: above 1 the pipeline is interleaved, and the schedules searched by default are the
@@ -85,10 +86,12 @@ class TrainingSpec:
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
         if self.stage_layers is not None:
             self.stage_layers = tuple(self.stage_layers)
-            if (len(self.stage_layers) != self.pp or sum(self.stage_layers) != self.num_layers
-                    or min(self.stage_layers) < 0):
+            stages = self.pp * self.chunks
+            if len(self.stage_layers) != stages or sum(self.stage_layers) != self.num_layers \
+                    or min(self.stage_layers) < 0:
+                where = f"{self.pp} x {self.chunks} virtual" if self.chunks > 1 else f"{self.pp}"
                 raise ValueError(f"stage_layers {list(self.stage_layers)} do not place {self.num_layers} layers on "
-                                 f"{self.pp} pipeline stages: give one count a stage, summing to num_layers")
+                                 f"{where} pipeline stages: give one count a stage, summing to num_layers")
 
     def _check_chunks(self) -> None:
         """An interleaved layout as Megatron-LM builds one; the default schedules made interleaved."""
@@ -96,12 +99,9 @@ class TrainingSpec:
             return
         if self.pp < 2:
             raise ValueError(f"{self.chunks} model chunks a rank need pp >= 2 (an interleaved pipeline), got pp={self.pp}")
-        if self.num_layers % (self.pp * self.chunks):
+        if self.stage_layers is None and self.num_layers % (self.pp * self.chunks):
             raise ValueError(f"{self.num_layers} layers do not split evenly over {self.pp} x {self.chunks} virtual "
-                             "stages: make num_layers a multiple of pp x chunks")
-        if self.stage_layers is not None:
-            raise ValueError("uneven pipeline stages (stage_layers) are not planned with several model chunks a rank: "
-                             "drop stage_layers or use chunks=1")
+                             "stages: make num_layers a multiple of pp x chunks, or give stage_layers")
         if tuple(self.schedules) == DEFAULT_SCHEDULES:
             self.schedules = default_schedules(self.chunks)
         for name in self.schedules:

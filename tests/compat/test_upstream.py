@@ -128,3 +128,27 @@ def test_activation_shapes_are_megatron_cores_fixed_length_ones_whatever_variabl
     assert out.returncode == 0, out.stderr
     # (sequence, batch, hidden): the activation layout megatron-core sends between stages
     assert out.stdout.split("\n")[:2] == ["False [(40, 3, 96)]", "True [(40, 3, 96)]"]
+
+
+def test_megatron_core_cannot_interleave_first_and_last_stages_with_none_between():
+    """Why PipelineSplit refuses --decoder-first and --decoder-last together at PP 2 with model
+    chunks: megatron-core accepts the config, then its layer offset divides by the (zero) middle
+    stages. If an upstream release places these layers, the refusal can go."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_dynapipe.config.pipeline_split import PipelineSplit
+
+    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=2,
+                               virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                               num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4)
+    with pytest.raises(ZeroDivisionError):
+        get_transformer_layer_offset(config, vp_stage=0, pp_rank=1)
+    assert "give only" in PipelineSplit(2, 4).chunks_problem(6, 2, 2)
+    # the first stage's layers alone, the last taking the rest: offsets 0, 1 | 3, 4
+    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=2,
+                               virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                               num_layers_in_first_pipeline_stage=2)
+    assert [get_transformer_layer_offset(config, vp_stage=v, pp_rank=s) for v in (0, 1) for s in (0, 1)] == [0, 1, 3, 4]
+    assert PipelineSplit(2).chunks_problem(6, 2, 2) is None

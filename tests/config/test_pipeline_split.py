@@ -39,6 +39,8 @@ def test_interleaved_chunks_split_each_ranks_layers_and_lose_the_embedding_and_l
     (dict(first_stage_layers=4, last_stage_layers=4), 1, 8, "need pipeline parallelism (PP > 1)"),
     (dict(account_for_embedding=True), 4, 8, "do not split evenly into PP = 4"),
     (dict(first_stage_layers=3, virtual_stages=2), 3, 9, "the 3 layers of pipeline stage 0 do not split into 2"),
+    (dict(first_stage_layers=2, last_stage_layers=4, virtual_stages=2), 2, 6,
+     "give only --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers at PP = 2"),
 ])
 def test_splits_megatron_core_refuses_are_refused_in_one_line(options, pp, layers, message):
     found = MegatronOptions(**options).layout_problem(tp=1, pp=pp, num_layers=layers, num_microbatches=pp)

@@ -129,8 +129,11 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
     (ON, {"virtual_pipeline_model_parallel_size": 2, "num_layers": 6, "pipeline_model_parallel_size": 2},
      "make num_layers a multiple of pp x chunks"),
     (ON, {"num_virtual_stages_per_pipeline_rank": 2, "num_layers": 8, "pipeline_model_parallel_size": 2,
+          "decoder_first_pipeline_num_layers": 1},
+     "the 1 layers of pipeline stage 0 do not split into 2 model chunks: change the virtual pipeline size"),
+    (ON, {"num_virtual_stages_per_pipeline_rank": 2, "num_layers": 8, "pipeline_model_parallel_size": 2,
           "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 6},
-     "--dynapipe plans interleaved pipelines of even stages only"),
+     "give only --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers at PP = 2"),
     (ON + ("--dynapipe-schedule", "wait-free-cyclic"),
      {"virtual_pipeline_model_parallel_size": 2, "num_layers": 8, "pipeline_model_parallel_size": 2},
      "interleaved-1f1b"),
@@ -204,6 +207,13 @@ def test_training_spec_from_megatron_args():
     ({"num_layers": 126, "pipeline_model_parallel_size": 16, "decoder_first_pipeline_num_layers": 7,
       "decoder_last_pipeline_num_layers": 7}, (7,) + (8,) * 14 + (7,)),
     ({"num_layers": 3, "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 1}, (1, 2)),
+    # interleaved: a rank's layers split evenly over its 2 chunks, listed chunk by chunk (chunk 0 of
+    # ranks 0 and 1, then chunk 1 of each)
+    ({"num_layers": 8, "pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 2,
+      "num_virtual_stages_per_pipeline_rank": 2}, (1, 3, 1, 3)),
+    # 14 + 2 over 2 ranks x 2 chunks, 4 a chunk; the embedding's on the very first, the loss's on the very last
+    ({"num_layers": 14, "pipeline_model_parallel_size": 2, "account_for_embedding_in_pipeline_split": True,
+      "account_for_loss_in_pipeline_split": True, "num_virtual_stages_per_pipeline_rank": 2}, (3, 4, 4, 3)),
     # the embedding and the loss count as a layer each: 30 + 2 over 4 stages, 8 a stage, 7 on the ends
     ({"num_layers": 30, "pipeline_model_parallel_size": 4, "account_for_embedding_in_pipeline_split": True,
       "account_for_loss_in_pipeline_split": True}, (7, 8, 8, 7)),

@@ -662,15 +662,17 @@ def test_uneven_pipeline_stages_train_with_plans_priced_as_megatron_builds_them(
 
 
 @pytest.mark.slow
-def test_an_interleaved_pipeline_trains_with_plans_of_two_model_chunks_a_rank(training_ready):
-    """--num-virtual-stages-per-pipeline-rank 2: Megatron-LM builds two model chunks a rank (one
-    data iterator, the first chunk's), the planner plans interleaved-1f1b over four virtual stages
-    and the executor runs each plan's chunks."""
+def test_an_interleaved_pipeline_of_uneven_stages_trains_with_plans_of_two_model_chunks_a_rank(training_ready):
+    """--num-virtual-stages-per-pipeline-rank 2 with --decoder-first-pipeline-num-layers 2 of 6:
+    Megatron-LM builds two model chunks a rank (one data iterator, the first chunk's), of 1 and 2
+    layers on the two ranks; the planner plans interleaved-1f1b over four virtual stages priced
+    so, and the executor runs each plan's chunks."""
     stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py",
-                                   ["--mock-data", "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
-                                    "--dynapipe-memory-limit", "3"])
+                                   ["--mock-data", "--num-layers", "6", "--num-virtual-stages-per-pipeline-rank", "2",
+                                    "--decoder-first-pipeline-num-layers", "2", "--dynapipe-memory-limit", "5"])
     _check_training(stdout, losses, plans)
     assert "schedule interleaved-1f1b" in stdout, stdout[-4000:]
+    assert "virtual pipeline stages of 1 + 2 + 1 + 2 transformer layers (Megatron-LM's pipeline split)" in stdout
     for count, line in re.findall(r"train iteration \d+: (\d+) micro-batches .*recompute \[([nsf/]+)\]", stdout):
         assert [len(run) for run in line.split("/")] == [int(count)] * 2  # a choice per chunk and micro-batch
 

@@ -1,5 +1,6 @@
 """The planner end to end: properties over random batches, fast mode, clear errors."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -15,6 +16,7 @@ from megatron_dynapipe.planning.planner import (
     adjust_rc_plan,
     build_candidates,
     generate_execution_plan,
+    rank_costs,
 )
 from megatron_dynapipe.planning.samples import synthetic_lengths
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
@@ -87,7 +89,7 @@ def test_an_interleaved_spec_is_one_megatron_lm_builds_and_its_costs_match_it():
     assert spec.schedules == ("interleaved-1f1b",)  # the default schedules run one chunk a rank
     assert TrainingSpec.from_json(spec.to_json()) == spec
     for bad, message in ((dict(pp=1), "need pp >= 2"), (dict(num_layers=12), "do not split evenly over 4 x 2"),
-                         (dict(stage_layers=(4, 4, 4, 4)), "drop stage_layers or use chunks=1"),
+                         (dict(stage_layers=(4, 4, 4, 4)), "do not place 16 layers on 4 x 2 virtual pipeline stages"),
                          (dict(schedules=("1f1b",)), "schedule '1f1b' runs one model chunk a rank, not 2"),
                          (dict(chunks=0), "chunks must be a positive integer")):
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -429,6 +431,23 @@ def test_uneven_stages_are_planned_with_the_layers_each_holds():
     for bad in ((4, 4, 0), (3, 4), (9, -1)):
         with pytest.raises(ValueError, match=r"do not place 8 layers on 2 pipeline stages"):
             TrainingSpec(num_layers=8, pp=2, stage_layers=bad)
+
+
+def test_uneven_interleaved_stages_are_planned_with_the_layers_each_chunk_holds():
+    # PP 2 x 2 chunks of 1, 3 (rank 0, rank 1: chunk 0) and 1, 3 (chunk 1): rank 1 holds 6 of 8 layers
+    lengths = synthetic_lengths(48, seed=1)
+    spec = TrainingSpec(num_layers=8, pp=2, chunks=2, memory_limit_mb=16_000, stage_layers=(1, 3, 1, 3))
+    uneven = plan_and_check(lengths, spec)
+    even = plan_and_check(lengths, dataclasses.replace(spec, stage_layers=None))
+    assert [uneven.costs.layers_on(s) for s in range(4)] == [1, 3, 1, 3]
+    assert [rank_costs(uneven.costs, spec).layers_on(s) for s in range(2)] == [2, 6]
+    size, seq = len(uneven.choices[0].microbatches[0].samples), uneven.choices[0].microbatches[0].seq_len
+    layer = SMALL.layer_ms("encoder", "forward", "none", size, seq)
+    for stage, more in ((0, -1), (1, 1), (2, -1), (3, 1)):
+        assert (uneven.costs.forward_ms(stage, size, seq, "none")
+                - even.costs.forward_ms(stage, size, seq, "none")) == pytest.approx(more * layer)
+    with pytest.raises(ValueError, match=r"do not place 8 layers on 2 x 2 virtual pipeline stages"):
+        TrainingSpec(num_layers=8, pp=2, chunks=2, stage_layers=(2, 6))
 
 
 def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_model):

@@ -105,7 +105,7 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _stage(tp, pp, per_token, ddp=True, cp=1):
+def _stage(tp, pp, per_token, ddp=True, cp=1, num_layers=CFG_KW["num_layers"]):
     """This rank's stage of the tiny GPT (DDP-wrapped) after initialising model parallelism."""
     from megatron_dynapipe.gpt.build import wrap_in_ddp
     from megatron_dynapipe.gpt.tiny import (
@@ -117,14 +117,14 @@ def _stage(tp, pp, per_token, ddp=True, cp=1):
     init_model_parallel(tp, pp, context_parallel_size=cp)
     from megatron_dynapipe.config.model import ModelSpec
 
-    model = build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=per_token)
+    model = build_tiny_gpt(ModelSpec(**{**CFG_KW, "num_layers": num_layers}), calculate_per_token_loss=per_token)
     names = [(reference_name(model, n), p) for n, p in model.named_parameters()]
     if not ddp:
         return model, names
     return wrap_in_ddp(model, model.config), names
 
 
-def _reference(rank, cases):
+def _reference(rank, cases, num_layers=CFG_KW["num_layers"]):
     """Single process, no pipelining: megatron-core's forward_backward_no_pipelining over the
     same micro-batches; per-token gradients divided by the token count as finalize does."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
@@ -132,7 +132,7 @@ def _reference(rank, cases):
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel
 
     out = {}
-    model, names = _stage(1, 1, per_token=True, ddp=False)
+    model, names = _stage(1, 1, per_token=True, ddp=False, num_layers=num_layers)
     try:
         if rank != 0:
             return out
@@ -247,6 +247,11 @@ for _case in INTERLEAVED_CASES.values():
     _case.setdefault("seeds", [11])
 
 
+# Megatron-LM's --decoder-first-pipeline-num-layers 2 of 6 layers with two chunks a rank (the last
+# stage takes the other 4): virtual stages of 1, 2 (chunk 0 of ranks 0, 1) and 1, 2 (chunk 1) layers
+UNEVEN_SPLIT = dict(num_layers=6, num_layers_in_first_pipeline_stage=2)
+
+
 PP1_DP2_CASES = {"1f1b-recompute": dict(schedule="1f1b", recompute=RECOMPUTE_MIX[:3], shapes=[SHAPES_A[:3], SHAPES_A[3:]],
                                          seeds=[11, 11], split=[slice(0, 3), slice(3, 6)])}
 
@@ -288,25 +293,31 @@ def _pp2_work(rank, world_size):
         out["handlers"] = _handlers_alone(model)
     finally:
         destroy_model_parallel()
-    chunks, names = _chunks(pp=2, vpp=2)
-    try:
-        out["interleaved"] = _run_cases(chunks, names, INTERLEAVED_CASES, dp_rank=0)
-        out["interleaved"]["megatron"] = _megatron_interleaved(chunks, names, four_fixed)
-        out["interleaved"]["info"] = _layout_info(names)
-    finally:
-        destroy_model_parallel()
+    for layout, split in (("interleaved", {}), ("uneven-interleaved", UNEVEN_SPLIT)):
+        chunks, names = _chunks(pp=2, vpp=2, **split)
+        try:
+            out[layout] = _run_cases(chunks, names, INTERLEAVED_CASES, dp_rank=0)
+            out[layout]["megatron"] = _megatron_interleaved(chunks, names, four_fixed)
+            out[layout]["info"] = _layout_info(names)
+            out[layout]["chunk_layers"] = [len(chunk.module.decoder.layers) for chunk in chunks]
+        finally:
+            destroy_model_parallel()
+    out["uneven-reference"] = _reference(rank, {"per-token": (batches, True), "four-fixed": (four_fixed, True)},
+                                         num_layers=UNEVEN_SPLIT["num_layers"])
     return out
 
 
-def _chunks(pp, vpp):
+def _chunks(pp, vpp, num_layers=CFG_KW["num_layers"], **split):
     """This rank's ``vpp`` model chunks of the tiny GPT at PP ``pp``, each DDP-wrapped, with
-    megatron's per-chunk hooks on the first chunk's config, as Megatron-LM sets them up."""
+    megatron's per-chunk hooks on the first chunk's config, as Megatron-LM sets them up;
+    ``split``: TransformerConfig's uneven-stage fields."""
     from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.gpt.build import wrap_in_ddp
     from megatron_dynapipe.gpt.tiny import build_tiny_gpt, init_model_parallel, reference_name
 
     init_model_parallel(1, pp, virtual_pp=vpp)
-    chunks = [build_tiny_gpt(ModelSpec(**CFG_KW), calculate_per_token_loss=True, vp_stage=v) for v in range(vpp)]
+    chunks = [build_tiny_gpt(ModelSpec(**{**CFG_KW, "num_layers": num_layers}), calculate_per_token_loss=True,
+                             vp_stage=v, **split) for v in range(vpp)]
     names = [(reference_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
     ddp = [wrap_in_ddp(chunk, chunk.config) for chunk in chunks]
     chunks[0].config.no_sync_func = [d.no_sync for d in ddp]
@@ -525,31 +536,49 @@ def test_handlers_alone_change_only_their_micro_batch(pp2):
         assert "received a plan of 2 model chunk(s) a stage for a model of 1" in run["interleaved"]
 
 
+INTERLEAVED_LAYOUTS = {"interleaved": "reference", "uneven-interleaved": "uneven-reference"}  # layout: its reference
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", list(INTERLEAVED_LAYOUTS))
 @pytest.mark.parametrize("case", ["interleaved", "interleaved-recompute"])
-def test_pp2_interleaved_matches_single_process(pp2, case):
-    """Two model chunks a rank, variable-length micro-batches, per-(chunk, micro-batch) recompute."""
-    _assert_equivalent(pp2, pp2[0]["reference"]["per-token"], case, layout="interleaved")
+def test_pp2_interleaved_matches_single_process(pp2, case, layout):
+    """Two model chunks a rank, variable-length micro-batches, per-(chunk, micro-batch) recompute;
+    even chunks, and uneven ones as Megatron-LM builds them for first/last stages of their own."""
+    _assert_equivalent(pp2, pp2[0][INTERLEAVED_LAYOUTS[layout]]["per-token"], case, layout=layout)
     for run in pp2:  # each rank ran both its chunks (its compute ops are F<m>.<chunk>[recompute])
-        ops = {op.split("[")[0] for op in run["interleaved"][case]["order"]}
+        ops = {op.split("[")[0] for op in run[layout][case]["order"]}
         assert {"F0", "B5", "F0.1", "B5.1"} <= ops
 
 
 @pytest.mark.slow
-def test_pp2_interleaved_matches_megatron_interleaved_schedule(pp2):
+def test_uneven_interleaved_chunks_hold_the_layers_the_planner_prices(pp2):
+    """--decoder-first-pipeline-num-layers 2 of 6 at PP 2 x 2 chunks: megatron-core builds each
+    rank's chunks with the layers the planner is told each virtual stage holds."""
+    from megatron_dynapipe.config.pipeline_split import PipelineSplit
+
+    split = PipelineSplit(UNEVEN_SPLIT["num_layers_in_first_pipeline_stage"])
+    priced = split.chunk_layers(UNEVEN_SPLIT["num_layers"], 2, 2)
+    assert [run["uneven-interleaved"]["chunk_layers"] for run in pp2] == [priced[0::2], priced[1::2]] == [[1, 1], [2, 2]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(INTERLEAVED_LAYOUTS))
+def test_pp2_interleaved_matches_megatron_interleaved_schedule(pp2, layout):
     """The same fixed-shape micro-batches through megatron-core's interleaved 1F1B and through a
     planned interleaved schedule: equal losses and gradients, and both equal one process's."""
-    reference = pp2[0]["reference"]["four-fixed"]
-    _assert_equivalent(pp2, reference, "megatron", layout="interleaved")
-    _assert_equivalent(pp2, reference, "interleaved-fixed", layout="interleaved")
-    ours, theirs = pp2[1]["interleaved"]["interleaved-fixed"], pp2[1]["interleaved"]["megatron"]
+    reference = pp2[0][INTERLEAVED_LAYOUTS[layout]]["four-fixed"]
+    _assert_equivalent(pp2, reference, "megatron", layout=layout)
+    _assert_equivalent(pp2, reference, "interleaved-fixed", layout=layout)
+    ours, theirs = pp2[1][layout]["interleaved-fixed"], pp2[1][layout]["megatron"]
     torch.testing.assert_close(torch.stack(ours["losses"]), torch.stack(theirs["losses"]), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow
-def test_pp2_interleaved_forward_only_gives_the_losses(pp2):
-    reference = pp2[0]["reference"]["per-token"]
-    losses = torch.stack(pp2[1]["interleaved"]["interleaved-forward-only"]["losses"])
+@pytest.mark.parametrize("layout", list(INTERLEAVED_LAYOUTS))
+def test_pp2_interleaved_forward_only_gives_the_losses(pp2, layout):
+    reference = pp2[0][INTERLEAVED_LAYOUTS[layout]]["per-token"]
+    losses = torch.stack(pp2[1][layout]["interleaved-forward-only"]["losses"])
     torch.testing.assert_close(losses, torch.stack(reference["losses"]), rtol=RTOL, atol=ATOL)
 
 
