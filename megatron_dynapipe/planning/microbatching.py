@@ -41,18 +41,20 @@ def microbatch_times(costs: StageCosts, mbs, seqlen, recompute: RecomputeType) -
 
 
 def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, memory_limit_mb: float) -> np.ndarray:
-    """Whether stage s can hold the (pp - s) micro-batches of 1F1B's steady state of this shape."""
+    """Whether stage s can hold the (pp - s) micro-batches of 1F1B's steady state of this shape
+    (:meth:`StageCosts.in_flight`)."""
     return _times_where_fit(costs, mbs, seqlen, (recompute,), memory_limit_mb)[0] < np.inf
 
 
 def _times_where_fit(costs: StageCosts, mbs, seqlen, types, memory_limit_mb: float) -> np.ndarray:
     """[len(types), *shape]: the bottleneck time under each recompute type where every stage
-    fits its 1F1B steady state, inf elsewhere (asked of one stage of each kind,
+    fits its 1F1B steady state (or interleaved warm-up: :meth:`StageCosts.in_flight`), inf
+    elsewhere (asked of one stage of each kind,
     :meth:`StageCosts.worst_stages`: a middle stage of a deep pipeline is asked once)."""
     worst = costs.worst_stages()
     stages = costs.by_recompute(mbs, seqlen, types, worst)
     column = (1, len(worst)) + (1,) * (stages["stored"].ndim - 2)
-    in_flight = (costs.pp - worst).reshape(column)
+    in_flight = costs.in_flight(worst).reshape(column)
     state = np.array([costs.model_state_mb(s) for s in worst]).reshape(column)
     need = state + in_flight * stages["stored"] + stages["peak"]
     times = np.max(stages["forward"] + stages["backward"], axis=1)

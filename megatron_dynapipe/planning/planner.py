@@ -195,13 +195,22 @@ def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows
                    first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
     ``enough_ms``, trying ``first`` first where given). Where fast mode's trimmed search finds
-    none that fits, normal mode's search runs: fast mode never refuses a batch normal mode can plan."""
-    try:
-        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms, first)
-    except PlanningError:
-        if not fast:
-            raise
-        return _search(lengths, samples, costs, sizing, rows, spec, False, clock)
+    none that fits, normal mode's search runs: fast mode never refuses a batch normal mode can plan.
+    Where no interleaved schedule of micro-batches sized for 1F1B's steady state fits, they are
+    sized again for the interleaved warm-up, which holds more of them (smaller ones: slower where
+    the first fits, so tried only then)."""
+    searches = [(sizing, rows, fast)] + [(sizing, rows, False)] * fast
+    if spec.chunks > 1:
+        warmup = dataclasses.replace(sizing, warmup_chunks=spec.chunks)
+        searches.append((warmup, PaddedRows(warmup, spec.memory_limit_mb), False))
+    failed = None
+    for i, (sized, sized_rows, fast_search) in enumerate(searches):
+        try:
+            return _search(lengths, samples, costs, sized, sized_rows, spec, fast_search, clock,
+                           *((enough_ms, first) if i == 0 else ()))
+        except PlanningError as error:
+            failed = failed if sized is not sizing else error  # what the usual sizing ran into says most
+    raise failed
 
 
 def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,

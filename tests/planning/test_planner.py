@@ -1,6 +1,7 @@
 """The planner end to end: properties over random batches, fast mode, clear errors."""
 
 import dataclasses
+import itertools
 import re
 
 import numpy as np
@@ -448,6 +449,40 @@ def test_uneven_interleaved_stages_are_planned_with_the_layers_each_chunk_holds(
                 - even.costs.forward_ms(stage, size, seq, "none")) == pytest.approx(more * layer)
     with pytest.raises(ValueError, match=r"do not place 8 layers on 2 x 2 virtual pipeline stages"):
         TrainingSpec(num_layers=8, pp=2, chunks=2, stage_layers=(2, 6))
+
+
+@pytest.mark.parametrize("pp, chunks", [(2, 2), (4, 2), (4, 4), (3, 3)])
+def test_a_warm_up_sizing_counts_what_an_interleaved_rank_holds(pp, chunks):
+    """StageCosts.in_flight with warmup_chunks V: the most chunk-forwards each rank of the
+    interleaved-1f1b order holds at once, counted in whole ranks (V chunk-forwards a rank)."""
+    from megatron_dynapipe.planning.schedules import SCHEDULES
+
+    orders = SCHEDULES["interleaved-1f1b"].orders_for(pp, 4 * pp, chunks)
+    held = [max(itertools.accumulate(1 if op.phase == "F" else -1 for op in order)) for order in orders]
+    sizing = StageCosts(SMALL, num_layers=4 * pp, pp=pp, warmup_chunks=chunks)
+    np.testing.assert_allclose(sizing.in_flight(np.arange(pp)), np.array(held) / chunks)
+    plain = StageCosts(SMALL, num_layers=4 * pp, pp=pp)  # 1F1B: pp - s
+    one_chunk = SCHEDULES["1f1b"].orders_for(pp, 4 * pp)
+    assert plain.in_flight(np.arange(pp)).tolist() == [
+        max(itertools.accumulate(1 if op.phase == "F" else -1 for op in order)) for order in one_chunk]
+
+
+def test_interleaved_micro_batches_are_sized_for_the_warm_up_where_those_sized_for_1f1b_fit_no_schedule():
+    """The tiny GPT of the Megatron-LM test at PP 2 x 2 chunks of 1 and 2 layers, 3.75 MB: micro-batches
+    sized for 1F1B's two in flight fit no interleaved schedule (its first rank's warm-up holds 2.5 ranks'
+    worth); sized for the warm-up, they plan within the limit."""
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule, stage_costs
+
+    tiny = AnalyticalCostModel(hidden_size=64, num_heads=4, vocab_size=128)
+    lengths = np.random.default_rng(0).integers(8, 65, 16).tolist()
+    spec = TrainingSpec(num_layers=6, pp=2, chunks=2, stage_layers=(1, 2, 1, 2), memory_limit_mb=3.75)
+    costs = stage_costs(tiny, spec)
+    for fast in (True, False):
+        as_for_1f1b = _microbatchings(np.array(lengths), list(range(16)), rank_costs(costs, spec), spec, fast)
+        with pytest.raises(PlanningError, match="hold fewer than 2 model chunks a rank"):
+            optimize_schedule(as_for_1f1b, costs, spec.memory_limit_mb, fast, spec.schedules, chunks=2)
+        result = plan_and_check(lengths, dataclasses.replace(spec, fast_mode=fast), tiny)
+        assert len(result.choices[0].microbatches) > len(as_for_1f1b[0].microbatches)  # smaller ones
 
 
 def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_model):

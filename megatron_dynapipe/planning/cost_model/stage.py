@@ -37,6 +37,9 @@ class StageCosts:
     p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
     #: layers of each stage when not split evenly (Megatron-LM's uneven first/last stages)
     layers: Optional[tuple[int, ...]] = None
+    #: model chunks each stage interleaves, where micro-batches are sized for an interleaved
+    #: pipeline's warm-up (:meth:`in_flight`); 1: for 1F1B's steady state
+    warmup_chunks: int = 1
     # answers by micro-batch shape, under every recompute type: one plan asks the same shapes many
     # times (recompute choice, candidate orders, work tables, and every DP rank's micro-batching
     # tables, one type or several), and evaluating the model dominated planning where they repeat.
@@ -119,6 +122,16 @@ class StageCosts:
         wanted = [EVERY_TYPE.index(rc) for rc in types]
         return {name: values[wanted].reshape((len(types),) + values.shape[1:2] + shape)
                 for name, values in answers.items()}
+
+    def in_flight(self, stages: np.ndarray) -> np.ndarray:
+        """How many micro-batches' stored activations each of ``stages`` holds at most, as whole
+        stages' worth: 1F1B's pp - s, or an interleaved rank's 2 (pp - s - 1) + (V - 1) pp warm-up
+        chunk-forwards and one more, each 1/V of its layers (``warmup_chunks`` V)."""
+        stages = np.asarray(stages)
+        if self.warmup_chunks == 1:
+            return self.pp - stages
+        v = self.warmup_chunks
+        return (2 * (self.pp - stages - 1) + (v - 1) * self.pp + 1) / v
 
     def worst_stages(self) -> np.ndarray:
         """The earliest stage of each kind -- first, last, and the rest by their layers: stages of
