@@ -282,7 +282,8 @@ def rank_costs(costs: StageCosts, spec: TrainingSpec) -> StageCosts:
     """The pipeline's ranks as its stages, each holding all its chunks' layers and model state:
     what micro-batches are sized for, as for 1F1B on the same ranks. An interleaved rank warms
     up with more chunk-forwards than 1F1B holds micro-batches; recompute adjustment raises
-    recompute where the simulated schedule holds more than the limit."""
+    recompute where the simulated schedule holds more than the limit, and where it cannot,
+    :func:`_schedule_rank` sizes them for the warm-up."""
     if spec.chunks == 1:
         return costs
     layers = costs.layers and tuple(sum(costs.layers[s::spec.pp]) for s in range(spec.pp))
