@@ -199,17 +199,21 @@ def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows
     Where no interleaved schedule of micro-batches sized for 1F1B's steady state fits, they are
     sized again for the interleaved warm-up, which holds more of them (smaller ones: slower where
     the first fits, so tried only then)."""
-    searches = [(sizing, rows, fast)] + [(sizing, rows, False)] * fast
+    try:
+        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms, first)
+    except PlanningError as error:
+        failed = error  # what the usual sizing runs into says most
+    if fast:
+        try:
+            return _search(lengths, samples, costs, sizing, rows, spec, False, clock)
+        except PlanningError as error:
+            failed = error
     if spec.chunks > 1:
         warmup = dataclasses.replace(sizing, warmup_chunks=spec.chunks)
-        searches.append((warmup, PaddedRows(warmup, spec.memory_limit_mb), False))
-    failed = None
-    for i, (sized, sized_rows, fast_search) in enumerate(searches):
         try:
-            return _search(lengths, samples, costs, sized, sized_rows, spec, fast_search, clock,
-                           *((enough_ms, first) if i == 0 else ()))
-        except PlanningError as error:
-            failed = failed if sized is not sizing else error  # what the usual sizing ran into says most
+            return _search(lengths, samples, costs, warmup, PaddedRows(warmup, spec.memory_limit_mb), spec, False, clock)
+        except PlanningError:
+            pass
     raise failed
 
 
