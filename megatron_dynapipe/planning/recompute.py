@@ -13,6 +13,7 @@ from megatron_dynapipe.planning.schedules import FixedSchedule, Schedule, get_sc
 from megatron_dynapipe.planning.simulator import (
     MEMORY_TOLERANCE_MB,
     Order,
+    OrderIndex,
     OverLimit,
     SimulationResult,
     WorkTable,
@@ -75,14 +76,14 @@ def adjust_rc_plan(
         work = table.work(recompute)
         if not np.all(np.isfinite(work.forward + work.backward)):
             return None
-        result, over = _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict)
+        result, excess = _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict)
         if result is not None:
             return RecomputePlan(recompute, result.orders, result, rounds)
-        if not over:
+        if excess is None:
             return None  # passed the cutoff
         if rounds == max_rounds:
             return None
-        raised, stuck = _raise_recompute(recompute, table, over, memory_limit_mb, heavier)
+        raised, stuck = _raise_recompute(recompute, table, *excess, memory_limit_mb, heavier)
         if stuck and fixed:
             return None  # fixed orders hold the same micro-batches there, however they are recomputed
         if stuck and not strict:
@@ -93,22 +94,23 @@ def adjust_rc_plan(
 
 
 def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict):
-    """(the simulation, []) when the schedule fits, (None, the ops above the limit) when it does
-    not, (None, []) when it is sure to end after ``give_up_above_ms``."""
+    """(the simulation, None) when the schedule fits, (None, (the orders, their ops above the
+    limit)) when it does not, (None, None) when it is sure to end after ``give_up_above_ms``."""
     if isinstance(schedule, FixedSchedule):
         # Memory under fixed orders follows from the orders: time them only once they fit. Their
         # ops only lengthen as recompute rises, so that simulation may stop at the cutoff.
-        over = over_limit(schedule.orders(work), work, memory_limit_mb)
-        return (None, over) if over else (schedule.simulate(work, memory_limit_mb, give_up_above_ms), [])
+        orders = schedule.indexes(work.pp, work.n, work.chunks)
+        over = over_limit(orders, work, memory_limit_mb)
+        return (None, (orders, over)) if over else (schedule.simulate(work, memory_limit_mb, give_up_above_ms), None)
     # A schedule that follows the timeline may end sooner with more recompute (it then holds less
     # and runs ahead more): only fast mode stops it at the cutoff.
     cut = give_up_above_ms if fast_mode else math.inf
     result = schedule.simulate(work, memory_limit_mb, cut, strict_memory=strict)
     if result is None:
-        return None, []
+        return None, None
     if result.fits(memory_limit_mb):
-        return (result if result.makespan <= give_up_above_ms else None), []
-    return None, result.over_limit
+        return (result if result.makespan <= give_up_above_ms else None), None
+    return None, ([OrderIndex.of(order, work.n, work.chunks) for order in result.orders], result.over_limit)
 
 
 def _next_types(types: Sequence[RecomputeType]) -> list[int | None]:
@@ -117,8 +119,8 @@ def _next_types(types: Sequence[RecomputeType]) -> list[int | None]:
     return [next((a for a in allowed if a > rc), None) for rc in range(len(RecomputeType))]
 
 
-def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit], memory_limit_mb, heavier
-                     ) -> tuple[bool, bool]:
+def _raise_recompute(recompute, table: WorkTable, orders: Sequence[OrderIndex], over_limit: Sequence[OverLimit],
+                     memory_limit_mb, heavier) -> tuple[bool, bool]:
     """One round: bring every op the simulation ran above the limit under it, worst first, by
     raising the recompute of the micro-batches whose memory it counted -- those held and its own
     -- the one that saves the op the most memory per millisecond of backward it adds first. A
@@ -126,84 +128,109 @@ def _raise_recompute(recompute, table: WorkTable, over_limit: Sequence[OverLimit
     was raised, and whether some op could not be brought under the limit. Where ranks hold
     several model chunks, a stage is a rank and its micro-batches are its chunks' (chunk c's
     micro-batch m is c * n + m), as the simulation lists them."""
-    stages = sorted({s for s, *_ in over_limit})
     pp = len(recompute) // table.chunks
-    rows = {s: rank_rows(s, pp, table.chunks) for s in stages}
-
-    def flat(name, s):  # [recompute][chunk * n + micro-batch], plain lists: the loops below read scalars
-        values = table.tables[name][:, rows[s], :]
-        return values.reshape(len(values), -1).tolist()
-
-    stored = {s: flat("stored", s) for s in stages}
-    peak = {s: flat("peak", s) for s in stages}
-    backward = {s: flat("backward", s) for s in stages}
-    level = {s: recompute[rows[s]].reshape(-1).tolist() for s in stages}
+    ops_of: dict[int, list[tuple[float, int]]] = {}
+    for s, used, position in over_limit:
+        ops_of.setdefault(s, []).append((used, position))
     raised = stuck = False
-    for s, _, held, m in sorted(over_limit, key=lambda op: -op[1]):
-        op = _OpMemory(float(table.state[rows[s]].sum()), stored[s], peak[s], level[s], held, m)
-        raises, lightened = op.lighten(memory_limit_mb + MEMORY_TOLERANCE_MB, backward[s], heavier)
-        raised |= raises > 0
-        stuck |= not lightened
-    for s in stages:
-        recompute[rows[s]] = np.reshape(level[s], (table.chunks, -1))
+    heavier = [-1 if up is None else up for up in heavier]
+    for s, ops in ops_of.items():
+        rows = rank_rows(s, pp, table.chunks)
+
+        def per_key(name):  # [recompute, key]
+            values = table.tables[name][:, rows, :]
+            return values.reshape(len(values), -1)
+
+        rank = _RankMemory(orders[s], float(table.state[rows].sum()), per_key("stored"), per_key("peak"),
+                           per_key("backward"), recompute[rows].reshape(-1), heavier)
+        for _, position in sorted(ops, key=lambda op: -op[0]):  # worst first; ties in the order they ran
+            raises, lightened = rank.lighten(position, memory_limit_mb + MEMORY_TOLERANCE_MB)
+            raised |= raises > 0
+            stuck |= not lightened
+        recompute[rows] = np.reshape(rank.level, (table.chunks, -1))
     return raised, stuck
 
 
-@dataclass
-class _OpMemory:
-    """One op's memory in use under the current recompute levels (which it reads, not copies)."""
+class _RankMemory:
+    """What one rank holds at each op of its ``order``, under recompute levels that lightening its
+    ops raises: ``level`` [key] (a key is ``chunk * n + micro-batch``), and what each op has in use,
+    kept up to date as levels rise (to within rounding: an op's memory is summed afresh where
+    that decides anything). ``stored``, ``peak`` and ``backward`` are [recompute, key];
+    ``heavier`` [code] the next recompute code up, -1 past the heaviest."""
 
-    state: float
-    stored: list  # [recompute][micro-batch]
-    peak: list
-    level: list  # [micro-batch] recompute code
-    held: tuple[int, ...]
-    own: int
+    def __init__(self, order: OrderIndex, state: float, stored: np.ndarray, peak: np.ndarray, backward: np.ndarray,
+                 level: np.ndarray, heavier: list[int]):
+        keys, level = np.arange(len(level)), np.asarray(level, dtype=np.int64)
+        self.state, self.order, self.heavier = state, order, heavier
+        self.in_use = order.in_use(state, stored[level, keys], peak[level, keys])  # [op]
+        # plain lists from here: the loops below read and write scalars
+        self.level, self.stored, self.peak, self.backward = level.tolist(), stored.tolist(), peak.tolist(), \
+            backward.tolist()
+        self.forward, self.key = order.forward.tolist(), order.key.tolist()
+        self.first, self.last = order.first.tolist(), order.last.tolist()
+        # what raising a key one type saves any op that holds it, per millisecond of backward added
+        self.held_rate = [self._rate(k, True, False) for k in range(len(self.level))]
 
-    def in_use(self) -> float:
-        return (self.state + sum(self.stored[self.level[h]][h] for h in self.held)
-                + self.peak[self.level[self.own]][self.own])
-
-    def saving(self, m: int, up: int) -> float:
-        """MB this op saves when micro-batch m's recompute rises to ``up``."""
-        rc = self.level[m]
-        saved = self.stored[rc][m] - self.stored[up][m] if m in self.held else 0.0
-        return saved + (self.peak[rc][m] - self.peak[up][m] if m == self.own else 0.0)
-
-    def lighten(self, limit_mb: float, backward, heavier) -> tuple[int, bool]:
-        """Raise recompute until this op is within ``limit_mb``, each time of the micro-batch whose
-        next recompute type saves it the most memory per millisecond of backward it adds (the
-        first so in held order, then its own). Returns how many raises it made, and whether the
-        op is within the limit (False: nothing left saves it any).
+    def lighten(self, position: int, limit_mb: float) -> tuple[int, bool]:
+        """Raise recompute until the op at ``position`` is within ``limit_mb``, each time of the
+        micro-batch whose next recompute type saves it the most memory per millisecond of
+        backward it adds (the first so in held order, then its own). Returns how many raises it
+        made, and whether the op is within the limit (False: nothing left saves it any).
 
         Raising one micro-batch changes only its own saving and rate, so the others' are worked
-        out once; what is in use falls by each saving, and is summed afresh before any decision
-        that a float's rounding could sway."""
-        in_use, raises = self.in_use(), 0
-        if in_use <= limit_mb:
+        out once."""
+        if self._within(position, limit_mb):
             return 0, True
-        candidates = list(dict.fromkeys((*self.held, self.own)))
-        rates = [self._rate(m, backward, heavier) for m in candidates]
+        own, held = self.key[position], self.order.held_at(position)
+        candidates, rates = held + [own] if self.forward[position] else held, [self.held_rate[k] for k in held]
+        n_held = len(held)
+        if self.forward[position]:  # its own micro-batch is not held yet
+            rates.append(self._rate(own, False, True))
+        else:
+            rates[held.index(own)] = self._rate(own, True, True)
+        raises = 0
         while True:
-            best = max(range(len(candidates)), key=rates.__getitem__)
-            if rates[best] <= 0.0:
+            top = max(rates)
+            if top <= 0.0:
                 return raises, False
+            best = rates.index(top)  # the first so
             m = candidates[best]
-            up = heavier[self.level[m]]
-            in_use -= self.saving(m, up)
-            self.level[m] = up
+            self._raise(m)
             raises += 1
-            rates[best] = self._rate(m, backward, heavier)
-            if in_use <= limit_mb + ROUNDING_MB:
-                in_use = self.in_use()
-                if in_use <= limit_mb:
-                    return raises, True
+            rates[best] = self._rate(m, best < n_held, m == own)
+            if self._within(position, limit_mb):
+                return raises, True
 
-    def _rate(self, m: int, backward, heavier) -> float:
-        """MB this op saves per millisecond of backward added by raising m's recompute one type;
-        0 where that saves nothing or m is at the heaviest."""
-        up = heavier[self.level[m]]
-        if up is None:
+    def _within(self, position: int, limit_mb: float) -> bool:
+        """Whether the op at ``position`` is within ``limit_mb``: summed afresh where a float's
+        rounding in keeping it up to date could sway that."""
+        in_use = float(self.in_use[position])
+        if abs(in_use - limit_mb) > ROUNDING_MB:
+            return in_use < limit_mb
+        own, level, stored = self.key[position], self.level, self.stored
+        summed = sum(stored[level[h]][h] for h in self.order.held_at(position))
+        return self.state + summed + self.peak[level[own]][own] <= limit_mb
+
+    def _rate(self, key: int, held: bool, own: bool) -> float:
+        """MB an op saves per millisecond of backward added by raising ``key``'s recompute one
+        type (what it stores, if the op holds it, and its transient, if it is the op's own); 0
+        where that saves nothing or it is at the heaviest."""
+        now = self.level[key]
+        up = self.heavier[now]
+        if up < 0:
             return 0.0
-        saving = self.saving(m, up)
-        return saving / max(backward[up][m] - backward[self.level[m]][m], 1e-9) if saving > 0 else 0.0
+        saving = self.stored[now][key] - self.stored[up][key] if held else 0.0
+        saving += self.peak[now][key] - self.peak[up][key] if own else 0.0
+        return saving / max(self.backward[up][key] - self.backward[now][key], 1e-9) if saving > 0 else 0.0
+
+    def _raise(self, key: int) -> None:
+        """Raise ``key``'s recompute one type: every op that holds it, or is its own, lightens."""
+        now = self.level[key]
+        up = self.heavier[now]
+        first, last = self.first[key], self.last[key]
+        self.in_use[first + 1:last + 1] -= self.stored[now][key] - self.stored[up][key]
+        transient = self.peak[now][key] - self.peak[up][key]
+        self.in_use[first] -= transient
+        self.in_use[last] -= transient
+        self.level[key] = up
+        self.held_rate[key] = self._rate(key, True, False)

@@ -8,6 +8,7 @@ wait-free-cyclic's greedy policy into start/end times, the makespan and per-stag
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import math
@@ -21,10 +22,10 @@ from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType, cost_shapes
 
 Order = list[Action]  # one stage's compute ops in execution order
-# An op that ran above the memory limit: (stage, MB in use, the micro-batches whose stored
-# activations were held then, the op's own micro-batch, whose transient memory came on top). Where
-# ranks hold several model chunks the stage is the rank, and micro-batch m of chunk c is c * n + m.
-OverLimit = tuple[int, float, tuple[int, ...], int]
+# An op that ran above the memory limit: (stage, MB in use, its position in the stage's order).
+# What it held follows from the order (OrderIndex.held_at). Where ranks hold several model chunks
+# the stage is the rank.
+OverLimit = tuple[int, float, int]
 MEMORY_TOLERANCE_MB = 1e-6  # memory sums in another order may pass an equal limit by rounding
 
 
@@ -311,7 +312,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
         if in_use > peak[s]:
             peak[s] = in_use
         if in_use > report_over_mb + MEMORY_TOLERANCE_MB:
-            over.append((s, in_use, tuple(held[s]), key))
+            over.append((s, in_use, len(ran[s])))
         if chunks > 1:
             ran[s].append(Action(kind, m, c))
         else:
@@ -360,29 +361,62 @@ def actions(n: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     return tuple(Action("F", m) for m in range(n)), tuple(Action("B", m) for m in range(n))
 
 
-def over_limit(orders: Sequence[Order], work: StageWork, limit_mb: float) -> list[OverLimit]:
+def over_limit(orders: "Sequence[Order | OrderIndex]", work: StageWork, limit_mb: float) -> list[OverLimit]:
     """Every op of fixed per-stage orders that runs above ``limit_mb``, as run_timeline's
-    ``over_limit`` lists them, without timing anything: a stage's memory changes only with its
-    own ops, so under fixed orders it follows from the orders alone."""
-    over, limit_mb = [], limit_mb + MEMORY_TOLERANCE_MB
-    pp, n, chunks = work.pp, work.n, work.chunks
+    ``over_limit`` lists them (stage by stage), without timing anything: a stage's memory changes
+    only with its own ops, so under fixed orders it follows from the orders alone."""
+    over = []
     for s, order in enumerate(orders):
-        rows = rank_rows(s, pp, chunks)
-        stored = work.stored[rows].reshape(-1).tolist()  # by chunk * n + micro-batch
-        peak = work.peak[rows].reshape(-1).tolist()
-        base = float(work.rank_state[s])
-        held: dict[int, float] = {}
-        total = 0.0
-        for op in order:
-            kind, key = op[0], (op[2] * n + op[1] if chunks > 1 else op[1])
-            if base + total + peak[key] > limit_mb:
-                over.append((s, base + total + peak[key], tuple(held), key))
-            if kind == "F":
-                held[key] = stored[key]
-                total += stored[key]
-            else:
-                total -= held.pop(key)
+        index = order if isinstance(order, OrderIndex) else OrderIndex.of(order, work.n, work.chunks)
+        rows = rank_rows(s, work.pp, work.chunks)
+        used = index.in_use(float(work.rank_state[s]), work.stored[rows].reshape(-1), work.peak[rows].reshape(-1))
+        over += [(s, float(used[i]), int(i)) for i in np.flatnonzero(used > limit_mb + MEMORY_TOLERANCE_MB)]
     return over
+
+
+@dataclass(frozen=True)
+class OrderIndex:
+    """One rank's order as arrays, for what it holds at each op. A key is an op's micro-batch, or
+    ``chunk * n + micro-batch`` where the rank runs several model chunks (as run_timeline counts
+    them); every key's forward and backward run once."""
+
+    forward: np.ndarray  # [ops] whether the op is a forward
+    key: np.ndarray  # [ops]
+    first: np.ndarray  # [keys] position of the key's forward
+    last: np.ndarray  # [keys] position of its backward
+
+    @classmethod
+    def of(cls, order: Order, n: int, chunks: int = 1) -> "OrderIndex":
+        forward = np.fromiter((op[0] == "F" for op in order), dtype=bool, count=len(order))
+        keys = (op[2] * n + op[1] for op in order) if chunks > 1 else (op[1] for op in order)
+        key = np.fromiter(keys, dtype=np.int64, count=len(order))
+        first, last = np.zeros(n * chunks, dtype=np.int64), np.zeros(n * chunks, dtype=np.int64)
+        positions = np.arange(len(order))
+        first[key[forward]], last[key[~forward]] = positions[forward], positions[~forward]
+        return cls(forward, key, first, last)
+
+    def in_use(self, state: float, stored: np.ndarray, peak: np.ndarray) -> np.ndarray:
+        """[ops] MB in use while each op runs: ``state``, the ``stored`` [keys] of every key whose
+        forward ran before it and whose backward has not (its own backward included), and its own
+        ``peak`` [keys] on top. Summed in the order the ops run, as run_timeline does."""
+        change = np.where(self.forward, stored[self.key], -stored[self.key])
+        held = np.concatenate([[0.0], np.cumsum(change[:-1])])
+        return state + held + peak[self.key]
+
+    def held_at(self, position: int) -> list[int]:
+        """The keys held while the op at ``position`` runs, in the order their forwards ran."""
+        keys, firsts, reach, last = self._by_forward
+        ran = bisect.bisect_left(firsts, position)  # forwards before it
+        oldest = bisect.bisect_left(reach, position)  # no key before this one is still held
+        return [k for k in keys[oldest:ran] if last[k] >= position]
+
+    @functools.cached_property
+    def _by_forward(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        # the keys in the order their forwards ran, where each ran, the latest backward among the
+        # keys up to each, and every key's backward; plain lists: held_at runs per op lightened
+        keys = np.argsort(self.first, kind="stable")
+        return (keys.tolist(), self.first[keys].tolist(), np.maximum.accumulate(self.last[keys]).tolist(),
+                self.last.tolist())
 
 
 def _stuck(orders, position, pp) -> Exception:

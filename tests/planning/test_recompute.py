@@ -7,7 +7,7 @@ from megatron_dynapipe.planning import recompute as recompute_module
 from megatron_dynapipe.planning.recompute import adjust_rc_plan
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
 LIMIT = 36_000
 
@@ -122,19 +122,24 @@ def test_an_interleaved_plan_is_raised_until_every_rank_holds_its_chunks_within_
 
 
 def test_an_op_is_lightened_by_the_best_saving_per_millisecond_until_it_fits_or_nothing_saves_more():
-    from megatron_dynapipe.planning.recompute import _OpMemory
+    from megatron_dynapipe.planning.recompute import _RankMemory
+    from megatron_dynapipe.planning.simulator import OrderIndex
 
-    # micro-batch 0 held (10, 7, 5 MB stored as none, selective, full), micro-batch 1 the op's own
-    # (its stored 10 whatever its recompute, so raising it saves nothing); backward 1, 2, 4 ms
-    stored, peak = [[10.0, 10.0], [7.0, 10.0], [5.0, 10.0]], [[0.0, 0.0]] * 3
-    backward, heavier = [[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]], [1, 2, None]
+    # One rank runs F0 F1 B0 B1. At B0 it holds micro-batch 0 (its own: 10 MB stored whatever its
+    # recompute, so raising it saves nothing) and 1 (10, 7, 5 MB stored as none, selective, full);
+    # backward 1, 2, 4 ms; no transient memory.
+    order = OrderIndex.of([Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)], n=2)
+    stored, peak = np.array([[10.0, 10.0], [10.0, 7.0], [10.0, 5.0]]), np.zeros((3, 2))
+    backward = np.array([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])
 
-    def op(level):
-        return _OpMemory(0.0, stored, peak, level, held=(0, 1), own=1)
+    def rank():
+        return _RankMemory(order, 0.0, stored, peak, backward, np.array([0, 0]), heavier=[1, 2, -1])
 
-    level = [0, 0]
-    assert op(level).lighten(17.0, backward, heavier) == (1, True) and level == [1, 0]  # 20 -> 17
-    level = [0, 0]
-    assert op(level).lighten(12.0, backward, heavier) == (2, False) and level == [2, 0]  # 20 -> 17 -> 15
-    level = [0, 0]
-    assert op(level).lighten(20.0, backward, heavier) == (0, True) and level == [0, 0]
+    fitted = rank()
+    assert fitted.lighten(2, 17.0) == (1, True) and fitted.level == [0, 1]  # 20 -> 17
+    assert list(fitted.in_use) == [0.0, 10.0, 17.0, 7.0]  # every op that holds micro-batch 1 lightened
+    stuck = rank()
+    assert stuck.lighten(2, 12.0) == (2, False) and stuck.level == [0, 2]  # 20 -> 17 -> 15
+    assert list(stuck.in_use) == [0.0, 10.0, 15.0, 5.0]
+    within = rank()
+    assert within.lighten(2, 20.0) == (0, True) and within.level == [0, 0]

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import (
+    OrderIndex,
     ScheduleDeadlock,
     StageWork,
     WorkTable,
@@ -164,9 +165,10 @@ def _random_work(data, pp, n, chunks=1):
 
 
 def _memory_replayed(orders, work):
-    """Each op's memory in use, replayed from the orders on its own: the model state of the
-    rank's chunks, every (chunk, micro-batch) forwarded but not yet backwarded on that rank, and
-    the op's transient. Micro-batch m of chunk c is c * n + m, on the rank's row c * pp + s."""
+    """Each op's memory in use, replayed from the orders on its own, as (rank, MB, position in the
+    rank's order, the keys held, its own key): the model state of the rank's chunks, every (chunk,
+    micro-batch) forwarded but not yet backwarded on that rank, and the op's transient. Micro-batch
+    m of chunk c is key c * n + m, on the rank's row c * pp + s."""
     ops, pp, n = [], work.pp, work.n
     for s, order in enumerate(orders):
         state = sum(work.state[c * pp + s] for c in range(work.chunks))
@@ -175,8 +177,25 @@ def _memory_replayed(orders, work):
             held = [(c, h) for k, c, h in before if k == "F" and ("B", c, h) not in before]
             transient = work.peak[op.chunk * pp + s][op.microbatch]
             used = state + sum(work.stored[c * pp + s][h] for c, h in held) + transient
-            ops.append((s, used, {c * n + h for c, h in held}, op.chunk * n + op.microbatch))
+            ops.append((s, used, i, {c * n + h for c, h in held}, op.chunk * n + op.microbatch))
     return ops
+
+
+def _check_over_limit(result, work, limit):
+    """The ops over the limit, as the simulation and over_limit list them, are those a replay of
+    the orders finds; what each op holds is what OrderIndex says."""
+    replayed = _memory_replayed(result.orders, work)
+    expected = [op for op in replayed if op[1] > limit + 1e-6]
+    for found in (result.over_limit, over_limit(result.orders, work, limit)):
+        found = sorted(found, key=lambda op: op[0])  # stage by stage (the simulation lists them in time)
+        assert [(s, i) for s, _, i in found] == [(s, i) for s, _, i, *_ in expected]
+        assert [used for _, used, _ in found] == pytest.approx([used for _, used, *_ in expected])
+    indexes = [OrderIndex.of(order, work.n, work.chunks) for order in result.orders]
+    for s, _, i, held, own in replayed:
+        assert set(indexes[s].held_at(i)) == held and indexes[s].key[i] == own
+        firsts = [indexes[s].first[k] for k in indexes[s].held_at(i)]
+        assert firsts == sorted(firsts)  # in the order their forwards ran
+    return expected
 
 
 @settings(max_examples=40, deadline=None)
@@ -186,11 +205,7 @@ def test_the_ops_over_the_limit_are_those_a_replay_of_the_orders_finds(pp, n, da
     limit = data.draw(st.floats(0, 400))
     for name in SCHEDULES:
         result = SCHEDULES[name].simulate(work, limit)
-        expected = [op for op in _memory_replayed(result.orders, work) if op[1] > limit + 1e-6]
-        for found in (result.over_limit, over_limit(result.orders, work, limit)):
-            found = sorted(found, key=lambda op: op[0])  # stage by stage (the simulation lists them in time)
-            assert [(s, set(held), m) for s, _, held, m in found] == [(s, held, m) for s, _, held, m in expected]
-            assert [used for _, used, *_ in found] == pytest.approx([used for _, used, *_ in expected])
+        expected = _check_over_limit(result, work, limit)
         assert result.fits(limit) == (not expected)
 
 
@@ -361,10 +376,7 @@ def test_interleaved_orders_run_each_chunk_once_in_entry_order_and_memory_replay
             for phase in "FB":
                 assert [op.microbatch for op in order if (op.phase, op.chunk) == (phase, c)] == list(range(n))
     # what a rank holds is what its order says, whatever the timing
-    expected = [op for op in _memory_replayed(result.orders, work) if op[1] > limit + 1e-6]
-    for found in (result.over_limit, over_limit(result.orders, work, limit)):
-        found = sorted(found, key=lambda op: op[0])
-        assert [(s, set(held), m) for s, _, held, m in found] == [(s, held, m) for s, _, held, m in expected]
+    _check_over_limit(result, work, limit)
     assert list(result.peak_memory) == pytest.approx(
         [max(used for s, used, *_ in _memory_replayed(result.orders, work) if s == rank) for rank in range(pp)])
     # no schedule beats the bound, the chunks of a rank sharing its compute stream

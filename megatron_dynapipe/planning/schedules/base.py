@@ -17,10 +17,11 @@ rests on it (:mod:`..plan.lowering`); ``build_execution_plans(..., verify=True)`
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from typing import ClassVar
 
-from megatron_dynapipe.planning.simulator import Order, SimulationResult, StageWork, run_timeline
+from megatron_dynapipe.planning.simulator import Order, OrderIndex, SimulationResult, StageWork, run_timeline
 
 
 class Schedule(abc.ABC):
@@ -65,6 +66,11 @@ class FixedSchedule(Schedule):
 
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
         return self.orders_for(work.pp, work.n, work.chunks)
+
+    @functools.lru_cache(maxsize=16)
+    def indexes(self, pp: int, n: int, chunks: int = 1) -> list[OrderIndex]:
+        """Every stage's order as arrays (what recompute adjustment reads, round after round)."""
+        return [OrderIndex.of(order, n, chunks) for order in self.orders_for(pp, n, chunks)]
 
     def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
                  strict_memory: bool = False) -> "SimulationResult | None":
