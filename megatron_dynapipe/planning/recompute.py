@@ -163,13 +163,18 @@ class _RankMemory:
         keys, level = np.arange(len(level)), np.asarray(level, dtype=np.int64)
         self.state, self.order, self.heavier = state, order, heavier
         self.in_use = order.in_use(state, stored[level, keys], peak[level, keys])  # [op]
+        # what raising a key one type saves any op that holds it, per millisecond of backward added
+        # (as _rate works it out, for every key at once)
+        up = np.asarray(heavier)[level]
+        top, up = up < 0, np.where(up < 0, level, up)
+        saving = stored[level, keys] - stored[up, keys]
+        added = np.maximum(backward[up, keys] - backward[level, keys], 1e-9)
+        self.held_rate = np.where(top | ~(saving > 0), 0.0, saving / added).tolist()
         # plain lists from here: the loops below read and write scalars
         self.level, self.stored, self.peak, self.backward = level.tolist(), stored.tolist(), peak.tolist(), \
             backward.tolist()
         self.forward, self.key = order.forward.tolist(), order.key.tolist()
         self.first, self.last = order.first.tolist(), order.last.tolist()
-        # what raising a key one type saves any op that holds it, per millisecond of backward added
-        self.held_rate = [self._rate(k, True, False) for k in range(len(self.level))]
 
     def lighten(self, position: int, limit_mb: float) -> tuple[int, bool]:
         """Raise recompute until the op at ``position`` is within ``limit_mb``, each time of the

@@ -61,8 +61,13 @@ class FixedSchedule(Schedule):
 
     def orders_for(self, pp: int, n: int, chunks: int = 1) -> list[Order]:
         """Every stage's order, no cost model needed."""
+        return [list(order) for order in self._orders(pp, n, chunks)]
+
+    @functools.lru_cache(maxsize=16)
+    def _orders(self, pp: int, n: int, chunks: int) -> tuple[tuple, ...]:
+        # made once: a search asks for the same orders candidate after candidate
         check_chunks(self, chunks)
-        return [self.stage_order(s, pp, n, chunks) for s in range(pp)]
+        return tuple(tuple(self.stage_order(s, pp, n, chunks)) for s in range(pp))
 
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
         return self.orders_for(work.pp, work.n, work.chunks)
@@ -70,7 +75,7 @@ class FixedSchedule(Schedule):
     @functools.lru_cache(maxsize=16)
     def indexes(self, pp: int, n: int, chunks: int = 1) -> list[OrderIndex]:
         """Every stage's order as arrays (what recompute adjustment reads, round after round)."""
-        return [OrderIndex.of(order, n, chunks) for order in self.orders_for(pp, n, chunks)]
+        return [OrderIndex.of(order, n, chunks) for order in self._orders(pp, n, chunks)]
 
     def simulate(self, work: StageWork, memory_limit_mb: float, give_up_above_ms: float = math.inf,
                  strict_memory: bool = False) -> "SimulationResult | None":
