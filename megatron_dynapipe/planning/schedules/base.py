@@ -63,7 +63,7 @@ class FixedSchedule(Schedule):
         """Every stage's order, no cost model needed."""
         return [list(order) for order in self._orders(pp, n, chunks)]
 
-    @functools.lru_cache(maxsize=16)
+    @functools.lru_cache(maxsize=4)
     def _orders(self, pp: int, n: int, chunks: int) -> tuple[tuple, ...]:
         # made once: a search asks for the same orders candidate after candidate
         check_chunks(self, chunks)
@@ -72,7 +72,7 @@ class FixedSchedule(Schedule):
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
         return self.orders_for(work.pp, work.n, work.chunks)
 
-    @functools.lru_cache(maxsize=16)
+    @functools.lru_cache(maxsize=4)
     def indexes(self, pp: int, n: int, chunks: int = 1) -> list[OrderIndex]:
         """Every stage's order as arrays (what recompute adjustment reads, round after round)."""
         return [OrderIndex.of(order, n, chunks) for order in self._orders(pp, n, chunks)]
