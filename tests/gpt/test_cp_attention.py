@@ -91,8 +91,12 @@ def test_context_parallel_ranks_add_up_to_the_whole_sequence(cp_runs):
         assert all(0 < share[1] < tokens for share in shares)
         torch.testing.assert_close(sum(share[0] for share in shares), loss, rtol=1e-5, atol=1e-5)
         for index, grad in enumerate(grads):
-            torch.testing.assert_close(sum(share[2][index] for share in shares), grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{name}, parameter {index}: {m}")
+            # float32 sums taken in another order (two ranks' shares, or one rank's whole) differ by
+            # rounding of the size of the terms summed, not of each element's result: an element
+            # that cancels to near zero is held to the tensor's scale
+            scale = float(grad.abs().max())
+            torch.testing.assert_close(sum(share[2][index] for share in shares), grad, rtol=1e-4,
+                                       atol=1e-6 + 1e-5 * scale, msg=lambda m: f"{name}, parameter {index}: {m}")
 
 
 @pytest.mark.slow
