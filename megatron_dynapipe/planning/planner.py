@@ -434,8 +434,10 @@ def microbatch_orders(option: Microbatching, costs: StageCosts, seed: int, max_p
         if order not in orders:
             orders.append(order)
     orders = orders[:max_permutations]
-    if spread and spread_order(by_time) not in orders:
-        orders.append(spread_order(by_time))
+    if spread:
+        order = spread_order(by_time)
+        if order not in orders:
+            orders.append(order)
     return orders
 
 

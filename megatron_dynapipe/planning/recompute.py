@@ -173,8 +173,7 @@ class _RankMemory:
         # plain lists from here: the loops below read and write scalars
         self.level, self.stored, self.peak, self.backward = level.tolist(), stored.tolist(), peak.tolist(), \
             backward.tolist()
-        self.forward, self.key = order.forward.tolist(), order.key.tolist()
-        self.first, self.last = order.first.tolist(), order.last.tolist()
+        self.ops = order.lists
 
     def lighten(self, position: int, limit_mb: float) -> tuple[int, bool]:
         """Raise recompute until the op at ``position`` is within ``limit_mb``, each time of the
@@ -186,13 +185,15 @@ class _RankMemory:
         out once."""
         if self._within(position, limit_mb):
             return 0, True
-        own, held = self.key[position], self.order.held_at(position)
-        candidates, rates = held + [own] if self.forward[position] else held, [self.held_rate[k] for k in held]
-        n_held = len(held)
-        if self.forward[position]:  # its own micro-batch is not held yet
+        own, held = self.ops.key[position], self.order.held_at(position)
+        rates = [self.held_rate[k] for k in held]
+        if self.ops.forward[position]:  # its own micro-batch is not held yet
+            candidates = held + [own]
             rates.append(self._rate(own, False, True))
         else:
+            candidates = held
             rates[held.index(own)] = self._rate(own, True, True)
+        n_held = len(held)
         raises = 0
         while True:
             top = max(rates)
@@ -212,7 +213,7 @@ class _RankMemory:
         in_use = float(self.in_use[position])
         if abs(in_use - limit_mb) > ROUNDING_MB:
             return in_use < limit_mb
-        own, level, stored = self.key[position], self.level, self.stored
+        own, level, stored = self.ops.key[position], self.level, self.stored
         summed = sum(stored[level[h]][h] for h in self.order.held_at(position))
         return self.state + summed + self.peak[level[own]][own] <= limit_mb
 
@@ -232,7 +233,7 @@ class _RankMemory:
         """Raise ``key``'s recompute one type: every op that holds it, or is its own, lightens."""
         now = self.level[key]
         up = self.heavier[now]
-        first, last = self.first[key], self.last[key]
+        first, last = self.ops.first[key], self.ops.last[key]
         self.in_use[first + 1:last + 1] -= self.stored[now][key] - self.stored[up][key]
         transient = self.peak[now][key] - self.peak[up][key]
         self.in_use[first] -= transient

@@ -14,7 +14,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -374,6 +374,15 @@ def over_limit(orders: "Sequence[Order | OrderIndex]", work: StageWork, limit_mb
     return over
 
 
+class OrderLists(NamedTuple):
+    """:class:`OrderIndex`'s arrays as plain lists."""
+
+    forward: list[bool]
+    key: list[int]
+    first: list[int]
+    last: list[int]
+
+
 @dataclass(frozen=True)
 class OrderIndex:
     """One rank's order as arrays, for what it holds at each op. A key is an op's micro-batch, or
@@ -405,18 +414,24 @@ class OrderIndex:
 
     def held_at(self, position: int) -> list[int]:
         """The keys held while the op at ``position`` runs, in the order their forwards ran."""
-        keys, firsts, reach, last = self._by_forward
+        keys, firsts, reach = self._by_forward
         ran = bisect.bisect_left(firsts, position)  # forwards before it
         oldest = bisect.bisect_left(reach, position)  # no key before this one is still held
+        last = self.lists.last
         return [k for k in keys[oldest:ran] if last[k] >= position]
 
     @functools.cached_property
-    def _by_forward(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        # the keys in the order their forwards ran, where each ran, the latest backward among the
-        # keys up to each, and every key's backward; plain lists: held_at runs per op lightened
+    def lists(self) -> "OrderLists":
+        """The same index as plain lists, for loops that read one element at a time (made once:
+        a fixed schedule's index serves every round of recompute adjustment)."""
+        return OrderLists(self.forward.tolist(), self.key.tolist(), self.first.tolist(), self.last.tolist())
+
+    @functools.cached_property
+    def _by_forward(self) -> tuple[list[int], list[int], list[int]]:
+        # the keys in the order their forwards ran, where each ran, and the latest backward among
+        # the keys up to each; plain lists: held_at runs per op lightened
         keys = np.argsort(self.first, kind="stable")
-        return (keys.tolist(), self.first[keys].tolist(), np.maximum.accumulate(self.last[keys]).tolist(),
-                self.last.tolist())
+        return keys.tolist(), self.first[keys].tolist(), np.maximum.accumulate(self.last[keys]).tolist()
 
 
 def _stuck(orders, position, pp) -> Exception:
