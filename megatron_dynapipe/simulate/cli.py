@@ -9,14 +9,12 @@ import signal
 
 from megatron_dynapipe.config.model import DEFAULT_MODEL
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
-from megatron_dynapipe.data.blend import blend_lengths
-from megatron_dynapipe.data.datasets import LONG_SAMPLES
+from megatron_dynapipe.data.sizing import add_sizing_data_arguments, has_sizing_data, length_source_from_args
 from megatron_dynapipe.files import check_output_folder, write_atomically
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_code, interrupted
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
-from megatron_dynapipe.planning.samples import MIXES, LengthSource
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
 from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods, representatives, traced_layout
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
@@ -108,25 +106,8 @@ def add_calibrate_parser(sub) -> None:
 def add_data_arguments(p: argparse.ArgumentParser):
     """The data a job trains on and the methods priced on it (search and simulate alike); the
     group, for options of the caller's own."""
-    data = p.add_argument_group("on your data: methods as a dimension (docs/simulate.md, \"On your data\")")
-    source = data.add_mutually_exclusive_group()
-    source.add_argument("--lengths", metavar="FILE",
-                        help="sample lengths (a JSON list, or one a line) from which global batches are drawn")
-    source.add_argument("--mix", choices=MIXES, help="draw the samples from a documented length mix instead")
-    source.add_argument("--data-path", nargs="+", metavar="PATH",
-                        help="draw them from datasets as Megatron-LM's --data-path takes them: a .bin/.idx prefix, "
-                             "a .jsonl file of token lists or a token-file folder, or a blend W1 P1 W2 P2 ...")
-    data.add_argument("--long-samples", choices=LONG_SAMPLES, default="split",
-                      help="with --data-path, documents longer than --seq-length are split into windows, "
-                           "truncated, or refused (default split)")
-    data.add_argument("--method", action=ListAction, metavar="NAME",
-                      help=f"{', '.join(METHODS)} or all (default all, given data)")
-    data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
-                      help="global batches drawn, each of global batch x seq-length tokens (default 8)")
-    data.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn batches (default 0)")
-    data.add_argument("--fast-mode", action="store_true",
-                      help="DynaPipe plans in fast mode (else as DYNAPIPE_FAST_MODE says; default normal mode)")
-    return data
+    return add_sizing_data_arguments(p, "on your data: methods as a dimension (docs/simulate.md, \"On your data\")",
+                                     f"{', '.join(METHODS)} or all (default all, given data)")
 
 
 def add_search_parser(sub) -> None:
@@ -249,14 +230,10 @@ def run_search_cli(args: argparse.Namespace) -> int:
 
 
 def data_from_args(args: argparse.Namespace, seq_length: int):
-    """(the length source, the methods) of ``--lengths``/``--mix`` and ``--method``; (None, ())
-    without data. Checked before any work."""
-    if not (args.lengths or args.mix or args.data_path):
+    """(the length source, the methods) of ``--lengths``/``--mix``/``--data-path`` and ``--method``;
+    (None, ()) without data. Checked before any work."""
+    if not has_sizing_data(args):
         if args.method:
             raise ValueError("--method prices methods on your data: give --lengths FILE, --mix NAME or --data-path too")
         return None, ()
-    methods = parse_methods(args.method or ["all"])
-    if args.data_path:
-        pools, weights = blend_lengths(args.data_path, seq_length, args.long_samples)
-        return LengthSource(" ".join(args.data_path), pools=pools, weights=weights), methods
-    return (LengthSource.from_file(args.lengths) if args.lengths else LengthSource.from_mix(args.mix)), methods
+    return length_source_from_args(args, seq_length), parse_methods(args.method or ["all"])
