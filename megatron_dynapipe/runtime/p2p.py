@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_dynapipe.planning.plan import Instruction, Op
 
-__all__ = ["PipelineCommError", "PipelineChannels", "Transfer"]
+__all__ = ["PipelineCommError", "PipelineChannels", "Transfer", "adopt_twin_groups"]
 
 
 class PipelineCommError(RuntimeError):
@@ -121,6 +121,14 @@ def _twin_groups(pp_group, count: int, timeout: Optional[timedelta]) -> tuple[li
                 twins = twins + [group]
     _TWINS[ranks] = (pp_group, twins)
     return twins, True
+
+
+def adopt_twin_groups(pp_group, make_group) -> None:
+    """Give ``pp_group`` the twin groups it sends on, each ``make_group(ranks)``, without the
+    collective set-up and warm-up exchange :class:`PipelineChannels` does: for a fake rank, which
+    runs alone in its process (no peer would answer)."""
+    ranks = tuple(dist.get_process_group_ranks(pp_group))
+    _TWINS[ranks] = (pp_group, [make_group(list(ranks)) for _ in range(3)])
 
 
 class PipelineChannels:

@@ -118,6 +118,12 @@ class TracedJob:
     def overlap_param_gather(self) -> bool:
         return bool((self.iteration.get("ddp") or {}).get("overlap_param_gather"))
 
+    def only_iteration(self, index: int) -> "TracedJob":
+        """This job with traced iteration ``index`` alone."""
+        traces = {rank: dataclasses.replace(trace, ops=[op for op in trace.ops if op.iteration == index])
+                  for rank, trace in self.traces.items()}
+        return dataclasses.replace(self, traces=traces, iteration={**self.iteration, "trace_iters": 1})
+
     def representative_of(self, rank: int) -> int:
         """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
         place = _place(self.layout, rank)

@@ -10,6 +10,11 @@
   as megatron-core counts) over iteration time and world size, and over the dtype's peak;
   *hardware* FLOP/s add what recomputation runs again;
 * **memory**: each stage's traced peak (``memory.peak_bytes``) against the device's memory.
+
+A planned trace (``trace --method dynapipe``: one traced iteration a drawn batch, data-parallel
+rank 0's plans) reports each batch's step: that iteration replayed alone, plus how much longer
+the slowest data-parallel rank's planned pipeline is than rank 0's (the gradient reduction waits
+for it); the iteration time is their mean, and the batches' mean and 95th percentile are kept.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from typing import Any
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.config.accounting import step_flops
-from megatron_dynapipe.simulate.replay import Replay
+import numpy as np
 
-__all__ = ["StageReport", "SimulationReport", "report", "format_report", "timeline"]
+from megatron_dynapipe.hardware import Hardware
+from megatron_dynapipe.simulate.replay import Replay, TracedJob, simulate_job
+
+__all__ = ["StageReport", "SimulationReport", "planned_steps", "report", "format_report", "timeline"]
 
 
 @dataclass
@@ -68,6 +76,7 @@ class SimulationReport:
     device_memory_gib: float
     fits: bool
     stages: list[StageReport]
+    planned: "dict[str, Any] | None" = None  # a planned trace's batches (module docstring)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +84,9 @@ class SimulationReport:
 
 def report(replay: Replay) -> SimulationReport:
     job, hw = replay.job, replay.hardware
-    iters, seconds = job.iterations, replay.iteration_us / 1e6
+    iters, replayed = job.iterations, replay.iteration_us / 1e6
+    planned = planned_steps(job, hw)
+    seconds = planned["mean_step_s"] if planned else replayed
     first = next(iter(job.traces.values()))
     it, layout = job.iteration, job.layout
     seq = int(it["seq_length"])
@@ -103,14 +114,33 @@ def report(replay: Replay) -> SimulationReport:
         global_batch_size=job.global_batch_size, seq_length=seq, dtype=job.dtype, trace_mode=first.mode,
         compute_from=_compute_from(first),
         iteration_s=seconds, tokens_per_s=tokens / seconds if seconds else 0.0,
-        bubble_fraction=sum(s.idle_s for s in stages) / len(stages) / seconds if seconds else 0.0,
+        bubble_fraction=sum(s.idle_s for s in stages) / len(stages) / replayed if replayed else 0.0,
         exposed_comm_s=dict(sorted(exposed.items())),
         overlapped_comm_s=max(r.overlapped_us for r in replay.ranks.values()) / iters / 1e6,
         model_tflops_per_gpu=model_flops / per_gpu if seconds else 0.0,
         hardware_tflops_per_gpu=hardware_flops / per_gpu if seconds else 0.0,
         mfu=model_flops / per_gpu / peak if seconds else 0.0,
         hardware_mfu=hardware_flops / per_gpu / peak if seconds else 0.0,
-        peak_memory_gib=peak_gib, device_memory_gib=hw.memory_gib, fits=all(s.fits for s in stages), stages=stages)
+        peak_memory_gib=peak_gib, device_memory_gib=hw.memory_gib, fits=all(s.fits for s in stages), stages=stages,
+        planned=planned)
+
+
+def planned_steps(job: TracedJob, hardware: Hardware) -> "dict[str, Any] | None":
+    """A planned trace's step per batch (module docstring); None for Megatron's fixed shapes."""
+    planned = job.iteration.get("planned")
+    if not planned:
+        return None
+    traced = int(planned["traced_dp_rank"])
+    steps = []
+    for index, batch in enumerate(planned["batches"]):
+        alone = simulate_job(job.only_iteration(index), hardware, spans=False).makespan_us / 1e6
+        slower = (max(batch["pipeline_ms"]) - batch["pipeline_ms"][traced]) / 1e3
+        steps.append({"step_s": alone + slower, "traced_rank_s": alone, "slowest_rank_extra_s": slower,
+                      "tokens": batch["tokens"], "samples": batch["samples"], "microbatches": batch["microbatches"]})
+    times = [s["step_s"] for s in steps]
+    return {"method": planned["method"], "source": planned["source"], "batches": steps,
+            "mean_step_s": float(np.mean(times)), "p95_step_s": float(np.percentile(times, 95)),
+            "real_tokens_per_s": sum(s["tokens"] for s in steps) / sum(times)}
 
 
 def _compute_from(trace) -> str:
@@ -144,8 +174,13 @@ def format_report(rep: SimulationReport) -> str:
         "  exposed communication: " + (", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in rep.exposed_comm_s.items()) or "none")
         + (f"; overlapped {rep.overlapped_comm_s * 1e3:.2f} ms" if rep.overlapped_comm_s else ""),
         f"  peak memory {rep.peak_memory_gib:.2f} GiB of {rep.device_memory_gib:.0f} GiB: {fit}",
-        "  stage  rank  compute ms  comm ms    idle ms  memory GiB",
     ]
+    if rep.planned:
+        p = rep.planned
+        lines.insert(2, f"  {p['method']} on {p['source']}, {len(p['batches'])} batches: step mean "
+                        f"{p['mean_step_s'] * 1e3:.1f} ms, p95 {p['p95_step_s'] * 1e3:.1f} ms (the slowest "
+                        f"data-parallel rank's), {p['real_tokens_per_s']:,.0f} real tokens/s")
+    lines.append("  stage  rank  compute ms  comm ms    idle ms  memory GiB")
     for s in rep.stages:
         lines.append(f"  {s.stage:>5}  {s.rank:>4}  {s.compute_s * 1e3:>10.2f}  {s.comm_s * 1e3:>7.2f}  "
                      f"{s.idle_s * 1e3:>9.2f}  {s.peak_memory_gib:>10.2f}" + ("" if s.fits else "  (too big)"))

@@ -32,8 +32,15 @@ def priced_for(job: "TracedJob") -> Optional[str]:
 
 
 def reprice(job: "TracedJob", hardware: Hardware) -> "TracedJob":
-    """``job`` with its hardware-priced compute priced for ``hardware`` (unchanged otherwise)."""
-    if priced_for(job) is None:
+    """``job`` with its hardware-priced compute priced for ``hardware`` (unchanged otherwise).
+    A planned trace's plans were made for the hardware it was priced for: refused on another."""
+    traced_for = priced_for(job)
+    if job.iteration.get("planned"):
+        if traced_for not in (None, hardware.name):
+            raise ValueError(f"{job.folder.name} was planned for {traced_for}, whose costs shaped its plans: simulate "
+                             f"it with that --hardware, or trace it again with --hardware {hardware.name}")
+        return job
+    if traced_for is None:
         return job
     it = job.iteration
     traced = MegatronOptions(**(it.get("training") or {}))

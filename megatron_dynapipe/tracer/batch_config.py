@@ -145,10 +145,11 @@ class TraceConfig:
         """The ranks traced for this config (one per stage, times EP for MoE)."""
         return representative_ranks(self.layout(), moe=self.moe)
 
-    def folder_name(self, training=None) -> str:
+    def folder_name(self, training=None, method: Optional[str] = None) -> str:
         """``SIM_GPT_<MODEL>_Config<i>_WS<W>_PP<P>_TP<T>[_CP<c>][_EP<e>]_DP<D>_nMICROB<n>_MICROB_SIZE<m>_GLOBAL_BATCH<g>``,
         then ``_FLAGS<digest>`` when ``training`` (:class:`MegatronOptions`) asks for any Megatron flag: a
-        layout traced with other training flags is another trace, in another folder."""
+        layout traced with other training flags is another trace, in another folder; and
+        ``_METHOD<name>`` for a planned method (``trace --method``)."""
         name = f"SIM_GPT_{self.model.label}_Config{self.index}_WS{self.world_size}_PP{self.pp}_TP{self.tp}"
         if self.cp != 1:
             name += f"_CP{self.cp}"
@@ -163,6 +164,8 @@ class TraceConfig:
         flags = training.megatron_args() if training is not None else []
         if flags:
             name += "_FLAGS" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
+        if method:
+            name += f"_METHOD{method}"
         return re.sub(r"[^A-Za-z0-9_.-]", "-", name)
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from megatron_dynapipe.tracer.batch_results import (
     write_summary,
     write_timeline,
 )
+from megatron_dynapipe.tracer.planned import PlannedBatches, PlanRequest, plan_batches
 from megatron_dynapipe.tracer.isolation import (
     finish_log,
     preload_tracer_modules,
@@ -71,6 +72,7 @@ def run_batch(
     progress: bool = True,
     progress_stream=None,
     timeline: bool = True,
+    plan: PlanRequest | None = None,
 ) -> list[ConfigResult]:
     """Trace the representative ranks of every valid config; one :class:`ConfigResult` each.
 
@@ -99,6 +101,9 @@ def run_batch(
     child's torch threads share the cores); ``"inline"`` runs ranks one by one in this process
     and isolates Python exceptions only.  A progress bar over configs and ranks is drawn on
     ``progress_stream`` (stderr) when ``progress`` is true and it is a terminal.
+    ``plan`` (:class:`~.planned.PlanRequest`) traces a planned method instead of Megatron's
+    schedule: each config's batches are drawn and planned here, once, before its ranks start
+    (shapes-only; the folder name ends in ``_METHOD<name>``).
     """
     if isolation not in ("process", "inline"):
         raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
@@ -123,7 +128,7 @@ def run_batch(
         return _run_configs(checked, output_dir, tracer, stream, progress, dict(
             warmup_iters=warmup_iters, trace_iters=trace_iters, shapes_only=shapes_only,
             cost_model=cost_model, dtype=dtype, training=training, isolation=isolation, jobs=jobs,
-            rank_timeout=rank_timeout, timeline=timeline,
+            rank_timeout=rank_timeout, timeline=timeline, plan=plan,
         ), len(valid))
     finally:
         gc.unfreeze()
@@ -148,11 +153,15 @@ def _run_configs(checked, output_dir: Path, tracer: Tracer, stream, progress: bo
 
 def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts: dict) -> ConfigResult:
     start = time.perf_counter()
-    result = ConfigResult(config, OK, folder=output_dir / config.folder_name(opts["training"]))
+    plan = opts["plan"]
+    result = ConfigResult(config, OK, folder=output_dir / config.folder_name(opts["training"],
+                                                                             plan.method if plan else None))
     try:
         layout, reps = config.layout(), config.representatives()
         result.ranks_traced = len(reps)
         options = _rank_options(config, result, opts)
+        if plan is not None:
+            options["planned"] = _planned(plan, config, layout, options, opts["training"], bar)
         problem = result.shapes_only and shapes_only_problem(config.model)
         if problem:  # every rank would fail the same way: none is started
             raise ValueError(problem)
@@ -238,9 +247,25 @@ def _collect_config(config: TraceConfig, output_dir: Path, training: MegatronOpt
     return result
 
 
+def _planned(plan: PlanRequest, config: TraceConfig, layout: ParallelLayout, options: dict,
+             training: MegatronOptions, bar) -> PlannedBatches:
+    """The config's drawn batches, planned for its layout, with a progress bar."""
+    task = bar.add_task(f"Config{config.index} planning {plan.count} batches ({plan.method})", total=plan.count)
+    planned = plan_batches(plan, layout, config.model, options["cost_model"], seq_length=config.seq,
+                           global_batch=config.global_batch, training=training,
+                           progress=lambda: bar.advance(task))
+    bar.remove_task(task)
+    return planned
+
+
 def _rank_options(config: TraceConfig, result: ConfigResult, opts: dict) -> dict[str, Any]:
     """The tracer's options for this config's ranks; notes the shapes-only choice in ``result``."""
-    if opts["shapes_only"] is None:
+    if opts["plan"] is not None:
+        if opts["shapes_only"] is False:
+            raise ValueError("a planned method is traced shapes-only, its compute priced by the planner's cost model: "
+                             "drop --real-compute")
+        result.shapes_only, result.shapes_only_reason = True, f"a planned method ({opts['plan'].method})"
+    elif opts["shapes_only"] is None:
         result.shapes_only, result.shapes_only_reason = decide_shapes_only(
             config, iterations=opts["warmup_iters"] + opts["trace_iters"], training=opts["training"])
     else:

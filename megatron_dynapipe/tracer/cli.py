@@ -52,9 +52,15 @@ from megatron_dynapipe.tracer.batch_results import (
 )
 from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 from megatron_dynapipe.tracer.chakra import check_chakra, write_chakra_folder
+from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
+from megatron_dynapipe.data.sizing import add_sizing_data_arguments, has_sizing_data, length_source_from_args
+from megatron_dynapipe.tracer.planned import PLANNED_METHODS, PlanRequest
 from megatron_dynapipe.tracer.shapes_only_costs import DEFAULT_HARDWARE
 
 __all__ = ["add_trace_parser", "add_trace_arguments", "run_trace", "main", "DEFAULT_CONFIG"]
+
+#: what ``trace --method`` runs: Megatron's own schedule, and the planned methods (:mod:`.planned`)
+TRACED_METHODS = ("megatron", *PLANNED_METHODS)
 
 #: The config traced when none is given.
 DEFAULT_CONFIG = "8192 2 2"
@@ -119,6 +125,10 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--jobs", "-j", type=int, metavar="N",
                      help="ranks traced at once, each in its own process (default: one per core)")
     run.add_argument("--rank-timeout", type=float, metavar="SECONDS", help="fail a rank that runs longer")
+
+    add_sizing_data_arguments(p, "on your data: trace a planned method (docs/tracing.md, \"A planned method on your "
+                                 "data\")", f"{', '.join(TRACED_METHODS)} or all (default megatron; all, given data): "
+                                 "a planned method traces DynaPipe's executor, a traced iteration per drawn batch")
 
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -196,6 +206,28 @@ def _cost_model(args):
     return lambda config: hardware.cost_model(config.model, config.tp, args.dtype or "bfloat16")
 
 
+def _plan_requests(args, model: ModelSpec) -> list[Optional[PlanRequest]]:
+    """What each traced method asks of every config (None: Megatron's own schedule), checked
+    before any rank starts."""
+    if not (args.method or has_sizing_data(args)):
+        return [None]
+    names = list(TRACED_METHODS) if "all" in (args.method or ["all"]) else list(dict.fromkeys(args.method))
+    unknown = [name for name in names if name not in TRACED_METHODS]
+    if unknown:
+        raise ValueError(f"trace --method {unknown[0]}: trace runs {', '.join(TRACED_METHODS)} or all; THD packing "
+                         "is priced on a Megatron trace by `simulate --method thd` (or `search`)")
+    if args.collect and names != ["megatron"]:
+        raise ValueError("--collect reads Megatron-LM's own traces: drop --method")
+    if not has_sizing_data(args):
+        raise ValueError(f"--method {','.join(names)} plans batches of your data: give --lengths FILE, --mix NAME or "
+                         "--data-path too")
+    source = length_source_from_args(args, args.seq_length or model.max_sequence_length)
+    hardware = load_hardware(args.hardware)
+    fast_mode = resolve_fast_mode_setting(args.fast_mode or None)
+    return [None if name == "megatron" else PlanRequest(name, source, hardware, args.batches, args.seed, fast_mode)
+            for name in names]
+
+
 def run_trace(args) -> int:
     if args.list_models:
         for name, m in MODELS.items():
@@ -226,14 +258,17 @@ def run_trace(args) -> int:
     if args.format == "chakra":
         check_chakra()  # before any rank is traced
 
+    plans = _plan_requests(args, model)
+    if args.shapes_only is None and any(plans):  # every method priced alike: by the cost model
+        args.shapes_only = True
     try:
-        results = collect_batch(configs, args.output_dir, training=training) if args.collect else run_batch(
-            configs, args.output_dir,
-            warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
-            cost_model=_cost_model(args), dtype=args.dtype, training=training,
-            isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
-            progress=not args.no_progress, timeline=not args.no_timeline,
-        )
+        results = collect_batch(configs, args.output_dir, training=training) if args.collect else [
+            result for plan in plans for result in run_batch(
+                configs, args.output_dir,
+                warmup_iters=args.warmup_iters, trace_iters=args.trace_iters, shapes_only=args.shapes_only,
+                cost_model=_cost_model(args), dtype=args.dtype, training=training,
+                isolation=args.isolation, jobs=args.jobs, rank_timeout=args.rank_timeout,
+                progress=not args.no_progress, timeline=not args.no_timeline, plan=plan)]
     except KeyboardInterrupt:  # between ranks, where no folder is open
         print("megatron-dynapipe trace: interrupted", file=sys.stderr)
         return 130

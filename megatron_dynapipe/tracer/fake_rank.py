@@ -38,6 +38,14 @@ the mode answers 0 (no clipping, no overflow): a real step would see numbers, bu
 issues do not depend on them.  Memory figures in this mode are the model state megatron allocated
 (on meta) plus the activation high-water mark autograd saved, both exact sizes.
 
+Planned methods
+---------------
+With ``planned`` (:mod:`.planned`: global batches of the user's data, planned for the job) a rank
+runs DynaPipe's executor instead of megatron-core's schedule, through the same
+``forward_backward_dynapipe`` Megatron-LM calls with ``--dynapipe``: traced iteration ``i`` is
+this stage's plan of batch ``i`` (data-parallel rank 0's), shapes-only, each forward and backward
+priced by the planner's cost model at its micro-batch's shape and recompute.
+
 Representative ranks
 --------------------
 :func:`trace_representatives` traces the ranks :func:`~.topology.representative_ranks` picks
@@ -55,6 +63,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -70,6 +79,8 @@ from megatron_dynapipe.config.layout import (
 )
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.data.batch import MICROBATCH_KEYS, PlannedBatch
+from megatron_dynapipe.data.microbatches import packed_microbatch
 from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine
 from megatron_dynapipe.gpt.device import TRACE_DTYPES, torch_dtype
 from megatron_dynapipe.gpt.forward_step import pretrain_gpt_forward_step
@@ -78,6 +89,7 @@ from megatron_dynapipe.tracer.fake_groups import member_groups_only, symmetric_o
 from megatron_dynapipe.tracer.meta_cache import MetaKernelCache
 from megatron_dynapipe.tracer.meta_mode import MetaMode
 from megatron_dynapipe.tracer.moe_routing import balanced_routing
+from megatron_dynapipe.tracer.planned import PlannedBatches
 from megatron_dynapipe.tracer.recorder import Recorder
 from megatron_dynapipe.tracer.representatives import representative_ranks
 from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
@@ -192,6 +204,18 @@ def _batches(spec: ModelSpec, mbs: int, seq: int, count: int, seed: int, device)
     return out
 
 
+def _planned_tensors(mb, device) -> dict:
+    """A planned micro-batch's tensors: its shape (rows x padded length; values do not matter),
+    and for a packed one the boundaries of its samples as the data pipeline builds them
+    (``cu_seqlens``, ``max_seqlen``: real values, which the attention core reads)."""
+    out = {key: torch.zeros(mb.rows, mb.seq_len, dtype=torch.float32 if key == "loss_mask" else torch.int64,
+                            device=device) for key in MICROBATCH_KEYS}
+    if mb.packed:
+        arrays = packed_microbatch([np.zeros(n, dtype=np.int64) for n in mb.packed_lengths], mb.seq_len)
+        out.update((key, torch.from_numpy(arrays[key])) for key in ("cu_seqlens", "max_seqlen"))
+    return out
+
+
 def trace_initialized_rank(
     layout: ParallelLayout,
     model_cfg: Any,
@@ -210,6 +234,7 @@ def trace_initialized_rank(
     fill: bool = False,
     seed: int = 1234,
     repeat_steady_state: bool = True,
+    planned: Optional[PlannedBatches] = None,
 ) -> RankTrace:
     """Build this process's stage of the job on the already-initialised default process group
     (world size ``layout.world_size``; gloo, NCCL or fake), run ``warmup_iters`` + ``trace_iters``
@@ -224,11 +249,15 @@ def trace_initialized_rank(
     ``fill`` makes collectives deliver symmetric values (for fake process groups).
     A shapes-only trace runs only a few micro-batches and repeats the schedule's steady state
     up to ``num_microbatches`` (:mod:`.steady_state`) unless ``repeat_steady_state`` is False.
+    ``planned`` (:mod:`.planned`) runs DynaPipe's executor on this stage's plan of each planned
+    batch instead, one traced iteration a batch (``trace_iters`` is their number), its compute
+    priced by the planner's cost model.
     """
     run = _TraceRun.checked(layout, ModelSpec.from_any(model_cfg), micro_batch_size=micro_batch_size,
                             num_microbatches=num_microbatches, seq_length=seq_length, warmup_iters=warmup_iters,
-                            trace_iters=trace_iters, shapes_only=shapes_only, dtype=dtype, optimizer=optimizer,
-                            clip_grad=clip_grad, training=training or MegatronOptions(), seed=seed)
+                            trace_iters=len(planned.batches) if planned else trace_iters, shapes_only=shapes_only,
+                            dtype=dtype, optimizer=optimizer, clip_grad=clip_grad,
+                            training=training or MegatronOptions(), seed=seed, planned=planned)
     if repeat_steady_state and run.recorded_microbatches < num_microbatches:
         try:
             return _trace(run, cost_model, fill)
@@ -252,9 +281,7 @@ def _trace(run: "_TraceRun", cost_model: Any, fill: bool) -> RankTrace:
         stack.callback(_teardown_megatron)
         job = run.build()
         built = time.perf_counter()
-        cost, priced_by = (compute_cost_fn(cost_model, run.spec, run.layout, run.stage, run.micro_batch_size,
-                                           run.seq_length, run.training, dtype=run.dtype_name)
-                           if run.shapes_only else (None, None))
+        cost, priced_by = run.compute_costs(cost_model)
         recorder = stack.enter_context(run.recorder(cost, fill))
         step = run.train_step(job, recorder)
         for i in range(run.warmup_iters):
@@ -307,6 +334,8 @@ class _TraceRun:
     on_gpu: bool
     #: micro-batches the schedule runs: shapes-only traces run few and extend (:mod:`.steady_state`)
     recorded_microbatches: int = 0
+    #: the planned batches this rank runs DynaPipe's executor on (:mod:`.planned`), else Megatron's schedule
+    planned: Optional[PlannedBatches] = None
 
     @classmethod
     def checked(cls, layout: ParallelLayout, spec: ModelSpec, *, dtype: Optional[str], shapes_only: bool,
@@ -325,6 +354,9 @@ class _TraceRun:
             raise ValueError(f"process group has {dist.get_world_size()} ranks, layout "
                              f"{layout.describe()} needs {layout.world_size}")
         _check_model_fits(spec, layout, shapes_only)
+        if fields["planned"] is not None and not shapes_only:
+            raise ValueError("a planned method is traced shapes-only (its compute priced by the planner's cost model): "
+                             "pass shapes_only=True (trace --shapes-only)")
         fields["training"] = fields["training"].at_tp(layout.tp)  # as Megatron-LM validates them
         problem = fields["training"].layout_problem(
             tp=layout.tp, pp=layout.pp, num_layers=spec.num_layers,
@@ -336,6 +368,10 @@ class _TraceRun:
             raise ValueError(
                 f"context parallelism (CP={layout.cp}) passes keys and values around its ring of ranks, and a "
                 "fake rank runs alone: trace it with --shapes-only, or run transformer-engine on CUDA")
+        if fields["planned"] and spec.attention == "local":
+            # megatron's local core refuses packed micro-batches: both planned methods hold what SDPA's
+            # fused kernel saves, alike
+            spec = dataclasses.replace(spec, attention="sdpa")
         if fields["seq_length"] > spec.max_sequence_length:
             spec = dataclasses.replace(spec, max_sequence_length=fields["seq_length"])
         on_gpu = torch.cuda.is_available()
@@ -345,8 +381,8 @@ class _TraceRun:
         run = cls(layout, spec, shapes_only=shapes_only, dtype_name=dtype_name, use_te=use_te, on_gpu=on_gpu,
                   **fields)
         run.recorded_microbatches = (steady_state.recorded_microbatches(
-            run.num_microbatches, layout.pp, run.period, run.chunks, run.stage) if shapes_only
-            else run.num_microbatches)
+            run.num_microbatches, layout.pp, run.period, run.chunks, run.stage) if shapes_only and not run.planned
+            else run.num_microbatches)  # a planned step is its plan, which repeats nothing
         return run
 
     @property
@@ -463,6 +499,16 @@ class _TraceRun:
         model.vp_stage = vp_stage
         return model
 
+    def compute_costs(self, cost_model):
+        """(the recorder's ``cost(kind, microbatch, chunk)``, what priced it) of a shapes-only
+        rank; (None, None) where compute is timed."""
+        if not self.shapes_only:
+            return None, None
+        if self.planned:  # the planner's price of each micro-batch, batch by batch
+            return self.planned.costs_for(self.stage, self.layout.pp), self.planned.cost_model
+        return compute_cost_fn(cost_model, self.spec, self.layout, self.stage, self.micro_batch_size,
+                               self.seq_length, self.training, dtype=self.dtype_name)
+
     def recorder(self, cost, fill: bool) -> Recorder:
         """Shapes-only: ops timed by the cost model, nothing executed; else real, timed ops."""
         if self.shapes_only:
@@ -471,14 +517,10 @@ class _TraceRun:
         return Recorder(stage=self.stage, clock="auto", fill=fill, execute=True, seed=self.seed + self.rank)
 
     def train_step(self, job: _Job, recorder: Recorder):
-        """``step(index, record)``: one Megatron-LM ``train_step`` (module docstring)."""
+        """``step(index, record)``: one Megatron-LM ``train_step`` (module docstring), its
+        forward-backward Megatron's schedule or, for a planned method, DynaPipe's executor."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        # whole sequences: the forward step takes this context-parallel rank's share, as Megatron-LM's does
-        batches = _batches(self.spec, self.micro_batch_size, self.seq_length,
-                           self.recorded_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
-        forward_backward = get_forward_backward_func()
         finalize = job.config.finalize_model_grads_func
 
         def finalize_in_region(*args, **kwargs):
@@ -487,20 +529,15 @@ class _TraceRun:
 
         job.config.finalize_model_grads_func = finalize_in_region
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        forward_backward = self._planned_schedule(job, recorder) if self.planned else self._megatron_schedule(job)
 
         def step(index: int, record: bool) -> None:
-            count = self.recorded_microbatches if record else self.warmup_microbatches
             with recorder.iteration(index, record=record):
                 for ddp in job.ddps:
                     ddp.zero_grad_buffer()
                 job.optimizer.zero_grad()
-                # interleaving takes an iterator per chunk; each chunk reads the batches it needs
-                iterators = [iter(batches) for _ in job.ddps] if len(job.ddps) > 1 else iter(batches)
                 with self.device_scope():
-                    losses = forward_backward(
-                        forward_step_func=pretrain_gpt_forward_step, data_iterator=iterators, model=job.ddps,
-                        num_microbatches=count, seq_length=self.seq_length,
-                        micro_batch_size=self.micro_batch_size, forward_only=False)
+                    losses = forward_backward(index, record)
                 with recorder.compute("optimizer_step", name="optimizer.step"):
                     job.optimizer.step()
                 if losses:  # last stage: Megatron-LM reduces the reported loss over DP x CP
@@ -509,6 +546,54 @@ class _TraceRun:
                         dist.all_reduce(report, group=dp_cp_group)
 
         return step
+
+    def _megatron_schedule(self, job: _Job):
+        """``forward_backward(index, record)`` through megatron-core's own schedule."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        # whole sequences: the forward step takes this context-parallel rank's share, as Megatron-LM's does
+        batches = _batches(self.spec, self.micro_batch_size, self.seq_length,
+                           self.recorded_microbatches, self.seed, "cuda" if self.on_gpu else "cpu")
+        forward_backward = get_forward_backward_func()
+
+        def run(index: int, record: bool) -> list:
+            # interleaving takes an iterator per chunk; each chunk reads the batches it needs
+            iterators = [iter(batches) for _ in job.ddps] if len(job.ddps) > 1 else iter(batches)
+            return forward_backward(
+                forward_step_func=pretrain_gpt_forward_step, data_iterator=iterators, model=job.ddps,
+                num_microbatches=self.recorded_microbatches if record else self.warmup_microbatches,
+                seq_length=self.seq_length, micro_batch_size=self.micro_batch_size, forward_only=False)
+
+        return run
+
+    def _planned_schedule(self, job: _Job, recorder: Recorder):
+        """``forward_backward(index, record)`` through DynaPipe's executor, as Megatron-LM runs it
+        with ``--dynapipe``: traced iteration ``index`` runs this stage's plan of batch ``index``
+        (an untraced one, batch 0's), its compute priced batch by batch."""
+        from megatron.core import parallel_state
+
+        from megatron_dynapipe.runtime.p2p import adopt_twin_groups
+        from megatron_dynapipe.runtime.provider import forward_backward_dynapipe
+
+        if dist.get_backend() == "fake":  # alone in this process: no peer would answer the set-up
+            adopt_twin_groups(parallel_state.get_pipeline_model_parallel_group(), dist.new_group)
+        device = "cuda" if self.on_gpu else "cpu"
+
+        def run(index: int, record: bool) -> list:
+            batch = index if record else 0
+            recorder.cost_fn.batch = batch
+            plan = self.planned.batches[batch].plans[self.stage]
+            data = PlannedBatch(index, plan, [_planned_tensors(mb, device) for mb in plan.microbatches])
+            first = plan.microbatches[0]
+            # megatron's own schedules run in a CPU scope of their own (compat/cpu_compat.py); the executor, as
+            # Megatron-LM runs it on the CPU, inside one
+            with contextlib.nullcontext() if self.on_gpu else cpu_compat.cuda_as_cpu():
+                return forward_backward_dynapipe(
+                    forward_step_func=pretrain_gpt_forward_step, data_iterator=iter([data]), model=job.ddps,
+                    num_microbatches=len(plan.microbatches), seq_length=first.seq_len, micro_batch_size=first.rows,
+                    forward_only=False)
+
+        return run
 
     def rank_trace(self, job: _Job, recorder: Recorder, memory, priced_by, *,
                    build_seconds: float, run_seconds: float) -> RankTrace:
@@ -529,10 +614,12 @@ class _TraceRun:
             iteration={
                 "micro_batch_size": self.micro_batch_size, "num_microbatches": self.num_microbatches,
                 "seq_length": self.seq_length, "warmup_iters": self.warmup_iters, "trace_iters": self.trace_iters,
-                "schedule": get_forward_backward_func().__name__, "optimizer": self.optimizer,
+                "schedule": "dynapipe" if self.planned else get_forward_backward_func().__name__,
+                "optimizer": self.optimizer,
                 "clip_grad": self.clip_grad, "training": self.training.to_json(),
                 "ddp": {k: v for k, v in dataclasses.asdict(job.ddp_config).items()
                         if isinstance(v, (bool, int, float, str, type(None)))},
+                **({"planned": self.planned.to_json()} if self.planned else {}),
             },
             mode="shapes_only" if self.shapes_only else "real", device="cuda" if self.on_gpu else "cpu",
             clock=recorder.clock, memory=memory,

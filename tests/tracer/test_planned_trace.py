@@ -1,0 +1,154 @@
+"""A planned method on fake ranks (``trace --method dynapipe``): each representative rank runs
+DynaPipe's executor on its stage's plan of every drawn batch, and ``simulate`` turns the traces
+into the batches' steps, the slowest data-parallel rank's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_dynapipe.config.layout import ParallelLayout
+from megatron_dynapipe.config.megatron_options import MegatronOptions
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.hardware import load_hardware
+from megatron_dynapipe.planning.plan import Op
+from megatron_dynapipe.planning.samples import LengthSource
+from megatron_dynapipe.tracer.planned import PlanRequest, plan_batches
+
+MODEL = ModelSpec.from_any("tiny")
+LAYOUT = ParallelLayout(world_size=8, tp=1, pp=2)  # DP 4
+SEQ, GLOBAL_BATCH = 1024, 16
+A100 = load_hardware("a100")
+
+
+def planned(method: str, count: int = 2, training: MegatronOptions = MegatronOptions()):
+    request = PlanRequest(method, LengthSource.from_mix("multitask"), A100, count=count, seed=3)
+    return plan_batches(request, LAYOUT, MODEL, A100.cost_model(MODEL, 1, "bfloat16"), seq_length=SEQ,
+                        global_batch=GLOBAL_BATCH, training=training)
+
+
+def trace_stages(batches, training: MegatronOptions = MegatronOptions()):
+    from megatron_dynapipe.tracer.fake_rank import trace_ranks
+
+    return trace_ranks(LAYOUT, [0, 4], MODEL, micro_batch_size=1, num_microbatches=4, seq_length=SEQ,
+                       shapes_only=True, cost_model=batches.cost_model, planned=batches, training=training)
+
+
+@pytest.fixture(scope="module")
+def padded():
+    batches = planned("dynapipe")
+    return batches, trace_stages(batches)
+
+
+def top(trace, iteration: int, *kinds: str) -> list:
+    return [op for op in trace.ops if op.parent is None and op.iteration == iteration and op.kind in kinds]
+
+
+def test_each_traced_iteration_runs_its_batch_s_plan_on_every_stage(padded):
+    batches, traces = padded
+    assert [t.iteration["trace_iters"] for t in traces] == [2, 2]
+    for trace in traces:
+        for index, batch in enumerate(batches.batches):
+            plan = batch.plans[trace.stage]
+            expected = [("forward" if ins.op == Op.FORWARD else "backward", ins.microbatch)
+                        for ins in plan.instructions if ins.op in (Op.FORWARD, Op.BACKWARD)]
+            assert [(op.kind, op.microbatch) for op in top(trace, index, "forward", "backward")] == expected
+            # every activation sent or received is the micro-batch's [sequence, rows, hidden]
+            shapes = {(mb.seq_len, mb.rows, MODEL.hidden_size) for mb in plan.microbatches}
+            moved = top(trace, index, "isend", "irecv")
+            assert len(moved) == 2 * len(plan.microbatches)  # an activation and a gradient each
+            assert {tuple(op.shape) for op in moved} == shapes
+            assert {op.peer for op in moved} == {4 - trace.rank}  # the other stage's rank
+
+
+def test_compute_is_priced_per_micro_batch_by_the_cost_model_the_planner_used(padded):
+    batches, traces = padded
+    costs = A100.cost_model(MODEL, 1, "bfloat16")
+    layers = MODEL.num_layers // LAYOUT.pp
+    ends = {0: "preprocess", 1: "postprocess"}  # the embedding on the first stage, the head and loss on the last
+    for trace in traces:
+        for index, batch in enumerate(batches.batches):
+            plan = batch.plans[trace.stage]
+            recompute = {ins.microbatch: ins.recompute for ins in plan.instructions if ins.op == Op.FORWARD}
+            for op in top(trace, index, "forward", "backward"):
+                mb, rc = plan.microbatches[op.microbatch], recompute[op.microbatch]
+                ms = (layers * costs.layer_ms("encoder", op.kind, rc, mb.rows, mb.seq_len)
+                      + costs.layer_ms(ends[trace.stage], op.kind, rc, mb.rows, mb.seq_len))
+                assert op.dur_us / 1e3 == pytest.approx(ms, rel=1e-6)
+
+
+def test_the_header_keeps_every_data_parallel_rank_s_planned_time(padded):
+    batches, traces = padded
+    header = traces[0].iteration["planned"]
+    assert header["method"] == "dynapipe" and header["traced_dp_rank"] == 0 and header["planned_for"] == A100.name
+    for entry, batch in zip(header["batches"], batches.batches):
+        assert len(entry["pipeline_ms"]) == LAYOUT.dp
+        assert entry["tokens"] == GLOBAL_BATCH * SEQ  # the drawn batch trains what the fixed-shape step does
+        assert entry["microbatches"] == len(batch.plans[0].microbatches)
+    assert traces[0].iteration == traces[1].iteration
+
+
+def test_simulate_reports_each_batch_s_step_as_the_slowest_data_parallel_rank_s(padded, tmp_path):
+    from megatron_dynapipe.simulate.replay import load_job, simulate_job
+    from megatron_dynapipe.simulate.report import report
+
+    batches, traces = padded
+    for trace in traces:
+        trace.write(tmp_path)
+    job = load_job(tmp_path)
+    result = report(simulate_job(job, A100, spans=False))
+    steps = result.planned["batches"]
+    assert len(steps) == 2
+    for step, batch in zip(steps, batches.batches):
+        # the traced rank's plan replayed: its pipeline as the planner simulated it, plus the gradient
+        # reduction and optimizer step, which the planner leaves out
+        assert batch.pipeline_ms[0] / 1e3 < step["traced_rank_s"] < 1.5 * batch.pipeline_ms[0] / 1e3
+        assert step["step_s"] == pytest.approx(step["traced_rank_s"] + (max(batch.pipeline_ms) - batch.pipeline_ms[0]) / 1e3)
+    mean = sum(s["step_s"] for s in steps) / 2
+    assert result.iteration_s == pytest.approx(mean)
+    assert result.planned["real_tokens_per_s"] == pytest.approx(GLOBAL_BATCH * SEQ / mean)
+    with pytest.raises(ValueError, match="--hardware"):  # its plans were made for the A100
+        simulate_job(job, load_hardware("h100"))
+
+
+def test_a_packed_plan_traces_its_samples_boundaries():
+    batches = planned("dynapipe-varlen", count=1)
+    traces = trace_stages(batches)
+    plan = batches.batches[0].plans[1]
+    assert all(mb.packed for mb in plan.microbatches)
+    sent = [tuple(op.shape) for op in top(traces[1], 0, "isend")]  # the last stage sends gradients back
+    assert sorted(sent) == sorted((mb.seq_len, 1, MODEL.hidden_size) for mb in plan.microbatches)
+    assert traces[1].model["attention"] == "sdpa"  # megatron's local core refuses packed micro-batches
+
+
+def test_the_trace_command_traces_each_method_in_a_folder_of_its_own(tmp_path, capsys):
+    from megatron_dynapipe.tracer.cli import main
+
+    args = ["--model", "tiny", "--config", f"8 2 1 gbs={GLOBAL_BATCH} seq={SEQ}", "--mix", "multitask",
+            "--batches", "1", "--output-dir", str(tmp_path), "--isolation", "inline", "--jobs", "1",
+            "--no-timeline", "--json"]
+    assert main(args + ["--method", "megatron,dynapipe"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    folders = sorted(c["folder"].rsplit("/", 1)[-1] for c in summary["configs"])
+    assert len(folders) == 2 and folders[1] == folders[0] + "_METHODdynapipe"
+    assert main(args + ["--method", "thd"]) == 2
+    assert "simulate --method thd" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--config", "8 2 1", "--method", "dynapipe", "--output-dir", str(tmp_path)]) == 2
+    assert "--lengths" in capsys.readouterr().err
+
+
+def test_with_sequence_parallelism_each_stage_sends_its_tensor_parallel_share_of_the_sequence():
+    from megatron_dynapipe.tracer.fake_rank import trace_ranks
+
+    layout, training = ParallelLayout(world_size=8, tp=2, pp=2), MegatronOptions(sequence_parallel=True)
+    request = PlanRequest("dynapipe", LengthSource.from_mix("multitask"), A100, count=1)
+    batches = plan_batches(request, layout, MODEL, A100.cost_model(MODEL, 2, "bfloat16"), seq_length=SEQ,
+                           global_batch=GLOBAL_BATCH, training=training)
+    trace, = trace_ranks(layout, [0], MODEL, micro_batch_size=1, num_microbatches=4, seq_length=SEQ,
+                         shapes_only=True, cost_model=batches.cost_model, planned=batches, training=training)
+    plan = batches.batches[0].plans[0]
+    assert [tuple(op.shape) for op in top(trace, 0, "isend")] == [
+        (plan.microbatches[ins.microbatch].seq_len // 2, plan.microbatches[ins.microbatch].rows, MODEL.hidden_size)
+        for ins in plan.instructions if ins.op == Op.SEND_ACT_START]
+    assert any(op.kind == "reduce_scatter" for op in trace.ops)  # the layers' sequence-parallel collectives
