@@ -175,6 +175,11 @@ class Hardware:
             return self.inter_node
         return self.collectives.get(kind, self.intra_node)
 
+    def cp_ring_gbps(self, tp: int, cp: int) -> float:
+        """Bandwidth of a context-parallel ring's transfers: CP ranks follow TP's in rank order, so
+        the ring stays on a node's link while TP x CP ranks fit one."""
+        return self.link("p2p", tp * cp > self.gpus_per_node).bandwidth_GBps
+
     def collective_us(self, kind: str, nbytes: float, group: Iterable[int]) -> float:
         """Time of a collective of ``kind`` on the process group ``group`` (global ranks)."""
         per_node = Counter(self.node_of(rank) for rank in group)

@@ -38,7 +38,7 @@ from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_m
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import recompute_at_least
 
 __all__ = [
     "DynapipeArgumentError",
@@ -460,10 +460,7 @@ def stage_layers(args: argparse.Namespace) -> "tuple[int, ...] | None":
 def _recompute_at_least(types, granularity: "str | None") -> tuple:
     """Megatron's ``--recompute-granularity`` is a floor: DynaPipe still picks recompute per
     micro-batch, never lighter than it (selective or full; full with it is full)."""
-    if granularity is None:
-        return tuple(types)
-    floor = RecomputeType.parse(granularity)
-    kept = tuple(t for t in types if t >= floor)
+    kept = recompute_at_least(types, granularity)
     if not kept:
         raise DynapipeArgumentError(
             f"--recompute-granularity {granularity} asks for at least {granularity} recompute, --dynapipe-recompute "

@@ -32,6 +32,15 @@ class RecomputeType(enum.IntEnum):
         return cls(value)
 
 
+def recompute_at_least(types, granularity: "str | None") -> tuple:
+    """Those of ``types`` no lighter than Megatron's ``--recompute-granularity`` (a floor:
+    DynaPipe still picks recompute per micro-batch); all of them without one."""
+    if granularity is None:
+        return tuple(types)
+    floor = RecomputeType.parse(granularity)
+    return tuple(t for t in types if t >= floor)
+
+
 class Action(NamedTuple):
     """One compute op of a pipeline rank's order (planning/schedules: who makes them). It is a
     tuple: a plain ``("F", m)`` pair stands for ``Action("F", m)`` wherever orders are read.

@@ -288,10 +288,8 @@ class _Layout:
         c = outcome.candidate
         self.space, self.candidate, self.chunks = space, c, c.virtual_stages
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
-        hardware = space.hardware
-        ring = hardware.link("p2p", c.tp * c.cp > hardware.gpus_per_node)  # CP ranks follow TP's in rank order
         model = split_over_cp(space.cost_model_for(c.tp, c.sequence_parallel), c.cp, space.model,
-                              ring_gbps=ring.bandwidth_GBps)
+                              ring_gbps=space.hardware.cp_ring_gbps(c.tp, c.cp))
         self.costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp * self.chunks, dp=c.dp,
                                 zero_stage=1 if c.distributed_optimizer else 0)
         self.memory_limit_mb = space.hardware.memory_gib * 1024

@@ -36,7 +36,7 @@ from megatron_dynapipe.planning.planner import PlanningError, generate_execution
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches"]
 
@@ -144,12 +144,10 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         fast_mode=request.fast_mode, packing=PLANNED_METHODS[request.method],
         seqlen_round=math.lcm(TrainingSpec.seqlen_round, 2 * layout.cp),
         stage_layers=None if len(set(split)) == 1 else tuple(split),
-        recompute_types=_recompute_at_least(training.recompute_granularity))
+        recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))
     priced = _stage_costs(cost_model, model, layout, spec)
-    hardware = request.hardware
-    ring = hardware.link("p2p", layout.tp * layout.cp > hardware.gpus_per_node)  # CP ranks follow TP's in rank order
-    planning = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
-                                                               ring_gbps=ring.bandwidth_GBps))
+    ring_gbps = request.hardware.cp_ring_gbps(layout.tp, layout.cp)
+    planning = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model, ring_gbps=ring_gbps))
     traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model))  # the ring: traced ops
     if spec.packing == "varlen":
         traced = traced.packed()
@@ -180,8 +178,3 @@ def _stage_costs(cost_model, model: ModelSpec, layout: ParallelLayout, spec: Tra
                           num_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
                           vocab_size=model.vocab_size)
 
-
-def _recompute_at_least(granularity: Optional[str]) -> tuple:
-    """Megatron's ``--recompute-granularity`` is a floor for DynaPipe's per-micro-batch choice."""
-    floor = RecomputeType.parse(granularity) if granularity else RecomputeType.NONE
-    return tuple(rc for rc in RecomputeType if rc >= floor)
