@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_dynapipe.chrome_trace import ChromeTrace
-from megatron_dynapipe.config.accounting import step_flops
 import numpy as np
 
+from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.simulate.replay import Replay, TracedJob, simulate_job
 

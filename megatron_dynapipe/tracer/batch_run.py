@@ -36,7 +36,6 @@ from megatron_dynapipe.tracer.batch_results import (
     write_summary,
     write_timeline,
 )
-from megatron_dynapipe.tracer.planned import PlannedBatches, PlanRequest, plan_batches
 from megatron_dynapipe.tracer.isolation import (
     finish_log,
     preload_tracer_modules,
@@ -44,6 +43,7 @@ from megatron_dynapipe.tracer.isolation import (
     run_forked_many,
     run_inline,
 )
+from megatron_dynapipe.tracer.planned import PlannedBatches, PlanRequest, plan_batches
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only, estimated_bytes, memory_budget_bytes
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError, trace_path
 
@@ -160,11 +160,11 @@ def _run_config(config: TraceConfig, output_dir: Path, tracer: Tracer, bar, opts
         layout, reps = config.layout(), config.representatives()
         result.ranks_traced = len(reps)
         options = _rank_options(config, result, opts)
+        problem = result.shapes_only and shapes_only_problem(config.model)
+        if problem:  # every rank would fail the same way: none is started (nor planned for)
+            raise ValueError(problem)
         if plan is not None:
             options["planned"] = _planned(plan, config, layout, options, opts["training"], bar)
-        problem = result.shapes_only and shapes_only_problem(config.model)
-        if problem:  # every rank would fail the same way: none is started
-            raise ValueError(problem)
         result.folder.mkdir(parents=True, exist_ok=True)
     except Exception as error:  # a config that cannot even start fails alone
         result.status, result.error = FAILED, error_line(error)
