@@ -31,10 +31,12 @@ from megatron_dynapipe.config.model_flags import (
     megatron_model_args,
     model_from_args,
 )
+from megatron_dynapipe.data.sizing import add_sizing_data_arguments, has_sizing_data, length_source_from_args
 from megatron_dynapipe.files import check_output_folder
 from megatron_dynapipe.hardware import hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.planning.cost_model import load_cost_model
+from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.tracer.batch_config import (
     TraceConfig,
     parse_configs,
@@ -52,8 +54,6 @@ from megatron_dynapipe.tracer.batch_results import (
 )
 from megatron_dynapipe.tracer.batch_run import collect_batch, run_batch
 from megatron_dynapipe.tracer.chakra import check_chakra, write_chakra_folder
-from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
-from megatron_dynapipe.data.sizing import add_sizing_data_arguments, has_sizing_data, length_source_from_args
 from megatron_dynapipe.tracer.planned import PLANNED_METHODS, PlanRequest
 from megatron_dynapipe.tracer.shapes_only_costs import DEFAULT_HARDWARE
 
@@ -218,10 +218,11 @@ def _plan_requests(args, model: ModelSpec) -> list[Optional[PlanRequest]]:
                          "is priced on a Megatron trace by `simulate --method thd` (or `search`)")
     if args.collect and names != ["megatron"]:
         raise ValueError("--collect reads Megatron-LM's own traces: drop --method")
-    if not has_sizing_data(args):
-        raise ValueError(f"--method {','.join(names)} plans batches of your data: give --lengths FILE, --mix NAME or "
+    planned = [name for name in names if name != "megatron"]
+    if planned and not has_sizing_data(args):
+        raise ValueError(f"--method {','.join(planned)} plans batches of your data: give --lengths FILE, --mix NAME or "
                          "--data-path too")
-    source = length_source_from_args(args, args.seq_length or model.max_sequence_length)
+    source = length_source_from_args(args, args.seq_length or model.max_sequence_length) if planned else None
     hardware = load_hardware(args.hardware)
     fast_mode = resolve_fast_mode_setting(args.fast_mode or None)
     return [None if name == "megatron" else PlanRequest(name, source, hardware, args.batches, args.seed, fast_mode)

@@ -136,6 +136,10 @@ def test_the_trace_command_traces_each_method_in_a_folder_of_its_own(tmp_path, c
     assert "simulate --method thd" in capsys.readouterr().err
     assert main(["--model", "tiny", "--config", "8 2 1", "--method", "dynapipe", "--output-dir", str(tmp_path)]) == 2
     assert "--lengths" in capsys.readouterr().err
+    # Megatron's own schedule needs no data
+    assert main(["--model", "tiny", "--config", f"8 2 1 gbs={GLOBAL_BATCH} seq={SEQ}", "--method", "megatron",
+                 "--output-dir", str(tmp_path / "megatron"), "--isolation", "inline", "--jobs", "1",
+                 "--no-timeline", "--shapes-only"]) == 0
 
 
 def test_with_sequence_parallelism_each_stage_sends_its_tensor_parallel_share_of_the_sequence():
