@@ -58,13 +58,12 @@ from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
-from megatron_dynapipe.planning.baselines import fixed_length_baseline, thd_packing_rows, uniform_microbatches
+from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatron_plans, thd_packing_rows,
+                                                   uniform_microbatches)
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
-from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import MIX_CAPS, MIXES, read_lengths, synthetic_lengths
-from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
@@ -250,7 +249,7 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     plans, tensors = [], []
     for mine in np.array_split(np.arange(len(sequences)), spec.dp):  # sizes differ by one at most
         micro = uniform_microbatches(len(mine), best.microbatch_size, seq_len)
-        plans.append(_megatron_plans(micro, best.recompute.name.lower(), spec))
+        plans.append(megatron_plans(micro, best.recompute.label, spec.pp, spec.chunks))
         tensors.append([_packed([[tokens[i] for i in sequences[mine[s]]] for s in mb.samples], seq_len)
                         for mb in micro])
     return Method(plans, tensors, best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
@@ -265,16 +264,9 @@ def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.
     best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb, spec.chunks)
     if best is None:
         raise _unfit(seq_len, spec)
-    plans = [_megatron_plans(micro, best.recompute.label, spec) for micro in best.per_rank]
+    plans = [megatron_plans(micro, best.recompute.label, spec.pp, spec.chunks) for micro in best.per_rank]
     return Method(plans, [[_tensors(tokens, mb, spec.cp) for mb in micro] for micro in best.per_rank],
                   best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
-
-
-def _megatron_plans(microbatches: list, recompute: str, spec) -> list:
-    """Per stage, the plan of Megatron's own schedule over ``microbatches``: 1F1B, or its
-    interleaved 1F1B over the spec's model chunks."""
-    return build_execution_plans(megatron_orders(spec.pp, len(microbatches), spec.chunks), microbatches, recompute,
-                                 megatron_schedule(spec.chunks), chunks=spec.chunks)
 
 
 def _activations_mb(stage_peak_mb, costs: StageCosts) -> float:

@@ -11,7 +11,8 @@ import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
-from megatron_dynapipe.planning.schedules import megatron_orders
+from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
+from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
@@ -34,12 +35,14 @@ class PackingBaseline:
 
 class ThdRows(NamedTuple):
     """:func:`thd_packing_rows`' answer: per data-parallel rank its micro-batches, their uniform
-    recompute, the slowest rank's time and each stage's peak memory (over the ranks)."""
+    recompute, the slowest rank's time, each stage's peak memory (over the ranks) and each rank's
+    time."""
 
     per_rank: list
     recompute: RecomputeType
     makespan_ms: float
     stage_peak_mb: tuple
+    rank_makespan_ms: tuple
 
 
 def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float,
@@ -137,9 +140,34 @@ def thd_packing_rows(
                 makespan = max(r.makespan for r in results)
                 if best is None or makespan < best.makespan_ms:
                     peaks = np.max([r.peak_memory for r in results], axis=0)
-                    best = ThdRows(per_rank, rc, makespan, tuple(map(float, peaks)))
+                    best = ThdRows(per_rank, rc, makespan, tuple(map(float, peaks)),
+                                   tuple(float(r.makespan) for r in results))
                 break
     return best
+
+
+def megatron_windows(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[list[int]]]:
+    """The samples back to back, cut into windows of ``seq_length`` tokens, as Megatron's GPT
+    data path cuts documents: (the pieces' lengths, each window's piece indices). The last
+    window may be short."""
+    pieces, out, room = [], [[]], seq_length
+    for length in lengths:
+        while length:
+            if not room:
+                out.append([])
+                room = seq_length
+            piece = min(length, room)
+            out[-1].append(len(pieces))
+            pieces.append(piece)
+            length, room = length - piece, room - piece
+    return pieces, out
+
+
+def megatron_plans(microbatches: Sequence[MicroBatch], recompute: str, pp: int, chunks: int = 1) -> list[ExecutionPlan]:
+    """Per stage, the plan of Megatron's own schedule over ``microbatches`` with one recompute
+    throughout: 1F1B, or its interleaved 1F1B over ``chunks`` model chunks a rank."""
+    return build_execution_plans(megatron_orders(pp, len(microbatches), chunks), list(microbatches), recompute,
+                                 megatron_schedule(chunks), chunks=chunks)
 
 
 def _thd_row(sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int) -> MicroBatch:

@@ -38,7 +38,7 @@ import numpy as np
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import fixed_shape_run, thd_packing_rows
+from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_windows, thd_packing_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
@@ -55,7 +55,7 @@ from megatron_dynapipe.tracer.isolation import rank_start_method
 if TYPE_CHECKING:
     from megatron_dynapipe.simulate.replay import TracedJob
 
-__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout", "windows"]
+__all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout"]
 
 #: what each method is called in reports
 METHODS = {"megatron": "Megatron fixed shapes", "thd": "THD packing", "dynapipe": "DynaPipe",
@@ -70,23 +70,6 @@ def parse_methods(values: Sequence[str]) -> tuple[str, ...]:
     if unknown or not values:
         raise ValueError(f"--method {','.join(unknown) or '(none)'}: choose from {', '.join(METHODS)}, or all")
     return tuple(dict.fromkeys(values))
-
-
-def windows(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[list[int]]]:
-    """The samples back to back, cut into windows of ``seq_length`` tokens, as Megatron's GPT
-    data path cuts documents: (the pieces' lengths, each window's piece indices). The last
-    window may be short."""
-    pieces, out, room = [], [[]], seq_length
-    for length in lengths:
-        while length:
-            if not room:
-                out.append([])
-                room = seq_length
-            piece = min(length, room)
-            out[-1].append(len(pieces))
-            pieces.append(piece)
-            length, room = length - piece, room - piece
-    return pieces, out
 
 
 @dataclass
@@ -305,7 +288,7 @@ class _Layout:
                                  "device): nothing to set the other methods against")
         started = time.perf_counter()
         if method == "thd":
-            pieces, rows = windows(lengths, self.space.seq_length)
+            pieces, rows = megatron_windows(lengths, self.space.seq_length)
             found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks)
             if found is None:
                 return _Priced(error="does not fit at any rows of windows and recompute")

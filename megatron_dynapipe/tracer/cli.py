@@ -214,8 +214,7 @@ def _plan_requests(args, model: ModelSpec) -> list[Optional[PlanRequest]]:
     names = list(TRACED_METHODS) if "all" in (args.method or ["all"]) else list(dict.fromkeys(args.method))
     unknown = [name for name in names if name not in TRACED_METHODS]
     if unknown:
-        raise ValueError(f"trace --method {unknown[0]}: trace runs {', '.join(TRACED_METHODS)} or all; THD packing "
-                         "is priced on a Megatron trace by `simulate --method thd` (or `search`)")
+        raise ValueError(f"trace --method {unknown[0]}: trace runs {', '.join(TRACED_METHODS)} or all")
     if args.collect and names != ["megatron"]:
         raise ValueError("--collect reads Megatron-LM's own traces: drop --method")
     planned = [name for name in names if name != "megatron"]

@@ -1,12 +1,15 @@
 """A planned method on fake ranks: the global batches a ``trace --method dynapipe`` (or
-``dynapipe-varlen``) run traces, planned once per layout, and what each traced rank takes of them.
+``dynapipe-varlen``, or ``thd``) run traces, planned once per layout, and what each traced rank
+takes of them.
 
 A fixed-shape trace runs Megatron's schedule on made-up micro-batches of one shape. A planned
 trace draws ``count`` global batches of ``global batch x seq-length`` tokens from the user's
 lengths (the run's seed; batch ``i`` depends on the seed and ``i`` alone, as ``simulate --method``
 draws them), plans each for the whole job with the real planner (every data-parallel rank), and
 has each representative rank run DynaPipe's executor on its stage's plan of data-parallel rank 0,
-one traced iteration a batch. So the trace records what that job would issue: the plan's
+one traced iteration a batch. THD packing is planned as Megatron would run it: Megatron's
+windows of the batch in rows without attention across documents, on Megatron's own schedule,
+lowered to the same plans. So the trace records what that job would issue: the plan's
 micro-batch shapes in every activation and gradient transfer, its order, and its recompute in
 each backward (full recompute repeats the layers' forward, tensor-parallel collectives included).
 
@@ -23,7 +26,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -31,6 +34,7 @@ from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
+from megatron_dynapipe.planning.baselines import megatron_plans, megatron_windows, thd_packing_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
@@ -40,8 +44,8 @@ from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches"]
 
-#: the methods a fake rank traces through DynaPipe's executor, and the packing each plans with
-PLANNED_METHODS = {"dynapipe": "pad", "dynapipe-varlen": "varlen"}
+#: the methods a fake rank traces through DynaPipe's executor, and the packing of their micro-batches
+PLANNED_METHODS = {"dynapipe": "pad", "dynapipe-varlen": "varlen", "thd": "varlen"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         if self.method not in PLANNED_METHODS:
-            raise ValueError(f"trace --method {self.method}: a traced method is one of {', '.join(PLANNED_METHODS)} "
+            raise ValueError(f"trace --method {self.method}: a planned method is one of {', '.join(PLANNED_METHODS)} "
                              "(or Megatron's own schedule, without --method)")
         if not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"--batches must be a positive integer, got {self.count!r}")
@@ -152,23 +156,57 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
     if spec.packing == "varlen":
         traced = traced.packed()
     drawn = request.source.batches(global_batch * seq_length, seq_length, request.count, request.seed)
+    plan_one = _thd_step if request.method == "thd" else _dynapipe_step
     out = []
     for index, lengths in enumerate(drawn):
         started = time.perf_counter()
         try:
-            result = generate_execution_plan(lengths, spec, planning)
+            step = plan_one(lengths, spec, planning, seq_length)
         except PlanningError as error:
             raise ValueError(f"{layout.describe()}: batch {index} of {request.source.label} cannot be planned by "
                              f"{request.method}: {str(error).splitlines()[0]}") from None
-        choice = result.choices[0]
-        work = stage_work(traced, choice.microbatches, choice.recompute, choice.chunks)
-        out.append(DrawnBatch(len(lengths), int(sum(lengths)), tuple(result.plans[0]), work.forward, work.backward,
-                              tuple(float(c.makespan_ms) for c in result.choices),
-                              tuple(float(mb) for mb in result.peak_memory_mb), result.fast_mode,
-                              time.perf_counter() - started))
+        work = stage_work(traced, step.microbatches, step.recompute, chunks)
+        out.append(DrawnBatch(len(lengths), int(sum(lengths)), step.plans, work.forward, work.backward,
+                              step.pipeline_ms, step.peak_mb, step.fast_mode, time.perf_counter() - started))
         if progress is not None:
             progress()
     return PlannedBatches(request, tuple(out), priced.model)
+
+
+class _Step(NamedTuple):
+    """One batch as a method runs it: data-parallel rank 0's plan of every stage, its
+    micro-batches and their recompute (``[pp x chunks, n]``), every rank's pipeline time and each
+    stage's peak."""
+    plans: tuple
+    microbatches: list
+    recompute: np.ndarray
+    pipeline_ms: tuple[float, ...]
+    peak_mb: tuple[float, ...]
+    fast_mode: bool
+
+
+def _dynapipe_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_length: int) -> _Step:
+    """The planner's plan of the batch for every data-parallel rank."""
+    result = generate_execution_plan(lengths, spec, costs)
+    choice = result.choices[0]
+    return _Step(tuple(result.plans[0]), choice.microbatches, choice.recompute,
+                 tuple(float(c.makespan_ms) for c in result.choices), tuple(float(mb) for mb in result.peak_memory_mb),
+                 result.fast_mode)
+
+
+def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_length: int) -> _Step:
+    """THD packing on Megatron's own schedule: the batch cut into Megatron's windows, each
+    document attending to itself alone, dealt out in order, rows of k windows a micro-batch, 1F1B
+    (interleaved over the model chunks), the k and uniform recompute of the fastest run that fits
+    (as ``simulate --method thd`` prices it)."""
+    pieces, windows = megatron_windows(lengths, seq_length)
+    found = thd_packing_rows(windows, pieces, seq_length, costs, spec.memory_limit_mb, spec.chunks)
+    if found is None:
+        raise PlanningError("no rows of windows fit the memory limit, at any recompute")
+    mine = found.per_rank[0]
+    recompute = np.full((spec.pp * spec.chunks, len(mine)), int(found.recompute))
+    return _Step(tuple(megatron_plans(mine, found.recompute.label, spec.pp, spec.chunks)), mine, recompute,
+                 found.rank_makespan_ms, found.stage_peak_mb, False)
 
 
 def _stage_costs(cost_model, model: ModelSpec, layout: ParallelLayout, spec: TrainingSpec) -> StageCosts:

@@ -194,8 +194,9 @@ def test_megatron_style_packing_takes_a_batch_too_large_to_try_every_open_sequen
 def test_the_thd_baseline_rows_hold_k_packed_sequences(costs_pp4):
     lengths = [100, 60, 50, 30, 20, 10, 90, 8, 128, 64]
     sequences = pack_fixed_length(lengths, 128)
-    per_rank, recompute, makespan, _ = thd_packing_rows(sequences, lengths, 128, costs_pp4, LIMIT)
+    per_rank, recompute, makespan, _, rank_makespans = thd_packing_rows(sequences, lengths, 128, costs_pp4, LIMIT)
     assert len(per_rank) == costs_pp4.dp == 1 and makespan > 0 and recompute in RecomputeType
+    assert rank_makespans == (makespan,)
     rows = per_rank[0]
     k = rows[0].seq_len // 128
     assert [mb.seq_len for mb in rows[:-1]] == [k * 128] * (len(rows) - 1)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from megatron_dynapipe.cli import main
+from megatron_dynapipe.planning.baselines import megatron_windows
 from megatron_dynapipe.planning.samples import LengthSource
-from megatron_dynapipe.simulate.methods import METHODS, parse_methods, windows
+from megatron_dynapipe.simulate.methods import METHODS, parse_methods
 
 # -- drawing batches --------------------------------------------------------------------------
 
@@ -41,7 +42,7 @@ def test_a_lengths_file_and_a_mix_are_checked_before_anything_runs(tmp_path):
 
 
 def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cuts_documents():
-    pieces, rows = windows([300, 50, 700, 10], 256)
+    pieces, rows = megatron_windows([300, 50, 700, 10], 256)
     assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 36]
     assert pieces == [256, 44, 50, 162, 256, 256, 26, 10]  # a document continues where the last window ended
     assert [i for row in rows for i in row] == list(range(len(pieces)))

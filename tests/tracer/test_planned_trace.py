@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from megatron_dynapipe.config.layout import ParallelLayout
@@ -122,18 +123,42 @@ def test_a_packed_plan_traces_its_samples_boundaries():
     assert traces[1].model["attention"] == "sdpa"  # megatron's local core refuses packed micro-batches
 
 
+def test_thd_packing_runs_megatron_s_windows_in_rows_on_megatron_s_1f1b():
+    batches = planned("thd", count=1)
+    lengths, = LengthSource.from_mix("multitask").batches(GLOBAL_BATCH * SEQ, SEQ, 1, seed=3)
+    # Megatron's data path: the documents back to back, cut every SEQ tokens; data-parallel rank 0
+    # trains the first quarter of the windows
+    edges = sorted(set(np.cumsum(lengths).tolist()) | set(range(0, GLOBAL_BATCH * SEQ + 1, SEQ)) - {0})
+    pieces = np.diff([0] + edges)
+    mine = pieces[:np.searchsorted(edges, GLOBAL_BATCH // LAYOUT.dp * SEQ) + 1].tolist()
+    traces = trace_stages(batches)
+    for trace in traces:
+        plan = batches.batches[0].plans[trace.stage]
+        rows = plan.microbatches
+        assert all(mb.packed and mb.seq_len % SEQ == 0 and sum(mb.packed_lengths) == mb.seq_len for mb in rows)
+        assert [n for mb in rows for n in mb.packed_lengths] == mine
+        n, warmup = len(rows), LAYOUT.pp - 1 - trace.stage
+        one_f_one_b = ([("forward", m) for m in range(warmup)]
+                       + [op for m in range(n - warmup) for op in (("forward", m + warmup), ("backward", m))]
+                       + [("backward", m) for m in range(n - warmup, n)])
+        assert [(op.kind, op.microbatch) for op in top(trace, 0, "forward", "backward")] == one_f_one_b
+        assert len({ins.recompute for ins in plan.instructions if ins.op == Op.FORWARD}) == 1  # one for the step
+    header = traces[0].iteration["planned"]
+    assert header["method"] == "thd" and len(header["batches"][0]["pipeline_ms"]) == LAYOUT.dp
+
+
 def test_the_trace_command_traces_each_method_in_a_folder_of_its_own(tmp_path, capsys):
     from megatron_dynapipe.tracer.cli import main
 
     args = ["--model", "tiny", "--config", f"8 2 1 gbs={GLOBAL_BATCH} seq={SEQ}", "--mix", "multitask",
             "--batches", "1", "--output-dir", str(tmp_path), "--isolation", "inline", "--jobs", "1",
             "--no-timeline", "--json"]
-    assert main(args + ["--method", "megatron,dynapipe"]) == 0
+    assert main(args + ["--method", "megatron,dynapipe,thd"]) == 0
     summary = json.loads(capsys.readouterr().out)
     folders = sorted(c["folder"].rsplit("/", 1)[-1] for c in summary["configs"])
-    assert len(folders) == 2 and folders[1] == folders[0] + "_METHODdynapipe"
-    assert main(args + ["--method", "thd"]) == 2
-    assert "simulate --method thd" in capsys.readouterr().err
+    assert folders[1:] == [folders[0] + "_METHODdynapipe", folders[0] + "_METHODthd"]
+    assert main(args + ["--method", "packing"]) == 2
+    assert "trace --method packing" in capsys.readouterr().err
     assert main(["--model", "tiny", "--config", "8 2 1", "--method", "dynapipe", "--output-dir", str(tmp_path)]) == 2
     assert "--lengths" in capsys.readouterr().err
     # Megatron's own schedule needs no data
