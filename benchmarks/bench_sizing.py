@@ -42,23 +42,29 @@ def cli(*args: str, env: "dict | None" = None) -> str:
     return done.stdout
 
 
-def draw(args, work: Path) -> list[Path]:
-    """The batches ``trace`` draws, written out one length a line for ``bench step`` (without
-    ``--lengths``, from 512 samples of the mix scaled to ``--seq-length`` as ``bench step``
-    scales it, written out as the lengths ``trace`` draws from)."""
-    from megatron_dynapipe.planning.samples import MIX_CAPS, LengthSource, synthetic_lengths
+def lengths_file(args, work: Path) -> str:
+    """``--lengths``, or 512 samples of ``--mix`` scaled to ``--seq-length`` as ``bench step``
+    scales it, written out for ``trace`` to draw from."""
+    from megatron_dynapipe.planning.samples import MIX_CAPS, synthetic_lengths
 
-    if not args.lengths:
-        scale = args.seq_length / MIX_CAPS[args.mix]
-        pool = [max(2, min(args.seq_length, round(n * scale))) for n in synthetic_lengths(512, args.seed, args.mix)]
-        args.lengths = str(work / "lengths.txt")
-        Path(args.lengths).write_text("".join(f"{n}\n" for n in pool))
-    source = LengthSource.from_file(args.lengths)
+    if args.lengths:
+        return args.lengths
+    scale = args.seq_length / MIX_CAPS[args.mix]
+    pool = [max(2, min(args.seq_length, round(n * scale))) for n in synthetic_lengths(512, args.seed, args.mix)]
+    path = work / "lengths.txt"
+    path.write_text("".join(f"{n}\n" for n in pool))
+    return str(path)
+
+
+def draw(args, lengths: str, work: Path) -> list[Path]:
+    """The batches ``trace`` draws from ``lengths``, written out one length a line for ``bench step``."""
+    from megatron_dynapipe.planning.samples import LengthSource
+
     paths = []
-    for index, lengths in enumerate(source.batches(args.global_batch_size * args.seq_length, args.seq_length,
-                                                   args.batches, args.seed)):
+    for index, batch in enumerate(LengthSource.from_file(lengths).batches(
+            args.global_batch_size * args.seq_length, args.seq_length, args.batches, args.seed)):
         paths.append(work / f"batch{index}.txt")
-        paths[-1].write_text("".join(f"{n}\n" for n in lengths))
+        paths[-1].write_text("".join(f"{n}\n" for n in batch))
     return paths
 
 
@@ -73,11 +79,11 @@ def calibrated(args, work: Path) -> str:
     return path
 
 
-def predicted(args, work: Path) -> dict[str, list[float]]:
+def predicted(args, lengths: str, work: Path) -> dict[str, list[float]]:
     """Each method's predicted step per batch, ms: ``trace --method all`` then ``simulate``."""
     config = f"{args.pp * args.dp} {args.pp} 1 gbs={args.global_batch_size} seq={args.seq_length}"
     cli("trace", *args.model.split(), "--config", config, "--cost-model", args.cost_model, "--hardware", args.hardware,
-        "--lengths", args.lengths, "--method", "all",
+        "--lengths", lengths, "--method", "all",
         "--batches", str(args.batches), "--seed", str(args.seed), "--output-dir", str(work / "traces"), "--no-progress")
     out = {}
     for folder in sorted((work / "traces").iterdir()):
@@ -133,9 +139,10 @@ def main() -> int:
     data = args.lengths or f"the {args.mix} mix scaled to {args.seq_length}"
     with tempfile.TemporaryDirectory(prefix="bench-sizing-") as tmp:
         work = Path(tmp)
-        batches = draw(args, work)
+        lengths = lengths_file(args, work)
+        batches = draw(args, lengths, work)
         args.hardware = args.hardware or calibrated(args, work)
-        steps = predicted(args, work)
+        steps = predicted(args, lengths, work)
         runs = [measured(args, batch) for batch in batches]
     rows = compare(args, steps, runs)
     if args.json:

@@ -7,8 +7,10 @@
 * **exposed communication**: per kind, the busiest rank's blocking communication time (what
   compute did not hide); ``overlapped`` is what ran behind compute;
 * **TFLOP/s per GPU and MFU**: model FLOPs of the global batch (:mod:`megatron_dynapipe.config.accounting`, causal attention
-  as megatron-core counts) over iteration time and world size, and over the dtype's peak;
-  *hardware* FLOP/s add what recomputation runs again;
+  as megatron-core counts) over iteration time and world size, and over the dtype's peak; a
+  planned trace's on each batch's real samples, each attending to itself alone (its padding
+  and attention across samples are not model FLOPs); *hardware* FLOP/s add what recomputation
+  runs again (for a planned trace in the same proportion as at the traced recompute setting);
 * **memory**: each stage's traced peak (``memory.peak_bytes``) against the device's memory.
 
 A planned trace (``trace --method dynapipe``: one traced iteration a drawn batch, data-parallel
@@ -92,8 +94,9 @@ def report(replay: Replay) -> SimulationReport:
     seq = int(it["seq_length"])
     tokens = job.global_batch_size * seq
     recompute = str(it.get("recompute_granularity") or "none")
-    model_flops = step_flops(job.model, tokens, seq, tp=layout.tp)
-    hardware_flops = step_flops(job.model, tokens, seq, tp=layout.tp, recompute=recompute)
+    fixed = step_flops(job.model, tokens, seq, tp=layout.tp)
+    model_flops = planned["model_flops"] if planned and planned["model_flops"] else fixed
+    hardware_flops = model_flops * step_flops(job.model, tokens, seq, tp=layout.tp, recompute=recompute) / fixed
     per_gpu = 1e12 * seconds * layout.world_size
     peak = hw.peak(job.dtype)
     stages = [_stage(replay, rank, iters) for rank in sorted(replay.ranks, key=lambda r: (replay.ranks[r].stage, r))]
@@ -138,7 +141,9 @@ def planned_steps(job: TracedJob, hardware: Hardware) -> "dict[str, Any] | None"
         steps.append({"step_s": alone + slower, "traced_rank_s": alone, "slowest_rank_extra_s": slower,
                       "tokens": batch["tokens"], "samples": batch["samples"], "microbatches": batch["microbatches"]})
     times = [s["step_s"] for s in steps]
+    flops = [batch.get("model_flops") for batch in planned["batches"]]  # on real tokens; absent from older traces
     return {"method": planned["method"], "source": planned["source"], "batches": steps,
+            "model_flops": float(np.mean(flops)) if all(flops) else None,
             "mean_step_s": float(np.mean(times)), "p95_step_s": float(np.percentile(times, 95)),
             "real_tokens_per_s": sum(s["tokens"] for s in steps) / sum(times)}
 

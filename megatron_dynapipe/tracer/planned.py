@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
@@ -42,7 +43,8 @@ from megatron_dynapipe.planning.simulator import stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
-__all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches"]
+__all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
+           "real_model_flops"]
 
 #: the methods a fake rank traces through DynaPipe's executor, and the packing of their micro-batches
 PLANNED_METHODS = {"dynapipe": "pad", "dynapipe-varlen": "varlen", "thd": "varlen"}
@@ -87,13 +89,14 @@ class DrawnBatch:
     peak_mb: tuple[float, ...]  # per stage, over the data-parallel ranks
     fast_mode: bool
     planning_s: float
+    model_flops: float  # on its real tokens (:func:`real_model_flops`)
 
     def to_json(self) -> dict[str, Any]:
         """What a trace header keeps of it (every rank's file the same)."""
         return {"samples": self.samples, "tokens": self.tokens, "microbatches": len(self.plans[0].microbatches),
                 "pipeline_ms": [round(ms, 4) for ms in self.pipeline_ms],
                 "peak_mb": [round(mb, 1) for mb in self.peak_mb], "fast_mode": self.fast_mode,
-                "planning_s": round(self.planning_s, 4)}
+                "planning_s": round(self.planning_s, 4), "model_flops": self.model_flops}
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,8 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
                              f"{request.method}: {str(error).splitlines()[0]}") from None
         work = stage_work(traced, step.microbatches, step.recompute, chunks)
         out.append(DrawnBatch(len(lengths), int(sum(lengths)), step.plans, work.forward, work.backward,
-                              step.pipeline_ms, step.peak_mb, step.fast_mode, time.perf_counter() - started))
+                              step.pipeline_ms, step.peak_mb, step.fast_mode, time.perf_counter() - started,
+                              real_model_flops(model, lengths, layout.tp)))
         if progress is not None:
             progress()
     return PlannedBatches(request, tuple(out), priced.model)
@@ -207,6 +211,13 @@ def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_len
     recompute = np.full((spec.pp * spec.chunks, len(mine)), int(found.recompute))
     return _Step(tuple(megatron_plans(mine, found.recompute.label, spec.pp, spec.chunks)), mine, recompute,
                  found.rank_makespan_ms, found.stage_peak_mb, False)
+
+
+def real_model_flops(model: ModelSpec, lengths: list[int], tp: int) -> float:
+    """A batch's model FLOPs on its real tokens: each sample a causal sequence of its own length,
+    as megatron-core counts one (no padding, no attention across samples)."""
+    values, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+    return float(sum(step_flops(model, int(n * c), int(n), tp=tp) for n, c in zip(values, counts)))
 
 
 def _stage_costs(cost_model, model: ModelSpec, layout: ParallelLayout, spec: TrainingSpec) -> StageCosts:

@@ -109,6 +109,12 @@ def test_simulate_reports_each_batch_s_step_as_the_slowest_data_parallel_rank_s(
     mean = sum(s["step_s"] for s in steps) / 2
     assert result.iteration_s == pytest.approx(mean)
     assert result.planned["real_tokens_per_s"] == pytest.approx(GLOBAL_BATCH * SEQ / mean)
+    # MFU on real tokens: each sample a causal sequence of its own (24 h^2 + 2 h n a token and layer
+    # forward, 2 h V the output layer; the backward twice the forward)
+    h, layers, vocab = MODEL.hidden_size, MODEL.num_layers, 1024
+    drawn = LengthSource.from_mix("multitask").batches(GLOBAL_BATCH * SEQ, SEQ, 2, seed=3)
+    flops = [sum(3 * n * (layers * (24 * h * h + 2 * h * n) + 2 * h * vocab) for n in lengths) for lengths in drawn]
+    assert result.mfu == pytest.approx(np.mean(flops) / (mean * LAYOUT.world_size * 1e12 * A100.peak("bfloat16")))
     with pytest.raises(ValueError, match="--hardware"):  # its plans were made for the A100
         simulate_job(job, load_hardware("h100"))
 
