@@ -115,13 +115,14 @@ def thd_packing_baseline(
 
 def thd_packing_rows(
     sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int, costs: StageCosts, memory_limit_mb: float,
-    chunks: int = 1
+    chunks: int = 1, recompute_types: Sequence[RecomputeType] = tuple(RecomputeType)
 ) -> ThdRows | None:
     """Megatron's packed sequences without attention across samples (THD): ``sequences`` (sample
     indices packed into ``seq_len`` tokens each, as :func:`pack_fixed_length` packs them) dealt
     out in order to the data-parallel ranks as evenly as they go; each micro-batch is one row of
     k of them (a fixed budget of k x ``seq_len`` tokens), run 1F1B with the k and uniform
-    recompute of the fastest simulated iteration within the memory limit; None when nothing fits.
+    recompute of the fastest simulated iteration within the memory limit (of ``recompute_types``:
+    Megatron's ``--recompute-granularity`` leaves the heavier ones); None when nothing fits.
     ``chunks``: as for :func:`fixed_length_baseline`."""
     costs = costs.packed()
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
@@ -134,7 +135,7 @@ def thd_packing_rows(
         # every rank's rows priced in one evaluation, which each rank's simulations find remembered:
         # packed rows rarely share a shape, so rank by rank the cost model would run per handful
         costs.by_recompute(*cost_shapes([row for rows in per_rank for row in rows]), tuple(RecomputeType))
-        for rc in RecomputeType:  # cheapest first: the first that fits is the fastest
+        for rc in sorted(recompute_types):  # cheapest first: the first that fits is the fastest
             results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb, chunks) for microbatches in per_rank]
             if all(r is not None for r in results):
                 makespan = max(r.makespan for r in results)

@@ -201,10 +201,11 @@ def _dynapipe_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, se
 def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_length: int) -> _Step:
     """THD packing on Megatron's own schedule: the batch cut into Megatron's windows, each
     document attending to itself alone, dealt out in order, rows of k windows a micro-batch, 1F1B
-    (interleaved over the model chunks), the k and uniform recompute of the fastest run that fits
-    (as ``simulate --method thd`` prices it)."""
+    (interleaved over the model chunks), the k and uniform recompute of the fastest run that fits,
+    no lighter than the traced ``--recompute-granularity`` (as ``simulate --method thd`` prices it)."""
     pieces, windows = megatron_windows(lengths, seq_length)
-    found = thd_packing_rows(windows, pieces, seq_length, costs, spec.memory_limit_mb, spec.chunks)
+    found = thd_packing_rows(windows, pieces, seq_length, costs, spec.memory_limit_mb, spec.chunks,
+                             spec.recompute_types)
     if found is None:
         raise PlanningError("no rows of windows fit the memory limit, at any recompute")
     mine = found.per_rank[0]

@@ -15,6 +15,7 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import load_hardware
 from megatron_dynapipe.planning.plan import Op
 from megatron_dynapipe.planning.samples import LengthSource
+from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.tracer.planned import PlanRequest, plan_batches
 
 MODEL = ModelSpec.from_any("tiny")
@@ -151,6 +152,12 @@ def test_thd_packing_runs_megatron_s_windows_in_rows_on_megatron_s_1f1b():
         assert len({ins.recompute for ins in plan.instructions if ins.op == Op.FORWARD}) == 1  # one for the step
     header = traces[0].iteration["planned"]
     assert header["method"] == "thd" and len(header["batches"][0]["pipeline_ms"]) == LAYOUT.dp
+    recomputes = {ins.recompute for ins in batches.batches[0].plans[0].instructions if ins.op == Op.FORWARD}
+    assert recomputes == {RecomputeType.NONE}  # nothing to save on the A100 ...
+    full = planned("thd", count=1, training=MegatronOptions(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    assert {ins.recompute for ins in full.batches[0].plans[0].instructions if ins.op == Op.FORWARD} == {
+        RecomputeType.FULL}  # ... but Megatron-LM told to recompute does
 
 
 def test_the_trace_command_traces_each_method_in_a_folder_of_its_own(tmp_path, capsys):
