@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -143,8 +144,13 @@ def _raise_recompute(recompute, table: WorkTable, orders: Sequence[OrderIndex], 
 
         rank = _RankMemory(orders[s], float(table.state[rows].sum()), per_key("stored"), per_key("peak"),
                            per_key("backward"), recompute[rows].reshape(-1), heavier)
-        for _, position in sorted(ops, key=lambda op: -op[0]):  # worst first; ties in the order they ran
-            raises, lightened = rank.lighten(position, memory_limit_mb + MEMORY_TOLERANCE_MB)
+        limit = memory_limit_mb + MEMORY_TOLERANCE_MB
+        in_use, clearly_within = rank.in_use, limit - ROUNDING_MB
+        ops.sort(key=itemgetter(0), reverse=True)  # worst first; ties in the order they ran (a stable sort)
+        for _, position in ops:
+            if in_use[position] < clearly_within:  # an earlier raise lightened it: lighten() would do nothing
+                continue
+            raises, lightened = rank.lighten(position, limit)
             raised |= raises > 0
             stuck |= not lightened
         recompute[rows] = np.reshape(rank.level, (table.chunks, -1))
