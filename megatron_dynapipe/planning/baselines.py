@@ -147,12 +147,17 @@ def thd_packing_rows(
     return best
 
 
-def megatron_windows(lengths: Sequence[int], seq_length: int) -> tuple[list[int], list[list[int]]]:
+def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1) -> tuple[list[int], list[list[int]]]:
     """The samples back to back, cut into windows of ``seq_length`` tokens, as Megatron's GPT
     data path cuts documents: (the pieces' lengths, each window's piece indices). The last
-    window may be short."""
+    window may be short. Each sample is first padded to a ``multiple`` of tokens (under context
+    parallelism :func:`~megatron_dynapipe.planning.spec.packed_sample_multiple`: a packed row's
+    every sample splits into 2 x CP equal chunks), so that every piece is one too."""
+    if seq_length % multiple:
+        raise ValueError(f"--seq-length {seq_length} is not a multiple of {multiple} (2 x the context-parallel size), "
+                         "as Megatron-LM requires")
     pieces, out, room = [], [[]], seq_length
-    for length in lengths:
+    for length in round_up(lengths, multiple).tolist():
         while length:
             if not room:
                 out.append([])

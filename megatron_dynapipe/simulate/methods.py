@@ -42,7 +42,7 @@ from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_windo
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.progress import progress_bar
@@ -288,7 +288,7 @@ class _Layout:
                                  "device): nothing to set the other methods against")
         started = time.perf_counter()
         if method == "thd":
-            pieces, rows = megatron_windows(lengths, self.space.seq_length)
+            pieces, rows = megatron_windows(lengths, self.space.seq_length, packed_sample_multiple(self.candidate.cp))
             found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks)
             if found is None:
                 return _Priced(error="does not fit at any rows of windows and recompute")

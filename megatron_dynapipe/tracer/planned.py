@@ -40,7 +40,7 @@ from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, sp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
-from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
@@ -203,7 +203,7 @@ def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_len
     document attending to itself alone, dealt out in order, rows of k windows a micro-batch, 1F1B
     (interleaved over the model chunks), the k and uniform recompute of the fastest run that fits,
     no lighter than the traced ``--recompute-granularity`` (as ``simulate --method thd`` prices it)."""
-    pieces, windows = megatron_windows(lengths, seq_length)
+    pieces, windows = megatron_windows(lengths, seq_length, packed_sample_multiple(spec.cp))
     found = thd_packing_rows(windows, pieces, seq_length, costs, spec.memory_limit_mb, spec.chunks,
                              spec.recompute_types)
     if found is None:

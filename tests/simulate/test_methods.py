@@ -46,6 +46,12 @@ def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cu
     assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 36]
     assert pieces == [256, 44, 50, 162, 256, 256, 26, 10]  # a document continues where the last window ended
     assert [i for row in rows for i in row] == list(range(len(pieces)))
+    # under CP 2 each document is first padded to a multiple of 4 tokens, so every piece is one too
+    pieces, rows = megatron_windows([300, 50, 700, 10], 256, multiple=4)
+    assert pieces == [256, 44, 52, 160, 256, 256, 28, 12]
+    assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 40]
+    with pytest.raises(ValueError, match="--seq-length 250 is not a multiple of 4"):
+        megatron_windows([300], 250, multiple=4)
 
 
 # -- choosing what to trace and price ----------------------------------------------------------

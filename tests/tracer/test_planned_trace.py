@@ -160,6 +160,20 @@ def test_thd_packing_runs_megatron_s_windows_in_rows_on_megatron_s_1f1b():
         RecomputeType.FULL}  # ... but Megatron-LM told to recompute does
 
 
+def test_under_context_parallelism_thd_rows_pad_each_document_to_whole_chunks():
+    from megatron_dynapipe.tracer.fake_rank import trace_ranks
+
+    layout = ParallelLayout(world_size=8, tp=1, pp=2, cp=2)
+    request = PlanRequest("thd", LengthSource.from_mix("multitask"), A100, count=1, seed=3)
+    batches = plan_batches(request, layout, MODEL, A100.cost_model(MODEL, 1, "bfloat16"), seq_length=SEQ,
+                           global_batch=GLOBAL_BATCH, training=MegatronOptions())
+    plan = batches.batches[0].plans[0]
+    assert all(n % 4 == 0 for mb in plan.microbatches for n in mb.packed_lengths)  # 2 x CP chunks each
+    trace, = trace_ranks(layout, [0], MODEL, micro_batch_size=1, num_microbatches=4, seq_length=SEQ, shapes_only=True,
+                         cost_model=batches.cost_model, planned=batches)
+    assert len(top(trace, 0, "forward")) == len(plan.microbatches)
+
+
 def test_the_trace_command_traces_each_method_in_a_folder_of_its_own(tmp_path, capsys):
     from megatron_dynapipe.tracer.cli import main
 
