@@ -152,7 +152,9 @@ def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1)
     data path cuts documents: (the pieces' lengths, each window's piece indices). The last
     window may be short. Each sample is first padded to a ``multiple`` of tokens (under context
     parallelism :func:`~megatron_dynapipe.planning.spec.packed_sample_multiple`: a packed row's
-    every sample splits into 2 x CP equal chunks), so that every piece is one too."""
+    every sample splits into 2 x CP equal chunks, Megatron's ``cu_seqlens_padded``), so that every
+    piece is one too; the step keeps as many windows as the unpadded samples fill, and whatever the
+    padding pushes past them waits for the next step's."""
     if seq_length % multiple:
         raise ValueError(f"--seq-length {seq_length} is not a multiple of {multiple} (2 x the context-parallel size), "
                          "as Megatron-LM requires")
@@ -166,7 +168,7 @@ def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1)
             out[-1].append(len(pieces))
             pieces.append(piece)
             length, room = length - piece, room - piece
-    return pieces, out
+    return pieces, out[:-(-int(np.sum(lengths)) // seq_length)]
 
 
 def megatron_plans(microbatches: Sequence[MicroBatch], recompute: str, pp: int, chunks: int = 1) -> list[ExecutionPlan]:
