@@ -14,6 +14,7 @@ from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.simulator import simulate, stage_work
+from megatron_dynapipe.planning.spec import packed_sample_multiple
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -169,6 +170,16 @@ def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1)
             pieces.append(piece)
             length, room = length - piece, room - piece
     return pieces, out[:-(-int(np.sum(lengths)) // seq_length)]
+
+
+def megatron_thd_rows(lengths: Sequence[int], seq_length: int, costs: StageCosts, memory_limit_mb: float,
+                      chunks: int = 1, cp: int = 1,
+                      recompute_types: Sequence[RecomputeType] = tuple(RecomputeType)) -> ThdRows | None:
+    """THD packing of a batch as Megatron-LM's data path feeds it: the samples cut into its
+    windows (:func:`megatron_windows`, each sample padded to whole chunks of a row split over
+    ``cp`` ranks), in rows of k windows (:func:`thd_packing_rows`)."""
+    pieces, windows = megatron_windows(lengths, seq_length, packed_sample_multiple(cp))
+    return thd_packing_rows(windows, pieces, seq_length, costs, memory_limit_mb, chunks, recompute_types)
 
 
 def megatron_plans(microbatches: Sequence[MicroBatch], recompute: str, pp: int, chunks: int = 1) -> list[ExecutionPlan]:

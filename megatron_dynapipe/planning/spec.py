@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from megatron_dynapipe.planning.fast_mode import FastMode
@@ -129,3 +130,9 @@ class TrainingSpec:
         if "recompute_types" in values:
             values["recompute_types"] = tuple(values["recompute_types"])
         return cls(**values)
+
+
+def seqlen_round_for(cp: int) -> int:
+    """The default ``seqlen_round`` made a multiple of what each packed sample is padded to under
+    context parallelism (:func:`packed_sample_multiple`), as a sizing layout plans with it."""
+    return math.lcm(TrainingSpec.seqlen_round, packed_sample_multiple(cp))

@@ -38,11 +38,11 @@ import numpy as np
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_windows, thd_packing_rows
+from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
-from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
+from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.progress import progress_bar
@@ -288,8 +288,8 @@ class _Layout:
                                  "device): nothing to set the other methods against")
         started = time.perf_counter()
         if method == "thd":
-            pieces, rows = megatron_windows(lengths, self.space.seq_length, packed_sample_multiple(self.candidate.cp))
-            found = thd_packing_rows(rows, pieces, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks)
+            found = megatron_thd_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
+                                      self.candidate.cp)
             if found is None:
                 return _Priced(error="does not fit at any rows of windows and recompute")
             k = found.per_rank[0][0].seq_len // self.space.seq_length
@@ -298,7 +298,7 @@ class _Layout:
                            time.perf_counter() - started)
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
                             dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
-                            seqlen_round=math.lcm(TrainingSpec.seqlen_round, 2 * self.candidate.cp),
+                            seqlen_round=seqlen_round_for(self.candidate.cp),
                             zero_stage=self.costs.zero_stage, memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
                             packing="varlen" if method == "dynapipe-varlen" else "pad")
         try:

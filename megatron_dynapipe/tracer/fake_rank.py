@@ -369,7 +369,7 @@ class _TraceRun:
                 f"context parallelism (CP={layout.cp}) passes keys and values around its ring of ranks, and a "
                 "fake rank runs alone: trace it with --shapes-only, or run transformer-engine on CUDA")
         if fields["planned"] and spec.attention == "local":
-            # megatron's local core refuses packed micro-batches: both planned methods hold what SDPA's
+            # megatron's local core refuses packed micro-batches: the planned methods hold what SDPA's
             # fused kernel saves, alike
             spec = dataclasses.replace(spec, attention="sdpa")
         if fields["seq_length"] > spec.max_sequence_length:

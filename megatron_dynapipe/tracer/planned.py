@@ -23,7 +23,6 @@ the slowest. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
@@ -35,12 +34,12 @@ from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import megatron_plans, megatron_windows, thd_packing_rows
+from megatron_dynapipe.planning.baselines import megatron_plans, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
-from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
+from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
@@ -149,7 +148,7 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         num_layers=model.num_layers, pp=layout.pp, tp=layout.tp, dp=layout.dp, cp=layout.cp, chunks=chunks,
         zero_stage=1 if training.distributed_optimizer else 0, memory_limit_mb=request.memory_limit_mb,
         fast_mode=request.fast_mode, packing=PLANNED_METHODS[request.method],
-        seqlen_round=math.lcm(TrainingSpec.seqlen_round, 2 * layout.cp),
+        seqlen_round=seqlen_round_for(layout.cp),
         stage_layers=None if len(set(split)) == 1 else tuple(split),
         recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))
     priced = _stage_costs(cost_model, model, layout, spec)
@@ -203,9 +202,8 @@ def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_len
     document attending to itself alone, dealt out in order, rows of k windows a micro-batch, 1F1B
     (interleaved over the model chunks), the k and uniform recompute of the fastest run that fits,
     no lighter than the traced ``--recompute-granularity`` (as ``simulate --method thd`` prices it)."""
-    pieces, windows = megatron_windows(lengths, seq_length, packed_sample_multiple(spec.cp))
-    found = thd_packing_rows(windows, pieces, seq_length, costs, spec.memory_limit_mb, spec.chunks,
-                             spec.recompute_types)
+    found = megatron_thd_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks, spec.cp,
+                              spec.recompute_types)
     if found is None:
         raise PlanningError("no rows of windows fit the memory limit, at any recompute")
     mine = found.per_rank[0]
