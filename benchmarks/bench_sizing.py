@@ -45,12 +45,11 @@ def cli(*args: str, env: "dict | None" = None) -> str:
 def lengths_file(args, work: Path) -> str:
     """``--lengths``, or 512 samples of ``--mix`` scaled to ``--seq-length`` as ``bench step``
     scales it, written out for ``trace`` to draw from."""
-    from megatron_dynapipe.planning.samples import MIX_CAPS, synthetic_lengths
+    from megatron_dynapipe.planning.samples import scaled_lengths
 
     if args.lengths:
         return args.lengths
-    scale = args.seq_length / MIX_CAPS[args.mix]
-    pool = [max(2, min(args.seq_length, round(n * scale))) for n in synthetic_lengths(512, args.seed, args.mix)]
+    pool = scaled_lengths(512, args.seed, args.mix, args.seq_length)
     path = work / "lengths.txt"
     path.write_text("".join(f"{n}\n" for n in pool))
     return str(path)

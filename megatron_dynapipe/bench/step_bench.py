@@ -63,7 +63,7 @@ from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatro
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.planner import generate_execution_plan
-from megatron_dynapipe.planning.samples import MIX_CAPS, MIXES, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
@@ -204,9 +204,7 @@ def _lengths(args, max_seq_length: int) -> list[int]:
             raise ValueError(f"{args.lengths} has a sample of {max(too_long)} tokens, over --max-seq-length "
                              f"{max_seq_length}: raise it (up to the model's positions) or cut the samples")
         return lengths
-    cap = MIX_CAPS[args.mix]
-    return [max(2, min(max_seq_length, round(n * max_seq_length / cap)))
-            for n in synthetic_lengths(args.samples, args.seed, args.mix)]
+    return scaled_lengths(args.samples, args.seed, args.mix, max_seq_length)
 
 
 # --------------------------------------------------------------------------------------------

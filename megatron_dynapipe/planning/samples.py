@@ -55,6 +55,13 @@ def synthetic_lengths(num_samples: int, seed: int = 0, mix: str = "multitask") -
     return _clip(rng.lognormal(mus[task], sigmas[task]), MIX_CAPS[mix])
 
 
+def scaled_lengths(num_samples: int, seed: int, mix: str, cap: int) -> list[int]:
+    """:func:`synthetic_lengths` scaled from the mix's cap to ``cap`` (at least 2 tokens each): a
+    short-context model sees the mix's shape, not a batch of samples all cut to its length."""
+    scale = cap / MIX_CAPS[mix]
+    return [max(2, min(cap, round(n * scale))) for n in synthetic_lengths(num_samples, seed, mix)]
+
+
 def _clip(raw: np.ndarray, cap: int) -> list[int]:
     return [int(n) for n in np.clip(np.rint(raw), 8, cap)]
 

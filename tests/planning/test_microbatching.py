@@ -131,6 +131,17 @@ def test_the_longtail_mix_has_a_few_samples_of_4_to_8_times_its_median():
     assert np.median(tail) < 8 * median
 
 
+def test_a_mix_scaled_to_a_shorter_context_keeps_its_shape():
+    from megatron_dynapipe.planning.samples import LONG_MAX_LENGTH, scaled_lengths, synthetic_lengths
+
+    full = np.array(synthetic_lengths(1000, seed=4, mix="long"))
+    assert scaled_lengths(1000, 4, "long", LONG_MAX_LENGTH) == full.tolist()  # its own cap: unchanged
+    quarter = np.array(scaled_lengths(1000, 4, "long", 1024))
+    assert quarter.max() == 1024 and quarter.min() >= 2  # the cut ones stay at the (new) cap
+    assert np.all(np.abs(quarter - np.maximum(full / 4, 2)) <= 0.5)  # each a quarter, to the token
+    assert np.all(np.diff(quarter[np.argsort(full)]) >= 0)  # the order of lengths kept
+
+
 def test_the_dp_reports_the_recompute_each_microbatch_was_costed_with(costs_pp4):
     rng = np.random.default_rng(11)
     lengths = [int(x) for x in rng.integers(8, 4096, size=120)]
