@@ -15,11 +15,11 @@ from megatron_dynapipe.local_ranks import run_local_ranks
 CP = 2
 # every sample a multiple of 2 x CP tokens, as a packed micro-batch under CP needs
 PACKED_LENGTHS = (8, 20, 4, 12)  # 44 tokens in a row of 48: the last 4 are padding
-SPECS = {
-    "local": TINY_TEST_GPT,
-    "sdpa-rope-gqa": dataclasses.replace(TINY_TEST_GPT, attention="sdpa", position_embedding_type="rope",
-                                         num_query_groups=TINY_TEST_GPT.num_attention_heads // 2),
-}
+SDPA_ROPE_GQA = dataclasses.replace(TINY_TEST_GPT, attention="sdpa", position_embedding_type="rope",
+                                    num_query_groups=TINY_TEST_GPT.num_attention_heads // 2)
+# (spec, whether the SDPA core attends block by block at these short test sequences)
+SPECS = {"local": (TINY_TEST_GPT, False), "sdpa-rope-gqa": (SDPA_ROPE_GQA, False),
+         "sdpa-rope-gqa-blockwise": (SDPA_ROPE_GQA, True)}
 
 
 def _samples(lengths, seed):
@@ -57,11 +57,14 @@ def _loss_and_grads(spec, batches):
     return out
 
 
-def _run(rank, world_size, spec, packed):
+def _run(rank, world_size, spec, packed, blockwise):
     """The whole sequence on each rank alone (model parallel sizes 1), then split over CP."""
     from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.gpt import context_parallel
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
 
+    if blockwise:
+        context_parallel.BLOCKWISE_MIN_TOKENS = 1
     cpu_compat.enable_cpu_mode()
     results = {}
     for cp in (1, CP):
@@ -75,8 +78,8 @@ def _run(rank, world_size, spec, packed):
 
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def cp_runs(request):
-    spec = SPECS[request.param]
-    return run_local_ranks(_run, CP, spec, spec.attention == "sdpa", timeout=240)
+    spec, blockwise = SPECS[request.param]
+    return run_local_ranks(_run, CP, spec, spec.attention == "sdpa", blockwise, timeout=240)
 
 
 @pytest.mark.slow
@@ -104,3 +107,29 @@ def test_each_rank_holds_its_two_chunks(cp_runs):
     """The shares differ (each rank's chunks are its own), so the sums above are not one rank twice."""
     for name in cp_runs[0][CP]:
         assert cp_runs[0][CP][name][0] != pytest.approx(cp_runs[1][CP][name][0])
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_blockwise_attention_of_a_ranks_two_chunks(cp):
+    """Each rank's two chunks attended block by block equal, with their gradients, a masked
+    attention of those queries over the whole sequence in float64."""
+    import torch
+
+    from megatron_dynapipe.gpt.context_parallel import _ChunkPairAttention, sequence_chunk_positions
+
+    n, scale = 5, 0.3
+    generator = torch.Generator().manual_seed(cp)
+    whole = [torch.randn(2, 3, 2 * cp * n, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    grad = torch.randn(2, 3, 2 * n, 4, generator=generator, dtype=torch.float64)
+    for rank in range(cp):
+        positions = sequence_chunk_positions(2 * cp * n, cp, rank)
+        q, k, v = (x.clone().requires_grad_() for x in (whole[0][:, :, positions], whole[1], whole[2]))
+        visible = torch.arange(2 * cp * n)[None, :] <= positions[:, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+        out = _ChunkPairAttention.apply(q32, k32, v32, rank, scale)
+        grads = torch.autograd.grad(out, (q32, k32, v32), grad.float())
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
