@@ -30,7 +30,7 @@ class PackingBaseline:
     recompute: RecomputeType
     num_sequences: int
     makespan_ms: float
-    method: str = f"{YARDSTICKS['pad']} + 1f1b"
+    method: str = f"{YARDSTICKS['pad']} + 1f1b"  # the yardstick and Megatron's schedule it ran
     stage_peak_mb: tuple = ()  # each stage's peak memory by the cost model (the busiest data-parallel rank's)
 
 
@@ -47,11 +47,24 @@ class ThdRows(NamedTuple):
 
 
 def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float,
-                  seq_len: int | None = None) -> PackingBaseline | None:
+                  seq_len: int | None = None, chunks: int = 1, ranks: StageCosts | None = None
+                  ) -> PackingBaseline | None:
     """The yardstick of a plan of this packing (``TrainingSpec.packing``): Megatron's packing, its
     samples attending to each other, for a padded plan; for a packed one, whose samples attend to
-    themselves alone, Megatron's packed sequences without that leakage (THD)."""
-    return (thd_packing_baseline if packing == "varlen" else packing_baseline)(lengths, costs, memory_limit_mb, seq_len)
+    themselves alone, Megatron's packed sequences without that leakage (THD). Both on Megatron's
+    schedule for the plan's layout: 1F1B, interleaved over ``chunks`` model chunks a rank (``costs``
+    then pricing the virtual stages, as the plan's do); given ``ranks`` too (the same ranks priced
+    as whole stages), the faster of that and plain 1F1B on them that fits, as a user whose
+    interleaved pipeline is slower or runs out of memory drops the chunks."""
+    baseline = thd_packing_baseline if packing == "varlen" else packing_baseline
+    found = [baseline(lengths, costs, memory_limit_mb, seq_len, chunks)]
+    if chunks > 1 and ranks is not None:
+        found.append(baseline(lengths, ranks, memory_limit_mb, seq_len))
+    return min((b for b in found if b is not None), key=lambda b: b.makespan_ms, default=None)
+
+
+def _method(packing: str, chunks: int) -> str:
+    return f"{YARDSTICKS[packing]} + {'interleaved-1f1b' if chunks > 1 else '1f1b'}"
 
 
 def default_pack_length(lengths: Sequence[int]) -> int:
@@ -60,13 +73,13 @@ def default_pack_length(lengths: Sequence[int]) -> int:
 
 
 def packing_baseline(
-    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None
+    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None, chunks: int = 1
 ) -> PackingBaseline | None:
     """Pack samples into sequences of `seq_len` tokens, split them evenly over data-parallel
-    ranks, run 1F1B with the micro-batch size and uniform recompute that give the fastest
-    iteration within the memory limit. None when nothing fits."""
+    ranks, run 1F1B (interleaved over ``chunks``) with the micro-batch size and uniform recompute
+    that give the fastest iteration within the memory limit. None when nothing fits."""
     seq_len = seq_len or default_pack_length(lengths)
-    return fixed_length_baseline(len(pack_fixed_length(lengths, seq_len)), seq_len, costs, memory_limit_mb)
+    return fixed_length_baseline(len(pack_fixed_length(lengths, seq_len)), seq_len, costs, memory_limit_mb, chunks)
 
 
 def fixed_length_baseline(
@@ -94,24 +107,24 @@ def fixed_length_baseline(
         result = fixed_shape_run(costs, per_rank, mbs, seq_len, rc, memory_limit_mb, chunks)
         if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
             best_key = (result.makespan, order, rc)
-            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan,
-                                   stage_peak_mb=tuple(map(float, result.peak_memory)))
+            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan, _method("pad", chunks),
+                                   tuple(map(float, result.peak_memory)))
     return best
 
 
 def thd_packing_baseline(
-    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None
+    lengths: Sequence[int], costs: StageCosts, memory_limit_mb: float, seq_len: int | None = None, chunks: int = 1
 ) -> PackingBaseline | None:
     """:func:`thd_packing_rows` of the samples packed into sequences of ``seq_len`` tokens as
     :func:`packing_baseline` packs them, as a :class:`PackingBaseline` (its micro-batch size: the
     sequences in one row). None when nothing fits."""
     seq_len = seq_len or default_pack_length(lengths)
     sequences = pack_fixed_length(lengths, seq_len)
-    found = thd_packing_rows(sequences, lengths, seq_len, costs, memory_limit_mb)
+    found = thd_packing_rows(sequences, lengths, seq_len, costs, memory_limit_mb, chunks)
     if found is None:
         return None
     return PackingBaseline(seq_len, found.per_rank[0][0].seq_len // seq_len, found.recompute, len(sequences),
-                           found.makespan_ms, f"{YARDSTICKS['varlen']} + 1f1b", found.stage_peak_mb)
+                           found.makespan_ms, _method("varlen", chunks), found.stage_peak_mb)
 
 
 def thd_packing_rows(

@@ -14,7 +14,7 @@ from megatron_dynapipe.planning.baselines import (
     lower_bound_ms,
     plan_baseline,
 )
-from megatron_dynapipe.planning.planner import PlanResult
+from megatron_dynapipe.planning.planner import PlanResult, rank_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -41,7 +41,8 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
     }
     if with_baseline:
         pack_length = pack_length or default_pack_length(lengths)
-        baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length)
+        baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length, spec.chunks,
+                                 rank_costs(costs, spec))
         summary["baseline"] = None if baseline is None else {
             "method": baseline.method, "seq_len": baseline.seq_len, "microbatch_size": baseline.microbatch_size,
             "recompute": baseline.recompute.label, "num_sequences": baseline.num_sequences,

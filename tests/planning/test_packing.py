@@ -277,3 +277,27 @@ def test_megatrons_interleaved_baseline_runs_in_the_sc21_closed_form(pp, chunks,
     assert best.makespan_ms == pytest.approx((sequences * chunks + pp - 1) * 3.0, rel=1e-6)
     plain = fixed_shape_run(StageCosts(_UniformLayers(), num_layers=layers, pp=pp), sequences, 1, 16, RecomputeType.NONE)
     assert plain.makespan == pytest.approx((sequences + pp - 1) * chunks * 3.0, rel=1e-6)
+
+
+def test_an_interleaved_plans_yardstick_drops_the_chunks_where_megatrons_interleaved_1f1b_does_not_fit():
+    """Given the ranks too, a plan's baseline is the faster of Megatron's interleaved 1F1B and
+    its plain 1F1B that fits: with memory for 1F1B's two micro-batches in flight on the first of
+    two ranks but not the interleaved warm-up's five chunk-forwards, the plain 1F1B one, in its
+    closed form (n + pp - 1) V (f + b); with room for both, the interleaved one."""
+    from megatron_dynapipe.planning.baselines import fixed_length_baseline, plan_baseline
+    from megatron_dynapipe.planning.cost_model import StageCosts
+
+    pp, chunks, sequences = 2, 2, 6
+    virtual = StageCosts(_UniformLayers(), num_layers=pp * chunks, pp=pp * chunks)
+    ranks = StageCosts(_UniformLayers(), num_layers=pp * chunks, pp=pp)
+    lengths = [16] * sequences  # one sample a sequence of 16 tokens
+    plain_peak = max(fixed_length_baseline(sequences, 16, ranks, 1e6).stage_peak_mb)
+    interleaved_peak = max(fixed_length_baseline(sequences, 16, virtual, 1e6, chunks).stage_peak_mb)
+    assert plain_peak < interleaved_peak
+    tight = plan_baseline("pad", lengths, virtual, (plain_peak + interleaved_peak) / 2, 16, chunks, ranks)
+    assert tight.method == "packing + 1f1b"
+    assert tight.makespan_ms == pytest.approx((sequences + pp - 1) * chunks * 3.0, rel=1e-6)
+    assert plan_baseline("pad", lengths, virtual, (plain_peak + interleaved_peak) / 2, 16, chunks) is None
+    roomy = plan_baseline("pad", lengths, virtual, 1e6, 16, chunks, ranks)
+    assert roomy.method == "packing + interleaved-1f1b"
+    assert roomy.makespan_ms == pytest.approx((sequences * chunks + pp - 1) * 3.0, rel=1e-6)
