@@ -200,6 +200,13 @@ def test_a_packed_plan_is_measured_against_packed_sequences_without_leakage(tmp_
     assert thd["ideal_gain_vs_packing"] is None and leaky["ideal_gain_vs_packing"] > 1
     text = run_cli(*common, "--packing", "varlen").stdout
     assert "THD packing to 2048 + 1F1B" in text and "ideal" not in text and "cannot represent" not in text
+    # two chunks a rank: the yardstick runs Megatron's interleaved 1F1B, faster than its 1F1B here
+    interleaved = run_cli(*common, "--packing", "varlen", "--chunks", "2", "--json")
+    assert interleaved.returncode == 0, interleaved.stderr
+    interleaved = json.loads(interleaved.stdout)
+    assert interleaved["baseline"]["method"] == "THD packing + interleaved-1f1b"
+    assert interleaved["baseline"]["makespan_ms"] < thd["baseline"]["makespan_ms"]
+    assert "THD packing to 2048 + interleaved 1F1B" in run_cli(*common, "--packing", "varlen", "--chunks", "2").stdout
 
 
 def test_the_readme_plan_example_runs_as_written(tmp_path):

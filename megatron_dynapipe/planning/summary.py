@@ -99,7 +99,8 @@ def format_summary(summary: dict) -> str:
     base, yardstick = summary.get("baseline"), YARDSTICKS[summary["packing"]]
     if base:
         ideal, speedup = summary["ideal_gain_vs_packing"], summary["speedup_vs_packing"]
-        lines.append(f"{yardstick} to {base['seq_len']} + 1F1B (micro-batch "
+        schedule = "interleaved 1F1B" if "interleaved" in base["method"] else "1F1B"
+        lines.append(f"{yardstick} to {base['seq_len']} + {schedule} (micro-batch "
                      f"{base['microbatch_size']}, recompute {base['recompute']}): {base['makespan_ms']:.1f} ms "
                      f"-> speed-up {speedup:.2f}x" + ("" if ideal is None else _padding_share(speedup, ideal)))
         if summary["speedup_vs_packing"] < 1 and ideal is not None:
