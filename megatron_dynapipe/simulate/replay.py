@@ -13,7 +13,9 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
   first and last stage, the gradient-norm all-reduce over TP x PP, expert all-to-alls) starts
   when the last of them arrives; a group inside one representative's stage stands for peers
   that run the same ops at the same time, so it only costs time;
-* point-to-point transfers match by order per (sender, receiver) pair; a batch of them ends when
+* point-to-point transfers match by order per (sender, receiver) pair and process group (by its
+  name: the pipeline's activations and its gradients travel on two groups of the same ranks,
+  which torch.distributed matches apart); a batch of them ends when
   its slowest part has arrived, a part starts when both sides have posted it; a rank blocks on
   a transfer at its recorded ``wait`` (Megatron's overlapped pipeline communication posts the
   next chunk's receive and waits for it only before that chunk's pass, so the transfer hides
@@ -193,7 +195,7 @@ class Step:
     """One thing a rank does, in issue order.
 
     ``what`` is ``compute``, ``collective`` (blocking; ``key`` = (group, index), ``members`` the
-    representatives taking part), ``p2p`` (blocking; ``transfers`` of (sender, receiver, index,
+    representatives taking part), ``p2p`` (blocking; ``transfers`` of (sender, receiver, (group name, index),
     cost); ``key`` ``POSTED`` where it waits for transfers a ``post`` began), ``post`` (posts
     ``transfers`` and goes on), ``async`` (a collective on the overlap ``stream``) or ``drain``
     (wait for that stream; what it exposes counts as ``key``'s communication).
@@ -333,7 +335,7 @@ class _StepBuilder:
             # same time as the others, beside the pass's compute
             cost = max((self.hw.p2p_us(part["bytes"], self.trace.rank, part["peer"]) for part in parts), default=0.0)
             return Step("async", "cp_ring", cost, op.phase, op.microbatch, bytes=op.bytes, stream=CP_STREAM)
-        transfers = tuple(self._transfer(part) for part in parts)
+        transfers = tuple(self._transfer(part, op.group_name) for part in parts)
         step = Step("p2p", op.kind, max((t[3] for t in transfers), default=0.0), op.phase, op.microbatch,
                     transfers=transfers, bytes=op.bytes)
         if op.handle in self.waited and op.parent is None:
@@ -357,7 +359,9 @@ class _StepBuilder:
             return False
         return self.job.representatives_of(op.group) == {self.trace.rank}
 
-    def _transfer(self, part: dict) -> tuple:
+    def _transfer(self, part: dict, group_name: Optional[str]) -> tuple:
+        """(sender, receiver, (group name, index), cost): the index-th transfer from sender to
+        receiver in that group."""
         me, peer = self.trace.rank, part["peer"]
         if peer not in self.job.traces:
             raise TraceMismatch(f"{self.job.folder}: rank {me} exchanges with rank {peer}, which was not traced; {_RETRACE}")
@@ -367,9 +371,10 @@ class _StepBuilder:
             sender, receiver = peer, me
         else:
             raise TraceMismatch(f"{self.job.folder}: rank {me} has a p2p part of kind {part['kind']!r}; {_RETRACE}")
-        index = self.pair_count[(sender, receiver)]
-        self.pair_count[(sender, receiver)] += 1
-        return (sender, receiver, index, self.hw.p2p_us(part["bytes"], sender, receiver))
+        channel = (group_name, sender, receiver)
+        index = self.pair_count[channel]
+        self.pair_count[channel] += 1
+        return (sender, receiver, (group_name, index), self.hw.p2p_us(part["bytes"], sender, receiver))
 
 
 def _parts(op: TraceOp) -> list[dict]:

@@ -439,6 +439,35 @@ def test_a_posted_transfer_blocks_only_at_its_wait(tiny_traces, waited):
     assert replay.ranks[1].comm_us["p2p"] == pytest.approx(2000.0)
 
 
+def test_transfers_between_two_ranks_match_within_their_process_group(tiny_traces):
+    """Stage 0 posts an activation (pipeline group) at 0 and, after 5 ms of compute, a gradient
+    (a second group over the same ranks) to stage 1, which posts the gradient's receive first and
+    waits on it: torch.distributed matches each send with the receive in its own group, so the
+    gradient leaves at 5 ms and arrives at 5 + 2 = 7 ms (matched by order alone, stage 1's first
+    receive would take the activation posted at 0 and end at 2 ms)."""
+    from megatron_dynapipe.tracer.trace_format import TraceOp
+
+    def op(rank, kind, **fields):
+        cat = "compute" if kind in ("forward", "backward") else "comm"
+        return TraceOp(seq=0, iteration=0, stage=rank, cat=cat, kind=kind, **fields)
+
+    activation = dict(bytes=1000, group_name="PIPELINE_MODEL_PARALLEL_GROUP")
+    gradient = dict(bytes=1000, group_name=None)
+    ops = {0: [op(0, "isend", peer=1, handle=0, **activation), op(0, "forward", dur_us=5000.0),
+               op(0, "isend", peer=1, handle=1, **gradient), op(0, "wait", handle=0), op(0, "wait", handle=1)],
+           1: [op(1, "irecv", peer=0, handle=0, **gradient), op(1, "irecv", peer=0, handle=1, **activation),
+               op(1, "wait", handle=0), op(1, "backward", dur_us=100.0), op(1, "wait", handle=1)]}
+    job = load_job(tiny_traces["4 4 1"])
+    for rank, trace in job.traces.items():
+        trace.meta.pop("compute_hardware", None)
+        trace.ops = ops.get(rank, [])
+        for seq, o in enumerate(trace.ops):
+            o.seq = seq
+    replay = simulate_job(job, dataclasses.replace(FREE, intra_node=Link(1e12, 2000.0)))
+    assert replay.ranks[1].end_us == pytest.approx(7100.0)
+    assert replay.ranks[0].end_us == pytest.approx(7000.0)
+
+
 def test_megatrons_overlapped_interleaved_communication_hides_behind_compute(tmp_path):
     """Megatron's interleaved schedule posts each chunk's transfers and waits for them just
     before they are needed: with transfers shorter than a pass, the replay of its trace is
