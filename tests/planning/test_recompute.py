@@ -143,3 +143,25 @@ def test_an_op_is_lightened_by_the_best_saving_per_millisecond_until_it_fits_or_
     assert list(stuck.in_use) == [0.0, 10.0, 15.0, 5.0]
     within = rank()
     assert within.lighten(2, 20.0) == (0, True) and within.level == [0, 0]
+
+
+def test_a_round_stops_once_the_plans_bound_passes_the_cutoff(costs_pp4, monkeypatch):
+    """Raising recompute only adds time: once the plan's lower bound has passed the cutoff, the
+    rest of the round is not run, and the candidate is dropped as it was at the round's end."""
+    from megatron_dynapipe.planning.simulator import WorkTable
+
+    mbs = microbatches(12, 2, 1024)
+    lightened = []
+    lighten = recompute_module._RankMemory.lighten
+    monkeypatch.setattr(recompute_module._RankMemory, "lighten",
+                        lambda self, *args: lightened.append(1) or lighten(self, *args))
+    monkeypatch.setattr(recompute_module, "BOUND_CHECK_OPS", 1)  # asked after 1, 2, 4, ... ops
+    plan = adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT)
+    assert plan.rounds == 1
+    whole_round = len(lightened)
+    table = WorkTable(costs_pp4, mbs)
+    before, after = table.makespan_lower_bound(none(12)), table.makespan_lower_bound(plan.recompute)
+    assert before < after
+    lightened.clear()
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, give_up_above_ms=(before + after) / 2) is None
+    assert 0 < len(lightened) < whole_round
