@@ -22,7 +22,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["SDPAttention", "segment_bounds"]
+__all__ = ["SDPAttention", "every_heads_keys", "segment_bounds"]
 
 
 class SDPAttention(DotProductAttention):
@@ -89,9 +89,7 @@ class SDPAttention(DotProductAttention):
         log-sum-exp per row (with dropout, a seed: its mask is drawn again). The CPU flash kernel
         saves exactly those, so autograd records what the GPU job holds; query groups are
         repeated up to the heads first (the kernel takes no groups), counting k and v as wide."""
-        if self._gqa():
-            repeat = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        k, v = every_heads_keys(q, k, v)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                            scale=self.softmax_scale)[0]
 
@@ -100,6 +98,16 @@ class SDPAttention(DotProductAttention):
 
     def _gqa(self) -> bool:
         return self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+
+
+def every_heads_keys(q, k, v):
+    """``k`` and ``v`` (``[b, groups, tokens, dim]``) with each query group's keys and values
+    repeated for its heads, as ``q`` (``[b, heads, tokens, dim]``) has them: for kernels that take
+    no groups."""
+    if k.size(1) == q.size(1):
+        return k, v
+    repeat = q.size(1) // k.size(1)
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
 def segment_bounds(cu_seqlens) -> list[tuple[int, int]]:

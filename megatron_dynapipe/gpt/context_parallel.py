@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_dynapipe.gpt.attention import SDPAttention, segment_bounds
+from megatron_dynapipe.gpt.attention import SDPAttention, every_heads_keys, segment_bounds
 
 __all__ = ["ring_attention", "batch_on_this_cp_rank", "sequence_chunk_positions"]
 
@@ -88,8 +88,7 @@ def ring_attention(core_class):
             """``[s/c, b, heads, dim]`` queries, rank ``rank``'s two chunks, against the whole
             sequence's ``[s, b, groups, dim]`` keys and values: each chunk to the keys up to its end."""
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, tokens, dim]
-            if k.size(1) != q.size(1):  # query groups: the CPU kernel takes every head's keys
-                k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+            k, v = every_heads_keys(q, k, v)  # the CPU kernel takes no query groups
             out = _ChunkPairAttention.apply(q, k, v, rank, self.softmax_scale)
             return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
 
@@ -119,8 +118,7 @@ class _ChunkPairAttention(torch.autograd.Function):
         n = query.size(2) // 2
         starts = (rank * n, key.size(2) - (rank + 1) * n)  # each chunk's first position
         chunks = query.split(n, dim=2)
-        diagonal = _Diagonal(starts, n)
-        out, lse = _flash(torch.cat(chunks), diagonal(key), diagonal(value), True, scale)
+        out, lse = _flash(torch.cat(chunks), _diagonal(key, starts, n), _diagonal(value, starts, n), True, scale)
         outs, lses = list(out.chunk(2)), list(lse.chunk(2))
         for i, start in enumerate(starts):
             if start:
@@ -139,14 +137,13 @@ class _ChunkPairAttention(torch.autograd.Function):
         outs, lses = outs_lses[:2], outs_lses[2:]
         n, starts = query.size(2) // 2, ctx.starts
         chunks, grads = query.split(n, dim=2), grad.contiguous().split(n, dim=2)
-        diagonal = _Diagonal(starts, n)
 
         def block(grad, query, key, value, out, lse, causal):
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad, query, key, value, out, lse, 0.0, causal, scale=ctx.scale)
 
-        dq, dk_diagonal, dv_diagonal = block(torch.cat(grads), torch.cat(chunks), diagonal(key), diagonal(value),
-                                             torch.cat(outs), torch.cat(lses), True)
+        dq, dk_diagonal, dv_diagonal = block(torch.cat(grads), torch.cat(chunks), _diagonal(key, starts, n),
+                                             _diagonal(value, starts, n), torch.cat(outs), torch.cat(lses), True)
         dq = list(dq.chunk(2))
         dk, dv = torch.zeros_like(key), torch.zeros_like(value)
         for i, start in enumerate(starts):
@@ -161,14 +158,10 @@ class _ChunkPairAttention(torch.autograd.Function):
         return torch.cat(dq, dim=2), dk, dv, None, None
 
 
-class _Diagonal:
-    """The keys (or values) of both chunks' diagonal blocks, stacked on the batch dimension."""
-
-    def __init__(self, starts, n):
-        self.starts, self.n = starts, n
-
-    def __call__(self, tensor):
-        return torch.cat([tensor[:, :, start:start + self.n] for start in self.starts])
+def _diagonal(tensor, starts, n):
+    """The keys (or values) of both chunks' diagonal blocks, ``n`` tokens from each of ``starts``,
+    stacked on the batch dimension."""
+    return torch.cat([tensor[:, :, start:start + n] for start in starts])
 
 
 def _flash(query, key, value, causal: bool, scale):

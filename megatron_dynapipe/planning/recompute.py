@@ -180,10 +180,8 @@ def _raise_recompute(recompute, table: WorkTable, orders: Sequence[OrderIndex], 
 
 def _rank_busy_ms(table: WorkTable, recompute: np.ndarray, pp: int) -> np.ndarray:
     """[rank] the least compute each rank's ops take under ``recompute`` (its chunks' together)."""
-    index = np.asarray(recompute, dtype=np.int64)[None]
-    per_stage = sum(np.take_along_axis(table.floors[phase], index, axis=0)[0].sum(axis=1)
-                    for phase in ("forward", "backward"))
-    return per_stage.reshape(-1, pp).sum(axis=0)
+    forward, backward = table.floor_times(recompute)
+    return (forward + backward).sum(axis=1).reshape(-1, pp).sum(axis=0)
 
 
 class _RankMemory:

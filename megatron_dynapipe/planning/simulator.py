@@ -109,10 +109,13 @@ class WorkTable:
         permutation of their indices; ``recompute`` [pp, n] is per micro-batch, in this table's
         order): :func:`makespan_bounds` with every op at its least time under any recompute from
         the given one."""
+        return makespan_bounds(*self.floor_times(recompute), self.comm, orders, self.chunks)
+
+    def floor_times(self, recompute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[pp, n] forward and backward ms of every op at its least under any recompute from
+        ``recompute`` [pp, n] on."""
         index = np.asarray(recompute, dtype=np.int64)[None]
-        forward = np.take_along_axis(self.floors["forward"], index, axis=0)[0]
-        backward = np.take_along_axis(self.floors["backward"], index, axis=0)[0]
-        return makespan_bounds(forward, backward, self.comm, orders, self.chunks)
+        return tuple(np.take_along_axis(self.floors[phase], index, axis=0)[0] for phase in ("forward", "backward"))
 
     def work(self, recompute: np.ndarray) -> StageWork:
         """StageWork for the recompute type of every (stage, micro-batch), recompute[pp, n]."""
