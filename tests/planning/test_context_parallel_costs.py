@@ -22,7 +22,9 @@ from megatron_dynapipe.planning.planner import PlanningError, generate_execution
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
+from megatron_dynapipe.planning.cost_model.profile_file import to_text
 from test_planner import plan_and_check  # tests/planning is on the path, as pytest collects it
+from test_profile_file import _records, _with_attention_core
 
 RATE = 312.0 * 1e9 * 0.5  # FLOP per ms of the analytical model's defaults
 H, HEADS, FFN = 1024, 16, 4096
@@ -128,6 +130,33 @@ def test_a_profile_takes_the_attention_share_of_its_models_shape():
     local = profile.layer_ms("encoder", "forward", "none", b, s // 2)
     assert split.layer_ms("encoder", "forward", "none", b, s) == pytest.approx(local * (1 + share))
     assert split_over_cp(profile, 1) is profile
+
+
+def test_a_profile_that_measured_the_attention_core_prices_the_rings_blocks_by_it(tmp_path):
+    # the core without a mask: a fifth of the layer's forward, a quarter of its backward
+    records = _with_attention_core(_records())
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    profile = load_cost_model(path, 1)
+    split = split_over_cp(profile, 4, get_model("tiny"))  # a shape given, and still the measured core
+    # rank holds 64 of 256 tokens a row; the ring adds 3 x 64 x 64 / 2 query-key pairs a row,
+    # unmasked: 3 halves of the unmasked core at 64
+    for phase, core in (("forward", 0.2), ("backward", 0.25)):
+        local = profile.layer_ms("encoder", phase, "none", 2, 64)
+        assert split.layer_ms("encoder", phase, "none", 2, 256) == pytest.approx(local * (1 + 3 * core / 2))
+    # full recompute runs the ring's forward blocks again in backward
+    forward, backward = (profile.layer_ms("encoder", phase, "none", 2, 64) for phase in ("forward", "backward"))
+    assert (split.layer_ms("encoder", "backward", "full", 2, 256)
+            - profile.layer_ms("encoder", "backward", "full", 2, 64)) == pytest.approx(
+        3 * (0.25 * backward + 0.2 * forward) / 2)
+    # the ring's transfers take their width from the GPT's shape: the tiny GPT's 8 groups of 16 channels
+    slow = split_over_cp(profile, 4, get_model("tiny"), ring_gbps=0.01)
+    kv = 2 * 2 * 64 * (2 * 8 * 16) / (0.01 * 1e6)  # 16-bit K and V of 2 rows of 64 tokens
+    exposed = 3 * (kv - 0.2 * forward / 2)
+    assert (slow.layer_ms("encoder", "forward", "none", 2, 256) - split.layer_ms("encoder", "forward", "none", 2, 256)
+            == pytest.approx(exposed))
+    with pytest.raises(CostModelError, match="has no width of keys and values for the ring's transfers"):
+        ContextParallelCostModel(profile, 4, ring_gbps=1.0)
 
 
 def test_bad_context_parallel_settings_are_refused_in_one_line():

@@ -136,3 +136,49 @@ def test_a_packed_record_of_another_layer_than_the_encoder_is_refused(tmp_path):
     with pytest.raises(CostModelError, match=r"bad\.json has a layer_time record of layout 'thd': use padded, or thd "
                                              r"for the encoder"):
         load_cost_model(path, tp=1)
+
+
+def _with_attention_core(records: ProfileRecords) -> ProfileRecords:
+    """The core alone, without a mask, at every padded point: a fifth of the encoder forward, a
+    quarter of its backward."""
+    for (tp, rc, layer, phase, s, m), ms in list(records.times.items()):
+        if rc == "none" and layer == "encoder":
+            records.core_times[(tp, phase, s, m)] = ms * (0.2 if phase == "forward" else 0.25)
+    return records
+
+
+def test_the_attention_core_survives_the_file_and_is_priced_as_measured(tmp_path):
+    records = _with_attention_core(_records())
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    assert ProfileRecords.from_document(read_document(path), str(path)) == records
+    model = load_cost_model(path, tp=1)
+    assert model.prices_attention_core
+    # a causal core's worth of unmasked blocks: half the unmasked core. The encoder's forward at
+    # (64, 1) is 1 ms, at (128, 1) 2 ms: the core a fifth of it, linear between
+    assert model.attention_core_ms("forward", "none", 1, 64) == pytest.approx(0.5 * 0.2)
+    assert model.attention_core_ms("forward", "none", 1, 96) == pytest.approx(0.5 * 0.3)
+    # backward: a quarter of 2 ms x 2 x 2 rows at 128; a recompute reruns the core's forward too
+    assert model.attention_core_ms("backward", "none", 2, 128) == pytest.approx(0.5 * 2.0)
+    assert model.attention_core_ms("backward", "full", 2, 128) == pytest.approx(0.5 * (2.0 + 0.8))
+    assert model.packed().attention_core_ms("forward", "full", 2, 64) == pytest.approx(0.5 * 0.4)
+
+
+def test_a_profile_without_the_attention_core_reads_and_says_so(tmp_path):
+    doc = {"name": "test", **_records().records()}
+    del doc["attention_core_time"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    model = load_cost_model(path, tp=1)
+    assert not model.prices_attention_core
+    with pytest.raises(CostModelError, match="did not measure the attention core alone"):
+        model.attention_core_ms("forward", "none", 1, 64)
+
+
+def test_an_attention_core_record_of_an_unknown_phase_is_refused(tmp_path):
+    doc = {"name": "test", **_with_attention_core(_records()).records()}
+    doc["attention_core_time"][0]["phase"] = "sideways"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CostModelError, match=r"attention_core_time record 0 with phase 'sideways'"):
+        load_cost_model(path, tp=1)

@@ -63,6 +63,8 @@ class AnalyticalCostModel(CostModel):
     state of that layer) exceeds ``device_memory_mb`` is infeasible (``inf``).
     """
 
+    prices_attention_core = True
+
     def __init__(
         self,
         hidden_size: int = 4096,

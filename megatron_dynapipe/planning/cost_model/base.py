@@ -100,6 +100,9 @@ class CostModel(abc.ABC):
 
     #: the context-parallel ranks a micro-batch's rows are split over, of which the model prices one
     cp: int = 1
+    #: whether :meth:`attention_core_ms` (phase, recompute, mbs, seqlen) prices the attention core
+    #: apart, the unit of context parallelism's extra blocks
+    prices_attention_core: bool = False
 
     def tokens_per_rank(self, mbs, seqlen):
         """Tokens one rank holds of a micro-batch of ``mbs`` rows of ``seqlen``."""

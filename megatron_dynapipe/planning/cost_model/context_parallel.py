@@ -15,8 +15,8 @@ So a rank's encoder layer costs the inner model's layer at ``s / cp`` tokens plu
 times its attention core there, its activations and logits are those of ``s / cp`` tokens, and
 its parameters are the whole layer's (context parallelism shares no weights out). The attention
 core's part of a layer comes from a model that prices it apart (an
-:class:`~.analytical.AnalyticalCostModel` or the hardware roofline): the inner model itself where
-it does, else one of the same GPT's shape, by its share.
+:class:`~.analytical.AnalyticalCostModel`, the hardware roofline, or a profile that measured the
+core alone): the inner model itself where it does, else one of the same GPT's shape, by its share.
 """
 
 from __future__ import annotations
@@ -41,26 +41,30 @@ class ContextParallelCostModel(CostModel):
     about a micro-batch of ``seqlen`` tokens a row is asked of ``model`` at ``seqlen / cp``, the
     encoder layer's time with the ring's extra attention added.
 
-    ``attention``: a model pricing the attention core apart (``attention_core_ms``) at every shape,
-    whose share of its own layer time is taken of ``model``'s; default ``model`` itself, where it can.
+    ``shape``: the analytical model of the GPT's shape: where ``model`` does not price the
+    attention core apart (``prices_attention_core``), the core's share of ``shape``'s layer time is
+    taken of ``model``'s; its keys' and values' width sizes the ring's transfers (default: ``model``
+    itself, where it is analytical).
     ``ring_gbps``: GB/s of the ring's links; when given, what each step's transfer of keys and
     values (and in backward their gradients) outlasts the step's attention is added too."""
 
-    def __init__(self, model: CostModel, cp: int, *, attention: Optional[AnalyticalCostModel] = None,
+    def __init__(self, model: CostModel, cp: int, *, shape: Optional[AnalyticalCostModel] = None,
                  ring_gbps: Optional[float] = None):
         if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 2:
             raise ValueError(f"context parallelism needs cp >= 2 ranks, got {cp!r}: use the model itself at cp 1")
         if isinstance(model, ContextParallelCostModel):
             raise ValueError("the model is already split over a context-parallel group: wrap the inner model once")
-        attention = attention if attention is not None else model if hasattr(model, "attention_core_ms") else None
-        if attention is None:
-            raise CostModelError(f"{model.describe()} does not price the attention core apart, which context "
-                                 "parallelism repeats: give the GPT's shape, split_over_cp(model, cp, spec)")
-        if attention.tp != model.tp:
-            raise ValueError(f"the attention model is at tp {attention.tp}, the cost model at tp {model.tp}")
+        shape = shape if shape is not None else model if isinstance(model, AnalyticalCostModel) else None
+        attention = model if model.prices_attention_core else shape
+        if attention is None or (ring_gbps is not None and shape is None):
+            why = "does not price the attention core apart, which context parallelism repeats" if attention is None \
+                else "has no width of keys and values for the ring's transfers"
+            raise CostModelError(f"{model.describe()} {why}: give the GPT's shape, split_over_cp(model, cp, spec)")
+        if shape is not None and shape.tp != model.tp:
+            raise ValueError(f"the GPT's shape is at tp {shape.tp}, the cost model at tp {model.tp}")
         if ring_gbps is not None and not ring_gbps > 0:
             raise ValueError(f"ring_gbps must be > 0 GB/s, got {ring_gbps!r}")
-        self.model, self.cp, self.attention, self.ring_gbps = model, int(cp), attention, ring_gbps
+        self.model, self.cp, self.shape, self.attention, self.ring_gbps = model, int(cp), shape, attention, ring_gbps
         self.tp, self.hidden_size = model.tp, model.hidden_size
         self.name, self.metadata = model.name, model.metadata
         self.microbatch_overhead = model.microbatch_overhead
@@ -114,7 +118,7 @@ class ContextParallelCostModel(CostModel):
 
     def _kv_ms(self, mbs, local):
         """One ring step's keys and values of one rank's tokens, over ``ring_gbps``."""
-        layer = self.attention.layer
+        layer = self.shape.layer
         width = 2.0 * layer.query_groups * layer.head_dim / self.tp  # keys and values
         return KV_BYTES * as_float(mbs) * local * width / (self.ring_gbps * 1e6)  # GB/s = 1e6 bytes per ms
 
@@ -142,7 +146,7 @@ class ContextParallelCostModel(CostModel):
         inner = self.model.packed()
         if inner is self.model:
             return self
-        return ContextParallelCostModel(inner, self.cp, attention=self.attention, ring_gbps=self.ring_gbps)
+        return ContextParallelCostModel(inner, self.cp, shape=self.shape, ring_gbps=self.ring_gbps)
 
     def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
         """:meth:`CostModel.shape_costs` of the inner model at the local shape (one call, as it
@@ -167,7 +171,7 @@ def split_over_cp(model: CostModel, cp: int, spec: Optional[ModelSpec] = None, *
         raise ValueError(f"the cost model prices one rank of CP {model.cp}, not of CP {cp}")
     if spec is None and model.metadata.get("model"):
         spec = ModelSpec.from_any(model.metadata["model"])  # a profile records the model it measured
-    attention = None
-    if not hasattr(model, "attention_core_ms") and spec is not None:  # its shares only: every shape fits
-        attention = AnalyticalCostModel(**gpt_shape(spec, model.tp), device_memory_mb=math.inf)
-    return ContextParallelCostModel(model, cp, attention=attention, ring_gbps=ring_gbps)
+    shape = None
+    if spec is not None and not isinstance(model, AnalyticalCostModel):  # its shares and widths: every shape fits
+        shape = AnalyticalCostModel(**gpt_shape(spec, model.tp), device_memory_mb=math.inf)
+    return ContextParallelCostModel(model, cp, shape=shape, ring_gbps=ring_gbps)

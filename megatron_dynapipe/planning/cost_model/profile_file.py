@@ -3,13 +3,15 @@
 A file is one JSON object.  A *measured* profile holds records: ``layer_time`` (ms of a layer in
 a phase at a (seqlen, mbs) point), ``activation_memory`` (MB an encoder layer stores and peaks at),
 ``model_state_memory`` (16-bit parameter MB of the embedding and of an encoder layer),
-``infeasible`` (points that ran out of memory) and ``microbatch_overhead`` (what a whole training
-step adds per micro-batch, once per stage and once per layer).  An encoder's ``layer_time`` and
-``activation_memory`` records with ``"layout": "thd"`` (format version 2) measure packed rows:
-``mbs`` samples of ``seqlen`` tokens each, back to back in one row, each attending to itself
-alone.  A *calibrated* file holds instead an
-``analytical`` object: the GPT's sizes and the rates ``profile --calibrate`` fitted.  Both may
-carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype, versions, model).
+``infeasible`` (points that ran out of memory), ``microbatch_overhead`` (what a whole training
+step adds per micro-batch, once per stage and once per layer) and, optionally,
+``attention_core_time`` (ms of the layer's attention core alone without a mask, the kernel of the
+blocks context parallelism's ring adds).  An encoder's ``layer_time`` and ``activation_memory``
+records with ``"layout": "thd"`` (format version 2) measure packed rows: ``mbs`` samples of
+``seqlen`` tokens each, back to back in one row, each attending to itself alone.  A *calibrated*
+file holds instead an ``analytical`` object: the GPT's sizes and the rates ``profile --calibrate``
+fitted.  Both may carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype,
+versions, model).
 
 :class:`ProfileRecords` is a measured profile keyed as its records are (what the profiler fills in
 and resumes, what :class:`~.profiled.ProfiledCostModel` interpolates); :func:`calibrated_settings`
@@ -49,13 +51,16 @@ _FIELDS = {
     "layer_time": (("tp", "recompute", "layer", "phase", "seqlen", "mbs"), "ms"),
     "activation_memory": (("tp", "recompute", "layer", "kind", "seqlen", "mbs"), "mb"),
     "model_state_memory": (("tp", "recompute", "layer"), "mb"),
+    "attention_core_time": (("tp", "phase", "seqlen", "mbs"), "ms"),
 }
+OPTIONAL_TABLES = ("attention_core_time",)  # files without them read as before
 _CHOICES = {
     ("layer_time", "layer"): LAYERS,
     ("layer_time", "phase"): PHASES,
     ("activation_memory", "layer"): ("encoder",),
     ("activation_memory", "kind"): KINDS,
     ("model_state_memory", "layer"): PARAM_LAYERS,
+    ("attention_core_time", "phase"): PHASES,
 }
 
 
@@ -129,6 +134,7 @@ class ProfileRecords:
     packed_times: dict[tuple, float] = field(default_factory=dict)
     packed_spread: dict[tuple, float] = field(default_factory=dict)
     packed_memory: dict[tuple, float] = field(default_factory=dict)
+    core_times: dict[tuple, float] = field(default_factory=dict)  # (tp, phase, seqlen, mbs) -> ms
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -150,6 +156,8 @@ class ProfileRecords:
                                    for k, v in sorted(self.params.items())],
             "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
             "microbatch_overhead": self.overhead_records(),
+            "attention_core_time": [dict(tp=k[0], phase=k[1], seqlen=k[2], mbs=k[3], ms=round(v, 4))
+                                    for k, v in sorted(self.core_times.items())],
         }
 
     def overhead_records(self) -> list[dict]:
@@ -169,11 +177,11 @@ class ProfileRecords:
             where.fail(f"holds a JSON {type(doc).__name__}, not an object")
         out = cls()
         for table in _FIELDS:
-            if table not in doc:
+            if table not in doc and table not in OPTIONAL_TABLES:
                 where.fail(f"lacks the key {table!r}")
-            if not isinstance(doc[table], list):
+            if not isinstance(doc.get(table, []), list):
                 where.fail(f"key {table!r} is not a list of records")
-            for n, rec in enumerate(doc[table]):
+            for n, rec in enumerate(doc.get(table, [])):
                 out._add(table, _record(where, table, n, rec), rec, where)
         out.overhead, out.overhead_points = _overhead(doc, where)
         for n, rec in enumerate(doc.get("infeasible", [])):
@@ -193,6 +201,8 @@ class ProfileRecords:
         elif table == "activation_memory":
             tp, rc, _layer, kind, s, m = key
             _put(where, self.packed_memory if packed else self.memory, (tp, rc, kind, s, m), value, table)
+        elif table == "attention_core_time":
+            _put(where, self.core_times, key, value, table)
         else:  # one value per recompute type, equal up to noise
             self.params[key] = max(self.params.get(key, 0.0), value)
 
@@ -235,6 +245,14 @@ class ProfileRecords:
                     and all((kind, rc) in memory for kind in KINDS)}
         return ({k: v for k, v in times.items() if k[2] in complete},
                 {k: v for k, v in memory.items() if k[1] in complete})
+
+    def core_tables(self, tp: int) -> dict:
+        """The attention core's times of ``tp``: phase -> {(seqlen, mbs): ms}, both phases or none."""
+        tables: dict = {}
+        for (t, phase, s, m), v in self.core_times.items():
+            if t == tp:
+                tables.setdefault(phase, {})[s, m] = v
+        return tables if all(phase in tables for phase in PHASES) else {}
 
 
 def _grids(records: Mapping[tuple, float], tp: int) -> dict:

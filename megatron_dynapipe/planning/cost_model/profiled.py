@@ -56,6 +56,7 @@ class ProfiledCostModel(CostModel):
         document: Mapping | None = None,
         packed_times: dict[tuple[str, str, RecomputeType], Grid] | None = None,
         packed_memory: dict[tuple[str, RecomputeType], Grid] | None = None,
+        core_times: Mapping[str, Grid] | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
@@ -70,6 +71,8 @@ class ProfiledCostModel(CostModel):
         self._document = None if document is None else dict(document)  # the file it came from, for to_document
         self._packed_times = dict(packed_times or {})  # the encoder on packed rows, where measured
         self._packed_memory = dict(packed_memory or {})
+        self._core_times = dict(core_times or {})  # phase -> the attention core alone, where measured
+        self.prices_attention_core = bool(self._core_times)
 
     def describe(self) -> str:
         model = self.metadata.get("model") or {}
@@ -104,7 +107,8 @@ class ProfiledCostModel(CostModel):
         return ProfiledCostModel(
             tp=self.tp, hidden_size=self.hidden_size, times={**self._times, **self._packed_times},
             memory={**self._memory, **self._packed_memory}, params_mb=self._params, name=self.name,
-            metadata=self.metadata, microbatch_overhead=self.microbatch_overhead, document=self._document)
+            metadata=self.metadata, microbatch_overhead=self.microbatch_overhead, document=self._document,
+            core_times=self._core_times)
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         rc = as_recompute(recompute)
@@ -114,6 +118,19 @@ class ProfiledCostModel(CostModel):
             check_choice("phase", phase, PHASES)
             return full_inf(mbs, seqlen)
         return grid(mbs, seqlen)
+
+    def attention_core_ms(self, phase, recompute, mbs, seqlen):
+        """A causal attention core's worth of the blocks context parallelism's ring adds: half of the
+        core measured without a mask (a causal core's pairs of queries and keys, at the rate of the
+        ring's unmasked blocks; in backward, the forward again where ``recompute`` reruns the core)."""
+        check_choice("phase", phase, PHASES)
+        if not self.prices_attention_core:
+            raise CostModelError(f"{self.describe()} did not measure the attention core alone: profile again with "
+                                 "this megatron-dynapipe, or price the core from the GPT's shape (split_over_cp)")
+        ms = self._core_times[phase](mbs, seqlen)
+        if phase == "backward" and as_recompute(recompute) != RecomputeType.NONE:
+            ms = ms + self._core_times["forward"](mbs, seqlen)
+        return 0.5 * ms
 
     def activation_mb(self, kind, recompute, mbs, seqlen):
         rc = as_recompute(recompute)
@@ -180,6 +197,7 @@ class ProfiledCostModel(CostModel):
             document=dict(doc, hidden_size=hidden_size),
             packed_times={k: Grid(v) for k, v in packed_times.items()},
             packed_memory={k: Grid(v) for k, v in packed_memory.items()},
+            core_times={phase: Grid(v) for phase, v in records.core_tables(tp).items()},
         )
 
     def to_document(self) -> dict:
