@@ -65,6 +65,10 @@ class Parts:
     (megatron-core's THD format), where the attention core runs them (else there are none); ``postprocess(x, labels)`` is the final norm, the
     LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
     token ids (word and learned positions), both the same whatever the layers recompute.
+    ``attention_core(query, key, value)`` is the layer's attention core alone without a mask
+    (every query to every key, as context parallelism's ring attends other ranks' chunks), on
+    ``[seq, mbs, heads, head_dim]`` queries and ``[seq, mbs, groups, head_dim]`` keys and values,
+    ``core_widths`` those (heads, groups, head_dim) on this rank.
     Parameter counts are of this rank's shards.
     """
 
@@ -72,6 +76,8 @@ class Parts:
     packed_encoders: dict[RecomputeType, Callable[[torch.Tensor, int], torch.Tensor]]
     postprocess: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     preprocess: Callable[[torch.Tensor], torch.Tensor]
+    attention_core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    core_widths: "tuple[int, int, int] | None"  # None once the core was found not to run alone
     encoder_params: int
     embedding_params: int
 
@@ -80,6 +86,7 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
                 recompute: Sequence[RecomputeType]) -> Parts:
     """Build the parts inside :func:`fake_tp_rank`: a megatron-core TransformerBlock of one layer
     per recompute type and one GPTModel whose embedding and head are used."""
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     use_te = uses_transformer_engine(device.type)
@@ -103,6 +110,14 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
         return lambda x, seq: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(seq),
                                     packed_seq_params=_equal_segments(x.shape[0], seq, device))
 
+    core = next(iter(blocks.values())).layers[0].self_attention.core_attention  # recompute wraps it, not in it
+    layer_config = config(RecomputeType.NONE)
+    core_widths = (layer_config.num_attention_heads // tp, (layer_config.num_query_groups or
+                   layer_config.num_attention_heads) // tp, layer_config.kv_channels)
+
+    def attention_core(query, key, value):
+        return core(query, key, value, None, attn_mask_type=AttnMaskType.no_mask)
+
     def postprocess(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = head.decoder.final_layernorm(x)
         weight = head.shared_embedding_or_output_weight() if head.share_embeddings_and_output_weights else None
@@ -117,7 +132,7 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
         encoders={rc: encoder(block) for rc, block in blocks.items()},
         packed_encoders={rc: packed_encoder(block) for rc, block in blocks.items()} if runs_packed(spec, device.type)
         else {},
-        postprocess=postprocess, preprocess=preprocess,
+        postprocess=postprocess, preprocess=preprocess, attention_core=attention_core, core_widths=core_widths,
         encoder_params=sum(p.numel() for p in head.decoder.layers[0].parameters()),
         embedding_params=sum(p.numel() for p in head.embedding.parameters()),
     )

@@ -3,7 +3,8 @@
 For each tensor-parallel size, each recompute type, and each point of a grid of sequence
 lengths and micro-batch sizes: the forward and backward time of one transformer layer and of the
 last stage's head (final norm, LM head and loss) and of the first stage's embedding, the layer's
-stored and peak activation memory,
+stored and peak activation memory, the forward and backward time of the layer's attention core
+alone without a mask (the blocks context parallelism's ring adds, at any recompute type),
 and the 16-bit parameter memory of a layer and of the embeddings.  Where the attention core runs
 packed micro-batches (``--attention sdpa``, transformer-engine), the layer is measured on packed
 rows too, ``mbs`` samples of ``seqlen`` tokens back to back at each point, so that the planner
@@ -24,6 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -283,7 +285,34 @@ def measure_point(profile: ProfileRun, parts: Parts, tp: int, recompute: Sequenc
         if rc in parts.packed_encoders:
             _measure_packed(profile, parts.packed_encoders[rc], tp, rc, seq, mbs)
         fits.append(rc)
+    if fits and parts.core_widths and (tp, "forward", seq, mbs) not in profile.records.core_times:
+        _measure_core(profile, parts, tp, seq, mbs)
     return fits
+
+
+def _measure_core(profile: ProfileRun, parts: Parts, tp: int, seq: int, mbs: int) -> None:
+    """The attention core alone, without a mask, at one point; nothing recorded where it runs out of
+    memory (the cost model then prices the core by its share of the layer, as for a profile without
+    it). A core that cannot run alone is said once and skipped: the layers' times are what count."""
+    s, device = profile.settings, profile.device
+    heads, groups, head_dim = parts.core_widths
+
+    def inputs():
+        return [torch.randn(seq, mbs, n, head_dim, device=device, dtype=torch_dtype(s.dtype), requires_grad=True)
+                for n in (heads, groups, groups)]
+
+    try:
+        qkv = unless_out_of_memory(device, inputs)
+        timing = qkv and unless_out_of_memory(device, lambda: time_step(lambda: parts.attention_core(*qkv), device,
+                                                                         **_timing(s)))
+    except Exception as error:  # noqa: BLE001 -- a profile of hours is not lost to the core's own call
+        parts.core_widths = None
+        print(f"warning: the attention core does not run alone here ({type(error).__name__}: {error}); the profile "
+              "leaves it out, and context parallelism's blocks are priced by the core's FLOP share", file=sys.stderr)
+        return
+    if timing:
+        for phase, ms in (("forward", timing.forward_ms), ("backward", timing.backward_ms)):
+            profile.records.core_times[(tp, phase, seq, mbs)] = ms
 
 
 def _measure_packed(profile: ProfileRun, packed_encoder, tp: int, rc: RecomputeType, seq: int, mbs: int) -> None:

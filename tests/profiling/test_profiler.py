@@ -7,7 +7,7 @@ import json
 import torch
 
 from megatron_dynapipe.config.model import get_model
-from megatron_dynapipe.planning.cost_model import ProfiledCostModel
+from megatron_dynapipe.planning.cost_model import ProfiledCostModel, split_over_cp
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.profiler import ProfileSettings, profile_model
 
@@ -30,14 +30,38 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
     assert points == {(rc, layer, phase, s, m) for rc in ("none", "full") for layer in ("encoder", "postprocess",
                       "preprocess") for phase in ("forward", "backward") for s, m in GRID}
     assert json.loads(out.read_text()) == doc and doc["metadata"]["complete"]
+    # the attention core alone, once a point whatever the recompute: what context parallelism repeats
+    assert sorted((r["phase"], r["seqlen"], r["mbs"]) for r in doc["attention_core_time"]) == sorted(
+        (phase, s, m) for phase in ("forward", "backward") for s, m in GRID)
+    assert all(r["ms"] > 0 for r in doc["attention_core_time"])
 
     model = ProfiledCostModel.from_json(out, tp=1)
     for rc in SETTINGS.recompute:
         assert 0 < model.layer_ms("encoder", "forward", rc, 2, 64) < float("inf")
     assert model.layer_ms("encoder", "forward", RecomputeType.NONE, 4, 64) == float("inf")  # past the grid
+    assert split_over_cp(model, 2).attention is model  # the ring's blocks priced by the measured core
 
     again: list = []
     resumed = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), resume=True,
                             progress=lambda *call: again.append(call))
     assert again == []  # every point and the overhead were there already
     assert resumed["layer_time"] == doc["layer_time"] and resumed["microbatch_overhead"] == doc["microbatch_overhead"]
+    assert resumed["attention_core_time"] == doc["attention_core_time"]
+
+
+def test_a_core_that_cannot_run_alone_is_said_once_and_left_out(capsys):
+    # transformer-engine's core refusing a mask type, say: the layers' times are still measured
+    from megatron_dynapipe.profiling.layers import build_parts, fake_tp_rank
+    from megatron_dynapipe.profiling.profiler import ProfileRun, measure_point
+
+    def refuses(*tensors):
+        raise RuntimeError("no_mask is not supported here")
+
+    run = ProfileRun(TINY, SETTINGS, torch.device("cpu"))
+    with fake_tp_rank(1, torch.device("cpu")):
+        parts = build_parts(TINY, 1, torch.float32, torch.device("cpu"), [RecomputeType.NONE])
+        parts.attention_core = refuses
+        for s, m in GRID[:2]:
+            assert measure_point(run, parts, 1, [RecomputeType.NONE], s, m) == [RecomputeType.NONE]
+    assert run.records.core_times == {} and (1, "none", "encoder", "forward", 32, 2) in run.records.times
+    assert capsys.readouterr().err.count("the attention core does not run alone here (RuntimeError: no_mask") == 1
