@@ -68,7 +68,8 @@ class Parts:
     ``attention_core(query, key, value)`` is the layer's attention core alone without a mask
     (every query to every key, as context parallelism's ring attends other ranks' chunks), on
     ``[seq, mbs, heads, head_dim]`` queries and ``[seq, mbs, groups, head_dim]`` keys and values,
-    ``core_widths`` those (heads, groups, head_dim) on this rank.
+    ``core_widths`` those (heads, groups, head_dim) on this rank; None where the core was found not to
+    run alone.
     Parameter counts are of this rank's shards.
     """
 
@@ -76,8 +77,8 @@ class Parts:
     packed_encoders: dict[RecomputeType, Callable[[torch.Tensor, int], torch.Tensor]]
     postprocess: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     preprocess: Callable[[torch.Tensor], torch.Tensor]
-    attention_core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    core_widths: "tuple[int, int, int] | None"  # None once the core was found not to run alone
+    attention_core: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None"
+    core_widths: tuple[int, int, int]
     encoder_params: int
     embedding_params: int
 

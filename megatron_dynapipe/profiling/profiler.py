@@ -285,15 +285,16 @@ def measure_point(profile: ProfileRun, parts: Parts, tp: int, recompute: Sequenc
         if rc in parts.packed_encoders:
             _measure_packed(profile, parts.packed_encoders[rc], tp, rc, seq, mbs)
         fits.append(rc)
-    if fits and parts.core_widths and (tp, "forward", seq, mbs) not in profile.records.core_times:
+    if fits and parts.attention_core and (tp, "forward", seq, mbs) not in profile.records.core_times:
         _measure_core(profile, parts, tp, seq, mbs)
     return fits
 
 
 def _measure_core(profile: ProfileRun, parts: Parts, tp: int, seq: int, mbs: int) -> None:
-    """The attention core alone, without a mask, at one point; nothing recorded where it runs out of
-    memory (the cost model then prices the core by its share of the layer, as for a profile without
-    it). A core that cannot run alone is said once and skipped: the layers' times are what count."""
+    """The attention core alone, without a mask, at one point (nothing recorded where it runs out of
+    memory, which the layer around it did not). A core that cannot run alone is said once and left
+    out of the profile, whose CP blocks are then priced by the core's FLOP share: the layers' times
+    are what count."""
     s, device = profile.settings, profile.device
     heads, groups, head_dim = parts.core_widths
 
@@ -306,7 +307,7 @@ def _measure_core(profile: ProfileRun, parts: Parts, tp: int, seq: int, mbs: int
         timing = qkv and unless_out_of_memory(device, lambda: time_step(lambda: parts.attention_core(*qkv), device,
                                                                          **_timing(s)))
     except Exception as error:  # noqa: BLE001 -- a profile of hours is not lost to the core's own call
-        parts.core_widths = None
+        parts.attention_core = None
         print(f"warning: the attention core does not run alone here ({type(error).__name__}: {error}); the profile "
               "leaves it out, and context parallelism's blocks are priced by the core's FLOP share", file=sys.stderr)
         return
