@@ -62,11 +62,12 @@ class SDPAttention(DotProductAttention):
                                  scale=self.softmax_scale, window_size=(-1, 0),  # causal
                                  **({"enable_gqa": True} if gqa else {}))
             return out.reshape(query.size(0), -1)
-        # one sample at a time, [len, heads, dim] -> [1, heads, len, dim]; joined by cat, whose
-        # backward hands each segment a view of the gradient (slice assignment into one output
-        # would copy the whole gradient once per segment)
-        outs = [self._attend(*(x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value)), None,
-                             causal)[0].transpose(0, 1) for start, end in segment_bounds(cu_seqlens)]
+        # one sample at a time, [len, heads, dim] -> [1, heads, len, dim]. Cut by split, whose backward
+        # joins the samples' gradients in one cat (a slice's backward fills a zero tensor the size of
+        # the whole row for every sample), and joined by cat, whose backward hands each a view
+        sizes = [end - start for start, end in segment_bounds(cu_seqlens)]
+        outs = [self._attend(*(x.transpose(0, 1).unsqueeze(0) for x in sample), None, causal)[0].transpose(0, 1)
+                for sample in zip(*(x.split(sizes) for x in (query, key, value)))]
         return torch.cat(outs, dim=0).reshape(query.size(0), -1)
 
     def _attend(self, q, k, v, mask, causal: bool):

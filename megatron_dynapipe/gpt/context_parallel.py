@@ -95,9 +95,11 @@ def ring_attention(core_class):
         def _attend_packed(self, query, blocks, cu_seqlens):
             """Packed ``[t/c, heads, dim]``: each sample's share against that sample's keys alone."""
             cp = len(blocks)
-            outs = [self._attend_whole(query[a:b].unsqueeze(1), [block[:, a:b].unsqueeze(2) for block in blocks],
-                                       seq_dim=0).squeeze(1)
-                    for a, b in ((a // cp, b // cp) for a, b in _whole_chunks(segment_bounds(cu_seqlens), cp))]
+            sizes = [(b - a) // cp for a, b in _whole_chunks(segment_bounds(cu_seqlens), cp)]
+            # split, not slices: one cat joins the samples' gradients (see SDPAttention._packed)
+            shares = [block.split(sizes, dim=1) for block in blocks]  # [rank][sample]
+            outs = [self._attend_whole(q.unsqueeze(1), [share[i].unsqueeze(2) for share in shares], seq_dim=0).squeeze(1)
+                    for i, q in enumerate(query.split(sizes))]
             return torch.cat(outs, dim=0)
 
     RingAttention.__name__ = RingAttention.__qualname__ = f"Ring{core_class.__name__}"
