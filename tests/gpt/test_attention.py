@@ -151,3 +151,52 @@ def test_the_cuda_varlen_kernel_computes_what_the_per_sample_loop_computes(field
     [[kernel, loop]] = run_local_ranks(_varlen_kernel_and_loop, 1, spec, LENGTHS, "cuda", timeout=300)
     for got, expected in zip(kernel, loop):  # bf16: equal to a few units in the last place
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+def _row_sized_writes_in_backward(rank, world_size, spec, lengths):
+    """Backward of a packed row of ``lengths`` through the SDPA core's per-sample loop (the CPU's):
+    how many ops wrote a tensor the size of the whole row's queries."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_dynapipe.gpt import attention
+    from megatron_dynapipe.gpt.build import transformer_config
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
+
+    class RowSizedWrites(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape
+            return out
+
+    init_model_parallel(1, 1)
+    try:
+        core = attention.SDPAttention(transformer_config(spec, dtype=torch.float32), layer_number=1,
+                                      attn_mask_type=AttnMaskType.causal, attention_type="self")
+        heads, dim = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
+        q, k, v = (torch.randn(sum(lengths), heads, dim, requires_grad=True) for _ in range(3))
+        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_kv=max(lengths))
+        out = core(q, k, v, None, packed_seq_params=params)
+        with RowSizedWrites(tuple(q.shape)) as writes:
+            out.sum().backward()
+        return writes.count
+    finally:
+        destroy_model_parallel()
+
+
+def test_a_packed_rows_backward_does_not_write_the_whole_row_once_a_sample():
+    """Each sample's gradient reaches the row's q, k and v without a row-sized tensor of its own
+    (a slice's backward makes one for each sample and adds it in: n samples, n row-sized fills and
+    adds per input), so the row-sized writes do not grow with the number of samples."""
+    spec = _spec(attention="sdpa", attention_dropout=0.0)
+    few, many = (run_local_ranks(_row_sized_writes_in_backward, 1, spec, lengths, timeout=300)[0]
+                 for lengths in ((16, 16), (4,) * 8))
+    assert few == many, (few, many)
