@@ -56,8 +56,8 @@ def ring_attention(core_class):
                     packed_seq_params=None):
             if query.is_meta:
                 key, value = _KVRing.apply(key, value)
-                return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias=attention_bias,
+                                       packed_seq_params=_rank_shares(packed_seq_params, self.cp_size))
             if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal or attention_mask is not None \
                     or attention_bias is not None:
                 raise ValueError("context parallelism without transformer-engine runs causal self-attention "
@@ -104,6 +104,18 @@ def ring_attention(core_class):
 
     RingAttention.__name__ = RingAttention.__qualname__ = f"Ring{core_class.__name__}"
     return RingAttention
+
+
+def _rank_shares(params, cp: int):
+    """A packed micro-batch's ``params`` (the whole samples' ``cu_seqlens``) as one rank of ``cp``
+    holds it: each sample's ``1 / cp`` of its tokens, which a shapes-only core attends alone."""
+    if params is None:
+        return None
+    _whole_chunks(segment_bounds(params.cu_seqlens_q), cp)
+    cu_seqlens = params.cu_seqlens_q // cp
+    return dataclasses.replace(params, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               max_seqlen_q=params.max_seqlen_q and params.max_seqlen_q // cp,
+                               max_seqlen_kv=params.max_seqlen_kv and params.max_seqlen_kv // cp)
 
 
 class _ChunkPairAttention(torch.autograd.Function):

@@ -133,3 +133,23 @@ def test_blockwise_attention_of_a_ranks_two_chunks(cp):
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
         for got, want in zip(grads, expected_grads):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shapes_only_rank_attends_each_packed_samples_share_alone():
+    """On meta tensors the core attends a rank's ``1 / CP`` of each sample: its ``cu_seqlens`` are
+    the whole samples' divided by CP (a sample split into 2 x CP chunks, or refused)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_dynapipe.gpt.context_parallel import _rank_shares
+
+    whole = torch.tensor([0, 8, 20, 24], dtype=torch.int32)  # samples of 8, 12 and 4 tokens
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=12,
+                             max_seqlen_kv=12)
+    shares = _rank_shares(params, CP)
+    assert shares.cu_seqlens_q.tolist() == shares.cu_seqlens_kv.tolist() == [0, 4, 10, 12]
+    assert shares.max_seqlen_q == shares.max_seqlen_kv == 6 and shares.qkv_format == "thd"
+    assert _rank_shares(None, CP) is None
+    uneven = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 6, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _rank_shares(uneven, CP)
