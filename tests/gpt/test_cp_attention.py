@@ -153,3 +153,57 @@ def test_a_shapes_only_rank_attends_each_packed_samples_share_alone():
     uneven = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 6, 12], dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 4"):
         _rank_shares(uneven, CP)
+
+
+def _ring_writes_in_backward(rank, world_size, lengths):
+    """Backward of one rank's share of a packed row of ``lengths`` through the ring's SDPA core:
+    how many ops wrote a tensor the size of the rank's whole share of queries, keys or values."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_dynapipe.compat import cpu_compat
+    from megatron_dynapipe.gpt.attention import SDPAttention
+    from megatron_dynapipe.gpt.build import transformer_config
+    from megatron_dynapipe.gpt.context_parallel import ring_attention
+    from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
+
+    spec = dataclasses.replace(TINY_TEST_GPT, attention="sdpa", attention_dropout=0.0)
+    heads, dim = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
+    share = sum(lengths) // CP
+    whole_share = {(share, heads, dim), (2, share, heads, dim)}  # queries; a rank's keys and values
+
+    class ShareSizedWrites(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) in whole_share
+            return out
+
+    cpu_compat.enable_cpu_mode()
+    init_model_parallel(1, 1, context_parallel_size=CP)
+    try:
+        core = ring_attention(SDPAttention)(transformer_config(spec, dtype=torch.float32, cp=CP), layer_number=1,
+                                            attn_mask_type=AttnMaskType.causal, attention_type="self")
+        q, k, v = (torch.randn(share, heads, dim, requires_grad=True) for _ in range(3))
+        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_kv=max(lengths))
+        out = core(q, k, v, None, packed_seq_params=params)
+        with ShareSizedWrites() as writes:
+            out.sum().backward()
+        return writes.count
+    finally:
+        destroy_model_parallel()
+        cpu_compat.disable_cpu_mode()
+
+
+def test_a_packed_rows_ring_backward_does_not_write_the_whole_share_once_a_sample():
+    """As on one rank (tests/gpt/test_attention.py), each sample's gradient reaches the rank's
+    queries and the ring's keys and values without a tensor of the rank's whole share of its own:
+    as many such writes for 8 samples as for 2."""
+    few, many = (run_local_ranks(_ring_writes_in_backward, CP, lengths, timeout=240)
+                 for lengths in ((16, 16), (4,) * 8))
+    assert few == many, (few, many)
