@@ -100,7 +100,6 @@ def _varlen_kernel_and_loop(rank, world_size, spec, lengths, device):
     """A packed row through the SDPA core twice, by torch's varlen kernel and by the per-sample
     loop: per path the output and the gradients of q, k and v (bf16 on CUDA)."""
     import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_dynapipe.gpt import attention
@@ -119,9 +118,7 @@ def _varlen_kernel_and_loop(rank, world_size, spec, lengths, device):
         q, k, v = (torch.randn(tokens, n, dim, dtype=dtype, device=device)
                    for n in (heads, spec.num_query_groups or heads, spec.num_query_groups or heads))
         grad = torch.randn(tokens, heads * dim, dtype=dtype, device=device)
-        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32, device=device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                                 max_seqlen_kv=max(lengths))
+        params = packed_params(lengths, device)
         kernel, out = attention._VARLEN, []
         for attention._VARLEN in (kernel, None):
             inputs = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -153,27 +150,43 @@ def test_the_cuda_varlen_kernel_computes_what_the_per_sample_loop_computes(field
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
 
 
+def packed_params(lengths, device="cpu"):
+    """megatron-core's THD ``PackedSeqParams`` of one row of samples of ``lengths``."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                           max_seqlen_kv=max(lengths))
+
+
+def writes_of_shapes(shapes, run) -> int:
+    """How many ops ``run()`` dispatches whose output tensor has one of ``shapes``."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) in shapes
+            return out
+
+    with Writes() as writes:
+        run()
+    return writes.count
+
+
 def _row_sized_writes_in_backward(rank, world_size, spec, lengths):
     """Backward of a packed row of ``lengths`` through the SDPA core's per-sample loop (the CPU's):
     how many ops wrote a tensor the size of the whole row's queries."""
     import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_dynapipe.gpt import attention
     from megatron_dynapipe.gpt.build import transformer_config
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
-
-    class RowSizedWrites(TorchDispatchMode):
-        def __init__(self, shape):
-            super().__init__()
-            self.shape, self.count = shape, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape
-            return out
 
     init_model_parallel(1, 1)
     try:
@@ -181,13 +194,8 @@ def _row_sized_writes_in_backward(rank, world_size, spec, lengths):
                                       attn_mask_type=AttnMaskType.causal, attention_type="self")
         heads, dim = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
         q, k, v = (torch.randn(sum(lengths), heads, dim, requires_grad=True) for _ in range(3))
-        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                                 max_seqlen_kv=max(lengths))
-        out = core(q, k, v, None, packed_seq_params=params)
-        with RowSizedWrites(tuple(q.shape)) as writes:
-            out.sum().backward()
-        return writes.count
+        out = core(q, k, v, None, packed_seq_params=packed_params(lengths))
+        return writes_of_shapes({tuple(q.shape)}, lambda: out.sum().backward())
     finally:
         destroy_model_parallel()
 

@@ -12,6 +12,8 @@ from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatc
 from megatron_dynapipe.gpt.tiny import TINY_TEST_GPT
 from megatron_dynapipe.local_ranks import run_local_ranks
 
+from test_attention import packed_params, writes_of_shapes  # tests/gpt is on the path, as pytest collects it
+
 CP = 2
 # every sample a multiple of 2 x CP tokens, as a packed micro-batch under CP needs
 PACKED_LENGTHS = (8, 20, 4, 12)  # 44 tokens in a row of 48: the last 4 are padding
@@ -138,30 +140,21 @@ def test_blockwise_attention_of_a_ranks_two_chunks(cp):
 def test_a_shapes_only_rank_attends_each_packed_samples_share_alone():
     """On meta tensors the core attends a rank's ``1 / CP`` of each sample: its ``cu_seqlens`` are
     the whole samples' divided by CP (a sample split into 2 x CP chunks, or refused)."""
-    import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_dynapipe.gpt.context_parallel import _rank_shares
 
-    whole = torch.tensor([0, 8, 20, 24], dtype=torch.int32)  # samples of 8, 12 and 4 tokens
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=12,
-                             max_seqlen_kv=12)
-    shares = _rank_shares(params, CP)
+    shares = _rank_shares(packed_params((8, 12, 4)), CP)
     assert shares.cu_seqlens_q.tolist() == shares.cu_seqlens_kv.tolist() == [0, 4, 10, 12]
     assert shares.max_seqlen_q == shares.max_seqlen_kv == 6 and shares.qkv_format == "thd"
     assert _rank_shares(None, CP) is None
-    uneven = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 6, 12], dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of 4"):
-        _rank_shares(uneven, CP)
+        _rank_shares(packed_params((6, 6)), CP)
 
 
 def _ring_writes_in_backward(rank, world_size, lengths):
     """Backward of one rank's share of a packed row of ``lengths`` through the ring's SDPA core:
     how many ops wrote a tensor the size of the rank's whole share of queries, keys or values."""
     import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.gpt.attention import SDPAttention
@@ -172,29 +165,15 @@ def _ring_writes_in_backward(rank, world_size, lengths):
     spec = dataclasses.replace(TINY_TEST_GPT, attention="sdpa", attention_dropout=0.0)
     heads, dim = spec.num_attention_heads, spec.hidden_size // spec.num_attention_heads
     share = sum(lengths) // CP
-    whole_share = {(share, heads, dim), (2, share, heads, dim)}  # queries; a rank's keys and values
-
-    class ShareSizedWrites(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.count += isinstance(out, torch.Tensor) and tuple(out.shape) in whole_share
-            return out
-
     cpu_compat.enable_cpu_mode()
     init_model_parallel(1, 1, context_parallel_size=CP)
     try:
         core = ring_attention(SDPAttention)(transformer_config(spec, dtype=torch.float32, cp=CP), layer_number=1,
                                             attn_mask_type=AttnMaskType.causal, attention_type="self")
         q, k, v = (torch.randn(share, heads, dim, requires_grad=True) for _ in range(3))
-        cu = torch.tensor(np.cumsum((0,) + tuple(lengths)), dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                                 max_seqlen_kv=max(lengths))
-        out = core(q, k, v, None, packed_seq_params=params)
-        with ShareSizedWrites() as writes:
-            out.sum().backward()
-        return writes.count
+        out = core(q, k, v, None, packed_seq_params=packed_params(lengths))
+        # queries; a rank's keys and values, stacked for the ring
+        return writes_of_shapes({(share, heads, dim), (2, share, heads, dim)}, lambda: out.sum().backward())
     finally:
         destroy_model_parallel()
         cpu_compat.disable_cpu_mode()
