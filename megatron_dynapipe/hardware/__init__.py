@@ -52,6 +52,7 @@ from typing import Any, Iterable, Mapping
 
 from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape
+from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 
 __all__ = [
@@ -84,26 +85,6 @@ _FIX = "see docs/simulate.md for the fields, or write one for this machine with 
 
 class HardwareFileError(ValueError):
     """A hardware file that cannot be used; the message names the field and the fix."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link's achievable bus bandwidth (GB/s) and the latency of one algorithm step (us);
-    ``algorithm`` pins the all-reduce to ``ring`` or ``tree`` (``auto``: the cheaper, as NCCL's
-    tuner picks; ``calibrate`` pins what it fitted)."""
-
-    bandwidth_GBps: float
-    latency_us: float
-    algorithm: str = "auto"
-
-    def transfer_us(self, nbytes: float) -> float:
-        return nbytes / (self.bandwidth_GBps * 1e3)  # 1 GB/s moves 1e3 bytes per microsecond
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
-        if self.algorithm != "auto":
-            out["algorithm"] = self.algorithm
-        return out
 
 
 def ring_terms(kind: str, n: int) -> tuple[float, float]:

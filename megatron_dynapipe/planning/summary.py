@@ -28,6 +28,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "tokens": int(sum(lengths)),
         "pp": spec.pp, "chunks": spec.chunks, "dp": spec.dp, "tp": spec.tp, "cp": spec.cp, "num_layers": spec.num_layers,
         "cost_model": costs.model.describe(),
+        "p2p_link": costs.p2p_link.to_json(),  # the profile's measured link, else the default
         "memory_limit_mb": spec.memory_limit_mb,
         "fast_mode": result.fast_mode,
         "packing": spec.packing,

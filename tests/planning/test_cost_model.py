@@ -18,6 +18,7 @@ from megatron_dynapipe.planning.cost_model import (
     AnalyticalCostModel,
     CostModel,
     CostModelError,
+    Link,
     ProfiledCostModel,
     StageCosts,
     load_cost_model,
@@ -517,10 +518,27 @@ def test_single_stage_holds_the_embedding_once():
 
 
 def test_p2p_time():
-    sc = StageCosts(_Fixed(), 4, 2, p2p_gbps=50.0)
+    sc = StageCosts(_Fixed(), 4, 2, link=Link(bandwidth_GBps=50.0, latency_us=0.0))
     # 2 bytes * 4 * 2048 * 1000 = 16.384 MB over 50 GB/s = 0.32768 ms
     assert sc.p2p_ms(4, 2048) == pytest.approx(0.32768)
     np.testing.assert_allclose(sc.p2p_ms(np.array([1, 4]), 2048), [0.08192, 0.32768])
+    assert StageCosts(_Fixed(), 4, 2).p2p_ms(4, 2048) == pytest.approx(16.384e6 / 100e9 * 1e3)  # 100 GB/s
+
+
+def test_p2p_time_over_the_link_a_profile_measured(tmp_path):
+    # fp32 activations (4 B a value) over 0.2 ms + 2 GB/s: 1 x 64 tokens x hidden 4096 = 1 MiB
+    doc = json.loads(PROFILE.read_text())
+    doc["metadata"] = dict(doc.get("metadata") or {}, dtype="fp32", link={"latency_us": 200.0, "bandwidth_GBps": 2.0})
+    path = tmp_path / "linked.json"
+    path.write_text(json.dumps(doc))
+    sc = StageCosts(load_cost_model(path, 1), 4, 2)
+    assert sc.p2p_ms(1, 64) == pytest.approx(0.2 + 4 * 64 * 4096 / 2e9 * 1e3)
+    assert StageCosts(load_cost_model(path, 1), 4, 2, link=Link(bandwidth_GBps=4.0, latency_us=0.0)).p2p_ms(1, 64) == pytest.approx(
+        4 * 64 * 4096 / 4e9 * 1e3)  # a link given wins
+    doc["metadata"]["link"] = {"latency_us": -1, "bandwidth_GBps": 2.0}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CostModelError, match="metadata.link must hold bandwidth_GBps > 0 and latency_us >= 0"):
+        load_cost_model(path, 1)
 
 
 # --- analytical ----------------------------------------------------------------------------------

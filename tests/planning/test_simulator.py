@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dynapipe.planning.cost_model import CostModel, StageCosts
+from megatron_dynapipe.planning.cost_model import CostModel, Link, StageCosts
 from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import (
     OrderIndex,
@@ -120,7 +120,7 @@ class _Scrambled(CostModel):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), pp=st.integers(1, 5), n=st.integers(1, 12), data=st.data())
 def test_no_schedule_beats_the_work_table_lower_bound_whatever_recompute_is_raised_to(seed, pp, n, data):
-    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, link=Link(bandwidth_GBps=0.05, latency_us=0.0))
     shapes = data.draw(st.lists(st.tuples(st.integers(1, 8), st.integers(1, 64)), min_size=n, max_size=n))
     table = WorkTable(costs, [MicroBatch(tuple(range(size)), 8 * length) for size, length in shapes])
     start = np.array(data.draw(st.lists(st.integers(0, 2), min_size=pp * n, max_size=pp * n))).reshape(pp, n)
@@ -255,7 +255,7 @@ def test_no_schedule_beats_the_bound_of_its_entry_order(pp, n, seed, data):
 def test_the_summary_bound_holds_for_any_order_and_is_the_longest_round_trip_on_deep_pipelines(seed, pp, n):
     from megatron_dynapipe.planning.baselines import lower_bound_ms
 
-    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, link=Link(bandwidth_GBps=0.05, latency_us=0.0))
     microbatches = [MicroBatch(tuple(range(size)), 8 * size) for size in range(1, n + 1)]
     recompute = np.zeros((pp, n), dtype=np.int64)
     bound = lower_bound_ms(costs, microbatches, recompute)
@@ -282,7 +282,7 @@ def test_a_bound_of_counted_micro_batches_is_the_bound_of_the_run_written_out(se
     how often it runs, in place of tens of thousands of copies."""
     from megatron_dynapipe.planning.baselines import lower_bound_ms
 
-    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, p2p_gbps=0.05)
+    costs = StageCosts(_Scrambled(seed), num_layers=2 * pp, pp=pp, link=Link(bandwidth_GBps=0.05, latency_us=0.0))
     distinct = [MicroBatch(tuple(range(size)), 8 * size) for size in range(1, len(counts) + 1)]
     written_out = [mb for mb, count in zip(distinct, counts) for _ in range(count)]
     counted = lower_bound_ms(costs, distinct, np.zeros((pp, len(distinct)), dtype=np.int64), counts)

@@ -140,6 +140,11 @@ class CostModel(abc.ABC):
         """The dtype activations run in: the measured one, else 16-bit as on a GPU."""
         return self.metadata.get("dtype") or "bf16"
 
+    @property
+    def activation_bytes(self) -> float:
+        """Bytes of one activation value in :attr:`activation_dtype`."""
+        return 4.0 if self.activation_dtype == "fp32" else 2.0
+
     def vocab_per_rank(self) -> float:
         """Logits per token on one tensor-parallel rank (the padded vocabulary over TP), here read off
         the embedding's 16-bit parameters, which hold learned positions too where the model has them

@@ -26,6 +26,7 @@ from megatron_dynapipe.planning.cost_model.base import (
     is_scalar,
 )
 from megatron_dynapipe.planning.cost_model.grid import Grid, GridStack
+from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["ProfiledCostModel"]
@@ -171,6 +172,7 @@ class ProfiledCostModel(CostModel):
             raise CostModelError(f"cost model file {source} is a calibrated analytical model, not a measured "
                                  "profile: load it with load_cost_model")
         records = profile_file.ProfileRecords.from_document(doc, source)
+        Link.of(profile_file.metadata_of(doc) or {}, source)  # a bad link record is refused here, not mid-plan
         tp = int(tp)
         available = records.tps()
         if tp not in available:

@@ -4,12 +4,14 @@ question the planner asks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_recompute
+from megatron_dynapipe.planning.cost_model.link import DEFAULT_LINK, Link
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["StageCosts"]
@@ -34,7 +36,9 @@ class StageCosts:
     pp: int
     dp: int = 1
     zero_stage: int = 0  # 0..3; Megatron's distributed optimizer is ZeRO-1
-    p2p_gbps: float = 100.0  # GB/s (1e9 bytes) between neighbouring stages
+    #: between neighbouring stages; default: the link the cost model's profile measured, else
+    #: :data:`~.link.DEFAULT_LINK`
+    link: Optional[Link] = None
     #: layers of each stage when not split evenly (Megatron-LM's uneven first/last stages)
     layers: Optional[tuple[int, ...]] = None
     #: model chunks each stage interleaves, where micro-batches are sized for an interleaved
@@ -57,8 +61,6 @@ class StageCosts:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if not self.p2p_gbps > 0:
-            raise ValueError(f"p2p_gbps must be > 0, got {self.p2p_gbps}")
 
     def packed(self) -> "StageCosts":
         """These stages pricing packed micro-batches (:meth:`CostModel.packed`)."""
@@ -183,11 +185,15 @@ class StageCosts:
             return p * (1.0 + 7.0 / dp)
         return 8.0 * p / dp
 
+    @functools.cached_property
+    def p2p_link(self) -> Link:
+        return self.link or Link.of(self.model.metadata) or DEFAULT_LINK
+
     def p2p_ms(self, mbs, seqlen):
-        """Time to send one micro-batch's 16-bit activation (or its gradient) to the next stage
-        (its share of the tokens, under context parallelism)."""
-        nbytes = 2.0 * self.model.tokens_per_rank(mbs, seqlen) * self.model.hidden_size
-        return nbytes / (self.p2p_gbps * 1e6)  # GB/s = 1e6 bytes per ms
+        """Time to send one micro-batch's activation (or its gradient) to the next stage, in the
+        dtype activations run in (its share of the tokens, under context parallelism)."""
+        values = self.model.tokens_per_rank(mbs, seqlen) * self.model.hidden_size
+        return self.p2p_link.p2p_ms(self.model.activation_bytes * values)
 
 
 class _ShapeMemo:
