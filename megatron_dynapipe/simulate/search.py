@@ -291,8 +291,8 @@ def estimate(space: SearchSpace, c: Candidate, cost_models: Optional[dict[tuple,
     its share of the tokens, the ring's other ``c - 1`` attention blocks); the ring's communication,
     overlapped with them, is left to the trace."""
     model = (cost_models or {}).get((c.tp, c.sequence_parallel)) or space.cost_model_for(c.tp, c.sequence_parallel)
-    costs = StageCosts(split_over_cp(model, c.cp, space.model), num_layers=space.model.num_layers, pp=c.pp,
-                       dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)  # one rank of a CP group
+    costs = StageCosts(split_over_cp(model, c.cp, space.model, ring_transfers=False),  # one rank of a CP group
+                       num_layers=space.model.num_layers, pp=c.pp, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
     hw, seq = space.hardware, space.seq_length // c.cp  # a CP rank's tokens of a sequence
     b, h = c.micro_batch_size, space.model.hidden_size
     activation = 2.0 * b * seq * h  # bytes of one 16-bit activation tensor

@@ -154,7 +154,8 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
     priced = _stage_costs(cost_model, model, layout, spec)
     ring_gbps = request.hardware.cp_ring_gbps(layout.tp, layout.cp)
     planning = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model, ring_gbps=ring_gbps))
-    traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model))  # the ring: traced ops
+    traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
+                                                             ring_transfers=False))  # the ring: traced ops
     if spec.packing == "varlen":
         traced = traced.packed()
     drawn = request.source.batches(global_batch * seq_length, seq_length, request.count, request.seed)

@@ -34,8 +34,8 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
                            hidden_size=spec.hidden_size, num_heads=spec.num_attention_heads,
                            ffn_hidden_size=spec.ffn_hidden_size, vocab_size=spec.vocab_size).model
     # the ring's transfers are traced ops, priced by the replay: the cost model prices its attention alone
-    costs = StageCosts(split_over_cp(model, layout.cp, spec), num_layers=spec.num_layers, pp=layout.pp * chunks,
-                       dp=layout.dp, layers=tuple(chunk_layers))
+    costs = StageCosts(split_over_cp(model, layout.cp, spec, ring_transfers=False), num_layers=spec.num_layers,
+                       pp=layout.pp * chunks, dp=layout.dp, layers=tuple(chunk_layers))
     table = {}
     for chunk in range(chunks):
         virtual = chunk * layout.pp + stage

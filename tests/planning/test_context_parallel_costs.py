@@ -159,6 +159,30 @@ def test_a_profile_that_measured_the_attention_core_prices_the_rings_blocks_by_i
         ContextParallelCostModel(profile, 4, ring_gbps=1.0)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_packages_own_ring_pays_every_transfer_over_the_link_its_profile_measured(tmp_path, cp):
+    # a profile of megatron-core's local layers in fp32: the ring gathers K and V before its core
+    # (cp - 1 steps) and passes their gradients back after it (cp - 1 more), no block beside them
+    records = _with_attention_core(_records())
+    link = {"latency_us": 300.0, "bandwidth_GBps": 0.5}
+    meta = {"dtype": "fp32", "layer_spec": "local", "model": get_model("tiny").to_json()}
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, "metadata": meta, **records.records()}))
+    (tmp_path / "linked.json").write_text(to_text({"name": "test", "hidden_size": 64,
+                                                    "metadata": dict(meta, link=link), **records.records()}))
+    unlinked = split_over_cp(load_cost_model(path, 1), cp)
+    linked = split_over_cp(load_cost_model(tmp_path / "linked.json", 1), cp)
+    b, s = 2, 64 * cp
+    step = 0.3 + 4 * b * 64 * (2 * 8 * 16) / (0.5 * 1e9) * 1e3  # fp32 K and V of the tiny GPT's 8 groups of 16
+    for rc, steps in ((RecomputeType.NONE, {"forward": cp - 1, "backward": cp - 1}),
+                      (RecomputeType.FULL, {"forward": cp - 1, "backward": 2 * (cp - 1)})):
+        for phase in ("forward", "backward"):
+            added = linked.layer_ms("encoder", phase, rc, b, s) - unlinked.layer_ms("encoder", phase, rc, b, s)
+            assert added == pytest.approx(steps[phase] * step), (rc, phase)
+    # the pipeline's transfers cross the same link: fp32 hidden states of the rank's tokens
+    assert StageCosts(linked, num_layers=4, pp=2).p2p_ms(b, s) == pytest.approx(0.3 + 4 * b * 64 * 64 / 0.5e6)
+
+
 def test_bad_context_parallel_settings_are_refused_in_one_line():
     model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS)
     for make, says in [(lambda: ContextParallelCostModel(model, 1), "cp >= 2"),

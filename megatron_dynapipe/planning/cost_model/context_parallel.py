@@ -8,8 +8,12 @@ keys by passing key and value around the group's ring (transformer-engine's
 ``AttnFuncWithCPAndKVP2P``): ``cp`` steps, each a block of attention as much work as the local,
 causal one at ``s / cp`` tokens, so ``cp - 1`` blocks more than the local layer does. A step's
 transfer of the next key and value runs while the block computes; only what outlasts the block
-shows (``ring_gbps``; without it the transfers are left to whoever prices communication, as a
-trace's replay does). Recompute runs the ring again with the core it recomputes.
+shows (``ring_gbps``, or the link a profile measured; without either the transfers are left to
+whoever prices communication, as a trace's replay does). Where the profile measured megatron-core's
+local layers (``layer_spec`` ``local``), the ring is this package's own
+(:mod:`megatron_dynapipe.gpt.context_parallel`): it gathers the keys and values before its core and
+passes their gradients back after it, ``cp - 1`` steps each way that no block hides. Recompute
+runs the ring again with the core it recomputes.
 
 So a rank's encoder layer costs the inner model's layer at ``s / cp`` tokens plus ``cp - 1``
 times its attention core there, its activations and logits are those of ``s / cp`` tokens, and
@@ -29,11 +33,10 @@ import numpy as np
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
 from megatron_dynapipe.planning.cost_model.base import TIMED, CostModel, CostModelError, as_float, as_recompute
+from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["ContextParallelCostModel", "split_over_cp"]
-
-KV_BYTES = 2.0  # 16-bit keys and values
 
 
 class ContextParallelCostModel(CostModel):
@@ -45,26 +48,33 @@ class ContextParallelCostModel(CostModel):
     attention core apart (``prices_attention_core``), the core's share of ``shape``'s layer time is
     taken of ``model``'s; its keys' and values' width sizes the ring's transfers (default: ``model``
     itself, where it is analytical).
-    ``ring_gbps``: GB/s of the ring's links; when given, what each step's transfer of keys and
-    values (and in backward their gradients) outlasts the step's attention is added too."""
+    ``ring_gbps``: GB/s of the ring's links (default: the link ``model``'s profile measured, if
+    any); with a link, each step's transfer of keys and values (and in backward their gradients)
+    is added too: what outlasts the step's attention, or all of it where the ring runs no block
+    beside it (module docstring).  ``ring_transfers=False``: none priced, whatever the profile
+    measured (a trace records them as ops of their own)."""
 
     def __init__(self, model: CostModel, cp: int, *, shape: Optional[AnalyticalCostModel] = None,
-                 ring_gbps: Optional[float] = None):
+                 ring_gbps: Optional[float] = None, ring_transfers: bool = True):
         if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 2:
             raise ValueError(f"context parallelism needs cp >= 2 ranks, got {cp!r}: use the model itself at cp 1")
         if isinstance(model, ContextParallelCostModel):
             raise ValueError("the model is already split over a context-parallel group: wrap the inner model once")
         shape = shape if shape is not None else model if isinstance(model, AnalyticalCostModel) else None
         attention = model if model.prices_attention_core else shape
-        if attention is None or (ring_gbps is not None and shape is None):
+        if ring_gbps is not None and not ring_gbps > 0:
+            raise ValueError(f"ring_gbps must be > 0 GB/s, got {ring_gbps!r}")
+        ring = None if not ring_transfers else Link(ring_gbps, 0.0) if ring_gbps is not None \
+            else Link.of(model.metadata)
+        if attention is None or (ring is not None and shape is None):
             why = "does not price the attention core apart, which context parallelism repeats" if attention is None \
                 else "has no width of keys and values for the ring's transfers"
             raise CostModelError(f"{model.describe()} {why}: give the GPT's shape, split_over_cp(model, cp, spec)")
         if shape is not None and shape.tp != model.tp:
             raise ValueError(f"the GPT's shape is at tp {shape.tp}, the cost model at tp {model.tp}")
-        if ring_gbps is not None and not ring_gbps > 0:
-            raise ValueError(f"ring_gbps must be > 0 GB/s, got {ring_gbps!r}")
         self.model, self.cp, self.shape, self.attention, self.ring_gbps = model, int(cp), shape, attention, ring_gbps
+        self.ring, self.ring_transfers = ring, ring_transfers
+        self.ring_hides_transfers = model.metadata.get("layer_spec") != "local"
         self.tp, self.hidden_size = model.tp, model.hidden_size
         self.name, self.metadata = model.name, model.metadata
         self.microbatch_overhead = model.microbatch_overhead
@@ -89,7 +99,7 @@ class ContextParallelCostModel(CostModel):
         """What the ring adds to one encoder layer of ``encoder_ms`` at ``local`` tokens a row:
         ``cp - 1`` blocks of its attention core, and the transfers they do not hide."""
         extra = (self.cp - 1) * self._attention_ms(phase, rc, mbs, local, encoder_ms)
-        return extra if self.ring_gbps is None else extra + self._exposed_ms(phase, rc, mbs, local)
+        return extra if self.ring is None else extra + self._exposed_ms(phase, rc, mbs, local)
 
     def _attention_ms(self, phase, rc, mbs, local, encoder_ms=None):
         """The attention core's part of ``encoder_ms`` (default: the inner model's encoder layer):
@@ -104,23 +114,27 @@ class ContextParallelCostModel(CostModel):
     def _exposed_ms(self, phase, rc, mbs, local):
         """Transfers that outlast the block of attention computed beside them: forward, ``cp - 1``
         steps of keys and values; backward, ``cp`` steps (keys and values, then with their
-        gradients, the gradients alone last), after the forward ring of a recomputed core."""
-        kv = self._kv_ms(mbs, local)
+        gradients, the gradients alone last), after the forward ring of a recomputed core.  The
+        package's own ring computes no block beside a transfer: ``cp - 1`` whole steps of keys and
+        values forward, of their gradients backward."""
+        kv = self._kv_ms(mbs, local, 1)
+        if self.ring_hides_transfers:
+            def exposed(transfer, block_phase):
+                return np.maximum(0.0, transfer - self._attention_ms(block_phase, RecomputeType.NONE, mbs, local))
 
-        def exposed(transfer, block_phase):
-            return np.maximum(0.0, transfer - self._attention_ms(block_phase, RecomputeType.NONE, mbs, local))
-
-        forward = (self.cp - 1) * exposed(kv, "forward")
+            forward = (self.cp - 1) * exposed(kv, "forward")
+            backward = 2.0 * exposed(kv, "backward") + (self.cp - 2) * exposed(self._kv_ms(mbs, local, 2), "backward")
+        else:
+            forward = backward = (self.cp - 1) * kv
         if phase == "forward":
             return forward
-        backward = 2.0 * exposed(kv, "backward") + (self.cp - 2) * exposed(2.0 * kv, "backward")
         return backward + (0.0 if rc == RecomputeType.NONE else forward)
 
-    def _kv_ms(self, mbs, local):
-        """One ring step's keys and values of one rank's tokens, over ``ring_gbps``."""
+    def _kv_ms(self, mbs, local, copies):
+        """One ring step of ``copies`` times one rank's keys and values, over the ring's link."""
         layer = self.shape.layer
         width = 2.0 * layer.query_groups * layer.head_dim / self.tp  # keys and values
-        return KV_BYTES * as_float(mbs) * local * width / (self.ring_gbps * 1e6)  # GB/s = 1e6 bytes per ms
+        return self.ring.p2p_ms(copies * self.activation_bytes * as_float(mbs) * local * width)
 
     def microbatch_overhead_ms(self, phase, mbs, seqlen, layers):
         return self.model.microbatch_overhead_ms(phase, mbs, self.local(seqlen), layers)
@@ -146,7 +160,8 @@ class ContextParallelCostModel(CostModel):
         inner = self.model.packed()
         if inner is self.model:
             return self
-        return ContextParallelCostModel(inner, self.cp, shape=self.shape, ring_gbps=self.ring_gbps)
+        return ContextParallelCostModel(inner, self.cp, shape=self.shape, ring_gbps=self.ring_gbps,
+                                        ring_transfers=self.ring_transfers)
 
     def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
         """:meth:`CostModel.shape_costs` of the inner model at the local shape (one call, as it
@@ -162,7 +177,7 @@ class ContextParallelCostModel(CostModel):
 
 
 def split_over_cp(model: CostModel, cp: int, spec: Optional[ModelSpec] = None, *,
-                  ring_gbps: Optional[float] = None) -> CostModel:
+                  ring_gbps: Optional[float] = None, ring_transfers: bool = True) -> CostModel:
     """``model`` on one rank of a context-parallel group of ``cp`` ranks (itself at cp 1), its
     attention core priced by ``spec``'s analytical model where ``model`` does not price it apart."""
     if cp == model.cp:
@@ -174,4 +189,4 @@ def split_over_cp(model: CostModel, cp: int, spec: Optional[ModelSpec] = None, *
     shape = None
     if spec is not None and not isinstance(model, AnalyticalCostModel):  # its shares and widths: every shape fits
         shape = AnalyticalCostModel(**gpt_shape(spec, model.tp), device_memory_mb=math.inf)
-    return ContextParallelCostModel(model, cp, shape=shape, ring_gbps=ring_gbps)
+    return ContextParallelCostModel(model, cp, shape=shape, ring_gbps=ring_gbps, ring_transfers=ring_transfers)
