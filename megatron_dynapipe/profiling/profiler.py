@@ -5,7 +5,8 @@ lengths and micro-batch sizes: the forward and backward time of one transformer 
 last stage's head (final norm, LM head and loss) and of the first stage's embedding, the layer's
 stored and peak activation memory, the forward and backward time of the layer's attention core
 alone without a mask (the blocks context parallelism's ring adds, at any recompute type),
-and the 16-bit parameter memory of a layer and of the embeddings.  Where the attention core runs
+and the 16-bit parameter memory of a layer and of the embeddings; last, the link between two
+local ranks of the device (:mod:`.link`), which the pipeline's transfers cross.  Where the attention core runs
 packed micro-batches (``--attention sdpa``, transformer-engine), the layer is measured on packed
 rows too, ``mbs`` samples of ``seqlen`` tokens back to back at each point, so that the planner
 prices packed micro-batches from packed measurements.
@@ -41,6 +42,7 @@ from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
+from megatron_dynapipe.profiling.link import link_backend, measure_link
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
 
@@ -74,10 +76,10 @@ class ProfileSettings:
         return seqs + [self.max_seq_length]
 
     def grid_points(self) -> int:
-        """Points of the geometric grid (rows may stop earlier; refinement may add some), and
-        one whole-step measurement per TP size."""
+        """Points of the geometric grid (rows may stop earlier; refinement may add some), one
+        whole-step measurement per TP size, and the link."""
         per_tp = sum(len(list(self.micro_batch_sizes(seq))) for seq in self.seq_lengths())
-        return (per_tp * len(self.recompute) + 1) * len(self.tp_sizes)
+        return (per_tp * len(self.recompute) + 1) * len(self.tp_sizes) + 1
 
     def micro_batch_sizes(self, seq: int) -> Iterable[int]:
         mbs = 1
@@ -95,6 +97,7 @@ class ProfileRun:
     settings: ProfileSettings
     device: torch.device
     records: ProfileRecords = field(default_factory=ProfileRecords)
+    link: "dict | None" = None  # metadata.link: measured between two local ranks (None: not yet, or not here)
 
     def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int, packed: bool) -> bool:
         key = (tp, rc.label, "encoder", "forward", seq, mbs)
@@ -130,6 +133,7 @@ class ProfileRun:
                          "max_tokens": s.max_tokens, "warmup": s.warmup, "repeats": s.repeats,
                          "min_time_ms": s.min_time_ms,
                          "refine_tolerance": s.refine_tolerance},
+            **({"link": self.link} if self.link else {}),
         }
 
     def set_overhead(self, tp: int, overhead: Overhead) -> None:
@@ -149,7 +153,7 @@ class ProfileRun:
         if mismatch:
             raise ProfileError(f"cannot resume: the existing profile has another {', '.join(mismatch)}; "
                                "pass --force to start over or another --output")
-        return cls(spec, settings, device, ProfileRecords.from_document(doc, str(path)))
+        return cls(spec, settings, device, ProfileRecords.from_document(doc, str(path)), link=meta.get("link"))
 
 
 def device_name(device: torch.device) -> str:
@@ -179,12 +183,16 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     output = Path(output)
     if device.type == "cpu":
         steady_cpu_allocator()
+    progress = progress or (lambda what, points: None)
     profile = ProfileRun(spec, settings, device)
     if resume and output.exists():
         profile = ProfileRun.resumed(output, spec, settings, device)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
-            _profile_tp(profile, tp, output, progress or (lambda what, points: None))
+            _profile_tp(profile, tp, output, progress)
+    if profile.link is None and link_backend(device):
+        progress(f"link between two local ranks ({link_backend(device)})", 1)
+        profile.link = measure_link(device)
     doc = profile.document(complete=True)
     write_atomically(output, to_text(doc))
     return doc

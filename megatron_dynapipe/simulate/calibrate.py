@@ -33,7 +33,7 @@ from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us, ring_terms
 from megatron_dynapipe.local_ranks import run_local_ranks
 
-__all__ = ["add_arguments", "run", "measure", "fit_link", "KINDS"]
+__all__ = ["add_arguments", "run", "measure", "measure_p2p", "fit_link", "KINDS"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _DTYPES = ("float32", "bfloat16")
@@ -136,19 +136,36 @@ def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, tim
     return points, device
 
 
+def measure_p2p(backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0) -> Link:
+    """The link between two local ranks, as :func:`measure` times and fits its ``p2p``."""
+    points = run_local_ranks(_time_kinds, 2, ("p2p",), sizes, repeats, timeout=timeout, backend=backend)[0]
+    return fit_link("p2p", points["p2p"], 2)
+
+
 def _rank(rank: int, world: int, sizes: list[int], repeats: int):
+    points = _time_kinds(rank, world, KINDS, sizes, repeats, say=rank == 0)
+    device, sync = _device_and_sync()
+    return points, _device_facts(device, world, sync)
+
+
+def _device_and_sync():
     import torch
     import torch.distributed as dist
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return device, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _time_kinds(rank: int, world: int, kinds, sizes: list[int], repeats: int, say: bool = False):
+    """``{kind: [(bytes, seconds)]}`` of each of ``kinds`` at every size."""
+    device, sync = _device_and_sync()
     points: dict[str, list[tuple[int, float]]] = {}
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated")  # megatron-core calls it too
-    for kind in KINDS:
+    for kind in kinds:
         points[kind] = [(size, _time_op(kind, size, rank, world, device, repeats, sync)) for size in sizes]
-        if rank == 0:
+        if say:
             print(f"calibrate: {kind} timed at {len(sizes)} sizes", file=sys.stderr, flush=True)
-    return points, _device_facts(device, world, sync)
+    return points
 
 
 def _time_op(kind: str, size: int, rank: int, world: int, device, repeats: int, sync) -> float:

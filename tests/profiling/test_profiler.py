@@ -7,7 +7,7 @@ import json
 import torch
 
 from megatron_dynapipe.config.model import get_model
-from megatron_dynapipe.planning.cost_model import ProfiledCostModel, split_over_cp
+from megatron_dynapipe.planning.cost_model import Link, ProfiledCostModel, StageCosts, split_over_cp
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.profiler import ProfileSettings, profile_model
 
@@ -23,9 +23,14 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
     seen: list[tuple[str, int]] = []
     doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"),
                         progress=lambda what, points: seen.append((what, points)))
-    assert seen == [(f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [("tp 1 whole-step overhead", 1)]
+    assert seen == [(f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [
+        ("tp 1 whole-step overhead", 1), ("link between two local ranks (gloo)", 1)]
     # the progress bar counts grid points: a full grid ends exactly at the total it announced
-    assert sum(points for _, points in seen) == SETTINGS.grid_points() == len(GRID) * 2 + 1
+    assert sum(points for _, points in seen) == SETTINGS.grid_points() == len(GRID) * 2 + 1 + 1
+    link = doc["metadata"]["link"]
+    assert link["backend"] == "gloo" and link["latency_us"] >= 0 and link["bandwidth_GBps"] > 0
+    assert StageCosts(ProfiledCostModel.from_json(out, tp=1), 4, 2).p2p_link == Link(link["bandwidth_GBps"],
+                                                                                     link["latency_us"])
     points = {(r["recompute"], r["layer"], r["phase"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]}
     assert points == {(rc, layer, phase, s, m) for rc in ("none", "full") for layer in ("encoder", "postprocess",
                       "preprocess") for phase in ("forward", "backward") for s, m in GRID}
@@ -44,7 +49,8 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
     again: list = []
     resumed = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), resume=True,
                             progress=lambda *call: again.append(call))
-    assert again == []  # every point and the overhead were there already
+    assert again == []  # every point, the overhead and the link were there already
+    assert resumed["metadata"]["link"] == link
     assert resumed["layer_time"] == doc["layer_time"] and resumed["microbatch_overhead"] == doc["microbatch_overhead"]
     assert resumed["attention_core_time"] == doc["attention_core_time"]
 
