@@ -84,6 +84,8 @@ def _checked(args):
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    import torch
+
     from megatron_dynapipe.profiling.analytical_fit import calibrate_model, calibration_shapes
     from megatron_dynapipe.profiling.profiler import profile_model
 
@@ -112,7 +114,7 @@ def run_profile(args: argparse.Namespace) -> int:
             print(f"interrupted: {output} holds what was measured; run again with --resume to go on",
                   file=sys.stderr)
             return 130
-    _warn_if_busy(device, "while profiling")
+    _warn_if_busy(device, "while profiling", own=torch.get_num_threads())
     points = len({(r["tp"], r["recompute"], r["seqlen"], r["mbs"]) for r in doc["layer_time"]})
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
@@ -146,19 +148,21 @@ class GridProgress:
         self.bar.update(self.task, completed=self.done, total=self.done)
 
 
-def busy_machine_warning(load: float, cores: int, when: str) -> "str | None":
+def busy_machine_warning(load: float, cores: int, when: str, own: float = 0.0) -> "str | None":
     """A CPU timed while other work runs is slower by the share it lost (2-14x has been seen):
-    say so when the load average over the last minute passes half the cores."""
-    if load <= cores / 2:
+    say so when the load average over the last minute, less ``own`` (the profile's own threads,
+    which load the machine while it runs), passes half the cores."""
+    if load - own <= cores / 2:
         return None
-    return (f"warning: this machine was busy {when} (load average {load:.1f} on {cores} cores): CPU times measured "
-            "now can be several times slower than on an idle machine; profile again when it is idle")
+    mine = f", {own:g} of it the profile's own threads" if own else ""
+    return (f"warning: this machine was busy {when} (load average {load:.1f} on {cores} cores{mine}): CPU times "
+            "measured now can be several times slower than on an idle machine; profile again when it is idle")
 
 
-def _warn_if_busy(device, when: str) -> None:
+def _warn_if_busy(device, when: str, own: float = 0.0) -> None:
     if device.type != "cpu" or not hasattr(os, "getloadavg"):
         return
-    message = busy_machine_warning(os.getloadavg()[0], os.cpu_count() or 1, when)
+    message = busy_machine_warning(os.getloadavg()[0], os.cpu_count() or 1, when, own)
     if message:
         print(message, file=sys.stderr)
 

@@ -394,6 +394,10 @@ def test_a_busy_machine_is_named_when_cpu_times_are_taken():
     line = busy_machine_warning(4.2, 2, "while profiling")
     assert line.startswith("warning: this machine was busy while profiling (load average 4.2 on 2 cores)")
     assert "\n" not in line
+    # a 1-thread profile on 2 cores loads one of them itself: that is no other work
+    assert busy_machine_warning(1.04, 2, "while profiling", own=1) is None
+    line = busy_machine_warning(3.1, 2, "while profiling", own=1)
+    assert "(load average 3.1 on 2 cores, 1 of it the profile's own threads)" in line
 
 
 def test_the_profile_bar_grows_its_total_and_its_clock_runs_until_the_end():
