@@ -192,10 +192,24 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
             _profile_tp(profile, tp, output, progress)
     if profile.link is None and link_backend(device):
         progress(f"link between two local ranks ({link_backend(device)})", 1)
-        profile.link = measure_link(device)
+        profile.link = _measured_link(device)
     doc = profile.document(complete=True)
     write_atomically(output, to_text(doc))
     return doc
+
+
+def _measured_link(device: torch.device) -> "dict | None":
+    """The link's record, or None (said once) where two local ranks could not be run: a profile of
+    hours is not lost to it, and its transfers are priced at the default."""
+    from megatron_dynapipe.local_ranks import LocalRanksError
+
+    try:
+        return measure_link(device)
+    except LocalRanksError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"warning: the link between two local ranks could not be measured ({first}); the profile prices "
+              "transfers at the default 100 GB/s: run profile --resume to measure it again", file=sys.stderr)
+        return None
 
 
 def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) -> None:

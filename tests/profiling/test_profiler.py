@@ -71,3 +71,23 @@ def test_a_core_that_cannot_run_alone_is_said_once_and_left_out(capsys):
             assert measure_point(run, parts, 1, [RecomputeType.NONE], s, m) == [RecomputeType.NONE]
     assert run.records.core_times == {} and (1, "none", "encoder", "forward", 32, 2) in run.records.times
     assert capsys.readouterr().err.count("the attention core does not run alone here (RuntimeError: no_mask") == 1
+
+
+def test_a_link_that_cannot_be_measured_is_said_and_the_profile_still_completes(tmp_path, monkeypatch, capsys):
+    # two local ranks failing to start (a port refused, say): hours of layer times are not lost to it
+    from megatron_dynapipe.local_ranks import LocalRanksError
+    from megatron_dynapipe.profiling import profiler
+
+    def cannot_start(device):
+        raise LocalRanksError("rank 1 died without a word (exit code -9)")
+
+    monkeypatch.setattr(profiler, "measure_link", cannot_start)
+    out = tmp_path / "tiny.json"
+    small = dataclasses.replace(SETTINGS, recompute=(RecomputeType.NONE,), max_seq_length=32, max_tokens=32)
+    doc = profile_model(TINY, out, small, device=torch.device("cpu"))
+    assert doc["metadata"]["complete"] and "link" not in doc["metadata"]
+    assert "the link between two local ranks could not be measured (rank 1 died without a word" in capsys.readouterr().err
+    assert StageCosts(ProfiledCostModel.from_json(out, tp=1), 4, 2).p2p_link == Link(100.0, 0.0)  # the default
+    monkeypatch.undo()
+    again = profile_model(TINY, out, small, device=torch.device("cpu"), resume=True)
+    assert again["metadata"]["link"]["backend"] == "gloo"  # --resume measures what is missing
