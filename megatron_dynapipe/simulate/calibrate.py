@@ -5,7 +5,8 @@ all-reduce, all-gather, reduce-scatter, all-to-all over all N and p2p between pa
 sizes from ``--min-bytes`` to ``--max-bytes`` (powers of 4).  An op's time is the slowest
 rank's (each op starts after a barrier), the median of ``--repeats``.  Per kind the latency and
 bandwidth of the cost formula in :mod:`.hardware` are fitted to the points by least squares on
-the relative error (small messages count as much as large ones).  Each process also multiplies
+the relative error (small messages count as much as large ones); the timing and the fit are
+:mod:`megatron_dynapipe.profiling.link`'s, which the profiler's link measurement shares.  Each process also multiplies
 matrices (peak FLOP/s of each dtype while all ranks compute at once) and copies a large tensor
 (memory bandwidth), and counts how many ranks compute at full speed at once (a GPU each; on a CPU
 the cores over each rank's torch threads).  The file says ``gpus_per_node = N``: the measured links are the
@@ -22,20 +23,16 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
-import warnings
 from typing import Any
 
-import numpy as np
-
 from megatron_dynapipe.files import check_output_file
-from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us, ring_terms
+from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us
 from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.profiling.link import KINDS, device_and_sync, fit_link, time_kinds
 
-__all__ = ["add_arguments", "run", "measure", "measure_p2p", "fit_link", "KINDS"]
+__all__ = ["add_arguments", "run", "measure"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -136,73 +133,10 @@ def measure(nproc: int, backend: str, sizes: list[int], *, repeats: int = 5, tim
     return points, device
 
 
-def measure_p2p(backend: str, sizes: list[int], *, repeats: int = 5, timeout: float = 600.0) -> Link:
-    """The link between two local ranks, as :func:`measure` times and fits its ``p2p``."""
-    points = run_local_ranks(_time_kinds, 2, ("p2p",), sizes, repeats, timeout=timeout, backend=backend)[0]
-    return fit_link("p2p", points["p2p"], 2)
-
-
 def _rank(rank: int, world: int, sizes: list[int], repeats: int):
-    points = _time_kinds(rank, world, KINDS, sizes, repeats, say=rank == 0)
-    device, sync = _device_and_sync()
+    points = time_kinds(rank, world, KINDS, sizes, repeats, say=rank == 0)
+    device, sync = device_and_sync()
     return points, _device_facts(device, world, sync)
-
-
-def _device_and_sync():
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return device, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def _time_kinds(rank: int, world: int, kinds, sizes: list[int], repeats: int, say: bool = False):
-    """``{kind: [(bytes, seconds)]}`` of each of ``kinds`` at every size."""
-    device, sync = _device_and_sync()
-    points: dict[str, list[tuple[int, float]]] = {}
-    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated")  # megatron-core calls it too
-    for kind in kinds:
-        points[kind] = [(size, _time_op(kind, size, rank, world, device, repeats, sync)) for size in sizes]
-        if say:
-            print(f"calibrate: {kind} timed at {len(sizes)} sizes", file=sys.stderr, flush=True)
-    return points
-
-
-def _time_op(kind: str, size: int, rank: int, world: int, device, repeats: int, sync) -> float:
-    import torch
-    import torch.distributed as dist
-
-    numel = max(size // 4 // world * world, world)  # float32 elements, divisible by the group
-    full = torch.ones(numel, device=device)
-    shard = torch.ones(numel // world, device=device)
-    partner = rank ^ 1
-
-    def op() -> None:
-        if kind == "all_reduce":
-            dist.all_reduce(full)
-        elif kind == "all_gather":
-            dist.all_gather_into_tensor(full, shard)
-        elif kind == "reduce_scatter":
-            dist.reduce_scatter_tensor(shard, full)
-        elif kind == "all_to_all":
-            dist.all_to_all_single(full.clone(), full)
-        elif partner < world:  # p2p: pairs (0, 1), (2, 3), ... exchange at once, as pipeline stages do
-            ops = [dist.P2POp(dist.isend, full, partner), dist.P2POp(dist.irecv, full.clone(), partner)]
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-
-    times = []
-    for i in range(repeats + 1):  # the first is a warm-up
-        dist.barrier()
-        sync()
-        started = time.perf_counter()
-        op()
-        sync()
-        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if i:
-            times.append(float(slowest.item()))
-    return statistics.median(times)
 
 
 def _device_facts(device, world: int, sync) -> dict[str, Any]:
@@ -243,25 +177,6 @@ def _device_facts(device, world: int, sync) -> dict[str, Any]:
 
 
 # -- fitting -------------------------------------------------------------------------------------
-
-
-def fit_link(kind: str, points: list[tuple[int, float]], n: int) -> Link:
-    """The latency and bus bandwidth that best explain ``points`` ((bytes, seconds)) of ``kind``
-    over ``n`` ranks, on relative error; neither goes negative.  The all-reduce is fitted as a
-    ring (what gloo and NCCL run at the sizes that matter) and pinned to it."""
-    steps, factor = ring_terms(kind, n)
-    sizes = np.array([s for s, _ in points], dtype=float)
-    times = np.array([t * 1e6 for _, t in points], dtype=float)
-    design = np.stack([np.full_like(sizes, steps), factor * sizes], axis=1) / times[:, None]
-    (alpha, per_byte), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
-    if per_byte <= 0:  # latency explains everything: bandwidth as the largest point allows
-        per_byte = max(float(np.min(times / (factor * sizes))), 1e-12) * 1e-3
-        alpha = float(np.median((times - per_byte * factor * sizes) / steps))
-    elif alpha < 0:
-        alpha = 0.0
-        per_byte = float(np.sum(factor * sizes / times) / np.sum((factor * sizes / times) ** 2))
-    return Link(bandwidth_GBps=1.0 / (per_byte * 1e3), latency_us=max(float(alpha), 0.0),
-                algorithm="ring" if kind == "all_reduce" else "auto")
 
 
 def _worst_error(kind: str, points, n: int, link: Link) -> float:

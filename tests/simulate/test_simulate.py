@@ -331,7 +331,7 @@ def test_a_layout_that_does_not_fit_says_so(tiny_traces):
 
 @pytest.mark.parametrize("kind,n", [("all_reduce", 8), ("all_gather", 4), ("all_to_all", 8), ("p2p", 2)])
 def test_fit_recovers_the_latency_and_bandwidth_that_made_the_points(kind, n):
-    from megatron_dynapipe.simulate.calibrate import fit_link
+    from megatron_dynapipe.profiling.link import fit_link
 
     alpha_us, bandwidth = 30.0, 2.5  # GB/s
     steps, factor = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "p2p": (1, 1)}.get(kind, (n - 1, (n - 1) / n))
