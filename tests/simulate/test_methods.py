@@ -238,3 +238,29 @@ def test_at_an_interleaved_or_cp_layout_thd_rows_of_one_whole_window_take_megatr
     assert data["best"]["thd"]["step_s"] == pytest.approx([traced, traced], rel=1e-9)
     assert data["best"]["thd"]["setting"] == "rows of 1 window, recompute none"
     assert all(step <= traced * (1 + 1e-9) for step in data["best"]["dynapipe"]["step_s"])
+
+
+def test_the_methods_cross_the_hardwares_link_between_stages_not_the_one_a_profile_measured(tmp_path):
+    # a profile made on a CPU box records gloo between two local ranks; a job of thousands of GPUs
+    # crosses its hardware's links, as the trace's replay prices them
+    from types import SimpleNamespace
+
+    from megatron_dynapipe.config.model import get_model
+    from megatron_dynapipe.hardware import load_hardware
+    from megatron_dynapipe.planning.cost_model.loading import resolve_cost_model_path
+    from megatron_dynapipe.simulate.methods import _Layout
+    from megatron_dynapipe.simulate.search import Candidate, SearchSpace
+
+    doc = json.loads(resolve_cost_model_path("gpt-6.7b-a100").read_text())
+    doc["metadata"] = dict(doc.get("metadata") or {}, link={"bandwidth_GBps": 0.001, "latency_us": 50_000.0})
+    slow = tmp_path / "slow-link.json"
+    slow.write_text(json.dumps(doc))
+    a100 = load_hardware("a100")
+    for dp, across in ((1, False), (8, True)):  # stage neighbours 1 x 1 x dp ranks apart, 8 GPUs a node
+        space = SearchSpace(model=get_model("6.7B"), world_size=2 * dp, global_batch_size=8 * dp, seq_length=2048,
+                            hardware=a100, cost_model=str(slow))
+        c = Candidate(tp=1, pp=2, cp=1, dp=dp, micro_batch_size=1, num_microbatches=8, recompute="none",
+                      distributed_optimizer=False)
+        layout = _Layout(space, SimpleNamespace(candidate=c, report=SimpleNamespace(iteration_s=10.0)))
+        assert layout.costs.p2p_link == a100.link("p2p", across)
+        assert layout.costs.p2p_link != a100.link("p2p", not across)
