@@ -48,12 +48,9 @@ def link_backend(device: "torch.device") -> Optional[str]:
     return "nccl" if torch.cuda.device_count() >= 2 else None
 
 
-def measure_link(device: "torch.device") -> Optional[dict]:
-    """``metadata.link`` of a profile on ``device``: the fitted link and how it was measured, or
-    None where two ranks cannot run here."""
-    backend = link_backend(device)
-    if backend is None:
-        return None
+def measure_link(backend: str) -> dict:
+    """``metadata.link`` of a profile: the link between two local ranks of ``backend``
+    (:func:`link_backend`), fitted, and how it was measured."""
     link = measure_p2p(backend, SIZES, repeats=REPEATS, timeout=300.0)
     return {"bandwidth_GBps": float(link.bandwidth_GBps), "latency_us": float(link.latency_us), "backend": backend,
             "sizes_bytes": SIZES, "repeats": REPEATS}

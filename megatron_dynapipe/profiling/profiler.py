@@ -190,21 +190,22 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             _profile_tp(profile, tp, output, progress)
-    if profile.link is None and link_backend(device):
-        progress(f"link between two local ranks ({link_backend(device)})", 1)
-        profile.link = _measured_link(device)
+    backend = link_backend(device)
+    if profile.link is None and backend:
+        progress(f"link between two local ranks ({backend})", 1)
+        profile.link = _measured_link(backend)
     doc = profile.document(complete=True)
     write_atomically(output, to_text(doc))
     return doc
 
 
-def _measured_link(device: torch.device) -> "dict | None":
+def _measured_link(backend: str) -> "dict | None":
     """The link's record, or None (said once) where two local ranks could not be run: a profile of
     hours is not lost to it, and its transfers are priced at the default."""
     from megatron_dynapipe.local_ranks import LocalRanksError
 
     try:
-        return measure_link(device)
+        return measure_link(backend)
     except LocalRanksError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"warning: the link between two local ranks could not be measured ({first}); the profile prices "

@@ -78,7 +78,7 @@ def test_a_link_that_cannot_be_measured_is_said_and_the_profile_still_completes(
     from megatron_dynapipe.local_ranks import LocalRanksError
     from megatron_dynapipe.profiling import profiler
 
-    def cannot_start(device):
+    def cannot_start(backend):
         raise LocalRanksError("rank 1 died without a word (exit code -9)")
 
     monkeypatch.setattr(profiler, "measure_link", cannot_start)
