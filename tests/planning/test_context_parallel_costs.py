@@ -24,7 +24,7 @@ from megatron_dynapipe.planning.types import RecomputeType
 
 from megatron_dynapipe.planning.cost_model.profile_file import to_text
 from test_planner import plan_and_check  # tests/planning is on the path, as pytest collects it
-from test_profile_file import _records, _with_attention_core
+from test_profile_file import _records, _with_attention_core, _with_packed_rows
 
 RATE = 312.0 * 1e9 * 0.5  # FLOP per ms of the analytical model's defaults
 H, HEADS, FFN = 1024, 16, 4096
@@ -181,6 +181,47 @@ def test_the_packages_own_ring_pays_every_transfer_over_the_link_its_profile_mea
             assert added == pytest.approx(steps[phase] * step), (rc, phase)
     # the pipeline's transfers cross the same link: fp32 hidden states of the rank's tokens
     assert StageCosts(linked, num_layers=4, pp=2).p2p_ms(b, s) == pytest.approx(0.3 + 4 * b * 64 * 64 / 0.5e6)
+
+
+def test_a_profile_that_timed_a_real_cp_group_corrects_the_rings_price_by_it(tmp_path):
+    """Measured on a CP 2 group: whole rows of 128 tokens, forward at 1 and 2 rows, backward at 1,
+    recompute none; packed rows at 1.  Each measured point prices as measured; elsewhere the ring's
+    price is scaled by the measured / priced ratios, interpolated between points and held past them."""
+    records = _with_packed_rows(_with_attention_core(_records()), factor=1.25)
+    plain_path, path = tmp_path / "plain.json", tmp_path / "measured.json"
+    plain_path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    measured = {("padded", "forward", 1): 2.0, ("padded", "forward", 2): 3.0, ("padded", "backward", 1): 5.0,
+                ("thd", "forward", 1): 10.0, ("thd", "backward", 1): 20.0}
+    for (layout, phase, mbs), ms in measured.items():
+        records.cp_times[(1, 2, "none", layout, phase, 128, mbs)] = ms
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    tiny = get_model("tiny")
+    plain, split = (split_over_cp(load_cost_model(p, 1), 2, tiny) for p in (plain_path, path))
+
+    def ms(model, phase, mbs, seq, rc="none"):
+        return model.layer_ms("encoder", phase, rc, mbs, seq)
+
+    assert [ms(split, "forward", 1, 128), ms(split, "forward", 2, 128), ms(split, "backward", 1, 128)] == \
+        pytest.approx([2.0, 3.0, 5.0])
+    ratios = {m: measured["padded", "forward", m] / ms(plain, "forward", m, 128) for m in (1, 2)}
+    assert ms(split, "forward", 1.5, 128) == pytest.approx(ms(plain, "forward", 1.5, 128) * (ratios[1] + ratios[2]) / 2)
+    assert ms(split, "forward", 2, 256) == pytest.approx(ms(plain, "forward", 2, 256) * ratios[2])  # past the longest
+    assert ms(split, "backward", 2, 128) == pytest.approx(ms(plain, "backward", 2, 128) * 5.0 / ms(plain, "backward",
+                                                                                                   1, 128))
+    assert ms(split, "forward", 2, 128, "full") == ms(plain, "forward", 2, 128, "full")  # not measured
+    assert ms(split.packed(), "forward", 1, 128) == pytest.approx(10.0)
+    assert ms(split.packed(), "backward", 1, 128) == pytest.approx(20.0)
+    assert "corrected by a CP 2 group's times" in split.describe() and "corrected" not in plain.describe()
+    # the arrays the planner asks for, as the scalars
+    mbs, seqs = np.array([1.0, 1.5, 2.0]), np.array([128.0, 128.0, 256.0])
+    costs = split.shape_costs([RecomputeType.NONE], mbs, seqs)[0]
+    for k, phase in enumerate(("forward", "backward")):  # the encoder's columns come first
+        assert costs[k] == pytest.approx([ms(split, phase, m, q) for m, q in zip(mbs, seqs)])
+    # a trace records the ring's transfers itself, and a cluster's link is not the one measured
+    # here: those models are left as priced
+    for other in (dict(ring_transfers=False), dict(ring_gbps=100.0)):
+        assert ms(split_over_cp(load_cost_model(path, 1), 2, tiny, **other), "forward", 1, 128) == ms(
+            split_over_cp(load_cost_model(plain_path, 1), 2, tiny, **other), "forward", 1, 128)
 
 
 def test_bad_context_parallel_settings_are_refused_in_one_line():

@@ -35,8 +35,17 @@ def _records() -> ProfileRecords:
     return records
 
 
+def _with_context_parallel_rows(records: ProfileRecords) -> ProfileRecords:
+    """``records`` with the encoder measured on one rank of a context-parallel group of 2."""
+    for layout in ("padded", "thd"):
+        for phase, ms in (("forward", 0.75), ("backward", 1.5)):
+            records.cp_times[(1, 2, "none", layout, phase, 128, 1)] = ms
+            records.cp_spread[(1, 2, "none", layout, phase, 128, 1)] = 0.125
+    return records
+
+
 def test_records_survive_the_file(tmp_path):
-    records = _records()
+    records = _with_context_parallel_rows(_records())
     path = tmp_path / "p.json"
     path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
     back = ProfileRecords.from_document(read_document(path), str(path))
@@ -44,6 +53,28 @@ def test_records_survive_the_file(tmp_path):
     model = load_cost_model(path, tp=1)
     assert model.layer_ms("encoder", "backward", RecomputeType.FULL, 2, 128) == pytest.approx(1.0 * 2.0 * 1.5 * 4)
     assert model.microbatch_overhead_ms("forward", 1, 100, 3) == pytest.approx(0.5 + 0.1 + 3 * (0.5 + 0.1))
+
+
+def test_context_parallel_records_come_back_by_group_layout_and_phase(tmp_path):
+    records = _with_context_parallel_rows(_records())
+    records.cp_times[(1, 2, "full", "padded", "forward", 128, 1)] = 9.0  # its backward was not measured
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", **records.records()}))
+    back = ProfileRecords.from_document(read_document(path), str(path))
+    assert back.cp_tables(1) == {(2, layout, phase, RecomputeType.NONE): {(128, 1): ms}
+                                 for layout in ("padded", "thd") for phase, ms in (("forward", 0.75), ("backward", 1.5))}
+    assert back.cp_tables(2) == {} and back.times == records.times  # CP 1's records are not disturbed
+
+
+@pytest.mark.parametrize("change", [dict(cp=0), dict(cp=2, layer="postprocess"), dict(cp="2")])
+def test_a_bad_context_parallel_size_is_refused_in_one_line(tmp_path, change):
+    doc = {"name": "test", **_records().records()}
+    doc["layer_time"][0].update(change)  # a padded CP 1 record of the encoder
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CostModelError, match=r"bad\.json has a layer_time record with cp .*: use a positive integer, "
+                                             r"above 1 for encoder layer_time only"):
+        load_cost_model(path, tp=1)
 
 
 def test_a_broken_record_is_named_with_its_table_and_number(tmp_path):
@@ -73,16 +104,16 @@ def test_a_calibrated_file_round_trips_to_the_analytical_model(tmp_path):
         load_cost_model(path, tp=1)
 
 
-@pytest.mark.parametrize("version", [999, 3, "1", None])
+@pytest.mark.parametrize("version", [999, 4, "1", None])
 def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, version):
     """What a later (or broken) megatron-dynapipe wrote is not read as this version's format."""
     doc = {"name": "test", "metadata": {"format_version": version}, **_records().records()}
     path = tmp_path / "future.json"
     path.write_text(to_text(doc))
     with pytest.raises(CostModelError, match=rf"future\.json has format_version {version!r}; this megatron-dynapipe "
-                                             r"reads versions 1 and 2: re-profile"):
+                                             r"reads versions 1, 2 and 3: re-profile"):
         load_cost_model(path, tp=1)
-    for readable in (1, 2):
+    for readable in (1, 2, 3):
         doc["metadata"]["format_version"] = readable
         path.write_text(to_text(doc))
         assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)

@@ -510,7 +510,7 @@ def test_the_sdpa_layer_is_measured_on_packed_rows_at_every_point_and_the_local_
 
     assert points("layer_time", "thd").keys() == points("layer_time", "padded").keys()
     padded, packed = points("activation_memory", "padded"), points("activation_memory", "thd")
-    assert packed.keys() == padded.keys() and doc["metadata"]["format_version"] == 2
+    assert packed.keys() == padded.keys() and doc["metadata"]["format_version"] == 3
     for (rc, kind, s, m), mb in packed.items():
         if kind == "stored":
             assert mb == pytest.approx(padded[rc, kind, s, m], rel=0.01, abs=1e-3)

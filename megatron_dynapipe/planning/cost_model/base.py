@@ -88,6 +88,13 @@ class CostModel(abc.ABC):
         this model itself unless it measured packed rows apart."""
         return self
 
+    def context_parallel_encoder(self, cp: int) -> Mapping[tuple[str, RecomputeType], Mapping[tuple[int, int], float]]:
+        """The encoder layer's milliseconds measured on one rank of a real context-parallel group of
+        ``cp`` ranks, rows of whole ``seqlen`` tokens split over it: (phase, recompute) ->
+        {(seqlen, mbs): ms}, of the rows this model prices (padded, or packed in :meth:`packed`'s
+        copy); none unless a profile measured them."""
+        return {}
+
     def describe(self) -> str:
         """What the plan was priced with, in a few words (the plan summary prints it)."""
         return f"{type(self).__name__} {self.name or ''}".strip() + f", hidden {self.hidden_size}, tp {self.tp}"

@@ -21,6 +21,16 @@ its parameters are the whole layer's (context parallelism shares no weights out)
 core's part of a layer comes from a model that prices it apart (an
 :class:`~.analytical.AnalyticalCostModel`, the hardware roofline, or a profile that measured the
 core alone): the inner model itself where it does, else one of the same GPT's shape, by its share.
+
+Where the profile also timed the layer on a real context-parallel group of ``cp`` ranks
+(:meth:`~.base.CostModel.context_parallel_encoder`: ``profile --cp``), that price is corrected by
+what the group measured: at each measured point the ratio of the measured time to the price, the
+ratios interpolated between points and held at the grid's edges (longer rows, larger
+micro-batches), so the ring's work a profile at CP 1 cannot see -- its per-sample steps in packed
+rows, its ranks' waits on each other -- is priced where it was measured and in proportion beyond.
+Only a model that prices the ring's transfers over the profile's own link is corrected (the
+measured times include them, over that link): not a trace's, which records them itself, nor one
+given another link (``ring_gbps``: ``search`` pricing a cluster's).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import numpy as np
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
 from megatron_dynapipe.planning.cost_model.base import TIMED, CostModel, CostModelError, as_float, as_recompute
+from megatron_dynapipe.planning.cost_model.grid import Grid
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -78,9 +89,11 @@ class ContextParallelCostModel(CostModel):
         self.tp, self.hidden_size = model.tp, model.hidden_size
         self.name, self.metadata = model.name, model.metadata
         self.microbatch_overhead = model.microbatch_overhead
+        self.measured = self._measured_ratios() if ring_transfers and ring_gbps is None else {}
 
     def describe(self) -> str:
-        return f"{self.model.describe()}, split over CP {self.cp}"
+        measured = f" (its layer corrected by a CP {self.cp} group's times)" if self.measured else ""
+        return f"{self.model.describe()}, split over CP {self.cp}{measured}"
 
     def __repr__(self) -> str:
         return f"ContextParallelCostModel({self.model!r}, cp={self.cp}, ring_gbps={self.ring_gbps})"
@@ -93,7 +106,32 @@ class ContextParallelCostModel(CostModel):
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
         local = self.local(seqlen)
         ms = self.model.layer_ms(layer, phase, recompute, mbs, local)
-        return ms + self.ring_ms(phase, as_recompute(recompute), mbs, local, ms) if layer == "encoder" else ms
+        if layer != "encoder":
+            return ms
+        rc = as_recompute(recompute)
+        return self._corrected(phase, rc, mbs, seqlen, ms + self.ring_ms(phase, rc, mbs, local, ms))
+
+    def _measured_ratios(self) -> dict:
+        """(phase, recompute) -> a grid of measured / priced, held beyond its edges (module docstring)."""
+        ratios = {}
+        for (phase, rc), points in self.model.context_parallel_encoder(self.cp).items():
+            ratio = {}
+            for (seq, mbs), ms in points.items():
+                local = self.local(seq)
+                inner = float(self.model.layer_ms("encoder", phase, rc, mbs, local))
+                priced = inner + float(self.ring_ms(phase, rc, mbs, local, inner))
+                if 0.0 < priced < math.inf:
+                    ratio[seq, mbs] = ms / priced
+            if ratio:
+                ratios[phase, rc] = Grid(_held(ratio))
+        return ratios
+
+    def _corrected(self, phase, rc, mbs, seqlen, priced):
+        """The ring's ``priced`` encoder times what the group measured over what was priced there."""
+        ratio = self.measured.get((phase, rc))
+        if ratio is None:
+            return priced
+        return priced * ratio(np.minimum(as_float(mbs), ratio.M[-1]), np.minimum(as_float(seqlen), ratio.S[-1]))
 
     def ring_ms(self, phase: str, rc: RecomputeType, mbs, local, encoder_ms):
         """What the ring adds to one encoder layer of ``encoder_ms`` at ``local`` tokens a row:
@@ -172,8 +210,20 @@ class ContextParallelCostModel(CostModel):
         encoder = {phase: TIMED.index(("encoder", phase)) for phase in ("forward", "backward")}
         for row, rc in enumerate(types):
             for phase, k in encoder.items():
-                costs[row, k] += self.ring_ms(phase, rc, mbs, local, costs[row, k])
+                costs[row, k] = self._corrected(phase, rc, mbs, seqlen,
+                                                costs[row, k] + self.ring_ms(phase, rc, mbs, local, costs[row, k]))
         return costs
+
+
+def _held(points: dict) -> dict:
+    """Grid points with each row carried to the grid's largest micro-batch at its last value, so
+    that a grid of ratios answers past a row's end as at it."""
+    columns = sorted({m for _, m in points})
+    held = dict(points)
+    for seq in {s for s, _ in points}:
+        last = max(m for s, m in points if s == seq)
+        held.update({(seq, m): points[seq, last] for m in columns if m > last})
+    return held
 
 
 def split_over_cp(model: CostModel, cp: int, spec: Optional[ModelSpec] = None, *,

@@ -8,7 +8,10 @@ step adds per micro-batch, once per stage and once per layer) and, optionally,
 ``attention_core_time`` (ms of the layer's attention core alone without a mask, the kernel of the
 blocks context parallelism's ring adds).  An encoder's ``layer_time`` and ``activation_memory``
 records with ``"layout": "thd"`` (format version 2) measure packed rows: ``mbs`` samples of
-``seqlen`` tokens each, back to back in one row, each attending to itself alone.  A *calibrated*
+``seqlen`` tokens each, back to back in one row, each attending to itself alone.  An encoder's
+``layer_time`` records with ``"cp": n`` (format version 3) measure the layer on one rank of a real
+context-parallel group of ``n`` ranks, the row's ``seqlen`` whole tokens split as Megatron splits
+them (the slowest rank's time, the ring's transfers and waits included).  A *calibrated*
 file holds instead an ``analytical`` object: the GPT's sizes and the rates ``profile --calibrate``
 fitted.  Both may carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype,
 versions, model).
@@ -33,8 +36,8 @@ from megatron_dynapipe.planning.types import RecomputeType
 __all__ = ["ProfileRecords", "read_document", "to_text", "is_calibrated", "calibrated_settings",
            "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "CALIBRATED_SHAPE", "OVERHEAD_PER"]
 
-FORMAT_VERSION = 2  # metadata.format_version of the files megatron-dynapipe profile writes
-READABLE_VERSIONS = (1, 2)  # 2 added the packed (``"layout": "thd"``) records
+FORMAT_VERSION = 3  # metadata.format_version of the files megatron-dynapipe profile writes
+READABLE_VERSIONS = (1, 2, 3)  # 2 added the packed (``"layout": "thd"``) records, 3 the ``"cp"`` ones
 LAYOUTS = ("padded", "thd")  # a record's optional ``layout``: padded rows (the default) or packed ones
 FORMAT_HINT = "see docs/cost_model.md for the format"
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
@@ -89,7 +92,8 @@ def _check_format_version(doc: Any, path: str) -> None:
         return  # not a cost model at all: the reader names what is missing
     version = (metadata_of(doc) or {}).get("format_version", 1)
     if version not in READABLE_VERSIONS:
-        readable = " and ".join(map(str, READABLE_VERSIONS))
+        *earlier, last = map(str, READABLE_VERSIONS)
+        readable = f"{', '.join(earlier)} and {last}" if earlier else last
         raise CostModelError(f"cost model file {path} has format_version {version!r}; this megatron-dynapipe reads "
                              f"versions {readable}: re-profile with this version, or use the megatron-dynapipe "
                              "that wrote it")
@@ -135,6 +139,9 @@ class ProfileRecords:
     packed_spread: dict[tuple, float] = field(default_factory=dict)
     packed_memory: dict[tuple, float] = field(default_factory=dict)
     core_times: dict[tuple, float] = field(default_factory=dict)  # (tp, phase, seqlen, mbs) -> ms
+    # the encoder on one rank of a context-parallel group: (tp, cp, recompute, layout, phase, seqlen, mbs) -> ms
+    cp_times: dict[tuple, float] = field(default_factory=dict)
+    cp_spread: dict[tuple, float] = field(default_factory=dict)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -149,8 +156,11 @@ class ProfileRecords:
                          mb=round(v, 4)) for k, v in sorted(table.items())]
 
         thd = {"layout": "thd"}
+        cp = [dict(tp=k[0], cp=k[1], recompute=k[2], layer="encoder", phase=k[4], seqlen=k[5], mbs=k[6],
+                   **({"layout": k[3]} if k[3] != "padded" else {}), ms=round(v, 4),
+                   spread_ms=round(self.cp_spread.get(k, 0.0), 4)) for k, v in sorted(self.cp_times.items())]
         return {
-            "layer_time": times(self.times, self.spread, {}) + times(self.packed_times, self.packed_spread, thd),
+            "layer_time": times(self.times, self.spread, {}) + times(self.packed_times, self.packed_spread, thd) + cp,
             "activation_memory": memory(self.memory, {}) + memory(self.packed_memory, thd),
             "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
                                    for k, v in sorted(self.params.items())],
@@ -194,8 +204,14 @@ class ProfileRecords:
     def _add(self, table: str, values: tuple, rec: dict, where: _Source) -> None:
         *key, value = values
         key = tuple(key)
-        packed = _layout(where, table, rec) == "thd"
-        if table == "layer_time":
+        layout = _layout(where, table, rec)
+        packed = layout == "thd"
+        cp = _cp(where, table, rec)
+        if cp > 1:
+            tp, rc, _layer, phase, s, m = key
+            _put(where, self.cp_times, (tp, cp, rc, layout, phase, s, m), value, table)
+            self.cp_spread[tp, cp, rc, layout, phase, s, m] = float(rec.get("spread_ms", 0.0) or 0.0)
+        elif table == "layer_time":
             _put(where, self.packed_times if packed else self.times, key, value, table)
             (self.packed_spread if packed else self.spread)[key] = float(rec.get("spread_ms", 0.0) or 0.0)
         elif table == "activation_memory":
@@ -245,6 +261,16 @@ class ProfileRecords:
                     and all((kind, rc) in memory for kind in KINDS)}
         return ({k: v for k, v in times.items() if k[2] in complete},
                 {k: v for k, v in memory.items() if k[1] in complete})
+
+    def cp_tables(self, tp: int) -> dict:
+        """The encoder's times of ``tp`` measured on context-parallel groups: (cp, layout, phase,
+        RecomputeType) -> {(seqlen, mbs): ms}, for the groups, layouts and types measured in both phases."""
+        tables: dict = {}
+        for (t, cp, rc, layout, phase, s, m), v in self.cp_times.items():
+            if t == tp:
+                tables.setdefault((cp, layout, phase, RecomputeType.parse(rc)), {})[s, m] = v
+        return {k: v for k, v in tables.items()
+                if all((*k[:2], phase, k[3]) in tables for phase in PHASES)}
 
     def core_tables(self, tp: int) -> dict:
         """The attention core's times of ``tp``: phase -> {(seqlen, mbs): ms}, both phases or none."""
@@ -348,6 +374,14 @@ def _layout(where: _Source, table: str, rec: dict) -> str:
     if layout not in LAYOUTS or (layout == "thd" and rec.get("layer") != "encoder"):
         where.fail(f"has a {table} record of layout {layout!r}: use padded, or thd for the encoder")
     return layout
+
+
+def _cp(where: _Source, table: str, rec: dict) -> int:
+    """A record's optional ``cp``: the context-parallel ranks its encoder was measured on (1: none)."""
+    cp = rec.get("cp", 1)
+    if not _positive_int(cp) or (cp > 1 and (table != "layer_time" or rec.get("layer") != "encoder")):
+        where.fail(f"has a {table} record with cp {cp!r}: use a positive integer, above 1 for encoder layer_time only")
+    return int(cp)
 
 
 def _put(where: _Source, grid: dict, key: tuple, value: float, table: str) -> None:
