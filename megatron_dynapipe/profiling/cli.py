@@ -24,6 +24,11 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", action=ListAction, type=positive_int_argument,
                    default=[1], metavar="N",
                    help="tensor-parallel sizes to profile, e.g. 1 2 4 8 or 1,2,4,8 (default 1)")
+    p.add_argument("--cp", "--context-parallel-size", dest="cp", action=ListAction, type=positive_int_argument,
+                   default=[], metavar="N",
+                   help="also time the layer on a real context-parallel group of N local ranks (gloo on the CPU, "
+                        "NCCL on N GPUs), at TP 1, e.g. 2 or 2,4: what the ring costs beyond a profile at CP 1 "
+                        "(default: none; CP is then priced from the CP 1 times)")
     p.add_argument("--recompute", action=ListAction, type=recompute_argument, default=list(RecomputeType),
                    metavar="{none,selective,full}", help="recompute types to profile (default: all three)")
     add_device_arguments(p, "measure")
@@ -54,8 +59,6 @@ def add_profile_parser(sub) -> None:
 
 def _checked(args):
     """Everything refusable before any work, one line each that names the fix."""
-    import torch
-
     from megatron_dynapipe.profiling.profiler import ProfileSettings
 
     spec = model_from_args(args)
@@ -68,6 +71,7 @@ def _checked(args):
                         ("FFN width", spec.ffn_hidden_size)):
             if n % tp:
                 raise ValueError(f"--tp {tp} does not divide the model's {n} {what}: profile TP sizes that divide it")
+    _check_cp(args.cp, args.tp, spec, indexed_device(device))
     max_seq = args.max_seq_length or spec.max_sequence_length
     if spec.position_embedding_type == "learned_absolute" and max_seq > spec.max_sequence_length:
         raise ValueError(f"--max-seq-length {max_seq} exceeds the model's {spec.max_sequence_length} learned positions: "
@@ -75,12 +79,42 @@ def _checked(args):
     if args.min_seq_length > max_seq:
         raise ValueError(f"--min-seq-length {args.min_seq_length} is above --max-seq-length {max_seq}")
     settings = ProfileSettings(
-        tp_sizes=tuple(dict.fromkeys(args.tp)), recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
+        tp_sizes=tuple(dict.fromkeys(args.tp)), cp_sizes=tuple(dict.fromkeys(args.cp)), recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
         min_seq_length=args.min_seq_length, max_seq_length=max_seq, max_tokens=args.max_tokens or 16 * max_seq,
         warmup=max(0, args.warmup), repeats=args.repeats, min_time_ms=max(0.0, args.min_time_ms))
-    # an index, not plain "cuda": torch.cuda.set_device refuses a device without one
-    indexed = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    return spec, output, settings, indexed
+    return spec, output, settings, indexed_device(device)
+
+
+def indexed_device(device: str):
+    """``device`` as torch names it, with an index: torch.cuda.set_device refuses "cuda" without one."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+def _check_cp(cps, tps, spec, device) -> None:
+    """``--cp`` sizes that can be timed here, or one line that names the fix."""
+    from megatron_dynapipe.gpt.build import uses_transformer_engine
+    from megatron_dynapipe.profiling.link import link_backend
+
+    for cp in cps:
+        if cp < 2:
+            raise ValueError(f"--cp {cp}: a context-parallel group has 2 ranks or more (CP 1 is the profile itself)")
+        if 1 not in tps:
+            raise ValueError(f"--cp {cp} times the layer at TP 1, which --tp {' '.join(map(str, tps))} leaves out: "
+                             "add 1 to --tp")
+        if link_backend(device, cp) is None:
+            raise ValueError(f"--cp {cp} needs {cp} GPUs here, one a rank ({_gpus()} visible): drop --cp, or "
+                             "profile where they are")
+        if spec.attention_dropout and not uses_transformer_engine(device.type):
+            raise ValueError(f"--cp {cp}: context parallelism without transformer-engine draws no attention "
+                             "dropout: set --attention-dropout 0")
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -92,10 +126,14 @@ def run_profile(args: argparse.Namespace) -> int:
     spec, output, settings, device = _checked(args)
     if args.calibrate and args.resume:
         raise ValueError("--calibrate writes its file in one go: drop --resume (or --calibrate to resume a profile)")
+    if args.calibrate and args.cp:
+        raise ValueError("--calibrate fits the analytical model, which prices context parallelism from the GPT's "
+                         "shape: drop --cp (or --calibrate to time the layer on a CP group)")
     expected = ((len(calibration_shapes(settings)) + 1) * len(settings.tp_sizes) if args.calibrate
                 else settings.grid_points())
     print(f"{'calibrating' if args.calibrate else 'profiling'} {spec.label} ({spec.num_layers} layers, hidden "
-          f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}: "
+          f"{spec.hidden_size}) on {device.type}, {settings.dtype}, tp {', '.join(map(str, settings.tp_sizes))}"
+          f"{''.join(f', cp {cp}' for cp in settings.cp_sizes)}: "
           f"about {expected} points{'' if args.calibrate else _duration(spec, settings, device)}", file=sys.stderr)
     stream = sys.stderr
     _warn_if_busy(device, "before profiling")

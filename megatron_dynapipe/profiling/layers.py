@@ -5,7 +5,9 @@ The profiler times what one TP rank computes: a process of torch's fake process 
 prices communication separately, from the hidden size), and megatron-core builds the layers at
 the sharded shapes of that TP size.  Transformer Engine's layer spec is used where TE is
 installed, the local spec otherwise; each recompute type is built the way Megatron-LM builds it
-(``--recompute-granularity selective`` / ``full --recompute-method uniform``).
+(``--recompute-granularity selective`` / ``full --recompute-method uniform``).  Built with ``cp``
+> 1 inside a real context-parallel group of local ranks (:mod:`.context_parallel`), the layers
+run this rank's share of every row and attend through the group's ring.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Parts:
     ``encoders[rc](x)`` maps hidden states ``[seq, mbs, hidden]`` to the same shape (one layer,
     recompute type ``rc`` as Megatron runs it); ``packed_encoders[rc](x, seq)`` the same layer on one
     packed row ``[mbs * seq, 1, hidden]`` of samples of ``seq`` tokens each attending to itself alone
-    (megatron-core's THD format), where the attention core runs them (else there are none); ``postprocess(x, labels)`` is the final norm, the
+    (megatron-core's THD format), where the attention core runs them (else there are none); on a
+    rank of a context-parallel group of ``cp``, ``x`` is the rank's ``1 / cp`` of those tokens; ``postprocess(x, labels)`` is the final norm, the
     LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
     token ids (word and learned positions), both the same whatever the layers recompute.
     ``attention_core(query, key, value)`` is the layer's attention core alone without a mask
@@ -84,17 +87,18 @@ class Parts:
 
 
 def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.device,
-                recompute: Sequence[RecomputeType]) -> Parts:
-    """Build the parts inside :func:`fake_tp_rank`: a megatron-core TransformerBlock of one layer
-    per recompute type and one GPTModel whose embedding and head are used."""
+                recompute: Sequence[RecomputeType], cp: int = 1) -> Parts:
+    """Build the parts inside :func:`fake_tp_rank` (or, ``cp`` > 1, on a rank of a real
+    context-parallel group of ``cp``): a megatron-core TransformerBlock of one layer per recompute
+    type and one GPTModel whose embedding and head are used."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     use_te = uses_transformer_engine(device.type)
-    layers = layer_spec(spec, use_te)
+    layers = layer_spec(spec, use_te, context_parallel=cp > 1)
 
     def config(rc: RecomputeType):
-        return transformer_config(spec, dtype=dtype, tp=tp, num_layers=1, on_gpu=device.type == "cuda",
+        return transformer_config(spec, dtype=dtype, tp=tp, cp=cp, num_layers=1, on_gpu=device.type == "cuda",
                                   use_te=use_te, recompute=RECOMPUTE_GRANULARITY[rc])
 
     head = build_gpt(spec, config(RecomputeType.NONE), tp=tp, use_te=use_te, pre_process=True, post_process=True,
@@ -105,11 +109,11 @@ def build_parts(spec: ModelSpec, tp: int, dtype: torch.dtype, device: torch.devi
               for rc in recompute}
 
     def encoder(block):
-        return lambda x: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(x.shape[0]))
+        return lambda x: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(x.shape[0] * cp))
 
     def packed_encoder(block):
-        return lambda x, seq: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(seq),
-                                    packed_seq_params=_equal_segments(x.shape[0], seq, device))
+        return lambda x, seq: block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary(seq, packed=True),
+                                    packed_seq_params=_equal_segments(x.shape[0] * cp, seq, device))
 
     core = next(iter(blocks.values())).layers[0].self_attention.core_attention  # recompute wraps it, not in it
     layer_config = config(RecomputeType.NONE)
@@ -149,17 +153,18 @@ def _equal_segments(tokens: int, seq: int, device: torch.device):
 
 
 def _rotary_embeddings(rope, device: torch.device) -> Callable[[int], "torch.Tensor | None"]:
-    """RoPE frequencies per sequence length, computed once each: GPTModel computes them before
-    its layers run, so they are no part of a layer's time."""
-    cache: dict[int, torch.Tensor] = {}
+    """RoPE frequencies per sequence length (of a packed row's samples, whole; else a context-parallel
+    rank's share), computed once each: GPTModel computes them before its layers run, so they are no
+    part of a layer's time."""
+    cache: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def rotary(seq: int):
+    def rotary(seq: int, packed: bool = False):
         if rope is None:
             return None
-        if seq not in cache:
+        if (seq, packed) not in cache:
             with _cuda_requests_here(device):
-                cache[seq] = rope(seq)
-        return cache[seq]
+                cache[seq, packed] = rope(seq, packed_seq=packed)
+        return cache[seq, packed]
 
     return rotary
 

@@ -39,13 +39,14 @@ SIZES = [4096 << k for k in range(0, 13, 2)]  # the profiler's: 4 KiB .. 16 MiB
 REPEATS = 9
 
 
-def link_backend(device: "torch.device") -> Optional[str]:
-    """The backend two local ranks of ``device``'s kind talk over, or None where two cannot run."""
+def link_backend(device: "torch.device", ranks: int = 2) -> Optional[str]:
+    """The backend ``ranks`` local ranks of ``device``'s kind talk over, or None where they cannot
+    run (NCCL wants a GPU each)."""
     import torch
 
     if device.type != "cuda":
         return "gloo"
-    return "nccl" if torch.cuda.device_count() >= 2 else None
+    return "nccl" if torch.cuda.device_count() >= ranks else None
 
 
 def measure_link(backend: str) -> dict:

@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Timing", "Memory", "time_step", "measure_memory", "LiveBytes", "is_out_of_memory", "unless_out_of_memory",
-           "steady_cpu_allocator"]
+__all__ = ["Timing", "Memory", "time_step", "backward_of_ones", "measure_memory", "LiveBytes", "is_out_of_memory",
+           "unless_out_of_memory", "steady_cpu_allocator"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ def steady_cpu_allocator() -> None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's options (malloc.h)
 
 
-def _backward(out: torch.Tensor) -> None:
+def backward_of_ones(out: torch.Tensor) -> None:
+    """The backward of a step's output from a gradient of ones."""
     out.backward(torch.ones_like(out))
 
 
@@ -81,7 +82,7 @@ def time_step(forward: Step, device: torch.device, *, warmup: int = 1, repeats: 
     runs, and more (up to ``max_repeats``) until they add up to ``min_time_ms``, since a median
     of three runs of a few milliseconds is at the mercy of the machine's jitter."""
     for _ in range(warmup):
-        _backward(forward())
+        backward_of_ones(forward())
     fwd, bwd = [], []
     timed = _time_cuda if device.type == "cuda" else _time_wall
     while len(fwd) < repeats or (sum(fwd) + sum(bwd) < min_time_ms and len(fwd) < max_repeats):
@@ -95,7 +96,7 @@ def _time_wall(forward: Step) -> tuple[float, float]:
     start = time.perf_counter()
     out = forward()
     middle = time.perf_counter()
-    _backward(out)
+    backward_of_ones(out)
     return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
 
@@ -105,7 +106,7 @@ def _time_cuda(forward: Step) -> tuple[float, float]:
     start.record()
     out = forward()
     middle.record()
-    _backward(out)
+    backward_of_ones(out)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(middle), middle.elapsed_time(end)
@@ -121,7 +122,7 @@ def measure_memory(forward: Step, device: torch.device) -> Memory:
         stored = live.now - base
         forward_peak = live.peak
         live.peak = live.now
-        _backward(out)
+        backward_of_ones(out)
         backward_peak = live.peak
     return Memory(stored, max(forward_peak, backward_peak) - base - stored)
 
@@ -133,7 +134,7 @@ def _memory_cuda(forward: Step) -> Memory:
     out = forward()
     torch.cuda.synchronize()
     stored = torch.cuda.memory_allocated() - base
-    _backward(out)
+    backward_of_ones(out)
     torch.cuda.synchronize()
     return Memory(stored, max(0, torch.cuda.max_memory_allocated() - base - stored))
 

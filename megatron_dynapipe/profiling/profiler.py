@@ -5,8 +5,10 @@ lengths and micro-batch sizes: the forward and backward time of one transformer 
 last stage's head (final norm, LM head and loss) and of the first stage's embedding, the layer's
 stored and peak activation memory, the forward and backward time of the layer's attention core
 alone without a mask (the blocks context parallelism's ring adds, at any recompute type),
-and the 16-bit parameter memory of a layer and of the embeddings; last, the link between two
-local ranks of the device (:mod:`.link`), which the pipeline's transfers cross.  Where the attention core runs
+and the 16-bit parameter memory of a layer and of the embeddings; then, for each context-parallel
+size asked for (``cp_sizes``), the layer on a real group of that many local ranks at the TP 1 points
+whose rows it splits (:mod:`.context_parallel`); last, the link between two local ranks of the
+device (:mod:`.link`), which the pipeline's transfers cross.  Where the attention core runs
 packed micro-batches (``--attention sdpa``, transformer-engine), the layer is measured on packed
 rows too, ``mbs`` samples of ``seqlen`` tokens back to back at each point, so that the planner
 prices packed micro-batches from packed measurements.
@@ -41,6 +43,7 @@ from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
@@ -57,6 +60,7 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class ProfileSettings:
     tp_sizes: tuple[int, ...] = (1,)
+    cp_sizes: tuple[int, ...] = ()  # context-parallel groups the layer is timed on (at tp 1), beyond CP 1
     recompute: tuple[RecomputeType, ...] = tuple(RecomputeType)
     dtype: str = "fp32"
     min_seq_length: int = 32
@@ -77,9 +81,9 @@ class ProfileSettings:
 
     def grid_points(self) -> int:
         """Points of the geometric grid (rows may stop earlier; refinement may add some), one
-        whole-step measurement per TP size, and the link."""
+        whole-step measurement per TP size, one more per context-parallel group, and the link."""
         per_tp = sum(len(list(self.micro_batch_sizes(seq))) for seq in self.seq_lengths())
-        return (per_tp * len(self.recompute) + 1) * len(self.tp_sizes) + 1
+        return (per_tp * len(self.recompute) + 1) * len(self.tp_sizes) + len(self.cp_sizes) + 1
 
     def micro_batch_sizes(self, seq: int) -> Iterable[int]:
         mbs = 1
@@ -128,7 +132,8 @@ class ProfileRun:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": self.spec.to_json(),
             "megatron_args": megatron_model_args(self.spec),
-            "settings": {"tp_sizes": list(s.tp_sizes), "recompute": [r.label for r in s.recompute],
+            "settings": {"tp_sizes": list(s.tp_sizes), "cp_sizes": list(s.cp_sizes),
+                         "recompute": [r.label for r in s.recompute],
                          "min_seq_length": s.min_seq_length, "max_seq_length": s.max_seq_length,
                          "max_tokens": s.max_tokens, "warmup": s.warmup, "repeats": s.repeats,
                          "min_time_ms": s.min_time_ms,
@@ -190,6 +195,9 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             _profile_tp(profile, tp, output, progress)
+    for cp in settings.cp_sizes:
+        if not any(key[1] == cp for key in profile.records.cp_times):
+            _profile_cp(profile, cp, output, progress)
     backend = link_backend(device)
     if profile.link is None and backend:
         progress(f"link between two local ranks ({backend})", 1)
@@ -197,6 +205,31 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     doc = profile.document(complete=True)
     write_atomically(output, to_text(doc))
     return doc
+
+
+def _profile_cp(profile: ProfileRun, cp: int, output: Path, progress: Progress) -> None:
+    """The layer on a context-parallel group of ``cp`` local ranks (:mod:`.context_parallel`); where
+    the group does not run, said in one line, and the profile goes on without it."""
+    from megatron_dynapipe.local_ranks import LocalRanksError
+
+    points = cp_points(profile.records.times, 1, cp)
+    backend = link_backend(profile.device, cp)
+    progress(f"tp 1 cp {cp}: the layer on {cp} local ranks ({backend}), {len(points)} points", 1)
+    try:
+        timings = measure_cp_layers(profile.spec, profile.settings, cp, points, backend)
+    except LocalRanksError as error:
+        print(f"warning: the layer could not be timed on {cp} local ranks ({_first_line(error)}); the profile "
+              f"prices CP {cp} from its CP 1 times: run profile --resume to measure it again", file=sys.stderr)
+        return
+    r = profile.records
+    for (rc, layout, seq, mbs), timing in timings.items():
+        _record_timing(r.cp_times, r.cp_spread, (1, cp, rc, layout), seq, mbs, timing)
+    write_atomically(output, to_text(profile.document(complete=False)))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _measured_link(backend: str) -> "dict | None":
@@ -207,9 +240,8 @@ def _measured_link(backend: str) -> "dict | None":
     try:
         return measure_link(backend)
     except LocalRanksError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"warning: the link between two local ranks could not be measured ({first}); the profile prices "
-              "transfers at the default 100 GB/s: run profile --resume to measure it again", file=sys.stderr)
+        print(f"warning: the link between two local ranks could not be measured ({_first_line(error)}); the profile "
+              "prices transfers at the default 100 GB/s: run profile --resume to measure it again", file=sys.stderr)
         return None
 
 

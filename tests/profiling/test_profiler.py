@@ -3,7 +3,9 @@ the file the planner reads, and a resume that measures nothing twice."""
 
 import dataclasses
 import json
+import time
 
+import pytest
 import torch
 
 from megatron_dynapipe.config.model import get_model
@@ -91,3 +93,56 @@ def test_a_link_that_cannot_be_measured_is_said_and_the_profile_still_completes(
     monkeypatch.undo()
     again = profile_model(TINY, out, small, device=torch.device("cpu"), resume=True)
     assert again["metadata"]["link"]["backend"] == "gloo"  # --resume measures what is missing
+
+
+def test_a_profile_times_the_layer_on_a_real_cp_group_and_cp_is_priced_by_it(tmp_path):
+    # two local ranks of a CP 2 group, gloo, the ring over them: padded and packed rows at every
+    # point whose whole rows split into 4 chunks (all of them here)
+    sdpa = dataclasses.replace(TINY, attention="sdpa")
+    settings = dataclasses.replace(SETTINGS, recompute=(RecomputeType.NONE,), cp_sizes=(2,))
+    out = tmp_path / "tiny-cp.json"
+    seen: list[tuple[str, int]] = []
+    doc = profile_model(sdpa, out, settings, device=torch.device("cpu"),
+                        progress=lambda what, points: seen.append((what, points)))
+    assert seen[-2:] == [("tp 1 cp 2: the layer on 2 local ranks (gloo), 5 points", 1),
+                         ("link between two local ranks (gloo)", 1)]
+    assert sum(points for _, points in seen) == settings.grid_points()
+    measured = {(r.get("layout", "padded"), r["phase"], r["seqlen"], r["mbs"]): r["ms"]
+                for r in doc["layer_time"] if r.get("cp") == 2}
+    assert measured.keys() == {(layout, phase, s, m) for layout in ("padded", "thd")
+                               for phase in ("forward", "backward") for s, m in GRID}
+    assert all(ms > 0 for ms in measured.values()) and doc["metadata"]["settings"]["cp_sizes"] == [2]
+    # the planner's CP 2 model answers the group's times where they were measured
+    split = split_over_cp(ProfiledCostModel.from_json(out, tp=1), 2)
+    assert "corrected by a CP 2 group's times" in split.describe()
+    for (layout, phase, s, m), ms in measured.items():
+        model = split.packed() if layout == "thd" else split
+        assert model.layer_ms("encoder", phase, RecomputeType.NONE, m, s) == pytest.approx(ms, rel=1e-3)
+
+    again: list = []
+    profile_model(sdpa, out, settings, device=torch.device("cpu"), resume=True,
+                  progress=lambda *call: again.append(call))
+    assert again == []  # the group's times were there already
+
+
+def _slower_on_rank_one(rank: int, world: int):
+    from megatron_dynapipe.profiling.context_parallel import time_in_lockstep
+
+    weight = torch.ones(4, requires_grad=True)
+
+    def step():
+        if rank == 1:
+            time.sleep(0.05)
+        return weight * 2
+
+    return time_in_lockstep(step, lambda: None, dataclasses.replace(SETTINGS, warmup=1, repeats=3, min_time_ms=0.0))
+
+
+def test_every_rank_of_a_group_times_the_slowest_ranks_runs():
+    """Rank 0's own step takes no time; what it records is rank 1's, which sleeps 50 ms a forward
+    (a lower bound a slow machine cannot break), and both ranks ran as many times (or one would
+    have waited on the other for ever)."""
+    from megatron_dynapipe.local_ranks import run_local_ranks
+
+    fast, slow = run_local_ranks(_slower_on_rank_one, 2, timeout=600)
+    assert fast == slow and fast.forward_ms >= 50.0

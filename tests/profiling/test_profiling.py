@@ -234,6 +234,11 @@ def test_sigterm_keeps_what_was_measured_for_resume_and_exits_143(tmp_path):
     (["--tp", "3"], "--tp 3 does not divide the model's 8 attention heads"),
     (["--max-seq-length", "512"], "exceeds the model's 256 learned positions"),
     (["--device", "cuda"], "--device cuda: this torch sees no CUDA device"),
+    (["--cp", "1"], "--cp 1: a context-parallel group has 2 ranks or more"),
+    (["--tp", "2", "--cp", "2"], "--cp 2 times the layer at TP 1, which --tp 2 leaves out: add 1 to --tp"),
+    (["--cp", "2", "--attention-dropout", "0.1"], "--cp 2: context parallelism without transformer-engine draws no "
+                                                  "attention dropout: set --attention-dropout 0"),
+    (["--cp", "2", "--attention-dropout", "0", "--calibrate"], "drop --cp (or --calibrate"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
     out = tmp_path / "p.json"
