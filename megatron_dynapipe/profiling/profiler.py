@@ -255,8 +255,8 @@ def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) 
     seqs = s.seq_lengths()
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
-    _refine(profile, parts, tp, seqs, output, progress)
-    if tp not in profile.records.overhead:
+    if tp not in profile.records.overhead:  # measured right after the refinement: a resume does not probe again
+        _refine(profile, parts, tp, seqs, output, progress)
         measure_step_overhead(profile, tp, progress)
         write_atomically(output, to_text(profile.document(complete=False)))
 

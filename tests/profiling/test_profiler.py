@@ -146,3 +146,20 @@ def test_every_rank_of_a_group_times_the_slowest_ranks_runs():
 
     fast, slow = run_local_ranks(_slower_on_rank_one, 2, timeout=600)
     assert fast == slow and fast.forward_ms >= 50.0
+
+
+def test_a_resumed_profile_does_not_probe_its_refinement_again(tmp_path, monkeypatch):
+    """The refinement probes a length between two profiled ones and keeps it where the time bends:
+    timed again on resume, a probe could come out otherwise and add a length to a finished profile."""
+    from megatron_dynapipe.profiling import profiler
+
+    probes: list = []
+    bends = profiler._bends
+    monkeypatch.setattr(profiler, "_bends", lambda *args: probes.append(args[3:]) or bends(*args))
+    settings = dataclasses.replace(SETTINGS, recompute=(RecomputeType.NONE,), max_refinements=1, refine_tolerance=0.0)
+    out = tmp_path / "tiny.json"
+    doc = profile_model(TINY, out, settings, device=torch.device("cpu"))
+    assert probes == [(32, 48, 64)] and {r["seqlen"] for r in doc["layer_time"]} == {32, 48, 64}  # every probe bends
+    probes.clear()
+    again = profile_model(TINY, out, settings, device=torch.device("cpu"), resume=True)
+    assert probes == [] and again["layer_time"] == doc["layer_time"]
