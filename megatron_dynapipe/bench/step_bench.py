@@ -30,7 +30,9 @@ same, so every method computes the same per-token losses but leaky packing's; th
 without dropout for the same reason, and its profile must have been made so).
 With ``--chunks V`` (``--pp`` 2 or more) each rank holds V model chunks, built as Megatron-LM's
 ``get_model`` builds them: the baselines run Megatron's interleaved 1F1B and DynaPipe plans its
-interleaved pipeline, each priced per virtual stage.
+interleaved pipeline, each priced per virtual stage; ``--decoder-first-pipeline-num-layers`` /
+``--decoder-last-pipeline-num-layers`` give the first or last stage its own layers, as in
+Megatron-LM (megatron-core builds the chunks, the planner prices each virtual stage's).
 With ``--cp C`` every row is split over C context-parallel ranks (chunks r and 2C-1-r of it, the
 keys and values passed round the CP group's ring): the cost model is priced on one rank of the
 group, packed samples take whole chunks of their rows, and the baselines pack with that room too.
@@ -53,6 +55,7 @@ import numpy as np
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
 from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
@@ -89,6 +92,10 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", "--num-virtual-stages-per-pipeline-rank", dest="chunks", type=int, default=1,
                    metavar="V", help="model chunks a rank: an interleaved pipeline, Megatron's interleaved 1F1B "
                                      "for the baselines and DynaPipe's planned interleaved-1f1b (default 1)")
+    for which in ("first", "last"):
+        p.add_argument(f"--decoder-{which}-pipeline-num-layers", type=int, metavar="N",
+                       help=f"transformer layers of the {which} pipeline stage, the rest split evenly over the others "
+                            "(Megatron-LM's flag; default: every stage alike)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                    help="context-parallel ranks each micro-batch's rows are split over (default 1); PP x DP x CP "
@@ -159,8 +166,12 @@ def _checked(args) -> dict:
     if args.chunks < 1 or (args.chunks > 1 and args.pp < 2):
         raise ValueError(f"--chunks {args.chunks} with --pp {args.pp}: model chunks interleave a pipeline of at least "
                          "2 stages; give --pp 2 or more, or --chunks 1")
-    problem = layers_problem(spec.num_layers, args.pp * args.chunks,
-                             pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
+    split = PipelineSplit.from_args(args)
+    if split.uneven:
+        problem = split.problem(spec.num_layers, args.pp) or split.chunks_problem(spec.num_layers, args.pp, args.chunks)
+    else:
+        problem = layers_problem(spec.num_layers, args.pp * args.chunks,
+                                 pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
     if problem:
         raise ValueError(problem)
     if args.dp < 1:
@@ -190,7 +201,7 @@ def _checked(args) -> dict:
     packs = runs_packed(spec, device)
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
-                cp=args.cp, seed=args.seed, cost_model_name=args.cost_model or "analytical",
+                cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
                 predicts=args.cost_model is not None)
 
 
@@ -213,11 +224,15 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
-    spec = TrainingSpec(num_layers=job["model"].num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"],
-                        cp=job["cp"], memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
+    layers = job["model"].num_layers
+    # each virtual stage's layers as megatron-core builds them (None: all alike)
+    stage_layers = tuple(job["split"].chunk_layers(layers, job["pp"], job["chunks"])) if job["split"].uneven else None
+    spec = TrainingSpec(num_layers=layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"], cp=job["cp"],
+                        stage_layers=stage_layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
     # built once, as a training job's data pipeline does: planning time is the planner's alone; one
     # row a virtual stage, priced on one rank of the context-parallel group
-    costs = StageCosts(job["cost_model"], num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
+    costs = StageCosts(job["cost_model"], num_layers=layers, pp=spec.pp * spec.chunks, dp=spec.dp,
+                       layers=stage_layers)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
@@ -380,7 +395,7 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         torch.manual_seed(job["seed"])
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         chunks = build_training_chunks(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"],
-                                       cp=job["cp"], chunks=job["chunks"])
+                                       cp=job["cp"], chunks=job["chunks"], split=job["split"])
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
         runs = {name: _failing_as(name, planned_step(chunks, method.plans[dp_rank][stage], method.microbatches[dp_rank],
                                                      device))
@@ -481,7 +496,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
                       pp=job["pp"], chunks=job["chunks"], dp=job["dp"], cp=job["cp"],
-                      attention=job["model"].attention,
+                      first_stage_layers=job["split"].first_stage_layers,
+                      last_stage_layers=job["split"].last_stage_layers, attention=job["model"].attention,
                       samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
                       cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
         methods=rows, failed=dict(failed or {}), speedups=speedups,
@@ -491,10 +507,14 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
 
 
 def _layout(settings: dict) -> str:
-    """"PP=2 x 2 chunks, DP=1, CP=2": the chunks and CP where there are several."""
+    """"PP=2 x 2 chunks (first stage 2 layers), DP=1, CP=2": the chunks and CP where there are
+    several, the first and last stages' layers where they are their own."""
     chunks = f" x {settings['chunks']} chunks" if settings["chunks"] > 1 else ""
+    own = [f"{which} stage {settings.get(f'{which}_stage_layers')} layers" for which in ("first", "last")
+           if settings.get(f"{which}_stage_layers") is not None]
+    split = f" ({', '.join(own)})" if own else ""
     cp = f", CP={settings['cp']}" if settings["cp"] > 1 else ""
-    return f"PP={settings['pp']}{chunks}, DP={settings['dp']}{cp}"
+    return f"PP={settings['pp']}{chunks}{split}, DP={settings['dp']}{cp}"
 
 
 def _largest(values: list) -> "float | None":

@@ -11,6 +11,7 @@ import contextlib
 from typing import Callable
 
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.gpt.build import build_gpt, transformer_config, uses_transformer_engine, wrap_in_ddp
 
@@ -26,19 +27,21 @@ def build_training_stage(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int
 
 
 def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: int = 1, cp: int = 1,
-                          num_layers: int | None = None, chunks: int = 1) -> list:
+                          num_layers: int | None = None, chunks: int = 1, split: PipelineSplit | None = None) -> list:
     """This rank's ``chunks`` model chunks of ``spec`` (an interleaved pipeline where ``chunks`` > 1,
     megatron's virtual pipeline size, which its parallel state must have been given), each built
     and wrapped as :func:`build_training_stage` builds one, and their hooks set on the configs as
     Megatron-LM's ``get_model`` sets them: one ``no_sync`` a chunk. With ``cp`` > 1 (the parallel
-    state's context-parallel size) its attention runs over the CP group."""
+    state's context-parallel size) its attention runs over the CP group; ``split``: the stages'
+    layers where the first or last has its own (Megatron-LM's ``--decoder-first-pipeline-num-layers``)."""
     from megatron.core import parallel_state
 
     use_te = uses_transformer_engine(device.type)
     virtual = dict(virtual_pipeline_model_parallel_size=chunks) if chunks > 1 else {}
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, cp=cp, num_layers=num_layers,
                                 on_gpu=device.type == "cuda", use_te=use_te, calculate_per_token_loss=True,
-                                deallocate_pipeline_outputs=True, **virtual)
+                                deallocate_pipeline_outputs=True, **virtual,
+                                **(split.transformer_fields() if split else {}))
     vp_stages = range(chunks) if chunks > 1 else [None]
     models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v,
                         pre_process=parallel_state.is_pipeline_first_stage(v is None, v),

@@ -64,6 +64,19 @@ def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, len
     assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
 
 
+def test_uneven_stages_run_as_megatron_builds_them_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file):
+    """Six layers, the first stage two of them, two chunks a rank: chunks of 1 and 1 layer on the
+    first stage and 2 and 2 on the last, built by megatron-core from Megatron-LM's flag and priced
+    so by the planner; every method without leakage keeps pad-to-max's loss."""
+    profile, _ = tiny_sdpa_profile
+    run = bench("--model", "tiny", "--num-layers", "6", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                "--max-seq-length", str(SEQ), "--pp", "2", "--chunks", "2", "--decoder-first-pipeline-num-layers", "2",
+                "--steps", "3", "--warmup", "0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "PP=2 x 2 chunks (first stage 2 layers), DP=1" in run.stdout
+    assert "the others without leakage agree with it" in run.stdout
+
+
 def test_with_megatrons_unfused_attention_the_packed_methods_are_left_out(tiny_profile, lengths_file):
     profile, _ = tiny_profile
     run = bench("--model", "tiny", "--attention", "local", "--cost-model", str(profile), "--lengths",
@@ -150,6 +163,10 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--pp", "3"], "4 layers do not split evenly into --pp = 3"),
     (["--pp", "2", "--chunks", "3"], "4 layers do not split evenly into --pp x --chunks = 6"),
     (["--chunks", "2"], "--chunks 2 with --pp 1: model chunks interleave a pipeline of at least 2 stages"),
+    (["--pp", "2", "--chunks", "2", "--decoder-first-pipeline-num-layers", "1"],
+     "the 1 layers of pipeline stage 0 do not split into 2 model chunks"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
+     "the first/last stages' 5 layers leave -1 of 4 for 1 middle stage(s)"),
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
     (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
