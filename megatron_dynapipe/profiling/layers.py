@@ -65,8 +65,8 @@ class Parts:
     recompute type ``rc`` as Megatron runs it); ``packed_encoders[rc](x, seq)`` the same layer on one
     packed row ``[mbs * seq, 1, hidden]`` of samples of ``seq`` tokens each attending to itself alone
     (megatron-core's THD format), where the attention core runs them (else there are none); on a
-    rank of a context-parallel group of ``cp``, ``x`` is the rank's ``1 / cp`` of those tokens; ``postprocess(x, labels)`` is the final norm, the
-    LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
+    rank of a context-parallel group of ``cp``, ``x`` is the rank's ``1 / cp`` of those tokens.
+    ``postprocess(x, labels)`` is the final norm, the LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
     token ids (word and learned positions), both the same whatever the layers recompute.
     ``attention_core(query, key, value)`` is the layer's attention core alone without a mask
     (every query to every key, as context parallelism's ring attends other ranks' chunks), on
@@ -153,9 +153,10 @@ def _equal_segments(tokens: int, seq: int, device: torch.device):
 
 
 def _rotary_embeddings(rope, device: torch.device) -> Callable[[int], "torch.Tensor | None"]:
-    """RoPE frequencies per sequence length (of a packed row's samples, whole; else a context-parallel
-    rank's share), computed once each: GPTModel computes them before its layers run, so they are no
-    part of a layer's time."""
+    """RoPE frequencies per sequence length -- under context parallelism a rank's share of a row,
+    or all of it for a packed row's samples (megatron-core's ``packed_seq``, which picks the share
+    sample by sample) -- computed once each: GPTModel computes them before its layers run, so they
+    are no part of a layer's time."""
     cache: dict[tuple[int, bool], torch.Tensor] = {}
 
     def rotary(seq: int, packed: bool = False):
