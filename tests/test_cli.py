@@ -205,6 +205,7 @@ def test_a_packed_plan_is_measured_against_packed_sequences_without_leakage(tmp_
     assert interleaved.returncode == 0, interleaved.stderr
     interleaved = json.loads(interleaved.stdout)
     assert interleaved["baseline"]["method"] == "THD packing + interleaved-1f1b"
+    assert (interleaved["baseline"]["schedule"], thd["baseline"]["schedule"]) == ("interleaved-1f1b", "1f1b")
     assert interleaved["baseline"]["makespan_ms"] < thd["baseline"]["makespan_ms"]
     assert "THD packing to 2048 + interleaved 1F1B" in run_cli(*common, "--packing", "varlen", "--chunks", "2").stdout
 

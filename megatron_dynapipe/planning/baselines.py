@@ -30,8 +30,19 @@ class PackingBaseline:
     recompute: RecomputeType
     num_sequences: int
     makespan_ms: float
-    method: str = f"{YARDSTICKS['pad']} + 1f1b"  # the yardstick and Megatron's schedule it ran
+    packing: str = "pad"  # the packing of the plan it is the yardstick of (TrainingSpec.packing)
+    chunks: int = 1  # model chunks a rank: Megatron's interleaved 1F1B where more than one
     stage_peak_mb: tuple = ()  # each stage's peak memory by the cost model (the busiest data-parallel rank's)
+
+    @property
+    def schedule(self) -> str:
+        """Megatron's schedule it ran."""
+        return "interleaved-1f1b" if self.chunks > 1 else "1f1b"
+
+    @property
+    def method(self) -> str:
+        """The yardstick and Megatron's schedule it ran: "THD packing + interleaved-1f1b"."""
+        return f"{YARDSTICKS[self.packing]} + {self.schedule}"
 
 
 class ThdRows(NamedTuple):
@@ -61,10 +72,6 @@ def plan_baseline(packing: str, lengths: Sequence[int], costs: StageCosts, memor
     if chunks > 1 and ranks is not None:
         found.append(baseline(lengths, ranks, memory_limit_mb, seq_len))
     return min((b for b in found if b is not None), key=lambda b: b.makespan_ms, default=None)
-
-
-def _method(packing: str, chunks: int) -> str:
-    return f"{YARDSTICKS[packing]} + {'interleaved-1f1b' if chunks > 1 else '1f1b'}"
 
 
 def default_pack_length(lengths: Sequence[int]) -> int:
@@ -107,7 +114,7 @@ def fixed_length_baseline(
         result = fixed_shape_run(costs, per_rank, mbs, seq_len, rc, memory_limit_mb, chunks)
         if result is not None and (best_key is None or (result.makespan, order, rc) < best_key):
             best_key = (result.makespan, order, rc)
-            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan, _method("pad", chunks),
+            best = PackingBaseline(seq_len, mbs, rc, num_sequences, result.makespan, "pad", chunks,
                                    tuple(map(float, result.peak_memory)))
     return best
 
@@ -124,7 +131,7 @@ def thd_packing_baseline(
     if found is None:
         return None
     return PackingBaseline(seq_len, found.per_rank[0][0].seq_len // seq_len, found.recompute, len(sequences),
-                           found.makespan_ms, _method("varlen", chunks), found.stage_peak_mb)
+                           found.makespan_ms, "varlen", chunks, found.stage_peak_mb)
 
 
 def thd_packing_rows(

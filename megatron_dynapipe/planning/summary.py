@@ -45,7 +45,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length, spec.chunks,
                                  rank_costs(costs, spec))
         summary["baseline"] = None if baseline is None else {
-            "method": baseline.method, "seq_len": baseline.seq_len, "microbatch_size": baseline.microbatch_size,
+            "method": baseline.method, "schedule": baseline.schedule, "seq_len": baseline.seq_len, "microbatch_size": baseline.microbatch_size,
             "recompute": baseline.recompute.label, "num_sequences": baseline.num_sequences,
             "makespan_ms": baseline.makespan_ms,
         }
@@ -100,7 +100,7 @@ def format_summary(summary: dict) -> str:
     base, yardstick = summary.get("baseline"), YARDSTICKS[summary["packing"]]
     if base:
         ideal, speedup = summary["ideal_gain_vs_packing"], summary["speedup_vs_packing"]
-        schedule = "interleaved 1F1B" if "interleaved" in base["method"] else "1F1B"
+        schedule = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}[base["schedule"]]
         lines.append(f"{yardstick} to {base['seq_len']} + {schedule} (micro-batch "
                      f"{base['microbatch_size']}, recompute {base['recompute']}): {base['makespan_ms']:.1f} ms "
                      f"-> speed-up {speedup:.2f}x" + ("" if ideal is None else _padding_share(speedup, ideal)))
