@@ -510,8 +510,8 @@ def _layout(settings: dict) -> str:
     """"PP=2 x 2 chunks (first stage 2 layers), DP=1, CP=2": the chunks and CP where there are
     several, the first and last stages' layers where they are their own."""
     chunks = f" x {settings['chunks']} chunks" if settings["chunks"] > 1 else ""
-    own = [f"{which} stage {settings.get(f'{which}_stage_layers')} layers" for which in ("first", "last")
-           if settings.get(f"{which}_stage_layers") is not None]
+    own = [f"{which} stage {layers} layers" for which in ("first", "last")
+           if (layers := settings.get(f"{which}_stage_layers")) is not None]
     split = f" ({', '.join(own)})" if own else ""
     cp = f", CP={settings['cp']}" if settings["cp"] > 1 else ""
     return f"PP={settings['pp']}{chunks}{split}, DP={settings['dp']}{cp}"

@@ -45,7 +45,8 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length, spec.chunks,
                                  rank_costs(costs, spec))
         summary["baseline"] = None if baseline is None else {
-            "method": baseline.method, "schedule": baseline.schedule, "seq_len": baseline.seq_len, "microbatch_size": baseline.microbatch_size,
+            "method": baseline.method, "schedule": baseline.schedule, "seq_len": baseline.seq_len,
+            "microbatch_size": baseline.microbatch_size,
             "recompute": baseline.recompute.label, "num_sequences": baseline.num_sequences,
             "makespan_ms": baseline.makespan_ms,
         }

@@ -79,7 +79,8 @@ def _checked(args):
     if args.min_seq_length > max_seq:
         raise ValueError(f"--min-seq-length {args.min_seq_length} is above --max-seq-length {max_seq}")
     settings = ProfileSettings(
-        tp_sizes=tuple(dict.fromkeys(args.tp)), cp_sizes=tuple(dict.fromkeys(args.cp)), recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
+        tp_sizes=tuple(dict.fromkeys(args.tp)), cp_sizes=tuple(dict.fromkeys(args.cp)),
+        recompute=tuple(dict.fromkeys(args.recompute)), dtype=args.dtype,
         min_seq_length=args.min_seq_length, max_seq_length=max_seq, max_tokens=args.max_tokens or 16 * max_seq,
         warmup=max(0, args.warmup), repeats=args.repeats, min_time_ms=max(0.0, args.min_time_ms))
     return spec, output, settings, indexed_device(device)

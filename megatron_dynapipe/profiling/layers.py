@@ -66,8 +66,9 @@ class Parts:
     packed row ``[mbs * seq, 1, hidden]`` of samples of ``seq`` tokens each attending to itself alone
     (megatron-core's THD format), where the attention core runs them (else there are none); on a
     rank of a context-parallel group of ``cp``, ``x`` is the rank's ``1 / cp`` of those tokens.
-    ``postprocess(x, labels)`` is the final norm, the LM head and the per-token loss, and ``preprocess(tokens)`` the embedding of ``[mbs, seq]``
-    token ids (word and learned positions), both the same whatever the layers recompute.
+    ``postprocess(x, labels)`` is the final norm, the LM head and the per-token loss, and
+    ``preprocess(tokens)`` the embedding of ``[mbs, seq]`` token ids (word and learned positions),
+    both the same whatever the layers recompute.
     ``attention_core(query, key, value)`` is the layer's attention core alone without a mask
     (every query to every key, as context parallelism's ring attends other ranks' chunks), on
     ``[seq, mbs, heads, head_dim]`` queries and ``[seq, mbs, groups, head_dim]`` keys and values,

@@ -61,8 +61,8 @@ def test_context_parallel_records_come_back_by_group_layout_and_phase(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(to_text({"name": "test", **records.records()}))
     back = ProfileRecords.from_document(read_document(path), str(path))
-    assert back.cp_tables(1) == {(2, layout, phase, RecomputeType.NONE): {(128, 1): ms}
-                                 for layout in ("padded", "thd") for phase, ms in (("forward", 0.75), ("backward", 1.5))}
+    assert back.cp_tables(1) == {(2, layout, phase, RecomputeType.NONE): {(128, 1): ms} for layout in ("padded", "thd")
+                                 for phase, ms in (("forward", 0.75), ("backward", 1.5))}
     assert back.cp_tables(2) == {} and back.times == records.times  # CP 1's records are not disturbed
 
 
