@@ -19,7 +19,9 @@ rank dies without a word or the ranks are not all done within ``timeout`` second
 killed and it says which.  Nothing ever waits on a dead peer.
 
 Children start with ``spawn`` (forking after torch's threads exist is unsafe, and a forked child
-cannot use CUDA once its parent has) and share the cores: each takes ``cores // world_size`` threads.
+cannot use CUDA once its parent has) and share the cores: each takes the parent's thread count
+(``OMP_NUM_THREADS``, ``torch.set_num_threads``), at most ``cores // world_size``, so that ranks run
+with the threads a profile made in the parent's settings was measured with.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks of one ``backend``
     process group; the per-rank results in rank order (module docstring).  ``fn``, its arguments
     and its results must pickle."""
+    import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -63,7 +66,9 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     deadline = time.monotonic() + timeout
     store = dist.TCPStore(_HOST, 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
     pg_timeout_s = max(5.0, min(60.0, timeout / 2))
-    procs = [ctx.Process(target=_child, args=(rank, world_size, store.port, backend, payload, results, pg_timeout_s),
+    threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
+    procs = [ctx.Process(target=_child, args=(rank, world_size, store.port, backend, payload, results, pg_timeout_s,
+                                              threads),
                          name=f"local-rank{rank}", daemon=True) for rank in range(world_size)]
     name = getattr(fn, "__qualname__", repr(fn))
     try:
@@ -88,12 +93,12 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         del store
 
 
-def _child(rank, world_size, port, backend, payload, results, pg_timeout_s) -> None:
+def _child(rank, world_size, port, backend, payload, results, pg_timeout_s, threads) -> None:
     import torch
     import torch.distributed as dist
 
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         fn, args, kwargs = pickle.loads(payload)

@@ -1,6 +1,8 @@
 """The one way local ranks start (megatron_dynapipe.local_ranks): results in rank order, and a
 failing, dying or hanging rank reported instead of hanging the caller."""
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,23 @@ def _rank_and_sum(rank, world_size, offset):
 def test_ranks_join_one_group_and_return_in_rank_order():
     # two ranks: (0 + 10) + (1 + 10), summed over the group
     assert run_local_ranks(_rank_and_sum, 2, 10, timeout=600) == [(0, 2, 21.0), (1, 2, 21.0)]
+
+
+def _threads(rank, world_size):
+    return torch.get_num_threads()
+
+
+@pytest.mark.slow
+def test_ranks_run_with_the_callers_thread_count_within_their_share_of_the_cores():
+    # a profile made with OMP_NUM_THREADS=1 prices ranks that run one thread each, on any machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_local_ranks(_threads, 1, timeout=600) == [1]
+    finally:
+        torch.set_num_threads(before)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert run_local_ranks(_threads, 2, timeout=600) == [min(before, share)] * 2
 
 
 def test_a_world_of_no_ranks_is_refused():
