@@ -38,7 +38,7 @@ from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.measure import unless_out_of_memory
 from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
-__all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead"]
+__all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead", "added_ms"]
 
 MICROBATCHES = 3  # micro-batches of the longer plan; the shorter has one
 MOST_LAYERS = 3  # layers of the larger stage timed (the smaller has one)
@@ -141,21 +141,34 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
     for ddp, run in runs.values():  # warm-up
         ddp.zero_grad_buffer()
         run()
-    while (min(map(len, times.values())) < repeats or sum(map(sum, times.values())) < min_time_ms / 1e3) \
-            and len(times[next(iter(times))]) < MAX_ROUNDS:
+    while _more_rounds(times, repeats, min_time_ms):
         for key, (ddp, run) in runs.items():
             ddp.zero_grad_buffer()
             sync()
             start = time.perf_counter()
             run()
             sync()
-            times[key].append(time.perf_counter() - start)
-    ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
-    added = MICROBATCHES - 1
+            times[key].append((time.perf_counter() - start) * 1e3)
     out = {}
     for layers in stages:
-        forward = (ms[layers, MICROBATCHES, True] - ms[layers, 1, True]) / added
-        step = (ms[layers, MICROBATCHES, False] - ms[layers, 1, False]) / added
+        forward, step = (added_ms(times[layers, MICROBATCHES, only], times[layers, 1, only], MICROBATCHES - 1)
+                         for only in (True, False))
         out[layers] = {"forward": forward, "backward": step - forward}
     return out
 
+
+def _more_rounds(times: dict, repeats: int, min_time_ms: float) -> bool:
+    """Whether every run goes once more: until each has ``repeats`` runs and its own add up to
+    ``min_time_ms``, at most MAX_ROUNDS.  (Runs of 5 ms get 20 rounds at 100 ms: the small shapes,
+    which one-layer chunks pay most for, are the noisiest.)"""
+    rounds = min(map(len, times.values()))
+    return rounds < MAX_ROUNDS and (rounds < repeats or min(map(sum, times.values())) < min_time_ms)
+
+
+def added_ms(more: Sequence[float], one: Sequence[float], added: int) -> float:
+    """What each of ``added`` more micro-batches adds, from a plan's runs (``more``) and the
+    one-micro-batch plan's (``one``) in the same rounds: the median of each round's difference, so
+    that a round slowed as a whole (the machine's drift) cancels and a lone slow run is outvoted.
+    The two plans' medians may come from different rounds: with them, two profiles of the same
+    model on a 2-core CPU three hours apart fitted 0.9 and 2.1 ms a micro-batch and chunk."""
+    return statistics.median(a - b for a, b in zip(more, one)) / added

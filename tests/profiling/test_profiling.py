@@ -315,6 +315,33 @@ def test_one_wild_shape_does_not_set_the_overhead_slope():
     assert np.polyfit(tokens, ms, 1)[0] > 0.04  # the least-squares slope
 
 
+def test_what_a_micro_batch_adds_is_read_round_by_round():
+    """Two plans run in the same rounds: round 2 ran slow as a whole (+10 ms each), round 3's longer
+    plan alone hit a spike. Each round's difference is 6, 6 and 26 ms: 3 ms a micro-batch for 2
+    more. The two medians (10 and 26 ms) come from different rounds and would give 8."""
+    from megatron_dynapipe.profiling.overhead import added_ms
+
+    one, more = [10.0, 20.0, 10.0], [16.0, 26.0, 36.0]
+    assert added_ms(more, one, 2) == pytest.approx(3.0)
+    assert (np.median(more) - np.median(one)) / 2 == pytest.approx(8.0)
+
+
+def test_every_run_is_timed_until_its_own_times_add_up():
+    from megatron_dynapipe.profiling import overhead
+
+    def rounds(ms_per_run, repeats=3, min_time_ms=100.0):
+        times = {key: [] for key in ms_per_run}
+        while overhead._more_rounds(times, repeats, min_time_ms):
+            for key, ms in ms_per_run.items():
+                times[key].append(ms)
+        return len(times["short"])
+
+    # eight runs a round of 5-40 ms: the 5 ms one needs 20 rounds for its own 100 ms
+    assert rounds({"short": 5.0, **{i: 40.0 for i in range(7)}}) == 20
+    assert rounds({"short": 500.0}) == 3  # at least `repeats`
+    assert rounds({"short": 0.01}) == overhead.MAX_ROUNDS  # at most MAX_ROUNDS
+
+
 def test_overhead_is_timed_at_each_length_and_at_the_corners():
     from megatron_dynapipe.profiling.overhead import overhead_shapes
 
