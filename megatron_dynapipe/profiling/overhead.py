@@ -10,11 +10,12 @@ the parts alone came out 6-23% short.  Some of it comes once per stage, some onc
 
 So the profiler times the real thing: stages of 1 and of ``min(3, layers)`` layers, built as
 ``bench step`` builds them (:mod:`megatron_dynapipe.runtime.stage`), each running plans of 1 and of
-``MICROBATCHES`` identical micro-batches, forward only and forward-backward, all in turn so that
-the machine's drift hits all alike.  The difference of the two plans' times per added
-micro-batch leaves out what a step pays once (finalising the gradients); the two stages'
-difference per added layer, less the layer's profiled time, is the per-layer overhead; the rest
-of the 1-layer stage's time, less its parts', the per-stage one.  Each is fitted as ``ms +
+``MICROBATCHES`` identical micro-batches, forward only and forward-backward, all in turn, round
+after round, so that the machine's drift hits all alike.  The difference of the two plans' times
+in a round per added micro-batch (its median over the rounds: :func:`added_ms`) leaves out what a
+step pays once (finalising the gradients); the two stages' difference per added layer, less the
+layer's profiled time, is the per-layer overhead; the rest of the 1-layer stage's time, less its
+parts', the per-stage one.  Each is fitted as ``ms +
 ms_per_token * tokens`` per phase over the shapes, robustly (:func:`fit_overhead`), both terms >= 0.
 """
 
