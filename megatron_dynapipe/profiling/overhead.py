@@ -15,8 +15,8 @@ after round, so that the machine's drift hits all alike.  The difference of the 
 in a round per added micro-batch (its median over the rounds: :func:`added_ms`) leaves out what a
 step pays once (finalising the gradients); the two stages' difference per added layer, less the
 layer's profiled time, is the per-layer overhead; the rest of the 1-layer stage's time, less its
-parts', the per-stage one.  Each is fitted as ``ms +
-ms_per_token * tokens`` per phase over the shapes, robustly (:func:`fit_overhead`), both terms >= 0.
+parts', the per-stage one.  Each is fitted as ``ms + ms_per_token * tokens`` per phase over the
+shapes, robustly (:func:`fit_overhead`), both terms >= 0.
 """
 
 from __future__ import annotations
