@@ -39,7 +39,7 @@ ALLOWED = {
                  "interrupts", "data", "profiling"},
     "megatron_lm": {"config", "planning", "compat", "gpt", "runtime", "data", "tracer", "files"},
     "megatron": {"megatron_lm", "runtime"},
-    "bench": {"config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
+    "bench": {"chrome_trace", "config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
               "progress", "hardware"},
     "cli": {"config", "planning", "compat", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files",
             "viz", "hardware", "interrupts"},

@@ -39,7 +39,8 @@ group, packed samples take whole chunks of their rows, and the baselines pack wi
 Methods alternate step by step, so drift in the machine's load hits all alike; step time is the
 slowest rank's, and the median over steps is reported, with real (non-pad) tokens per second,
 the cost model's prediction for each method and its error, and peak memory (on CUDA the
-allocator's peak; on the CPU the bytes of the tensors a step creates).
+allocator's peak; on the CPU the bytes of the tensors a step creates). ``--chrome-trace`` adds one
+more step of each method, every instruction timed (:mod:`.step_timeline`).
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_dynapipe.bench import step_timeline
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
+from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
@@ -117,6 +120,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens (default 0)")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--chrome-trace", metavar="FILE.json",
+                   help="after the timed steps, one more step of each method with every instruction timed on every "
+                        "rank: written as Chrome-trace JSON, and each rank's compute and waiting reported")
     p.set_defaults(model="tiny")
 
 
@@ -141,6 +147,11 @@ def run(args) -> int:
           f"({_layout(job)}) ...", file=sys.stderr, flush=True)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
     row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
+    if args.chrome_trace:
+        timelines = {name: [(_rank_name(rank, job), rank["timelines"][name]) for rank in per_rank]
+                     for name in row["methods"]}
+        row["chrome_trace"] = str(step_timeline.chrome_trace(timelines, name="bench step", layout=_layout(row["settings"]))
+                                  .write(args.chrome_trace))
     print(json.dumps(row) if args.json else format_table(row))
     if failed:
         print(f"bench step: {', '.join(failed)} failed (its row says why); the other methods' results stand",
@@ -195,6 +206,8 @@ def _checked(args) -> dict:
     if not 2 <= max_seq_length <= spec.max_sequence_length or max_seq_length % 8:
         raise ValueError(f"--max-seq-length {max_seq_length}: pick a multiple of 8 up to the model's "
                          f"{spec.max_sequence_length} positions (the planner pads lengths to multiples of 8)")
+    if args.chrome_trace:
+        check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
     memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20 * (1 - MEMORY_HEADROOM)
                                          if device == "cuda" else CPU_MEMORY_LIMIT_MB)
     cost_model = split_over_cp(load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype), args.cp)
@@ -202,7 +215,7 @@ def _checked(args) -> dict:
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
                 cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
-                predicts=args.cost_model is not None)
+                predicts=args.cost_model is not None, timeline=bool(args.chrome_trace))
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -407,8 +420,12 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
 
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=zero_grads,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
+        timelines = ({name: step_timeline.record(run, zero_grads) for name, run in runs.items()}
+                     if job["timeline"] else {})
         return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
-                "memory_mb": {name: _memory_mb(run, zero_grads, device) for name, run in runs.items()}}
+                "memory_mb": {name: _memory_mb(run, zero_grads, device) for name, run in runs.items()},
+                "timelines": timelines, "stage": stage, "dp_rank": dp_rank,
+                "cp_rank": parallel_state.get_context_parallel_rank()}
     finally:
         destroy_model_parallel()
         if on_cpu:
@@ -488,6 +505,9 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             peak_mb=_largest([rank["memory_mb"][name][1] for rank in per_rank]),
             planning_s=method.planning_s,
             loss=loss, loss_tokens=loss_tokens)
+        if per_rank[0].get("timelines"):
+            rows[name]["timeline"] = [{"rank": _rank_name(rank, job), **step_timeline.breakdown(rank["timelines"][name])}
+                                      for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
@@ -515,6 +535,29 @@ def _layout(settings: dict) -> str:
     split = f" ({', '.join(own)})" if own else ""
     cp = f", CP={settings['cp']}" if settings["cp"] > 1 else ""
     return f"PP={settings['pp']}{chunks}{split}, DP={settings['dp']}{cp}"
+
+
+def _rank_name(rank: dict, job: dict) -> str:
+    """"stage 1", or with several data- or context-parallel ranks "stage 1, dp 0, cp 1"."""
+    name = f"stage {rank['stage']}"
+    if job["dp"] > 1:
+        name += f", dp {rank['dp_rank']}"
+    if job["cp"] > 1:
+        name += f", cp {rank['cp_rank']}"
+    return name
+
+
+def _timeline_lines(row: dict) -> list[str]:
+    """Each method's extra timed step, rank by rank: compute, waiting, the rest."""
+    lines = []
+    for name, m in row["methods"].items():
+        if "timeline" in m:
+            ranks = "; ".join(f"{r['rank']} {r['step_ms']:.0f} ms = compute {r['compute_ms']:.0f} + waiting "
+                              f"{r['waiting_ms']:.0f} + other {r['other_ms']:.0f}" for r in m["timeline"])
+            lines.append(f"timeline of {name} (one more step, every instruction timed): {ranks}")
+    if "chrome_trace" in row:
+        lines.append(f"wrote {row['chrome_trace']} (chrome://tracing or ui.perfetto.dev)")
+    return lines
 
 
 def _largest(values: list) -> "float | None":
@@ -556,6 +599,7 @@ def format_table(row: dict) -> str:
     lines += [f"| {name} | failed: {why} | | | | | | | | |" for name, why in row["failed"].items()]
     lines.append("real tokens per second: " + ", ".join(f"{name} {x:.2f}x" for name, x in row["speedups"].items()))
     lines += _loss_lines(row)
+    lines += _timeline_lines(row)
     if not any(m["predicted_ms"] is not None for m in row["methods"].values()):
         lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "

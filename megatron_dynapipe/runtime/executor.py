@@ -16,6 +16,10 @@ keeps of a micro-batch is keyed by (chunk, micro-batch)):
   together, before the next FINISH or compute op; FINISHes wait for their transfer;
 * ``FREE_BUFFER(m)`` -- drops what the stage keeps of ``m``.
 
+With ``ExecutorOptions.timeline`` a list, every instruction run is appended to it as a
+:class:`TimedInstruction` (``bench step --chrome-trace``): where a step's time went, compute and
+waits, rank by rank. On CUDA each instruction then ends with a synchronize, which the step pays.
+
 Recompute per micro-batch
 -------------------------
 megatron-core decides activation recompute from global settings: ``TransformerBlock.forward``
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -64,6 +69,7 @@ __all__ = [
     "HANDLERS",
     "RecomputeSwitch",
     "StageRunner",
+    "TimedInstruction",
     "run_plan",
 ]
 
@@ -75,10 +81,22 @@ class PlanMismatchError(ValueError):
 @dataclass
 class ExecutorOptions:
     """``comm_timeout_s``: how long a pipeline FINISH may wait (None: the process group's
-    timeout). ``validate_plans``: check each plan's structure before running it."""
+    timeout). ``validate_plans``: check each plan's structure before running it. ``timeline``:
+    where a list, every instruction run is appended to it (module docstring)."""
 
     comm_timeout_s: Optional[float] = None
     validate_plans: bool = True
+    timeline: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class TimedInstruction:
+    """An instruction as one stage ran it: ``start`` and ``end`` in seconds of ``time.perf_counter``
+    (one clock for every process of a machine on Linux, so local ranks' timelines line up)."""
+
+    instruction: Any  # planning.plan.Instruction
+    start: float
+    end: float
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,6 +293,8 @@ class StageRunner:
         self.forwarded_chunks: set[int] = set()  # megatron's "first micro-batch" is per model chunk
         self.no_sync: Optional[contextlib.ExitStack] = None
         self.embedding_module = None
+        self.timeline = options.timeline
+        self.finish_work = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
     def holds_last_virtual_stage(self, chunk: int) -> bool:
         """Whether ``chunk`` of this stage is the pipeline's last virtual stage (computes the loss)."""
@@ -299,7 +319,13 @@ class StageRunner:
             return
         if not ins.op.is_start:
             self._post_pending()
+        if self.timeline is None:
+            HANDLERS[ins.op](self, i, ins)
+            return
+        start = time.perf_counter()
         HANDLERS[ins.op](self, i, ins)
+        self.finish_work()
+        self.timeline.append(TimedInstruction(ins, start, time.perf_counter()))
 
     def _begin(self) -> None:
         config = self.config

@@ -22,12 +22,14 @@ is run by megatron-core's own schedule, unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.compat.patching import Patches
@@ -41,6 +43,7 @@ __all__ = [
     "get_forward_backward_func",
     "install",
     "is_enabled",
+    "recording_timeline",
     "uninstall",
 ]
 
@@ -70,6 +73,19 @@ def configure(enabled: bool = True, *, comm_timeout_s: Optional[float] = None,
 
 def is_enabled() -> bool:
     return _state.enabled
+
+
+@contextlib.contextmanager
+def recording_timeline() -> Iterator[list]:
+    """Within it, every instruction the executor runs is appended to the list it yields, as a
+    :class:`~megatron_dynapipe.runtime.executor.TimedInstruction`."""
+    timeline: list = []
+    saved = _state.options
+    _state.options = dataclasses.replace(saved, timeline=timeline)
+    try:
+        yield timeline
+    finally:
+        _state.options = saved
 
 
 def _core_get_forward_backward_func():

@@ -146,6 +146,56 @@ def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, len
     assert "losses:" in run.stdout and " agree with it" in run.stdout
 
 
+def test_the_chrome_trace_shows_every_ranks_instructions_on_one_clock(tiny_sdpa_profile, lengths_file, tmp_path):
+    """PP 2 x 2 chunks, one more step of each method timed instruction by instruction: every
+    micro-batch runs forward and backward once on every chunk of every stage, and the two ranks'
+    times line up: stage 1's forward of a chunk can only start once stage 0's of the same chunk
+    has ended (it needs that activation), and stage 0's backward once stage 1's has ended."""
+    profile, _ = tiny_sdpa_profile
+    out = tmp_path / "step.json"
+    run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
+                "--max-seq-length", str(SEQ), "--pp", "2", "--chunks", "2", "--steps", "3", "--warmup", "0",
+                "--chrome-trace", str(out), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = json.loads(run.stdout)
+    assert row["chrome_trace"] == str(out)
+    names = {e["pid"]: e["args"]["name"] for e in json.loads(out.read_text())["traceEvents"]
+             if e["name"] == "process_name"}
+    spans = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted(names.values()) == sorted(f"{m}: stage {s}" for m in row["methods"] for s in (0, 1))
+    for method, m in row["methods"].items():
+        pids = {s: next(pid for pid, name in names.items() if name == f"{method}: stage {s}") for s in (0, 1)}
+        ran = {}  # (stage, op, chunk, micro-batch) -> (start, end) in us
+        for e in spans:
+            stage = next((s for s, pid in pids.items() if pid == e["pid"]), None)
+            if stage is not None and e["cat"] in ("FORWARD", "BACKWARD"):
+                key = (stage, e["cat"], e["args"]["chunk"], e["args"]["microbatch"])
+                assert key not in ran, (method, key)
+                ran[key] = (e["ts"], e["ts"] + e["dur"])
+        count = m["microbatches"]
+        assert sorted(ran) == sorted((s, op, c, mb) for s in (0, 1) for op in ("FORWARD", "BACKWARD")
+                                     for c in (0, 1) for mb in range(count)), method
+        for c in (0, 1):
+            for mb in range(count):
+                assert ran[1, "FORWARD", c, mb][0] >= ran[0, "FORWARD", c, mb][1], (method, c, mb)
+                assert ran[0, "BACKWARD", c, mb][0] >= ran[1, "BACKWARD", c, mb][1], (method, c, mb)
+        for r in m["timeline"]:
+            assert r["compute_ms"] > 0 and r["waiting_ms"] >= 0 and r["other_ms"] >= 0
+            assert r["compute_ms"] + r["waiting_ms"] <= r["step_ms"]
+
+
+def test_a_ranks_step_splits_into_compute_waiting_and_the_rest():
+    from megatron_dynapipe.bench.step_timeline import breakdown
+
+    rows = [("RECV_ACT_START", 0, 0, "none", 1.000, 1.001), ("RECV_ACT_FINISH", 0, 0, "none", 1.001, 1.011),
+            ("FORWARD", 0, 0, "none", 1.012, 1.032), ("SEND_GRAD_START", 0, 0, "none", 1.032, 1.033),
+            ("BACKWARD", 0, 0, "full", 1.040, 1.080), ("SEND_GRAD_FINISH", 0, 0, "none", 1.080, 1.085)]
+    got = breakdown(rows)
+    assert got["step_ms"] == pytest.approx(85) and got["compute_ms"] == pytest.approx(60)
+    assert got["waiting_ms"] == pytest.approx(15) and got["other_ms"] == pytest.approx(10)
+    assert breakdown([]) == {"step_ms": 0.0, "compute_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
+
+
 def test_packed_rows_keep_each_samples_own_labels():
     from megatron_dynapipe.bench.step_bench import _packed
 
@@ -178,6 +228,7 @@ def test_packed_rows_keep_each_samples_own_labels():
      "was profiled with another model or dtype: hidden_size 128 (job: 64)"),
     (["--lengths", "LENGTHS", "--max-seq-length", "64"], "has a sample of 100 tokens, over --max-seq-length 64"),
     (["--hidden-dropout", "0.1"], "bench step runs without dropout"),
+    (["--chrome-trace", "trace.txt"], "--chrome-trace trace.txt has no known suffix: end the name with one of .json"),
     (["--cost-model", "PROFILE"], "was profiled with another model or dtype: attention local (job: sdpa); profile "
      "this job's model (megatron-dynapipe profile with --attention sdpa and this job's other model flags)"),
     (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0); "

@@ -1,0 +1,68 @@
+"""Where a benchmarked step's time went (``bench step --chrome-trace FILE``).
+
+After its timed steps each method runs one more step with every instruction timed on every rank
+(:func:`record`, the executor's ``ExecutorOptions.timeline``). A rank's step splits into compute
+(FORWARD and BACKWARD), waiting (the FINISHes of transfers: a bubble, or a peer that ran late) and
+the rest (starting transfers, loading inputs, freeing buffers, the executor between instructions). The report gives each rank's split
+(:func:`breakdown`): a step measured above its prediction with compute near the plan's price was
+held up by waits; one whose compute ran over was priced low by the profile. The Chrome trace
+(:func:`chrome_trace`) shows every rank's instructions on one time axis, a process per method and
+rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_dynapipe.chrome_trace import ChromeTrace
+
+__all__ = ["COMPUTE", "WAITS", "record", "breakdown", "chrome_trace"]
+
+COMPUTE = frozenset({"FORWARD", "BACKWARD"})
+WAITS = frozenset({"RECV_ACT_FINISH", "RECV_GRAD_FINISH", "SEND_ACT_FINISH", "SEND_GRAD_FINISH"})
+
+
+def record(run: Callable[[], object], before: Callable[[], None]) -> list[tuple]:
+    """One more run of ``run`` (after ``before``) with its instructions timed: rows of
+    (op name, micro-batch, chunk, recompute label, start s, end s), picklable for the parent."""
+    from megatron_dynapipe.runtime.provider import recording_timeline
+
+    before()
+    with recording_timeline() as timeline:
+        run()
+    return [(t.instruction.op.name, t.instruction.microbatch, t.instruction.chunk, t.instruction.recompute.label,
+             t.start, t.end) for t in timeline]
+
+
+def breakdown(rows: list[tuple]) -> dict[str, float]:
+    """One rank's step in ms, from its first instruction's start to its last one's end: the time
+    in compute, in waits, and the rest (the other instructions and the executor between them)."""
+    if not rows:
+        return {"step_ms": 0.0, "compute_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
+    step_ms = (max(r[-1] for r in rows) - min(r[-2] for r in rows)) * 1e3
+    compute_ms = sum(end - start for op, *_, start, end in rows if op in COMPUTE) * 1e3
+    waiting_ms = sum(end - start for op, *_, start, end in rows if op in WAITS) * 1e3
+    return {"step_ms": step_ms, "compute_ms": compute_ms, "waiting_ms": waiting_ms,
+            "other_ms": step_ms - compute_ms - waiting_ms}
+
+
+def chrome_trace(timelines: dict[str, list[tuple[str, list[tuple]]]], **other_data) -> ChromeTrace:
+    """``timelines``: per method, (rank's name, its rows) for every rank. Each method's ranks
+    share a time axis that starts at its earliest instruction (local ranks read one clock)."""
+    trace = ChromeTrace(**other_data)
+    pid = 0
+    for method, ranks in timelines.items():
+        origin = min((rows[0][-2] for _, rows in ranks if rows), default=0.0)
+        for rank_name, rows in ranks:
+            trace.process(pid, f"{method}: {rank_name}")
+            for row in ("compute", "waiting"):
+                trace.row(pid, row)
+            for op, microbatch, chunk, recompute, start, end in rows:
+                if op not in COMPUTE and op not in WAITS:
+                    continue
+                name = f"{op[0] if op in COMPUTE else op.lower()} {microbatch}" + (f" chunk {chunk}" if chunk else "")
+                trace.span(pid, "compute" if op in COMPUTE else "waiting", name, cat=op,
+                           start_us=(start - origin) * 1e6, dur_us=(end - start) * 1e6,
+                           args={"microbatch": microbatch, "chunk": chunk, "recompute": recompute})
+            pid += 1
+    return trace
