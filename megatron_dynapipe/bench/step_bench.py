@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -523,6 +524,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         methods=rows, failed=dict(failed or {}), speedups=speedups,
         loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job["dtype"]] for gap in gaps.values()),
         threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
+        cores=os.cpu_count() if job["device"] == "cpu" else None,
         profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
 
 
@@ -558,6 +560,16 @@ def _timeline_lines(row: dict) -> list[str]:
     if "chrome_trace" in row:
         lines.append(f"wrote {row['chrome_trace']} (chrome://tracing or ui.perfetto.dev)")
     return lines
+
+
+def _sharing_lines(settings: dict, cores: "int | None", methods: dict) -> list[str]:
+    """A note where the CPU has fewer cores than the job has ranks: the profile priced a rank with
+    a core of its own, so while more ranks compute than there are cores each runs slower."""
+    ranks = settings["pp"] * settings["dp"] * settings["cp"]
+    if not cores or ranks <= cores or not any(m["predicted_ms"] is not None for m in methods.values()):
+        return []
+    return [f"note: {ranks} ranks shared {cores} cores, the predictions price a core for each: expect steps up to "
+            f"{ranks / cores:.1f}x them here (their ratios still compare); a machine with {ranks} cores checks them"]
 
 
 def _largest(values: list) -> "float | None":
@@ -604,6 +616,7 @@ def format_table(row: dict) -> str:
         lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "
                      "--cost-model FILE to compare predicted with measured")
+    lines += _sharing_lines(row["settings"], row["cores"], row["methods"])
     mine, profiled = row["threads_per_rank"], row["profile_threads"]
     if mine and profiled and mine != profiled:
         lines.append(f"note: the profile was measured with {profiled} CPU threads, each rank here ran with {mine}: "

@@ -196,6 +196,17 @@ def test_a_ranks_step_splits_into_compute_waiting_and_the_rest():
     assert breakdown([]) == {"step_ms": 0.0, "compute_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
 
 
+def test_ranks_that_outnumber_the_cores_are_noted_beside_the_predictions():
+    from megatron_dynapipe.bench.step_bench import _sharing_lines
+
+    predicted, unpredicted = {"DynaPipe": {"predicted_ms": 100.0}}, {"DynaPipe": {"predicted_ms": None}}
+    four = {"pp": 2, "dp": 1, "cp": 2}
+    (line,) = _sharing_lines(four, 2, predicted)
+    assert line.startswith("note: 4 ranks shared 2 cores") and "up to 2.0x them here" in line
+    assert _sharing_lines(four, 4, predicted) == [] and _sharing_lines(four, None, predicted) == []
+    assert _sharing_lines(four, 2, unpredicted) == []  # no prediction to qualify
+
+
 def test_packed_rows_keep_each_samples_own_labels():
     from megatron_dynapipe.bench.step_bench import _packed
 
