@@ -23,12 +23,11 @@ is run by megatron-core's own schedule, unchanged.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 from megatron_dynapipe.compat import upstream
@@ -81,7 +80,7 @@ def recording_timeline() -> Iterator[list]:
     :class:`~megatron_dynapipe.runtime.executor.TimedInstruction`."""
     timeline: list = []
     saved = _state.options
-    _state.options = dataclasses.replace(saved, timeline=timeline)
+    _state.options = replace(saved, timeline=timeline)
     try:
         yield timeline
     finally:
