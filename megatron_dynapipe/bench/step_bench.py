@@ -238,15 +238,10 @@ def _lengths(args, max_seq_length: int) -> list[int]:
 
 
 def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
-    layers = job["model"].num_layers
-    # each virtual stage's layers as megatron-core builds them (None: all alike)
-    stage_layers = tuple(job["split"].chunk_layers(layers, job["pp"], job["chunks"])) if job["split"].uneven else None
-    spec = TrainingSpec(num_layers=layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"], cp=job["cp"],
-                        stage_layers=stage_layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
-    # built once, as a training job's data pipeline does: planning time is the planner's alone; one
-    # row a virtual stage, priced on one rank of the context-parallel group
-    costs = StageCosts(job["cost_model"], num_layers=layers, pp=spec.pp * spec.chunks, dp=spec.dp,
-                       layers=stage_layers)
+    # built once, as a training job's data pipeline does: planning time is the planner's alone
+    costs = _stage_costs(job)
+    spec = TrainingSpec(num_layers=costs.num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"], cp=job["cp"],
+                        stage_layers=costs.layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
@@ -263,6 +258,16 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     if job["packs"]:
         methods[THD] = _thd_method(sequences, lengths, tokens, seq, costs, spec)
     return methods
+
+
+def _stage_costs(job: dict) -> StageCosts:
+    """The job's cost model per pipeline stage: one row a virtual stage, priced on one rank of the
+    context-parallel group; where stages are uneven, each with its layers as megatron-core builds
+    them."""
+    layers = job["model"].num_layers
+    stage_layers = tuple(job["split"].chunk_layers(layers, job["pp"], job["chunks"])) if job["split"].uneven else None
+    return StageCosts(job["cost_model"], num_layers=layers, pp=job["pp"] * job["chunks"], dp=job["dp"],
+                      layers=stage_layers)
 
 
 def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], seq_len: int, costs, spec) -> Method:
@@ -489,6 +494,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
     time and its error, peak memory (largest rank); speed-ups and whether the losses agree; and
     why each method in ``failed`` did not run."""
     real_tokens = sum(lengths)
+    costs = _stage_costs(job) if job["predicts"] else None  # the default model prices an A100, not this device
     rows = {}
     for name, method in methods.items():
         loss, loss_tokens = _global_loss(per_rank, name)
@@ -507,8 +513,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             planning_s=method.planning_s,
             loss=loss, loss_tokens=loss_tokens)
         if per_rank[0].get("timelines"):
-            rows[name]["timeline"] = [{"rank": _rank_name(rank, job), **step_timeline.breakdown(rank["timelines"][name])}
-                                      for rank in per_rank]
+            rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
@@ -549,13 +554,23 @@ def _rank_name(rank: dict, job: dict) -> str:
     return name
 
 
+def _rank_timeline(rank: dict, name: str, method: Method, job: dict, costs: "StageCosts | None") -> dict:
+    """A rank's extra timed step of method ``name`` split up, and what its compute ops were priced
+    at (None without a cost model of this device)."""
+    plan = method.plans[rank["dp_rank"]][rank["stage"]]
+    priced = None if costs is None else step_timeline.priced_compute_ms(plan, costs, rank["stage"])
+    return {"rank": _rank_name(rank, job), **step_timeline.breakdown(rank["timelines"][name]),
+            "priced_compute_ms": priced}
+
+
 def _timeline_lines(row: dict) -> list[str]:
     """Each method's extra timed step, rank by rank: compute, waiting, the rest."""
     lines = []
     for name, m in row["methods"].items():
         if "timeline" in m:
-            ranks = "; ".join(f"{r['rank']} {r['step_ms']:.0f} ms = compute {r['compute_ms']:.0f} + waiting "
-                              f"{r['waiting_ms']:.0f} + other {r['other_ms']:.0f}" for r in m["timeline"])
+            ranks = "; ".join(f"{r['rank']} {r['step_ms']:.0f} ms = compute {r['compute_ms']:.0f}"
+                              + ("" if r["priced_compute_ms"] is None else f" (priced {r['priced_compute_ms']:.0f})")
+                              + f" + waiting {r['waiting_ms']:.0f} + other {r['other_ms']:.0f}" for r in m["timeline"])
             lines.append(f"timeline of {name} (one more step, every instruction timed): {ranks}")
     if "chrome_trace" in row:
         lines.append(f"wrote {row['chrome_trace']} (chrome://tracing or ui.perfetto.dev)")

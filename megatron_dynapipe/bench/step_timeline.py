@@ -3,11 +3,12 @@
 After its timed steps each method runs one more step with every instruction timed on every rank
 (:func:`record`, the executor's ``ExecutorOptions.timeline``). A rank's step splits into compute
 (FORWARD and BACKWARD), waiting (the FINISHes of transfers: a bubble, or a peer that ran late) and
-the rest (starting transfers, loading inputs, freeing buffers, the executor between instructions). The report gives each rank's split
-(:func:`breakdown`): a step measured above its prediction with compute near the plan's price was
-held up by waits; one whose compute ran over was priced low by the profile. The Chrome trace
-(:func:`chrome_trace`) shows every rank's instructions on one time axis, a process per method and
-rank.
+the rest (starting transfers, loading inputs, freeing buffers, the executor between
+instructions). The report gives each rank's split (:func:`breakdown`) beside what the cost model
+prices that rank's compute ops at (:func:`priced_compute_ms`): a step measured above its
+prediction with its compute near that price was held up by waits; one whose compute ran over was
+priced low. The Chrome trace (:func:`chrome_trace`) shows every rank's instructions on one time
+axis, a process per method and rank.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.planning.simulator import WorkTable
+from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["COMPUTE", "WAITS", "record", "breakdown", "chrome_trace"]
+__all__ = ["COMPUTE", "WAITS", "record", "breakdown", "priced_compute_ms", "chrome_trace"]
 
 COMPUTE = frozenset({"FORWARD", "BACKWARD"})
 WAITS = frozenset({"RECV_ACT_FINISH", "RECV_GRAD_FINISH", "SEND_ACT_FINISH", "SEND_GRAD_FINISH"})
@@ -44,6 +47,19 @@ def breakdown(rows: list[tuple]) -> dict[str, float]:
     waiting_ms = sum(end - start for op, *_, start, end in rows if op in WAITS) * 1e3
     return {"step_ms": step_ms, "compute_ms": compute_ms, "waiting_ms": waiting_ms,
             "other_ms": step_ms - compute_ms - waiting_ms}
+
+
+def priced_compute_ms(plan, costs, stage: int) -> float:
+    """What the planner prices the compute ops of ``stage``'s ``plan`` at, in ms: each op's price
+    in the cost model's table of the plan's micro-batches (``costs`` per virtual stage, chunk c of
+    stage s being c * pp + s; packed micro-batches at the packed rows' prices)."""
+    if any(mb.packed_lengths for mb in plan.microbatches):
+        costs = costs.packed()
+    tables = WorkTable(costs, plan.microbatches, plan.chunks).tables
+    pp, kinds = costs.pp // plan.chunks, list(RecomputeType)
+    return float(sum(tables["forward" if ins.op.name == "FORWARD" else "backward"][
+        kinds.index(ins.recompute), ins.chunk * pp + stage, ins.microbatch]
+        for ins in plan.instructions if ins.op.name in COMPUTE))
 
 
 def chrome_trace(timelines: dict[str, list[tuple[str, list[tuple]]]], **other_data) -> ChromeTrace:

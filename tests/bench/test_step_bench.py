@@ -64,17 +64,19 @@ def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, len
     assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
 
 
-def test_uneven_stages_run_as_megatron_builds_them_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file):
+def test_uneven_stages_run_as_megatron_builds_them_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, tmp_path):
     """Six layers, the first stage two of them, two chunks a rank: chunks of 1 and 1 layer on the
     first stage and 2 and 2 on the last, built by megatron-core from Megatron-LM's flag and priced
-    so by the planner; every method without leakage keeps pad-to-max's loss."""
+    so by the planner (and the timeline's prices); every method without leakage keeps pad-to-max's
+    loss."""
     profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--num-layers", "6", "--cost-model", str(profile), "--lengths", str(lengths_file),
                 "--max-seq-length", str(SEQ), "--pp", "2", "--chunks", "2", "--decoder-first-pipeline-num-layers", "2",
-                "--steps", "3", "--warmup", "0")
+                "--steps", "3", "--warmup", "0", "--chrome-trace", str(tmp_path / "step.json"), "--json")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "PP=2 x 2 chunks (first stage 2 layers), DP=1" in run.stdout
-    assert "the others without leakage agree with it" in run.stdout
+    row = json.loads(run.stdout)
+    assert row["settings"]["first_stage_layers"] == 2 and row["settings"]["chunks"] == 2 and row["losses_agree"]
+    assert_pad_to_max_compute_priced(row["methods"]["pad-to-max"], profile, (1, 2, 1, 2))
 
 
 def test_with_megatrons_unfused_attention_the_packed_methods_are_left_out(tiny_profile, lengths_file):
@@ -182,6 +184,21 @@ def test_the_chrome_trace_shows_every_ranks_instructions_on_one_clock(tiny_sdpa_
         for r in m["timeline"]:
             assert r["compute_ms"] > 0 and r["waiting_ms"] >= 0 and r["other_ms"] >= 0
             assert r["compute_ms"] + r["waiting_ms"] <= r["step_ms"]
+    assert_pad_to_max_compute_priced(row["methods"]["pad-to-max"], profile, (1, 1, 1, 1))
+
+
+def assert_pad_to_max_compute_priced(pad: dict, profile, chunk_layers: tuple[int, ...]):
+    """pad-to-max's micro-batches are all one shape: each of the two stages' compute is priced at
+    that shape's forward and backward on each of its two virtual stages (chunk c of stage s is
+    c * 2 + s, holding ``chunk_layers[c * 2 + s]`` layers), once a micro-batch."""
+    from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+
+    rows = pad["padded_tokens"] // (SEQ * pad["microbatches"])
+    costs = StageCosts(load_cost_model(profile, tp=1), num_layers=sum(chunk_layers), pp=4, layers=chunk_layers)
+    for s, r in enumerate(pad["timeline"]):
+        priced = sum(float(costs.forward_ms(c * 2 + s, rows, SEQ, "none") + costs.backward_ms(c * 2 + s, rows, SEQ, "none"))
+                     for c in (0, 1))
+        assert r["priced_compute_ms"] == pytest.approx(pad["microbatches"] * priced, rel=1e-9), s
 
 
 def test_a_ranks_step_splits_into_compute_waiting_and_the_rest():
