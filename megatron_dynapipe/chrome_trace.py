@@ -1,6 +1,7 @@
-"""The one Chrome-trace builder: simulated plans (:mod:`.viz`) and recorded ranks
-(:class:`~.tracer.trace_format.RankTrace`, merged per traced layout) become Trace Event Format
-documents that chrome://tracing and Perfetto open.
+"""The one Chrome-trace builder: simulated plans (:mod:`.viz`), recorded ranks
+(:class:`~.tracer.trace_format.RankTrace`, merged per traced layout) and the timed steps of
+``bench step`` (:mod:`.bench.step_timeline`) become Trace Event Format documents that
+chrome://tracing and Perfetto open.
 
 A document holds processes (a pipeline stage of a DP rank, or a traced rank), each with named
 rows (threads, numbered in the order they are first used and shown in that order) and complete

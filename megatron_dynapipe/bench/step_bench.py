@@ -512,7 +512,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             peak_mb=_largest([rank["memory_mb"][name][1] for rank in per_rank]),
             planning_s=method.planning_s,
             loss=loss, loss_tokens=loss_tokens)
-        if per_rank[0].get("timelines"):
+        if job["timeline"]:
             rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}

@@ -16,35 +16,33 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_dynapipe.chrome_trace import ChromeTrace
+from megatron_dynapipe.planning.plan import Op
 from megatron_dynapipe.planning.simulator import WorkTable
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["COMPUTE", "WAITS", "record", "breakdown", "priced_compute_ms", "chrome_trace"]
-
-COMPUTE = frozenset({"FORWARD", "BACKWARD"})
-WAITS = frozenset({"RECV_ACT_FINISH", "RECV_GRAD_FINISH", "SEND_ACT_FINISH", "SEND_GRAD_FINISH"})
+__all__ = ["record", "breakdown", "priced_compute_ms", "chrome_trace"]
 
 
-def record(run: Callable[[], object], before: Callable[[], None]) -> list[tuple]:
-    """One more run of ``run`` (after ``before``) with its instructions timed: rows of
-    (op name, micro-batch, chunk, recompute label, start s, end s), picklable for the parent."""
+def record(run: Callable[[], object], before: Callable[[], None]) -> list:
+    """One more run of ``run`` (after ``before``) with its instructions timed: the executor's
+    :class:`~megatron_dynapipe.runtime.executor.TimedInstruction` list, picklable for the parent."""
     from megatron_dynapipe.runtime.provider import recording_timeline
 
     before()
     with recording_timeline() as timeline:
         run()
-    return [(t.instruction.op.name, t.instruction.microbatch, t.instruction.chunk, t.instruction.recompute.label,
-             t.start, t.end) for t in timeline]
+    return timeline
 
 
-def breakdown(rows: list[tuple]) -> dict[str, float]:
+def breakdown(timeline: list) -> dict[str, float]:
     """One rank's step in ms, from its first instruction's start to its last one's end: the time
-    in compute, in waits, and the rest (the other instructions and the executor between them)."""
-    if not rows:
+    in compute, in waits (FINISHes), and the rest (the other instructions and the executor between
+    them)."""
+    if not timeline:
         return {"step_ms": 0.0, "compute_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
-    step_ms = (max(r[-1] for r in rows) - min(r[-2] for r in rows)) * 1e3
-    compute_ms = sum(end - start for op, *_, start, end in rows if op in COMPUTE) * 1e3
-    waiting_ms = sum(end - start for op, *_, start, end in rows if op in WAITS) * 1e3
+    step_ms = (max(t.end for t in timeline) - min(t.start for t in timeline)) * 1e3
+    compute_ms = sum(t.end - t.start for t in timeline if t.instruction.op.is_compute) * 1e3
+    waiting_ms = sum(t.end - t.start for t in timeline if t.instruction.op.is_finish) * 1e3
     return {"step_ms": step_ms, "compute_ms": compute_ms, "waiting_ms": waiting_ms,
             "other_ms": step_ms - compute_ms - waiting_ms}
 
@@ -57,28 +55,30 @@ def priced_compute_ms(plan, costs, stage: int) -> float:
         costs = costs.packed()
     tables = WorkTable(costs, plan.microbatches, plan.chunks).tables
     pp, kinds = costs.pp // plan.chunks, list(RecomputeType)
-    return float(sum(tables["forward" if ins.op.name == "FORWARD" else "backward"][
+    return float(sum(tables["forward" if ins.op == Op.FORWARD else "backward"][
         kinds.index(ins.recompute), ins.chunk * pp + stage, ins.microbatch]
-        for ins in plan.instructions if ins.op.name in COMPUTE))
+        for ins in plan.instructions if ins.op.is_compute))
 
 
-def chrome_trace(timelines: dict[str, list[tuple[str, list[tuple]]]], **other_data) -> ChromeTrace:
-    """``timelines``: per method, (rank's name, its rows) for every rank. Each method's ranks
-    share a time axis that starts at its earliest instruction (local ranks read one clock)."""
+def chrome_trace(timelines: dict[str, list[tuple[str, list]]], **other_data) -> ChromeTrace:
+    """``timelines``: per method, (rank's name, its :func:`record`) for every rank. Each method's
+    ranks share a time axis that starts at its earliest instruction (local ranks read one clock)."""
     trace = ChromeTrace(**other_data)
     pid = 0
     for method, ranks in timelines.items():
-        origin = min((rows[0][-2] for _, rows in ranks if rows), default=0.0)
-        for rank_name, rows in ranks:
+        origin = min((timeline[0].start for _, timeline in ranks if timeline), default=0.0)
+        for rank_name, timeline in ranks:
             trace.process(pid, f"{method}: {rank_name}")
             for row in ("compute", "waiting"):
                 trace.row(pid, row)
-            for op, microbatch, chunk, recompute, start, end in rows:
-                if op not in COMPUTE and op not in WAITS:
+            for t in timeline:
+                ins = t.instruction
+                if not (ins.op.is_compute or ins.op.is_finish):
                     continue
-                name = f"{op[0] if op in COMPUTE else op.lower()} {microbatch}" + (f" chunk {chunk}" if chunk else "")
-                trace.span(pid, "compute" if op in COMPUTE else "waiting", name, cat=op,
-                           start_us=(start - origin) * 1e6, dur_us=(end - start) * 1e6,
-                           args={"microbatch": microbatch, "chunk": chunk, "recompute": recompute})
+                name = (f"{ins.op.name[0] if ins.op.is_compute else ins.op.name.lower()} {ins.microbatch}"
+                        + (f" chunk {ins.chunk}" if ins.chunk else ""))
+                trace.span(pid, "compute" if ins.op.is_compute else "waiting", name, cat=ins.op.name,
+                           start_us=(t.start - origin) * 1e6, dur_us=(t.end - t.start) * 1e6,
+                           args={"microbatch": ins.microbatch, "chunk": ins.chunk, "recompute": ins.recompute.label})
             pid += 1
     return trace

@@ -161,9 +161,9 @@ def test_the_chrome_trace_shows_every_ranks_instructions_on_one_clock(tiny_sdpa_
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout)
     assert row["chrome_trace"] == str(out)
-    names = {e["pid"]: e["args"]["name"] for e in json.loads(out.read_text())["traceEvents"]
-             if e["name"] == "process_name"}
-    spans = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
     assert sorted(names.values()) == sorted(f"{m}: stage {s}" for m in row["methods"] for s in (0, 1))
     for method, m in row["methods"].items():
         pids = {s: next(pid for pid, name in names.items() if name == f"{method}: stage {s}") for s in (0, 1)}
@@ -203,11 +203,12 @@ def assert_pad_to_max_compute_priced(pad: dict, profile, chunk_layers: tuple[int
 
 def test_a_ranks_step_splits_into_compute_waiting_and_the_rest():
     from megatron_dynapipe.bench.step_timeline import breakdown
+    from megatron_dynapipe.planning.plan import Instruction, Op
+    from megatron_dynapipe.runtime.executor import TimedInstruction
 
-    rows = [("RECV_ACT_START", 0, 0, "none", 1.000, 1.001), ("RECV_ACT_FINISH", 0, 0, "none", 1.001, 1.011),
-            ("FORWARD", 0, 0, "none", 1.012, 1.032), ("SEND_GRAD_START", 0, 0, "none", 1.032, 1.033),
-            ("BACKWARD", 0, 0, "full", 1.040, 1.080), ("SEND_GRAD_FINISH", 0, 0, "none", 1.080, 1.085)]
-    got = breakdown(rows)
+    ran = [(Op.RECV_ACT_START, 1.000, 1.001), (Op.RECV_ACT_FINISH, 1.001, 1.011), (Op.FORWARD, 1.012, 1.032),
+           (Op.SEND_GRAD_START, 1.032, 1.033), (Op.BACKWARD, 1.040, 1.080), (Op.SEND_GRAD_FINISH, 1.080, 1.085)]
+    got = breakdown([TimedInstruction(Instruction(op, 0), start, end) for op, start, end in ran])
     assert got["step_ms"] == pytest.approx(85) and got["compute_ms"] == pytest.approx(60)
     assert got["waiting_ms"] == pytest.approx(15) and got["other_ms"] == pytest.approx(10)
     assert breakdown([]) == {"step_ms": 0.0, "compute_ms": 0.0, "waiting_ms": 0.0, "other_ms": 0.0}
