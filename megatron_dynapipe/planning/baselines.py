@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
+from megatron_dynapipe.planning.microbatching import pack_fixed_length, packed_microbatch, round_up
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.simulator import simulate, stage_work
@@ -145,7 +145,6 @@ def thd_packing_rows(
     recompute of the fastest simulated iteration within the memory limit (of ``recompute_types``:
     Megatron's ``--recompute-granularity`` leaves the heavier ones); None when nothing fits.
     ``chunks``: as for :func:`fixed_length_baseline`."""
-    costs = costs.packed()
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
     best = None
     for k in PACKING_MICROBATCH_SIZES:
@@ -153,19 +152,73 @@ def thd_packing_rows(
             break
         per_rank = [[_thd_row([sequences[i] for i in mine[at:at + k]], lengths, seq_len)
                      for at in range(0, len(mine), k)] for mine in shares]
-        # every rank's rows priced in one evaluation, which each rank's simulations find remembered:
-        # packed rows rarely share a shape, so rank by rank the cost model would run per handful
-        costs.by_recompute(*cost_shapes([row for rows in per_rank for row in rows]), tuple(RecomputeType))
-        for rc in sorted(recompute_types):  # cheapest first: the first that fits is the fastest
-            results = [_simulate_uniform(microbatches, costs, rc, memory_limit_mb, chunks) for microbatches in per_rank]
-            if all(r is not None for r in results):
-                makespan = max(r.makespan for r in results)
-                if best is None or makespan < best.makespan_ms:
-                    peaks = np.max([r.peak_memory for r in results], axis=0)
-                    best = ThdRows(per_rank, rc, makespan, tuple(map(float, peaks)),
-                                   tuple(float(r.makespan) for r in results))
-                break
+        found = uniform_rows_run(per_rank, costs, memory_limit_mb, chunks, recompute_types)
+        if found is not None and (best is None or found.makespan_ms < best.makespan_ms):
+            best = found
     return best
+
+
+def uniform_rows_run(per_rank: Sequence[Sequence[MicroBatch]], costs: StageCosts, memory_limit_mb: float,
+                     chunks: int = 1, recompute_types: Sequence[RecomputeType] = tuple(RecomputeType)
+                     ) -> ThdRows | None:
+    """Packed rows as Megatron runs them: each data-parallel rank's micro-batches (``per_rank``)
+    on its schedule (1F1B, interleaved over ``chunks``), one recompute for all, the lightest of
+    ``recompute_types`` under which every rank fits; None where none does."""
+    costs = costs.packed()
+    # every rank's rows priced in one evaluation, which each rank's simulations find remembered:
+    # packed rows rarely share a shape, so rank by rank the cost model would run per handful
+    costs.by_recompute(*cost_shapes([row for rows in per_rank for row in rows]), tuple(RecomputeType))
+    for rc in sorted(recompute_types):  # cheapest first: the first that fits is the fastest
+        results = [_simulate_uniform(list(rows), costs, rc, memory_limit_mb, chunks) for rows in per_rank]
+        if all(r is not None for r in results):
+            peaks = np.max([r.peak_memory for r in results], axis=0)
+            return ThdRows([list(rows) for rows in per_rank], rc, max(r.makespan for r in results),
+                           tuple(map(float, peaks)), tuple(float(r.makespan) for r in results))
+    return None
+
+
+def dp_balanced_packs(lengths: Sequence[int], capacity: int, dp: int, group: int = 1) -> list[list[int]]:
+    """Megatron-LM's ``--sequence-packing-scheduler dp_balanced`` (``DpBalancedScheduler``): the
+    global batch's samples in arrival order, next-fit into packs of at most ``capacity`` tokens
+    (``--max-seqlen-per-dp-cp-rank`` x CP); then, while the count of packs is not a multiple of
+    ``dp`` x ``group`` (the micro-batch group of an interleaved pipeline, Megatron's
+    ``--microbatch-group-size-per-virtual-pipeline-stage``, by default PP), the last sample of
+    the last pack that holds several moves to a pack of its own, at the end. Pack ``i x dp + r``
+    is micro-batch ``i`` of data-parallel rank ``r``. A sample longer than ``capacity`` is a pack
+    alone, as upstream's loop leaves it. ValueError where no pack but the first is left to split,
+    as upstream asserts."""
+    packs, room = [], 0
+    for i, n in enumerate(lengths):
+        if not packs or n > room:
+            packs.append([])
+            room = capacity
+        packs[-1].append(i)
+        room -= n
+    multiple = dp * group
+    at = len(packs) - 1
+    for _ in range(-len(packs) % multiple):
+        while at > 0 and len(packs[at]) == 1:
+            at -= 1
+        if at == 0:  # upstream never splits the first pack
+            raise ValueError(f"dp_balanced: {len(lengths)} samples cannot make a multiple of {multiple} packs "
+                             f"(DP {dp} x {group}): the global batch needs more samples")
+        packs.append([packs[at].pop()])
+    return packs
+
+
+def dp_balanced_rows(lengths: Sequence[int], capacity: int, costs: StageCosts, memory_limit_mb: float,
+                     chunks: int = 1, round_to: int = 1,
+                     recompute_types: Sequence[RecomputeType] = tuple(RecomputeType)) -> ThdRows | None:
+    """``dp_balanced`` (:func:`dp_balanced_packs`) as Megatron-LM runs it: each pack one THD row
+    of its samples (each ``lengths`` already padded as the layout needs, the row to a multiple of
+    ``round_to``), on Megatron's schedule with one recompute (:func:`uniform_rows_run`); the
+    micro-batch group is PP where ranks hold several chunks. None where nothing fits; ValueError
+    where the batch cannot be dealt out (:func:`dp_balanced_packs`)."""
+    ranks = costs.pp // chunks
+    packs = dp_balanced_packs(lengths, capacity, costs.dp, ranks if chunks > 1 else 1)
+    rows = [packed_microbatch(pack, [lengths[i] for i in pack], round_to) for pack in packs]
+    return uniform_rows_run([rows[r::costs.dp] for r in range(costs.dp)], costs, memory_limit_mb, chunks,
+                            recompute_types)
 
 
 def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1) -> tuple[list[int], list[list[int]]]:

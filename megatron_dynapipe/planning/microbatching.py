@@ -464,8 +464,13 @@ def _microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:
 
 
 def _packed_microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBatch:
-    run = tuple(int(n) for n in sorted_lengths[lo:hi])
-    return MicroBatch(tuple(int(i) for i in order[lo:hi]), int(round_up(sum(run), round_to)), run)
+    return packed_microbatch(order[lo:hi], sorted_lengths[lo:hi], round_to)
+
+
+def packed_microbatch(samples: Sequence[int], lengths: Sequence[int], round_to: int) -> MicroBatch:
+    """One THD row: ``samples`` (of these ``lengths``) back to back, padded to a multiple of ``round_to``."""
+    run = tuple(int(n) for n in lengths)
+    return MicroBatch(tuple(int(i) for i in samples), int(round_up(sum(run), round_to)), run)
 
 
 def partition_token_based(lengths, indices, tokens_per_microbatch: int, round_to: int = 8) -> list[MicroBatch]:

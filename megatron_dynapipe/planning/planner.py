@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_dynapipe.planning.baselines import ThdRows, default_pack_length, dp_balanced_rows, thd_packing_rows
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
@@ -24,8 +25,10 @@ from megatron_dynapipe.planning.microbatching import (
     MicroBatchingError,
     PaddedRows,
     cheapest_recompute,
+    pack_fixed_length,
     fill_weight,
     lightest_fitting_alone,
+    packed_microbatch,
     partition_dp,
     partition_token_based,
     partition_uniform,
@@ -35,7 +38,14 @@ from megatron_dynapipe.planning.microbatching import (
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.samples import check_lengths
-from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, fast_mode_schedules, get_schedule
+from megatron_dynapipe.planning.schedules import (
+    DEFAULT_SCHEDULES,
+    check_chunks,
+    fast_mode_schedules,
+    get_schedule,
+    megatron_orders,
+    megatron_schedule,
+)
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
@@ -159,14 +169,60 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         # planned before it, fast mode looks no further for that rank (the step stays the same).
         slowest = max((c.makespan_ms for c in choices if c), default=None) if fast else None
         choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, fast, clock, slowest, firsts[r])
+    if spec.packing == "varlen":
+        with clock("scheduling"):
+            choices = _no_slower_than_megatron(choices, lengths, costs, spec)
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
     return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
 
 
+def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec) -> dict[str, ThdRows]:
+    """Megatron-LM's own packings of these (packed, so already padded) samples that fit, by name,
+    each on Megatron's schedule with one recompute: THD rows of whole samples (first-fit
+    decreasing into rows of ``spec.seq_length``, k a micro-batch) and ``dp_balanced``'s packs
+    (:func:`~.baselines.dp_balanced_rows`). ``costs`` per virtual stage."""
+    seq_length = spec.seq_length or default_pack_length(lengths)
+    found = {}
+    try:
+        found["dp_balanced"] = dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks,
+                                                spec.seqlen_round, spec.recompute_types)
+    except ValueError:
+        pass  # too few samples to deal out: no such plan to hold as a candidate
+    if lengths.max() <= seq_length:
+        found["THD rows"] = thd_packing_rows(pack_fixed_length(lengths.tolist(), seq_length), lengths, seq_length,
+                                             costs, spec.memory_limit_mb, spec.chunks, spec.recompute_types)
+    return {name: rows for name, rows in found.items() if rows is not None}
+
+
+def _no_slower_than_megatron(choices: "list[ScheduleChoice]", lengths, costs: StageCosts,
+                             spec: TrainingSpec) -> "list[ScheduleChoice]":
+    """The planned ranks, or Megatron's own packing of the whole batch where it ends sooner
+    (:func:`megatron_packings`): those plans are candidates too, so a packed plan is never
+    predicted slower than them on the same cost model."""
+    best, best_ms = choices, max(c.makespan_ms for c in choices)
+    for name, found in megatron_packings(lengths, costs, spec).items():
+        if found.makespan_ms < best_ms:
+            ranks = [_uniform_choice(rows, found.recompute, costs, spec.chunks, name) for rows in found.per_rank]
+            if max(c.makespan_ms for c in ranks) < best_ms:  # simulated whole, not extrapolated
+                best, best_ms = ranks, max(c.makespan_ms for c in ranks)
+    return best
+
+
+def _uniform_choice(rows: Sequence[MicroBatch], recompute: RecomputeType, costs: StageCosts, chunks: int,
+                    label: str) -> "ScheduleChoice":
+    """One rank's rows on Megatron's schedule under one recompute, as a choice of the search."""
+    n, schedule = len(rows), megatron_schedule(chunks)
+    orders = megatron_orders(costs.pp // chunks, n, chunks)
+    table = np.full((costs.pp, n), int(recompute))
+    candidate = Candidate(schedule, label, tuple(range(n)), tuple(rows), (recompute,) * n)
+    return ScheduleChoice(candidate, table, orders, simulate(orders, stage_work(costs, rows, table, chunks)), 1)
+
+
 def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec, fast: bool,
                  clock) -> "list[list[Microbatching] | None]":
-    """Per rank, fast mode's first try where it has one: its mixed micro-batching alone, which often
+    """Per rank, fast mode's first try where it has one: its mixed micro-batching alone (a packed
+    plan's full rows too: :func:`megatron_rows`), which often
     has a plan that ends by the slowest rank's, and the others are then never made (partitioning a
     rank's samples costs about what scheduling them does). Made for every rank before any is
     scheduled; None where there is none or it fails (the rank's whole search then says why)."""
@@ -303,7 +359,7 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
         )
 
 
-def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: bool = False,
+def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: bool = False,
                     rows: "PaddedRows | None" = None) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
     and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
@@ -315,7 +371,9 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
     ("<label>, light start"; fast mode offers only that), which recompute adjustment raises only
     where the simulated schedule runs over the limit. Both are ranked by the partition's predicted
     iteration time, the light start first: its own prediction ignores what will be raised.
-    ``mixed_only``: the mixed one alone. ``rows``: padded cost-table rows shared with other ranks."""
+    A packed plan's search also holds the rank's samples in Megatron's full rows (:func:`megatron_rows`).
+    ``first_try``: the mixed one (and those rows) alone. ``rows``: padded cost-table rows shared with
+    other ranks."""
     limit = spec.memory_limit_mb
     if spec.partition in ("token_based", "uniform"):
         mbs = (partition_token_based(lengths, samples, spec.tokens_per_microbatch, spec.seqlen_round)
@@ -326,7 +384,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
     options = [(rc.label, (rc,)) for rc in spec.recompute_types]
     if len(spec.recompute_types) > 1:
         # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
-        options = [("mixed", spec.recompute_types)] + ([] if mixed_only else options[-1:] if fast_mode else options)
+        options = [("mixed", spec.recompute_types)] + ([] if first_try else options[-1:] if fast_mode else options)
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     # An interleaved pipeline's smaller fill favours larger micro-batches, but its warm-up holds
     # more of them than the 1F1B steady state they are sized to fit: normal mode also offers them
@@ -353,9 +411,29 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, mixed_only: 
             found.append((rank, 0, Microbatching(f"{partition.label}, light start", partition.microbatches, light)))
         if light == partition.recompute or not fast_mode:
             found.append((rank, 1, partition))
+    if spec.packing == "varlen":
+        full = megatron_rows(lengths, samples, spec)
+        if full is not None:
+            light = Microbatching("rows of seq-length", full,
+                                  tuple(lightest_fitting_alone(costs, full, spec.recompute_types, limit)))
+            found.append((predicted_iteration_ms(costs, light, spec.chunks), 0, light))
     if not found:
         raise PlanningError(str(errors[-1]))
     return [m for _, _, m in sorted(found, key=lambda f: f[:2])]
+
+
+def megatron_rows(lengths, samples, spec: TrainingSpec) -> "tuple[MicroBatch, ...] | None":
+    """A rank's samples as Megatron packs them, whole: first-fit decreasing into THD rows of at
+    most ``spec.seq_length`` tokens (each row one micro-batch, rounded to ``seq_len_round``), as
+    a micro-batching of the search: with the planner's split over data-parallel ranks, by cost,
+    Megatron's full rows often beat the planner's own cuts. None where a sample is longer."""
+    mine = np.asarray(lengths)[samples]
+    seq_length = spec.seq_length or default_pack_length(lengths)
+    if mine.max() > seq_length:
+        return None
+    order = np.asarray(samples)
+    return tuple(packed_microbatch(order[row], mine[row], spec.seqlen_round)
+                 for row in pack_fixed_length(mine.tolist(), seq_length))
 
 
 def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching, chunks: int = 1) -> float:

@@ -55,11 +55,19 @@ class TrainingSpec:
     #: one runs the same plan on its share of the tokens, priced by
     #: :class:`~megatron_dynapipe.planning.cost_model.ContextParallelCostModel`
     cp: int = 1
+    #: Megatron-LM's --seq-length: the row its own packings fill (THD rows of whole samples, and
+    #: dp_balanced's packs), which a packed plan's search holds as candidates so that it never
+    #: returns a plan slower than them; None: the longest sample rounded up to a power of two
+    seq_length: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks", "cp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
+                                            or self.seq_length < 1):
+            raise ValueError(f"TrainingSpec.seq_length must be a positive whole number of tokens or None, got "
+                             f"{self.seq_length!r}")
         if self.num_layers < self.pp:
             raise ValueError(
                 f"{self.num_layers} layers cannot fill {self.pp} pipeline stages: lower pp or raise num_layers"

@@ -14,8 +14,15 @@ the ring's transfers at the link between its ranks):
   data-parallel rank's windows in rows of k, Megatron's 1F1B (interleaved where the layout is),
   the k and uniform recompute of the fastest run that fits
   (:func:`~megatron_dynapipe.planning.baselines.thd_packing_rows`).
+* ``dp_balanced``: Megatron-LM's ``--sequence-packing-scheduler dp_balanced``: whole samples in
+  arrival order, next-fit into THD packs of ``seq-length`` tokens, as many as a multiple of DP (x PP
+  where interleaved), dealt out in turn, one pack a micro-batch, Megatron's schedule, the lightest
+  uniform recompute that fits (:func:`~megatron_dynapipe.planning.baselines.dp_balanced_rows`).
 * ``dynapipe`` and ``dynapipe-varlen``: the planner on each batch (padded, or packed THD
-  micro-batches), every data-parallel rank planned; a step is its slowest rank's.
+  micro-batches), every data-parallel rank planned; a step is its slowest rank's. The packed
+  plan's search holds THD rows of whole samples and ``dp_balanced``'s packs as candidates, so it
+  is never priced above ``dp_balanced``; against ``thd``, whose windows cut documents where they
+  cross a row's end, it keeps documents whole.
 
 Where a method differs from the traced step is the pipeline, so a method's step is the
 pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
@@ -38,11 +45,13 @@ import numpy as np
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_thd_rows
+from megatron_dynapipe.planning.baselines import dp_balanced_rows, fixed_shape_run, megatron_thd_rows
+from megatron_dynapipe.planning.methods import METHODS as REGISTERED
+from megatron_dynapipe.planning.microbatching import round_up
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
-from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.progress import progress_bar
@@ -57,9 +66,8 @@ if TYPE_CHECKING:
 
 __all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout"]
 
-#: what each method is called in reports
-METHODS = {"megatron": "Megatron fixed shapes", "thd": "THD packing", "dynapipe": "DynaPipe",
-           "dynapipe-varlen": "DynaPipe varlen"}
+#: what each method is called in reports (the registry's labels)
+METHODS = {name: m.label for name, m in REGISTERED.items()}
 
 
 def parse_methods(values: Sequence[str]) -> tuple[str, ...]:
@@ -300,11 +308,23 @@ class _Layout:
             return _Priced(found.makespan_ms, self.rest_ms, max(found.stage_peak_mb),
                            f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
                            time.perf_counter() - started)
+        if method == "dp_balanced":
+            padded = round_up(lengths, packed_sample_multiple(self.candidate.cp)).tolist()
+            try:
+                found = dp_balanced_rows(padded, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
+                                         seqlen_round_for(self.candidate.cp))
+            except ValueError as error:
+                return _Priced(error=str(error))
+            if found is None:
+                return _Priced(error="does not fit at any recompute")
+            return _Priced(found.makespan_ms, self.rest_ms, max(found.stage_peak_mb),
+                           f"{sum(map(len, found.per_rank))} packs, recompute {found.recompute.label}",
+                           time.perf_counter() - started)
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
                             dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
                             seqlen_round=seqlen_round_for(self.candidate.cp),
                             zero_stage=self.costs.zero_stage, memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
-                            packing="varlen" if method == "dynapipe-varlen" else "pad")
+                            packing=REGISTERED[method].packing, seq_length=self.space.seq_length)
         try:
             plan = generate_execution_plan(lengths, spec, self.costs)
         except PlanningError as error:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from megatron_dynapipe.files import atomic_path
+from megatron_dynapipe.planning.methods import MEGATRON_PACKINGS, PLANNED
 from megatron_dynapipe.simulate.methods import METHODS, MethodsResult
 from megatron_dynapipe.simulate.search import Outcome, SearchResult
 
@@ -96,7 +97,8 @@ def plot_search(result: SearchResult, path: "str | os.PathLike") -> Path:
 
 def format_methods(result: MethodsResult) -> str:
     """Each method's best layout, its step time (mean and p95 over the batches), real tokens/s
-    and peak memory; then, at every layout priced, DynaPipe's gain over THD packing."""
+    and peak memory; then, at every layout priced, each planned method's gain over each
+    of Megatron's packed methods (THD packing, dp_balanced)."""
     samples = f"{min(result.samples)}-{max(result.samples)}" if len(set(result.samples)) > 1 else str(result.samples[0])
     lines = [f"On your data ({result.source}): {len(result.samples)} batches of {result.tokens:,} tokens "
              f"({samples} samples), {len(result.layouts())} layouts priced in {result.seconds:.0f} s",
@@ -110,14 +112,15 @@ def format_methods(result: MethodsResult) -> str:
             continue
         lines.append(f"  {METHODS[method]:<22} {best.mean_s:>9.4g} {best.p95_s:>9.4g} {result.tokens / best.mean_s:>14,.0f} "
                      f"{best.peak_memory_gib:>8.1f}  {_short(best.candidate)}, {best.setting}")
-    gains = []
-    for method in ("dynapipe", "dynapipe-varlen"):
-        for c in result.layouts():
-            ours, thd = result.at(method, c), result.at("thd", c)
-            if ours and thd and ours.ok and thd.ok:
-                gains.append(f"{METHODS[method]} {_short(c)} {thd.mean_s / ours.mean_s:.2f}x")
-    if gains:
-        lines.append("  over THD packing at the same layout: " + ", ".join(gains))
+    for yardstick in MEGATRON_PACKINGS:
+        gains = []
+        for method in PLANNED:
+            for c in result.layouts():
+                ours, theirs = result.at(method, c), result.at(yardstick, c)
+                if ours and theirs and ours.ok and theirs.ok:
+                    gains.append(f"{METHODS[method]} {_short(c)} {theirs.mean_s / ours.mean_s:.2f}x")
+        if gains:
+            lines.append(f"  over {METHODS[yardstick]} at the same layout: " + ", ".join(gains))
     return "\n".join(lines)
 
 

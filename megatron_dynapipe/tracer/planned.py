@@ -1,5 +1,5 @@
 """A planned method on fake ranks: the global batches a ``trace --method dynapipe`` (or
-``dynapipe-varlen``, or ``thd``) run traces, planned once per layout, and what each traced rank
+``dynapipe-varlen``, ``thd`` or ``dp_balanced``) run traces, planned once per layout, and what each traced rank
 takes of them.
 
 A fixed-shape trace runs Megatron's schedule on made-up micro-batches of one shape. A planned
@@ -34,19 +34,22 @@ from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import megatron_plans, megatron_thd_rows
+from megatron_dynapipe.planning.baselines import ThdRows, dp_balanced_rows, megatron_plans, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
+from megatron_dynapipe.planning.methods import METHODS
+from megatron_dynapipe.planning.microbatching import round_up
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
-from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
+from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
            "real_model_flops"]
 
-#: the methods a fake rank traces through DynaPipe's executor, and the packing of their micro-batches
-PLANNED_METHODS = {"dynapipe": "pad", "dynapipe-varlen": "varlen", "thd": "varlen"}
+#: the methods a fake rank traces through DynaPipe's executor (every registered one but Megatron's
+#: fixed shapes, which Megatron-LM's own schedule runs), and the packing of their micro-batches
+PLANNED_METHODS = {name: m.packing for name, m in METHODS.items() if name != "megatron"}
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         num_layers=model.num_layers, pp=layout.pp, tp=layout.tp, dp=layout.dp, cp=layout.cp, chunks=chunks,
         zero_stage=1 if training.distributed_optimizer else 0, memory_limit_mb=request.memory_limit_mb,
         fast_mode=request.fast_mode, packing=PLANNED_METHODS[request.method],
-        seqlen_round=seqlen_round_for(layout.cp),
+        seqlen_round=seqlen_round_for(layout.cp), seq_length=seq_length,
         stage_layers=None if len(set(split)) == 1 else tuple(split),
         recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))
     priced = _stage_costs(cost_model, model, layout, spec)
@@ -159,7 +162,7 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
     if spec.packing == "varlen":
         traced = traced.packed()
     drawn = request.source.batches(global_batch * seq_length, seq_length, request.count, request.seed)
-    plan_one = _thd_step if request.method == "thd" else _dynapipe_step
+    plan_one = {"thd": _thd_step, "dp_balanced": _dp_balanced_step}.get(request.method, _dynapipe_step)
     out = []
     for index, lengths in enumerate(drawn):
         started = time.perf_counter()
@@ -207,6 +210,27 @@ def _thd_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_len
                               spec.recompute_types)
     if found is None:
         raise PlanningError("no rows of windows fit the memory limit, at any recompute")
+    return _megatron_step(found, spec)
+
+
+def _dp_balanced_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts, seq_length: int) -> _Step:
+    """Megatron-LM's ``dp_balanced`` packing on its own schedule: whole samples next-fit in
+    arrival order into packs of ``seq_length`` tokens (each padded to whole ring chunks under CP),
+    one pack a micro-batch, the lightest uniform recompute that fits, no lighter than the traced
+    ``--recompute-granularity`` (as ``simulate --method dp_balanced`` prices it)."""
+    padded = round_up(lengths, packed_sample_multiple(spec.cp)).tolist()
+    try:
+        found = dp_balanced_rows(padded, seq_length, costs, spec.memory_limit_mb, spec.chunks, spec.seqlen_round,
+                                 spec.recompute_types)
+    except ValueError as error:
+        raise PlanningError(str(error)) from None
+    if found is None:
+        raise PlanningError("its packs fit the memory limit at no recompute")
+    return _megatron_step(found, spec)
+
+
+def _megatron_step(found: ThdRows, spec: TrainingSpec) -> _Step:
+    """One of Megatron's packings as a step: data-parallel rank 0's rows on Megatron's schedule."""
     mine = found.per_rank[0]
     recompute = np.full((spec.pp * spec.chunks, len(mine)), int(found.recompute))
     return _Step(tuple(megatron_plans(mine, found.recompute.label, spec.pp, spec.chunks)), mine, recompute,

@@ -109,11 +109,16 @@ def test_a_search_on_a_mix_prices_every_method_at_layouts_a_planner_runs(tmp_pat
     # Megatron's fixed shapes at their best are the search's best, interleaved or not
     assert data["best"]["megatron"]["mean_step_s"] == pytest.approx(document["best"]["iteration_s"])
     for step in data["steps"]:
+        if step["method"] == "dp_balanced" and step["error"]:  # ~1.4 samples a row: Megatron-LM refuses too
+            assert "cannot make a multiple of" in step["error"], step["error"]
+            continue
         assert step["error"] is None and len(step["step_s"]) == 3
         assert step["mean_step_s"] == pytest.approx(np.mean(step["step_s"]))
         assert step["real_tokens_per_s"] == pytest.approx(16 * 256 / step["mean_step_s"])
     for method, best in data["best"].items():  # each method's best is its fastest layout
-        assert best["mean_step_s"] == min(s["mean_step_s"] for s in data["steps"] if s["method"] == method)
+        if best is not None:
+            assert best["mean_step_s"] == min(s["mean_step_s"] for s in data["steps"]
+                                              if s["method"] == method and s["error"] is None)
     simulated = {c["iteration_s"] for c in document["candidates"] if c["status"] == "simulated"}
     for step in data["steps"]:  # Megatron's step at a layout is its traced, simulated one, every batch
         if step["method"] == "megatron":

@@ -1,0 +1,51 @@
+"""The ways a global batch can be trained, by one name each: Megatron-LM's own and DynaPipe's.
+
+Every command that names methods (``simulate``/``search --method``, ``trace --method``) reads
+this registry, so a method has one name (as its users know it: ``dp_balanced`` is Megatron-LM's
+``--sequence-packing-scheduler dp_balanced``) and one label in every report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Method", "METHODS", "MEGATRON_PACKINGS", "PLANNED", "method"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method: its name (``--method``), how reports call it, how its micro-batches hold their
+    samples (``"pad"``: padded rows; ``"varlen"``: THD rows, each sample attending to itself;
+    ``"leaky"``: rows whose samples attend to each other), and whether DynaPipe's planner makes its
+    plans (else it is Megatron-LM's own, on Megatron's schedule)."""
+
+    name: str
+    label: str
+    packing: str
+    planned: bool
+
+    @property
+    def leaky(self) -> bool:
+        """Its samples attend to each other: its loss differs by design."""
+        return self.packing == "leaky"
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("megatron", "Megatron fixed shapes", "leaky", False),
+    Method("thd", "THD packing", "varlen", False),
+    Method("dp_balanced", "dp_balanced packing", "varlen", False),
+    Method("dynapipe", "DynaPipe", "pad", True),
+    Method("dynapipe-varlen", "DynaPipe varlen", "varlen", True),
+)}
+#: Megatron-LM's packed methods, the yardsticks a planned method is set against at one layout
+MEGATRON_PACKINGS: tuple[str, ...] = tuple(m.name for m in METHODS.values() if not m.planned and m.packing == "varlen")
+#: the methods DynaPipe's planner plans
+PLANNED: tuple[str, ...] = tuple(m.name for m in METHODS.values() if m.planned)
+
+
+def method(name: str) -> Method:
+    """The registered method of that name; ValueError naming the choices otherwise."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}") from None
