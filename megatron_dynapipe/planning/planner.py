@@ -162,6 +162,23 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         if spec.packing != "varlen":  # packed partitions cost their own runs
             for samples in per_rank:
                 rows.foresee(lengths[samples], spec.seqlen_round, fast)
+    try:
+        choices, failed = _schedule_ranks(lengths, per_rank, costs, sizing, rows, spec, fast, clock), None
+    except PlanningError as error:
+        choices, failed = None, error
+    if spec.packing == "varlen":
+        with clock("scheduling"):
+            choices = _no_slower_than_megatron(choices, lengths, costs, spec)
+    if choices is None:
+        raise failed
+    with clock("lowering"):
+        plans = [execution_plans(choice) for choice in choices]
+    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
+
+
+def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
+                    fast: bool, clock) -> "list[ScheduleChoice]":
+    """Every data-parallel rank's best schedule of its samples, slowest first."""
     firsts = _first_tries(lengths, per_rank, sizing, rows, spec, fast, clock)
     choices: list["ScheduleChoice | None"] = [None] * len(per_rank)
     for r in _slowest_first(firsts, sizing, spec.chunks):
@@ -169,12 +186,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         # planned before it, fast mode looks no further for that rank (the step stays the same).
         slowest = max((c.makespan_ms for c in choices if c), default=None) if fast else None
         choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, fast, clock, slowest, firsts[r])
-    if spec.packing == "varlen":
-        with clock("scheduling"):
-            choices = _no_slower_than_megatron(choices, lengths, costs, spec)
-    with clock("lowering"):
-        plans = [execution_plans(choice) for choice in choices]
-    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
+    return choices
 
 
 def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec) -> dict[str, ThdRows]:
@@ -195,12 +207,13 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     return {name: rows for name, rows in found.items() if rows is not None}
 
 
-def _no_slower_than_megatron(choices: "list[ScheduleChoice]", lengths, costs: StageCosts,
-                             spec: TrainingSpec) -> "list[ScheduleChoice]":
-    """The planned ranks, or Megatron's own packing of the whole batch where it ends sooner
-    (:func:`megatron_packings`): those plans are candidates too, so a packed plan is never
-    predicted slower than them on the same cost model."""
-    best, best_ms = choices, max(c.makespan_ms for c in choices)
+def _no_slower_than_megatron(choices: "list[ScheduleChoice] | None", lengths, costs: StageCosts,
+                             spec: TrainingSpec) -> "list[ScheduleChoice] | None":
+    """The planned ranks, or Megatron's own packing of the whole batch where it ends sooner or
+    the search found nothing (:func:`megatron_packings`): those plans are candidates too, so a
+    packed plan is never predicted slower than them on the same cost model, nor refused where one
+    of them fits."""
+    best, best_ms = choices, math.inf if choices is None else max(c.makespan_ms for c in choices)
     for name, found in megatron_packings(lengths, costs, spec).items():
         if found.makespan_ms < best_ms:
             ranks = [_uniform_choice(rows, found.recompute, costs, spec.chunks, name) for rows in found.per_rank]

@@ -301,3 +301,45 @@ def test_an_interleaved_plans_yardstick_drops_the_chunks_where_megatrons_interle
     roomy = plan_baseline("pad", lengths, virtual, 1e6, 16, chunks, ranks)
     assert roomy.method == "packing + interleaved-1f1b"
     assert roomy.makespan_ms == pytest.approx((sequences * chunks + pp - 1) * 3.0, rel=1e-6)
+
+
+# Megatron-LM's dp_balanced, each case worked by hand from its rule: next-fit in arrival order into
+# packs of `capacity` tokens, then, until the count is a multiple of DP x group, the last sample of
+# the last pack holding several becomes a pack of its own at the end; the first pack is never split.
+@pytest.mark.parametrize("lengths, capacity, dp, group, packs", [
+    # 3+3 | 3+5 | 1+1 | 9 (over capacity: alone) | 2 -> five packs, one more for DP 2: [4, 5] gives up 5
+    ([3, 3, 3, 5, 1, 1, 9, 2], 8, 2, 1, [[0, 1], [2, 3], [4], [6], [7], [5]]),
+    # three packs of four, PP 2's group: four packs, the last pack's last sample moves
+    ([2] * 12, 8, 2, 2, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10], [11]]),
+    # already a multiple: nothing moves
+    ([4, 4, 4, 4], 8, 2, 1, [[0, 1], [2, 3]]),
+    # 8 (alone) | 1+1+1+1 -> two packs; DP 4 takes two more, both from the last pack's end
+    ([8, 1, 1, 1, 1], 4, 4, 1, [[0], [1, 2], [4], [3]]),
+])
+def test_dp_balanced_packs_as_megatron_lm_packs_them(lengths, capacity, dp, group, packs):
+    from megatron_dynapipe.planning.baselines import dp_balanced_packs
+
+    assert dp_balanced_packs(lengths, capacity, dp, group) == packs
+
+
+def test_dp_balanced_refuses_a_batch_it_cannot_deal_out_as_megatron_lm_asserts():
+    from megatron_dynapipe.planning.baselines import dp_balanced_packs
+
+    # [0, 1] | [2, 3] | [4, 5] | [6] | [7]: three more packs for DP 4 x 2 would split the first
+    with pytest.raises(ValueError, match="8 samples cannot make a multiple of 8 packs"):
+        dp_balanced_packs([3, 3, 3, 5, 1, 1, 9, 2], 8, 4, 2)
+
+
+def test_dp_balanced_deals_pack_i_dp_plus_r_to_rank_r_on_megatrons_schedule(costs_pp4):
+    from megatron_dynapipe.planning.baselines import dp_balanced_rows
+    from megatron_dynapipe.planning.cost_model import StageCosts
+
+    lengths = [500, 700, 300, 900, 100, 1000, 600, 200, 400, 800]
+    costs = StageCosts(costs_pp4.model, num_layers=32, pp=4, dp=2)
+    found = dp_balanced_rows(lengths, 1024, costs, LIMIT, round_to=8)
+    # next-fit: [500] [700, 300] [900, 100] [1000] [600, 200] [400] [800] -> 7 packs, an 8th from [600, 200]
+    packs = [[0], [1, 2], [3, 4], [5], [6], [8], [9], [7]]
+    assert [[mb.samples for mb in rows] for rows in found.per_rank] == [
+        [tuple(p) for p in packs[0::2]], [tuple(p) for p in packs[1::2]]]
+    row = found.per_rank[1][0]  # [700, 300]: one row of 1000 tokens, padded to 1000 (a multiple of 8)
+    assert (row.seq_len, row.packed_lengths) == (1000, (700, 300))

@@ -536,3 +536,52 @@ def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_mode
     # branch and bound, its bounds counting a rank's chunks, picks what simulating every candidate picks
     candidate, fitted = _exhaustive(microbatchings, costs, 36_000, False, ("interleaved-1f1b",), chunks=2)
     assert (choice.candidate, choice.makespan_ms) == (candidate, fitted.simulation.makespan)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mix=st.sampled_from(["multitask", "lognormal", "long", "longtail"]),
+    samples=st.integers(8, 96),
+    seq_length=st.sampled_from([1024, 2048, 4096]),
+    pp=st.integers(1, 4),
+    chunks=st.integers(1, 2),
+    dp=st.integers(1, 4),
+    cp=st.integers(1, 2),
+    limit=st.sampled_from([9_000.0, 16_000.0]),
+    fast=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_packed_plan_is_never_predicted_slower_than_megatrons_own_packings(mix, samples, seq_length, pp, chunks,
+                                                                             dp, cp, limit, fast, seed):
+    """Megatron-LM's packings of the same samples (dp_balanced; THD rows of whole samples) are
+    candidates of the planner, so its plan is never priced above them, nor refused where they fit."""
+    from megatron_dynapipe.planning.baselines import dp_balanced_rows, thd_packing_rows
+    from megatron_dynapipe.planning.cost_model import split_over_cp
+    from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
+    from megatron_dynapipe.planning.samples import scaled_lengths
+
+    chunks = chunks if pp > 1 else 1
+    lengths = scaled_lengths(samples, seed, mix, seq_length)
+    spec = TrainingSpec(num_layers=2 * pp * chunks, pp=pp, dp=dp, chunks=chunks, cp=cp, seqlen_round=8,
+                        memory_limit_mb=limit, fast_mode=fast, packing="varlen", seq_length=seq_length)
+    costs = StageCosts(SMALL, num_layers=spec.num_layers, pp=pp * chunks, dp=dp)
+    try:
+        result = generate_execution_plan(lengths, spec, costs)
+    except PlanningError:
+        result = None
+    # Megatron's packings priced here on the planner's own stage costs (one rank of the CP group)
+    priced = result.costs if result else dataclasses.replace(costs, model=split_over_cp(SMALL, cp)).packed()
+    padded = round_up(lengths, 2 * cp if cp > 1 else 1).tolist()
+    theirs = []
+    try:
+        theirs.append(dp_balanced_rows(padded, seq_length, priced, limit, chunks, 8))
+    except ValueError:
+        pass  # too few samples for Megatron-LM's dp_balanced too
+    if max(padded) <= seq_length:
+        theirs.append(thd_packing_rows(pack_fixed_length(padded, seq_length), padded, seq_length, priced, limit,
+                                       chunks))
+    fitting = [t.makespan_ms for t in theirs if t is not None]
+    if result is None:
+        assert not fitting, f"refused a batch Megatron's packing runs in {min(fitting):.1f} ms"
+        return
+    assert all(result.makespan_ms <= ms * (1 + 1e-9) for ms in fitting), (result.makespan_ms, fitting)
