@@ -55,7 +55,8 @@ def _plan_parser(sub) -> None:
                    help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else 36000)")
     add_planner_arguments(p)
     add_pricing_arguments(p)
-    p.add_argument("--pack-length", type=int, help="baseline packing length (default: longest sample rounded up to a power of two)")
+    p.add_argument("--pack-length", type=int, help="Megatron's --seq-length: the row its packings fill, the yardstick's and "
+                   "(with --packing varlen) the planner's candidates (default: longest sample rounded up to a power of two)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE", help="write the predicted timeline as Chrome-trace JSON")
     p.add_argument("--gantt", metavar="FILE.png|.svg|.pdf", help="draw the predicted timeline of every DP rank")
@@ -91,7 +92,8 @@ def _run_plan(args) -> int:
         raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
                          f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
     spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
-                        memory_limit_mb=memory_limit, chunks=args.chunks, cp=args.cp, **planner_settings(args))
+                        memory_limit_mb=memory_limit, chunks=args.chunks, cp=args.cp, seq_length=args.pack_length,
+                        **planner_settings(args))
     result = generate_execution_plan(lengths, spec, cost_model)
     summary = summarize(result, lengths, spec, args.pack_length)
     if args.chrome_trace or args.gantt:

@@ -98,7 +98,8 @@ def run(args) -> int:
     default_limit = priced.memory_limit_mb if priced else TrainingSpec.memory_limit_mb
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
                         dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
-                        else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp)
+                        else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp,
+                        seq_length=args.pack_length)
     try:  # the shipped profile's GPT prices the attention core context parallelism repeats
         model = split_over_cp(model, spec.cp, None if priced or args.cost_model else get_model(DEFAULT_MODEL))
     except CostModelError:

@@ -241,7 +241,8 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     # built once, as a training job's data pipeline does: planning time is the planner's alone
     costs = _stage_costs(job)
     spec = TrainingSpec(num_layers=costs.num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"], cp=job["cp"],
-                        stage_layers=costs.layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed)
+                        stage_layers=costs.layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed,
+                        seq_length=job["max_seq_length"])
     tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
     methods = {}
     planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])

@@ -428,6 +428,7 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         microbatch_size=_get(args, "micro_batch_size", TrainingSpec.microbatch_size),
         stage_layers=stage_layers(args),
         chunks=model_chunks(args),
+        seq_length=getattr(args, "seq_length", None),
         **settings,
     )
 

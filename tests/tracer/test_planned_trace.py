@@ -208,3 +208,19 @@ def test_with_sequence_parallelism_each_stage_sends_its_tensor_parallel_share_of
         (plan.microbatches[ins.microbatch].seq_len // 2, plan.microbatches[ins.microbatch].rows, MODEL.hidden_size)
         for ins in plan.instructions if ins.op == Op.SEND_ACT_START]
     assert any(op.kind == "reduce_scatter" for op in trace.ops)  # the layers' sequence-parallel collectives
+
+
+def test_dp_balanced_is_traced_as_megatron_lm_packs_it_on_its_own_schedule():
+    from megatron_dynapipe.planning.baselines import dp_balanced_packs
+
+    batches = planned("dp_balanced", count=1)
+    lengths = LengthSource.from_mix("multitask").batches(GLOBAL_BATCH * SEQ, SEQ, 1, 3)[0]
+    packs = dp_balanced_packs(lengths, SEQ, LAYOUT.dp)  # worked out apart: pack i x DP + r is rank r's i-th
+    mine = [tuple(lengths[i] for i in pack) for pack in packs[0::LAYOUT.dp]]
+    traces = trace_stages(batches)
+    for trace in traces:
+        rows = batches.batches[0].plans[trace.stage].microbatches
+        assert [mb.packed_lengths for mb in rows] == mine and all(mb.seq_len >= sum(mb.packed_lengths) for mb in rows)
+        assert len(top(trace, 0, "forward")) == len(mine)  # Megatron's 1F1B over every pack
+    header = traces[0].iteration["planned"]
+    assert header["method"] == "dp_balanced" and len(header["batches"][0]["pipeline_ms"]) == LAYOUT.dp
