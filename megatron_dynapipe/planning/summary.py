@@ -61,6 +61,9 @@ def _rank_summary(choice) -> dict:
     counts = np.bincount(np.ravel(choice.recompute), minlength=len(RecomputeType))
     return {
         "schedule": choice.candidate.schedule,
+        # which of the search's micro-batchings won: its own cuts ("mixed", "full, light start", ...),
+        # a rank's Megatron rows ("rows of seq-length") or Megatron's own packing ("dp_balanced", "THD rows")
+        "microbatching": choice.candidate.microbatching,
         "makespan_ms": choice.makespan_ms,
         "candidates_tried": choice.candidates_tried,
         # (stage, micro-batch) pairs per recompute type
@@ -93,7 +96,8 @@ def format_summary(summary: dict) -> str:
             f"({'samples in packed length' if packed else 'size x padded length'}, in pipeline order): {shapes}",
             "  recompute per (stage, micro-batch): "
             + ", ".join(f"{k} {v}" for k, v in sorted(rank["recompute_ops"].items())),
-            f"  predicted {rank['makespan_ms']:.1f} ms after {rank['candidates_tried']} candidates",
+            f"  predicted {rank['makespan_ms']:.1f} ms after {rank['candidates_tried']} candidates "
+            f"(micro-batching: {rank['microbatching']})",
         ]
     lines.append(f"predicted iteration: {summary['makespan_ms']:.1f} ms "
                  f"(lower bound {summary['lower_bound_ms']:.1f} ms, ratio {summary['makespan_over_lower_bound']:.3f})")
