@@ -14,7 +14,7 @@ from megatron_dynapipe.planning.microbatching import pack_fixed_length, packed_m
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.simulator import simulate, stage_work
-from megatron_dynapipe.planning.spec import packed_sample_multiple
+from megatron_dynapipe.planning.spec import packed_sample_multiple, seqlen_round_for
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -145,6 +145,7 @@ def thd_packing_rows(
     recompute of the fastest simulated iteration within the memory limit (of ``recompute_types``:
     Megatron's ``--recompute-granularity`` leaves the heavier ones); None when nothing fits.
     ``chunks``: as for :func:`fixed_length_baseline`."""
+    costs = costs.packed()  # once: uniform_rows_run then finds it packed
     shares = np.array_split(np.arange(len(sequences)), costs.dp)  # sizes differ by one at most
     best = None
     for k in PACKING_MICROBATCH_SIZES:
@@ -219,6 +220,16 @@ def dp_balanced_rows(lengths: Sequence[int], capacity: int, costs: StageCosts, m
     rows = [packed_microbatch(pack, [lengths[i] for i in pack], round_to) for pack in packs]
     return uniform_rows_run([rows[r::costs.dp] for r in range(costs.dp)], costs, memory_limit_mb, chunks,
                             recompute_types)
+
+
+def megatron_dp_balanced_rows(lengths: Sequence[int], seq_length: int, costs: StageCosts, memory_limit_mb: float,
+                              chunks: int = 1, cp: int = 1,
+                              recompute_types: Sequence[RecomputeType] = tuple(RecomputeType)) -> ThdRows | None:
+    """``dp_balanced`` of a drawn batch as Megatron-LM's data path feeds it: each sample padded to
+    whole chunks of a row split over ``cp`` ranks, packs of ``seq_length`` tokens
+    (:func:`dp_balanced_rows`, rows rounded as a layout of that CP rounds them)."""
+    padded = round_up(lengths, packed_sample_multiple(cp)).tolist()
+    return dp_balanced_rows(padded, seq_length, costs, memory_limit_mb, chunks, seqlen_round_for(cp), recompute_types)
 
 
 def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1) -> tuple[list[int], list[list[int]]]:

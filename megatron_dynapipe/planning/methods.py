@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Method", "METHODS", "MEGATRON_PACKINGS", "PLANNED", "method"]
+__all__ = ["Method", "METHODS", "MEGATRON_PACKINGS", "PLANNED"]
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,6 @@ class Method:
     packing: str
     planned: bool
 
-    @property
-    def leaky(self) -> bool:
-        """Its samples attend to each other: its loss differs by design."""
-        return self.packing == "leaky"
-
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("megatron", "Megatron fixed shapes", "leaky", False),
@@ -41,11 +36,3 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 MEGATRON_PACKINGS: tuple[str, ...] = tuple(m.name for m in METHODS.values() if not m.planned and m.packing == "varlen")
 #: the methods DynaPipe's planner plans
 PLANNED: tuple[str, ...] = tuple(m.name for m in METHODS.values() if m.planned)
-
-
-def method(name: str) -> Method:
-    """The registered method of that name; ValueError naming the choices otherwise."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}: choose from {', '.join(METHODS)}") from None

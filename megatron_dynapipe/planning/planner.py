@@ -25,9 +25,9 @@ from megatron_dynapipe.planning.microbatching import (
     MicroBatchingError,
     PaddedRows,
     cheapest_recompute,
-    pack_fixed_length,
     fill_weight,
     lightest_fitting_alone,
+    pack_fixed_length,
     packed_microbatch,
     partition_dp,
     partition_token_based,
@@ -194,7 +194,7 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     each on Megatron's schedule with one recompute: THD rows of whole samples (first-fit
     decreasing into rows of ``spec.seq_length``, k a micro-batch) and ``dp_balanced``'s packs
     (:func:`~.baselines.dp_balanced_rows`). ``costs`` per virtual stage."""
-    seq_length = spec.seq_length or default_pack_length(lengths)
+    seq_length = megatron_row_length(lengths, spec)
     found = {}
     try:
         found["dp_balanced"] = dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks,
@@ -437,16 +437,22 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: b
 
 def megatron_rows(lengths, samples, spec: TrainingSpec) -> "tuple[MicroBatch, ...] | None":
     """A rank's samples as Megatron packs them, whole: first-fit decreasing into THD rows of at
-    most ``spec.seq_length`` tokens (each row one micro-batch, rounded to ``seq_len_round``), as
-    a micro-batching of the search: with the planner's split over data-parallel ranks, by cost,
+    most :func:`megatron_row_length` tokens (each row one micro-batch, rounded to ``seqlen_round``),
+    as a micro-batching of the search: with the planner's split over data-parallel ranks, by cost,
     Megatron's full rows often beat the planner's own cuts. None where a sample is longer."""
     mine = np.asarray(lengths)[samples]
-    seq_length = spec.seq_length or default_pack_length(lengths)
+    seq_length = megatron_row_length(lengths, spec)
     if mine.max() > seq_length:
         return None
     order = np.asarray(samples)
     return tuple(packed_microbatch(order[row], mine[row], spec.seqlen_round)
                  for row in pack_fixed_length(mine.tolist(), seq_length))
+
+
+def megatron_row_length(lengths, spec: TrainingSpec) -> int:
+    """The row Megatron's packings fill: ``spec.seq_length``, else the global batch's longest
+    sample rounded up to a power of two (as the ``plan`` yardstick packs)."""
+    return spec.seq_length or default_pack_length(lengths)
 
 
 def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching, chunks: int = 1) -> float:

@@ -17,7 +17,7 @@ the ring's transfers at the link between its ranks):
 * ``dp_balanced``: Megatron-LM's ``--sequence-packing-scheduler dp_balanced``: whole samples in
   arrival order, next-fit into THD packs of ``seq-length`` tokens, as many as a multiple of DP (x PP
   where interleaved), dealt out in turn, one pack a micro-batch, Megatron's schedule, the lightest
-  uniform recompute that fits (:func:`~megatron_dynapipe.planning.baselines.dp_balanced_rows`).
+  uniform recompute that fits (:func:`~megatron_dynapipe.planning.baselines.megatron_dp_balanced_rows`).
 * ``dynapipe`` and ``dynapipe-varlen``: the planner on each batch (padded, or packed THD
   micro-batches), every data-parallel rank planned; a step is its slowest rank's. The packed
   plan's search holds THD rows of whole samples and ``dp_balanced``'s packs as candidates, so it
@@ -45,13 +45,12 @@ import numpy as np
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import dp_balanced_rows, fixed_shape_run, megatron_thd_rows
-from megatron_dynapipe.planning.methods import METHODS as REGISTERED
-from megatron_dynapipe.planning.microbatching import round_up
+from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_dp_balanced_rows, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
+from megatron_dynapipe.planning.methods import METHODS as REGISTERED
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
-from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple, seqlen_round_for
+from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.interrupts import default_signals
 from megatron_dynapipe.progress import progress_bar
@@ -309,10 +308,9 @@ class _Layout:
                            f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
                            time.perf_counter() - started)
         if method == "dp_balanced":
-            padded = round_up(lengths, packed_sample_multiple(self.candidate.cp)).tolist()
             try:
-                found = dp_balanced_rows(padded, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
-                                         seqlen_round_for(self.candidate.cp))
+                found = megatron_dp_balanced_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb,
+                                                  self.chunks, self.candidate.cp)
             except ValueError as error:
                 return _Priced(error=str(error))
             if found is None:

@@ -34,14 +34,13 @@ from megatron_dynapipe.config.layout import ParallelLayout
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import ThdRows, dp_balanced_rows, megatron_plans, megatron_thd_rows
+from megatron_dynapipe.planning.baselines import ThdRows, megatron_dp_balanced_rows, megatron_plans, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.methods import METHODS
-from megatron_dynapipe.planning.microbatching import round_up
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
-from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple, seqlen_round_for
+from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
@@ -218,10 +217,9 @@ def _dp_balanced_step(lengths: list[int], spec: TrainingSpec, costs: StageCosts,
     arrival order into packs of ``seq_length`` tokens (each padded to whole ring chunks under CP),
     one pack a micro-batch, the lightest uniform recompute that fits, no lighter than the traced
     ``--recompute-granularity`` (as ``simulate --method dp_balanced`` prices it)."""
-    padded = round_up(lengths, packed_sample_multiple(spec.cp)).tolist()
     try:
-        found = dp_balanced_rows(padded, seq_length, costs, spec.memory_limit_mb, spec.chunks, spec.seqlen_round,
-                                 spec.recompute_types)
+        found = megatron_dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks, spec.cp,
+                                          spec.recompute_types)
     except ValueError as error:
         raise PlanningError(str(error)) from None
     if found is None:
