@@ -199,7 +199,7 @@ def test_a_packed_plan_is_measured_against_packed_sequences_without_leakage(tmp_
     assert thd["speedup_vs_packing"] == pytest.approx(thd["baseline"]["makespan_ms"] / thd["makespan_ms"])
     assert thd["ideal_gain_vs_packing"] is None and leaky["ideal_gain_vs_packing"] > 1
     text = run_cli(*common, "--packing", "varlen").stdout
-    assert "THD packing to 2048 + 1F1B" in text and "ideal" not in text and "cannot represent" not in text
+    assert "THD packing to 2048 + 1F1B" in text and "exact lengths alone" not in text and "cannot represent" not in text
     # two chunks a rank: the yardstick runs Megatron's interleaved 1F1B, faster than its 1F1B here
     interleaved = run_cli(*common, "--packing", "varlen", "--chunks", "2", "--json")
     assert interleaved.returncode == 0, interleaved.stderr
@@ -322,8 +322,27 @@ def test_plan_prices_a_named_model_on_a_device_at_a_large_layout():
     assert a100["makespan_ms"] > summary["makespan_ms"]
 
 
+def test_plan_takes_the_attention_core_as_search_does():
+    """The same model flags as search: a fused core (--attention sdpa, or Megatron-LM's
+    transformer-engine layers or flash attention, which run one) prices attention's causal half
+    without the score square, so long samples plan faster than with the default unfused core."""
+    def plan(*flags):
+        out = run_cli("plan", "--model", "13B", "--hardware", "h100", "--pp", "4", "--num-samples", "16", "--mix",
+                      "long", "--json", *flags)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    unfused, fused = plan(), plan("--attention", "sdpa")
+    assert "unfused attention core" in unfused["cost_model"] and "fused attention core" in fused["cost_model"]
+    assert fused["makespan_ms"] < unfused["makespan_ms"]
+    for flags in (["--transformer-impl", "transformer_engine"], ["--use-flash-attn"]):
+        assert plan(*flags)["makespan_ms"] == fused["makespan_ms"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "175B", "--cost-model", "gpt-6.7b-a100"], "--cost-model and --model/--hardware both say how to price"),
+    (["--attention", "sdpa", "--cost-model", "gpt-6.7b-a100"], "--cost-model's profile prices the core it measured"),
+    (["--attention", "local", "--use-flash-attn"], "--attention local is megatron-core's unfused core"),
     (["--model", "176B"], "unknown model '176B'"),
     (["--model", "175B", "--pp", "5"], "96 layers do not split evenly into --pp = 5 pipeline stages"),
 ])

@@ -24,7 +24,8 @@ from megatron_dynapipe.config.model import (
     get_model,
 )
 
-__all__ = ["add_model_arguments", "model_from_args", "model_from_megatron_args", "megatron_model_args"]
+__all__ = ["add_attention_arguments", "add_model_arguments", "attention_from_args", "model_from_args",
+           "model_from_megatron_args", "megatron_model_args"]
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
 
@@ -65,17 +66,7 @@ def add_model_arguments(parser, moe: bool = False, attention: str = "local") -> 
                    help="a separate output layer (default: tied to the embedding)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None,
                    help="no biases in the linear layers (default: biases)")
-    g.add_argument("--attention", choices=ATTENTIONS,
-                   help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
-                        "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
-                        f"(default {attention})")
-    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
-                   help="Megatron-LM's layer implementation: transformer_engine brings a fused attention core, "
-                        "priced as one (where transformer-engine is not installed torch's SDPA core stands in for "
-                        "it, as --attention sdpa); local: megatron-core's own layers (default: local, unlike "
-                        "Megatron-LM, whose default is transformer_engine)")
-    g.add_argument("--use-flash-attn", action="store_true", default=None,
-                   help="Megatron-LM's flash attention in the local layers: a fused core, as --attention sdpa")
+    add_attention_arguments(g, attention)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         g.add_argument(flag, type=float, metavar="P", help="default 0.1")
     if moe:
@@ -103,25 +94,45 @@ def _flag_fields(args: Any) -> dict[str, Any]:
     return fields
 
 
-def _fused_attention(args: Any, fields: dict[str, Any]) -> None:
-    """``--transformer-impl transformer_engine`` and ``--use-flash-attn`` run a fused attention
-    core: the model's ``attention`` is then ``sdpa``, what prices (and, without
-    transformer-engine, builds) one."""
+def add_attention_arguments(group, attention: str = "local") -> None:
+    """The flags that choose the attention core: ``--attention`` and Megatron-LM's
+    ``--transformer-impl`` and ``--use-flash-attn`` (:func:`attention_from_args` reads them);
+    ``attention``: the core without them (what the help says)."""
+    group.add_argument("--attention", choices=ATTENTIONS,
+                       help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
+                            "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
+                            f"(default {attention})")
+    group.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
+                       help="Megatron-LM's layer implementation: transformer_engine brings a fused attention core, "
+                            "priced as one (where transformer-engine is not installed torch's SDPA core stands in for "
+                            "it, as --attention sdpa); local: megatron-core's own layers (default: local, unlike "
+                            "Megatron-LM, whose default is transformer_engine)")
+    group.add_argument("--use-flash-attn", action="store_true", default=None,
+                       help="Megatron-LM's flash attention in the local layers: a fused core, as --attention sdpa")
+
+
+def attention_from_args(args: Any) -> "str | None":
+    """The attention core :func:`add_attention_arguments`' flags ask for; None where they ask for
+    none. ``--transformer-impl transformer_engine`` and ``--use-flash-attn`` run a fused core:
+    ``sdpa``, what prices (and, without transformer-engine, builds) one."""
+    attention = getattr(args, "attention", None)
     fused_by = [flag for flag, given in (("--transformer-impl transformer_engine",
                                           getattr(args, "transformer_impl", None) == "transformer_engine"),
                                          ("--use-flash-attn", getattr(args, "use_flash_attn", None))) if given]
-    if fused_by:
-        if fields.get("attention") == "local":
-            raise ValueError(f"--attention local is megatron-core's unfused core, which {fused_by[0]} replaces by a "
-                             "fused one: drop one of them")
-        fields["attention"] = "sdpa"
+    if not fused_by:
+        return attention
+    if attention == "local":
+        raise ValueError(f"--attention local is megatron-core's unfused core, which {fused_by[0]} replaces by a "
+                         "fused one: drop one of them")
+    return "sdpa"
 
 
 def model_from_args(args, default: "str | None" = None) -> ModelSpec:
     """The model of :func:`add_model_arguments`' flags, the named model ``default`` when they name
     none; ValueError (one line) when they describe none and there is no default."""
     fields = _flag_fields(args)
-    _fused_attention(args, fields)
+    if attention_from_args(args):
+        fields["attention"] = attention_from_args(args)
     if getattr(args, "max_position_embeddings", None) is not None:
         fields["max_sequence_length"] = args.max_position_embeddings
     if getattr(args, "num_query_groups", None) is not None and "num_query_groups" not in fields:

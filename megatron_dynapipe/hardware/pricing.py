@@ -3,9 +3,11 @@ commands that plan (``plan``, ``bench planner``) at a scale no profile covers.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_dynapipe.config.model import get_model, model_names
+from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_from_args
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
 from megatron_dynapipe.planning.cost_model import CostModel
 
@@ -26,15 +28,23 @@ def add_pricing_arguments(parser) -> None:
     group.add_argument("--hardware", metavar="NAME|FILE",
                        help=f"price its layers on this device's roofline, bf16: {', '.join(hardware_names())} or a "
                             f"hardware file (default {DEFAULT_HARDWARE} where --model is given)")
+    add_attention_arguments(group, "the model's: local")
 
 
 def pricing_from_args(args, tp: int) -> "Pricing | None":
-    """The pricing ``--model``/``--hardware`` ask for at ``tp``; None when neither is given.
-    Giving them with ``--cost-model`` is refused: both say how to price the layers."""
-    if not (args.model or args.hardware):
+    """The pricing ``--model``/``--hardware`` (and the attention core's flags) ask for at ``tp``;
+    None when none is given. Giving them with ``--cost-model`` is refused: both say how to price
+    the layers."""
+    attention = attention_from_args(args)
+    if not (args.model or args.hardware or attention):
         return None
     if getattr(args, "cost_model", None):
+        if not (args.model or args.hardware):
+            raise ValueError("--attention, --transformer-impl and --use-flash-attn choose the core of a model priced "
+                             "on --hardware; --cost-model's profile prices the core it measured: drop them")
         raise ValueError("--cost-model and --model/--hardware both say how to price the layers: give one")
     model, hardware = get_model(args.model or DEFAULT_MODEL), load_hardware(args.hardware or DEFAULT_HARDWARE)
+    if attention:
+        model = dataclasses.replace(model, attention=attention)
     return Pricing(hardware.cost_model(model, tp, DTYPE), model.num_layers,
                    hardware.memory_gib * 1024 * (1 - MEMORY_HEADROOM))

@@ -14,6 +14,7 @@ from megatron_dynapipe.planning.baselines import (
     lower_bound_ms,
     plan_baseline,
 )
+from megatron_dynapipe.planning.breakdown import PipelineRun, explain
 from megatron_dynapipe.planning.planner import PlanResult, rank_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
@@ -40,15 +41,17 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "peak_memory_mb": [round(float(m), 1) for m in result.peak_memory_mb],
         "dp_ranks": [_rank_summary(c) for c in result.choices],
     }
+    pack_length = pack_length or spec.seq_length or default_pack_length(lengths)
+    why = explain(PipelineRun.of_plan(result), costs, lengths, lengths, pack_length, spec.chunks)
+    summary["why"] = why.to_json()
     if with_baseline:
-        pack_length = pack_length or default_pack_length(lengths)
         baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length, spec.chunks,
                                  rank_costs(costs, spec))
         summary["baseline"] = None if baseline is None else {
             "method": baseline.method, "schedule": baseline.schedule, "seq_len": baseline.seq_len,
             "microbatch_size": baseline.microbatch_size,
             "recompute": baseline.recompute.label, "num_sequences": baseline.num_sequences,
-            "makespan_ms": baseline.makespan_ms,
+            "makespan_ms": baseline.makespan_ms, "of_ideal": why.ideal_ms / baseline.makespan_ms,
         }
         summary["speedup_vs_packing"] = None if baseline is None else baseline.makespan_ms / result.makespan_ms
         # the ideal is exact-length padded micro-batches against packing: no yardstick for packed ones
@@ -102,13 +105,15 @@ def format_summary(summary: dict) -> str:
     lines.append(f"predicted iteration: {summary['makespan_ms']:.1f} ms "
                  f"(lower bound {summary['lower_bound_ms']:.1f} ms, ratio {summary['makespan_over_lower_bound']:.3f})")
     lines.append("peak memory per stage (MB): " + ", ".join(f"{m:.0f}" for m in summary["peak_memory_mb"]))
+    lines += _why_lines(summary["why"], len(summary["dp_ranks"]))
     base, yardstick = summary.get("baseline"), YARDSTICKS[summary["packing"]]
     if base:
         ideal, speedup = summary["ideal_gain_vs_packing"], summary["speedup_vs_packing"]
         schedule = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}[base["schedule"]]
         lines.append(f"{yardstick} to {base['seq_len']} + {schedule} (micro-batch "
                      f"{base['microbatch_size']}, recompute {base['recompute']}): {base['makespan_ms']:.1f} ms "
-                     f"-> speed-up {speedup:.2f}x" + ("" if ideal is None else _padding_share(speedup, ideal)))
+                     f"-> speed-up {speedup:.2f}x" + ("" if ideal is None else _padding_share(speedup, ideal))
+                     + f"; {base['of_ideal']:.2f} of the ideal")
         if summary["speedup_vs_packing"] < 1 and ideal is not None:
             lines.append("  the plan is slower than packing here: packing concatenates several samples into one "
                          "sequence, which a plan (one sample per sequence row, padded) cannot represent, so the "
@@ -119,6 +124,17 @@ def format_summary(summary: dict) -> str:
         if key in summary:
             lines.append(f"wrote {what} to {summary[key]}")
     return "\n".join(lines)
+
+
+def _why_lines(why: dict, ranks: int) -> list[str]:
+    """The plan's iteration taken apart (:mod:`~megatron_dynapipe.planning.breakdown`)."""
+    slowest = (f"dp rank {why['slowest_rank']}, {why['above_mean']:+.1%} over the ranks' mean; "
+               if ranks > 1 else "")
+    return [f"why: {slowest}its busiest stage computes {why['busy_ms']:.1f} ms (recompute {why['recompute_ms']:.1f}, "
+            f"padding {why['padding_ms']:.1f}: {why['padding_share']:.0%} of the tokens), bubble "
+            f"{why['bubble_ms']:.1f} ms",
+            f"ideal (the real tokens' compute spread evenly over every rank): {why['ideal_ms']:.1f} ms; the plan "
+            f"reaches {why['ideal_ms'] / why['pipeline_ms']:.2f} of it"]
 
 
 def _runs(shapes) -> str:

@@ -45,10 +45,16 @@ import numpy as np
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.planning.baselines import fixed_shape_run, megatron_dp_balanced_rows, megatron_thd_rows
+from megatron_dynapipe.planning.baselines import (
+    fixed_shape_run,
+    megatron_dp_balanced_rows,
+    megatron_thd_rows,
+    uniform_microbatches,
+)
+from megatron_dynapipe.planning.breakdown import Breakdown, PipelineRun, explain
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
 from megatron_dynapipe.planning.methods import METHODS as REGISTERED
-from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
+from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
@@ -91,6 +97,8 @@ class MethodStep:
     setting: str = ""  # the last batch's
     planning_s: float = 0.0
     error: Optional[str] = None
+    why: list[Breakdown] = field(default_factory=list)  # per batch, where priced here (not for a traced step alone)
+    rest_ms: float = 0.0  # what the trace adds to the pipeline: gradient reduction, optimizer step, ...
 
     def add(self, priced: "_Priced") -> None:
         """The next batch's pricing; the first failure ends the method at this layout."""
@@ -103,6 +111,22 @@ class MethodStep:
         self.peak_memory_gib = max(self.peak_memory_gib, priced.peak_mb / 1024)
         self.setting = priced.setting
         self.planning_s += priced.seconds
+        self.rest_ms = priced.rest_ms
+        if priced.why is not None:
+            self.why.append(priced.why)
+
+    def explained(self) -> Optional[dict[str, float]]:
+        """The breakdown's every figure, mean over the batches (:mod:`~megatron_dynapipe.planning.breakdown`),
+        with the step's share of the ideal and the rest of the step; None where not priced here."""
+        if not self.ok or len(self.why) != len(self.step_s):
+            return None
+        mean = {key: float(np.mean([getattr(b, key) for b in self.why]))
+                for key in Breakdown.__dataclass_fields__ if key != "slowest_rank"}
+        mean["rest_ms"] = self.rest_ms
+        # against the pipeline, which the planner's cost model prices as it prices the ideal (the rest
+        # is every method's, and where the replay prices the traced pipeline below the planner, negative)
+        mean["of_ideal"] = float(np.mean([b.ideal_ms / b.pipeline_ms for b in self.why]))
+        return mean
 
     @property
     def ok(self) -> bool:
@@ -124,7 +148,7 @@ class MethodStep:
         if self.ok:
             out.update(step_s=self.step_s, mean_step_s=self.mean_s, p95_step_s=self.p95_s,
                        real_tokens_per_s=tokens / self.mean_s, peak_memory_gib=self.peak_memory_gib,
-                       planning_s_per_batch=self.planning_s / len(self.step_s))
+                       planning_s_per_batch=self.planning_s / len(self.step_s), why=self.explained())
         return out
 
 
@@ -178,12 +202,11 @@ def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthS
     drawn = source.batches(tokens, space.seq_length, batches, seed)
     out = MethodsResult(source.label, tuple(methods), tokens, [len(b) for b in drawn], fast_mode, [])
     chosen = list(chosen)
-    priced = [m for m in methods if m != "megatron"]
-    steps = {(o.candidate, m): MethodStep(m, o.candidate) for o in chosen for m in priced}
-    if "megatron" in methods:
-        for o in chosen + [o for o in traced_too if o not in chosen]:
-            steps[o.candidate, "megatron"] = _traced_step(o, batches)
-    todo = [(i, m, b) for i in range(len(chosen)) for m in priced for b in range(batches)]  # i: into chosen
+    steps = {(o.candidate, m): MethodStep(m, o.candidate) for o in chosen for m in methods}
+    if "megatron" in methods:  # elsewhere the traced step alone, without a breakdown
+        for o in traced_too:
+            steps.setdefault((o.candidate, "megatron"), _traced_step(o, batches))
+    todo = [(i, m, b) for i in range(len(chosen)) for m in methods for b in range(batches)]  # i: into chosen
     if not todo:
         out.steps, out.seconds = list(steps.values()), time.perf_counter() - started
         return out
@@ -237,10 +260,13 @@ def traced_layout(job: "TracedJob", hardware: Hardware,
 def _traced_step(outcome: Outcome, batches: int) -> MethodStep:
     """Megatron's fixed shapes: the traced layout's simulated step, whatever the batch."""
     c, r = outcome.candidate, outcome.report
+    return MethodStep("megatron", c, [r.iteration_s] * batches, r.peak_memory_gib, _traced_setting(c))
+
+
+def _traced_setting(c: Candidate) -> str:
     chunks = f", {c.virtual_stages} chunks a rank" if c.virtual_stages > 1 else ""
-    return MethodStep("megatron", c, [r.iteration_s] * batches, r.peak_memory_gib,
-                      f"mbs {c.micro_batch_size} x {c.num_microbatches}, recompute {c.recompute}{chunks}"
-                      + (f", CP {c.cp}" if c.cp > 1 else ""))
+    return (f"mbs {c.micro_batch_size} x {c.num_microbatches}, recompute {c.recompute}{chunks}"
+            + (f", CP {c.cp}" if c.cp > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -252,6 +278,7 @@ class _Priced:
     setting: str = ""
     seconds: float = 0.0
     error: Optional[str] = None
+    why: Optional[Breakdown] = None
 
 
 _WORKER: dict[str, Any] = {}  # a pricing worker's search space, layouts, batches, and their _Layouts so far
@@ -276,7 +303,7 @@ class _Layout:
 
     def __init__(self, space: SearchSpace, outcome: Outcome):
         c = outcome.candidate
-        self.space, self.candidate, self.chunks = space, c, c.virtual_stages
+        self.space, self.candidate, self.chunks, self.outcome = space, c, c.virtual_stages, outcome
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
         model = split_over_cp(space.cost_model_for(c.tp, c.sequence_parallel), c.cp, space.model,
                               ring_gbps=space.hardware.cp_ring_gbps(c.tp, c.cp))
@@ -287,45 +314,63 @@ class _Layout:
                                 zero_stage=1 if c.distributed_optimizer else 0,
                                 link=hw.link("p2p", hw.node_of(0) != hw.node_of(apart)))
         self.memory_limit_mb = space.hardware.memory_gib * 1024
-        fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
-                                space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)
+        self.fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
+                                     space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)
         # None where the cost model prices the traced micro-batch as not fitting the device at all
-        self.rest_ms = None if fixed is None else 1e3 * outcome.report.iteration_s - fixed.makespan
+        self.rest_ms = None if self.fixed is None else 1e3 * outcome.report.iteration_s - self.fixed.makespan
 
     def price(self, method: str, lengths: list[int], fast_mode: "bool | str") -> _Priced:
-        """One batch's pipeline time by ``method``, what the trace adds to it, and its peak."""
+        """One batch's pipeline time by ``method``, what the trace adds to it, its peak, and why."""
         if self.rest_ms is None:
             return _Priced(error="the cost model gives the traced micro-batch no time (its layer does not fit the "
                                  "device): nothing to set the other methods against")
         started = time.perf_counter()
-        if method == "thd":
-            found = megatron_thd_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
-                                      self.candidate.cp)
-            if found is None:
-                return _Priced(error="does not fit at any rows of windows and recompute")
-            k = found.per_rank[0][0].seq_len // self.space.seq_length
-            return _Priced(found.makespan_ms, self.rest_ms, max(found.stage_peak_mb),
-                           f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
-                           time.perf_counter() - started)
-        if method == "dp_balanced":
-            try:
-                found = megatron_dp_balanced_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb,
-                                                  self.chunks, self.candidate.cp)
-            except ValueError as error:
-                return _Priced(error=str(error))
-            if found is None:
-                return _Priced(error="does not fit at any recompute")
-            return _Priced(found.makespan_ms, self.rest_ms, max(found.stage_peak_mb),
-                           f"{sum(map(len, found.per_rank))} packs, recompute {found.recompute.label}",
-                           time.perf_counter() - started)
+        try:
+            found = {"megatron": self._megatron, "thd": self._thd, "dp_balanced": self._dp_balanced}.get(
+                method, self._planned)(method, lengths, fast_mode)
+        except ValueError as error:  # a batch dp_balanced cannot deal out, or a planning error
+            return _Priced(error=str(error).splitlines()[0])
+        if isinstance(found, str):
+            return _Priced(error=found)
+        run, setting, sample_lengths = found
+        why = explain(run, self.costs, sample_lengths, lengths, self.space.seq_length, self.chunks)
+        return _Priced(why.pipeline_ms, self.rest_ms, run.peak_mb, setting, time.perf_counter() - started, why=why)
+
+    def _megatron(self, method, lengths, fast_mode):
+        """The traced fixed shapes: windows of seq-length back to back (every token real), as the
+        planner's simulation prices them (so pipeline and rest add up to the traced step)."""
+        c, seq = self.candidate, self.space.seq_length
+        rows = uniform_microbatches(c.micro_batch_size * c.num_microbatches, c.micro_batch_size, seq)
+        run = PipelineRun.uniform([rows] * c.dp, RecomputeType.parse(c.recompute), [self.fixed.makespan] * c.dp,
+                                  1024 * self.outcome.report.peak_memory_gib, self.costs.pp)
+        return run, _traced_setting(c), [seq] * (c.micro_batch_size * c.num_microbatches)
+
+    def _thd(self, method, lengths, fast_mode):
+        found = megatron_thd_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
+                                  self.candidate.cp)
+        if found is None:
+            return "does not fit at any rows of windows and recompute"
+        k = found.per_rank[0][0].seq_len // self.space.seq_length
+        return (self._uniform(found), f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
+                lengths)
+
+    def _dp_balanced(self, method, lengths, fast_mode):
+        found = megatron_dp_balanced_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb,
+                                          self.chunks, self.candidate.cp)
+        if found is None:
+            return "does not fit at any recompute"
+        return (self._uniform(found), f"{sum(map(len, found.per_rank))} packs, recompute {found.recompute.label}",
+                lengths)
+
+    def _uniform(self, found) -> PipelineRun:
+        return PipelineRun.uniform(found.per_rank, found.recompute, found.rank_makespan_ms,
+                                   max(found.stage_peak_mb), self.costs.pp)
+
+    def _planned(self, method, lengths, fast_mode):
         spec = TrainingSpec(num_layers=self.space.model.num_layers, pp=self.candidate.pp, tp=self.candidate.tp,
                             dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
                             seqlen_round=seqlen_round_for(self.candidate.cp),
                             zero_stage=self.costs.zero_stage, memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
                             packing=REGISTERED[method].packing, seq_length=self.space.seq_length)
-        try:
-            plan = generate_execution_plan(lengths, spec, self.costs)
-        except PlanningError as error:
-            return _Priced(error=str(error).splitlines()[0])
-        return _Priced(plan.makespan_ms, self.rest_ms, float(plan.peak_memory_mb.max()),
-                       "planned" + (", fast mode" if plan.fast_mode else ""), time.perf_counter() - started)
+        plan = generate_execution_plan(lengths, spec, self.costs)  # a PlanningError is a ValueError
+        return PipelineRun.of_plan(plan), "planned" + (", fast mode" if plan.fast_mode else ""), lengths

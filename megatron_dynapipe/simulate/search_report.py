@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from megatron_dynapipe.files import atomic_path
 from megatron_dynapipe.planning.methods import MEGATRON_PACKINGS, PLANNED
 from megatron_dynapipe.simulate.methods import METHODS, MethodsResult
@@ -121,7 +123,36 @@ def format_methods(result: MethodsResult) -> str:
                     gains.append(f"{METHODS[method]} {_short(c)} {theirs.mean_s / ours.mean_s:.2f}x")
         if gains:
             lines.append(f"  over {METHODS[yardstick]} at the same layout: " + ", ".join(gains))
+    for c in result.layouts():
+        lines += _why(result, c)
     return "\n".join(lines)
+
+
+def _why(result: MethodsResult, c) -> list[str]:
+    """Each method's step at one layout taken apart (:mod:`~megatron_dynapipe.planning.breakdown`),
+    mean over the batches: a loss reads off at once."""
+    rows = [(result.at(m, c), result.at(m, c).explained()) for m in result.methods if result.at(m, c)]
+    rows = [(step, why) for step, why in rows if why]
+    if not rows:
+        return []
+    ideal = float(np.mean([why["ideal_ms"] for _, why in rows]))
+    lines = [f"  why, at {_short(c)} (ms a step, mean over the batches; ideal {ideal:.0f} ms: the real tokens' "
+             "compute spread evenly over every rank, no bubble, padding, recompute or communication):",
+             f"    {'method':<22} {'step':>7} {'of ideal':>8} {'slowest DP':>10} {'mbs':>5} {'bubble':>7} "
+             f"{'padding':>13} {'recompute':>9} {'rest':>6} {'mem GiB':>7}"]
+    for step, why in rows:
+        lines.append(f"    {METHODS[step.method]:<22} {step.mean_s * 1e3:>7.0f} {why['of_ideal']:>8.2f} "
+                     f"{why['above_mean']:>+10.1%} {why['microbatches']:>5.0f} {why['bubble_ms']:>7.0f} "
+                     f"{why['padding_ms']:>6.0f} ({why['padding_share']:>4.0%}) {why['recompute_ms']:>9.0f} "
+                     f"{why['rest_ms']:>6.0f} {why['peak_memory_mb'] / 1024:>7.1f}")
+    lines.append("    (of ideal: the ideal over the step's pipeline; slowest DP: its pipeline over the data-parallel "
+                 "ranks' mean; mbs: its micro-batches; bubble: its pipeline less its busiest stage's compute; padding "
+                 "and recompute: of that compute; rest: gradient reduction, optimizer step and what else the trace "
+                 "holds, the same for every method)")
+    if rows[0][1]["rest_ms"] < 0:
+        lines.append("    (rest below zero: the planner's cost model prices this layout's traced pipeline above the "
+                     "trace's replay, most often context parallelism's ring; every method's step carries that)")
+    return lines
 
 
 def plot_methods(result: MethodsResult, path: "str | os.PathLike") -> Path:

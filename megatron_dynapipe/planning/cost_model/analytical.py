@@ -135,7 +135,12 @@ class AnalyticalCostModel(CostModel):
     def describe(self) -> str:
         return (f"the analytical GPT model (hidden {self.hidden_size}, "
                 f"{self.num_heads} heads, FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}, "
-                f"{self.peak_tflops:g} TFLOP/s peak at {self.mfu:g} of it), tp {self.tp}{self._sp_label}")
+                f"{self._core_label}, {self.peak_tflops:g} TFLOP/s peak at {self.mfu:g} of it), "
+                f"tp {self.tp}{self._sp_label}")
+
+    @property
+    def _core_label(self) -> str:
+        return "fused attention core" if self.fused_attention else "unfused attention core"
 
     @property
     def _sp_label(self) -> str:

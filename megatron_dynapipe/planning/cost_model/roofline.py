@@ -138,7 +138,8 @@ class RooflineCostModel(AnalyticalCostModel):
     def describe(self) -> str:
         r = self.roofline
         return (f"the roofline GPT model (hidden {self.hidden_size}, {self.num_heads} heads, "
-                f"FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}; {r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
+                f"FFN {self.ffn_hidden_size}, vocabulary {self.vocab_size}, {self._core_label}; "
+                f"{r.peak_tflops:g} TFLOP/s on {r.sms} SMs at {r.gemm_efficiency:g}, "
                 f"{r.memory_bandwidth_GBps:g} GB/s), tp {self.tp}{self._sp_label}")
 
     def __repr__(self) -> str:
