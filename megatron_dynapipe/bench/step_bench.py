@@ -1,6 +1,6 @@
 """Step benchmark: real megatron-core training steps on one global batch of variable-length samples.
 
-The same samples (random tokens of the given lengths) go through the same GPT in up to six ways:
+The same samples (random tokens of the given lengths) go through the same GPT in up to seven ways:
 
 * **DynaPipe** and **DynaPipe (fast)**: the planner's variable-length micro-batches, schedule and
   recompute choices, from the cost model given, each sample padded to its micro-batch's longest;
@@ -18,6 +18,11 @@ The same samples (random tokens of the given lengths) go through the same GPT in
   document can straddle two rows (the second part a segment of its own, without the first's
   context); here whole samples are packed first-fit, so every sample keeps its context and rows
   carry what padding first-fit leaves.
+* **dp_balanced packing**: Megatron-LM's ``--sequence-packing-scheduler dp_balanced`` (after
+  core_v0.19): whole samples in arrival order, next-fit into THD packs of ``--max-seq-length``
+  tokens, as many as a multiple of DP (x PP where interleaved), one pack a micro-batch
+  (:func:`~megatron_dynapipe.planning.baselines.dp_balanced_packs`); left out, saying why, for a
+  batch Megatron-LM refuses to deal out.
 
 The packed ways need an attention core that runs packed micro-batches: the model is built with
 ``--attention sdpa`` unless told otherwise (with ``--attention local`` they are left out).
@@ -65,10 +70,11 @@ from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
-from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatron_plans, thd_packing_rows,
-                                                   uniform_microbatches)
+from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatron_dp_balanced_rows, megatron_plans,
+                                                  thd_packing_rows, uniform_microbatches)
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
+from megatron_dynapipe.planning.methods import METHODS as REGISTRY
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
@@ -76,8 +82,10 @@ from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 
 __all__ = ["add_arguments", "run"]
 
-DYNAPIPE, FAST, VARLEN, PAD, PACK, THD = ("DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing",
-                                          "THD packing")
+# the registry's labels for the methods it names; this benchmark's own baselines besides
+DYNAPIPE, VARLEN, THD, DP_BALANCED = (REGISTRY[name].label for name in ("dynapipe", "dynapipe-varlen", "thd",
+                                                                        "dp_balanced"))
+FAST, PAD, PACK = "DynaPipe (fast)", "pad-to-max", "packing"
 LEAKY = (PACK,)  # methods whose samples attend to each other: their losses differ by design
 DEFAULT_SAMPLES = 64
 # relative, each method without leakage against pad-to-max
@@ -257,7 +265,14 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
     methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
     if job["packs"]:
-        methods[THD] = _thd_method(sequences, lengths, tokens, seq, costs, spec)
+        methods[THD] = _rows_method(thd_packing_rows(sequences, lengths, seq, costs, spec.memory_limit_mb,
+                                                     spec.chunks), tokens, seq, costs, spec)
+        try:
+            balanced = megatron_dp_balanced_rows(lengths, seq, costs, spec.memory_limit_mb, spec.chunks, spec.cp)
+        except ValueError as error:  # a batch Megatron-LM refuses to deal out too
+            print(f"bench step: {DP_BALANCED} left out: {error}", file=sys.stderr)
+        else:
+            methods[DP_BALANCED] = _rows_method(balanced, tokens, seq, costs, spec)
     return methods
 
 
@@ -288,13 +303,11 @@ def _fixed_length_method(sequences: list[list[int]], tokens: list[np.ndarray], s
     return Method(plans, tensors, best.makespan_ms, _activations_mb(best.stage_peak_mb, costs))
 
 
-def _thd_method(sequences: list[list[int]], lengths: list[int], tokens: list[np.ndarray], seq_len: int, costs,
-                spec) -> Method:
-    """The same sequences without attention between their samples: rows of k of them, 1F1B
-    (interleaved over the spec's chunks), with the k and recompute the cost model finds fastest
-    (:func:`thd_packing_rows`)."""
-    _check_feeds(sequences, seq_len, spec)
-    best = thd_packing_rows(sequences, lengths, seq_len, costs, spec.memory_limit_mb, spec.chunks)
+def _rows_method(best, tokens: list[np.ndarray], seq_len: int, costs, spec) -> Method:
+    """Megatron's packed rows (each sample attending to itself alone) as a baseline found them
+    (``best``, a :class:`~megatron_dynapipe.planning.baselines.ThdRows`: THD packing's rows of k
+    ``sequences``, or ``dp_balanced``'s packs), 1F1B (interleaved over the spec's chunks) with one
+    recompute (packing's sequences fed every rank, checked before)."""
     if best is None:
         raise _unfit(seq_len, spec)
     plans = [megatron_plans(micro, best.recompute.label, spec.pp, spec.chunks) for micro in best.per_rank]
@@ -518,7 +531,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
-                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DYNAPIPE), (THD, PAD))
+                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DP_BALANCED), (VARLEN, DYNAPIPE),
+                             (THD, PAD))
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],

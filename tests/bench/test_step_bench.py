@@ -1,8 +1,10 @@
-"""`megatron-dynapipe bench step`: real megatron-core steps of one global batch, six ways.
+"""`megatron-dynapipe bench step`: real megatron-core steps of one global batch, seven ways.
 
 The expected token counts are worked out by hand from the lengths below: padded to 128 each, the
 8 samples take 8 x 128 tokens; packed first-fit decreasing into 128-token sequences they fill 3
-(100+20+8, 90+30, 60+50+10), with or without attention between their samples.
+(100+20+8, 90+30, 60+50+10), with or without attention between their samples; dp_balanced's
+next-fit in arrival order makes 4 packs (100, 60+50, 30+20+10, 90+8), a multiple of DP 1 or 2 (and
+of an interleaved pipeline's group of 2) as they stand.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def lengths_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pp, chunks", [(1, 1), (2, 1), (2, 2)])
-def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp, chunks):
+def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp, chunks):
     """Every method on the same samples; with two model chunks a rank (PP 2 x 2 chunks, the tiny
     GPT's 4 layers one a chunk) the baselines run Megatron's interleaved 1F1B and DynaPipe its
     planned interleaved pipeline, and all agree on the loss."""
@@ -44,7 +46,8 @@ def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, len
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout)
     methods = row["methods"]
-    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing"}
+    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing",
+                            "dp_balanced packing"}
     assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
     assert row["settings"]["chunks"] == chunks
     if chunks > 1:
@@ -52,6 +55,9 @@ def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, len
     assert row["settings"]["attention"] == "sdpa"
     assert methods["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ
     assert methods["packing"]["padded_tokens"] == methods["THD packing"]["padded_tokens"] == 3 * SEQ
+    # each pack a row of its samples rounded up to whole 8s: 104 + 112 + 64 + 104
+    assert methods["dp_balanced packing"]["padded_tokens"] == 384 and methods["dp_balanced packing"][
+        "microbatches"] == 4
     for m in methods.values():
         assert m["median_ms"] > 0 and m["predicted_ms"] > 0 and m["activations_mb"] > 0 and m["peak_mb"] is None
         assert sum(LENGTHS) <= m["padded_tokens"]
@@ -59,7 +65,8 @@ def test_six_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, len
         assert m["loss"] == pytest.approx(math.log(VOCAB), abs=0.2)
     # padding at the right changes nothing a causal model computes for the real tokens, and a
     # packed sample that attends to itself alone computes what it does padded
-    assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing"}
+    assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing",
+                                     "dp_balanced packing"}
     assert row["losses_agree"] and max(row["loss_gaps"].values()) < 1e-4
     assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
 
@@ -145,6 +152,7 @@ def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, len
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error |" in run.stdout
     assert "DynaPipe varlen over THD packing " in run.stdout and "DynaPipe over pad-to-max " in run.stdout
+    assert "DynaPipe varlen over dp_balanced packing " in run.stdout
     assert "losses:" in run.stdout and " agree with it" in run.stdout
 
 
@@ -293,6 +301,6 @@ def test_help_names_every_method_it_runs():
     out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "step", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
-    for method in ("DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing",
+    for method in ("DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing", "dp_balanced",
                    "--dataloader-inter-document-masking"):
         assert method in out.stdout, method
