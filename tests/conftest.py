@@ -13,6 +13,17 @@ if os.environ.get("DYNAPIPE_TEST_CUDA") != "1":
 
 
 
+#: fixtures that measure a profile in the session (a minute or more on 2 cores): whatever needs
+#: one is in the slow tier, so that `pytest -m "not slow"` stays quick
+MEASURED_PROFILES = ("tiny_profile", "tiny_sdpa_profile")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if set(MEASURED_PROFILES) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def profiled_model():
     from megatron_dynapipe.planning.cost_model import ProfiledCostModel

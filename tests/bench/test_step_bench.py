@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # real steps of megatron-core models, several methods each
+
 LENGTHS = [100, 60, 50, 30, 20, 10, 90, 8]
 SEQ = 128
 VOCAB = 1024  # the tiny model's
@@ -96,7 +98,6 @@ def test_with_megatrons_unfused_attention_the_packed_methods_are_left_out(tiny_p
     assert row["settings"]["attention"] == "local" and row["losses_agree"]
 
 
-@pytest.mark.slow
 def test_a_method_that_fails_is_reported_on_its_row_and_the_others_results_stand(tiny_sdpa_profile, lengths_file):
     """Packing's first micro-batch given a token the embedding has no row for: stage 0 raises in that
     method's step (as an out-of-memory would) while stage 1 waits on it; the other methods run again

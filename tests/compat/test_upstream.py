@@ -105,6 +105,7 @@ def test_version_names_this_package_and_the_upstream_it_would_run(tmp_path):
                   "supported (>=0.16.1,<0.20)")
 
 
+@pytest.mark.slow
 def test_activation_shapes_are_megatron_cores_fixed_length_ones_whatever_variable_seq_lengths_says():
     """The plan knows each micro-batch's shape: megatron-core's rule for a fixed length gives it, even
     where variable_seq_lengths (which DynaPipe turns on) makes megatron-core 0.17+ answer ``[()]``."""

@@ -222,6 +222,7 @@ SWEEP = [
 
 
 @pytest.mark.parametrize("world,tp,pp,cp,ep,etp,order", SWEEP)
+@pytest.mark.slow
 def test_sweep_matches_megatron(world, tp, pp, cp, ep, etp, order):
     layout = ParallelLayout(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, order=order)
     assert layout.tp * layout.pp * layout.cp * layout.dp == world
@@ -263,6 +264,7 @@ def layouts(draw, max_world: int = 8192):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts(), st.integers(0, 2**16))
+@pytest.mark.slow
 def test_hypothesis_matches_megatron(layout, seed):
     check_against_megatron(layout, n_ranks=8, seed=seed)
     check_coords(layout, n_ranks=8, seed=seed)

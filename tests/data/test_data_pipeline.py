@@ -444,6 +444,7 @@ def test_ranks_of_one_process_group_share_the_secret_the_port_and_a_taken_port()
     assert "pass another --dynapipe-kv-port" in out[1] and "\n" not in out[1]
 
 
+@pytest.mark.slow
 def test_settings_are_versioned_json_every_rank_checks():
     with _one_rank_pipeline() as host:
         settings = host.client.get_json(KVStoreMetaKeys.SETTINGS)

@@ -56,6 +56,7 @@ def _spec(**fields):
 
 
 @pytest.mark.parametrize("fields", [{}, {"num_query_groups": 2}], ids=["mha", "gqa"])
+@pytest.mark.slow
 def test_sdpa_core_computes_what_megatrons_unfused_core_computes(fields):
     batch = gpt_microbatch(_samples((40, 23, 9)), 40)
     [[(local_loss, local_grad)]], [[(sdpa_loss, sdpa_grad)]] = (
@@ -66,6 +67,7 @@ def test_sdpa_core_computes_what_megatrons_unfused_core_computes(fields):
 
 
 @pytest.mark.parametrize("position", ["learned_absolute", "rope"])
+@pytest.mark.slow
 def test_packed_samples_attend_to_themselves_alone(position):
     """A packed row's per-token losses are each sample's losses run alone through the unfused core
     (no attention across samples, positions from 0), and its gradient is the sum of theirs."""
@@ -200,6 +202,7 @@ def _row_sized_writes_in_backward(rank, world_size, spec, lengths):
         destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_a_packed_rows_backward_does_not_write_the_whole_row_once_a_sample():
     """Each sample's gradient reaches the row's q, k and v without a row-sized tensor of its own
     (a slice's backward makes one for each sample and adds it in: n samples, n row-sized fills and

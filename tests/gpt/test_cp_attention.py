@@ -179,6 +179,7 @@ def _ring_writes_in_backward(rank, world_size, lengths):
         cpu_compat.disable_cpu_mode()
 
 
+@pytest.mark.slow
 def test_a_packed_rows_ring_backward_does_not_write_the_whole_share_once_a_sample():
     """As on one rank (tests/gpt/test_attention.py), each sample's gradient reaches the rank's
     queries and the ring's keys and values without a tensor of the rank's whole share of its own:

@@ -417,6 +417,7 @@ def _report(proc) -> dict:
     return json.loads(line.split(" ", 1)[1])
 
 
+@pytest.mark.slow
 def test_launch_runs_the_script_as_main_with_the_hooks_installed(tmp_path):
     proc = _launch_fake(tmp_path, "core_v0.16.1", "--num-layers", "2")
     assert proc.returncode == 0, proc.stderr
@@ -442,6 +443,7 @@ def test_launch_hooks_a_script_that_parses_its_own_arguments(tmp_path):
 
 
 @pytest.mark.parametrize("tag", sorted(STAND_INS))
+@pytest.mark.slow
 def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path, tag):
     proc = _launch_fake(tmp_path, tag, "--dynapipe")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -450,6 +452,7 @@ def test_launch_reports_a_dynapipe_argument_error_with_its_fix(tmp_path, tag):
 
 
 @pytest.mark.parametrize("tag", sorted(STAND_INS))
+@pytest.mark.slow
 def test_every_refused_flag_is_named_in_one_line(tmp_path, tag):
     proc = _launch_fake(tmp_path, tag, "--dynapipe", "--dynapipe-memory-limit", "100", "--context-parallel-size", "2",
                         "--hybrid-context-parallel", "--eod-mask-loss")

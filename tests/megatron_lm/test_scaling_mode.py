@@ -106,6 +106,7 @@ def _launch(tmp_path, *flags):
                           env=_with_checkout_on_path())
 
 
+@pytest.mark.slow
 def test_launcher_traces_instead_of_running_the_script(tmp_path):
     out = _launch(tmp_path, *TINY_FLAGS, "--mock-data", "--lr", "1.5e-4", *FAKE, "--fake-current-rank-id", "4096",
                   "--trace-dir", "t")

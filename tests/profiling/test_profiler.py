@@ -20,6 +20,7 @@ SETTINGS = ProfileSettings(tp_sizes=(1,), recompute=(RecomputeType.NONE, Recompu
 GRID = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2)]
 
 
+@pytest.mark.slow
 def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(tmp_path):
     out = tmp_path / "tiny.json"
     seen: list[tuple[str, int]] = []
@@ -95,6 +96,7 @@ def test_a_link_that_cannot_be_measured_is_said_and_the_profile_still_completes(
     assert again["metadata"]["link"]["backend"] == "gloo"  # --resume measures what is missing
 
 
+@pytest.mark.slow
 def test_a_profile_times_the_layer_on_a_real_cp_group_and_cp_is_priced_by_it(tmp_path):
     # two local ranks of a CP 2 group, gloo, the ring over them: padded and packed rows at every
     # point whose whole rows split into 4 chunks (all of them here)
@@ -148,6 +150,7 @@ def test_every_rank_of_a_group_times_the_slowest_ranks_runs():
     assert fast == slow and fast.forward_ms >= 50.0
 
 
+@pytest.mark.slow
 def test_a_resumed_profile_does_not_probe_its_refinement_again(tmp_path, monkeypatch):
     """The refinement probes a length between two profiled ones and keeps it where the time bends:
     timed again on resume, a probe could come out otherwise and add a length to a finished profile."""

@@ -170,6 +170,7 @@ def test_rows_grow_geometrically_up_to_the_token_limit(tiny_profile):
     assert {32, 64, 128} <= {r["seqlen"] for r in none}
 
 
+@pytest.mark.slow
 def test_an_architecture_given_by_megatron_flags(tmp_path):
     out = tmp_path / "gqa.json"
     run = profile("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
@@ -247,6 +248,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
     assert len(run.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
+@pytest.mark.slow
 def test_no_model_and_an_existing_output_are_refused(tmp_path):
     run = profile("-o", str(tmp_path / "p.json"), timeout=60)
     assert run.returncode == 2 and "pass --model NAME" in run.stderr and "--num-layers" in run.stderr
@@ -372,6 +374,7 @@ def test_a_calibration_finds_the_rates_overhead_and_saturation_that_made_the_tim
     assert fit["max_error_pct"] < 1e-6
 
 
+@pytest.mark.slow
 def test_a_calibrated_model_plans_and_pays_its_measured_overhead(tmp_path):
     from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 
@@ -500,6 +503,7 @@ print(memory.stored_bytes, memory.peak_bytes)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.slow
 def test_the_loss_memory_the_planner_counts_is_what_megatrons_loss_holds(dtype):
     """The last stage's LM head and loss measured on the CPU, tensor by tensor (megatron-core's own
     head, a vocabulary wide enough that the logits are nearly all of it), against what the planner

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_dynapipe.tracer.chakra import write_chakra_folder
 
-et_def = pytest.importorskip("chakra.schema.protobuf.et_def_pb2", reason="needs mlc-chakra (pip install mlc-chakra)")
+et_def = pytest.importorskip("chakra.schema.protobuf.et_def_pb2", reason="needs mlc-chakra: pip install -e \".[chakra]\"")
 protolib = pytest.importorskip("chakra.src.third_party.utils.protolib")
 
 
