@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import numbers
 from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Sequence
 
 import numpy as np
@@ -71,7 +72,12 @@ LENGTHS_FIX = "give each sample's length as a whole number of tokens >= 1"
 
 def check_lengths(values: Sequence, where: str = "the global batch") -> list[int]:
     """``values`` as a list of sample lengths: whole numbers >= 1 (Python or numpy integers; not
-    bools, not floats such as 2.5 or 2.0), at least one; ValueError naming the first bad value."""
+    bools, not floats such as 2.5 or 2.0), at least one, in a sequence (not bytes or a string,
+    whose items are character codes or characters, nor a mapping, whose items are its keys);
+    ValueError naming the first bad value."""
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
+        raise ValueError(f"{where} is of type {type(values).__name__}, not a list of lengths: {LENGTHS_FIX}, in a list "
+                         "(bytes read from a file: parse them first, as read_lengths does)")
     values = list(values)
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1]
     if bad:

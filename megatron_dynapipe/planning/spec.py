@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 from megatron_dynapipe.planning.fast_mode import FastMode
@@ -61,9 +62,15 @@ class TrainingSpec:
     seq_length: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks", "cp"):
-            if int(getattr(self, name)) < 1:
+        for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks", "cp",
+                     "tokens_per_microbatch", "microbatch_size"):
+            if not _whole(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not _whole(self.seed):
+            raise ValueError(f"TrainingSpec.seed must be an integer, got {self.seed!r}")
+        if not (self.fast_mode is None or isinstance(self.fast_mode, bool) or self.fast_mode == "auto"):
+            raise ValueError(f"TrainingSpec.fast_mode must be True, False, \"auto\" or None (DYNAPIPE_FAST_MODE), got "
+                             f"{self.fast_mode!r}")
         if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
                                             or self.seq_length < 1):
             raise ValueError(f"TrainingSpec.seq_length must be a positive whole number of tokens or None, got "
@@ -72,9 +79,17 @@ class TrainingSpec:
             raise ValueError(
                 f"{self.num_layers} layers cannot fill {self.pp} pipeline stages: lower pp or raise num_layers"
             )
-        if self.zero_stage not in (0, 1, 2, 3):
+        if self.stage_layers is None and self.num_layers % (self.pp * self.chunks):
+            # Megatron-LM splits layers evenly over the (virtual) stages unless told otherwise
+            where, multiple = ((f"pp x chunks = {self.pp} x {self.chunks} virtual", "pp x chunks") if self.chunks > 1
+                               else (f"pp = {self.pp}", "pp"))
+            raise ValueError(f"{self.num_layers} layers do not split evenly into {where} pipeline stages: make "
+                             f"num_layers a multiple of {multiple}, or give stage_layers (Megatron-LM's uneven "
+                             "first/last stages)")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if not 0 < self.memory_limit_mb < float("inf"):  # also refuses nan
+        if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, numbers.Real) \
+                or not 0 < self.memory_limit_mb < float("inf"):  # also refuses nan
             raise ValueError(f"memory_limit_mb must be a positive number of MB, got {self.memory_limit_mb!r}")
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
@@ -108,9 +123,6 @@ class TrainingSpec:
             return
         if self.pp < 2:
             raise ValueError(f"{self.chunks} model chunks a rank need pp >= 2 (an interleaved pipeline), got pp={self.pp}")
-        if self.stage_layers is None and self.num_layers % (self.pp * self.chunks):
-            raise ValueError(f"{self.num_layers} layers do not split evenly over {self.pp} x {self.chunks} virtual "
-                             "stages: make num_layers a multiple of pp x chunks, or give stage_layers")
         if tuple(self.schedules) == DEFAULT_SCHEDULES:
             self.schedules = default_schedules(self.chunks)
         for name in self.schedules:
@@ -138,6 +150,11 @@ class TrainingSpec:
         if "recompute_types" in values:
             values["recompute_types"] = tuple(values["recompute_types"])
         return cls(**values)
+
+
+def _whole(value) -> bool:
+    """An integer (Python's or numpy's), not a bool, a float or a string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def seqlen_round_for(cp: int) -> int:

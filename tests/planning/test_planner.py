@@ -64,7 +64,7 @@ def plan_and_check(lengths, spec, model=SMALL):
 def test_random_batches_plan_to_valid_deadlock_free_plans_within_memory(lengths, pp, dp, limit, fast):
     if len(lengths) < dp:
         lengths = lengths * dp
-    spec = TrainingSpec(num_layers=8, pp=pp, dp=dp, memory_limit_mb=limit, fast_mode=fast)
+    spec = TrainingSpec(num_layers=8 - 8 % pp, pp=pp, dp=dp, memory_limit_mb=limit, fast_mode=fast)  # even stages
     plan_and_check(lengths, spec)
 
 
@@ -89,7 +89,7 @@ def test_an_interleaved_spec_is_one_megatron_lm_builds_and_its_costs_match_it():
     spec = TrainingSpec(num_layers=16, pp=4, chunks=2)
     assert spec.schedules == ("interleaved-1f1b",)  # the default schedules run one chunk a rank
     assert TrainingSpec.from_json(spec.to_json()) == spec
-    for bad, message in ((dict(pp=1), "need pp >= 2"), (dict(num_layers=12), "do not split evenly over 4 x 2"),
+    for bad, message in ((dict(pp=1), "need pp >= 2"), (dict(num_layers=12), "do not split evenly into pp x chunks = 4 x 2 virtual"),
                          (dict(stage_layers=(4, 4, 4, 4)), "do not place 16 layers on 4 x 2 virtual pipeline stages"),
                          (dict(schedules=("1f1b",)), "schedule '1f1b' runs one model chunk a rank, not 2"),
                          (dict(chunks=0), "chunks must be a positive integer")):
@@ -231,6 +231,26 @@ def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
         generate_execution_plan(lengths, TrainingSpec(), costs_pp4)
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_layers=30, pp=4), "30 layers do not split evenly into pp = 4 pipeline stages"),
+    (dict(num_layers=32.5), "num_layers must be a positive integer, got 32.5"),
+    (dict(pp=True), "pp must be a positive integer, got True"),
+    (dict(pp=4.0), "pp must be a positive integer, got 4.0"),
+    (dict(dp="2"), "dp must be a positive integer, got '2'"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(fast_mode="yes"), 'fast_mode must be True, False, "auto" or None'),
+    (dict(fast_mode=1), 'fast_mode must be True, False, "auto" or None'),
+    (dict(memory_limit_mb="36000"), "memory_limit_mb must be a positive number of MB"),
+    (dict(zero_stage=True), "zero_stage must be 0, 1, 2 or 3"),
+])
+def test_the_api_refuses_what_the_command_line_refuses(fields, message):
+    """TrainingSpec takes integers where Megatron-LM's flags are integers (not bools, floats or
+    strings, which would plan something else or fail later), and layers the stages split evenly."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingSpec(**fields)
+    assert TrainingSpec(num_layers=np.int64(32), pp=np.int64(4)).pp == 4  # numpy integers are integers
+
+
 def test_clear_errors(costs_pp4):
     with pytest.raises(PlanningError, match="holds no sample lengths"):
         generate_execution_plan([], TrainingSpec(), costs_pp4)
@@ -239,6 +259,10 @@ def test_clear_errors(costs_pp4):
         with pytest.raises(PlanningError, match=rf"not a list of integer lengths \(found {re.escape(repr(bad))}\): give "
                                                 r"each sample's length as a whole number of tokens >= 1"):
             generate_execution_plan([100, bad], TrainingSpec(), costs_pp4)
+    # a batch that is not a sequence of lengths: bytes read from a file, a string, a mapping, a number
+    for bad in (b"\x64\x00", "100", {100: 1}, 100):
+        with pytest.raises(PlanningError, match=f"is of type {type(bad).__name__}, not a list of lengths"):
+            generate_execution_plan(bad, TrainingSpec(), costs_pp4)
     numpy_ints = generate_execution_plan(np.array([100, 300], dtype=np.int64), TrainingSpec(pp=4), costs_pp4)
     assert numpy_ints.makespan_ms == generate_execution_plan([100, 300], TrainingSpec(pp=4), costs_pp4).makespan_ms
     # the reference profile stops at 8192 tokens; at 8192 one sample needs more than 40 GB
