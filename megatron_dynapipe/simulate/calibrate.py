@@ -109,11 +109,11 @@ def _fit_profile(args: argparse.Namespace, path) -> int:
     from megatron_dynapipe.hardware import load_hardware
     from megatron_dynapipe.hardware.fit import fit_roofline
     from megatron_dynapipe.planning.cost_model.loading import resolve_cost_model_path
-    from megatron_dynapipe.planning.cost_model.profile_file import read_document
+    from megatron_dynapipe.planning.cost_model.profile_file import read_complete_document
 
     hardware = load_hardware(args.hardware)
     profile = resolve_cost_model_path(args.from_profile, "--from-profile")
-    fit = fit_roofline(hardware, read_document(profile))
+    fit = fit_roofline(hardware, read_complete_document(profile))
     said = fit.describe(profile.stem)
     fitted = dataclasses.replace(hardware, name=args.name or f"{hardware.name}-fit-{profile.stem}",
                                  compute=fit.compute_section(hardware.compute),

@@ -119,6 +119,22 @@ def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, versi
         assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)
 
 
+def test_an_interrupted_profile_is_refused_by_whoever_would_price_with_it(tmp_path):
+    """A profile written with "complete": false (an interrupted `profile`, which --resume goes on
+    with) lacks lengths or recompute types: it prices nothing until finished."""
+    from megatron_dynapipe.planning.cost_model import ProfiledCostModel
+
+    doc = {"name": "test", "metadata": {"format_version": 3, "complete": False}, **_records().records()}
+    path = tmp_path / "partial.json"
+    path.write_text(to_text(doc))
+    for load in (lambda: load_cost_model(path, tp=1), lambda: ProfiledCostModel.from_json(path, tp=1)):
+        with pytest.raises(CostModelError, match=r"partial\.json is an interrupted profile .* --resume"):
+            load()
+    doc["metadata"]["complete"] = True
+    path.write_text(to_text(doc))
+    assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)
+
+
 def _with_packed_rows(records: ProfileRecords, factor: float) -> ProfileRecords:
     """``records`` with the encoder measured on packed rows too, of recompute none only, each
     ``factor`` times its padded twin."""

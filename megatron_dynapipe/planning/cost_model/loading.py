@@ -102,7 +102,7 @@ def load_cost_model(path: str | os.PathLike | None, tp: int, **analytical_kwargs
     if path is None:
         return AnalyticalCostModel(tp=tp, **analytical_kwargs)
     path = resolve_cost_model_path(path)
-    return cost_model_from_document(profile_file.read_document(path), tp, source=os.fspath(path),
+    return cost_model_from_document(profile_file.read_complete_document(path), tp, source=os.fspath(path),
                                     hidden_size=analytical_kwargs.get("hidden_size"))
 
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 from megatron_dynapipe.planning.cost_model.base import KINDS, LAYERS, PARAM_LAYERS, PHASES, CostModelError
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["ProfileRecords", "read_document", "to_text", "is_calibrated", "calibrated_settings",
+__all__ = ["ProfileRecords", "read_document", "read_complete_document", "to_text", "is_calibrated", "calibrated_settings",
            "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "CALIBRATED_SHAPE", "OVERHEAD_PER"]
 
 FORMAT_VERSION = 3  # metadata.format_version of the files megatron-dynapipe profile writes
@@ -82,6 +82,18 @@ def read_document(path: "str | os.PathLike") -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise CostModelError(f"cost model file {path} cannot be read ({e}): {FORMAT_HINT}") from None
     _check_format_version(doc, path)
+    return doc
+
+
+def read_complete_document(path: "str | os.PathLike") -> dict:
+    """:func:`read_document` of a file every consumer may price with: an interrupted profile
+    (``"complete": false``: some lengths or recompute types never measured) is refused, naming the
+    fix, rather than planned with as if it were whole."""
+    doc = read_document(path)
+    if isinstance(doc, dict) and (metadata_of(doc) or {}).get("complete") is False:
+        raise CostModelError(f"cost model file {os.fspath(path)} is an interrupted profile (\"complete\": false): "
+                             "finish it with `megatron-dynapipe profile` with its flags, -o it and --resume, or pass a "
+                             "complete profile")
     return doc
 
 

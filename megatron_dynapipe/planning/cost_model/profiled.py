@@ -174,7 +174,7 @@ class ProfiledCostModel(CostModel):
         optional ``hidden_size`` key, else it is estimated from the encoder parameter memory.
         """
         path = os.fspath(path)
-        return cls.from_document(profile_file.read_document(path), tp, source=path, hidden_size=hidden_size)
+        return cls.from_document(profile_file.read_complete_document(path), tp, source=path, hidden_size=hidden_size)
 
     @classmethod
     def from_document(cls, doc, tp: int, *, source: str, hidden_size: int | None = None) -> "ProfiledCostModel":
