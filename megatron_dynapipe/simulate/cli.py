@@ -20,7 +20,16 @@ from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_met
 from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search
-from megatron_dynapipe.simulate.search_report import format_methods, format_search, plot_methods, plot_search
+from megatron_dynapipe.simulate.search_report import (
+    first_failure,
+    format_methods,
+    format_search,
+    plot_methods,
+    plot_search,
+)
+
+#: what a search writes in its output folder, besides its traces
+RESULTS = ("search.json", "search.png", "methods.png")
 
 __all__ = ["add_simulate_parser", "add_search_parser", "add_calibrate_parser"]
 
@@ -200,6 +209,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model, overlap_p2p_comm=args.overlap_p2p_comm)
     out = check_output_folder(args.output_dir, "--output-dir")
+    for previous in RESULTS:  # a run that fails or is stopped must not leave the last run's answer looking current
+        (out / previous).unlink(missing_ok=True)
     try:
         result = run_search(space, out, max_traced=args.max_traced, jobs=args.jobs,
                             progress=not args.no_progress, say=lambda line: print(line, file=sys.stderr))
@@ -226,6 +237,10 @@ def run_search_cli(args: argparse.Namespace) -> int:
     write_atomically(out / "search.json", json.dumps(document, indent=1) + "\n")
     print(json.dumps(document) if args.json else text
           + f"\n\nall candidates: {document['json']}\ntime against memory: {document['plot']}")
+    if not result.ranked() and result.counts()["failed"]:  # nothing fits is an answer; nothing read is not
+        print(f"megatron-dynapipe search: no layout could be simulated ({first_failure(result)}); where a kept "
+              f"trace is broken, delete it from {out / 'traces'} and run again to trace it anew", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,7 +14,7 @@ from megatron_dynapipe.planning.methods import MEGATRON_PACKINGS, PLANNED
 from megatron_dynapipe.simulate.methods import METHODS, MethodsResult
 from megatron_dynapipe.simulate.search import Outcome, SearchResult
 
-__all__ = ["format_search", "plot_search", "format_methods", "plot_methods"]
+__all__ = ["format_search", "first_failure", "plot_search", "format_methods", "plot_methods"]
 
 _RECOMPUTE_COLOURS = {"none": "#4C72B0", "selective": "#55A868", "full": "#DD8452"}
 
@@ -41,7 +41,9 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         "   #   TP SP   PP VPP  CP    DP  mbs x m  recompute dist-opt    iter s    MFU  bubble  mem GiB",
     ]
     lines += [_row(str(i + 1), o) for i, o in enumerate(ranked[:top])]
-    if not ranked:
+    if not ranked and counts["failed"]:
+        lines.append(f"   (no layout simulated: {counts['failed']} failed, the first: {first_failure(result)})")
+    elif not ranked:
         lines.append("   (no simulated layout fits: see search.json for the candidates and their memory)")
     rule = result.outcome_of(result.rule)
     lines.append("")
@@ -57,6 +59,12 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         if ranked:
             lines.append(f"  predicted {rule.iteration_s / ranked[0].iteration_s:.2f}x the best layout's iteration time")
     return "\n".join(lines)
+
+
+def first_failure(result: SearchResult) -> str:
+    """The first failed layout's error line, naming its layout."""
+    failed = next(o for o in result.outcomes if o.status == "failed")
+    return f"{failed.candidate.describe()}: {failed.error}"
 
 
 def plot_search(result: SearchResult, path: "str | os.PathLike") -> Path:

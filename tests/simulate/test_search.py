@@ -324,6 +324,17 @@ def test_search_ranks_simulated_layouts_and_reuses_its_traces(tmp_path, capsys):
     assert third["traced_layouts"] == 1 and third["reused_traces"] == first["traced_layouts"] - 1
     assert third["best"] == first["best"]
 
+    # kept traces that cannot be read (a disk filled, a hand edit): not "no layout fits" with exit 0,
+    # but exit 1, naming the failure and what to delete
+    for trace in (tmp_path / "traces").rglob("rank_*.trace.jsonl"):
+        trace.write_text(trace.read_text()[:100])
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    broken = json.loads(captured.out)
+    assert broken["best"] is None and broken["counts"]["failed"] == first["counts"]["simulated"]
+    (line,) = [x for x in captured.err.splitlines() if x.startswith("megatron-dynapipe search: ")]
+    assert "no layout could be simulated" in line and f"delete it from {tmp_path / 'traces'}" in line
+
 
 def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
     argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "8", "--max-traced", "1",
@@ -385,6 +396,7 @@ def test_an_interrupted_search_writes_no_ranking_and_exits_as_the_signal_says(tm
 
     command = [sys.executable, "-m", "megatron_dynapipe.cli", "search", "--model", "175", "--world-size", "1024",
                "--global-batch-size", "512", "--max-traced", "4", "--output-dir", str(tmp_path), "--no-progress"]
+    (tmp_path / "search.json").write_text('{"best": "from an earlier run"}')  # not left looking current
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
