@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -88,3 +89,9 @@ def _check_writable_place(folder: Path, path: Path, what: str) -> None:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path} cannot be written ({folder} is not a writable folder): choose another place")
+    try:  # permissions can say yes where writing does not (root on a read-only mount, /proc, a full disk)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{what} {path} cannot be written ({folder}: {error.strerror or error}): choose another "
+                         "place") from None

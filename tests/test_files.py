@@ -45,3 +45,13 @@ def test_output_checks(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not a writable folder"):
         check_output_file(tmp_path / "file" / "x.png", "--gantt", (".png",))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, a folder no one can create files in")
+def test_a_place_that_refuses_files_is_refused_before_the_work_whatever_permissions_say(tmp_path):
+    """Root passes every permission check, and /proc's permissions do not say it takes no files:
+    a file is tried there, so the command refuses at once instead of failing after its work."""
+    with pytest.raises(ValueError, match=r"--output /proc/out\.json cannot be written \(/proc: .*\): choose another"):
+        check_output_file("/proc/out.json", "--output", (".json",))
+    assert check_output_file(tmp_path / "new" / "out.json", "--output", (".json",))  # a writable place passes
+    assert not list(tmp_path.iterdir())  # and keeps nothing of the try
