@@ -65,7 +65,15 @@ def local_context_parallel(args: argparse.Namespace) -> bool:
 
 
 def check_attention_args(args: argparse.Namespace) -> None:
-    """Refuse, in one line naming the fix, a ``--dynapipe-attention sdpa`` the model will not get."""
+    """Refuse, in one line naming the fix, a ``--dynapipe-attention sdpa`` the model will not get,
+    and context parallelism on local layers with attention dropout (the ring's core draws none, and
+    would fail at the first forward on every rank)."""
+    dropout = getattr(args, "attention_dropout", 0.0) or 0.0
+    if local_context_parallel(args) and dropout > 0 and not getattr(args, "is_scaling_mode", False):  # traces: none
+        raise DynapipeArgumentError(
+            f"--context-parallel-size {args.context_parallel_size} on megatron-core's local layers runs this "
+            f"package's KV ring, which draws no attention dropout (--attention-dropout {dropout:g}, Megatron's "
+            "default 0.1): pass --attention-dropout 0, or use --transformer-impl transformer_engine")
     if not _sdpa(args):
         return
     if getattr(args, "transformer_impl", "transformer_engine") != "local":

@@ -119,6 +119,21 @@ def test_builders_the_sdpa_core_cannot_reach_are_refused_before_the_model_is_bui
     assert builder.get_gpt_layer_local_spec is original
 
 
+def test_context_parallel_local_layers_with_attention_dropout_are_refused_before_the_model_is_built(builder):
+    """The ring's core draws no attention dropout: Megatron's default 0.1 is refused in one line
+    naming the fix, instead of failing at the first forward on every rank; with 0 the model builds."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    original = gpt_layer_specs.get_gpt_layer_local_spec
+    with pytest.raises(DynapipeArgumentError) as info:
+        with layer_attention(_args(transformer_impl="local", context_parallel_size=2, attention_dropout=0.1)):
+            pytest.fail("the model was built")
+    assert "pass --attention-dropout 0, or use --transformer-impl transformer_engine" in str(info.value)
+    assert "\n" not in str(info.value) and builder.get_gpt_layer_local_spec is original
+    with layer_attention(_args(transformer_impl="local", context_parallel_size=2, attention_dropout=0.0)):
+        assert builder.get_gpt_layer_local_spec is not original  # the ring's core
+
+
 def test_the_job_model_carries_the_attention_core():
     """What the job's cost model must have been profiled with, and what scaling mode traces."""
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=128)
