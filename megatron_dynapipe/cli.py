@@ -21,7 +21,7 @@ from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 from megatron_dynapipe.planning.baselines import default_pack_length
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings
 from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
-from megatron_dynapipe.planning.samples import MIXES, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.samples import MIXES, check_sample_count, read_lengths, synthetic_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.summary import format_summary, summarize
 from megatron_dynapipe.profiling.cli import add_profile_parser
@@ -75,6 +75,7 @@ def _check_plan_args(args) -> None:
     if args.chunks > 1 and args.pp < 2:
         raise ValueError(f"--chunks {args.chunks} with --pp {args.pp}: model chunks interleave a pipeline of at least "
                          "2 stages; give --pp 2 or more, or --chunks 1")
+    check_sample_count(args.num_samples, "--num-samples")
     if args.pack_length is not None and args.pack_length < 1:
         raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
                          "leave it out for the longest sample rounded up to a power of two")

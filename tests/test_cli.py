@@ -88,6 +88,10 @@ def test_plan_interleaves_and_splits_sequences_over_context_parallel_ranks():
     (["--cost-model", "/nonexistent/cm.json"], "not found"),
     (["--memory-limit", "1000"], "model state alone needs"),
     (["--pack-length", "16"], "--pack-length 16 is shorter than the longest sample"),
+    # absurd sizes are refused with the limit named, before a batch is drawn or read
+    (["--num-samples", "1000000000"], "--num-samples 1,000,000,000 samples: a global batch holds at most 1,048,576"),
+    (["--lengths", "/dev/zero"], "lengths file /dev/zero is not a regular file"),  # never ends
+    (["--lengths", "/"], "lengths file / is not a regular file"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(args, message):
     out = run_cli("plan", *args) if args[0] == "--lengths" else run_cli("plan", "--num-samples", "8", *args)

@@ -31,7 +31,7 @@ from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_b
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.planning.cost_model import CostModelError, StageCosts, load_cost_model, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan, rank_costs
-from megatron_dynapipe.planning.samples import MIXES, synthetic_lengths
+from megatron_dynapipe.planning.samples import MIXES, check_sample_count, synthetic_lengths
 from megatron_dynapipe.planning.spec import PACKINGS, TrainingSpec
 from megatron_dynapipe.progress import progress_bar
 
@@ -92,6 +92,8 @@ def run(args) -> int:
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
 
+    for size in args.sizes:
+        check_sample_count(size, "--sizes")
     tight = args.memory_limit == TIGHT
     priced = pricing_from_args(args, args.tp)
     model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)

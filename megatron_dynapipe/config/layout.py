@@ -74,6 +74,13 @@ _AXIS_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 GROUP_KINDS: tuple[str, ...] = tuple(_AXIS_KINDS) + ("embedding", "position-embedding")
 
 
+#: the largest job a layout may describe: a million GPUs, some fifty times the largest trained so far;
+#: past it a size is a typo, and tracing or searching it would run for hours before saying so
+MAX_WORLD_SIZE = 2**20
+#: the most sequences a global batch may hold (Megatron's --global-batch-size), for the same reason
+MAX_GLOBAL_BATCH = 2**24
+
+
 def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -98,6 +105,9 @@ def layout_problems(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: 
                  for k, v in (("dp", dp), ("expert_tp", expert_tp)) if v is not None and not is_positive_int(v)]
     if order not in ORDERS:
         problems.append(f"{n['order']} {order} is not a Megatron rank order: use one of {' or '.join(ORDERS)}")
+    if not problems and world_size > MAX_WORLD_SIZE:
+        problems.append(f"{n['world_size']} {world_size:,} is over the {MAX_WORLD_SIZE:,} GPUs a layout may have: "
+                        "give the job's real size")
     if problems:
         return problems
     dense = tp * pp * cp

@@ -68,6 +68,18 @@ def _clip(raw: np.ndarray, cap: int) -> list[int]:
 
 
 LENGTHS_FIX = "give each sample's length as a whole number of tokens >= 1"
+#: the most samples a global batch may hold: planning 65,536 takes seconds, a million minutes; more
+#: is a typo or a whole dataset, not a batch
+MAX_SAMPLES = 2**20
+#: the largest lengths file read (a million lengths of seven digits take 8 MB)
+MAX_LENGTHS_FILE_BYTES = 64 * 2**20
+
+
+def check_sample_count(count: int, flag: str) -> None:
+    """Refuse, in one line naming the limit, a global batch of more than :data:`MAX_SAMPLES`."""
+    if count > MAX_SAMPLES:
+        raise ValueError(f"{flag} {count:,} samples: a global batch holds at most {MAX_SAMPLES:,} (planning that many "
+                         "takes minutes); plan a batch, not a dataset")
 
 
 def check_lengths(values: Sequence, where: str = "the global batch") -> list[int]:
@@ -84,14 +96,21 @@ def check_lengths(values: Sequence, where: str = "the global batch") -> list[int
         raise ValueError(f"{where} is not a list of integer lengths (found {bad[0]!r}): {LENGTHS_FIX}")
     if not values:
         raise ValueError(f"{where} holds no sample lengths: the global batch needs at least one sample")
+    check_sample_count(len(values), where + " holds")
     return [int(v) for v in values]
 
 
 def read_lengths(path: str | Path) -> list[int]:
     """A JSON list of lengths, or one length a line (blank lines and # comments ignored)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"lengths file {path} not found: pass --lengths FILE with a JSON list or one length a line")
+    if not path.is_file():  # a folder, a FIFO or a device (a link to /dev/zero never ends)
+        raise ValueError(f"lengths file {path} is not a regular file: pass --lengths FILE with a JSON list or one "
+                         "length a line")
+    if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
+        raise ValueError(f"lengths file {path} holds {path.stat().st_size:,} bytes, over the {MAX_LENGTHS_FILE_BYTES:,} "
+                         f"a global batch of at most {MAX_SAMPLES:,} lengths needs: pass one batch's lengths")
     text = path.read_text()
     fix = "write a JSON list or one length a line, each a whole number of tokens >= 1"
     try:

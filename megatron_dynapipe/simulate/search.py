@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from megatron_dynapipe.config.accounting import activation_bytes, total_params
-from megatron_dynapipe.config.layout import model_problems
+from megatron_dynapipe.config.layout import MAX_GLOBAL_BATCH, MAX_WORLD_SIZE, model_problems
 from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
@@ -104,6 +104,10 @@ class SearchSpace:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SearchError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        for name, most in (("world_size", MAX_WORLD_SIZE), ("global_batch_size", MAX_GLOBAL_BATCH)):
+            if getattr(self, name) > most:
+                raise SearchError(f"--{name.replace('_', '-')} {getattr(self, name):,} is over the {most:,} a job may "
+                                  "have: give the job's real size")
         if self.model.num_experts:
             raise SearchError(f"model {self.model.label} is mixture-of-experts; search covers dense GPTs: trace MoE "
                               "layouts with `megatron-dynapipe trace` and compare them with `simulate`")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from megatron_dynapipe.config.layout import (
+    MAX_GLOBAL_BATCH,
     ParallelLayout,
     is_positive_int,
     layers_problem,
@@ -335,6 +336,9 @@ def validate(config: TraceConfig, training: Optional[MegatronOptions] = None) ->
              "global batch size": c.global_batch_size, "sequence length": c.seq_length}
     reasons = [f"{label} must be a positive integer, got {_describe_value(value)}" for label, value in batch.items()
                if not (value is None and label != "micro-batch size") and not is_positive_int(value)]
+    if is_positive_int(c.global_batch_size) and c.global_batch_size > MAX_GLOBAL_BATCH:
+        reasons.append(f"global batch size {c.global_batch_size:,} is over the {MAX_GLOBAL_BATCH:,} sequences a job may "
+                       "have: give the job's real size")
     names = {**LINE_NAMES, "expert_tp": "ETP"} if c.expert_tp is not None else LINE_NAMES
     layout = layout_problems(c.world_size, c.tp, c.pp, c.cp, c.ep, expert_tp=c.expert_tp, names=names)
     if reasons or not all(is_positive_int(v) for v in (c.world_size, c.tp, c.pp, c.cp, c.ep)):

@@ -411,6 +411,7 @@ def test_initialize_model_parallel_on_fake_pg(monkeypatch):
     "kwargs, match",
     [
         (dict(world_size=0), r"world_size must be a positive integer"),
+        (dict(world_size=2**30), r"world_size 1,073,741,824 is over the 1,048,576 GPUs a layout may have"),
         (dict(world_size=8, tp=0), r"tp must be a positive integer"),
         (dict(world_size=8, tp=True), r"tp must be a positive integer"),
         (dict(world_size=8, pp=2.0), r"pp must be a positive integer"),

@@ -263,6 +263,8 @@ def test_clear_errors(costs_pp4):
     for bad in (b"\x64\x00", "100", {100: 1}, 100):
         with pytest.raises(PlanningError, match=f"is of type {type(bad).__name__}, not a list of lengths"):
             generate_execution_plan(bad, TrainingSpec(), costs_pp4)
+    with pytest.raises(PlanningError, match="holds 1,048,577 samples: a global batch holds at most 1,048,576"):
+        generate_execution_plan([100] * (2**20 + 1), TrainingSpec(), costs_pp4)  # refused before planning
     numpy_ints = generate_execution_plan(np.array([100, 300], dtype=np.int64), TrainingSpec(pp=4), costs_pp4)
     assert numpy_ints.makespan_ms == generate_execution_plan([100, 300], TrainingSpec(pp=4), costs_pp4).makespan_ms
     # the reference profile stops at 8192 tokens; at 8192 one sample needs more than 40 GB
