@@ -92,6 +92,8 @@ def run(args) -> int:
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
 
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: give how many batches to plan per size, at least 1")
     for size in args.sizes:
         check_sample_count(size, "--sizes")
     tight = args.memory_limit == TIGHT

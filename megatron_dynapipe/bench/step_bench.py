@@ -179,6 +179,8 @@ def _checked(args) -> dict:
                                attention=args.attention or ATTENTION)
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: give how many untimed steps to run first, 0 or more")
     if not args.timeout > 0:
         raise ValueError(f"--timeout {args.timeout:g}: give the seconds to wait for the ranks, a positive number")
     if args.samples < 1:

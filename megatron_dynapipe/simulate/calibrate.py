@@ -74,6 +74,8 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
         raise ValueError(f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {max_bytes}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.timeout > 0:  # also refuses nan
+        raise ValueError(f"--timeout {args.timeout:g}: give the seconds to wait for the processes, a positive number")
     sizes, size = [], args.min_bytes
     while size <= max_bytes:
         sizes.append(size)

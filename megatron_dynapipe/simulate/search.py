@@ -121,6 +121,12 @@ class SearchSpace:
                                   f"{self.seq_length} / 2 and --world-size {self.world_size}")
         for tp in self.tp or ():
             self._check_tp(tp)
+        for pp in self.pp or ():  # a fixed PP that cannot be one is the user's to fix, not a batch problem
+            if self.world_size % pp or self.model.num_layers % pp:
+                fitting = [p for p in range(1, self.model.num_layers + 1)
+                           if self.model.num_layers % p == 0 and self.world_size % p == 0]
+                raise SearchError(f"--pp {pp}: pipeline stages must divide --world-size {self.world_size} and the "
+                                  f"model's {self.model.num_layers} layers; use one of {', '.join(map(str, fitting))}")
         for value in self.recompute or ():
             if value not in RECOMPUTE_CHOICES:
                 raise SearchError(f"--recompute {value!r}: use {', '.join(RECOMPUTE_CHOICES)}")

@@ -67,6 +67,13 @@ def test_the_tight_memory_limit_is_the_least_that_plans(tmp_path):
         generate_execution_plan(lengths, TrainingSpec(memory_limit_mb=limit - 16), costs)
 
 
+def test_no_seeds_is_refused_before_any_planning():
+    out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "planner", "--seeds", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "--seeds 0: give how many batches to plan per size, at least 1" in out.stderr
+
+
 def test_a_memory_limit_that_is_not_one_is_refused_naming_the_choices():
     out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "planner", "--memory-limit", "lots"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -256,6 +256,7 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
      "the first/last stages' 5 layers leave -1 of 4 for 1 middle stage(s)"),
     (["--steps", "2"], "--steps 2: a median needs at least 3"),
+    (["--warmup", "-1"], "--warmup -1: give how many untimed steps to run first, 0 or more"),
     (["--timeout", "-1"], "--timeout -1: give the seconds to wait for the ranks, a positive number"),
     (["--samples", "1", "--dp", "2"], "--samples 1 cannot feed --dp 2 ranks"),
     (["--cp", "3"], "--cp 3: context parallelism splits each row into 2 x CP chunks of lengths padded to "

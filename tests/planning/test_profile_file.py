@@ -119,6 +119,13 @@ def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, versi
         assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)
 
 
+def test_a_file_that_is_not_a_json_object_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(CostModelError, match=r"list\.json holds a JSON list, not an object: see docs/cost_model\.md"):
+        load_cost_model(path, tp=1)
+
+
 def test_an_interrupted_profile_is_refused_by_whoever_would_price_with_it(tmp_path):
     """A profile written with "complete": false (an interrupted `profile`, which --resume goes on
     with) lacks lengths or recompute types: it prices nothing until finished."""

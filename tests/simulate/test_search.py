@@ -262,6 +262,7 @@ def test_a_search_that_cannot_find_a_layout_says_what_to_change(tmp_path, kwargs
     (dict(recompute=("some",)), "use none, selective, full"),
     (dict(seq=4096), "raise --max-position-embeddings"),
     (dict(world=10**9), "--world-size 1,000,000,000 is over the 1,048,576 a job may have"),
+    (dict(pp=(7,)), "--pp 7: pipeline stages must divide --world-size 8 and the model's 4 layers; use one of 1, 2, 4"),
     (dict(gbs=10**9), "--global-batch-size 1,000,000,000 is over the 16,777,216 a job may have"),
 ])
 def test_bad_search_settings_are_refused_in_one_line(kwargs, says):

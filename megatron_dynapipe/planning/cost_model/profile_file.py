@@ -81,6 +81,8 @@ def read_document(path: "str | os.PathLike") -> dict:
                              f"{e.colno}): {FORMAT_HINT}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CostModelError(f"cost model file {path} cannot be read ({e}): {FORMAT_HINT}") from None
+    if not isinstance(doc, dict):
+        raise CostModelError(f"cost model file {path} holds a JSON {type(doc).__name__}, not an object: {FORMAT_HINT}")
     _check_format_version(doc, path)
     return doc
 
@@ -100,8 +102,6 @@ def read_complete_document(path: "str | os.PathLike") -> dict:
 def _check_format_version(doc: Any, path: str) -> None:
     """A file of a format this package does not know is refused, not read as if it were its own
     (files without ``metadata.format_version``, such as hand-made ones, are read as version 1)."""
-    if not isinstance(doc, dict):
-        return  # not a cost model at all: the reader names what is missing
     version = (metadata_of(doc) or {}).get("format_version", 1)
     if version not in READABLE_VERSIONS:
         *earlier, last = map(str, READABLE_VERSIONS)
