@@ -66,7 +66,8 @@ def _profile_tiny(tmp_path_factory, attention: str, tp_sizes: tuple) -> tuple:
     # as the CLI reads the flags
     spec = model_from_args(SimpleNamespace(model="tiny", hidden_dropout=0.0, attention_dropout=0.0, attention=attention))
     settings = ProfileSettings(tp_sizes=tp_sizes, max_seq_length=128, max_tokens=256, repeats=1, warmup=0)
-    profile_model(spec, out, settings, device=torch.device("cpu"))
+    # as measured, however busy the machine: the tests that use it check other things than noise
+    profile_model(spec, out, settings, device=torch.device("cpu"), allow_noisy=True)
     return out, json.loads(out.read_text())
 
 

@@ -49,6 +49,10 @@ def add_profile_parser(sub) -> None:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--force", action="store_true", help="overwrite an existing --output")
     again.add_argument("--resume", action="store_true", help="go on with an interrupted --output")
+    p.add_argument("--allow-noisy", action="store_true",
+                   help="keep points measured slower than larger shapes beside them (a busy machine) as they are and "
+                        "write the profile as complete; default: measure them again, and where they stay so, leave "
+                        "the profile for --resume and say which")
     p.add_argument("--calibrate", action="store_true",
                    help="time a handful of points and fit the analytical model to them instead of profiling the "
                         "grid: a quick cost model (seconds to minutes) where a full profile is too slow")
@@ -147,7 +151,8 @@ def run_profile(args: argparse.Namespace) -> int:
             if args.calibrate:
                 doc = calibrate_model(spec, output, settings, device=device, progress=progress)
                 return _report_calibration(doc, output)
-            doc = profile_model(spec, output, settings, device=device, resume=args.resume, progress=progress)
+            doc = profile_model(spec, output, settings, device=device, resume=args.resume, progress=progress,
+                                allow_noisy=args.allow_noisy)
             progress.finish()
         except KeyboardInterrupt:
             print(f"interrupted: {output} holds what was measured; run again with --resume to go on",

@@ -43,6 +43,7 @@ from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.profiling.consistency import inconsistent_points
 from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
@@ -183,8 +184,13 @@ Progress = Callable[[str, int], None]  # before each measurement: what it measur
 
 
 def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileSettings, *,
-                  device: torch.device, resume: bool = False, progress: Progress | None = None) -> dict:
-    """Profile ``spec`` on ``device`` into ``output`` (module docstring); returns the document."""
+                  device: torch.device, resume: bool = False, progress: Progress | None = None,
+                  allow_noisy: bool = False) -> dict:
+    """Profile ``spec`` on ``device`` into ``output`` (module docstring); returns the document.
+    Points measured slower than a larger shape beside them are measured again
+    (:mod:`.consistency`); where some stay so, the file is left incomplete (a --resume measures
+    them again) and ProfileError names them. ``allow_noisy``: keep what was measured as it is,
+    and write it complete."""
     output = Path(output)
     if device.type == "cpu":
         steady_cpu_allocator()
@@ -194,7 +200,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
         profile = ProfileRun.resumed(output, spec, settings, device)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
-            _profile_tp(profile, tp, output, progress)
+            _profile_tp(profile, tp, output, progress, allow_noisy)
     for cp in settings.cp_sizes:
         if not any(key[1] == cp for key in profile.records.cp_times):
             _profile_cp(profile, cp, output, progress)
@@ -202,8 +208,15 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     if profile.link is None and backend:
         progress(f"link between two local ranks ({backend})", 1)
         profile.link = _measured_link(backend)
-    doc = profile.document(complete=True)
+    noisy = inconsistent_points(profile.records.times) + inconsistent_points(profile.records.packed_times)
+    doc = profile.document(complete=allow_noisy or not noisy)
+    if noisy:
+        doc["metadata"]["inconsistent"] = [why for _, why in noisy]
     write_atomically(output, to_text(doc))
+    if noisy and not allow_noisy:
+        raise ProfileError(f"{len(noisy)} point(s) of {output} stay slower than larger shapes beside them after "
+                           f"measuring them again ({noisy[0][1]}): was the machine busy? run the same command with "
+                           "--resume on an idle machine to measure them again, or pass --allow-noisy to keep them")
     return doc
 
 
@@ -245,7 +258,7 @@ def _measured_link(backend: str) -> "dict | None":
         return None
 
 
-def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) -> None:
+def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress, allow_noisy: bool = False) -> None:
     s = profile.settings
     parts = build_parts(profile.spec, tp, torch_dtype(s.dtype), profile.device, s.recompute)
     for rc in s.recompute:  # the same shards whatever the recompute type; the format wants each
@@ -257,8 +270,28 @@ def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress) 
         _profile_row(profile, parts, tp, seq, output, progress)
     if tp not in profile.records.overhead:  # measured right after the refinement: a resume does not probe again
         _refine(profile, parts, tp, seqs, output, progress)
+    if not allow_noisy:
+        _measure_noisy_again(profile, parts, tp, progress)
+    if tp not in profile.records.overhead:
         measure_step_overhead(profile, tp, progress)
-        write_atomically(output, to_text(profile.document(complete=False)))
+    write_atomically(output, to_text(profile.document(complete=False)))
+
+
+#: rounds of measuring a TP size's suspect points again (:mod:`.consistency`)
+REMEASURE_ROUNDS = 2
+
+
+def _measure_noisy_again(profile: ProfileRun, parts: Parts, tp: int, progress: Progress) -> None:
+    """Measure again, up to :data:`REMEASURE_ROUNDS` times, each point of this TP size measured
+    slower than a larger shape beside it: what a busy moment slowed once is seldom slowed again."""
+    for _ in range(REMEASURE_ROUNDS):
+        noisy = {key for key, _ in inconsistent_points(profile.records.times) + inconsistent_points(
+            profile.records.packed_times) if key[0] == tp}
+        for _, rc, seq, mbs in sorted(noisy):
+            progress(f"tp {tp} {rc} seq {seq} mbs {mbs} again (slower than a larger shape)", 1)
+            measure_point(profile, parts, tp, [RecomputeType.parse(rc)], seq, mbs)
+        if not noisy:
+            return
 
 
 def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> None:
