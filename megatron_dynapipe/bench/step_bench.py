@@ -522,6 +522,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             predicted_ms=method.predicted_ms if job["predicts"] else None,
             prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job["predicts"] else None,
             schedule=method.plans[0][0].schedule, microbatches=sum(map(len, method.microbatches)),
+            recompute=sorted({rc.label for plans in method.plans for plan in plans for rc in plan.recompute}),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
             activations_mb=max(rank["memory_mb"][name][0] for rank in per_rank),
             predicted_activations_mb=method.predicted_activations_mb,
