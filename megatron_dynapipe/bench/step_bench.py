@@ -534,8 +534,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
-                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DP_BALANCED), (VARLEN, DYNAPIPE),
-                             (THD, PAD))
+                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DP_BALANCED),
+                             (VARLEN, DYNAPIPE), (THD, PAD))
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],

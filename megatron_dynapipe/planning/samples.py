@@ -109,7 +109,8 @@ def read_lengths(path: str | Path) -> list[int]:
         raise ValueError(f"lengths file {path} is not a regular file: pass --lengths FILE with a JSON list or one "
                          "length a line")
     if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
-        raise ValueError(f"lengths file {path} holds {path.stat().st_size:,} bytes, over the {MAX_LENGTHS_FILE_BYTES:,} "
+        raise ValueError(f"lengths file {path} holds {path.stat().st_size:,} bytes, over the "
+                         f"{MAX_LENGTHS_FILE_BYTES:,} "
                          f"a global batch of at most {MAX_SAMPLES:,} lengths needs: pass one batch's lengths")
     text = path.read_text()
     fix = "write a JSON list or one length a line, each a whole number of tokens >= 1"

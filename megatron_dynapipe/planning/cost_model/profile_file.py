@@ -33,7 +33,8 @@ from typing import Any, Mapping
 from megatron_dynapipe.planning.cost_model.base import KINDS, LAYERS, PARAM_LAYERS, PHASES, CostModelError
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["ProfileRecords", "read_document", "read_complete_document", "to_text", "is_calibrated", "calibrated_settings",
+__all__ = ["ProfileRecords", "read_document", "read_complete_document", "to_text", "is_calibrated",
+           "calibrated_settings",
            "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "CALIBRATED_SHAPE", "OVERHEAD_PER"]
 
 FORMAT_VERSION = 3  # metadata.format_version of the files megatron-dynapipe profile writes
