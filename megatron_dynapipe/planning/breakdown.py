@@ -33,7 +33,7 @@ __all__ = ["Breakdown", "PipelineRun", "explain", "ideal_ms"]
 
 class PipelineRun(NamedTuple):
     """A method's pipeline on one batch: per data-parallel rank its micro-batches in entry order,
-    their recompute [virtual stages, n] and its simulated time; each stage's peak memory."""
+    their recompute [virtual stages, n] and its simulated time; the fullest stage's peak memory."""
 
     per_rank: Sequence[Sequence[MicroBatch]]
     recompute: Sequence[np.ndarray]
@@ -86,8 +86,10 @@ def explain(run: PipelineRun, costs: StageCosts, sample_lengths: Sequence[int], 
         priced = costs.packed() if any(mb.packed for mb in rows) else costs
         table = WorkTable(priced, rows, chunks)
         work, plain = table.work(recompute), table.work(np.zeros_like(recompute))
-        per_rank = (lambda w: (w.forward + w.backward).sum(axis=1).reshape(chunks, -1).sum(axis=0))
-        with_rc, without = per_rank(work), per_rank(plain)
+        def rank_compute(w):  # [pp ranks]: a rank's chunks (virtual stage c * pp + r) run on one stream
+            return (w.forward + w.backward).sum(axis=1).reshape(chunks, -1).sum(axis=0)
+
+        with_rc, without = rank_compute(work), rank_compute(plain)
         busiest = int(np.argmax(with_rc))
         busy, again = float(with_rc[busiest]), float(with_rc[busiest] - without[busiest])
         computed = sum(mb.tokens for mb in rows)
