@@ -9,13 +9,12 @@ import numpy as np
 
 from megatron_dynapipe.planning.baselines import (
     YARDSTICKS,
-    default_pack_length,
     ideal_gain,
     lower_bound_ms,
     plan_baseline,
 )
 from megatron_dynapipe.planning.breakdown import PipelineRun, explain
-from megatron_dynapipe.planning.planner import PlanResult, rank_costs
+from megatron_dynapipe.planning.planner import PlanResult, megatron_row_length, rank_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -41,7 +40,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "peak_memory_mb": [round(float(m), 1) for m in result.peak_memory_mb],
         "dp_ranks": [_rank_summary(c) for c in result.choices],
     }
-    pack_length = pack_length or spec.seq_length or default_pack_length(lengths)
+    pack_length = pack_length or megatron_row_length(lengths, spec)
     why = explain(PipelineRun.of_plan(result), costs, lengths, lengths, pack_length, spec.chunks)
     summary["why"] = why.to_json()
     if with_baseline:

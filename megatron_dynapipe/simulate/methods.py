@@ -328,10 +328,8 @@ class _Layout:
         try:
             found = {"megatron": self._megatron, "thd": self._thd, "dp_balanced": self._dp_balanced}.get(
                 method, self._planned)(method, lengths, fast_mode)
-        except ValueError as error:  # a batch dp_balanced cannot deal out, or a planning error
+        except ValueError as error:  # nothing fits, a batch dp_balanced cannot deal out, or a planning error
             return _Priced(error=str(error).splitlines()[0])
-        if isinstance(found, str):
-            return _Priced(error=found)
         run, setting, sample_lengths = found
         why = explain(run, self.costs, sample_lengths, lengths, self.space.seq_length, self.chunks)
         return _Priced(why.pipeline_ms, self.rest_ms, run.peak_mb, setting, time.perf_counter() - started, why=why)
@@ -349,7 +347,7 @@ class _Layout:
         found = megatron_thd_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb, self.chunks,
                                   self.candidate.cp)
         if found is None:
-            return "does not fit at any rows of windows and recompute"
+            raise ValueError("does not fit at any rows of windows and recompute")
         k = found.per_rank[0][0].seq_len // self.space.seq_length
         return (self._uniform(found), f"rows of {k} window{'s' * (k > 1)}, recompute {found.recompute.label}",
                 lengths)
@@ -358,7 +356,7 @@ class _Layout:
         found = megatron_dp_balanced_rows(lengths, self.space.seq_length, self.costs, self.memory_limit_mb,
                                           self.chunks, self.candidate.cp)
         if found is None:
-            return "does not fit at any recompute"
+            raise ValueError("does not fit at any recompute")
         return (self._uniform(found), f"{sum(map(len, found.per_rank))} packs, recompute {found.recompute.label}",
                 lengths)
 

@@ -139,8 +139,8 @@ def format_methods(result: MethodsResult) -> str:
 def _why(result: MethodsResult, c) -> list[str]:
     """Each method's step at one layout taken apart (:mod:`~megatron_dynapipe.planning.breakdown`),
     mean over the batches: a loss reads off at once."""
-    rows = [(result.at(m, c), result.at(m, c).explained()) for m in result.methods if result.at(m, c)]
-    rows = [(step, why) for step, why in rows if why]
+    steps = [step for m in result.methods if (step := result.at(m, c))]
+    rows = [(step, why) for step in steps if (why := step.explained())]
     if not rows:
         return []
     ideal = float(np.mean([why["ideal_ms"] for _, why in rows]))
