@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping
 
-__all__ = ["TOLERANCE", "SLACK_MS", "inconsistent_points"]
+__all__ = ["TOLERANCE", "SLACK_MS", "inconsistent_points", "noisy_points"]
 
 #: how much slower than a larger shape beside it a point may be measured before it is suspect:
 #: twice its time, plus SLACK_MS. Measured profiles do run slower at some smaller shapes (a GPU's
@@ -42,6 +42,12 @@ def inconsistent_points(times: Mapping[tuple, float]) -> list[tuple[tuple, str]]
                         f"{part} {phase} at tp {tp}, recompute {rc}: {ms:.3g} ms at {mbs} x {seq} tokens, above the "
                         f"{grid[larger]:.3g} ms at {larger[1]} x {larger[0]}")
     return sorted(found.items())
+
+
+def noisy_points(records) -> list[tuple[tuple, str]]:
+    """:func:`inconsistent_points` of a profile's padded and packed layer times
+    (:class:`~megatron_dynapipe.planning.cost_model.profile_file.ProfileRecords`)."""
+    return inconsistent_points(records.times) + inconsistent_points(records.packed_times)
 
 
 def _larger_neighbours(grid: Mapping[tuple[int, int], float], seq: int, mbs: int) -> list[tuple[int, int]]:

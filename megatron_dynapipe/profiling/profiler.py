@@ -43,7 +43,7 @@ from megatron_dynapipe.gpt.device import torch_dtype
 from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.profiling.consistency import inconsistent_points
+from megatron_dynapipe.profiling.consistency import noisy_points
 from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
@@ -208,7 +208,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     if profile.link is None and backend:
         progress(f"link between two local ranks ({backend})", 1)
         profile.link = _measured_link(backend)
-    noisy = inconsistent_points(profile.records.times) + inconsistent_points(profile.records.packed_times)
+    noisy = noisy_points(profile.records)
     doc = profile.document(complete=allow_noisy or not noisy)
     if noisy:
         doc["metadata"]["inconsistent"] = [why for _, why in noisy]
@@ -285,8 +285,7 @@ def _measure_noisy_again(profile: ProfileRun, parts: Parts, tp: int, progress: P
     """Measure again, up to :data:`REMEASURE_ROUNDS` times, each point of this TP size measured
     slower than a larger shape beside it: what a busy moment slowed once is seldom slowed again."""
     for _ in range(REMEASURE_ROUNDS):
-        noisy = {key for key, _ in inconsistent_points(profile.records.times) + inconsistent_points(
-            profile.records.packed_times) if key[0] == tp}
+        noisy = {key for key, _ in noisy_points(profile.records) if key[0] == tp}
         for _, rc, seq, mbs in sorted(noisy):
             progress(f"tp {tp} {rc} seq {seq} mbs {mbs} again (slower than a larger shape)", 1)
             measure_point(profile, parts, tp, [RecomputeType.parse(rc)], seq, mbs)
