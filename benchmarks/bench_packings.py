@@ -3,7 +3,8 @@
 A GPT on a world of H100s (the shipped roofline, 2,097,152 tokens a step) at each layout of
 LAYOUTS and each mix: per drawn batch, THD packing as Megatron's GPT data path feeds it (windows
 that cut documents), ``dp_balanced`` (whole samples), and DynaPipe varlen and padded in fast and
-normal mode, each the pipeline's makespan as the planner simulates it. What a traced step adds
+normal mode, and DynaPipe varlen on THD's own pieces (``documents="cut"``), each the pipeline's
+makespan as the planner simulates it. What a traced step adds
 besides the pipeline (gradient reduction, optimizer) is the same for every method and left out:
 ``search --mix`` adds it at traced layouts. One JSON line a batch, then a table of ratios
 (Megatron's step over DynaPipe's: above 1, DynaPipe is faster).
@@ -57,18 +58,18 @@ def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int,
         row["dp_balanced"] = found.makespan_ms if found else math.inf
     except ValueError:
         row["dp_balanced"] = math.nan  # Megatron-LM refuses the batch
-    for packing in ("varlen", "pad"):
+    for name, packing, documents in (("varlen", "varlen", "whole"), ("cut", "varlen", "cut"), ("pad", "pad", "whole")):
         for fast in (True, False) if normal else (True,):
-            name = packing + ("" if fast else "-normal")
+            key = name + ("" if fast else "-normal")
             spec = TrainingSpec(num_layers=spec_model.num_layers, pp=pp, tp=tp, dp=dp, chunks=chunks, cp=cp,
                                 seqlen_round=seqlen_round_for(cp), zero_stage=1, memory_limit_mb=limit,
-                                fast_mode=fast, packing=packing, seq_length=seq)
+                                fast_mode=fast, packing=packing, seq_length=seq, documents=documents)
             started = time.perf_counter()
             try:
-                row[name] = generate_execution_plan(lengths, spec, costs).makespan_ms
+                row[key] = generate_execution_plan(lengths, spec, costs).makespan_ms
             except PlanningError:
-                row[name] = math.inf
-            row[name + "-s"] = time.perf_counter() - started
+                row[key] = math.inf
+            row[key + "-s"] = time.perf_counter() - started
     return row
 
 
@@ -86,6 +87,7 @@ def table(rows: list[dict]) -> str:
         normal = "varlen-normal" in group[0]
         lines.append(f"| {seq:,} | TP {tp}, PP {pp}" + (f" x {chunks}" if chunks > 1 else "") + f", CP {cp} | {mix} | "
                      f"{span('thd', 'varlen')}" + (f"; {span('thd', 'varlen-normal')}" if normal else "")
+                     + f" | {span('thd', 'cut')}" + (f"; {span('thd', 'cut-normal')}" if normal else "")
                      + f" | {span('dp_balanced', 'varlen')} | {span('thd', 'pad')}"
                      + (f"; {span('thd', 'pad-normal')}" if normal else "") + " |")
     return "\n".join(lines)

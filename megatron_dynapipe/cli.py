@@ -76,6 +76,8 @@ def _check_plan_args(args) -> None:
         raise ValueError(f"--chunks {args.chunks} with --pp {args.pp}: model chunks interleave a pipeline of at least "
                          "2 stages; give --pp 2 or more, or --chunks 1")
     check_sample_count(args.num_samples, "--num-samples")
+    if args.documents == "cut" and args.pack_length is None:
+        raise ValueError("--documents cut cuts the samples at Megatron-LM's --seq-length: give it as --pack-length N")
     if args.pack_length is not None and args.pack_length < 1:
         raise ValueError(f"--pack-length must be at least 1 token, got {args.pack_length}: "
                          "leave it out for the longest sample rounded up to a power of two")
@@ -89,7 +91,7 @@ def _run_plan(args) -> int:
     _check_plan_args(args)
     cost_model, num_layers, memory_limit = _pricing(args)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
-    if args.pack_length is not None and args.pack_length < max(lengths):
+    if args.documents == "whole" and args.pack_length is not None and args.pack_length < max(lengths):
         raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
                          f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
     spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,

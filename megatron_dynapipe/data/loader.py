@@ -473,12 +473,16 @@ class DynaPipeDataLoader:
         its plan says."""
         dataset = self.dataset
         out = []
-        for mb, mb_ids, lengths in zip(plan.microbatches, ids.ids, ids.lengths):  # shapes checked equal
-            samples = [dataset[int(i)] for i in mb_ids]
+        for m, (mb, mb_ids, lengths) in enumerate(zip(plan.microbatches, ids.ids, ids.lengths)):  # shapes equal
+            # whole samples, or the pieces of them rank 0 planned (each a slice from its first token)
+            where = [slice(0, None)] * len(mb_ids) if ids.starts is None else \
+                [slice(a, a + n) for a, n in zip(ids.starts[m].tolist(), lengths.tolist())]
+            samples = [dataset[int(i)][part] for i, part in zip(mb_ids, where)]
             if [len(s) for s in samples] != lengths.tolist():
                 self._fail(f"sample(s) of iteration {ids.iteration} have other lengths here than rank 0 planned "
                            "with: this rank reads another copy of the dataset; every rank must read the same files")
-            targets = [dataset.target_mask(int(i)) for i in mb_ids]
+            targets = [None if mask is None else mask[part]
+                       for mask, part in zip((dataset.target_mask(int(i)) for i in mb_ids), where)]
             if mb.packed:
                 out.append(packed_microbatch(samples, mb.seq_len, self.settings.pad_token_id, targets,
                                              sample_multiple=packed_sample_multiple(self.settings.cp)))

@@ -1,11 +1,14 @@
 """GPT micro-batches: the sample ids that travel, and the arrays every rank builds; numpy only.
 
 Sample-id wire format (:func:`encode_sample_ids`, little-endian): header ``b"DPID"``, u16
-version, u16 flags = 0, u32 iteration, u32 DP rank, u32 micro-batch count; per micro-batch u32 size
+version, u16 flags, u32 iteration, u32 DP rank, u32 micro-batch count; per micro-batch u32 size
 and u32 padded length; u64 dataset index of every sample in turn; u32 token count of every sample
-(what rank 0 planned with: a rank whose copy of the dataset disagrees stops); CRC-32 of everything
-before it. Twelve bytes a sample, whatever its length: every rank reads its own samples from the
-dataset (as Megatron's ranks do) and rebuilds the identical tensors with :func:`gpt_microbatch`.
+(what rank 0 planned with: a rank whose copy of the dataset disagrees stops); where flags is 1
+(pieces: samples cut as Megatron's data path cuts them, ``TrainingSpec.documents``), u32 first
+token of every piece in its sample; CRC-32 of everything before it. Twelve bytes a sample (sixteen
+a piece), whatever its length: every rank reads its own samples from the dataset (as Megatron's
+ranks do) and rebuilds the identical tensors with :func:`gpt_microbatch`. A piece is a sample of
+its own: the prediction of the token after its last is lost, as at a sample's end.
 
 GPT micro-batch semantics (:func:`gpt_microbatch`), for a sample of ``L`` tokens ``t`` padded to
 ``S``: ``tokens[j] = t[j]`` (``pad_token_id`` for ``j >= L``); ``labels[j] = t[j + 1]`` for
@@ -84,6 +87,7 @@ def packed_microbatch(samples: Sequence[np.ndarray], seq_len: int, pad_token_id:
 
 _MAGIC = b"DPID"
 _VERSION = 1
+_PIECES = 1  # flags: the samples are pieces, and their first tokens follow the lengths
 _HEADER = struct.Struct("<4sHHIII")
 _CRC = struct.Struct("<I")
 
@@ -97,20 +101,24 @@ class SampleIds:
     shapes: list[tuple[int, int]]  # (size, padded length) per micro-batch
     ids: list[np.ndarray]  # per micro-batch, the dataset index of each sample
     lengths: list[np.ndarray]  # per micro-batch, each sample's token count as planned
+    #: per micro-batch, each piece's first token in its sample; None where samples are whole
+    starts: "list[np.ndarray] | None" = None
 
 
 def encode_sample_ids(iteration: int, dp_rank: int, shapes: Sequence[tuple[int, int]], ids: Sequence[int],
-                      lengths: Sequence[int]) -> bytes:
+                      lengths: Sequence[int], starts: "Sequence[int] | None" = None) -> bytes:
     """Wire format of one DP rank's micro-batches (module docstring); ``ids`` and ``lengths``
-    list every micro-batch's samples in turn."""
-    if sum(size for size, _ in shapes) != len(ids) or len(ids) != len(lengths):
-        raise ValueError(f"micro-batch sizes sum to {sum(s for s, _ in shapes)}, got {len(ids)} ids and "
-                         f"{len(lengths)} lengths")
+    (and ``starts``, where the samples are pieces) list every micro-batch's samples in turn."""
+    if sum(size for size, _ in shapes) != len(ids) or len(ids) != len(lengths) or \
+            (starts is not None and len(starts) != len(ids)):
+        raise ValueError(f"micro-batch sizes sum to {sum(s for s, _ in shapes)}, got {len(ids)} ids, "
+                         f"{len(lengths)} lengths" + ("" if starts is None else f" and {len(starts)} starts"))
     body = b"".join([
-        _HEADER.pack(_MAGIC, _VERSION, 0, int(iteration), int(dp_rank), len(shapes)),
+        _HEADER.pack(_MAGIC, _VERSION, 0 if starts is None else _PIECES, int(iteration), int(dp_rank), len(shapes)),
         np.asarray(shapes, dtype="<u4").reshape(-1).tobytes(),
         np.asarray(ids, dtype="<u8").tobytes(),
         np.asarray(lengths, dtype="<u4").tobytes(),
+        b"" if starts is None else np.asarray(starts, dtype="<u4").tobytes(),
     ])
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -121,7 +129,7 @@ def decode_sample_ids(blob: "bytes | memoryview") -> SampleIds:
     if len(data) < _HEADER.size + _CRC.size or data[:4] != _MAGIC:
         raise ValueError("not a sample-id blob (bad magic or truncated header)")
     _, version, flags, iteration, dp_rank, n = _HEADER.unpack_from(data, 0)
-    if version != _VERSION or flags:
+    if version != _VERSION or flags not in (0, _PIECES):
         raise ValueError(f"unsupported sample-id blob version {version} (flags {flags:#x})")
     (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
     if zlib.crc32(memoryview(data)[: len(data) - _CRC.size]) != crc:
@@ -132,10 +140,15 @@ def decode_sample_ids(blob: "bytes | memoryview") -> SampleIds:
     shapes = [tuple(s) for s in np.frombuffer(data, "<u4", 2 * n, pos).reshape(n, 2).tolist()]
     pos += 8 * n
     total = int(sum(size for size, _ in shapes))
-    if pos + 12 * total + _CRC.size != len(data):
+    if pos + (16 if flags else 12) * total + _CRC.size != len(data):
         raise ValueError("malformed sample-id blob: sizes disagree with its length")
     ids = np.frombuffer(data, "<u8", total, pos).astype(np.int64)
     lengths = np.frombuffer(data, "<u4", total, pos + 8 * total).astype(np.int64)
+    starts = np.frombuffer(data, "<u4", total, pos + 12 * total).astype(np.int64) if flags else None
     bounds = np.cumsum([0] + [size for size, _ in shapes])
-    return SampleIds(iteration, dp_rank, shapes, [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                     [lengths[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+    def per_microbatch(values):
+        return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    return SampleIds(iteration, dp_rank, shapes, per_microbatch(ids), per_microbatch(lengths),
+                     None if starts is None else per_microbatch(starts))

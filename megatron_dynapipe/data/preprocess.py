@@ -161,13 +161,18 @@ def build_iteration(lengths: np.ndarray, spec: TrainingSpec, cost_model, iterati
     batch_lengths = np.asarray(lengths)[ids]
     result = generate_execution_plan(batch_lengths.tolist(), spec, cost_model)  # with spec.fast_mode
     plans, id_blobs = {}, {}
+    pieces = result.pieces  # the plans index pieces of the samples where it cut them
     for dp_rank, stage_plans in enumerate(result.plans):
         for stage, plan in enumerate(stage_plans):
             plans[dp_rank, stage] = plan.to_bytes()
         mbs = stage_plans[0].microbatches
-        order = [i for mb in mbs for i in mb.samples]
-        id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, [(mb.size, mb.seq_len) for mb in mbs],
-                                              ids[order], batch_lengths[order])
+        order = np.array([i for mb in mbs for i in mb.samples], dtype=np.int64)
+        shapes = [(mb.size, mb.seq_len) for mb in mbs]
+        if pieces is None:
+            id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, shapes, ids[order], batch_lengths[order])
+        else:
+            id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, shapes, ids[pieces.sample[order]],
+                                                  pieces.real_tokens(batch_lengths)[order], pieces.start[order])
     return IterationBlobs(plans, id_blobs, iteration_summary(iteration, batch_lengths, result))
 
 

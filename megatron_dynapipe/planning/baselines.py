@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.documents import consecutive_windows, cut_documents
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, packed_microbatch, round_up
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
@@ -233,27 +234,13 @@ def megatron_dp_balanced_rows(lengths: Sequence[int], seq_length: int, costs: St
 
 
 def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1) -> tuple[list[int], list[list[int]]]:
-    """The samples back to back, cut into windows of ``seq_length`` tokens, as Megatron's GPT
-    data path cuts documents: (the pieces' lengths, each window's piece indices). The last
-    window may be short. Each sample is first padded to a ``multiple`` of tokens (under context
-    parallelism :func:`~megatron_dynapipe.planning.spec.packed_sample_multiple`: a packed row's
-    every sample splits into 2 x CP equal chunks, Megatron's ``cu_seqlens_padded``), so that every
-    piece is one too; the step keeps as many windows as the unpadded samples fill, and whatever the
-    padding pushes past them waits for the next step's."""
-    if seq_length % multiple:
-        raise ValueError(f"--seq-length {seq_length} is not a multiple of {multiple} (2 x the context-parallel size), "
-                         "as Megatron-LM requires")
-    pieces, out, room = [], [[]], seq_length
-    for length in round_up(lengths, multiple).tolist():
-        while length:
-            if not room:
-                out.append([])
-                room = seq_length
-            piece = min(length, room)
-            out[-1].append(len(pieces))
-            pieces.append(piece)
-            length, room = length - piece, room - piece
-    return pieces, out[:-(-int(np.sum(lengths)) // seq_length)]
+    """The samples cut into Megatron's windows of ``seq_length`` tokens
+    (:func:`~.documents.cut_documents`, each padded to a ``multiple`` first): (the pieces' lengths,
+    each window's piece indices). Every real token is trained in this step: where the padding
+    pushes the stream past the batch's windows, the last one is partial (deferring those tokens to
+    the next step would credit THD packing with tokens it did not train)."""
+    pieces = cut_documents(lengths, seq_length, multiple).length.tolist()
+    return pieces, consecutive_windows(pieces, seq_length)
 
 
 def megatron_thd_rows(lengths: Sequence[int], seq_length: int, costs: StageCosts, memory_limit_mb: float,

@@ -7,6 +7,7 @@ import argparse
 from typing import Callable
 
 from megatron_dynapipe.planning.fast_mode import AUTO_FAST_MODE_MIN_SAMPLES, FAST_MODE_ENV, parse_fast_mode
+from megatron_dynapipe.planning.documents import DOCUMENTS
 from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -73,7 +74,7 @@ fast_mode_argument = argument_type(parse_fast_mode)
 def add_planner_arguments(group, prefix: str = "") -> None:
     """Add the planner's search settings to an argparse parser or group: ``--{prefix}fast-mode``,
     ``cost-model``, ``schedule``, ``partition``, ``recompute``, ``seed``, ``seqlen-round``,
-    ``max-permutations``, ``tokens-per-microbatch`` and ``packing``.  ``megatron-dynapipe plan`` adds them bare,
+    ``max-permutations``, ``tokens-per-microbatch``, ``packing`` and ``documents``.  ``megatron-dynapipe plan`` adds them bare,
     a Megatron job with ``prefix="dynapipe-"``; :func:`planner_settings` reads them back."""
     d = TrainingSpec
 
@@ -104,6 +105,10 @@ def add_planner_arguments(group, prefix: str = "") -> None:
         help="pad each micro-batch's samples to its longest (pad, default) or pack them into one row, each "
              "sample attending to itself alone (varlen: megatron-core's THD format; needs transformer-engine "
              "or --attention sdpa)")
+    add("documents", choices=DOCUMENTS, default=d.documents,
+        help="plan each sample whole (default), or cut the samples at every --seq-length tokens of their stream "
+             "as Megatron-LM's GPT data path cuts documents, and plan the pieces (cut: what THD packing trains; "
+             "never predicted slower than it)")
 
 
 def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
@@ -124,4 +129,5 @@ def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
         max_permutations=get("max-permutations", d.max_permutations),
         tokens_per_microbatch=get("tokens-per-microbatch", d.tokens_per_microbatch),
         packing=get("packing", d.packing),
+        documents=get("documents", d.documents),
     )

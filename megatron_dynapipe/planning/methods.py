@@ -16,21 +16,25 @@ __all__ = ["Method", "METHODS", "MEGATRON_PACKINGS", "PLANNED"]
 class Method:
     """One method: its name (``--method``), how reports call it, how its micro-batches hold their
     samples (``"pad"``: padded rows; ``"varlen"``: THD rows, each sample attending to itself;
-    ``"leaky"``: rows whose samples attend to each other), and whether DynaPipe's planner makes its
-    plans (else it is Megatron-LM's own, on Megatron's schedule)."""
+    ``"leaky"``: rows whose samples attend to each other), whether DynaPipe's planner makes its
+    plans (else it is Megatron-LM's own, on Megatron's schedule), and whether it trains the samples
+    whole or cut at ``--seq-length`` windows as Megatron-LM's GPT data path cuts them
+    (:mod:`~megatron_dynapipe.planning.documents`)."""
 
     name: str
     label: str
     packing: str
     planned: bool
+    documents: str = "whole"
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("megatron", "Megatron fixed shapes", "leaky", False),
-    Method("thd", "THD packing", "varlen", False),
+    Method("megatron", "Megatron fixed shapes", "leaky", False, "cut"),
+    Method("thd", "THD packing", "varlen", False, "cut"),
     Method("dp_balanced", "dp_balanced packing", "varlen", False),
     Method("dynapipe", "DynaPipe", "pad", True),
     Method("dynapipe-varlen", "DynaPipe varlen", "varlen", True),
+    Method("dynapipe-cut", "DynaPipe varlen (cut)", "varlen", True, "cut"),
 )}
 #: Megatron-LM's packed methods, the yardsticks a planned method is set against at one layout
 MEGATRON_PACKINGS: tuple[str, ...] = tuple(m.name for m in METHODS.values() if not m.planned and m.packing == "varlen")

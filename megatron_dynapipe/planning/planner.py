@@ -19,6 +19,7 @@ import numpy as np
 from megatron_dynapipe.planning.baselines import ThdRows, default_pack_length, dp_balanced_rows, thd_packing_rows
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
+from megatron_dynapipe.planning.documents import Pieces, consecutive_windows, cut_documents
 from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
@@ -120,6 +121,9 @@ class PlanResult:
     # where planning_seconds went: "micro-batching" (DP split and partitions), "scheduling"
     # (candidates, simulation, recompute adjustment), "lowering" (instruction lists)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    #: under ``TrainingSpec.documents == "cut"``, what the plans' samples are: the plans index
+    #: these pieces of the batch's samples; None where samples are planned whole
+    pieces: Pieces | None = None
 
     @property
     def makespan_ms(self) -> float:
@@ -148,6 +152,9 @@ def generate_execution_plan(
 def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanResult:
     started = time.perf_counter()
     lengths = np.array(_check_lengths(lengths), dtype=np.int64)  # one array: every DP rank indexes it
+    pieces = _cut(lengths, spec)
+    if pieces is not None:
+        lengths = pieces.length
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
     if spec.packing == "varlen":
@@ -173,7 +180,15 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         raise failed
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
-    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds)
+    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds, pieces)
+
+
+def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
+    """The samples cut as Megatron's data path cuts them, where the spec says so (packed samples
+    padded first, as a context-parallel row needs them: :func:`~.documents.cut_documents`)."""
+    if spec.documents != "cut":
+        return None
+    return cut_documents(lengths, spec.seq_length, packed_sample_multiple(spec.cp) if spec.packing == "varlen" else 1)
 
 
 def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
@@ -192,8 +207,10 @@ def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, ro
 def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec) -> dict[str, ThdRows]:
     """Megatron-LM's own packings of these (packed, so already padded) samples that fit, by name,
     each on Megatron's schedule with one recompute: THD rows of whole samples (first-fit
-    decreasing into rows of ``spec.seq_length``, k a micro-batch) and ``dp_balanced``'s packs
-    (:func:`~.baselines.dp_balanced_rows`). ``costs`` per virtual stage."""
+    decreasing into rows of ``spec.seq_length``, k a micro-batch), ``dp_balanced``'s packs
+    (:func:`~.baselines.dp_balanced_rows`) and, where the samples are the pieces of Megatron's cut
+    (``spec.documents``), its windows in stream order (THD packing as Megatron-LM's data path feeds
+    it). ``costs`` per virtual stage."""
     seq_length = megatron_row_length(lengths, spec)
     found = {}
     try:
@@ -204,6 +221,9 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     if lengths.max() <= seq_length:
         found["THD rows"] = thd_packing_rows(pack_fixed_length(lengths.tolist(), seq_length), lengths, seq_length,
                                              costs, spec.memory_limit_mb, spec.chunks, spec.recompute_types)
+    if spec.documents == "cut":
+        found["THD windows"] = thd_packing_rows(consecutive_windows(lengths, seq_length), lengths, seq_length, costs,
+                                                spec.memory_limit_mb, spec.chunks, spec.recompute_types)
     return {name: rows for name, rows in found.items() if rows is not None}
 
 

@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, fields
 
+from megatron_dynapipe.planning.documents import DOCUMENTS
 from megatron_dynapipe.planning.fast_mode import FastMode
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, default_schedules
 from megatron_dynapipe.planning.schedules import SCHEDULES as REGISTERED_SCHEDULES
@@ -60,6 +61,10 @@ class TrainingSpec:
     #: dp_balanced's packs), which a packed plan's search holds as candidates so that it never
     #: returns a plan slower than them; None: the longest sample rounded up to a power of two
     seq_length: int | None = None
+    #: "whole": every sample planned whole; "cut": the samples cut at every ``seq_length`` tokens
+    #: of their stream, as Megatron-LM's GPT data path cuts documents, and the pieces planned
+    #: (:mod:`~megatron_dynapipe.planning.documents`): what a THD-packing job trains
+    documents: str = "whole"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "pp", "tp", "dp", "seqlen_round", "max_permutations", "chunks", "cp",
@@ -107,6 +112,7 @@ class TrainingSpec:
         if self.packing == "varlen" and self.partition != "dp":
             raise ValueError(f"packing varlen cuts micro-batches by dynamic programming: partition {self.partition!r} "
                              "pads; use partition dp")
+        self._check_documents()
         self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
         if self.stage_layers is not None:
             self.stage_layers = tuple(self.stage_layers)
@@ -127,6 +133,18 @@ class TrainingSpec:
             self.schedules = default_schedules(self.chunks)
         for name in self.schedules:
             check_chunks(REGISTERED_SCHEDULES[name], self.chunks)
+
+    def _check_documents(self) -> None:
+        if self.documents not in DOCUMENTS:
+            raise ValueError(f"unknown documents {self.documents!r}: choose from {', '.join(DOCUMENTS)}")
+        if self.documents == "whole":
+            return
+        if self.seq_length is None:
+            raise ValueError("documents 'cut' cuts the samples at Megatron-LM's --seq-length: give seq_length")
+        multiple = packed_sample_multiple(self.cp) if self.packing == "varlen" else 1
+        if self.seq_length % multiple:
+            raise ValueError(f"seq_length {self.seq_length} is not a multiple of 2 x cp = {multiple}, as Megatron-LM "
+                             "requires of context-parallel rows: round it")
 
     def to_json(self) -> dict:
         """The spec as JSON values (recompute types by label), for :meth:`from_json`."""

@@ -22,6 +22,7 @@ from megatron_dynapipe.planning.types import RecomputeType
 def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
               pack_length: int | None = None, with_baseline: bool = True) -> dict:
     costs = result.costs
+    planned = lengths if result.pieces is None else result.pieces.length  # what the plans' samples are
     bound = max(lower_bound_ms(costs, c.microbatches, c.recompute, chunks=spec.chunks) for c in result.choices)
     summary = {
         "num_samples": len(lengths),
@@ -32,6 +33,8 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "memory_limit_mb": spec.memory_limit_mb,
         "fast_mode": result.fast_mode,
         "packing": spec.packing,
+        "documents": spec.documents,
+        "pieces": None if result.pieces is None else len(result.pieces),
         "planning_seconds": result.planning_seconds,
         "schedule": sorted({c.candidate.schedule for c in result.choices}),
         "makespan_ms": result.makespan_ms,
@@ -41,10 +44,10 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "dp_ranks": [_rank_summary(c) for c in result.choices],
     }
     pack_length = pack_length or megatron_row_length(lengths, spec)
-    why = explain(PipelineRun.of_plan(result), costs, lengths, lengths, pack_length, spec.chunks)
+    why = explain(PipelineRun.of_plan(result), costs, planned, lengths, pack_length, spec.chunks)
     summary["why"] = why.to_json()
     if with_baseline:
-        baseline = plan_baseline(spec.packing, lengths, costs, spec.memory_limit_mb, pack_length, spec.chunks,
+        baseline = plan_baseline(spec.packing, planned, costs, spec.memory_limit_mb, pack_length, spec.chunks,
                                  rank_costs(costs, spec))
         summary["baseline"] = None if baseline is None else {
             "method": baseline.method, "schedule": baseline.schedule, "seq_len": baseline.seq_len,
@@ -55,7 +58,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         summary["speedup_vs_packing"] = None if baseline is None else baseline.makespan_ms / result.makespan_ms
         # the ideal is exact-length padded micro-batches against packing: no yardstick for packed ones
         summary["ideal_gain_vs_packing"] = None if spec.packing == "varlen" else ideal_gain(
-            lengths, costs, pack_length, spec.seqlen_round)
+            planned, costs, pack_length, spec.seqlen_round)
     return summary
 
 
@@ -84,7 +87,9 @@ def _padding_share(speedup: float, ideal: float) -> str:
 
 def format_summary(summary: dict) -> str:
     lines = [
-        f"global batch: {summary['num_samples']} samples, {summary['tokens']} tokens; "
+        f"global batch: {summary['num_samples']} samples"
+        f"{'' if summary.get('pieces') is None else ' cut into ' + str(summary['pieces']) + ' pieces'}, "
+        f"{summary['tokens']} tokens; "
         f"PP={summary['pp']}{_times(summary.get('chunks', 1), 'chunks')} DP={summary['dp']} TP={summary['tp']}"
         f"{'' if summary.get('cp', 1) == 1 else ' CP=' + str(summary['cp'])}, limit {summary['memory_limit_mb']:.0f} MB",
         f"fast mode: {'on' if summary['fast_mode'] else 'off'}; planning took {summary['planning_seconds']:.3f} s",

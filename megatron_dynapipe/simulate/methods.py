@@ -23,6 +23,10 @@ the ring's transfers at the link between its ranks):
   plan's search holds THD rows of whole samples and ``dp_balanced``'s packs as candidates, so it
   is never priced above ``dp_balanced``; against ``thd``, whose windows cut documents where they
   cross a row's end, it keeps documents whole.
+* ``dynapipe-cut``: the packed planner on the pieces of ``thd``'s windows (the documents cut as
+  Megatron's data path cuts them, ``TrainingSpec.documents = "cut"``): it trains what ``thd``
+  trains, and its search holds ``thd``'s windows as a candidate, so it is never priced above
+  ``thd`` either.
 
 Where a method differs from the traced step is the pipeline, so a method's step is the
 pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
@@ -369,6 +373,9 @@ class _Layout:
                             dp=self.candidate.dp, chunks=self.chunks, cp=self.candidate.cp,
                             seqlen_round=seqlen_round_for(self.candidate.cp),
                             zero_stage=self.costs.zero_stage, memory_limit_mb=self.memory_limit_mb, fast_mode=fast_mode,
-                            packing=REGISTERED[method].packing, seq_length=self.space.seq_length)
+                            packing=REGISTERED[method].packing, seq_length=self.space.seq_length,
+                            documents=REGISTERED[method].documents)
         plan = generate_execution_plan(lengths, spec, self.costs)  # a PlanningError is a ValueError
-        return PipelineRun.of_plan(plan), "planned" + (", fast mode" if plan.fast_mode else ""), lengths
+        setting = "planned" + (", documents cut" if plan.pieces is not None else "") + (
+            ", fast mode" if plan.fast_mode else "")
+        return PipelineRun.of_plan(plan), setting, lengths if plan.pieces is None else plan.pieces.length

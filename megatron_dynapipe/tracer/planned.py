@@ -150,6 +150,7 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         num_layers=model.num_layers, pp=layout.pp, tp=layout.tp, dp=layout.dp, cp=layout.cp, chunks=chunks,
         zero_stage=1 if training.distributed_optimizer else 0, memory_limit_mb=request.memory_limit_mb,
         fast_mode=request.fast_mode, packing=PLANNED_METHODS[request.method],
+        documents=METHODS[request.method].documents if METHODS[request.method].planned else "whole",
         seqlen_round=seqlen_round_for(layout.cp), seq_length=seq_length,
         stage_layers=None if len(set(split)) == 1 else tuple(split),
         recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))

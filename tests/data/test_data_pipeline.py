@@ -251,6 +251,48 @@ def test_context_parallel_ranks_read_their_stage_packed_rows_with_samples_padded
 
 
 @pytest.mark.slow
+def test_cut_documents_reach_the_rank_as_the_pieces_of_megatrons_windows():
+    """documents "cut": the rank reads each planned piece as a slice of its sample, so its rows
+    hold every token of the global batch once, no segment crossing a window of seq_length tokens of
+    the batch's stream, and equal to rows built here from the plan's pieces."""
+    import dataclasses
+
+    dataset = TokenListDataset(_samples(16, seed=4), MAX_SEQ_LEN)
+    spec = dataclasses.replace(_spec(pp=1, dp=1, memory_limit_mb=50), packing="varlen", seq_length=64,
+                               documents="cut")
+    gbs, seed = 8, 2
+    with _host(dataset, spec, gbs, num_iterations=1, seed=seed) as host, _loader(host.port) as loader:
+        (batch,) = list(loader)
+    ids = BatchSchedule(len(dataset), gbs, seed=seed).ids(0)
+    expected = generate_execution_plan(dataset.lengths[ids].tolist(), spec, COST_MODEL, fast_mode=True)
+    pieces = expected.pieces
+    seen = {}
+    for mb, got in zip(batch.plan.microbatches, batch.microbatches):
+        parts = [dataset[int(ids[pieces.sample[i]])][pieces.start[i]:pieces.start[i] + pieces.length[i]]
+                 for i in mb.samples]
+        reference = packed_microbatch(parts, mb.seq_len)
+        assert all(np.array_equal(got[k].numpy(), reference[k]) for k in reference)
+        bounds = got["cu_seqlens"].tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            tokens = got["tokens"][0, a:b].tolist()
+            if b > sum(len(p) for p in parts):
+                continue  # the row's padding
+            sample, first = divmod(tokens[0], 1000)
+            assert tokens == [sample * 1000 + first + j for j in range(len(tokens))]  # one run of one sample
+            seen.setdefault(sample, []).append((first, len(tokens)))
+    # every sample of the batch, whole, out of its pieces; pieces end where the stream's windows do
+    stream = np.cumsum([0] + dataset.lengths[ids].tolist())
+    for at, k in enumerate(ids.tolist()):
+        runs = sorted(seen[k])
+        assert [first for first, _ in runs] == np.cumsum([0] + [n for _, n in runs[:-1]]).tolist()
+        assert sum(n for _, n in runs) == dataset.lengths[k]
+        for first, n in runs:
+            start = stream[at] + first
+            assert start // 64 == (start + n - 1) // 64, (k, first, n)
+    assert len(pieces) > gbs  # some sample was cut
+
+
+@pytest.mark.slow
 def test_big_datasets_and_big_batches_travel_as_ids(tmp_path):
     """A 100,000-sample in-memory dataset, and a global batch of 4,096 samples of 4,096 tokens
     (64 MiB of tokens: the store carries only plans and sample ids)."""

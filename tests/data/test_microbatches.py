@@ -45,3 +45,9 @@ def test_sample_id_wire_format_roundtrip_and_corruption():
         decode_sample_ids(b"DPMB" + blob[4:])
     with pytest.raises(ValueError, match="sizes sum to 3, got 2 ids"):
         encode_sample_ids(0, 0, [(3, 8)], [1, 2], [4, 4])
+    # pieces (samples cut as Megatron's data path cuts them) carry their first token too
+    pieces = decode_sample_ids(encode_sample_ids(7, 1, [(2, 8), (1, 16)], [3, 3, 5], [4, 8, 12], [0, 4, 9]))
+    assert [a.tolist() for a in pieces.starts] == [[0, 4], [9]] and decoded.starts is None
+    assert len(encode_sample_ids(0, 0, [(1000, 4096)], range(1000), [4096] * 1000, [0] * 1000)) < 17_000
+    with pytest.raises(ValueError, match="got 3 ids, 3 lengths and 2 starts"):
+        encode_sample_ids(0, 0, [(3, 8)], [1, 2, 3], [4, 4, 4], [0, 0])

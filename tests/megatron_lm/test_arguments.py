@@ -324,7 +324,7 @@ def test_plan_and_megatron_flags_give_the_same_search_settings():
                          tensor_model_parallel_size=1, data_parallel_size=1)
     expected = dict(fast_mode="auto", schedules=("1f1b",), recompute_types=(RecomputeType.NONE, RecomputeType.FULL),
                     partition="token_based", seed=3, seqlen_round=16, max_permutations=4,
-                    tokens_per_microbatch=4096, packing="pad")
+                    tokens_per_microbatch=4096, packing="pad", documents="whole")
     assert planner_settings(plan_args) == expected
     assert planner_settings(job_args, prefix="dynapipe-") == expected
     spec = training_spec_from_args(job_args)

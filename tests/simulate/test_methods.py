@@ -50,8 +50,8 @@ def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cu
     pieces, rows = megatron_windows([300, 50, 700, 10], 256, multiple=4)
     assert pieces == [256, 44, 52, 160, 256, 256, 28, 12]
     assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 40]
-    # and the step keeps the windows its samples fill: the padding pushes the rest to the next step
-    assert megatron_windows([255, 1], 256, multiple=4) == ([256, 4], [[0]])
+    # and every real token is trained in the step: what the padding pushes past is a partial window
+    assert megatron_windows([255, 1], 256, multiple=4) == ([256, 4], [[0], [1]])
     with pytest.raises(ValueError, match="--seq-length 250 is not a multiple of 4"):
         megatron_windows([300], 250, multiple=4)
 
