@@ -172,7 +172,7 @@ def build_iteration(lengths: np.ndarray, spec: TrainingSpec, cost_model, iterati
             id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, shapes, ids[order], batch_lengths[order])
         else:
             id_blobs[dp_rank] = encode_sample_ids(iteration, dp_rank, shapes, ids[pieces.sample[order]],
-                                                  pieces.real_tokens(batch_lengths)[order], pieces.start[order])
+                                                  pieces.tokens[order], pieces.start[order])
     return IterationBlobs(plans, id_blobs, iteration_summary(iteration, batch_lengths, result))
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.documents import consecutive_windows, cut_documents
+from megatron_dynapipe.planning.documents import cut_documents
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, packed_microbatch, round_up
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
@@ -234,13 +234,14 @@ def megatron_dp_balanced_rows(lengths: Sequence[int], seq_length: int, costs: St
 
 
 def megatron_windows(lengths: Sequence[int], seq_length: int, multiple: int = 1) -> tuple[list[int], list[list[int]]]:
-    """The samples cut into Megatron's windows of ``seq_length`` tokens
-    (:func:`~.documents.cut_documents`, each padded to a ``multiple`` first): (the pieces' lengths,
-    each window's piece indices). Every real token is trained in this step: where the padding
-    pushes the stream past the batch's windows, the last one is partial (deferring those tokens to
-    the next step would credit THD packing with tokens it did not train)."""
-    pieces = cut_documents(lengths, seq_length, multiple).length.tolist()
-    return pieces, consecutive_windows(pieces, seq_length)
+    """The samples cut into Megatron's windows of ``seq_length`` tokens, each piece then padded to
+    a ``multiple`` (:func:`~.documents.cut_documents`): (the pieces' lengths, each window's piece
+    indices)."""
+    if seq_length % multiple:
+        raise ValueError(f"--seq-length {seq_length} is not a multiple of {multiple} (2 x the context-parallel size), "
+                         "as Megatron-LM requires")
+    pieces = cut_documents(lengths, seq_length, multiple)
+    return pieces.length.tolist(), pieces.windows()
 
 
 def megatron_thd_rows(lengths: Sequence[int], seq_length: int, costs: StageCosts, memory_limit_mb: float,
@@ -261,9 +262,11 @@ def megatron_plans(microbatches: Sequence[MicroBatch], recompute: str, pp: int, 
 
 
 def _thd_row(sequences: Sequence[Sequence[int]], lengths: Sequence[int], seq_len: int) -> MicroBatch:
-    """One row of these packed sequences: their samples back to back, then all their padding."""
+    """One row of these packed sequences: their samples back to back, then all their padding (a
+    window whose pieces were padded for context parallelism holds a little more than ``seq_len``)."""
     samples = tuple(int(i) for sequence in sequences for i in sequence)
-    return MicroBatch(samples, len(sequences) * seq_len, tuple(int(lengths[i]) for i in samples))
+    packed = tuple(int(lengths[i]) for i in samples)
+    return MicroBatch(samples, max(len(sequences) * seq_len, sum(packed)), packed)
 
 
 def fixed_shape_run(costs: StageCosts, num_sequences: int, microbatch_size: int, seq_len: int,

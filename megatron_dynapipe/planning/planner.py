@@ -19,7 +19,7 @@ import numpy as np
 from megatron_dynapipe.planning.baselines import ThdRows, default_pack_length, dp_balanced_rows, thd_packing_rows
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
-from megatron_dynapipe.planning.documents import Pieces, consecutive_windows, cut_documents
+from megatron_dynapipe.planning.documents import Pieces, cut_documents
 from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
 from megatron_dynapipe.planning.microbatching import (
     DP_THRESHOLDS,
@@ -175,7 +175,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         choices, failed = None, error
     if spec.packing == "varlen":
         with clock("scheduling"):
-            choices = _no_slower_than_megatron(choices, lengths, costs, spec)
+            choices = _no_slower_than_megatron(choices, lengths, costs, spec, pieces)
     if choices is None:
         raise failed
     with clock("lowering"):
@@ -184,8 +184,8 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
 
 
 def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
-    """The samples cut as Megatron's data path cuts them, where the spec says so (packed samples
-    padded first, as a context-parallel row needs them: :func:`~.documents.cut_documents`)."""
+    """The samples cut as Megatron's data path cuts them, where the spec says so (packed pieces
+    padded as a context-parallel row needs them: :func:`~.documents.cut_documents`)."""
     if spec.documents != "cut":
         return None
     return cut_documents(lengths, spec.seq_length, packed_sample_multiple(spec.cp) if spec.packing == "varlen" else 1)
@@ -204,13 +204,14 @@ def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, ro
     return choices
 
 
-def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec) -> dict[str, ThdRows]:
+def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec,
+                      pieces: "Pieces | None" = None) -> dict[str, ThdRows]:
     """Megatron-LM's own packings of these (packed, so already padded) samples that fit, by name,
     each on Megatron's schedule with one recompute: THD rows of whole samples (first-fit
     decreasing into rows of ``spec.seq_length``, k a micro-batch), ``dp_balanced``'s packs
-    (:func:`~.baselines.dp_balanced_rows`) and, where the samples are the pieces of Megatron's cut
-    (``spec.documents``), its windows in stream order (THD packing as Megatron-LM's data path feeds
-    it). ``costs`` per virtual stage."""
+    (:func:`~.baselines.dp_balanced_rows`) and, where the samples are the ``pieces`` of Megatron's
+    cut (``spec.documents``), its windows in stream order (THD packing as Megatron-LM's data path
+    feeds it). ``costs`` per virtual stage."""
     seq_length = megatron_row_length(lengths, spec)
     found = {}
     try:
@@ -221,20 +222,20 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     if lengths.max() <= seq_length:
         found["THD rows"] = thd_packing_rows(pack_fixed_length(lengths.tolist(), seq_length), lengths, seq_length,
                                              costs, spec.memory_limit_mb, spec.chunks, spec.recompute_types)
-    if spec.documents == "cut":
-        found["THD windows"] = thd_packing_rows(consecutive_windows(lengths, seq_length), lengths, seq_length, costs,
-                                                spec.memory_limit_mb, spec.chunks, spec.recompute_types)
+    if pieces is not None:
+        found["THD windows"] = thd_packing_rows(pieces.windows(), lengths, seq_length, costs, spec.memory_limit_mb,
+                                                spec.chunks, spec.recompute_types)
     return {name: rows for name, rows in found.items() if rows is not None}
 
 
 def _no_slower_than_megatron(choices: "list[ScheduleChoice] | None", lengths, costs: StageCosts,
-                             spec: TrainingSpec) -> "list[ScheduleChoice] | None":
+                             spec: TrainingSpec, pieces: "Pieces | None") -> "list[ScheduleChoice] | None":
     """The planned ranks, or Megatron's own packing of the whole batch where it ends sooner or
     the search found nothing (:func:`megatron_packings`): those plans are candidates too, so a
     packed plan is never predicted slower than them on the same cost model, nor refused where one
     of them fits."""
     best, best_ms = choices, math.inf if choices is None else max(c.makespan_ms for c in choices)
-    for name, found in megatron_packings(lengths, costs, spec).items():
+    for name, found in megatron_packings(lengths, costs, spec, pieces).items():
         if found.makespan_ms < best_ms:
             ranks = [_uniform_choice(rows, found.recompute, costs, spec.chunks, name) for rows in found.per_rank]
             if max(c.makespan_ms for c in ranks) < best_ms:  # simulated whole, not extrapolated

@@ -46,12 +46,11 @@ def test_samples_are_cut_into_windows_back_to_back_as_megatrons_gpt_data_path_cu
     assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 36]
     assert pieces == [256, 44, 50, 162, 256, 256, 26, 10]  # a document continues where the last window ended
     assert [i for row in rows for i in row] == list(range(len(pieces)))
-    # under CP 2 each document is first padded to a multiple of 4 tokens, so every piece is one too
+    # under CP 2 each piece is then padded to a multiple of 4 tokens: a window's row may grow past 256
     pieces, rows = megatron_windows([300, 50, 700, 10], 256, multiple=4)
-    assert pieces == [256, 44, 52, 160, 256, 256, 28, 12]
-    assert [sum(pieces[i] for i in row) for row in rows] == [256, 256, 256, 256, 40]
-    # and every real token is trained in the step: what the padding pushes past is a partial window
-    assert megatron_windows([255, 1], 256, multiple=4) == ([256, 4], [[0], [1]])
+    assert pieces == [256, 44, 52, 164, 256, 256, 28, 12]
+    assert [sum(pieces[i] for i in row) for row in rows] == [256, 260, 256, 256, 40]
+    assert megatron_windows([255, 1], 256, multiple=4) == ([256, 4], [[0, 1]])
     with pytest.raises(ValueError, match="--seq-length 250 is not a multiple of 4"):
         megatron_windows([300], 250, multiple=4)
 
