@@ -25,7 +25,10 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
   stream, and the first step after the last backward waits for them;
 * context parallelism's KV ring (point-to-point steps between a representative and the peers
   it stands for) runs on its own stream beside the pass's compute, as transformer-engine
-  overlaps each ring step with attention, and the pass ends when both are done;
+  overlaps each ring step with attention, and the pass ends when both are done; where the trace
+  gives the pass's block of ring attention (``ring_block_us``, shapes-only traces), each step
+  runs beside that one block only and the pass waits for what it takes beyond it, as in
+  transformer-engine, whose ring steps run inside the attention core;
 * with ``tp_comm_overlap`` the tensor-parallel all-gathers and reduce-scatters inside a forward
   or backward run on their own stream beside the pass's compute (transformer-engine overlaps
   each with the GEMM next to it), and the pass ends when both are done;
@@ -282,6 +285,8 @@ class _StepBuilder:
             if index < len(nested):
                 # the first bucket's gather is waited for before any layer runs
                 self.steps.append(self._comm(nested[index], overlapped=nested[index] in gathers[1:]))
+                if op.ring_block_us is not None and self.steps[-1].stream == CP_STREAM:
+                    self._ring_step_beside_its_block(op)
         if len(gathers) > 1:
             self.steps.append(Step("drain", "exposed overlapped parameter gather", phase=op.phase,
                                    microbatch=op.microbatch, key="all_gather", stream=PARAM_STREAM))
@@ -291,6 +296,15 @@ class _StepBuilder:
         if any(self._within_my_stage(c) for c in nested):
             self.steps.append(Step("drain", "exposed context-parallel ring", phase=op.phase,
                                    microbatch=op.microbatch, key="cp_ring", stream=CP_STREAM))
+
+    def _ring_step_beside_its_block(self, op: TraceOp) -> None:
+        """A ring transfer as transformer-engine runs it: beside one block of the layer's attention
+        (``op.ring_block_us``), which the next step waits for; what it takes beyond that block
+        shows in the pass (the pass's compute already holds the blocks)."""
+        ring = self.steps[-1]
+        ring.dur_us = max(0.0, ring.dur_us - op.ring_block_us)
+        self.steps.append(Step("drain", "exposed context-parallel ring", phase=op.phase, microbatch=op.microbatch,
+                               key="cp_ring", stream=CP_STREAM))
 
     def _param_gather(self, op: TraceOp) -> bool:
         """A bucket's parameter all-gather the distributed optimizer overlaps with the forward."""

@@ -41,7 +41,8 @@ from megatron_dynapipe.planning.planner import PlanningError, generate_execution
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
-from megatron_dynapipe.planning.types import RecomputeType, recompute_at_least
+from megatron_dynapipe.planning.types import RecomputeType, cost_shapes, recompute_at_least
+from megatron_dynapipe.tracer.shapes_only_costs import ring_blocks
 
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
            "real_model_flops"]
@@ -79,8 +80,9 @@ class PlanRequest:
 class DrawnBatch:
     """One drawn global batch, planned: data-parallel rank 0's plan of every stage and the
     planner's time of each of its micro-batches' forward and backward on every virtual stage
-    (``[pp x chunks, n]``, at the micro-batch's recompute), and every data-parallel rank's
-    planned pipeline time."""
+    (``[pp x chunks, n]``, at the micro-batch's recompute), one block of the context-parallel
+    ring's attention of each micro-batch (by ``"forward ring block"`` and ``"backward ring
+    block"``, ``[n]``; empty at CP 1), and every data-parallel rank's planned pipeline time."""
     samples: int
     tokens: int
     plans: tuple  # ExecutionPlan per stage, data-parallel rank 0's
@@ -91,6 +93,7 @@ class DrawnBatch:
     fast_mode: bool
     planning_s: float
     model_flops: float  # on its real tokens (:func:`real_model_flops`)
+    ring_block_ms: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """What a trace header keeps of it (every rank's file the same)."""
@@ -129,9 +132,13 @@ class PlannedCosts:
         self.batch = 0
 
     def __call__(self, kind: str, microbatch: Optional[int], chunk: Optional[int]) -> float:
-        if kind not in ("forward", "backward") or microbatch is None:
+        if microbatch is None:
             return 0.0
         drawn = self.batches[self.batch]
+        if kind in drawn.ring_block_ms:
+            return float(drawn.ring_block_ms[kind][microbatch])
+        if kind not in ("forward", "backward"):
+            return 0.0
         table = drawn.forward_ms if kind == "forward" else drawn.backward_ms
         return float(table[(chunk or 0) * self.pp + self.stage, microbatch])
 
@@ -174,7 +181,8 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         work = stage_work(traced, step.microbatches, step.recompute, chunks)
         out.append(DrawnBatch(len(lengths), int(sum(lengths)), step.plans, work.forward, work.backward,
                               step.pipeline_ms, step.peak_mb, step.fast_mode, time.perf_counter() - started,
-                              real_model_flops(model, lengths, layout.tp)))
+                              real_model_flops(model, lengths, layout.tp),
+                              ring_blocks(traced.model, *cost_shapes(step.microbatches))))
         if progress is not None:
             progress()
     return PlannedBatches(request, tuple(out), priced.model)

@@ -315,6 +315,9 @@ class Recorder:
         else:
             ms = self.cost_fn(op.kind, op.microbatch, op.chunk) if op.cat == "compute" else 0.0
             op.dur_us = float(ms or 0.0) * 1e3
+            if op.cat == "compute":  # under context parallelism: what each ring transfer runs beside
+                block = self.cost_fn(f"{op.kind} ring block", op.microbatch, op.chunk)
+                op.ring_block_us = float(block) * 1e3 if block else None
             # children of a compute op are priced inside it: only top-level ops move the clock
             if op.parent is None:
                 self._virtual_us = max(self._virtual_us, op.start_us + op.dur_us)

@@ -12,7 +12,7 @@ from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
 
-__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms"]
+__all__ = ["DEFAULT_HARDWARE", "compute_cost_fn", "backward_ms", "ring_blocks"]
 
 #: the device shapes-only traces are priced for when neither a cost model nor a hardware is given
 DEFAULT_HARDWARE = "a100"
@@ -24,7 +24,8 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
     With interleaving a chunk is one of ``pp x chunks`` virtual stages (chunk c of stage s is
     virtual stage ``c pp + s``: the embedding in the very first, the head in the very last).
     ``recompute`` is what the traced recompute adds to a backward (a derived variant's
-    recompute op)."""
+    recompute op); ``forward ring block`` and ``backward ring block`` one block of the
+    context-parallel ring's attention in a layer (none at CP 1)."""
     if cost_model is None:
         from megatron_dynapipe.hardware import load_hardware
         cost_model = load_hardware(DEFAULT_HARDWARE).cost_model(spec, layout.tp, dtype)
@@ -44,6 +45,7 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
             "forward": float(costs.forward_ms(virtual, mbs, seq, "none")),
             "backward": backward,
             "recompute": backward - float(costs.backward_ms(virtual, mbs, seq, "none")),
+            **{kind: float(ms) for kind, ms in ring_blocks(costs.model, mbs, seq).items()},
         }
         for kind, ms in table[chunk].items():
             if not math.isfinite(ms):
@@ -58,6 +60,15 @@ def compute_cost_fn(cost_model, spec: ModelSpec, layout: ParallelLayout, stage: 
         return table[chunk or 0].get(kind, 0.0)
 
     return cost, model
+
+
+def ring_blocks(model, mbs, seq) -> dict:
+    """``{"forward ring block": ms, "backward ring block": ms}`` of a model split over a
+    context-parallel group (:meth:`~megatron_dynapipe.planning.cost_model.ContextParallelCostModel.ring_block_ms`),
+    none where it is not; ``mbs`` and ``seq`` scalars or arrays."""
+    if not hasattr(model, "ring_block_ms"):
+        return {}
+    return {f"{phase} ring block": model.ring_block_ms(phase, mbs, seq) for phase in ("forward", "backward")}
 
 
 def backward_ms(costs, stage: int, mbs: int, seq: int, training: MegatronOptions, chunk_layers: int) -> float:

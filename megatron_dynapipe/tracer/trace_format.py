@@ -117,6 +117,10 @@ class TraceOp:
     ``coalesced`` an id shared by the collectives launched together under one coalescing manager,
     ``handle`` the id of a point-to-point op's request, and on a ``wait`` op the request it waits
     for (the first wait on any of an op's requests; a request never waited on has no ``wait``).
+
+    ``ring_block_us``, on a forward or backward of a shapes-only trace under context parallelism:
+    one block of the ring's attention in a layer, which each of the pass's ring transfers runs
+    beside (the replay exposes what a transfer takes beyond it); absent elsewhere.
     """
 
     seq: int
@@ -139,6 +143,7 @@ class TraceOp:
     splits: Optional[dict[str, Optional[list[int]]]] = None
     coalesced: Optional[int] = None
     handle: Optional[int] = None
+    ring_block_us: Optional[float] = None
     start_us: float = 0.0
     dur_us: float = 0.0
 

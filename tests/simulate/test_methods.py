@@ -279,3 +279,31 @@ def test_the_methods_cross_the_hardwares_link_between_stages_not_the_one_a_profi
         layout = _Layout(space, SimpleNamespace(candidate=c, report=SimpleNamespace(iteration_s=10.0)))
         assert layout.costs.p2p_link == a100.link("p2p", across)
         assert layout.costs.p2p_link != a100.link("p2p", not across)
+
+
+def test_the_planner_and_the_replay_price_a_slow_context_parallel_ring_alike(tmp_path, capsys):
+    """CP 4 on a point-to-point link slow enough for the ring to dominate the step (collectives
+    keep a fast one): each ring step runs beside one block of attention in the planner's cost model
+    and in the trace's replay alike, so the step's rest (the traced step less the planner's
+    simulation of its pipeline: the gradient reduction and the optimizer's) is what it is on a
+    link that hides the ring."""
+    from megatron_dynapipe.hardware import load_hardware
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("256\n" * 10)
+    priced = {}
+    for name, p2p_gbps in (("fast", 1e4), ("slow", 5.0)):
+        hardware = load_hardware("h100").to_json()
+        hardware["intra_node"] = {"bandwidth_GBps": 1e4, "latency_us": 0.0}
+        hardware["collectives"] = {"p2p": {"bandwidth_GBps": p2p_gbps, "latency_us": 0.0}}  # the planner's ring has none
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(hardware))
+        document = _search(tmp_path / name, capsys, "--world-size", "4", "--global-batch-size", "4", "--tp", "1",
+                           "--pp", "1", "--cp", "4", "--hardware", str(path),
+                           "--micro-batch-size", "1", "--recompute", "none", "--no-distributed-optimizer",
+                           "--max-traced", "1", "--lengths", str(lengths), "--batches", "1", "--method", "thd")
+        (step,) = [s for s in document["on_data"]["steps"] if s["method"] == "thd"]
+        priced[name] = (step["why"]["rest_ms"], 1e3 * step["mean_step_s"])
+    (fast_rest, fast_step), (slow_rest, slow_step) = priced["fast"], priced["slow"]
+    assert slow_step > 5 * fast_step  # the ring dominates the slow step
+    assert abs(slow_rest - fast_rest) <= 0.03 * slow_step, priced

@@ -48,21 +48,39 @@ def test_the_kv_ring_passes_key_and_value_forward_and_their_gradients_back(tmp_p
         assert sum(sent) == layers * m * 2 * (cp - 1) * kv
 
 
-def test_the_ring_runs_beside_the_pass_and_shows_only_where_it_outlasts_it(tmp_path):
-    # PP 1, TP 1, CP 2: the ring is the only communication in a pass; F and B are the test's own
+def test_each_ring_step_runs_beside_one_block_of_attention_and_shows_what_outlasts_it(tmp_path):
+    # PP 1, TP 1, CP 2: the ring is the only communication in a pass; F, B and the blocks are the test's own
     job = uniform(trace(tmp_path, "8 1 1 cp=2 nmb=2"), 1000.0, 2000.0)
     m, c, F, B = 2, 2, 1000.0, 2000.0
+    passes = [op for op in job.traces[0].ops if op.kind in ("forward", "backward") and op.cat == "compute"]
+    assert passes and all(op.ring_block_us > 0 for op in passes)  # the shapes-only trace priced them
+    for op in passes:
+        op.ring_block_us = {"forward": 400.0, "backward": 700.0}[op.kind]
     kv = 2 * (SEQ // c) * HEADS * (HIDDEN // HEADS) * 2
     fast, slow = 1e6, kv / 1e3 / 1000.0  # GB/s: a step in a nanosecond, or in 1000 us
     hidden = simulate_job(job, dataclasses.replace(FREE, collectives={"p2p": Link(fast, 0.0)}))
     assert hidden.iteration_us == pytest.approx(m * (F + B), rel=1e-4)
     exposed = simulate_job(job, dataclasses.replace(FREE, collectives={"p2p": Link(slow, 0.0)}))
+    # a layer's ring: c - 1 steps forward, c backward, each of one K and V here (CP 2), each
+    # transformer-engine's way: beside one block, the next waiting for both
+    assert len(ring_ops(job.traces[0], "forward")) == m * LAYERS * (c - 1)
+    pass_f, pass_b = F + LAYERS * (c - 1) * (1000.0 - 400.0), B + LAYERS * c * (1000.0 - 700.0)
+    assert exposed.iteration_us == pytest.approx(m * (pass_f + pass_b), rel=1e-6)
+
+
+def test_without_its_blocks_the_ring_runs_beside_the_whole_pass(tmp_path):
+    # a trace that does not give the blocks (a timed one): the ring overlaps the pass's compute
+    job = uniform(trace(tmp_path, "8 1 1 cp=2 nmb=2"), 1000.0, 2000.0)
+    for op in job.traces[0].ops:
+        op.ring_block_us = None
+    m, c, F, B = 2, 2, 1000.0, 2000.0
+    kv = 2 * (SEQ // c) * HEADS * (HIDDEN // HEADS) * 2
+    exposed = simulate_job(job, dataclasses.replace(FREE, collectives={"p2p": Link(kv / 1e3 / 1000.0, 0.0)}))
     # the ring starts with its first step, after the first of the pass's n + 1 compute segments
     # (n: the communication ops nested in it, the ring's and the loss's all-reduces over TP; the
     # ring's waits are not communication of their own)
     nested = {kind: sum(op.parent is not None and op.cat == "comm" and op.microbatch == 0 and op.phase == kind
                         and op.kind != "wait" for op in job.traces[0].ops) for kind in ("forward", "backward")}
-    assert len(ring_ops(job.traces[0], "forward")) == m * LAYERS * (c - 1)
     ring_f, ring_b = LAYERS * (c - 1) * 1000.0, LAYERS * 2 * (c - 1) * 1000.0
     pass_f, pass_b = F / (nested["forward"] + 1) + ring_f, B / (nested["backward"] + 1) + ring_b
     assert exposed.iteration_us == pytest.approx(m * (pass_f + pass_b), rel=1e-6)

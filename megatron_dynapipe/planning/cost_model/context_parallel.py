@@ -133,6 +133,12 @@ class ContextParallelCostModel(CostModel):
             return priced
         return priced * ratio(np.minimum(as_float(mbs), ratio.M[-1]), np.minimum(as_float(seqlen), ratio.S[-1]))
 
+    def ring_block_ms(self, phase: str, mbs, seqlen):
+        """One block of the ring's attention in a layer (``phase`` without recompute) at rows of
+        ``seqlen`` tokens: what each of the ring's transfers runs beside, and all it can hide behind
+        (transformer-engine's ring steps run inside the attention core, not beside the layer's GEMMs)."""
+        return self._attention_ms(phase, RecomputeType.NONE, mbs, self.local(seqlen))
+
     def ring_ms(self, phase: str, rc: RecomputeType, mbs, local, encoder_ms):
         """What the ring adds to one encoder layer of ``encoder_ms`` at ``local`` tokens a row:
         ``cp - 1`` blocks of its attention core, and the transfers they do not hide."""
