@@ -4,11 +4,12 @@ job's output) a plain line now and then, so that long work is never silent."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable
 
-__all__ = ["progress_bar", "progress_enabled", "LINE_EVERY_SECONDS"]
+__all__ = ["progress_bar", "progress_enabled", "heartbeat", "LINE_EVERY_SECONDS"]
 
 LINE_EVERY_SECONDS = 30.0  # a log reader sees life twice a minute, and a long run's log stays short
 
@@ -95,6 +96,25 @@ def progress_bar(enabled: bool, stream) -> Any:
     with Progress(*columns, console=console, redirect_stdout=False, redirect_stderr=True,
                   transient=True) as bar:
         yield bar
+
+
+@contextmanager
+def heartbeat(description: str, stream, every: float = LINE_EVERY_SECONDS):
+    """A line on ``stream`` every ``every`` seconds while the block runs ("plan: still working
+    (1 min 0 s)"), for work that cannot count its own steps: long work is never silent."""
+    stop, started = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            print(f"{description}: still working ({_elapsed(time.monotonic() - started)})", file=stream, flush=True)
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def progress_enabled(requested: bool, stream=None) -> bool:

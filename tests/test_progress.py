@@ -48,3 +48,37 @@ def test_no_progress_asked_for_prints_nothing():
     with progress.progress_bar(False, out) as bar:
         bar.advance(bar.add_task("x", total=1))
     assert out.getvalue() == ""
+
+
+def test_a_heartbeat_says_the_work_goes_on_until_it_ends():
+    import io
+    import threading
+
+    from megatron_dynapipe.progress import heartbeat
+
+    stream, said = io.StringIO(), threading.Event()
+
+    class Watched(io.StringIO):
+        def write(self, text):
+            said.set()
+            return stream.write(text)
+
+    with heartbeat("plan", Watched(), every=0.01):
+        assert said.wait(60)  # no deadline on the machine's speed: a minute's bound on a 10 ms beat
+    lines = stream.getvalue().splitlines()
+    assert lines and all(line.startswith("plan: still working (") for line in lines)
+    count = len(stream.getvalue())
+    said.clear()
+    assert not said.wait(0.05) and len(stream.getvalue()) == count  # silent once the block ended
+
+
+def test_plan_says_up_front_when_it_may_take_minutes(capsys):
+    from megatron_dynapipe.cli import PLAN_SECONDS_A_SAMPLE, _say_when_planning_is_long
+
+    _say_when_planning_is_long(1_000, fast=False)
+    assert capsys.readouterr().err == ""
+    _say_when_planning_is_long(1_000_000, fast=False)
+    normal, fast = (round(1_000_000 * PLAN_SECONDS_A_SAMPLE[f] / 60) for f in (False, True))
+    assert capsys.readouterr().err == (f"plan: 1,000,000 samples in normal mode take up to {normal} min on a core like "
+                                       f"the development machine's; --fast-mode takes up to {fast} min; Ctrl-C "
+                                       "stops it\n")

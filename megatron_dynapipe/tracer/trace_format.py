@@ -50,8 +50,9 @@ FORMAT_NAME = "megatron-dynapipe-trace"
 #: Bumped whenever a field changes meaning or a required field is added; readers refuse others.
 FORMAT_VERSION = 1
 #: Bumped whenever the tracer records more of the same run in the same format (2: the waits on
-#: point-to-point requests), so that a kept trace of an earlier revision is traced again.
-RECORDING_REVISION = 2
+#: point-to-point requests; 3: the context-parallel ring's blocks, ``ring_block_us``), so that a
+#: kept trace of an earlier revision is traced again.
+RECORDING_REVISION = 3
 
 #: ``cat == "compute"`` kinds.
 COMPUTE_KINDS = ("forward", "backward", "loss", "optimizer_step")
