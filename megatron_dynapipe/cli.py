@@ -117,7 +117,7 @@ def _run_plan(args) -> int:
                          f"give at least {max(lengths)}, or leave it out for {default_pack_length(lengths)}")
     spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
                         memory_limit_mb=memory_limit, chunks=args.chunks, cp=args.cp, seq_length=args.pack_length,
-                        **planner_settings(args))
+                        **planner_settings(args, cp=args.cp))
     _say_when_planning_is_long(len(lengths), resolve_fast_mode(spec.fast_mode, len(lengths)))
     with heartbeat("plan", sys.stderr):
         result = generate_execution_plan(lengths, spec, cost_model)

@@ -423,3 +423,13 @@ def test_every_parallel_size_flag_also_takes_megatrons_name():
              if action.option_strings[0] in megatron]
     assert len(found) >= 8  # plan, search, profile and the benches
     assert all(megatron[names[0]] in names for _, names in found), found
+
+
+def test_plan_pads_rows_for_context_parallelism_without_being_told():
+    """--seqlen-round's default (8) is made a multiple of 2 x CP, as every row splits into that many chunks."""
+    out = run_cli("plan", "--num-samples", "16", "--pp", "4", "--cp", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    lengths = {m["seq_len"] for rank in json.loads(out.stdout)["dp_ranks"] for m in rank["microbatches"]}
+    assert lengths and all(n % 16 == 0 for n in lengths)
+    refused = run_cli("plan", "--num-samples", "16", "--pp", "4", "--cp", "8", "--seqlen-round", "8")
+    assert refused.returncode == 2 and "make seqlen_round a multiple of 16" in refused.stderr

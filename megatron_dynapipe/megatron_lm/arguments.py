@@ -414,7 +414,7 @@ def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     if dp is None:
         world = _get(args, "world_size", tp * pp)
         dp = max(1, world // (tp * pp * _get(args, "context_parallel_size", 1)))
-    settings = planner_settings(args, prefix="dynapipe-")
+    settings = planner_settings(args, prefix="dynapipe-", cp=_get(args, "context_parallel_size", 1))
     settings["recompute_types"] = _recompute_at_least(settings["recompute_types"],
                                                       getattr(args, "recompute_granularity", None))
     return TrainingSpec(

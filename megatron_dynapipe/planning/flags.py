@@ -8,7 +8,7 @@ from typing import Callable
 
 from megatron_dynapipe.planning.fast_mode import AUTO_FAST_MODE_MIN_SAMPLES, FAST_MODE_ENV, parse_fast_mode
 from megatron_dynapipe.planning.documents import DOCUMENTS
-from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec
+from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 
 __all__ = ["ListAction", "argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
@@ -94,8 +94,9 @@ def add_planner_arguments(group, prefix: str = "") -> None:
     add("recompute", action=ListAction, type=recompute_argument, default=list(d.recompute_types),
         metavar="{none,selective,full}", help="recompute choices the planner may give a micro-batch (default: all)")
     add("seed", type=int, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
-    add("seqlen-round", type=positive_int_argument, default=d.seqlen_round, metavar="N",
-        help=f"pad each micro-batch's sequence length to a multiple of N (default {d.seqlen_round})")
+    add("seqlen-round", type=positive_int_argument, default=None, metavar="N",
+        help=f"pad each micro-batch's sequence length to a multiple of N (default {d.seqlen_round}, made a multiple "
+             "of 2 x the context-parallel size, as each row splits into that many chunks)")
     add("max-permutations", type=positive_int_argument, default=d.max_permutations, metavar="N",
         help=f"most micro-batch orders the planner tries per micro-batching (default {d.max_permutations}; "
              "fewer, down to 3, where they would simulate over 1024 micro-batches)")
@@ -111,9 +112,10 @@ def add_planner_arguments(group, prefix: str = "") -> None:
              "never predicted slower than it)")
 
 
-def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
+def planner_settings(args: argparse.Namespace, prefix: str = "", cp: int = 1) -> dict:
     """The :class:`TrainingSpec` search fields from flags added by :func:`add_planner_arguments`
-    (a flag missing from ``args`` keeps the field's default)."""
+    (a flag missing from ``args`` keeps the field's default; ``seqlen_round``'s, of a layout of
+    ``cp`` context-parallel ranks: :func:`~.spec.seqlen_round_for`)."""
     def get(name: str, default):
         value = getattr(args, (prefix + name).replace("-", "_"), None)
         return default if value is None else value
@@ -125,7 +127,7 @@ def planner_settings(args: argparse.Namespace, prefix: str = "") -> dict:
         recompute_types=tuple(get("recompute", d.recompute_types)),
         partition=get("partition", d.partition),
         seed=get("seed", d.seed),
-        seqlen_round=get("seqlen-round", d.seqlen_round),
+        seqlen_round=get("seqlen-round", seqlen_round_for(cp)),
         max_permutations=get("max-permutations", d.max_permutations),
         tokens_per_microbatch=get("tokens-per-microbatch", d.tokens_per_microbatch),
         packing=get("packing", d.packing),

@@ -400,11 +400,26 @@ def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> Mi
     if not any(np.isfinite(costs.forward_ms(0, 1, padded, rc)) for rc in types):
         return MicroBatchingError(
             f"the cost model has no times for a sample of {length} tokens (padded to {padded}): "
-            "profile longer sequences (megatron-dynapipe profile --max-seq-length) or truncate long samples")
+            f"{costs.model.no_time_fix()}")
+    if _fits_alone(costs, MicroBatch((0,), padded), max(types), memory_limit_mb):  # the heaviest keeps the least
+        return MicroBatchingError(
+            f"a sample of {length} tokens fits under {memory_limit_mb:.0f} MB alone, but not as the "
+            f"{int(costs.in_flight(costs.worst_stages()).max())} micro-batches 1F1B's first stage holds at once with "
+            f"recompute {'/'.join(rc.label for rc in types)}: split each micro-batch's activations (sequence "
+            "parallelism, more tensor or context parallelism), use fewer pipeline stages, or raise the memory limit")
     return MicroBatchingError(
         f"a sample of {length} tokens fits no micro-batch with recompute {'/'.join(rc.label for rc in types)} "
         f"under {memory_limit_mb:.0f} MB: raise the memory limit, use more tensor/pipeline parallelism, "
         "or truncate long samples")
+
+
+def _fits_alone(costs: StageCosts, microbatch: MicroBatch, recompute: RecomputeType, memory_limit_mb: float) -> bool:
+    """Whether one micro-batch fits every stage with no other in flight."""
+    mbs, seq = cost_shapes([microbatch])
+    worst = costs.worst_stages()
+    stages = costs.by_recompute(mbs, seq, (recompute,), worst)
+    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(1, len(worst), 1)
+    return bool(np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb))
 
 
 #: runs up to this many are all priced at once to find the widest fitting ones; more are bisected

@@ -48,7 +48,7 @@ def test_groups_and_defaults():
     assert args.dynapipe is False and args.dynapipe_fast_mode is None
     assert args.dynapipe_schedule == ["1f1b", "wait-free-cyclic"]
     assert args.dynapipe_recompute == list(RecomputeType)
-    assert (args.dynapipe_seed, args.dynapipe_seqlen_round, args.dynapipe_partition) == (0, 8, "dp")
+    assert (args.dynapipe_seed, args.dynapipe_seqlen_round, args.dynapipe_partition) == (0, None, "dp")  # 8, or by CP
     assert args.is_scaling_mode is False and args.do_trace is False and args.fake_ep == 1
     assert args.fake_rank_order == "tp-cp-ep-dp-pp"
     assert validate_dynapipe_args(args) is args  # off: nothing to check, nothing changed

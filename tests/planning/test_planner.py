@@ -23,6 +23,7 @@ from megatron_dynapipe.planning.samples import synthetic_lengths
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
+from megatron_dynapipe.planning.types import RecomputeType
 
 # A small GPT (hidden 1024, 8 layers) on a 16 GB device keeps each example fast while the
 # memory limit still binds for long samples.
@@ -274,6 +275,24 @@ def test_clear_errors(costs_pp4):
         generate_execution_plan([100, 8192], TrainingSpec(memory_limit_mb=40_000), costs_pp4)
     with pytest.raises(PlanningError, match="model state alone needs .* raise the memory limit"):
         generate_execution_plan([100], TrainingSpec(memory_limit_mb=20_000), costs_pp4)
+    # an analytical model prices every length: where it has no time, the sample outgrows the device
+    with pytest.raises(PlanningError, match="131072 tokens .* one layer's activations alone exceed the device's 16 "
+                                            "GiB: add tensor or context parallelism, a fused attention core"):
+        generate_execution_plan([100, 131072], TrainingSpec(memory_limit_mb=1e6), StageCosts(SMALL, num_layers=32, pp=4))
+
+
+def test_a_sample_that_fits_alone_but_not_as_the_first_stages_micro_batches_in_flight_says_so():
+    costs = StageCosts(SMALL, num_layers=32, pp=4)
+    stages = np.arange(4)
+    need = costs.by_recompute(np.array([1.0]), np.array([4096.0]), (RecomputeType.NONE,), stages)
+    stored, peak = need["stored"].ravel(), need["peak"].ravel()
+    state = np.array([costs.model_state_mb(s) for s in stages])
+    limit = float(np.max(state + stored + peak)) + 1.0  # room for one on every stage
+    assert state[0] + 4 * stored[0] + peak[0] > limit  # not for 1F1B's four on the first
+    with pytest.raises(PlanningError, match=f"4096 tokens fits under {limit:.0f} MB alone, but not as the 4 "
+                                            "micro-batches 1F1B's first stage holds at once with recompute none: "
+                                            "split each micro-batch's activations"):
+        generate_execution_plan([4096], TrainingSpec(pp=4, memory_limit_mb=limit, recompute_types=("none",)), costs)
     with pytest.raises(ValueError, match="unknown schedule"):
         TrainingSpec(schedules=("chimera",))
     with pytest.raises(ValueError, match="layers cannot fill"):

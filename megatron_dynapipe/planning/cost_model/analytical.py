@@ -272,6 +272,13 @@ class AnalyticalCostModel(CostModel):
         need = 2.0 * self._activation_bytes(RecomputeType.NONE, b, s) / MB + self._encoder_state_mb
         return need <= self.device_memory_mb
 
+    def no_time_fix(self) -> str:
+        """A formula prices every length: it has no time where one layer's activations alone
+        exceed the device (:meth:`fits`)."""
+        fused = "" if self.fused_attention else ", a fused attention core (--attention sdpa: no s x s scores kept)"
+        return (f"one layer's activations alone exceed the device's {self.device_memory_mb / 1024:.0f} GiB: add tensor "
+                f"or context parallelism{fused}, or truncate long samples")
+
     def _mask(self, value, mbs, seqlen):
         ok = self.fits(mbs, seqlen)
         if isinstance(value, np.ndarray) or isinstance(ok, np.ndarray):

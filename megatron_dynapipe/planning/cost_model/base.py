@@ -95,6 +95,11 @@ class CostModel(abc.ABC):
         copy); none unless a profile measured them."""
         return {}
 
+    def no_time_fix(self) -> str:
+        """What to do where this model has no time for a micro-batch of one sample (the planner's
+        refusal names it): a profile measured only so long a sequence."""
+        return "profile longer sequences (megatron-dynapipe profile --max-seq-length) or truncate long samples"
+
     def describe(self) -> str:
         """What the plan was priced with, in a few words (the plan summary prints it)."""
         return f"{type(self).__name__} {self.name or ''}".strip() + f", hidden {self.hidden_size}, tp {self.tp}"

@@ -180,6 +180,9 @@ class ContextParallelCostModel(CostModel):
         width = 2.0 * layer.query_groups * layer.head_dim / self.tp  # keys and values
         return self.ring.p2p_ms(copies * self.activation_bytes * as_float(mbs) * local * width)
 
+    def no_time_fix(self) -> str:
+        return self.model.no_time_fix()
+
     def microbatch_overhead_ms(self, phase, mbs, seqlen, layers):
         return self.model.microbatch_overhead_ms(phase, mbs, self.local(seqlen), layers)
 
