@@ -30,7 +30,8 @@ class _NoProgress:
 
 class _ProgressLines:
     """rich's Progress calls, answered with one line a task at most every ``every`` seconds, and
-    one when the task completes: "profile: 12/87 (2 min 10 s)"."""
+    one when the task completes: "profile: 12/87 (2 min 10 s, about 13 min left)", what is left
+    at the pace so far (as rich's bar shows it)."""
 
     def __init__(self, stream, every: float = LINE_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.stream, self.every, self.clock = stream, every, clock
@@ -67,7 +68,10 @@ class _ProgressLines:
             return
         state["said"], state["ended"] = now, complete
         total = "" if state["total"] is None else f"/{state['total']:g}"
-        print(f"{state['description']}: {state['completed']:g}{total} ({_elapsed(now - state['started'])})",
+        elapsed, left = now - state["started"], ""
+        if state["total"] is not None and 0 < state["completed"] < state["total"]:
+            left = f", about {_elapsed(elapsed * (state['total'] / state['completed'] - 1))} left"
+        print(f"{state['description']}: {state['completed']:g}{total} ({_elapsed(elapsed)}{left})",
               file=self.stream, flush=True)
 
 
@@ -84,13 +88,15 @@ def progress_bar(enabled: bool, stream) -> Any:
         yield _NoProgress()
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     console = Console(file=stream)
     if not console.is_terminal:
         yield _ProgressLines(stream)
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
     # What else writes to stderr meanwhile (megatron-core's warnings, log records) is printed above
     # the bar instead of through it.
     with Progress(*columns, console=console, redirect_stdout=False, redirect_stderr=True,

@@ -24,7 +24,9 @@ def test_without_a_terminal_progress_is_a_line_every_interval_and_one_at_the_end
     clock.now += 1
     lines.advance(task)  # the last: said at once
     lines.advance(task)  # past the end: nothing more
-    assert out.getvalue().splitlines() == ["simulating layouts: 2/5 (40 s)", "simulating layouts: 4/5 (1 min 20 s)",
+    # with what is left at the pace so far: 3 more at 20 s each, then 1 more
+    assert out.getvalue().splitlines() == ["simulating layouts: 2/5 (40 s, about 1 min 0 s left)",
+                                           "simulating layouts: 4/5 (1 min 20 s, about 20 s left)",
                                            "simulating layouts: 5/5 (1 min 21 s)"]
 
 
@@ -39,7 +41,7 @@ def test_the_profile_progress_prints_lines_when_stderr_is_a_file():
         grid("tp 1, recompute none, seqlen 1024", 3)  # within 30 s of the last line
         clock.now += 200
         grid.finish()
-    assert out.getvalue().splitlines() == ["tp 1, recompute none, seqlen 512: 12/87 (31 s)",
+    assert out.getvalue().splitlines() == ["tp 1, recompute none, seqlen 512: 12/87 (31 s, about 3 min 13 s left)",
                                            "tp 1, recompute none, seqlen 1024: 15/15 (3 min 51 s)"]
 
 
