@@ -5,6 +5,7 @@ into the batches' steps, the slowest data-parallel rank's."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -128,6 +129,24 @@ def test_a_packed_plan_traces_its_samples_boundaries():
     sent = [tuple(op.shape) for op in top(traces[1], 0, "isend")]  # the last stage sends gradients back
     assert sorted(sent) == sorted((mb.seq_len, 1, MODEL.hidden_size) for mb in plan.microbatches)
     assert traces[1].model["attention"] == "sdpa"  # megatron's local core refuses packed micro-batches
+
+
+def test_a_cut_plan_traces_the_pieces_of_megatron_s_windows():
+    """dynapipe-cut plans THD packing's pieces: every traced row holds pieces of the windows, each
+    one in one of them, and the plan is no slower than THD's own rows of them."""
+    batches = planned("dynapipe-cut", count=1)
+    thd = planned("thd", count=1)
+    lengths, = LengthSource.from_mix("multitask").batches(GLOBAL_BATCH * SEQ, SEQ, 1, seed=3)
+    edges = sorted(set(np.cumsum(lengths).tolist()) | set(range(0, GLOBAL_BATCH * SEQ + 1, SEQ)) - {0})
+    pieces = sorted(np.diff([0] + edges).tolist())
+    assert max(batches.batches[0].pipeline_ms) <= max(thd.batches[0].pipeline_ms) * (1 + 1e-9)
+    traces = trace_stages(batches)
+    plan = batches.batches[0].plans[1]
+    assert all(mb.packed for mb in plan.microbatches)
+    mine = sorted(n for mb in plan.microbatches for n in mb.packed_lengths)  # data-parallel rank 0's pieces
+    assert not Counter(mine) - Counter(pieces) and sum(mine) < sum(lengths)  # some of the pieces, each once
+    sent = [tuple(op.shape) for op in top(traces[1], 0, "isend")]
+    assert sorted(sent) == sorted((mb.seq_len, 1, MODEL.hidden_size) for mb in plan.microbatches)
 
 
 def test_thd_packing_runs_megatron_s_windows_in_rows_on_megatron_s_1f1b():
