@@ -63,3 +63,21 @@ def free_ports(n: int) -> list[int]:
         except OSError:
             continue
     raise RuntimeError(f"no {n} consecutive free ports between 20000 and 32768")
+
+
+def stream_windows(lengths, seq_length):
+    """Megatron's GPT data path, token by token: the samples' tokens laid back to back, a new window
+    every ``seq_length`` of them; per window, the [sample, tokens] runs it holds (the tests' own
+    account of ``planning.documents.cut_documents``)."""
+    windows = []
+    position = 0
+    for sample, n in enumerate(lengths):
+        for _ in range(n):
+            if position % seq_length == 0:
+                windows.append([])
+            if windows[-1] and windows[-1][-1][0] == sample:
+                windows[-1][-1][1] += 1
+            else:
+                windows[-1].append([sample, 1])
+            position += 1
+    return windows

@@ -16,7 +16,7 @@ from project import ROOT
 
 PACKAGE = ROOT / "megatron_dynapipe"
 
-#: what each unit (a sub-package or a top-level module) may import, the arrows of the README's map
+#: what each unit (a sub-package or a top-level module) may import, the arrows of docs/architecture.md's map
 ALLOWED = {
     "config": set(),
     "compat": set(),
@@ -42,7 +42,7 @@ ALLOWED = {
     "bench": {"chrome_trace", "config", "planning", "compat", "gpt", "runtime", "data", "profiling", "local_ranks", "files",
               "progress", "hardware"},
     "cli": {"config", "planning", "compat", "tracer", "profiling", "simulate", "megatron_lm", "bench", "files",
-            "viz", "hardware", "interrupts"},
+            "viz", "hardware", "interrupts", "progress"},
 }
 
 

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_dynapipe.planning.baselines import lower_bound_ms
@@ -584,6 +584,10 @@ def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_mode
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(mix="long", samples=8, seq_length=1024, pp=4, chunks=2, dp=3, cp=2, limit=16_000.0, fast=True, seed=64526,
+         documents="cut")  # THD's own windows are faster than any cut of the planner's here
+@example(mix="lognormal", samples=95, seq_length=1024, pp=4, chunks=2, dp=3, cp=2, limit=9_000.0, fast=False,
+         seed=22634, documents="cut")
 @given(
     mix=st.sampled_from(["multitask", "lognormal", "long", "longtail"]),
     samples=st.integers(8, 96),
@@ -595,20 +599,26 @@ def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_mode
     limit=st.sampled_from([9_000.0, 16_000.0]),
     fast=st.booleans(),
     seed=st.integers(0, 2**16),
+    documents=st.sampled_from(["whole", "cut"]),
 )
 def test_a_packed_plan_is_never_predicted_slower_than_megatrons_own_packings(mix, samples, seq_length, pp, chunks,
-                                                                             dp, cp, limit, fast, seed):
-    """Megatron-LM's packings of the same samples (dp_balanced; THD rows of whole samples) are
-    candidates of the planner, so its plan is never priced above them, nor refused where they fit."""
+                                                                             dp, cp, limit, fast, seed, documents):
+    """Megatron-LM's packings of the same samples are candidates of the planner, so its plan is
+    never priced above them, nor refused where they fit: of whole samples, dp_balanced and THD
+    rows; of the documents cut as Megatron's data path cuts them (found here token by token),
+    THD packing's windows."""
     from megatron_dynapipe.planning.baselines import dp_balanced_rows, thd_packing_rows
     from megatron_dynapipe.planning.cost_model import split_over_cp
     from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
     from megatron_dynapipe.planning.samples import scaled_lengths
+    from project import stream_windows
 
     chunks = chunks if pp > 1 else 1
-    lengths = scaled_lengths(samples, seed, mix, seq_length)
+    multiple = 2 * cp if cp > 1 else 1
+    lengths = scaled_lengths(samples, seed, mix, seq_length * (2 if documents == "cut" else 1))
     spec = TrainingSpec(num_layers=2 * pp * chunks, pp=pp, dp=dp, chunks=chunks, cp=cp, seqlen_round=8,
-                        memory_limit_mb=limit, fast_mode=fast, packing="varlen", seq_length=seq_length)
+                        memory_limit_mb=limit, fast_mode=fast, packing="varlen", seq_length=seq_length,
+                        documents=documents)
     costs = StageCosts(SMALL, num_layers=spec.num_layers, pp=pp * chunks, dp=dp)
     try:
         result = generate_execution_plan(lengths, spec, costs)
@@ -616,15 +626,25 @@ def test_a_packed_plan_is_never_predicted_slower_than_megatrons_own_packings(mix
         result = None
     # Megatron's packings priced here on the planner's own stage costs (one rank of the CP group)
     priced = result.costs if result else dataclasses.replace(costs, model=split_over_cp(SMALL, cp)).packed()
-    padded = round_up(lengths, 2 * cp if cp > 1 else 1).tolist()
     theirs = []
-    try:
-        theirs.append(dp_balanced_rows(padded, seq_length, priced, limit, chunks, 8))
-    except ValueError:
-        pass  # too few samples for Megatron-LM's dp_balanced too
-    if max(padded) <= seq_length:
-        theirs.append(thd_packing_rows(pack_fixed_length(padded, seq_length), padded, seq_length, priced, limit,
-                                       chunks))
+    if documents == "cut":  # each window's pieces, each padded to whole ring chunks
+        windows = stream_windows(lengths, seq_length)
+        pieces = [-(-n // multiple) * multiple for window in windows for _, n in window]
+        firsts = np.cumsum([0] + [len(w) for w in windows]).tolist()
+        theirs.append(thd_packing_rows([list(range(a, b)) for a, b in zip(firsts[:-1], firsts[1:])], pieces,
+                                       seq_length, priced, limit, chunks))
+        if result is not None:  # and those pieces are what it planned
+            planned = [n for choice in result.choices for mb in choice.microbatches for n in mb.packed_lengths]
+            assert sorted(planned) == sorted(pieces)
+    else:
+        padded = round_up(lengths, multiple).tolist()
+        try:
+            theirs.append(dp_balanced_rows(padded, seq_length, priced, limit, chunks, 8))
+        except ValueError:
+            pass  # too few samples for Megatron-LM's dp_balanced too
+        if max(padded) <= seq_length:
+            theirs.append(thd_packing_rows(pack_fixed_length(padded, seq_length), padded, seq_length, priced, limit,
+                                           chunks))
     fitting = [t.makespan_ms for t in theirs if t is not None]
     if result is None:
         assert not fitting, f"refused a batch Megatron's packing runs in {min(fitting):.1f} ms"
