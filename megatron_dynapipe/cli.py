@@ -35,7 +35,8 @@ from megatron_dynapipe.viz import GANTT_SUFFIXES, write_chrome_trace, write_gant
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan one global batch and print the result")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE", help="sample lengths: a JSON list or one length a line")
+    src.add_argument("--lengths", metavar="FILE", help="sample lengths: a JSON list or one length a line (- reads "
+                                                         "standard input)")
     src.add_argument("--num-samples", type=int, default=64, help="size of the built-in synthetic batch (default 64)")
     p.add_argument("--mix", default="multitask", choices=MIXES,
                    help="built-in length mix (default multitask)")

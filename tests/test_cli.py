@@ -100,6 +100,17 @@ def test_bad_input_is_one_line_naming_the_fix(args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
+def test_lengths_come_from_standard_input_too():
+    """``--lengths -`` reads standard input as a file is read, with the same checks."""
+    read = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "plan", "--lengths", "-", "--json"],
+                          input="100\n200  # a comment\n\n300\n", capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0, read.stderr
+    assert (json.loads(read.stdout)["num_samples"], json.loads(read.stdout)["tokens"]) == (3, 600)
+    bad = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "plan", "--lengths", "-"],
+                         input="100\nten\n", capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "standard input is not a list of integer lengths" in bad.stderr
+
+
 def test_cost_model_without_the_requested_tp(tmp_path):
     out = run_cli("plan", "--num-samples", "8", "--tp", "3", "--cost-model", str(GPT_6_7B_A100))
     assert out.returncode == 2 and "tp=3" in out.stderr and "1, 2, 4, 8" in out.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Sequence
@@ -101,18 +102,9 @@ def check_lengths(values: Sequence, where: str = "the global batch") -> list[int
 
 
 def read_lengths(path: str | Path) -> list[int]:
-    """A JSON list of lengths, or one length a line (blank lines and # comments ignored)."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"lengths file {path} not found: pass --lengths FILE with a JSON list or one length a line")
-    if not path.is_file():  # a folder, a FIFO or a device (a link to /dev/zero never ends)
-        raise ValueError(f"lengths file {path} is not a regular file: pass --lengths FILE with a JSON list or one "
-                         "length a line")
-    if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
-        raise ValueError(f"lengths file {path} holds {path.stat().st_size:,} bytes, over the "
-                         f"{MAX_LENGTHS_FILE_BYTES:,} "
-                         f"a global batch of at most {MAX_SAMPLES:,} lengths needs: pass one batch's lengths")
-    text = path.read_text()
+    """A JSON list of lengths, or one length a line (blank lines and # comments ignored), from a
+    file or, for ``-``, standard input."""
+    text, name = _lengths_text(path)
     fix = "write a JSON list or one length a line, each a whole number of tokens >= 1"
     try:
         if text.lstrip().startswith("["):
@@ -120,10 +112,32 @@ def read_lengths(path: str | Path) -> list[int]:
         else:
             values = [int(line.split("#")[0]) for line in text.splitlines() if line.split("#")[0].strip()]
     except ValueError as error:
-        raise ValueError(f"{path} is not a list of integer lengths ({error}): {fix}") from None
+        raise ValueError(f"{name} is not a list of integer lengths ({error}): {fix}") from None
     if not isinstance(values, list):
-        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not a list of lengths: {fix}")
-    return check_lengths(values, str(path))
+        raise ValueError(f"{name} holds a JSON {type(values).__name__}, not a list of lengths: {fix}")
+    return check_lengths(values, name)
+
+
+def _lengths_text(path: str | Path) -> tuple[str, str]:
+    """The text of a lengths file (or of standard input, ``-``), at most MAX_LENGTHS_FILE_BYTES of
+    it, and its name for messages."""
+    too_big = (f"over the {MAX_LENGTHS_FILE_BYTES:,} bytes a global batch of at most {MAX_SAMPLES:,} lengths needs: "
+               "pass one batch's lengths")
+    if str(path) == "-":
+        text = sys.stdin.read(MAX_LENGTHS_FILE_BYTES + 1)
+        if len(text) > MAX_LENGTHS_FILE_BYTES:
+            raise ValueError(f"standard input holds {too_big}")
+        return text, "standard input"
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"lengths file {path} not found: pass --lengths FILE with a JSON list or one length a line "
+                         "(- reads standard input)")
+    if not path.is_file():  # a folder, a FIFO or a device (a link to /dev/zero never ends)
+        raise ValueError(f"lengths file {path} is not a regular file: pass --lengths FILE with a JSON list or one "
+                         "length a line (- reads standard input)")
+    if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
+        raise ValueError(f"lengths file {path} holds {path.stat().st_size:,} bytes, {too_big}")
+    return path.read_text(), str(path)
 
 
 class LengthSource:
