@@ -323,6 +323,8 @@ def test_minimal_file_loads_and_absent_recompute_is_infeasible(tmp_path):
          "'ms' is not a finite number"),
         (lambda d: {**d, "layer_time": d["layer_time"] + [_record(mbs=0)]},
          "'mbs' is not a positive integer"),
+        (lambda d: {**d, "layer_time": d["layer_time"] + [_record(seqlen=48, ms=0.0)]},
+         "has an encoder layer_time of 0 ms (seqlen 48, mbs 1): a transformer layer takes time"),
         (lambda d: {**d, "layer_time": d["layer_time"] + [_record(ms=99.0)]}, "conflicting layer_time"),
         (lambda d: {**d, "layer_time": [r for r in d["layer_time"] if r["layer"] != "postprocess"]},
          "no postprocess forward times"),

@@ -217,6 +217,9 @@ class ProfileRecords:
     def _add(self, table: str, values: tuple, rec: dict, where: _Source) -> None:
         *key, value = values
         key = tuple(key)
+        if table == "layer_time" and rec.get("layer") == "encoder" and value <= 0:
+            where.fail(f"has an encoder layer_time of {value:g} ms (seqlen {rec.get('seqlen')}, mbs {rec.get('mbs')}): "
+                       "a transformer layer takes time; measure it again (megatron-dynapipe profile)")
         layout = _layout(where, table, rec)
         packed = layout == "thd"
         cp = _cp(where, table, rec)
