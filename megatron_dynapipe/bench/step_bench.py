@@ -18,6 +18,11 @@ The same samples (random tokens of the given lengths) go through the same GPT in
   document can straddle two rows (the second part a segment of its own, without the first's
   context); here whole samples are packed first-fit, so every sample keeps its context and rows
   carry what padding first-fit leaves.
+* with ``--cut-documents``, two more that train the documents as Megatron-LM's GPT data path cuts
+  them (back to back, a new row every ``--max-seq-length`` tokens; :mod:`~megatron_dynapipe.planning.documents`):
+  **THD windows**, THD packing of those windows in order, as core_v0.19 trains them, and
+  **DynaPipe varlen (cut)**, the planner on the same pieces (``--documents cut``). They train the
+  same pieces as each other, so their losses agree with each other, not with the whole samples';
 * **dp_balanced packing**: Megatron-LM's ``--sequence-packing-scheduler dp_balanced`` (after
   core_v0.19): whole samples in arrival order, next-fit into THD packs of ``--max-seq-length``
   tokens, as many as a multiple of DP (x PP where interleaved), one pack a micro-batch
@@ -71,8 +76,9 @@ from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, t
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatron_dp_balanced_rows, megatron_plans,
-                                                  thd_packing_rows, uniform_microbatches)
+                                                  megatron_thd_rows, thd_packing_rows, uniform_microbatches)
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
+from megatron_dynapipe.planning.documents import cut_documents
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
 from megatron_dynapipe.planning.methods import METHODS as REGISTRY
 from megatron_dynapipe.planning.planner import generate_execution_plan
@@ -83,10 +89,11 @@ from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
 __all__ = ["add_arguments", "run"]
 
 # the registry's labels for the methods it names; this benchmark's own baselines besides
-DYNAPIPE, VARLEN, THD, DP_BALANCED = (REGISTRY[name].label for name in ("dynapipe", "dynapipe-varlen", "thd",
-                                                                        "dp_balanced"))
-FAST, PAD, PACK = "DynaPipe (fast)", "pad-to-max", "packing"
+DYNAPIPE, VARLEN, THD, DP_BALANCED, CUT = (REGISTRY[name].label for name in ("dynapipe", "dynapipe-varlen", "thd",
+                                                                             "dp_balanced", "dynapipe-cut"))
+FAST, PAD, PACK, WINDOWS = "DynaPipe (fast)", "pad-to-max", "packing", "THD windows"
 LEAKY = (PACK,)  # methods whose samples attend to each other: their losses differ by design
+CUT_PIECES = (CUT, WINDOWS)  # methods that train the documents cut: their losses agree with each other
 DEFAULT_SAMPLES = 64
 # relative, each method without leakage against pad-to-max
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
@@ -128,6 +135,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens (default 0)")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
+    p.add_argument("--cut-documents", action="store_true",
+                   help="also run THD packing on Megatron's windows (the documents back to back, cut every "
+                        "--max-seq-length tokens) and DynaPipe varlen on the same pieces (--documents cut)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE.json",
                    help="after the timed steps, one more step of each method with every instruction timed on every "
@@ -226,7 +236,8 @@ def _checked(args) -> dict:
     return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
                 memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
                 cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
-                predicts=args.cost_model is not None, timeline=bool(args.chrome_trace))
+                predicts=args.cost_model is not None, timeline=bool(args.chrome_trace),
+                cut=bool(args.cut_documents))
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -275,7 +286,25 @@ def _methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
             print(f"bench step: {DP_BALANCED} left out: {error}", file=sys.stderr)
         else:
             methods[DP_BALANCED] = _rows_method(balanced, tokens, seq, costs, spec)
+    if job["packs"] and job["cut"]:
+        methods.update(_cut_methods(lengths, tokens, spec, costs))
     return methods
+
+
+def _cut_methods(lengths: list[int], tokens: list[np.ndarray], spec: TrainingSpec, costs: StageCosts) -> dict:
+    """THD packing of Megatron's windows and DynaPipe varlen on their pieces: the documents cut as
+    Megatron-LM's GPT data path cuts them, each piece a slice of its sample's tokens."""
+    seq = spec.seq_length
+    pieces = cut_documents(lengths, seq, packed_sample_multiple(spec.cp))
+    piece_tokens = [tokens[s][a:a + n] for s, a, n in zip(pieces.sample.tolist(), pieces.start.tolist(),
+                                                           pieces.tokens.tolist())]
+    result = generate_execution_plan(lengths, dataclasses.replace(spec, packing="varlen", documents="cut"), costs,
+                                     fast_mode=False)
+    planned = Method(result.plans, [[_tensors(piece_tokens, mb, spec.cp) for mb in plans[0].microbatches]
+                                    for plans in result.plans],
+                     result.makespan_ms, _activations_mb(result.peak_memory_mb, costs), result.planning_seconds)
+    windows = megatron_thd_rows(lengths, seq, costs, spec.memory_limit_mb, spec.chunks, spec.cp)
+    return {WINDOWS: _rows_method(windows, piece_tokens, seq, costs, spec), CUT: planned}
 
 
 def _stage_costs(job: dict) -> StageCosts:
@@ -532,10 +561,12 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         if job["timeline"]:
             rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
-            for name, row in rows.items() if name not in LEAKY and name != PAD and PAD in rows}
+            for name, row in rows.items() if name not in LEAKY + CUT_PIECES and name != PAD and PAD in rows}
+    if CUT in rows and WINDOWS in rows:  # the same pieces
+        gaps[CUT] = abs(rows[CUT]["loss"] - rows[WINDOWS]["loss"]) / abs(rows[WINDOWS]["loss"])
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
                 for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DP_BALANCED),
-                             (VARLEN, DYNAPIPE), (THD, PAD))
+                             (VARLEN, DYNAPIPE), (THD, PAD), (CUT, WINDOWS), (CUT, DP_BALANCED))
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
@@ -619,8 +650,10 @@ def _loss_lines(row: dict) -> list[str]:
     gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in row["loss_gaps"].items())
     leaky = (f"; packing {methods[PACK]['loss']:.5f} (samples attend to their neighbours)" if PACK in methods
              else "")
+    cut = (f"; {WINDOWS} {methods[WINDOWS]['loss']:.5f} (the documents cut: {CUT}'s gap is to it)"
+           if WINDOWS in methods else "")
     return [f"losses: pad-to-max {methods[PAD]['loss']:.5f}; the others without leakage {agree} with it "
-            f"(relative gaps: {gaps}){leaky}"]
+            f"(relative gaps: {gaps}){leaky}{cut}"]
 
 
 def format_table(row: dict) -> str:

@@ -36,18 +36,21 @@ def lengths_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("pp, chunks", [(1, 1), (2, 1), (2, 2)])
-def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp, chunks):
+@pytest.mark.parametrize("pp, chunks, cut", [(1, 1, False), (2, 1, True), (2, 2, False)])
+def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, pp, chunks, cut):
     """Every method on the same samples; with two model chunks a rank (PP 2 x 2 chunks, the tiny
     GPT's 4 layers one a chunk) the baselines run Megatron's interleaved 1F1B and DynaPipe its
-    planned interleaved pipeline, and all agree on the loss."""
+    planned interleaved pipeline, and all agree on the loss. With --cut-documents, two more on the
+    documents cut (:func:`check_the_cut_methods`)."""
     profile, _ = tiny_sdpa_profile
     run = bench("--model", "tiny", "--cost-model", str(profile), "--lengths", str(lengths_file),
                 "--max-seq-length", str(SEQ), "--pp", str(pp), "--chunks", str(chunks), "--steps", "3", "--warmup", "0",
-                "--json")
+                "--json", *(["--cut-documents"] if cut else []))
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(run.stdout)
-    methods = row["methods"]
+    if cut:
+        check_the_cut_methods(row)
+    methods = {name: m for name, m in row["methods"].items() if name not in CUT_METHODS}
     assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing",
                             "dp_balanced packing"}
     assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
@@ -68,9 +71,25 @@ def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, l
     # padding at the right changes nothing a causal model computes for the real tokens, and a
     # packed sample that attends to itself alone computes what it does padded
     assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing",
-                                     "dp_balanced packing"}
+                                     "dp_balanced packing", *(["DynaPipe varlen (cut)"] if cut else [])}
     assert row["losses_agree"] and max(row["loss_gaps"].values()) < 1e-4
     assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
+
+
+CUT_METHODS = ("THD windows", "DynaPipe varlen (cut)")
+
+
+def check_the_cut_methods(row):
+    """--cut-documents: the samples back to back, a new 128-token window where the last ends: 100 +
+    28 of the 60; its other 32 + 50 + 30 + 16 of the 20; its other 4 + 10 + 90 + 8 (112 tokens).
+    THD packing runs those 3 windows, DynaPipe varlen plans the 10 pieces; both train the same
+    tokens, each piece predicting all but its last, so their losses agree with each other."""
+    windows, cut = (row["methods"][name] for name in CUT_METHODS)
+    assert windows["padded_tokens"] == 3 * SEQ and windows["loss_tokens"] == cut["loss_tokens"] == sum(LENGTHS) - 10
+    assert row["methods"]["THD packing"]["loss_tokens"] == sum(LENGTHS) - len(LENGTHS)  # whole samples
+    assert row["loss_gaps"]["DynaPipe varlen (cut)"] < 1e-4  # against THD windows
+    assert cut["predicted_ms"] <= windows["predicted_ms"] * (1 + 1e-9)  # THD's windows are among its candidates
+    assert "DynaPipe varlen (cut) over THD windows" in row["speedups"]
 
 
 def test_uneven_stages_run_as_megatron_builds_them_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, tmp_path):
