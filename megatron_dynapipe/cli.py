@@ -22,8 +22,9 @@ from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 from megatron_dynapipe.planning.baselines import default_pack_length
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings
-from megatron_dynapipe.planning.planner import generate_execution_plan, resimulate
+from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, check_sample_count, read_lengths, synthetic_lengths
+from megatron_dynapipe.planning.schedule_search import resimulate
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.summary import format_summary, summarize
 from megatron_dynapipe.profiling.cli import add_profile_parser

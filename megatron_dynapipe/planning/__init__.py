@@ -5,14 +5,9 @@
 
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env, resolve_fast_mode
 from megatron_dynapipe.planning.plan import ExecutionPlan, Instruction, Op, check_deadlock_free
-from megatron_dynapipe.planning.planner import (
-    PlanningError,
-    PlanResult,
-    adjust_rc_plan,
-    build_candidates,
-    generate_execution_plan,
-    optimize_schedule,
-)
+from megatron_dynapipe.planning.planner import PlanResult, generate_execution_plan
+from megatron_dynapipe.planning.recompute import adjust_rc_plan
+from megatron_dynapipe.planning.schedule_search import PlanningError, build_candidates, optimize_schedule
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 

@@ -129,7 +129,7 @@ def test_an_interleaved_batch_plans_where_its_costly_micro_batches_are_spread_an
 @settings(max_examples=50, deadline=None)
 @given(costs=st.lists(st.floats(0, 100), min_size=0, max_size=30))
 def test_the_spread_order_takes_the_costliest_and_the_cheapest_in_turn(costs):
-    from megatron_dynapipe.planning.planner import spread_order
+    from megatron_dynapipe.planning.schedule_search import spread_order
 
     by_time = np.argsort(costs, kind="stable")
     order = spread_order(by_time)
@@ -191,7 +191,8 @@ def test_profiled_plan_beats_packing_and_respects_the_limit(costs_pp4):
 
 
 def test_fast_mode_searches_wait_free_cyclic_over_two_microbatchings(costs_pp4):
-    from megatron_dynapipe.planning.planner import _microbatchings, microbatch_orders
+    from megatron_dynapipe.planning.planner import _microbatchings
+    from megatron_dynapipe.planning.schedule_search import microbatch_orders
 
     lengths = synthetic_lengths(64, 0, "lognormal")
     spec = TrainingSpec()
@@ -210,7 +211,7 @@ def test_fast_mode_searches_wait_free_cyclic_over_two_microbatchings(costs_pp4):
 
 
 def test_orders_tried_shrink_to_three_as_microbatches_multiply():
-    from megatron_dynapipe.planning.planner import orders_to_try
+    from megatron_dynapipe.planning.schedule_search import orders_to_try
 
     # 8 orders while 8 simulations stay within 1024 micro-batches, never fewer than 3
     assert [orders_to_try(n, 8) for n in (1, 128, 129, 256, 341, 342, 100_000)] == [8, 8, 7, 4, 3, 3, 3]
@@ -342,7 +343,8 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses(seed, siz
 
 @pytest.mark.parametrize("mix,size", [("lognormal", 64), ("long", 64), ("long", 256)])
 def test_fast_mode_is_within_its_gap_of_its_own_exhaustive_search(mix, size, costs_pp4):
-    from megatron_dynapipe.planning.planner import FAST_MODE_GAP, _microbatchings, optimize_schedule
+    from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
+    from megatron_dynapipe.planning.schedule_search import FAST_MODE_GAP
 
     lengths = synthetic_lengths(size, 0, mix)
     microbatchings = _microbatchings(lengths, range(size), costs_pp4, TrainingSpec(), True)
