@@ -201,7 +201,17 @@ class ScheduleDeadlock(RuntimeError):
 
 def simulate(orders: Sequence[Order], work: StageWork, record: bool = False) -> SimulationResult:
     """Run fixed per-stage orders; raises ScheduleDeadlock if they wait on each other."""
+    check_op_kinds(orders)
     return run_timeline(work, orders=orders, record=record)
+
+
+def check_op_kinds(orders: Sequence[Order]) -> None:
+    """Orders hold forwards ("F") and whole backwards ("B") alone: another kind (a weight-gradient
+    step, "W") would otherwise be run as a backward without a word."""
+    kinds = {op[0] for order in orders for op in order}
+    if not kinds <= {"F", "B"}:
+        raise ValueError(f"an order holds ops of kind {', '.join(map(repr, sorted(kinds - {'F', 'B'})))}: the planner "
+                         "simulates forwards (\"F\") and whole backwards (\"B\") only")
 
 
 def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, memory_limit_mb: float = math.inf,

@@ -62,6 +62,29 @@ def test_orders_that_wait_on_each_other_are_reported():
         simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], work)
 
 
+def test_an_op_kind_the_planner_does_not_run_fails_loudly_everywhere_an_order_is_read():
+    """A weight-gradient step ("W", as split-backward schedules have) is neither a forward nor a
+    whole backward: a schedule that emits one, simulating such an order and lowering it refuse
+    it, where they would otherwise run it as a backward."""
+    from megatron_dynapipe.planning.plan import build_execution_plans
+    from megatron_dynapipe.planning.schedules.base import FixedSchedule
+    from megatron_dynapipe.planning.types import Action
+
+    class SplitBackward(FixedSchedule):
+        name = "split-backward"
+
+        def stage_order(self, stage, pp, n, chunks=1):
+            return [Action(kind, m) for m in range(n) for kind in ("F", "B", "W")]
+
+    with pytest.raises(ValueError, match="an order holds ops of kind 'W': the planner simulates forwards"):
+        SplitBackward().orders_for(1, 2)
+    order = [Action("F", 0), Action("B", 0), Action("W", 0)]
+    with pytest.raises(ValueError, match="kind 'W'"):
+        simulate([order], uniform_work(1, 1))
+    with pytest.raises(ValueError, match="kind must be \"F\" or \"B\""):
+        build_execution_plans([order], [MicroBatch((0,), 8)], "none", "1f1b")
+
+
 @pytest.mark.parametrize("pp,n", [(2, 6), (4, 10), (3, 1)])
 def test_wait_free_cyclic_equals_1f1b_on_uniform_work_with_room(pp, n):
     work = uniform_work(pp, n)

@@ -21,7 +21,8 @@ import functools
 import math
 from typing import ClassVar
 
-from megatron_dynapipe.planning.simulator import Order, OrderIndex, SimulationResult, StageWork, run_timeline
+from megatron_dynapipe.planning.simulator import (Order, OrderIndex, SimulationResult, StageWork, check_op_kinds,
+                                                  run_timeline)
 
 
 class Schedule(abc.ABC):
@@ -67,7 +68,9 @@ class FixedSchedule(Schedule):
     def _orders(self, pp: int, n: int, chunks: int) -> tuple[tuple, ...]:
         # made once: a search asks for the same orders candidate after candidate
         check_chunks(self, chunks)
-        return tuple(tuple(self.stage_order(s, pp, n, chunks)) for s in range(pp))
+        orders = tuple(tuple(self.stage_order(s, pp, n, chunks)) for s in range(pp))
+        check_op_kinds(orders)
+        return orders
 
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:
         return self.orders_for(work.pp, work.n, work.chunks)
