@@ -17,7 +17,6 @@ from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.hardware import MEMORY_HEADROOM
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.interrupts import exit_status
-from megatron_dynapipe.progress import heartbeat
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
 from megatron_dynapipe.planning.baselines import default_pack_length
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode
@@ -28,6 +27,7 @@ from megatron_dynapipe.planning.schedule_search import resimulate
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.summary import format_summary, summarize
 from megatron_dynapipe.profiling.cli import add_profile_parser
+from megatron_dynapipe.progress import heartbeat
 from megatron_dynapipe.simulate.cli import add_calibrate_parser, add_search_parser, add_simulate_parser
 from megatron_dynapipe.tracer.cli import add_trace_parser
 from megatron_dynapipe.viz import GANTT_SUFFIXES, write_chrome_trace, write_gantt

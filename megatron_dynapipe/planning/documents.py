@@ -50,8 +50,9 @@ def cut_documents(lengths: Sequence[int], seq_length: int, multiple: int = 1) ->
     path cuts documents into its windows; each piece then padded to a ``multiple`` of tokens
     (under context parallelism a packed sample splits into 2 x CP equal chunks, Megatron's
     ``cu_seqlens_padded``), so a window's row may hold a little more than ``seq_length``."""
-    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
-    firsts, total = ends - np.asarray(lengths, dtype=np.int64), int(ends[-1]) if len(ends) else 0
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    firsts, total = ends - lengths, int(ends[-1]) if len(ends) else 0
     edges = np.arange(seq_length, total, seq_length, dtype=np.int64)
     cuts = np.union1d(firsts[firsts < ends], edges)  # every piece's first token in the stream
     sample = np.searchsorted(ends, cuts, side="right")  # past empty samples, which end where they start

@@ -156,14 +156,20 @@ def lightest_fitting_alone(costs: StageCosts, microbatches: Sequence[MicroBatch]
     """Per micro-batch, the lightest allowed recompute under which it fits every stage alone
     (model state, its stored activations and its transient peak; the heaviest allowed where none
     does)."""
-    mbs, seq = cost_shapes(microbatches)
     types = tuple(sorted(_types(allowed)))
-    worst = costs.worst_stages()  # alone, every stage of a kind needs the same
-    stages = costs.by_recompute(mbs, seq, types, worst)
-    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(1, len(worst), 1)
-    fits = np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb, axis=1)  # [type, micro-batch]
+    fits = _fitting_alone(costs, microbatches, types, memory_limit_mb)
     first = np.where(fits.any(axis=0), np.argmax(fits, axis=0), len(types) - 1)
     return [types[i] for i in first.tolist()]
+
+
+def _fitting_alone(costs: StageCosts, microbatches: Sequence[MicroBatch], types, memory_limit_mb: float) -> np.ndarray:
+    """[type, micro-batch]: whether the micro-batch fits every stage under that recompute with no
+    other in flight (model state, its stored activations and its transient peak)."""
+    mbs, seq = cost_shapes(microbatches)
+    worst = costs.worst_stages()  # alone, every stage of a kind needs the same
+    stages = costs.by_recompute(mbs, seq, tuple(types), worst)
+    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(1, len(worst), 1)
+    return np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb, axis=1)
 
 
 def partition_dp(
@@ -401,7 +407,8 @@ def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> Mi
         return MicroBatchingError(
             f"the cost model has no times for a sample of {length} tokens (padded to {padded}): "
             f"{costs.model.no_time_fix()}")
-    if _fits_alone(costs, MicroBatch((0,), padded), max(types), memory_limit_mb):  # the heaviest keeps the least
+    heaviest = (max(types),)  # it keeps the least
+    if _fitting_alone(costs, [MicroBatch((0,), padded)], heaviest, memory_limit_mb).all():
         return MicroBatchingError(
             f"a sample of {length} tokens fits under {memory_limit_mb:.0f} MB alone, but not as the "
             f"{int(costs.in_flight(costs.worst_stages()).max())} micro-batches 1F1B's first stage holds at once with "
@@ -411,15 +418,6 @@ def _unfit(costs, length: int, padded: int, types, memory_limit_mb: float) -> Mi
         f"a sample of {length} tokens fits no micro-batch with recompute {'/'.join(rc.label for rc in types)} "
         f"under {memory_limit_mb:.0f} MB: raise the memory limit, use more tensor/pipeline parallelism, "
         "or truncate long samples")
-
-
-def _fits_alone(costs: StageCosts, microbatch: MicroBatch, recompute: RecomputeType, memory_limit_mb: float) -> bool:
-    """Whether one micro-batch fits every stage with no other in flight."""
-    mbs, seq = cost_shapes([microbatch])
-    worst = costs.worst_stages()
-    stages = costs.by_recompute(mbs, seq, (recompute,), worst)
-    state = np.array([costs.model_state_mb(s) for s in worst]).reshape(1, len(worst), 1)
-    return bool(np.all(state + stages["stored"] + stages["peak"] <= memory_limit_mb))
 
 
 #: runs up to this many are all priced at once to find the widest fitting ones; more are bisected
