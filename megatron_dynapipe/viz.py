@@ -13,10 +13,15 @@ from typing import Sequence
 from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.files import atomic_path
 from megatron_dynapipe.planning.simulator import Event
+from megatron_dynapipe.planning.types import Op
 
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")  # formats matplotlib writes by suffix
-_ROWS = {"F": "compute", "B": "compute", "send-act": "send activations", "send-grad": "send gradients"}
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "send-act": "#8fbbd9", "send-grad": "#f4b183"}
+# An event's row, name and colour by its kind (a KeyError for a kind shown nowhere yet)
+_ROWS = {Op.FORWARD: "compute", Op.BACKWARD: "compute", Op.SEND_ACT_START: "send activations",
+         Op.SEND_GRAD_START: "send gradients"}
+_NAMES = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.SEND_ACT_START: "send-act", Op.SEND_GRAD_START: "send-grad"}
+_COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", Op.SEND_ACT_START: "#8fbbd9",
+            Op.SEND_GRAD_START: "#f4b183"}
 _LABEL_POINTS_PER_CHAR = 4.0  # width of one digit at the label's 6-point font
 
 
@@ -31,7 +36,8 @@ def chrome_trace(timelines: Sequence[Sequence[Event]], name: str = "dynapipe pla
             for row in dict.fromkeys(_ROWS.values()):  # every row, in the same order, on every stage
                 trace.row(pid, row)
         for e in events:
-            trace.span(rank * len(stages) + e.stage, _ROWS[e.kind], f"{e.kind} {e.microbatch}", cat=e.kind,
+            kind = _NAMES[e.kind]
+            trace.span(rank * len(stages) + e.stage, _ROWS[e.kind], f"{kind} {e.microbatch}", cat=kind,
                        start_us=e.start * 1000.0, dur_us=(e.end - e.start) * 1000.0,
                        args={"microbatch": e.microbatch, "dp_rank": rank})
     return trace
@@ -53,7 +59,7 @@ def write_gantt(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    computes = [[e for e in events if e.kind in ("F", "B")] for events in timelines]
+    computes = [[e for e in events if e.kind.is_compute] for events in timelines]
     stages = sorted({e.stage for compute in computes for e in compute})
     end = max((e.end for compute in computes for e in compute), default=1.0)
     width_inches = 12.0
@@ -71,8 +77,8 @@ def write_gantt(timelines: Sequence[Sequence[Event]], path: str | os.PathLike,
         ax.set_ylim(max(stages) + 0.6, min(stages) - 0.6)  # stage 0 on top
         ax.set_title(titles[rank] if rank < len(titles) else f"dp rank {rank}", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("time (ms)")
-    fig.legend(handles=[Patch(color=_COLOURS["F"], label="forward"),
-                        Patch(color=_COLOURS["B"], label="backward (with recomputation)")],
+    fig.legend(handles=[Patch(color=_COLOURS[Op.FORWARD], label="forward"),
+                        Patch(color=_COLOURS[Op.BACKWARD], label="backward (with recomputation)")],
                loc="upper right", ncol=2, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     try:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType, cost_shapes
+from megatron_dynapipe.planning.types import Action, MicroBatch, Op, RecomputeType, cost_shapes
 
 Order = list[Action]  # one stage's compute ops in execution order
 # An op that ran above the memory limit: (stage, MB in use, its position in the stage's order).
@@ -172,7 +172,8 @@ def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute:
 @dataclass(frozen=True)
 class Event:
     stage: int  # the rank
-    kind: str  # "F", "B", "send-act" or "send-grad"
+    kind: Op  # FORWARD, BACKWARD, or the transfer of a forward's output (SEND_ACT_START) or
+    # of a backward's input gradient (SEND_GRAD_START), from its start to its arrival
     microbatch: int
     start: float
     end: float
@@ -201,17 +202,27 @@ class ScheduleDeadlock(RuntimeError):
 
 def simulate(orders: Sequence[Order], work: StageWork, record: bool = False) -> SimulationResult:
     """Run fixed per-stage orders; raises ScheduleDeadlock if they wait on each other."""
-    check_op_kinds(orders)
+    check_orders(orders)
     return run_timeline(work, orders=orders, record=record)
 
 
-def check_op_kinds(orders: Sequence[Order]) -> None:
-    """Orders hold forwards ("F") and whole backwards ("B") alone: another kind (a weight-gradient
-    step, "W") would otherwise be run as a backward without a word."""
-    kinds = {op[0] for order in orders for op in order}
-    if not kinds <= {"F", "B"}:
-        raise ValueError(f"an order holds ops of kind {', '.join(map(repr, sorted(kinds - {'F', 'B'})))}: the planner "
-                         "simulates forwards (\"F\") and whole backwards (\"B\") only")
+def check_orders(orders: Sequence[Order]) -> None:
+    """Orders hold Actions of forwards and whole backwards alone: a plain tuple, or another op (a
+    weight-gradient step) would otherwise be read as a backward without a word."""
+    for s, order in enumerate(orders):
+        check_order(order, s)
+
+
+def check_order(order: Order, stage: int) -> None:
+    """:func:`check_orders` of stage ``stage``'s order."""
+    for i, action in enumerate(order):
+        if type(action) is not Action or type(action.op) is not Op or not action.op.is_compute:
+            raise ValueError(f"stage {stage} order item #{i} {action!r} is not an Action of Op.FORWARD or "
+                             "Op.BACKWARD (Action.forward(m), Action.backward(m)): the planner simulates "
+                             "forwards and whole backwards only")
+
+
+_FORWARD, _BACKWARD, _SEND_ACT, _SEND_GRAD = Op.FORWARD, Op.BACKWARD, Op.SEND_ACT_START, Op.SEND_GRAD_START
 
 
 def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, memory_limit_mb: float = math.inf,
@@ -294,16 +305,16 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                                           next_forward, state[s] + held_total[s], stored[s], peak_of[s],
                                           memory_limit_mb, strict_memory)
                 v = s
-                due = [] if kind else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
+                due = [] if kind is not None else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
             elif position[s] < len(orders[s]):
                 op = orders[s][position[s]]
-                kind, m = op[0], op[1]
+                kind, m = op.op, op.microbatch
                 if chunks > 1:
-                    c = op[2]
+                    c = op.chunk
                     v = c * pp + s
                 else:
                     v = s
-                if kind == "F":
+                if kind is _FORWARD:
                     ready = 0.0 if v == 0 else act[v][m]
                 else:
                     ready = last_forward_end[m] if v == last else grad[v][m]
@@ -318,7 +329,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                 if due:
                     wake_at(s, min(due))
         start = free[s] if free[s] > now else now
-        duration = forward[v][m] if kind == "F" else backward[v][m]
+        duration = forward[v][m] if kind is _FORWARD else backward[v][m]
         end = free[s] = start + duration
         key = c * n + m if chunks > 1 else m
         in_use = state[s] + held_total[s] + peak_of[v][m]
@@ -329,7 +340,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
         if chunks > 1:
             ran[s].append(Action(kind, m, c))
         else:
-            ran[s].append(forwards[m] if kind == "F" else backwards[m])
+            ran[s].append(forwards[m] if kind is _FORWARD else backwards[m])
         starts[s].append(start)
         ends[s].append(end)
         if record:
@@ -337,14 +348,14 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
         remaining[s] -= duration
         if end + remaining[s] > give_up_above_ms:
             return None
-        if kind == "F":
+        if kind is _FORWARD:
             held[s][key] = stored[v][m]
             held_total[s] += stored[v][m]
             if v < last:
                 begin = link_down[s] if link_down[s] > end else end
                 sent = link_down[s] = begin + comm[m]
                 if record:
-                    events.append(Event(s, "send-act", m, begin, sent, c))
+                    events.append(Event(s, _SEND_ACT, m, begin, sent, c))
                 act[v + 1][m] = sent
                 wake_at((s + 1) % pp, sent)
             else:
@@ -356,7 +367,7 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                 begin = link_up[s] if link_up[s] > end else end
                 sent = link_up[s] = begin + comm[m]
                 if record:
-                    events.append(Event(s, "send-grad", m, begin, sent, c))
+                    events.append(Event(s, _SEND_GRAD, m, begin, sent, c))
                 grad[v - 1][m] = sent
                 if greedy:
                     backlog[s - 1].append(m)
@@ -371,7 +382,7 @@ def actions(n: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     """Every forward and every backward of n micro-batches, made once: the orders of every
     candidate and recompute round of a batch share them (an Action costs several times a
     plain tuple to make)."""
-    return tuple(Action("F", m) for m in range(n)), tuple(Action("B", m) for m in range(n))
+    return tuple(Action.forward(m) for m in range(n)), tuple(Action.backward(m) for m in range(n))
 
 
 def over_limit(orders: "Sequence[Order | OrderIndex]", work: StageWork, limit_mb: float) -> list[OverLimit]:
@@ -409,8 +420,11 @@ class OrderIndex:
 
     @classmethod
     def of(cls, order: Order, n: int, chunks: int = 1) -> "OrderIndex":
-        forward = np.fromiter((op[0] == "F" for op in order), dtype=bool, count=len(order))
-        keys = (op[2] * n + op[1] for op in order) if chunks > 1 else (op[1] for op in order)
+        ops = np.fromiter((action.op for action in order), dtype=np.int64, count=len(order))
+        forward = ops == _FORWARD
+        if not np.all(forward | (ops == _BACKWARD)):
+            check_order(order, 0)  # names the first op that is neither
+        keys = (a.chunk * n + a.microbatch for a in order) if chunks > 1 else (a.microbatch for a in order)
         key = np.fromiter(keys, dtype=np.int64, count=len(order))
         first, last = np.zeros(n * chunks, dtype=np.int64), np.zeros(n * chunks, dtype=np.int64)
         positions = np.arange(len(order))
@@ -451,15 +465,15 @@ def _stuck(orders, position, pp) -> Exception:
     """Why no stage can run its next op."""
     if orders is None:
         return RuntimeError("wait-free-cyclic found no runnable op: a micro-batch fits no stage alone")
-    stuck = {s: orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])}
-    return ScheduleDeadlock(f"stages wait on each other at {stuck}")
+    stuck = ", ".join(f"stage {s} at {orders[s][position[s]]}" for s in range(pp) if position[s] < len(orders[s]))
+    return ScheduleDeadlock(f"stages wait on each other: {stuck}")
 
 
 def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, backlog, next_forward, in_use, stored,
                     peak, limit, strict):
     """wait-free-cyclic's choice for stage s at ``now``: keep 1F1B's pp - s micro-batches in flight
     first (a starved pipeline idles downstream), then backwards, then extra forwards while memory
-    lasts: (kind, micro-batch) or (None, None).  Filling the stage ignores memory (recompute
+    lasts: (Op, micro-batch) or (None, None).  Filling the stage ignores memory (recompute
     adjustment makes those micro-batches fit, which beats idling) unless ``strict``: then a forward
     that would not fit waits for a backward to free memory, as any extra one does."""
     m = next_forward[s]
@@ -468,15 +482,15 @@ def _wait_free_pick(s, now, pp, n, last, act, last_forward_end, grad, held, back
     filling = forward_due and len(held) < pp - s
     if filling and not (strict and held and not _fits(m, held, in_use, stored, peak, limit)):
         next_forward[s] += 1
-        return "F", m
+        return _FORWARD, m
     if backlog:
         b = backlog[0]
         ready = last_forward_end[b] if s == last else grad[s][b]
         if ready is not None and ready <= now:
-            return "B", backlog.popleft()
+            return _BACKWARD, backlog.popleft()
     if forward_due and _fits(m, held, in_use, stored, peak, limit):
         next_forward[s] += 1
-        return "F", m
+        return _FORWARD, m
     return None, None
 
 

@@ -41,20 +41,105 @@ def recompute_at_least(types, granularity: "str | None") -> tuple:
     return tuple(t for t in types if t >= floor)
 
 
+class Op(enum.IntEnum):
+    """What one step of a pipeline stage does: the kinds of a schedule's actions (``FORWARD``,
+    ``BACKWARD``) and of the instructions they are lowered to. The values are the wire format
+    (planning/plan/wire.py): never renumber, only append."""
+
+    LOAD_INPUT = 0  #: roughly: the first virtual stage reads a micro-batch's tokens
+    FORWARD = 1  #: roughly: a model chunk's layers run forward on one micro-batch
+    BACKWARD = 2  #: roughly: their whole backward (input and weight gradients), recompute first
+    RECV_ACT_START = 3  #: roughly: post the receive of a micro-batch's activations (irecv)
+    RECV_ACT_FINISH = 4  #: roughly: wait for those activations
+    SEND_ACT_START = 5  #: roughly: post the send of a forward's output (isend)
+    SEND_ACT_FINISH = 6  #: roughly: wait until it has gone
+    RECV_GRAD_START = 7  #: roughly: post the receive of the gradient of a forward's output
+    RECV_GRAD_FINISH = 8  #: roughly: wait for that gradient
+    SEND_GRAD_START = 9  #: roughly: post the send of a backward's input gradient
+    SEND_GRAD_FINISH = 10  #: roughly: wait until it has gone
+    FREE_BUFFER = 11  #: roughly: drop what the stage keeps of a micro-batch
+
+    @property
+    def is_compute(self) -> bool:
+        return self == 1 or self == 2
+
+    @property
+    def is_forward(self) -> bool:
+        return self == 1
+
+    @property
+    def letter(self) -> str:
+        """A compute op in orders and plans' text: "F" or "B"."""
+        if not self.is_compute:
+            raise ValueError(f"{self.name} is not a compute op")
+        return "F" if self == 1 else "B"
+
+    @property
+    def is_comm(self) -> bool:
+        return 3 <= self <= 10
+
+    @property
+    def is_start(self) -> bool:
+        return self in _STARTS
+
+    @property
+    def is_finish(self) -> bool:
+        return self in _FINISHES
+
+    @property
+    def is_send(self) -> bool:
+        return self in _SENDS
+
+    @property
+    def is_activation(self) -> bool:
+        """A transfer of activations (forward's output); the other transfers carry gradients."""
+        return self in _ACTIVATIONS
+
+    @property
+    def finish(self) -> "Op":
+        """The FINISH that completes this START."""
+        if not self.is_start:
+            raise ValueError(f"{self.name} is not a START op")
+        return Op(self + 1)
+
+    @property
+    def start(self) -> "Op":
+        """The START that this FINISH completes."""
+        if not self.is_finish:
+            raise ValueError(f"{self.name} is not a FINISH op")
+        return Op(self - 1)
+
+
+_STARTS = frozenset({Op.RECV_ACT_START, Op.SEND_ACT_START, Op.RECV_GRAD_START, Op.SEND_GRAD_START})
+_FINISHES = frozenset({Op.RECV_ACT_FINISH, Op.SEND_ACT_FINISH, Op.RECV_GRAD_FINISH, Op.SEND_GRAD_FINISH})
+_SENDS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.SEND_GRAD_START, Op.SEND_GRAD_FINISH})
+_ACTIVATIONS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.RECV_ACT_START, Op.RECV_ACT_FINISH})
+
+
 class Action(NamedTuple):
-    """One compute op of a pipeline rank's order (planning/schedules: who makes them). It is a
-    tuple: a plain ``("F", m)`` pair stands for ``Action("F", m)`` wherever orders are read.
+    """One compute op of a pipeline rank's order (planning/schedules: who makes them):
+    ``Action(Op.FORWARD, 3)`` prints as ``F3``, ``Action(Op.BACKWARD, 3, chunk=1)`` as ``B3.1``.
+    Orders hold Actions alone (plain tuples are refused where orders are read), and today only
+    forwards and whole backwards: a new kind of op is refused wherever it is not handled.
 
     ``chunk``: which of the rank's model chunks runs it, where a rank holds several
     (interleaved schedules): chunk c of rank r is virtual stage ``c * pp + r``, as Megatron-LM
     assigns them."""
 
-    phase: str  # "F": forward, "B": backward
+    op: Op  # Op.FORWARD or Op.BACKWARD
     microbatch: int  # index in pipeline entry order
     chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.phase}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{self.op.letter}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+    @classmethod
+    def forward(cls, microbatch: int, chunk: int = 0) -> "Action":
+        return cls(Op.FORWARD, microbatch, chunk)
+
+    @classmethod
+    def backward(cls, microbatch: int, chunk: int = 0) -> "Action":
+        return cls(Op.BACKWARD, microbatch, chunk)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from megatron_dynapipe.planning.microbatching import (
     partition_uniform,
     split_across_dp,
 )
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import Action, RecomputeType
+
+F, B = Action.forward, Action.backward  # F(m, chunk=0): forward of micro-batch m
 
 LIMIT = 36_000.0
 
@@ -203,7 +205,7 @@ def test_each_microbatch_starts_at_the_lightest_recompute_under_which_it_runs_al
 
     def peak_alone(mb, rc):  # one micro-batch through the pipeline, as the simulator runs it
         work = stage_work(costs_pp4, [mb], np.full((4, 1), int(rc)))
-        return simulate([[("F", 0), ("B", 0)]] * 4, work).peak_memory.max()
+        return simulate([[F(0), B(0)]] * 4, work).peak_memory.max()
 
     mbs = [MicroBatch(tuple(range(size)), seq) for size, seq in [(1, 512), (8, 1024), (1, 4096), (3, 2048), (1, 8192)]]
     allowed = (RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL)

@@ -27,53 +27,55 @@ from megatron_dynapipe.planning.schedules import SCHEDULES
 from megatron_dynapipe.planning.simulator import StageWork, simulate
 from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
+F, B = Action.forward, Action.backward  # F(m, chunk=0): forward of micro-batch m
+
 NONE, SEL, FULL = RecomputeType.NONE, RecomputeType.SELECTIVE, RecomputeType.FULL
 
 
 # -- order helpers (test-only) ---------------------------------------------------------------
 
 
-def one_f_one_b(pp: int, n: int) -> list[list[tuple[str, int]]]:
+def one_f_one_b(pp: int, n: int) -> list[list[Action]]:
     """Classic 1F1B: min(pp - s - 1, n) warm-up forwards, steady 1F1B, cool-down backwards."""
     orders = []
     for s in range(pp):
         warmup = min(pp - s - 1, n)
-        order = [("F", m) for m in range(warmup)]
+        order = [F(m) for m in range(warmup)]
         for m in range(warmup, n):
-            order += [("F", m), ("B", m - warmup)]
-        order += [("B", m) for m in range(n - warmup, n)]
+            order += [F(m), B(m - warmup)]
+        order += [B(m) for m in range(n - warmup, n)]
         orders.append(order)
     return orders
 
 
-def gpipe(pp: int, n: int) -> list[list[tuple[str, int]]]:
-    return [[("F", m) for m in range(n)] + [("B", m) for m in range(n)] for _ in range(pp)]
+def gpipe(pp: int, n: int) -> list[list[Action]]:
+    return [[F(m) for m in range(n)] + [B(m) for m in range(n)] for _ in range(pp)]
 
 
-def random_fifo_orders(pp: int, n: int, rng: random.Random) -> list[list[tuple[str, int]]]:
+def random_fifo_orders(pp: int, n: int, rng: random.Random) -> list[list[Action]]:
     """Random executable orders in which every stage forwards in one common order and runs the
     backwards in another: play the pipeline, each step running a random runnable op."""
     f_order = rng.sample(range(n), n)
     b_order = rng.sample(range(n), n)
     fi, bi = [0] * pp, [0] * pp  # how far each stage is in f_order / b_order
     done_f: list[set[int]] = [set() for _ in range(pp)]
-    orders: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
+    orders: list[list[Action]] = [[] for _ in range(pp)]
     for _ in range(2 * pp * n):
         runnable = []
         for s in range(pp):
             if fi[s] < n and (s == 0 or fi[s - 1] > fi[s]):
-                runnable.append((s, "F"))
+                runnable.append((s, F))
             if bi[s] < n and b_order[bi[s]] in done_f[s] and (s == pp - 1 or bi[s + 1] > bi[s]):
-                runnable.append((s, "B"))
+                runnable.append((s, B))
         s, kind = rng.choice(runnable)
-        if kind == "F":
+        if kind is F:
             m = f_order[fi[s]]
             fi[s] += 1
             done_f[s].add(m)
         else:
             m = b_order[bi[s]]
             bi[s] += 1
-        orders[s].append((kind, m))
+        orders[s].append(kind(m))
     return orders
 
 
@@ -136,7 +138,7 @@ def test_plan_module_imports_neither_torch_nor_megatron():
 
 def test_lowering_two_stage_1f1b_by_hand():
     orders = one_f_one_b(2, 2)
-    assert orders == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    assert orders == [[F(0), F(1), B(0), B(1)], [F(0), B(0), F(1), B(1)]]
     plans = build_execution_plans(orders, microbatches(2), [FULL, NONE], "1f1b")
     assert names(plans[0].instructions) == [
         "Load0", "F0[full]",
@@ -161,11 +163,62 @@ def test_lowering_two_stage_1f1b_by_hand():
         assert lower_to_instructions(orders[s], s, 2, [FULL, NONE], orders=orders) == plans[s].instructions
 
 
+def lowered_by(passes, orders) -> list[str]:
+    """Each stage's instructions from the compute ops of ``orders`` (one chunk a stage, no
+    recompute) made by ``passes`` of lowering alone, as text joined by spaces."""
+    from megatron_dynapipe.planning.plan import lowering
+
+    parsed = [lowering._parse_order(order, s) for s, order in enumerate(orders)]
+    codes = np.zeros((1, len(orders[0]) // 2), dtype=np.int64)
+    made = lowering._Lowering([(s, order, codes) for s, order in enumerate(parsed)], len(orders),
+                              lowering._Reference(parsed))
+    return [" ".join(names(i)) for i in made.instruction_lists([rows for p in passes for rows in p(made)])]
+
+
+# Each pass of lowering alone, on 1F1B over two stages and three micro-batches, written out by
+# hand from the module docstring's rules (the computes pass alone puts the ops in their orders).
+ORDERS_2X3 = [[F(0), F(1), B(0), F(2), B(1), B(2)], [F(0), B(0), F(1), B(1), F(2), B(2)]]
+
+
+def test_the_computes_pass_alone_runs_each_order():
+    from megatron_dynapipe.planning.plan.lowering import _computes
+
+    assert lowered_by([_computes], ORDERS_2X3) == ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
+
+
+def test_the_loads_and_frees_pass_loads_on_the_first_stage_alone_and_frees_after_each_backward():
+    from megatron_dynapipe.planning.plan.lowering import _computes, _loads_and_frees
+
+    assert lowered_by([_computes, _loads_and_frees], ORDERS_2X3) == [
+        "Load0 F0 Load1 F1 B0 Free0 Load2 F2 B1 Free1 B2 Free2", "F0 B0 Free0 F1 B1 Free1 F2 B2 Free2"]
+    assert lowered_by([_loads_and_frees], ORDERS_2X3) == ["Load0 Load1 Free0 Load2 Free1 Free2", "Free0 Free1 Free2"]
+
+
+def test_the_receives_pass_posts_each_receive_two_ops_ahead_and_waits_right_before_its_op():
+    from megatron_dynapipe.planning.plan.lowering import _computes, _receives
+
+    assert lowered_by([_computes, _receives], ORDERS_2X3) == [
+        "F0 RecvGradStart(0<-s1) F1 RecvGradFinish(0<-s1) B0 RecvGradStart(1<-s1) F2 RecvGradStart(2<-s1) "
+        "RecvGradFinish(1<-s1) B1 RecvGradFinish(2<-s1) B2",
+        "RecvActStart(0<-s0) RecvActFinish(0<-s0) F0 RecvActStart(1<-s0) B0 RecvActFinish(1<-s0) F1 "
+        "RecvActStart(2<-s0) B1 RecvActFinish(2<-s0) F2 B2"]
+
+
+def test_the_sends_pass_starts_each_send_after_its_op_and_finishes_it_before_the_next_in_1f1b():
+    from megatron_dynapipe.planning.plan.lowering import _computes, _sends
+
+    assert lowered_by([_computes, _sends], ORDERS_2X3) == [
+        "F0 SendActStart(0->s1) SendActFinish(0->s1) F1 SendActStart(1->s1) SendActFinish(1->s1) B0 "
+        "F2 SendActStart(2->s1) SendActFinish(2->s1) B1 B2",
+        "F0 B0 SendGradStart(0->s0) SendGradFinish(0->s0) F1 B1 SendGradStart(1->s0) SendGradFinish(1->s0) "
+        "F2 B2 SendGradStart(2->s0) SendGradFinish(2->s0)"]
+
+
 def test_lowering_single_stage_has_no_communication():
-    instrs = lower_to_instructions([("F", 0), ("F", 1), ("B", 1), ("B", 0)], 0, 1, SEL)
+    instrs = lower_to_instructions([F(0), F(1), B(1), B(0)], 0, 1, SEL)
     assert names(instrs) == ["Load0", "F0[selective]", "Load1", "F1[selective]",
                              "B1[selective]", "Free1", "B0[selective]", "Free0"]
-    plans = build_execution_plans([[("F", 0), ("B", 0)]], microbatches(1), NONE, "1f1b")
+    plans = build_execution_plans([[F(0), B(0)]], microbatches(1), NONE, "1f1b")
     assert names(plans[0].instructions) == ["Load0", "F0", "B0", "Free0"]
 
 
@@ -191,7 +244,7 @@ def test_every_start_has_one_finish_and_receives_are_posted_one_op_ahead():
             if ins.op.is_compute:
                 compute_seen += 1
             elif ins.op in (Op.RECV_ACT_START, Op.RECV_GRAD_START):
-                target = orders[s].index(("F" if ins.op == Op.RECV_ACT_START else "B", ins.microbatch))
+                target = orders[s].index((F if ins.op == Op.RECV_ACT_START else B)(ins.microbatch))
                 assert compute_seen == max(0, target - 1)
 
 
@@ -207,15 +260,17 @@ def test_per_stage_recompute_and_numpy_inputs():
 
 def test_malformed_orders_are_rejected():
     with pytest.raises(ValueError, match="B0 before F0"):
-        lower_to_instructions([("B", 0), ("F", 0)], 0, 1, NONE)
+        lower_to_instructions([B(0), F(0)], 0, 1, NONE)
     with pytest.raises(ValueError, match="twice"):
-        lower_to_instructions([("F", 0), ("F", 0), ("B", 0)], 0, 1, NONE)
+        lower_to_instructions([F(0), F(0), B(0)], 0, 1, NONE)
     with pytest.raises(ValueError, match="no backward"):
-        lower_to_instructions([("F", 0)], 0, 1, NONE)
-    with pytest.raises(ValueError, match="kind must be"):
+        lower_to_instructions([F(0)], 0, 1, NONE)
+    with pytest.raises(ValueError, match=r"item #0 \('X', 0\) is not an Action of Op.FORWARD or Op.BACKWARD"):
         lower_to_instructions([("X", 0)], 0, 1, NONE)
+    with pytest.raises(ValueError, match=r"item #1 \('B', 0\) is not an Action"):  # plain tuples are refused
+        lower_to_instructions([F(0), ("B", 0)], 0, 1, NONE)
     with pytest.raises(ValueError, match="0..2"):
-        build_execution_plans([[("F", 0), ("B", 0)]], microbatches(3), NONE, "x")
+        build_execution_plans([[F(0), B(0)]], microbatches(3), NONE, "x")
     with pytest.raises(ValueError, match="outside"):
         lower_to_instructions([], 2, 2, NONE)
 
@@ -254,7 +309,7 @@ def test_any_executable_fifo_orders_lower_to_deadlock_free_plans(pp, n, seed):
 def test_finishing_every_send_before_the_next_op_can_deadlock_and_the_lowering_avoids_it():
     # Stage 0 forwards everything first, stage 1 runs each backward right after its forward.
     n = 5
-    orders = [gpipe(1, n)[0], [op for m in range(n) for op in (("F", m), ("B", m))]]
+    orders = [gpipe(1, n)[0], [op for m in range(n) for op in (F(m), B(m))]]
     plans = build_execution_plans(orders, microbatches(n), NONE, "mixed")
     eager = [finish_sends_before_next_compute(p.instructions) for p in plans]
     with pytest.raises(DeadlockError) as err:
@@ -292,7 +347,7 @@ def test_cyclic_wait_raises_deadlock_error_naming_stages_and_instructions():
 
 def test_cyclic_orders_are_refused_when_building():
     # stage 0 wants B0 before F1, stage 1 wants F1 before B0
-    orders = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    orders = [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]]
     with pytest.raises(DeadlockError, match="cannot progress"):
         build_execution_plans(orders, microbatches(2), NONE, "bad")
 
@@ -312,7 +367,7 @@ def test_peer_finishing_without_posting_is_reported():
 
 
 def test_mismatched_send_and_receive_order_raises_naming_both_microbatches():
-    orders = [[("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 1), ("F", 0), ("B", 0), ("B", 1)]]
+    orders = [[F(0), F(1), B(0), B(1)], [F(1), F(0), B(0), B(1)]]
     with pytest.raises(CommMismatchError) as err:
         build_execution_plans(orders, microbatches(2), NONE, "bad")
     msg = str(err.value)
@@ -320,7 +375,7 @@ def test_mismatched_send_and_receive_order_raises_naming_both_microbatches():
     assert "micro-batch 0 on stage 0" in msg and "micro-batch 1 on stage 1" in msg
     assert isinstance(err.value, DeadlockError)
     # backward order differing between stages is caught on the gradient channel
-    orders = [[("F", 0), ("F", 1), ("B", 1), ("B", 0)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    orders = [[F(0), F(1), B(1), B(0)], [F(0), F(1), B(0), B(1)]]
     with pytest.raises(CommMismatchError, match="gradient of micro-batch 0 on stage 1"):
         build_execution_plans(orders, microbatches(2), NONE, "bad")
 
@@ -330,7 +385,7 @@ def test_an_interleaved_pipeline_is_lowered_by_hand():
     # chunk 1), 3 (stage 1's chunk 1). Activations go 0 -> 1 -> 2 -> 3 and gradients back: stage
     # 0's chunk 1 receives from and sends to stage 1 both ways; only virtual stage 0 loads its
     # input and only virtual stage 3 starts its backward without a gradient received.
-    orders = [[Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("B", 0)]] * 2
+    orders = [[F(0), F(0, 1), B(0, 1), B(0)]] * 2
     plans = build_execution_plans(orders, microbatches(1), NONE, "interleaved-1f1b", chunks=2)
     assert [str(i) for i in plans[0].instructions] == (
         "RecvActStart(0.1<-s1) Load0 F0 SendActStart(0->s1) RecvGradStart(0.1<-s1) SendActFinish(0->s1) "
@@ -365,12 +420,12 @@ def test_interleaved_orders_that_pair_transfers_differently_are_refused():
     # stage 1 runs micro-batch 0's second chunk before micro-batch 1's first: it receives chunk 1's
     # input second on the link from stage 0, which sends micro-batch 1's first-chunk output second
     orders = SCHEDULES["interleaved-1f1b"].orders_for(2, 2, 2)
-    stage1 = [Action("F", 0), Action("F", 0, 1), Action("F", 1), Action("F", 1, 1)] + [a for a in orders[1] if a.phase == "B"]
+    stage1 = [F(0), F(0, 1), F(1), F(1, 1)] + [a for a in orders[1] if a.op is Op.BACKWARD]
     with pytest.raises(CommMismatchError, match="2nd transfer is the activation of micro-batch 1 on stage 0 but the "
                                                 "activation of micro-batch 0 of model chunk 1 on stage 1"):
         build_execution_plans([orders[0], stage1], microbatches(2), NONE, "bad", chunks=2)
     with pytest.raises(ValueError, match=r"stage 1 order has no backward for micro-batches 0.1, 1$"):
-        build_execution_plans([orders[0], [a for a in orders[1] if a not in (("B", 1, 0), ("B", 0, 1))]],
+        build_execution_plans([orders[0], [a for a in orders[1] if a not in (B(1, 0), B(0, 1))]],
                               microbatches(2), NONE, "bad", chunks=2)
     with pytest.raises(ValueError, match="interleaved pipeline needs at least 2 stages"):
         build_execution_plans([orders[0]], microbatches(2), NONE, "bad", chunks=2)
@@ -549,7 +604,7 @@ def test_plans_placed_by_any_simulated_timeline_are_deadlock_free(pp, n, seed):
 def test_a_timeline_moves_a_send_finish_to_where_the_receive_is_posted():
     # Stage 1 runs F0 B0 F1 B1 ... with backwards 100x its forwards; stage 0 forwards all first.
     n = 5
-    orders = [gpipe(1, n)[0], [op for m in range(n) for op in (("F", m), ("B", m))]]
+    orders = [gpipe(1, n)[0], [op for m in range(n) for op in (F(m), B(m))]]
     starts = [[0, 1, 2, 3, 4, 102, 203, 304, 405, 506], [1, 2, 102, 103, 203, 204, 304, 305, 405, 406]]
     ends = [[1, 2, 3, 4, 5, 104, 205, 306, 407, 508], [2, 102, 103, 203, 204, 304, 305, 405, 406, 506]]
     slow = names(build_execution_plans(orders, microbatches(n), NONE, "mixed", timeline=(starts, ends))[0].instructions)
@@ -579,9 +634,10 @@ def test_a_timeline_with_a_zero_length_op_is_not_trusted_and_a_wrong_one_is_refu
         build_execution_plans(orders, microbatches(4), NONE, "random", timeline=(starts, ends[:2]))
 
 
-def test_an_order_item_that_is_not_a_pair_is_refused_among_pairs():
-    with pytest.raises(ValueError, match=r"item #1 \('B', 0, 'x'\) is not a"):
-        lower_to_instructions([("F", 0), ("B", 0, "x")], 0, 1, NONE)
+def test_an_action_whose_micro_batch_or_chunk_is_no_integer_is_refused():
+    with pytest.raises(ValueError, match=r"item #1 Action\(op=<Op.BACKWARD: 2>, microbatch=0, chunk='x'\): its micro-batch "
+                                         "and chunk must be integers"):
+        lower_to_instructions([F(0), B(0, "x")], 0, 1, NONE)
 
 
 def test_an_unknown_numpy_recompute_code_is_named():

@@ -23,7 +23,7 @@ from megatron_dynapipe.planning.samples import synthetic_lengths
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import Op, RecomputeType
 
 # A small GPT (hidden 1024, 8 layers) on a 16 GB device keeps each example fast while the
 # memory limit still binds for long samples.
@@ -47,7 +47,7 @@ def plan_and_check(lengths, spec, model=SMALL):
         bound = lower_bound_ms(result.costs, choice.microbatches, choice.recompute, chunks=spec.chunks)
         assert choice.makespan_ms >= bound * (1 - 1e-9)  # no plan beats the bound
         # every forward and backward of every micro-batch on every virtual stage, once
-        ran = sorted((op.phase, op.chunk * spec.pp + s, op.microbatch) for s, order in enumerate(choice.orders)
+        ran = sorted((op.op.letter, op.chunk * spec.pp + s, op.microbatch) for s, order in enumerate(choice.orders)
                      for op in order)
         n = len(choice.microbatches)
         assert ran == sorted((phase, v, m) for phase in "BF" for v in range(spec.pp * spec.chunks) for m in range(n))
@@ -538,13 +538,13 @@ def test_a_warm_up_sizing_counts_what_an_interleaved_rank_holds(pp, chunks):
     from megatron_dynapipe.planning.schedules import SCHEDULES
 
     orders = SCHEDULES["interleaved-1f1b"].orders_for(pp, 4 * pp, chunks)
-    held = [max(itertools.accumulate(1 if op.phase == "F" else -1 for op in order)) for order in orders]
+    held = [max(itertools.accumulate(1 if op.op is Op.FORWARD else -1 for op in order)) for order in orders]
     sizing = StageCosts(SMALL, num_layers=4 * pp, pp=pp, warmup_chunks=chunks)
     np.testing.assert_allclose(sizing.in_flight(np.arange(pp)), np.array(held) / chunks)
     plain = StageCosts(SMALL, num_layers=4 * pp, pp=pp)  # 1F1B: pp - s
     one_chunk = SCHEDULES["1f1b"].orders_for(pp, 4 * pp)
     assert plain.in_flight(np.arange(pp)).tolist() == [
-        max(itertools.accumulate(1 if op.phase == "F" else -1 for op in order)) for order in one_chunk]
+        max(itertools.accumulate(1 if op.op is Op.FORWARD else -1 for op in order)) for order in one_chunk]
 
 
 def test_interleaved_micro_batches_are_sized_for_the_warm_up_where_those_sized_for_1f1b_fit_no_schedule():

@@ -7,7 +7,9 @@ from megatron_dynapipe.planning import recompute as recompute_module
 from megatron_dynapipe.planning.recompute import adjust_rc_plan
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
-from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
+from megatron_dynapipe.planning.types import Action, MicroBatch, Op, RecomputeType
+
+F, B = Action.forward, Action.backward  # F(m, chunk=0): forward of micro-batch m
 
 LIMIT = 36_000
 
@@ -73,7 +75,7 @@ def test_wait_free_cyclic_holds_fewer_where_recompute_cannot_lighten_enough(cost
     plan = adjust_rc_plan(mbs, none(12), costs_pp4, "wait-free-cyclic", limit)
     check_fits_when_simulated_again(plan, mbs, costs_pp4, limit)
     first_stage = plan.orders[0]
-    in_flight = max(sum(1 if op.phase == "F" else -1 for op in first_stage[:i + 1]) for i in range(len(first_stage)))
+    in_flight = max(sum(1 if op.op is Op.FORWARD else -1 for op in first_stage[:i + 1]) for i in range(len(first_stage)))
     assert in_flight < 4
 
 
@@ -96,7 +98,7 @@ def test_gpipe_holds_every_microbatch_and_so_recomputes_more_than_1f1b(costs_pp4
     check_fits_when_simulated_again(gpipe, mbs, costs_pp4)
     for plan, most in ((one_f_one_b, 4), (gpipe, 8)):
         first = plan.orders[0]
-        assert max(sum(1 if op.phase == "F" else -1 for op in first[:i + 1]) for i in range(len(first))) == most
+        assert max(sum(1 if op.op is Op.FORWARD else -1 for op in first[:i + 1]) for i in range(len(first))) == most
     assert np.all(gpipe.recompute.sum(axis=1) >= one_f_one_b.recompute.sum(axis=1))
     assert gpipe.recompute.sum() > one_f_one_b.recompute.sum()
     # heavier recompute, same micro-batches: a longer step
@@ -128,7 +130,7 @@ def test_an_op_is_lightened_by_the_best_saving_per_millisecond_until_it_fits_or_
     # One rank runs F0 F1 B0 B1. At B0 it holds micro-batch 0 (its own: 10 MB stored whatever its
     # recompute, so raising it saves nothing) and 1 (10, 7, 5 MB stored as none, selective, full);
     # backward 1, 2, 4 ms; no transient memory.
-    order = OrderIndex.of([Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)], n=2)
+    order = OrderIndex.of([F(0), F(1), B(0), B(1)], n=2)
     stored, peak = np.array([[10.0, 10.0], [10.0, 7.0], [10.0, 5.0]]), np.zeros((3, 2))
     backward = np.array([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])
 

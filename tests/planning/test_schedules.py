@@ -18,7 +18,7 @@ from megatron_dynapipe.planning.schedules import (
 )
 from megatron_dynapipe.planning.simulator import StageWork, simulate
 from megatron_dynapipe.planning.spec import TrainingSpec
-from megatron_dynapipe.planning.types import Action, MicroBatch
+from megatron_dynapipe.planning.types import Action, MicroBatch, Op
 
 
 def _work(data, pp, n):
@@ -36,10 +36,10 @@ def test_every_schedule_keeps_the_contract(name, pp, n, limit, data):
     work = _work(data, pp, n)
     result = schedule.simulate(work, limit)
     for order in result.orders:
-        assert all(isinstance(action, Action) for action in order)
+        assert all(type(action) is Action and type(action.op) is Op for action in order)
         # FIFO-consistent: forwards and backwards each in entry order, each once
-        assert [a.microbatch for a in order if a.phase == "F"] == list(range(n))
-        assert [a.microbatch for a in order if a.phase == "B"] == list(range(n))
+        assert [a.microbatch for a in order if a.op is Op.FORWARD] == list(range(n))
+        assert [a.microbatch for a in order if a.op is Op.BACKWARD] == list(range(n))
     assert schedule.orders(work, limit) == result.orders
     if isinstance(schedule, FixedSchedule):
         assert result.orders == schedule.orders_for(pp, n)  # whatever the work costs
@@ -51,6 +51,20 @@ def test_every_schedule_keeps_the_contract(name, pp, n, limit, data):
     plans = build_execution_plans(result.orders, microbatches, "none", name, result.makespan, verify=True,
                                   timeline=(result.op_starts, result.op_ends))
     assert [p.schedule for p in plans] == [name] * pp
+
+
+def test_the_worked_example_in_the_schedule_contract_is_what_1f1b_runs():
+    from megatron_dynapipe.planning.schedules.base import Schedule
+
+    zeros = np.zeros((2, 3))
+    work = StageWork(forward=zeros + 1, backward=zeros + 2, stored=zeros, peak=zeros, state=np.zeros(2),
+                     comm=np.zeros(3))
+    ran = [["."] * 12 for _ in range(2)]
+    for event in simulate(SCHEDULES["1f1b"].orders_for(2, 3), work, record=True).events:
+        for t in range(int(event.start), int(event.end)):
+            ran[event.stage][t] = f"{event.kind.letter}{event.microbatch}"
+    drawn = [line.split()[2:] for line in Schedule.__doc__.splitlines() if line.strip().startswith("stage ")]
+    assert drawn == ran
 
 
 def test_the_registry_by_name_and_what_the_planner_searches():

@@ -16,7 +16,9 @@ from megatron_dynapipe.planning.simulator import (
     over_limit,
     simulate,
 )
-from megatron_dynapipe.planning.types import MicroBatch
+from megatron_dynapipe.planning.types import Action, MicroBatch, Op
+
+F, B = Action.forward, Action.backward  # F(m, chunk=0): forward of micro-batch m
 
 one_f_one_b = SCHEDULES["1f1b"].orders
 wait_free_cyclic = SCHEDULES["wait-free-cyclic"].orders
@@ -41,9 +43,9 @@ def test_hand_worked_two_stage_timeline_with_communication():
     work = uniform_work(2, 2, comm=0.5)
     result = simulate(one_f_one_b(work, 1e9), work, record=True)
     assert result.makespan == pytest.approx(10.0)
-    compute = {(e.stage, e.kind, e.microbatch): (e.start, e.end) for e in result.events if e.kind in "FB"}
-    assert compute[(1, "F", 1)] == (4.5, 5.5)
-    assert compute[(0, "B", 1)] == (8.0, 10.0)
+    compute = {(e.stage, e.kind, e.microbatch): (e.start, e.end) for e in result.events if e.kind.is_compute}
+    assert compute[(1, Op.FORWARD, 1)] == (4.5, 5.5)
+    assert compute[(0, Op.BACKWARD, 1)] == (8.0, 10.0)
 
 
 @pytest.mark.parametrize("pp,n", [(2, 5), (4, 8), (4, 2)])
@@ -59,30 +61,44 @@ def test_1f1b_peak_memory_holds_pp_minus_stage_microbatches(pp, n):
 def test_orders_that_wait_on_each_other_are_reported():
     work = uniform_work(2, 1)
     with pytest.raises(ScheduleDeadlock, match="wait on each other"):
-        simulate([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], work)
+        simulate([[B(0), F(0)], [F(0), B(0)]], work)
 
 
 def test_an_op_kind_the_planner_does_not_run_fails_loudly_everywhere_an_order_is_read():
-    """A weight-gradient step ("W", as split-backward schedules have) is neither a forward nor a
-    whole backward: a schedule that emits one, simulating such an order and lowering it refuse
-    it, where they would otherwise run it as a backward."""
+    """A weight-gradient step (W, as split-backward schedules have) is neither a forward nor a
+    whole backward: a schedule that emits one, simulating such an order, indexing it and lowering
+    it (checked or trusted) refuse it, where they would otherwise run it as a backward."""
+    import enum
+
     from megatron_dynapipe.planning.plan import build_execution_plans
     from megatron_dynapipe.planning.schedules.base import FixedSchedule
-    from megatron_dynapipe.planning.types import Action
+    from megatron_dynapipe.planning.simulator import OrderIndex
 
-    class SplitBackward(FixedSchedule):
+    class SplitBackward(enum.IntEnum):
+        WEIGHT = 12  # past every Op
+
+    def split(m):
+        return [F(m), Action(Op.BACKWARD, m), Action(SplitBackward.WEIGHT, m)]
+
+    class SplitBackwardSchedule(FixedSchedule):
         name = "split-backward"
 
         def stage_order(self, stage, pp, n, chunks=1):
-            return [Action(kind, m) for m in range(n) for kind in ("F", "B", "W")]
+            return [a for m in range(n) for a in split(m)]
 
-    with pytest.raises(ValueError, match="an order holds ops of kind 'W': the planner simulates forwards"):
-        SplitBackward().orders_for(1, 2)
-    order = [Action("F", 0), Action("B", 0), Action("W", 0)]
-    with pytest.raises(ValueError, match="kind 'W'"):
-        simulate([order], uniform_work(1, 1))
-    with pytest.raises(ValueError, match="kind must be \"F\" or \"B\""):
-        build_execution_plans([order], [MicroBatch((0,), 8)], "none", "1f1b")
+    refused = r"item #2 Action\(op=<SplitBackward.WEIGHT: 12>, microbatch=0, chunk=0\) is not an Action of Op.FORWARD"
+    with pytest.raises(ValueError, match=refused):
+        SplitBackwardSchedule().orders_for(1, 2)
+    with pytest.raises(ValueError, match=refused):
+        simulate([split(0)], uniform_work(1, 1))
+    with pytest.raises(ValueError, match="W|WEIGHT|12"):
+        OrderIndex.of(split(0), n=1)
+    for verify in (True, False):
+        with pytest.raises(ValueError, match=refused if verify else "stage 0 order"):
+            build_execution_plans([split(0)], [MicroBatch((0,), 8)], "none", "1f1b", verify=verify)
+    one = Action(1, 0)  # an int equal to Op.FORWARD is not an Op
+    with pytest.raises(ValueError, match="is not an Action of Op.FORWARD"):
+        simulate([[one, B(0)]], uniform_work(1, 1))
 
 
 @pytest.mark.parametrize("pp,n", [(2, 6), (4, 10), (3, 1)])
@@ -196,8 +212,8 @@ def _memory_replayed(orders, work):
     for s, order in enumerate(orders):
         state = sum(work.state[c * pp + s] for c in range(work.chunks))
         for i, op in enumerate(order):
-            before = {(a.phase, a.chunk, a.microbatch) for a in order[:i]}
-            held = [(c, h) for k, c, h in before if k == "F" and ("B", c, h) not in before]
+            before = {(a.op, a.chunk, a.microbatch) for a in order[:i]}
+            held = [(c, h) for k, c, h in before if k is Op.FORWARD and (Op.BACKWARD, c, h) not in before]
             transient = work.peak[op.chunk * pp + s][op.microbatch]
             used = state + sum(work.stored[c * pp + s][h] for c, h in held) + transient
             ops.append((s, used, i, {c * n + h for c, h in held}, op.chunk * n + op.microbatch))
@@ -367,9 +383,9 @@ def test_a_chunk_needs_the_last_rank_s_previous_chunk():
     work = chunked_work(2, 2, 1, f=1.0, b=2.0, comm=0.5)
     result = simulate(interleaved(work, 1e9), work, record=True)
     assert result.makespan == pytest.approx(4 * 1.0 + 4 * 2.0 + 6 * 0.5)  # three hops each way
-    compute = {(e.stage, e.kind, e.chunk): (e.start, e.end) for e in result.events if e.kind in "FB"}
-    assert compute[(0, "F", 1)] == pytest.approx((3.0, 4.0))  # rank 1's F.0 ended at 2.5, sent by 3.0
-    assert compute[(1, "B", 1)] == pytest.approx((5.5, 7.5))  # its own forward ended at 5.5
+    compute = {(e.stage, e.kind, e.chunk): (e.start, e.end) for e in result.events if e.kind.is_compute}
+    assert compute[(0, Op.FORWARD, 1)] == pytest.approx((3.0, 4.0))  # rank 1's F.0 ended at 2.5, sent by 3.0
+    assert compute[(1, Op.BACKWARD, 1)] == pytest.approx((5.5, 7.5))  # its own forward ended at 5.5
 
 
 def test_interleaved_1f1b_runs_any_number_of_micro_batches_without_its_chunks_waiting_on_each_other():
@@ -396,8 +412,8 @@ def test_interleaved_orders_run_each_chunk_once_in_entry_order_and_memory_replay
     result = SCHEDULES["interleaved-1f1b"].simulate(work, limit)  # no deadlock: it ran
     for order in result.orders:
         for c in range(chunks):
-            for phase in "FB":
-                assert [op.microbatch for op in order if (op.phase, op.chunk) == (phase, c)] == list(range(n))
+            for kind in (Op.FORWARD, Op.BACKWARD):
+                assert [op.microbatch for op in order if (op.op, op.chunk) == (kind, c)] == list(range(n))
     # what a rank holds is what its order says, whatever the timing
     _check_over_limit(result, work, limit)
     assert list(result.peak_memory) == pytest.approx(

@@ -10,14 +10,13 @@ them as the rows of the wire format, and every instruction has a text form (``F3
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import Op, RecomputeType
 
 __all__ = ["Op", "Instruction", "Instructions", "ROW", "as_recompute"]
 
@@ -25,68 +24,7 @@ __all__ = ["Op", "Instruction", "Instructions", "ROW", "as_recompute"]
 #: u8 model chunk.
 ROW = np.dtype([("op", "u1"), ("recompute", "u1"), ("peer", "<i2"), ("microbatch", "<u4"), ("chunk", "u1")])
 
-
-class Op(enum.IntEnum):
-    """Instruction kinds. The values are the wire format: never renumber, only append."""
-
-    LOAD_INPUT = 0
-    FORWARD = 1
-    BACKWARD = 2
-    RECV_ACT_START = 3
-    RECV_ACT_FINISH = 4
-    SEND_ACT_START = 5
-    SEND_ACT_FINISH = 6
-    RECV_GRAD_START = 7
-    RECV_GRAD_FINISH = 8
-    SEND_GRAD_START = 9
-    SEND_GRAD_FINISH = 10
-    FREE_BUFFER = 11
-
-    @property
-    def is_compute(self) -> bool:
-        return self == 1 or self == 2
-
-    @property
-    def is_comm(self) -> bool:
-        return 3 <= self <= 10
-
-    @property
-    def is_start(self) -> bool:
-        return self in _STARTS
-
-    @property
-    def is_finish(self) -> bool:
-        return self in _FINISHES
-
-    @property
-    def is_send(self) -> bool:
-        return self in _SENDS
-
-    @property
-    def is_activation(self) -> bool:
-        """A transfer of activations (forward's output); the other transfers carry gradients."""
-        return self in _ACTIVATIONS
-
-    @property
-    def finish(self) -> "Op":
-        """The FINISH that completes this START."""
-        if not self.is_start:
-            raise ValueError(f"{self.name} is not a START op")
-        return Op(self + 1)
-
-    @property
-    def start(self) -> "Op":
-        """The START that this FINISH completes."""
-        if not self.is_finish:
-            raise ValueError(f"{self.name} is not a FINISH op")
-        return Op(self - 1)
-
-
-_STARTS = frozenset({Op.RECV_ACT_START, Op.SEND_ACT_START, Op.RECV_GRAD_START, Op.SEND_GRAD_START})
-_FINISHES = frozenset({Op.RECV_ACT_FINISH, Op.SEND_ACT_FINISH, Op.RECV_GRAD_FINISH, Op.SEND_GRAD_FINISH})
-_SENDS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.SEND_GRAD_START, Op.SEND_GRAD_FINISH})
-_ACTIVATIONS = frozenset({Op.SEND_ACT_START, Op.SEND_ACT_FINISH, Op.RECV_ACT_START, Op.RECV_ACT_FINISH})
-_START_OF = {op: op for op in _STARTS} | {op: Op(op - 1) for op in _FINISHES}
+_START_OF = {op: op.start if op.is_finish else op for op in Op if op.is_comm}
 _COMM_NAMES = {
     Op.RECV_ACT_START: "RecvActStart",
     Op.RECV_ACT_FINISH: "RecvActFinish",
@@ -135,7 +73,7 @@ class Instruction:
         op, m = self.op, f"{self.microbatch}.{self.chunk}" if self.chunk else self.microbatch
         if op.is_compute:
             tag = "" if self.recompute == RecomputeType.NONE else f"[{self.recompute.label}]"
-            return f"{'F' if op == Op.FORWARD else 'B'}{m}{tag}"
+            return f"{op.letter}{m}{tag}"
         if op.is_comm:
             return f"{_COMM_NAMES[op]}({m}{'->' if op.is_send else '<-'}s{self.peer})"
         return f"{'Load' if op == Op.LOAD_INPUT else 'Free'}{m}"

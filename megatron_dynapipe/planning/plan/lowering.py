@@ -1,6 +1,6 @@
 """Lowering: each stage's compute order becomes its instruction list, deadlock-free by construction.
 
-A schedule arrives as one *order* per pipeline stage, e.g. ``[("F", 0), ("F", 1), ("B", 0), ...]``.
+A schedule arrives as one *order* per pipeline stage, its :class:`Action` s, e.g. ``F0 F1 B0 ...``.
 :func:`lower_to_instructions` turns one stage's order into the instructions an executor runs
 with non-blocking point-to-point calls (``isend``/``irecv`` + ``wait``) on the pipeline group;
 :func:`build_execution_plans` does it for every stage, wraps each list in an
@@ -54,6 +54,7 @@ forwards, whose receives are posted at the start), a gradient send before the en
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import NamedTuple, NoReturn, Sequence, Union
 
@@ -62,12 +63,12 @@ import numpy as np
 from megatron_dynapipe.planning.plan.deadlock import check_deadlock_free
 from megatron_dynapipe.planning.plan.execution_plan import ExecutionPlan
 from megatron_dynapipe.planning.plan.instructions import ROW, Instructions, Op, as_recompute
-from megatron_dynapipe.planning.simulator import rank_rows
+from megatron_dynapipe.planning.simulator import check_order, rank_rows
 from megatron_dynapipe.planning.types import Action, MicroBatch, RecomputeType
 
 __all__ = ["ComputeOrder", "lower_to_instructions", "build_execution_plans"]
 
-ComputeOrder = Sequence[Action]  # in execution order; plain ("F" | "B", micro-batch) pairs read the same
+ComputeOrder = Sequence[Action]  # in execution order
 RecomputeSpec = Union[RecomputeType, int, str, Sequence["RecomputeType | int | str"]]
 
 # Durations of the reference timeline used to place send FINISHes. Any positive values keep the
@@ -89,19 +90,16 @@ class _Order(NamedTuple):
 def _parse_order(order: ComputeOrder, stage: int, check: bool = True, chunks: int = 1) -> _Order:
     """The order as arrays, or ValueError naming the first item that breaks it (``check=False``:
     an order a schedule made, trusted to be well formed)."""
+    if check:
+        check_order(order, stage)
     try:
-        if check and any(len(item) not in (2, 3) for item in order):
-            raise ValueError  # zip would drop a longer item's extras
-        columns = list(zip(*order)) if len(order) else [(), (), ()]
-        if len(columns) == 2:  # pairs (chunk 0), or pairs and actions mixed
-            columns.append([item[2] if len(item) > 2 else 0 for item in order])
-        kinds, ids, chunk = columns
-        microbatch = np.array(ids, dtype=np.int64)
-        chunk = np.array(chunk, dtype=np.int64)
-        kinds = np.array(kinds, dtype=object)
+        kinds, ids, chunk = (np.array(column, dtype=np.int64) for column in zip(*order)) if len(order) else [
+            np.zeros(0, dtype=np.int64)] * 3
     except (TypeError, ValueError, OverflowError):
         _explain_bad_order(order, stage, chunks)
-    forward, backward = kinds == "F", kinds == "B"
+    forward, backward, microbatch = kinds == _FORWARD, kinds == _BACKWARD, ids
+    if not np.all(forward | backward):  # trusted or not: an op lowering has no rule for is named
+        _explain_bad_order(order, stage, chunks)
     if chunk.size and (chunk.min() < 0 or chunk.max() >= chunks):
         _explain_bad_order(order, stage, chunks)  # trusted or not: a chunk the stage lacks is named
     if not check or _well_formed(forward, backward, microbatch, chunk):
@@ -122,29 +120,26 @@ def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarr
 
 
 def _explain_bad_order(order: ComputeOrder, stage: int, chunks: int) -> NoReturn:
-    seen: dict[tuple[str, int, int], int] = {}
+    check_order(order, stage)
+    seen: dict[tuple[Op, int, int], int] = {}
     for i, item in enumerate(order):
         try:
-            if len(item) not in (2, 3):
-                raise ValueError
-            kind, m, chunk = str(item[0]), int(item[1]), int(item[2]) if len(item) > 2 else 0
+            kind, m, chunk = item.op, int(item.microbatch), int(item.chunk)
         except (TypeError, ValueError):
-            raise ValueError(f"stage {stage} order item #{i} {item!r} is not a (\"F\"|\"B\", micro-batch[, chunk]) "
-                             "item") from None
-        if kind not in ("F", "B"):
-            raise ValueError(f"stage {stage} order item #{i} {item!r}: kind must be \"F\" or \"B\"")
+            raise ValueError(f"stage {stage} order item #{i} {item!r}: its micro-batch and chunk must be "
+                             "integers") from None
         if m < 0:
             raise ValueError(f"stage {stage} order item #{i} {item!r}: micro-batch must be >= 0")
         if not 0 <= chunk < chunks:
             raise ValueError(f"stage {stage} order item #{i} {item!r} runs model chunk {chunk}: the stages hold "
                              f"{chunks} (chunks 0..{chunks - 1}); pass chunks= for an interleaved pipeline")
-        name = f"{kind}{m}" + (f".{chunk}" if chunk else "")
+        name = str(Action(kind, m, chunk))
         if (kind, m, chunk) in seen:
             raise ValueError(f"stage {stage} order has {name} twice (#{seen[kind, m, chunk]} and #{i})")
-        if kind == "B" and ("F", m, chunk) not in seen:
+        if kind is Op.BACKWARD and (Op.FORWARD, m, chunk) not in seen:
             raise ValueError(f"stage {stage} order runs {name} before F{name[1:]}")
         seen[kind, m, chunk] = i
-    unmatched = sorted((m, c) for kind, m, c in seen if kind == "F" and ("B", m, c) not in seen)
+    unmatched = sorted((m, c) for kind, m, c in seen if kind is Op.FORWARD and (Op.BACKWARD, m, c) not in seen)
     names = ", ".join(f"{m}" + (f".{c}" if c else "") for m, c in unmatched[:10])
     raise ValueError(f"stage {stage} order has no backward for micro-batches {names}")
 
@@ -340,8 +335,18 @@ def _check_layout(num_stages: int, chunks: int) -> None:
 _FORWARD, _BACKWARD, _LOAD_INPUT, _FREE_BUFFER = int(Op.FORWARD), int(Op.BACKWARD), int(Op.LOAD_INPUT), int(Op.FREE_BUFFER)
 _RECV_ACT, _RECV_GRAD = int(Op.RECV_ACT_START), int(Op.RECV_GRAD_START)
 _SEND_ACT, _SEND_GRAD = int(Op.SEND_ACT_START), int(Op.SEND_GRAD_START)
-# Where an instruction sits within the block of compute op i (see _lower).
-_SEND_FINISHES, _RECV_FINISH, _LOAD, _COMPUTE, _SEND_START, _FREE, _NEXT_RECV_STARTS = range(7)
+
+
+class _Place(enum.IntEnum):
+    """Where an instruction sits within the block of compute op i (see :class:`_Lowering`)."""
+
+    SEND_FINISHES = 0  # of sends made by earlier ops, placed before op i
+    RECV_FINISH = 1  # op i's input
+    LOAD = 2
+    COMPUTE = 3  # op i itself
+    SEND_START = 4  # op i's output
+    FREE = 5
+    NEXT_RECV_STARTS = 6  # the receive of op i + 2
 
 
 class _Ops(NamedTuple):
@@ -374,77 +379,88 @@ def _neighbour(ops: _Ops, rows: np.ndarray, step: np.ndarray) -> tuple[np.ndarra
 
 
 class _Lowering:
-    """Instructions being lowered, each with a sort key (stage, block, place, tie): block i of a
-    stage holds, in this order, the send FINISHes placed before compute op i (by the op that
-    sent), op i's receive FINISH, its LOAD_INPUT, the op itself, its send START, its FREE_BUFFER,
-    and the receive START of op i + 2 (block -1 posts the receives of ops 0 and 1; block
-    len(order) the last FINISHes). Each pass (:data:`_PASSES`) adds one kind of instruction; one
-    sort of the keys, over all stages at once, is then every instruction list."""
+    """The compute ops being lowered, and instructions for them as rows with a sort key (stage,
+    block, place, tie): block i of a stage holds its instructions in :class:`_Place` order (block
+    -1 posts the receives of ops 0 and 1; block len(order) the last FINISHes). Each pass
+    (:data:`_PASSES`) makes one kind of instruction; one sort of the keys, over all stages at
+    once, is then every instruction list."""
 
     def __init__(self, stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int, ref: "_Reference | None",
                  chunks: int = 1):
         self.stages, self.num_stages, self.ref = stages, num_stages, ref
         self.ops = ops = _Ops.of(stages, num_stages)
-        self.rows = np.arange(len(ops.stage))
+        self.all = np.arange(len(ops.stage))  # every compute op
         self.first, self.last = ops.virtual == 0, ops.virtual == chunks * num_stages - 1  # virtual stages
         self.longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
-        self.parts: list[list[np.ndarray]] = []  # (op, micro-batch, peer, recompute, chunk, sort key) arrays
 
-    def add(self, where, op, peer=-1, rc=0, block=None, place=0, tie=0) -> None:
+    def rows(self, where, op, peer=-1, rc=0, block=None, place=_Place.SEND_FINISHES, tie=0) -> "_Rows":
         """Instructions ``op`` for the compute ops ``where`` (rows), in ``block`` (default: the
         op's own) at ``place`` within it, ordered there by ``tie``."""
         ops, longest = self.ops, self.longest
         block = ops.position[where] if block is None else block
-        key = ((ops.stage[where] * (longest + 1) + block + 1) * 7 + place) * longest + tie
-        self.parts.append([c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
-                           for c in (op, ops.microbatch[where], peer, rc, ops.chunk[where], key)])
+        key = ((ops.stage[where] * (longest + 1) + block + 1) * len(_Place) + place) * longest + tie
+        return _Rows(*(c if isinstance(c, np.ndarray) else np.full(len(where), c, dtype=np.int64)
+                       for c in (op, ops.microbatch[where], peer, rc, ops.chunk[where], key)))
 
-    def instruction_lists(self) -> list["Instructions"]:
-        op, microbatch, peer, rc, chunk, key = (np.concatenate([part[k] for part in self.parts]) for k in range(6))
+    def instruction_lists(self, parts: "Sequence[_Rows]") -> list["Instructions"]:
+        """Every stage's instructions: ``parts`` sorted by their keys."""
+        op, microbatch, peer, rc, chunk, key = (np.concatenate(column) for column in zip(*parts))
         sort = np.argsort(key, kind="stable")
         table = np.empty(len(sort), dtype=ROW)
         table["op"], table["microbatch"], table["peer"], table["recompute"] = op[sort], microbatch[sort], peer[sort], rc[sort]
         table["chunk"] = chunk[sort]
-        stage_of_key = key // (7 * self.longest * (self.longest + 1))
+        stage_of_key = key // (len(_Place) * self.longest * (self.longest + 1))
         bounds = np.concatenate([[0], np.cumsum(np.bincount(stage_of_key, minlength=self.num_stages))])
         return [Instructions(table[bounds[s]:bounds[s + 1]]) for s, _, _ in self.stages]
 
 
-def _computes(lowering: _Lowering) -> None:
+class _Rows(NamedTuple):
+    """Instructions a pass made, as columns: op, micro-batch, peer, recompute, chunk, sort key."""
+
+    op: np.ndarray
+    microbatch: np.ndarray
+    peer: np.ndarray
+    recompute: np.ndarray
+    chunk: np.ndarray
+    key: np.ndarray
+
+
+def _computes(lowering: _Lowering) -> list[_Rows]:
     """Every FORWARD and BACKWARD, with its micro-batch's recompute."""
     ops = lowering.ops
-    lowering.add(lowering.rows, np.where(ops.forward, _FORWARD, _BACKWARD), rc=ops.recompute, place=_COMPUTE)
+    return [lowering.rows(lowering.all, np.where(ops.forward, _FORWARD, _BACKWARD), rc=ops.recompute,
+                          place=_Place.COMPUTE)]
 
 
-def _loads_and_frees(lowering: _Lowering) -> None:
+def _loads_and_frees(lowering: _Lowering) -> list[_Rows]:
     """The first stage loads each forward's input; every backward frees its buffers."""
-    rows, forward = lowering.rows, lowering.ops.forward
-    lowering.add(rows[forward & lowering.first], _LOAD_INPUT, place=_LOAD)
-    lowering.add(rows[~forward], _FREE_BUFFER, place=_FREE)
+    every, forward = lowering.all, lowering.ops.forward
+    return [lowering.rows(every[forward & lowering.first], _LOAD_INPUT, place=_Place.LOAD),
+            lowering.rows(every[~forward], _FREE_BUFFER, place=_Place.FREE)]
 
 
-def _receives(lowering: _Lowering) -> None:
+def _receives(lowering: _Lowering) -> list[_Rows]:
     """A forward's activation (not on the first stage) and a backward's gradient (not on the
     last) are received: the START two compute ops ahead, the FINISH right before the op."""
     ops = lowering.ops
-    receives = lowering.rows[np.where(ops.forward, ~lowering.first, ~lowering.last)]
+    receives = lowering.all[np.where(ops.forward, ~lowering.first, ~lowering.last)]
     forward, position = ops.forward[receives], ops.position[receives]
     start = np.where(forward, _RECV_ACT, _RECV_GRAD)
     peer, _ = _neighbour(ops, receives, np.where(forward, -1, 1))
-    lowering.add(receives, start, peer, block=np.maximum(position - 2, -1), place=_NEXT_RECV_STARTS, tie=position)
-    lowering.add(receives, start + 1, peer, place=_RECV_FINISH)
+    return [lowering.rows(receives, start, peer, block=np.maximum(position - 2, -1), place=_Place.NEXT_RECV_STARTS,
+                          tie=position),
+            lowering.rows(receives, start + 1, peer, place=_Place.RECV_FINISH)]
 
 
-def _sends(lowering: _Lowering) -> None:
+def _sends(lowering: _Lowering) -> list[_Rows]:
     """A forward's activation (not on the last stage) and a backward's gradient (not on the
     first) are sent: the START right after the op, the FINISH as early as provably safe
     (module docstring: placement rule)."""
     ops = lowering.ops
-    sends = lowering.rows[np.where(ops.forward, ~lowering.last, ~lowering.first)]
+    sends = lowering.all[np.where(ops.forward, ~lowering.last, ~lowering.first)]
     forward, stage = ops.forward[sends], ops.stage[sends]
     start = np.where(forward, _SEND_ACT, _SEND_GRAD)
     peer, _ = _neighbour(ops, sends, np.where(forward, 1, -1))
-    lowering.add(sends, start, peer, place=_SEND_START)
     if lowering.ref is not None:
         slots = _send_finish_slots(ops, sends, lowering.ref)
     else:  # each stage on its own
@@ -453,10 +469,12 @@ def _sends(lowering: _Lowering) -> None:
             mine = stage == s
             if mine.any():
                 slots[mine] = _send_finish_slots_alone(order, ops.position[sends[mine]])
-    lowering.add(sends, start + 1, peer, block=slots, place=_SEND_FINISHES, tie=ops.position[sends])
+    return [lowering.rows(sends, start, peer, place=_Place.SEND_START),
+            lowering.rows(sends, start + 1, peer, block=slots, place=_Place.SEND_FINISHES, tie=ops.position[sends])]
 
 
-# Lowering, pass by pass; the deadlock proof (check_deadlock_free) checks what they made.
+# Lowering, pass by pass, each making its instructions from the compute ops alone; the deadlock
+# proof (check_deadlock_free, build_execution_plans) is the last step, and checks what they made.
 _PASSES = (_computes, _loads_and_frees, _receives, _sends)
 
 
@@ -465,9 +483,7 @@ def _lower(stages: Sequence[tuple[int, _Order, np.ndarray]], num_stages: int,
     """The instruction lists of ``stages`` ((stage, order, [chunk, micro-batch] recompute codes)
     each), from every pass of :data:`_PASSES`."""
     lowering = _Lowering(stages, num_stages, ref, chunks)
-    for lowering_pass in _PASSES:
-        lowering_pass(lowering)
-    return lowering.instruction_lists()
+    return lowering.instruction_lists([rows for lowering_pass in _PASSES for rows in lowering_pass(lowering)])
 
 
 def build_execution_plans(

@@ -21,12 +21,20 @@ import functools
 import math
 from typing import ClassVar
 
-from megatron_dynapipe.planning.simulator import (Order, OrderIndex, SimulationResult, StageWork, check_op_kinds,
+from megatron_dynapipe.planning.simulator import (Order, OrderIndex, SimulationResult, StageWork, check_orders,
                                                   run_timeline)
 
 
 class Schedule(abc.ABC):
-    """A pipeline schedule: per-stage orders, and their simulation on a cost model's work."""
+    """A pipeline schedule: per-stage orders, and their simulation on a cost model's work.
+
+    1F1B on two stages and three micro-batches, its forward taking one unit and its backward two
+    (``OneFOneB().orders_for(2, 3)``: ``F0 F1 B0 F2 B1 B2`` and ``F0 B0 F1 B1 F2 B2``)::
+
+        time      0   1   2   3   4   5   6   7   8   9  10  11
+        stage 0   F0  F1  .   .   B0  B0  F2  B1  B1  .   B2  B2
+        stage 1   .   F0  B0  B0  F1  B1  B1  F2  B2  B2  .   .
+    """
 
     #: the name the planner's ``schedules``, ``--dynapipe-schedule`` and plans know it by
     name: ClassVar[str]
@@ -69,7 +77,7 @@ class FixedSchedule(Schedule):
         # made once: a search asks for the same orders candidate after candidate
         check_chunks(self, chunks)
         orders = tuple(tuple(self.stage_order(s, pp, n, chunks)) for s in range(pp))
-        check_op_kinds(orders)
+        check_orders(orders)
         return orders
 
     def orders(self, work: StageWork, memory_limit_mb: float = math.inf) -> list[Order]:

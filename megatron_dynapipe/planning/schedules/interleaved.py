@@ -25,8 +25,8 @@ class Interleaved1F1B(FixedSchedule):
         groups = group_sizes(pp, n)
         ends = list(itertools.accumulate(groups))
         table = [(m, c) for size, end in zip(groups, ends) for c in range(chunks) for m in range(end - size, end)]
-        forwards = [Action("F", m, c) for m, c in table]
-        backwards = [Action("B", m, chunks - 1 - c) for m, c in table]
+        forwards = [Action.forward(m, c) for m, c in table]
+        backwards = [Action.backward(m, chunks - 1 - c) for m, c in table]
         total = len(table)
         warmup = total if n <= pp else min(total, 2 * (pp - stage - 1) + (chunks - 1) * groups[0])
         order = forwards[:warmup]
