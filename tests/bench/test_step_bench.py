@@ -123,7 +123,7 @@ def test_a_method_that_fails_is_reported_on_its_row_and_the_others_results_stand
     without it and report as usual."""
     import argparse
 
-    from megatron_dynapipe.bench import step_bench
+    from megatron_dynapipe.bench import step_bench, step_methods
 
     parser = argparse.ArgumentParser()
     step_bench.add_arguments(parser)
@@ -131,7 +131,7 @@ def test_a_method_that_fails_is_reported_on_its_row_and_the_others_results_stand
                               "--max-seq-length", str(SEQ), "--pp", "2", "--steps", "3", "--warmup", "0"])
     job = step_bench._checked(args)
     lengths = step_bench._lengths(args, job["max_seq_length"])
-    methods = step_bench._methods(lengths, job, args)
+    methods = step_methods.build_methods(lengths, job, args)
     methods[step_bench.PACK].microbatches[0][0]["tokens"][0, 0] = VOCAB + 5
     per_rank, failed = step_bench.run_methods(methods, job, warmup=0, steps=3, timeout=600)
     assert list(failed) == [step_bench.PACK] and failed[step_bench.PACK].startswith("IndexError: index out of range")
@@ -255,7 +255,7 @@ def test_ranks_that_outnumber_the_cores_are_noted_beside_the_predictions():
 
 
 def test_packed_rows_keep_each_samples_own_labels():
-    from megatron_dynapipe.bench.step_bench import _packed
+    from megatron_dynapipe.bench.step_methods import _packed
 
     a, b = np.array([5, 6, 7]), np.array([8, 9])
     out = _packed([[a, b]], 8)
