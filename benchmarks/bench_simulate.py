@@ -51,7 +51,8 @@ def main() -> int:
     from megatron_dynapipe.config.model import ModelSpec
     from megatron_dynapipe.local_ranks import run_local_ranks
     from megatron_dynapipe.simulate.calibrate import hardware_from, measure
-    from megatron_dynapipe.simulate.replay import load_job, simulate_job
+    from megatron_dynapipe.simulate.replay import simulate_job
+    from megatron_dynapipe.simulate.traced_job import load_job
     from megatron_dynapipe.tracer.batch_config import TraceConfig
     from megatron_dynapipe.tracer.batch_run import run_batch
     from megatron_dynapipe.tracer.trace_format import RankTrace

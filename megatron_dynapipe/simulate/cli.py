@@ -17,7 +17,8 @@ from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
 from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods, representatives, traced_layout
-from megatron_dynapipe.simulate.replay import job_folders, load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import job_folders, load_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search
 from megatron_dynapipe.simulate.search_report import (

@@ -71,7 +71,7 @@ from megatron_dynapipe.tracer.batch_run import available_cores
 from megatron_dynapipe.tracer.isolation import rank_start_method
 
 if TYPE_CHECKING:
-    from megatron_dynapipe.simulate.replay import TracedJob
+    from megatron_dynapipe.simulate.traced_job import TracedJob
 
 __all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout"]
 

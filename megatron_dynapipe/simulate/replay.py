@@ -51,143 +51,38 @@ import heapq
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from megatron_dynapipe.config.layout import ParallelLayout, expert_coords
-from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.simulate.reprice import reprice
+from megatron_dynapipe.simulate.traced_job import RETRACE, TracedJob, TraceMismatch
 from megatron_dynapipe.tracer.trace_format import (
     P2P_RECV_KINDS,
     P2P_SEND_KINDS,
     RankTrace,
     TraceOp,
-    read_traces,
     subtrees,
 )
 
-__all__ = ["TraceMismatch", "TracedJob", "Step", "Span", "RankReplay", "Replay", "load_job", "representatives",
-           "simulate_job", "job_folders"]
+__all__ = ["Step", "Span", "RankReplay", "Replay", "simulate_job"]
 
 GRAD_STREAM, TP_STREAM, CP_STREAM = "gradient reduction", "tensor parallel", "context parallel"  # overlap streams
 PARAM_STREAM = "parameter gather"
 POSTED = "posted"  # the key of a p2p step that waits for transfers posted earlier
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
-_RETRACE = "re-trace the config with `megatron-dynapipe trace`"
 
 
-class TraceMismatch(ValueError):
-    """The traces of one layout do not fit together (a missing rank, unmatched communication)."""
 
 
-# -- the job ------------------------------------------------------------------------------------
 
 
-def _place(layout: ParallelLayout, rank: int) -> tuple[int, int]:
-    """(stage, expert rank) of ``rank``: the ranks that share it run the same ops."""
-    coords = expert_coords(layout, rank)
-    return coords.pp, coords.ep
 
 
-@dataclass
-class TracedJob:
-    """The representative-rank traces of one layout, checked to belong together."""
-
-    folder: Path
-    traces: dict[int, RankTrace]
-    layout: ParallelLayout
-    model: ModelSpec
-    iteration: dict[str, Any]
-    dtype: str
-
-    @property
-    def iterations(self) -> int:
-        return max(1, int(self.iteration.get("trace_iters") or 1))
-
-    @property
-    def global_batch_size(self) -> int:
-        it = self.iteration
-        return int(it["micro_batch_size"]) * int(it["num_microbatches"]) * self.layout.dp
-
-    @property
-    def overlap_grad_reduce(self) -> bool:
-        return bool((self.iteration.get("ddp") or {}).get("overlap_grad_reduce"))
-
-    @property
-    def tp_comm_overlap(self) -> bool:
-        return bool((self.iteration.get("training") or {}).get("tp_comm_overlap"))
-
-    @property
-    def overlap_param_gather(self) -> bool:
-        return bool((self.iteration.get("ddp") or {}).get("overlap_param_gather"))
-
-    def only_iteration(self, index: int) -> "TracedJob":
-        """This job with traced iteration ``index`` alone."""
-        traces = {rank: dataclasses.replace(trace, ops=[op for op in trace.ops if op.iteration == index])
-                  for rank, trace in self.traces.items()}
-        return dataclasses.replace(self, traces=traces, iteration={**self.iteration, "trace_iters": 1})
-
-    def representative_of(self, rank: int) -> int:
-        """The traced rank that stands for global rank ``rank`` (same stage and expert rank)."""
-        place = _place(self.layout, rank)
-        rep = self._reps.get(place)
-        if rep is None:
-            raise TraceMismatch(f"{self.folder}: no trace stands for rank {rank} (stage {place[0]}, expert rank "
-                                f"{place[1]}); {_RETRACE}")
-        return rep
-
-    def representatives_of(self, group: tuple[int, ...]) -> frozenset[int]:
-        """The traced ranks that stand for a group's members (asked once per collective op, so kept)."""
-        members = self._group_reps.get(group)
-        if members is None:
-            members = self._group_reps[group] = frozenset(self.representative_of(r) for r in group)
-        return members
-
-    def __post_init__(self) -> None:
-        self._group_reps: dict[tuple[int, ...], frozenset[int]] = {}
-        self._reps = {}
-        for rank in self.traces:
-            place = _place(self.layout, rank)
-            if place in self._reps:
-                raise ValueError(f"ranks {self._reps[place]} and {rank} stand for the same stage and expert rank; "
-                                 "pass representatives(traces, layout)")
-            self._reps[place] = rank
-        missing = [stage for stage in range(self.layout.pp) if not any(k[0] == stage for k in self._reps)]
-        if missing:
-            raise TraceMismatch(f"{self.folder}: no trace of pipeline stage(s) {missing}; {_RETRACE}")
 
 
-def load_job(folder: "str | Path") -> TracedJob:
-    """The traces in one config folder (``rank_<r>.trace.jsonl``), checked to be one layout."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such trace folder; give a folder `megatron-dynapipe trace` wrote")
-    traces = read_traces(folder)
-    if not traces:
-        raise TraceMismatch(f"{folder}: no rank_<r>.trace.jsonl files; give a config folder `megatron-dynapipe trace` "
-                            "wrote (or the output folder that holds them)")
-    first = next(iter(traces.values()))
-    for trace in traces.values():
-        for what in ("layout", "model", "iteration"):
-            if getattr(trace, what) != getattr(first, what):
-                raise TraceMismatch(f"{folder}: rank {trace.rank}'s {what} differs from rank {first.rank}'s; the folder "
-                                    f"mixes traces of different runs; {_RETRACE} into an empty folder")
-    layout = ParallelLayout(**{k: v for k, v in first.layout.items() if k != "expert_dp"})
-    model_fields = {k: v for k, v in first.model.items() if k in ModelSpec.__dataclass_fields__}
-    return TracedJob(folder=folder, traces=representatives(traces, layout), layout=layout,
-                     model=ModelSpec(**model_fields), iteration=first.iteration,
-                     dtype=str(first.model.get("dtype") or "bfloat16"))
 
 
-def representatives(traces: dict[int, RankTrace], layout: ParallelLayout) -> dict[int, RankTrace]:
-    """One trace per (stage, expert rank), the lowest rank's: a real job's traces of every rank
-    replay as its representatives do (their peers run the same ops)."""
-    chosen: dict[tuple[int, int], int] = {}
-    for rank in sorted(traces):
-        chosen.setdefault(_place(layout, rank), rank)
-    return {rank: traces[rank] for rank in sorted(chosen.values())}
 
 
 # -- steps --------------------------------------------------------------------------------------
@@ -378,13 +273,13 @@ class _StepBuilder:
         receiver in that group."""
         me, peer = self.trace.rank, part["peer"]
         if peer not in self.job.traces:
-            raise TraceMismatch(f"{self.job.folder}: rank {me} exchanges with rank {peer}, which was not traced; {_RETRACE}")
+            raise TraceMismatch(f"{self.job.folder}: rank {me} exchanges with rank {peer}, which was not traced; {RETRACE}")
         if part["kind"] in P2P_SEND_KINDS:
             sender, receiver = me, peer
         elif part["kind"] in P2P_RECV_KINDS:
             sender, receiver = peer, me
         else:
-            raise TraceMismatch(f"{self.job.folder}: rank {me} has a p2p part of kind {part['kind']!r}; {_RETRACE}")
+            raise TraceMismatch(f"{self.job.folder}: rank {me} has a p2p part of kind {part['kind']!r}; {RETRACE}")
         channel = (group_name, sender, receiver)
         index = self.pair_count[channel]
         self.pair_count[channel] += 1
@@ -500,7 +395,7 @@ class _Loop:
                 self._finish_compute(finisher)
         if self.waiting:
             raise TraceMismatch(f"{self.job.folder}: the traces wait on each other forever ({self._blocked()}); "
-                                f"they do not come from one run: {_RETRACE}")
+                                f"they do not come from one run: {RETRACE}")
         for rank, out in self.out.items():
             out.end_us = max(self.clock[rank], *self.overlap_free[rank].values(), 0.0)
         return self.out
@@ -635,15 +530,3 @@ def simulate_job(job: TracedJob, hardware: Hardware, *, spans: bool = True) -> R
         return Replay(job, hardware, _Loop(job, steps, hardware, spans).run())
 
 
-def job_folders(path: "str | Path") -> list[Path]:
-    """``path`` if it holds traces, else its sub-folders that do (a `trace` output folder)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such folder; give a folder `megatron-dynapipe trace` wrote")
-    if any(path.glob("rank_*.trace.jsonl")):
-        return [path]
-    folders = sorted(p for p in path.iterdir() if p.is_dir() and any(p.glob("rank_*.trace.jsonl")))
-    if not folders:
-        raise TraceMismatch(f"{path}: no rank_<r>.trace.jsonl here or in its sub-folders; give a folder "
-                            "`megatron-dynapipe trace` wrote")
-    return folders

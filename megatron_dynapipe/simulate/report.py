@@ -30,7 +30,8 @@ import numpy as np
 from megatron_dynapipe.chrome_trace import ChromeTrace
 from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.simulate.replay import Replay, TracedJob, simulate_job
+from megatron_dynapipe.simulate.replay import Replay, simulate_job
+from megatron_dynapipe.simulate.traced_job import TracedJob
 
 __all__ = ["StageReport", "SimulationReport", "planned_steps", "report", "format_report", "timeline"]
 

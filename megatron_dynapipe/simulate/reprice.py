@@ -20,7 +20,7 @@ from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.tracer.shapes_only_costs import compute_cost_fn
 
 if TYPE_CHECKING:
-    from megatron_dynapipe.simulate.replay import TracedJob
+    from megatron_dynapipe.simulate.traced_job import TracedJob
 
 __all__ = ["priced_for", "reprice"]
 

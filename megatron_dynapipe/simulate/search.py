@@ -49,7 +49,8 @@ from megatron_dynapipe.planning.cost_model import (
     split_over_cp,
 )
 from megatron_dynapipe.progress import progress_bar
-from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import load_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import RECOMPUTE_CHOICES, derive
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate

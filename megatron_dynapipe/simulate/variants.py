@@ -31,7 +31,7 @@ import dataclasses
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts, gpt_shape
-from megatron_dynapipe.simulate.replay import TracedJob
+from megatron_dynapipe.simulate.traced_job import TracedJob
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
 
 __all__ = ["RECOMPUTE_CHOICES", "derive"]

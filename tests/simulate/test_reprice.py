@@ -9,7 +9,8 @@ import pytest
 
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.hardware import Link, load_hardware
-from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import load_job
 from megatron_dynapipe.simulate.report import report
 from megatron_dynapipe.simulate.variants import derive
 from megatron_dynapipe.tracer.batch_config import parse_configs

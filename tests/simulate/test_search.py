@@ -11,7 +11,8 @@ from megatron_dynapipe.cli import main
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.hardware import Hardware, Link, load_hardware
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import load_job
 from megatron_dynapipe.simulate.search import (
     Candidate,
     SearchError,

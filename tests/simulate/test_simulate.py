@@ -12,7 +12,8 @@ import pytest
 from megatron_dynapipe.config.accounting import step_flops
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.hardware import Hardware, HardwareFileError, Link, hardware_names, load_hardware
-from megatron_dynapipe.simulate.replay import TraceMismatch, load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import TraceMismatch, load_job
 from megatron_dynapipe.simulate.report import report, timeline
 from megatron_dynapipe.simulate.variants import derive
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceFormatError

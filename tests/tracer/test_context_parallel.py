@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from megatron_dynapipe.hardware import Hardware, Link
-from megatron_dynapipe.simulate.replay import load_job, simulate_job
+from megatron_dynapipe.simulate.replay import simulate_job
+from megatron_dynapipe.simulate.traced_job import load_job
 from megatron_dynapipe.tracer.batch_config import parse_configs
 from megatron_dynapipe.tracer.batch_run import run_batch
 

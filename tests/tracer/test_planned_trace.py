@@ -93,7 +93,8 @@ def test_the_header_keeps_every_data_parallel_rank_s_planned_time(padded):
 
 
 def test_simulate_reports_each_batch_s_step_as_the_slowest_data_parallel_rank_s(padded, tmp_path):
-    from megatron_dynapipe.simulate.replay import load_job, simulate_job
+    from megatron_dynapipe.simulate.replay import simulate_job
+    from megatron_dynapipe.simulate.traced_job import load_job
     from megatron_dynapipe.simulate.report import report
 
     batches, traces = padded
