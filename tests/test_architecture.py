@@ -2,7 +2,8 @@
 as one at the top): the ground floors import nothing above them and stay free of torch and
 Megatron, every package imports only what the map below allows, no two packages import each other,
 no feature imports another's command line or a benchmark, and nothing inside the package goes
-through ``megatron_dynapipe.megatron``, the face kept for Megatron-LM users."""
+through ``megatron_dynapipe.megatron``, the face kept for Megatron-LM users; and no module or
+function is longer than a reader holds at once."""
 
 import ast
 import pkgutil
@@ -171,3 +172,24 @@ def test_nothing_inside_the_package_goes_through_the_megatron_face():
     users = sorted(module for module, targets in module_imports().items()
                    if _unit(module) != "megatron" and any(_unit(t) == "megatron" for t in targets))
     assert users == [], f"import megatron_lm or runtime directly, not the megatron face: {users}"
+
+
+MODULE_LINES, FUNCTION_LINES = 600, 80  # what a reader holds at once
+
+
+def test_no_module_is_longer_than_a_reader_holds():
+    long = {str(path.relative_to(ROOT)): lines for path in sorted(PACKAGE.rglob("*.py"))
+            if (lines := len(path.read_text().splitlines())) > MODULE_LINES}
+    assert not long, f"split these modules ({MODULE_LINES} lines at most): {long}"
+
+
+def test_a_function_over_80_lines_says_why_it_must_be_one_piece():
+    """Its docstring or a comment in it says what is done "on purpose" by keeping it whole."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno >= FUNCTION_LINES and "on purpose" not in ast.get_source_segment(source, node):
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long, f"split these functions, or say why each is one piece (\"on purpose\"): {long}"

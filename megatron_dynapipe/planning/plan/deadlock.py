@@ -35,6 +35,17 @@ def _ordinal(i: int) -> str:
     return f"{i}{suffix}"
 
 
+def _check_one_pipeline(plans: Sequence[ExecutionPlan]) -> None:
+    """ValueError unless each plan is valid and they are the stages 0..pp-1 of one pipeline."""
+    pp = len(plans)
+    for s, plan in enumerate(plans):
+        if plan.stage != s or plan.num_stages != pp:
+            raise ValueError(f"plans[{s}] is stage {plan.stage} of {plan.num_stages}: expected stage {s} of {pp}")
+        if plan.chunks != plans[0].chunks:
+            raise ValueError(f"stage {s}'s plan runs {plan.chunks} model chunks, stage 0's {plans[0].chunks}")
+        plan.validate()
+
+
 def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
     """Prove that the plans of all stages run to the end together, or raise.
 
@@ -53,15 +64,7 @@ def check_deadlock_free(plans: Sequence[ExecutionPlan]) -> None:
     pp = len(plans)
     if pp == 0:
         return
-    for s, plan in enumerate(plans):
-        if plan.stage != s or plan.num_stages != pp:
-            raise ValueError(
-                f"plans[{s}] is stage {plan.stage} of {plan.num_stages}: expected stage {s} of {pp}"
-            )
-        if plan.chunks != plans[0].chunks:
-            raise ValueError(f"stage {s}'s plan runs {plan.chunks} model chunks, stage 0's {plans[0].chunks}")
-        plan.validate()
-
+    _check_one_pipeline(plans)
     # channel (src, dst, activations?) -> posted sends / receives, as (micro-batch, chunk)
     sends: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
     recvs: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
