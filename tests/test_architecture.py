@@ -2,8 +2,8 @@
 as one at the top): the ground floors import nothing above them and stay free of torch and
 Megatron, every package imports only what the map below allows, no two packages import each other,
 no feature imports another's command line or a benchmark, and nothing inside the package goes
-through ``megatron_dynapipe.megatron``, the face kept for Megatron-LM users; and no module or
-function is longer than a reader holds at once."""
+through ``megatron_dynapipe.megatron``, the face kept for Megatron-LM users; only the named
+packages import megatron-core; and no module or function is longer than a reader holds at once."""
 
 import ast
 import pkgutil
@@ -62,8 +62,8 @@ def test_the_ground_floors_import_neither_torch_nor_megatron():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _imports(path, module: str, is_package: bool) -> set[str]:
-    """Every megatron_dynapipe module ``module`` (the file at ``path``) names in an import."""
+def _imports(path, module: str, is_package: bool, package: str = "megatron_dynapipe") -> set[str]:
+    """Every ``package`` module ``module`` (the file at ``path``) names in an import."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -76,7 +76,7 @@ def _imports(path, module: str, is_package: bool) -> set[str]:
             elif node.module:
                 found.add(node.module)
                 found |= {f"{node.module}.{alias.name}" for alias in node.names}  # a module imported by name
-    return {name for name in found if name.split(".")[0] == "megatron_dynapipe"}
+    return {name for name in found if name.split(".")[0] == package}
 
 
 def _unit(module: str) -> str:
@@ -84,15 +84,15 @@ def _unit(module: str) -> str:
     return module.split(".")[1] if module.count(".") else module
 
 
-def module_imports() -> dict[str, set[str]]:
-    """module -> the package's modules (or names within them) it imports."""
+def module_imports(package: str = "megatron_dynapipe") -> dict[str, set[str]]:
+    """module -> the modules of ``package`` (or names within them) it imports."""
     out: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
         is_package = parts[-1] == "__init__"
         module = ".".join(parts[:-1] if is_package else parts)
         if module != "megatron_dynapipe":  # the package's own lazy re-exports
-            out[module] = _imports(path, module, is_package)
+            out[module] = _imports(path, module, is_package, package)
     return out
 
 
@@ -172,6 +172,17 @@ def test_nothing_inside_the_package_goes_through_the_megatron_face():
     users = sorted(module for module, targets in module_imports().items()
                    if _unit(module) != "megatron" and any(_unit(t) == "megatron" for t in targets))
     assert users == [], f"import megatron_lm or runtime directly, not the megatron face: {users}"
+
+
+#: the packages that import megatron-core (or Megatron-LM) themselves: what builds, runs, traces or
+#: measures its models. The runtime is not among them: it calls megatron-core through compat/core.py.
+MEGATRON_IMPORTERS = {"compat", "gpt", "data", "tracer", "profiling", "megatron_lm", "bench"}
+
+
+def test_only_the_named_packages_import_megatron():
+    users = {_unit(module) for module, targets in module_imports("megatron").items() if targets}
+    assert users == MEGATRON_IMPORTERS, (f"import megatron-core in {sorted(MEGATRON_IMPORTERS)} alone (the runtime "
+                                         f"through compat/core.py); found {sorted(users)}")
 
 
 MODULE_LINES, FUNCTION_LINES = 600, 80  # what a reader holds at once

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_dynapipe.compat import upstream
+from megatron_dynapipe.compat import core, upstream
 from megatron_dynapipe.compat.patching import check_spots
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.planning.plan import ExecutionPlan, Op
@@ -117,17 +117,10 @@ class RecomputeSwitch:
     """
 
     def __init__(self, model: "torch.nn.Module | Iterable[torch.nn.Module]"):
-        from megatron.core.transformer.transformer_block import TransformerBlock
-
         models = [model] if isinstance(model, torch.nn.Module) else list(model)
-        configs: dict[int, Any] = {}
-        self.attention: list[torch.nn.Module] = []
-        for m in models:
-            for module in m.modules():
-                if isinstance(module, TransformerBlock):
-                    configs[id(module.config)] = module.config
-                if hasattr(module, "checkpoint_core_attention"):
-                    self.attention.append(module)
+        modules = [module for m in models for module in m.modules()]
+        configs = {id(block.config): block.config for block in core.transformer_blocks(modules)}
+        self.attention: list[torch.nn.Module] = [m for m in modules if hasattr(m, "checkpoint_core_attention")]
         self.configs = list(configs.values())
         # the model as built already runs without recompute: NONE then needs no switching
         self._rests_at_none = (all(c.recompute_granularity is None for c in self.configs)
@@ -255,17 +248,14 @@ class StageRunner:
                  collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
                  adjust_tensor_shapes_fn: Optional[Callable] = None,
                  options: Optional[ExecutorOptions] = None, pg_collection=None):
-        from megatron.core.pipeline_parallel import schedules
-        from megatron.core.utils import get_model_config, get_model_type
-
         options = options or ExecutorOptions()
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
-        self.schedules = schedules
+        self.core = core.CoreSchedule()
         self.forward_step_func, self.batch = forward_step_func, batch
         self.forward_only, self.collect_non_loss_data = forward_only, collect_non_loss_data
         self.first_val_step, self.adjust_tensor_shapes_fn = first_val_step, adjust_tensor_shapes_fn
-        self.config = get_model_config(self.models[0])
-        self.pg_collection = pg_collection if pg_collection is not None else upstream.process_groups()
+        self.config = core.model_config(self.models[0])
+        self.pg_collection = pg_collection if pg_collection is not None else core.process_groups()
         params = next(self.models[0].parameters(), None)
         self.device = params.device if params is not None else torch.device("cpu")
         self.channels = _channels(self.pg_collection.pp, self.device, options.comm_timeout_s, len(self.models))
@@ -276,7 +266,7 @@ class StageRunner:
         self.next_stage = (self.stage + 1) % self.channels.num_stages  # where activations go
         self.is_last = self.stage == self.channels.num_stages - 1  # holds the last virtual stage
         self.dtype = self.config.pipeline_dtype or (params.dtype if params is not None else torch.float32)
-        self.model_type = get_model_type(self.models[0])
+        self.model_type = core.model_type(self.models[0])
         self.switch = RecomputeSwitch(self.models)
         self.last_backward = max((i for i, ins in enumerate(self.plan.instructions) if ins.op == Op.BACKWARD),
                                  default=-1)
@@ -330,7 +320,7 @@ class StageRunner:
     def _begin(self) -> None:
         config = self.config
         if config.finalize_model_grads_func is not None and not self.forward_only:
-            self.embedding_module = self.schedules.clear_embedding_activation_buffer(config, self.models, self.is_last)
+            self.embedding_module = self.core.clear_embedding_buffer(config, self.models, is_last_stage=self.is_last)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         if not self.forward_only:  # gradient sync waits for the last backward
@@ -347,13 +337,13 @@ class StageRunner:
                     for grad_sync, model in zip(_hooks(config.grad_sync_func), self.models):
                         grad_sync(model.parameters())
             if config.finalize_model_grads_func is not None:
-                self.schedules.finish_embedding_wgrad_compute(config, self.embedding_module, self.is_last,
-                                                              self.pg_collection.tp)
+                self.core.finish_embedding_wgrad(config, self.embedding_module, is_last_stage=self.is_last,
+                                                 tp_group=self.pg_collection.tp)
                 config.finalize_model_grads_func(
                     self.models, self.total_num_tokens if config.calculate_per_token_loss else None,
                     pg_collection=self.pg_collection, force_all_reduce=force_all_reduce)
             if getattr(config, "fine_grained_activation_offloading", False):
-                self.schedules.off_interface.reset()
+                self.core.reset_activation_offloading()
         if config.timers is not None:
             config.timers("forward-backward").stop()
 
@@ -369,9 +359,8 @@ class StageRunner:
     def shape_of(self, m: int) -> tuple[int, ...]:
         """Micro-batch ``m``'s activation shape, as megatron-core's ``get_tensor_shapes`` says."""
         mb = self.plan.microbatches[m]
-        shapes = upstream.activation_shape(self.schedules, seq_length=mb.seq_len, micro_batch_size=mb.rows,
-                                           config=self.config, tp_group=self.pg_collection.tp,
-                                           cp_group=self.pg_collection.cp)
+        shapes = self.core.activation_shape(seq_length=mb.seq_len, micro_batch_size=mb.rows, config=self.config,
+                                            tp_group=self.pg_collection.tp, cp_group=self.pg_collection.cp)
         if self.adjust_tensor_shapes_fn is not None:
             shapes, send = self.adjust_tensor_shapes_fn(shapes, list(shapes))
             if len(shapes) != 1 or list(send) != list(shapes):
@@ -379,7 +368,7 @@ class StageRunner:
         return tuple(shapes[0])
 
     def _deallocate_output(self, key: tuple[int, int]) -> None:
-        self.schedules.deallocate_output_tensor(self.outputs[key], self.config.deallocate_pipeline_outputs)
+        self.core.deallocate_output(self.outputs[key], deallocate=self.config.deallocate_pipeline_outputs)
 
     # -- STARTs ---------------------------------------------------------------------------------
     def _start(self, i: int, ins, tensor: torch.Tensor) -> None:
@@ -435,16 +424,16 @@ class StageRunner:
         self.inputs[_key(ins)] = None
 
     def forward(self, i: int, ins) -> None:
-        key, m, chunk, schedules = _key(ins), ins.microbatch, ins.chunk, self.schedules
+        key, m, chunk = _key(ins), ins.microbatch, ins.chunk
         is_last = self.holds_last_virtual_stage(chunk)
         with self.switch(ins.recompute):
-            output, num_tokens = schedules.forward_step(
-                self.forward_step_func, iter([self.batch.microbatches[m]]), self.models[chunk],
-                len(self.plan.microbatches), self.inputs[key], self.forward_data_store, self.config,
-                self.pg_collection.cp.size(), collect_non_loss_data=self.collect_non_loss_data,
-                is_first_microbatch=schedules.check_first_val_step(self.first_val_step, self.forward_only,
-                                                                   chunk not in self.forwarded_chunks),
-                current_microbatch=m, vp_stage=chunk if self.plan.chunks > 1 else None, is_last_stage=is_last)
+            output, num_tokens = self.core.forward(
+                forward_step_func=self.forward_step_func, microbatch=self.batch.microbatches[m],
+                model=self.models[chunk], num_microbatches=len(self.plan.microbatches), input_tensor=self.inputs[key],
+                forward_data_store=self.forward_data_store, config=self.config, cp_size=self.pg_collection.cp.size(),
+                collect_non_loss_data=self.collect_non_loss_data, first_val_step=self.first_val_step,
+                forward_only=self.forward_only, first_of_chunk=chunk not in self.forwarded_chunks,
+                microbatch_index=m, vp_stage=chunk if self.plan.chunks > 1 else None, is_last_stage=is_last)
         self.forwarded_chunks.add(chunk)
         self.total_num_tokens += num_tokens
         if self.forward_only:
@@ -465,9 +454,9 @@ class StageRunner:
             if self.config.grad_sync_func is None or self.stage == 0:
                 self._leave_no_sync()
         with self.switch(ins.recompute):
-            self.input_grads[key] = upstream.backward_step(
-                self.schedules, self.inputs.pop(key), self.outputs.pop(key), self.output_grads.pop(key, None),
-                self.model_type, self.config)
+            self.input_grads[key] = self.core.backward(
+                input_tensor=self.inputs.pop(key), output_tensor=self.outputs.pop(key),
+                output_tensor_grad=self.output_grads.pop(key, None), model_type=self.model_type, config=self.config)
 
     def free_buffer(self, i: int, ins) -> None:
         for kept in (self.input_grads, self.inputs, self.output_grads):

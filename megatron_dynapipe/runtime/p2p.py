@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dynapipe.compat import core
 from megatron_dynapipe.planning.plan import Instruction, Op
 
 __all__ = ["PipelineCommError", "PipelineChannels", "Transfer", "adopt_twin_groups"]
@@ -142,9 +143,7 @@ class PipelineChannels:
     def __init__(self, pp_group=None, *, device: torch.device, timeout: Optional[float] = None,
                  chunks: int = 1):
         if pp_group is None:
-            from megatron.core import parallel_state
-
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            pp_group = core.pipeline_group()
         self.pp_group = pp_group
         self.ranks = tuple(dist.get_process_group_ranks(pp_group))
         self.stage = dist.get_rank(pp_group)

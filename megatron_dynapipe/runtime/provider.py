@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_dynapipe.compat import upstream
+from megatron_dynapipe.compat import core
 from megatron_dynapipe.compat.patching import Patches
 from megatron_dynapipe.data.batch import PlannedBatch
 from megatron_dynapipe.runtime.executor import ExecutorOptions, run_plan
@@ -87,12 +87,6 @@ def recording_timeline() -> Iterator[list]:
         _state.options = saved
 
 
-def _core_get_forward_backward_func():
-    from megatron.core.pipeline_parallel import schedules
-
-    return schedules.get_forward_backward_func
-
-
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
                               schedule_pg_collection=None, *, dynapipe: Optional[bool] = None) -> Callable:
     """DynaPipe's forward-backward function when DynaPipe is on (``dynapipe`` overrides the
@@ -101,7 +95,7 @@ def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[i
     process-group collection)."""
     enabled = _state.enabled if dynapipe is None else dynapipe
     if not enabled:
-        return upstream.core_forward_backward_func(pp_size, vp_size, schedule_pg_collection=schedule_pg_collection)
+        return core.core_forward_backward_func(pp_size, vp_size, schedule_pg_collection=schedule_pg_collection)
     return forward_backward_dynapipe  # any virtual pipeline size: the plans say which chunk runs when
 
 
@@ -138,11 +132,9 @@ def forward_backward_dynapipe(
                              "pass one per chunk, or one iterator")
         data_iterator = iterators[0]
     if data_iterator is None:
-        from megatron.core import parallel_state
-
         raise ValueError(
             f"DynaPipe: global rank {_global_rank()} (pipeline stage "
-            f"{parallel_state.get_pipeline_model_parallel_rank()}) got data_iterator=None; every rank needs "
+            f"{core.pipeline_rank()}) got data_iterator=None; every rank needs "
             "an iterator of PlannedBatch (its stage's plan), also middle stages and tensor-parallel ranks > 0"
         )
     item = next(data_iterator)
@@ -159,7 +151,7 @@ def forward_backward_dynapipe(
             kwargs["p2p_communicator"] = p2p_communicator
         if pg_collection is not None:
             kwargs["pg_collection"] = pg_collection
-        return upstream.core_forward_backward_func()(**kwargs)
+        return core.core_forward_backward_func()(**kwargs)
     return run_plan(
         forward_step_func=forward_step_func, batch=item, model=model, forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
@@ -221,7 +213,7 @@ def install(args: Any = None) -> InstallReport:
             f"{_TRAINING_MODULE} has no {_NAME}: this Megatron-LM binds its schedule differently; "
             "call megatron_dynapipe.megatron.get_forward_backward_func() from its train_step instead"
         )
-    originals = {_core_get_forward_backward_func(), getattr(training, _NAME)} - {get_forward_backward_func}
+    originals = {core.original_get_forward_backward_func(), getattr(training, _NAME)} - {get_forward_backward_func}
     _state.patches.rebind({original: get_forward_backward_func for original in originals}, where=_in_training)
     patched = sorted(f"{name}.{_NAME}" for name, module in list(sys.modules.items())
                      if module is not None and _in_training(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
+from megatron_dynapipe.compat import core
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.data.batch import PlannedBatch
@@ -34,8 +35,6 @@ def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: in
     Megatron-LM's ``get_model`` sets them: one ``no_sync`` a chunk. With ``cp`` > 1 (the parallel
     state's context-parallel size) its attention runs over the CP group; ``split``: the stages'
     layers where the first or last has its own (Megatron-LM's ``--decoder-first-pipeline-num-layers``)."""
-    from megatron.core import parallel_state
-
     use_te = uses_transformer_engine(device.type)
     virtual = dict(virtual_pipeline_model_parallel_size=chunks) if chunks > 1 else {}
     config = transformer_config(spec, dtype=dtype, tp=tp, pp=pp, cp=cp, num_layers=num_layers,
@@ -44,8 +43,7 @@ def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: in
                                 **(split.transformer_fields() if split else {}))
     vp_stages = range(chunks) if chunks > 1 else [None]
     models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v,
-                        pre_process=parallel_state.is_pipeline_first_stage(v is None, v),
-                        post_process=parallel_state.is_pipeline_last_stage(v is None, v)).to(device=device, dtype=dtype)
+                        pre_process=core.is_first_stage(v), post_process=core.is_last_stage(v)).to(device=device, dtype=dtype)
               for v in vp_stages]
     ddp = [wrap_in_ddp(model, config) for model in models]
     if chunks > 1:
