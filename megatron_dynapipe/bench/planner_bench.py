@@ -151,7 +151,7 @@ def _measure(lengths, spec: TrainingSpec, fresh_costs, costs, ranks, args) -> di
         "normal_s": normal.planning_seconds, "fast_s": fast.planning_seconds,
         "normal_ms": normal.makespan_ms, "fast_ms": fast.makespan_ms,
         "packing_ms": base.makespan_ms if base else float("nan"),
-        "ideal": ideal_gain(lengths, costs, args.pack_length) if spec.packing == "pad" else float("nan"),
+        "ideal": ideal_gain(lengths, costs, args.pack_length) if not spec.packed else float("nan"),
         "bound_ms": bound,
         "phases": {"normal": normal.phase_seconds, "fast": fast.phase_seconds},
     }

@@ -108,7 +108,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         lengths = pieces.length
     fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
-    if spec.packing == "varlen":
+    if spec.packed:
         costs = costs.packed()
         lengths = round_up(lengths, packed_sample_multiple(spec.cp))
     sizing = rank_costs(costs, spec)
@@ -117,14 +117,14 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     rows = PaddedRows(sizing, spec.memory_limit_mb)  # every rank's partitions share them
     with clock("micro-batching"):
         per_rank = split_across_dp(lengths, spec.dp, sizing, spec.seqlen_round)
-        if spec.packing != "varlen":  # packed partitions cost their own runs
+        if not spec.packed:  # packed partitions cost their own runs
             for samples in per_rank:
                 rows.foresee(lengths[samples], spec.seqlen_round, fast)
     try:
         choices, failed = _schedule_ranks(lengths, per_rank, costs, sizing, rows, spec, fast, clock), None
     except PlanningError as error:
         choices, failed = None, error
-    if spec.packing == "varlen":
+    if spec.packed:
         with clock("scheduling"):
             choices = _no_slower_than_megatron(choices, lengths, costs, spec, pieces)
     if choices is None:
@@ -139,7 +139,7 @@ def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
     padded as a context-parallel row needs them: :func:`~.documents.cut_documents`)."""
     if spec.documents != "cut":
         return None
-    return cut_documents(lengths, spec.seq_length, packed_sample_multiple(spec.cp) if spec.packing == "varlen" else 1)
+    return cut_documents(lengths, spec.seq_length, packed_sample_multiple(spec.cp) if spec.packed else 1)
 
 
 def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
@@ -382,7 +382,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: b
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
                 FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
-                packed=spec.packing == "varlen", chunks=fill, rows=rows)
+                packed=spec.packed, chunks=fill, rows=rows)
         except MicroBatchingError as error:
             errors.append(error)
             continue
@@ -396,7 +396,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: b
             found.append((rank, 0, Microbatching(f"{partition.label}, light start", partition.microbatches, light)))
         if light == partition.recompute or not fast_mode:
             found.append((rank, 1, partition))
-    if spec.packing == "varlen":
+    if spec.packed:
         full = megatron_rows(lengths, samples, spec)
         if full is not None:
             light = Microbatching("rows of seq-length", full,

@@ -25,9 +25,12 @@ def packed_sample_multiple(cp: int) -> int:
     return 2 * cp if cp > 1 else 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingSpec:
-    """Parallel layout, memory budget and search settings of one training job."""
+    """Parallel layout, memory budget and search settings of one training job: checked and put in
+    canonical form once, when made (tuples, recompute types parsed, the interleaved schedules where
+    the default ones were asked for with several chunks), read-only after; change one with
+    ``dataclasses.replace``, which checks it again."""
 
     num_layers: int = 32
     pp: int = 4
@@ -109,13 +112,13 @@ class TrainingSpec:
             )
         if self.packing not in PACKINGS:
             raise ValueError(f"unknown packing {self.packing!r}: choose from {', '.join(PACKINGS)}")
-        if self.packing == "varlen" and self.partition != "dp":
+        if self.packed and self.partition != "dp":
             raise ValueError(f"packing varlen cuts micro-batches by dynamic programming: partition {self.partition!r} "
                              "pads; use partition dp")
         self._check_documents()
-        self.recompute_types = tuple(RecomputeType.parse(r) for r in self.recompute_types)
+        object.__setattr__(self, "recompute_types", tuple(RecomputeType.parse(r) for r in self.recompute_types))
         if self.stage_layers is not None:
-            self.stage_layers = tuple(self.stage_layers)
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
             stages = self.pp * self.chunks
             if len(self.stage_layers) != stages or sum(self.stage_layers) != self.num_layers \
                     or min(self.stage_layers) < 0:
@@ -130,7 +133,7 @@ class TrainingSpec:
         if self.pp < 2:
             raise ValueError(f"{self.chunks} model chunks a rank need pp >= 2 (an interleaved pipeline), got pp={self.pp}")
         if tuple(self.schedules) == DEFAULT_SCHEDULES:
-            self.schedules = default_schedules(self.chunks)
+            object.__setattr__(self, "schedules", default_schedules(self.chunks))
         for name in self.schedules:
             check_chunks(REGISTERED_SCHEDULES[name], self.chunks)
 
@@ -141,10 +144,15 @@ class TrainingSpec:
             return
         if self.seq_length is None:
             raise ValueError("documents 'cut' cuts the samples at Megatron-LM's --seq-length: give seq_length")
-        multiple = packed_sample_multiple(self.cp) if self.packing == "varlen" else 1
+        multiple = packed_sample_multiple(self.cp) if self.packed else 1
         if self.seq_length % multiple:
             raise ValueError(f"seq_length {self.seq_length} is not a multiple of 2 x cp = {multiple}, as Megatron-LM "
                              "requires of context-parallel rows: round it")
+
+    @property
+    def packed(self) -> bool:
+        """Whether micro-batches are packed rows (``packing="varlen"``, THD) rather than padded ones."""
+        return self.packing == "varlen"
 
     def to_json(self) -> dict:
         """The spec as JSON values (recompute types by label), for :meth:`from_json`."""

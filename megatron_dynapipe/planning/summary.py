@@ -57,7 +57,7 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         }
         summary["speedup_vs_packing"] = None if baseline is None else baseline.makespan_ms / result.makespan_ms
         # the ideal is exact-length padded micro-batches against packing: no yardstick for packed ones
-        summary["ideal_gain_vs_packing"] = None if spec.packing == "varlen" else ideal_gain(
+        summary["ideal_gain_vs_packing"] = None if spec.packed else ideal_gain(
             planned, costs, pack_length, spec.seqlen_round)
     return summary
 

@@ -166,7 +166,7 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
     planning = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model, ring_gbps=ring_gbps))
     traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
                                                              ring_transfers=False))  # the ring: traced ops
-    if spec.packing == "varlen":
+    if spec.packed:
         traced = traced.packed()
     drawn = request.source.batches(global_batch * seq_length, seq_length, request.count, request.seed)
     plan_one = {"thd": _thd_step, "dp_balanced": _dp_balanced_step}.get(request.method, _dynapipe_step)
