@@ -14,7 +14,7 @@ from megatron_dynapipe.bench import executor_bench, planner_bench, step_bench
 from megatron_dynapipe.compat import upstream
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.files import check_output_file
-from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.megatron_lm.launcher import add_launch_parser
@@ -56,7 +56,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--use-distributed-optimizer", dest="zero_stage", action="store_const", const=1,
                    help="Megatron's distributed optimizer: --zero-stage 1")
     p.add_argument("--memory-limit", type=float, metavar="MB",
-                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else 36000)")
+                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else {default_memory_limit_mb(None):.0f})")
     add_planner_arguments(p)
     add_pricing_arguments(p)
     p.add_argument("--pack-length", type=int, help="Megatron's --seq-length: the row its packings fill, the yardstick's and "
@@ -144,7 +144,7 @@ def _pricing(args) -> tuple:
     if split:
         raise ValueError(split)
     if priced is None:
-        return args.cost_model, num_layers, args.memory_limit or TrainingSpec.memory_limit_mb
+        return args.cost_model, num_layers, args.memory_limit or default_memory_limit_mb(None)
     return priced.cost_model, num_layers, args.memory_limit or priced.memory_limit_mb
 
 

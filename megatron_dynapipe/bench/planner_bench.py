@@ -25,7 +25,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
 from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.config.model import get_model
@@ -72,7 +72,7 @@ def add_arguments(p) -> None:
                    help="context-parallel ranks each micro-batch's rows are split over (default 1)")
     p.add_argument("--memory-limit", type=memory_limit, metavar="MB|tight",
                    help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else "
-                        "36000), or 'tight': per batch, the tightest limit "
+                        f"{default_memory_limit_mb(None):.0f}), or 'tight': per batch, the tightest limit "
                         f"normal mode can plan it under (bisection to {TIGHT_RESOLUTION_MB} MB)")
     p.add_argument("--mix", default="lognormal", choices=MIXES, help="built-in length mix (default lognormal)")
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
@@ -99,7 +99,7 @@ def run(args) -> int:
     tight = args.memory_limit == TIGHT
     priced = pricing_from_args(args, args.tp)
     model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
-    default_limit = priced.memory_limit_mb if priced else TrainingSpec.memory_limit_mb
+    default_limit = priced.memory_limit_mb if priced else default_memory_limit_mb(None)
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
                         dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
                         else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp,

@@ -63,7 +63,8 @@ import sys
 
 from megatron_dynapipe.bench import step_timeline
 from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, DYNAPIPE, LEAKY, PACK, PAD, THD,
-                                                 VARLEN, WINDOWS, Method, build_methods, stage_costs)
+                                                 StepJob, VARLEN, WINDOWS, Method, build_methods,
+                                                 stage_costs)
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
@@ -71,7 +72,7 @@ from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
-from megatron_dynapipe.hardware import MEMORY_HEADROOM
+from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
@@ -84,7 +85,6 @@ DEFAULT_SAMPLES = 64
 # relative, each method without leakage against pad-to-max
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
 ATTENTION = "sdpa"  # without --attention: the core that runs the packed methods too
-CPU_MEMORY_LIMIT_MB = 36_000.0  # the CPU has no device memory to read: a 40 GB A100's planning limit
 
 
 def add_arguments(p) -> None:
@@ -115,7 +115,7 @@ def add_arguments(p) -> None:
                         "model's positions)")
     p.add_argument("--memory-limit", type=float, metavar="MB",
                    help=f"per-device memory the plans must fit (default: {1 - MEMORY_HEADROOM:g} of the GPU's memory, the "
-                        f"rest left for the CUDA context, NCCL and the allocator; {CPU_MEMORY_LIMIT_MB:.0f} on the CPU)")
+                        f"rest left for the CUDA context, NCCL and the allocator; {default_memory_limit_mb(None):.0f} on the CPU)")
     add_device_arguments(p, "run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5, at least 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
@@ -135,10 +135,10 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     job = _checked(args)
-    lengths = _lengths(args, job["max_seq_length"])
+    lengths = _lengths(args, job.max_seq_length)
     methods = build_methods(lengths, job, args)
-    print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job['device']} "
-          f"({_layout(job)}) ...", file=sys.stderr, flush=True)
+    print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job.device} "
+          f"({_layout(job.layout)}) ...", file=sys.stderr, flush=True)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
     row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
     if args.chrome_trace:
@@ -153,7 +153,7 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def _checked(args) -> dict:
+def _checked(args) -> StepJob:
     """Everything refusable before any work, one line each that names the fix."""
     import torch
 
@@ -204,15 +204,15 @@ def _checked(args) -> dict:
                          f"{spec.max_sequence_length} positions (the planner pads lengths to multiples of 8)")
     if args.chrome_trace:
         check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
-    memory_limit = args.memory_limit or (torch.cuda.get_device_properties(0).total_memory / 2**20 * (1 - MEMORY_HEADROOM)
-                                         if device == "cuda" else CPU_MEMORY_LIMIT_MB)
+    memory_limit = args.memory_limit or default_memory_limit_mb(
+        torch.cuda.get_device_properties(0).total_memory / 2**20 if device == "cuda" else None)
     cost_model = split_over_cp(load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype), args.cp)
     packs = runs_packed(spec, device)
-    return dict(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
-                cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
-                predicts=args.cost_model is not None, timeline=bool(args.chrome_trace),
-                cut=bool(args.cut_documents))
+    return StepJob(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
+                   memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
+                   cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
+                   predicts=args.cost_model is not None, timeline=bool(args.chrome_trace),
+                   cut=bool(args.cut_documents))
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -268,7 +268,7 @@ class MethodFailed(RuntimeError):
         return f"{self.method}: {self.reason}"
 
 
-def run_methods(methods: dict[str, Method], job: dict, *, warmup: int, steps: int,
+def run_methods(methods: dict[str, Method], job: StepJob, *, warmup: int, steps: int,
                 timeout: float) -> tuple[list[dict], dict[str, str]]:
     """Every method's steps on the local ranks: the per-rank results, and ``{method: why}`` for the
     methods that failed. A failing method takes its peers down with it (a stage waits on the one
@@ -278,8 +278,8 @@ def run_methods(methods: dict[str, Method], job: dict, *, warmup: int, steps: in
     while True:
         remaining = {name: method for name, method in methods.items() if name not in failed}
         try:
-            return run_local_ranks(_rank, job["pp"] * job["dp"] * job["cp"], job, remaining, warmup, steps,
-                                   timeout=timeout, backend="nccl" if job["device"] == "cuda" else "gloo"), failed
+            return run_local_ranks(_rank, job.pp * job.dp * job.cp, job, remaining, warmup, steps,
+                                   timeout=timeout, backend="nccl" if job.device == "cuda" else "gloo"), failed
         except LocalRanksError as error:
             failure = next((e for e in error.raised.values() if isinstance(e, MethodFailed)), None)
             if failure is None or len(remaining) == 1:
@@ -299,7 +299,7 @@ def _failing_as(name: str, run):
     return step
 
 
-def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], warmup: int, steps: int) -> dict:
+def _rank(rank: int, world_size: int, job: StepJob, methods: dict[str, Method], warmup: int, steps: int) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -311,19 +311,19 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel
     from megatron_dynapipe.profiling.measure import steady_cpu_allocator
 
-    on_cpu = job["device"] == "cpu"
+    on_cpu = job.device == "cpu"
     if on_cpu:
         steady_cpu_allocator()  # as the profile was made: timings that do not hang on the steps before
         cpu_compat.enable_cpu_mode()
     # the data-parallel size follows from the world
-    init_model_parallel(1, job["pp"], virtual_pp=job["chunks"] if job["chunks"] > 1 else None,
-                        context_parallel_size=job["cp"])
+    init_model_parallel(1, job.pp, virtual_pp=job.chunks if job.chunks > 1 else None,
+                        context_parallel_size=job.cp)
     try:
-        model_parallel_cuda_manual_seed(job["seed"])  # megatron's RNG tracker; weights and tokens as seeded
-        torch.manual_seed(job["seed"])
+        model_parallel_cuda_manual_seed(job.seed)  # megatron's RNG tracker; weights and tokens as seeded
+        torch.manual_seed(job.seed)
         device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        chunks = build_training_chunks(job["model"], dtype=torch_dtype(job["dtype"]), device=device, pp=job["pp"],
-                                       cp=job["cp"], chunks=job["chunks"], split=job["split"])
+        chunks = build_training_chunks(job.model, dtype=torch_dtype(job.dtype), device=device, pp=job.pp,
+                                       cp=job.cp, chunks=job.chunks, split=job.split)
         stage, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
         runs = {name: _failing_as(name, planned_step(chunks, method.plans[dp_rank][stage], method.microbatches[dp_rank],
                                                      device))
@@ -336,7 +336,7 @@ def _rank(rank: int, world_size: int, job: dict, methods: dict[str, Method], war
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=zero_grads,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
         timelines = ({name: step_timeline.record(run, zero_grads) for name, run in runs.items()}
-                     if job["timeline"] else {})
+                     if job.timeline else {})
         return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
                 "memory_mb": {name: _memory_mb(run, zero_grads, device) for name, run in runs.items()},
                 "timelines": timelines, "stage": stage, "dp_rank": dp_rank,
@@ -397,13 +397,13 @@ def _memory_mb(run, zero_grads, device) -> tuple[float, "float | None"]:
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: dict,
+def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: StepJob,
               failed: "dict[str, str] | None" = None) -> dict:
     """Per method: median step time (slowest rank each step), real tokens per second, predicted
     time and its error, peak memory (largest rank); speed-ups and whether the losses agree; and
     why each method in ``failed`` did not run."""
     real_tokens = sum(lengths)
-    costs = stage_costs(job) if job["predicts"] else None  # the default model prices an A100, not this device
+    costs = stage_costs(job) if job.predicts else None  # the default model prices an A100, not this device
     rows = {}
     for name, method in methods.items():
         loss, loss_tokens = _global_loss(per_rank, name)
@@ -412,8 +412,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         rows[name] = dict(
             median_ms=median * 1e3, spread_ms=(max(steps) - min(steps)) * 1e3, tokens_per_s=real_tokens / median,
             # the default analytical model prices an A100, not this device: its times are no prediction
-            predicted_ms=method.predicted_ms if job["predicts"] else None,
-            prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job["predicts"] else None,
+            predicted_ms=method.predicted_ms if job.predicts else None,
+            prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job.predicts else None,
             schedule=method.plans[0][0].schedule, microbatches=sum(map(len, method.microbatches)),
             recompute=sorted({rc.label for plans in method.plans for plan in plans for rc in plan.recompute}),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
@@ -422,7 +422,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             peak_mb=_largest([rank["memory_mb"][name][1] for rank in per_rank]),
             planning_s=method.planning_s,
             loss=loss, loss_tokens=loss_tokens)
-        if job["timeline"]:
+        if job.timeline:
             rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY + CUT_PIECES and name != PAD and PAD in rows}
@@ -433,17 +433,15 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
                              (VARLEN, DYNAPIPE), (THD, PAD), (CUT, WINDOWS), (CUT, DP_BALANCED))
                 if a in rows and b in rows}
     return dict(
-        settings=dict(model=job["model"].name or "custom", device=job["device"], dtype=job["dtype"],
-                      pp=job["pp"], chunks=job["chunks"], dp=job["dp"], cp=job["cp"],
-                      first_stage_layers=job["split"].first_stage_layers,
-                      last_stage_layers=job["split"].last_stage_layers, attention=job["model"].attention,
-                      samples=len(lengths), real_tokens=real_tokens, max_seq_length=job["max_seq_length"],
-                      cost_model=job["cost_model_name"], memory_limit_mb=job["memory_limit_mb"]),
+        settings=dict(model=job.model.name or "custom", device=job.device, dtype=job.dtype, **job.layout,
+                      attention=job.model.attention,
+                      samples=len(lengths), real_tokens=real_tokens, max_seq_length=job.max_seq_length,
+                      cost_model=job.cost_model_name, memory_limit_mb=job.memory_limit_mb),
         methods=rows, failed=dict(failed or {}), speedups=speedups,
-        loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job["dtype"]] for gap in gaps.values()),
-        threads_per_rank=per_rank[0]["threads"] if job["device"] == "cpu" else None,
-        cores=os.cpu_count() if job["device"] == "cpu" else None,
-        profile_threads=getattr(job["cost_model"], "metadata", {}).get("cpu_threads"))
+        loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job.dtype] for gap in gaps.values()),
+        threads_per_rank=per_rank[0]["threads"] if job.device == "cpu" else None,
+        cores=os.cpu_count() if job.device == "cpu" else None,
+        profile_threads=getattr(job.cost_model, "metadata", {}).get("cpu_threads"))
 
 
 def _layout(settings: dict) -> str:
@@ -457,17 +455,17 @@ def _layout(settings: dict) -> str:
     return f"PP={settings['pp']}{chunks}{split}, DP={settings['dp']}{cp}"
 
 
-def _rank_name(rank: dict, job: dict) -> str:
+def _rank_name(rank: dict, job: StepJob) -> str:
     """"stage 1", or with several data- or context-parallel ranks "stage 1, dp 0, cp 1"."""
     name = f"stage {rank['stage']}"
-    if job["dp"] > 1:
+    if job.dp > 1:
         name += f", dp {rank['dp_rank']}"
-    if job["cp"] > 1:
+    if job.cp > 1:
         name += f", cp {rank['cp_rank']}"
     return name
 
 
-def _rank_timeline(rank: dict, name: str, method: Method, job: dict, costs: "StageCosts | None") -> dict:
+def _rank_timeline(rank: dict, name: str, method: Method, job: StepJob, costs: "StageCosts | None") -> dict:
     """A rank's extra timed step of method ``name`` split up, and what its compute ops were priced
     at (None without a cost model of this device)."""
     plan = method.plans[rank["dp_rank"]][rank["stage"]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,36 @@ LEAKY = (PACK,)  # methods whose samples attend to each other: their losses diff
 CUT_PIECES = (CUT, WINDOWS)  # methods that train the documents cut: their losses agree with each other
 
 
+@dataclass(frozen=True)
+class StepJob:
+    """What ``bench step`` runs, checked before any work (``step_bench._checked``): the model,
+    where and how it runs, the layout, and the cost model that plans and prices the methods."""
+
+    model: Any  # ModelSpec
+    device: str  # "cpu" or "cuda"
+    packs: bool  # the attention core runs packed micro-batches: the packed methods run too
+    dtype: str  # "fp32", "bf16" or "fp16"
+    max_seq_length: int
+    memory_limit_mb: float
+    cost_model: Any  # priced on one rank of the context-parallel group
+    pp: int
+    chunks: int
+    dp: int
+    cp: int
+    split: Any  # PipelineSplit: the first or last stage's own layers
+    seed: int
+    cost_model_name: str
+    predicts: bool  # a cost model was given: its times are predictions for this device
+    timeline: bool  # --chrome-trace: one more step of each method, every instruction timed
+    cut: bool  # --cut-documents
+
+    @property
+    def layout(self) -> dict:
+        """The layout as the report's settings give it."""
+        return dict(pp=self.pp, chunks=self.chunks, dp=self.dp, cp=self.cp,
+                    first_stage_layers=self.split.first_stage_layers, last_stage_layers=self.split.last_stage_layers)
+
+
 @dataclass
 class Method:
     """One way to run the global batch: per data-parallel rank its per-stage plans and its
@@ -42,27 +73,27 @@ class Method:
     planning_s: float | None = None
 
 
-def build_methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
+def build_methods(lengths: list[int], job: StepJob, args) -> dict[str, Method]:
     """Every method the job runs on ``lengths`` (``job``: bench step's checked settings), by label."""
     # built once, as a training job's data pipeline does: planning time is the planner's alone
     costs = stage_costs(job)
-    spec = TrainingSpec(num_layers=costs.num_layers, pp=job["pp"], dp=job["dp"], chunks=job["chunks"], cp=job["cp"],
-                        stage_layers=costs.layers, memory_limit_mb=job["memory_limit_mb"], seed=args.seed,
-                        seq_length=job["max_seq_length"])
-    tokens = _sample_tokens(lengths, job["model"].vocab_size, args.seed)
+    spec = TrainingSpec(num_layers=costs.num_layers, pp=job.pp, dp=job.dp, chunks=job.chunks, cp=job.cp,
+                        stage_layers=costs.layers, memory_limit_mb=job.memory_limit_mb, seed=args.seed,
+                        seq_length=job.max_seq_length)
+    tokens = _sample_tokens(lengths, job.model.vocab_size, args.seed)
     methods = {}
-    planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job["packs"] else [])
+    planned = [(DYNAPIPE, False, "pad"), (FAST, True, "pad")] + ([(VARLEN, False, "varlen")] if job.packs else [])
     for name, fast, packing in planned:
         result = generate_execution_plan(lengths, dataclasses.replace(spec, packing=packing), costs, fast_mode=fast)
         microbatches = [[_tensors(tokens, mb, spec.cp) for mb in plans[0].microbatches] for plans in result.plans]
         methods[name] = Method(result.plans, microbatches, result.makespan_ms,
                                _activations_mb(result.peak_memory_mb, costs), result.planning_seconds)
-    seq = job["max_seq_length"]
+    seq = job.max_seq_length
     # under CP a packed sample takes whole chunks of its row: the baselines pack with that room too
     sequences = pack_fixed_length(round_up(lengths, packed_sample_multiple(spec.cp)).tolist(), seq)
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
     methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
-    if job["packs"]:
+    if job.packs:
         methods[THD] = _rows_method(thd_packing_rows(sequences, lengths, seq, costs, spec.memory_limit_mb,
                                                      spec.chunks), tokens, seq, costs, spec)
         try:
@@ -71,7 +102,7 @@ def build_methods(lengths: list[int], job: dict, args) -> dict[str, Method]:
             print(f"bench step: {DP_BALANCED} left out: {error}", file=sys.stderr)
         else:
             methods[DP_BALANCED] = _rows_method(balanced, tokens, seq, costs, spec)
-    if job["packs"] and job["cut"]:
+    if job.packs and job.cut:
         methods.update(_cut_methods(lengths, tokens, spec, costs))
     return methods
 
@@ -92,13 +123,13 @@ def _cut_methods(lengths: list[int], tokens: list[np.ndarray], spec: TrainingSpe
     return {WINDOWS: _rows_method(windows, piece_tokens, seq, costs, spec), CUT: planned}
 
 
-def stage_costs(job: dict) -> StageCosts:
+def stage_costs(job: StepJob) -> StageCosts:
     """The job's cost model per pipeline stage: one row a virtual stage, priced on one rank of the
     context-parallel group; where stages are uneven, each with its layers as megatron-core builds
     them."""
-    layers = job["model"].num_layers
-    stage_layers = tuple(job["split"].chunk_layers(layers, job["pp"], job["chunks"])) if job["split"].uneven else None
-    return StageCosts(job["cost_model"], num_layers=layers, pp=job["pp"] * job["chunks"], dp=job["dp"],
+    layers = job.model.num_layers
+    stage_layers = tuple(job.split.chunk_layers(layers, job.pp, job.chunks)) if job.split.uneven else None
+    return StageCosts(job.cost_model, num_layers=layers, pp=job.pp * job.chunks, dp=job.dp,
                       layers=stage_layers)
 
 

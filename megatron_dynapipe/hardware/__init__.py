@@ -54,9 +54,11 @@ from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 __all__ = [
     "MEMORY_HEADROOM",
+    "default_memory_limit_mb",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "COLLECTIVE_KINDS",
@@ -73,6 +75,16 @@ __all__ = [
 #: context, NCCL's buffers and the caching allocator's fragmentation (``search``'s
 #: ``--memory-headroom`` default, and what ``bench step`` keeps free of a GPU by default).
 MEMORY_HEADROOM = 0.1
+
+
+def default_memory_limit_mb(device_memory_mb: "float | None") -> float:
+    """The per-device memory plans must fit where none is given, the one rule every command
+    applies: ``1 - MEMORY_HEADROOM`` of the device's memory; where the device's memory is not known
+    (a profile's cost model, the CPU), :class:`~megatron_dynapipe.planning.spec.TrainingSpec`'s
+    default, a 40 GB A100's planning limit."""
+    if device_memory_mb is None:
+        return TrainingSpec.memory_limit_mb
+    return device_memory_mb * (1 - MEMORY_HEADROOM)
 
 FORMAT_NAME = "megatron-dynapipe-hardware"
 FORMAT_VERSION = 1

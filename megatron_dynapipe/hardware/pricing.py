@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_dynapipe.config.model import get_model, model_names
 from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_from_args
-from megatron_dynapipe.hardware import MEMORY_HEADROOM, hardware_names, load_hardware
+from megatron_dynapipe.hardware import default_memory_limit_mb, hardware_names, load_hardware
 from megatron_dynapipe.planning.cost_model import CostModel
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DTYPE = "6.7B", "a100", "bfloat16"
@@ -18,7 +18,7 @@ DEFAULT_MODEL, DEFAULT_HARDWARE, DTYPE = "6.7B", "a100", "bfloat16"
 class Pricing:
     cost_model: CostModel
     num_layers: int
-    memory_limit_mb: float  # (1 - MEMORY_HEADROOM) of the device's memory
+    memory_limit_mb: float  # default_memory_limit_mb of the device
 
 
 def add_pricing_arguments(parser) -> None:
@@ -47,4 +47,4 @@ def pricing_from_args(args, tp: int) -> "Pricing | None":
     if attention:
         model = dataclasses.replace(model, attention=attention)
     return Pricing(hardware.cost_model(model, tp, DTYPE), model.num_layers,
-                   hardware.memory_gib * 1024 * (1 - MEMORY_HEADROOM))
+                   default_memory_limit_mb(hardware.memory_gib * 1024))

@@ -130,7 +130,7 @@ def test_a_method_that_fails_is_reported_on_its_row_and_the_others_results_stand
     args = parser.parse_args(["--cost-model", str(tiny_sdpa_profile[0]), "--lengths", str(lengths_file),
                               "--max-seq-length", str(SEQ), "--pp", "2", "--steps", "3", "--warmup", "0"])
     job = step_bench._checked(args)
-    lengths = step_bench._lengths(args, job["max_seq_length"])
+    lengths = step_bench._lengths(args, job.max_seq_length)
     methods = step_methods.build_methods(lengths, job, args)
     methods[step_bench.PACK].microbatches[0][0]["tokens"][0, 0] = VOCAB + 5
     per_rank, failed = step_bench.run_methods(methods, job, warmup=0, steps=3, timeout=600)
