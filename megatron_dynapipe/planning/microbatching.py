@@ -482,8 +482,9 @@ def _packed_microbatch(order, sorted_lengths, lo, hi, round_to: int) -> MicroBat
 
 def packed_microbatch(samples: Sequence[int], lengths: Sequence[int], round_to: int) -> MicroBatch:
     """One THD row: ``samples`` (of these ``lengths``) back to back, padded to a multiple of ``round_to``."""
-    run = tuple(int(n) for n in lengths)
-    return MicroBatch(tuple(int(i) for i in samples), int(round_up(sum(run), round_to)), run)
+    run = tuple(lengths.tolist() if isinstance(lengths, np.ndarray) else map(int, lengths))
+    ids = tuple(samples.tolist() if isinstance(samples, np.ndarray) else map(int, samples))
+    return MicroBatch(ids, -(-sum(run) // round_to) * round_to, run)  # hundreds of thousands a plan: no numpy
 
 
 def partition_token_based(lengths, indices, tokens_per_microbatch: int, round_to: int = 8) -> list[MicroBatch]:
