@@ -134,6 +134,27 @@ def test_fast_mode_flag_speaks_the_megatron_flags_vocabulary(flag, expected):
     assert f"fast mode: {expected}" in out.stdout
 
 
+SEARCH = ("search", "--world-size", "8", "--global-batch-size", "8", "--model", "13", "--hardware", "h100")
+
+
+@pytest.mark.parametrize("command,flag,value,says", [
+    (SEARCH, "--seq-length", "0", "0 must be a positive integer"),
+    (SEARCH, "--world-size", "0", "0 must be a positive integer"),
+    (SEARCH, "--top", "0", "0 must be a positive integer"),
+    (("bench", "step"), "--max-seq-length", "0", "0 must be a positive integer"),
+    (("bench", "step"), "--memory-limit", "0", "0 must be a positive number"),
+    (("calibrate",), "--max-bytes", "0", "0 must be a positive integer"),
+    (("trace", "--shapes-only"), "--seq-length", "0", "0 must be a positive integer"),
+])
+def test_a_count_below_one_is_refused_instead_of_taking_its_default(command, flag, value, says):
+    """``search --seq-length 0`` used to search at the model's length, ``bench step --memory-limit 0``
+    to run with the default limit and ``calibrate --max-bytes 0`` to time its default sizes."""
+    out = run_cli(*command, flag, value)
+    name = " ".join(c for c in command if not c.startswith("-") and c not in SEARCH[1:])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert f"megatron-dynapipe {name}: error: argument " in out.stderr and f"{flag}: {says}" in out.stderr, out.stderr
+
+
 def test_fast_mode_flag_refuses_other_words():
     out = run_cli("plan", "--num-samples", "8", "--fast-mode", "maybe")
     assert out.returncode == 2 and "'maybe' is not a fast mode: use true, false or auto" in out.stderr

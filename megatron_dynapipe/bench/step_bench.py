@@ -75,6 +75,7 @@ from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, t
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
+from megatron_dynapipe.planning.flags import positive_int_argument, positive_number_argument
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
@@ -110,10 +111,10 @@ def add_arguments(p) -> None:
     p.add_argument("--mix", choices=MIXES, default="multitask",
                    help="built-in length mix, scaled to --max-seq-length (default multitask)")
     p.add_argument("--lengths", metavar="FILE", help="sample lengths instead of the mix (one a line, or a JSON list)")
-    p.add_argument("--seq-length", "--max-seq-length", dest="max_seq_length", type=int, metavar="N",
+    p.add_argument("--seq-length", "--max-seq-length", dest="max_seq_length", type=positive_int_argument, metavar="N",
                    help="Megatron's --seq-length: the longest sample, pad-to-max and packing length (default: the "
                         "model's positions)")
-    p.add_argument("--memory-limit", type=float, metavar="MB",
+    p.add_argument("--memory-limit", type=positive_number_argument, metavar="MB",
                    help=f"per-device memory the plans must fit (default: {1 - MEMORY_HEADROOM:g} of the GPU's memory, the "
                         f"rest left for the CUDA context, NCCL and the allocator; {default_memory_limit_mb(None):.0f} on the CPU)")
     add_device_arguments(p, "run")

@@ -11,7 +11,7 @@ from megatron_dynapipe.planning.documents import DOCUMENTS
 from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["ListAction", "argument_type", "positive_int_argument", "recompute_argument", "fast_mode_argument",
+__all__ = ["ListAction", "argument_type", "positive_int_argument", "positive_number_argument", "recompute_argument", "fast_mode_argument",
            "add_planner_arguments", "planner_settings"]
 
 
@@ -39,6 +39,20 @@ def _positive_int(text: str) -> int:
 
 #: argparse ``type`` of a count that must be at least 1
 positive_int_argument = argument_type(_positive_int)
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise ValueError(f"{value:g} must be a positive number")
+    return value
+
+
+#: argparse ``type`` of an amount (MB, seconds) that must be above 0 and finite
+positive_number_argument = argument_type(_positive_number)
 
 
 class ListAction(argparse.Action):

@@ -29,6 +29,7 @@ from typing import Any
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us
 from megatron_dynapipe.local_ranks import run_local_ranks
+from megatron_dynapipe.planning.flags import positive_int_argument
 from megatron_dynapipe.profiling.link import KINDS, device_and_sync, fit_link, time_kinds
 
 __all__ = ["add_arguments", "run", "measure"]
@@ -40,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, metavar="N",
                    help="processes (default: the visible GPUs, else 4 CPU processes)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
-    p.add_argument("--min-bytes", type=int, default=1024, metavar="B", help="smallest message (default 1 KiB)")
-    p.add_argument("--max-bytes", type=int, metavar="B",
+    p.add_argument("--min-bytes", type=positive_int_argument, default=1024, metavar="B", help="smallest message (default 1 KiB)")
+    p.add_argument("--max-bytes", type=positive_int_argument, metavar="B",
                    help="largest message (default 256 MiB with NCCL, 16 MiB with gloo)")
     p.add_argument("--repeats", type=int, default=5, help="timed ops per size and kind (default 5)")
     p.add_argument("--name", help="the hardware's name in the file (default: host, device and backend)")

@@ -39,7 +39,7 @@ def add_hardware_arguments(group, default_note: str) -> None:
     """``--hardware`` and ``--gpus-per-node``, read back by :func:`hardware_from_args`."""
     group.add_argument("--hardware", default="a100", metavar="NAME|FILE",
                        help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100, {default_note})")
-    group.add_argument("--gpus-per-node", type=int, metavar="N", help="override the hardware file's GPUs per node")
+    group.add_argument("--gpus-per-node", type=positive_int_argument, metavar="N", help="override the hardware file's GPUs per node")
 
 
 def hardware_from_args(args: argparse.Namespace):
@@ -47,8 +47,6 @@ def hardware_from_args(args: argparse.Namespace):
     hardware = load_hardware(args.hardware)
     if args.gpus_per_node is None:
         return hardware
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     return dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
 
 
@@ -128,9 +126,9 @@ def add_search_parser(sub) -> None:
                                    "every variant on the hardware model and rank them.")
     add_model_arguments(p)
     job = p.add_argument_group("job")
-    job.add_argument("--world-size", type=int, required=True, metavar="W", help="GPUs of the job")
-    job.add_argument("--global-batch-size", type=int, required=True, metavar="G", help="sequences per iteration")
-    job.add_argument("--seq-length", type=int, metavar="S", help="tokens per sequence (default: the model's)")
+    job.add_argument("--world-size", type=positive_int_argument, required=True, metavar="W", help="GPUs of the job")
+    job.add_argument("--global-batch-size", type=positive_int_argument, required=True, metavar="G", help="sequences per iteration")
+    job.add_argument("--seq-length", type=positive_int_argument, metavar="S", help="tokens per sequence (default: the model's)")
     add_hardware_arguments(job, "its peak times the traced compute")
     precision = job.add_mutually_exclusive_group()
     precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16", default="bfloat16",
@@ -175,13 +173,13 @@ def add_search_parser(sub) -> None:
                       help="price the methods at the N fastest traced layouts, the fastest of each TP, PP, "
                            "chunks, CP, DP and optimizer (default 4)")
     run = p.add_argument_group("search")
-    run.add_argument("--max-traced", type=int, default=16, metavar="N",
+    run.add_argument("--max-traced", type=positive_int_argument, default=16, metavar="N",
                      help="trace N (TP, PP, micro-batch) shapes: the best-estimated, the rule of thumb's among them "
                           "from N = 2 (default 16; each takes seconds to a minute)")
     run.add_argument("--output-dir", default="search", metavar="DIR",
                      help="traces, search.json and search.png go here; traces found here are reused (default search)")
-    run.add_argument("--top", type=int, default=10, metavar="N", help="layouts in the table (default 10)")
-    run.add_argument("--jobs", "-j", type=int, metavar="N",
+    run.add_argument("--top", type=positive_int_argument, default=10, metavar="N", help="layouts in the table (default 10)")
+    run.add_argument("--jobs", "-j", type=positive_int_argument, metavar="N",
                      help="ranks traced, then shapes simulated, then batches priced, at once (default: one per core)")
     run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
     run.add_argument("--no-progress", action="store_true",
@@ -198,9 +196,6 @@ def run_search_cli(args: argparse.Namespace) -> int:
                          f"from 0 up to below 1 (default {MEMORY_HEADROOM:g})")
     # layouts must fit what is left: the estimate's pruning and the traced peaks alike
     hardware = dataclasses.replace(hardware, memory_gib=hardware.memory_gib * (1 - args.memory_headroom))
-    for flag in ("top", "max_traced"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     model = model_from_args(args, default=DEFAULT_MODEL)
     source, methods = data_from_args(args, args.seq_length or model.max_sequence_length)
     space = SearchSpace(model=model, world_size=args.world_size, global_batch_size=args.global_batch_size,

@@ -37,6 +37,7 @@ from megatron_dynapipe.hardware import hardware_names, load_hardware
 from megatron_dynapipe.interrupts import exit_status
 from megatron_dynapipe.planning.cost_model import load_cost_model
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
+from megatron_dynapipe.planning.flags import positive_int_argument
 from megatron_dynapipe.tracer.batch_config import (
     TraceConfig,
     parse_configs,
@@ -101,7 +102,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                        help="micro-batches per iteration (default: from --global-batch-size, else PP)")
     model.add_argument("--global-batch-size", type=int, metavar="G",
                        help="global batch; must be divisible by micro-batch size x DP")
-    model.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
+    model.add_argument("--seq-length", type=positive_int_argument, metavar="S",
+                       help="sequence length (default: the model's)")
     add_megatron_options(p)
 
     run = p.add_argument_group("tracing")
