@@ -75,7 +75,7 @@ from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, t
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
 from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
-from megatron_dynapipe.planning.flags import positive_int_argument, positive_number_argument
+from megatron_dynapipe.planning.flags import positive_int_argument, positive_number_argument, seed_argument
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.runtime.stage import build_training_chunks, planned_step
@@ -120,7 +120,7 @@ def add_arguments(p) -> None:
     add_device_arguments(p, "run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per method (default 5, at least 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per method first (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens (default 0)")
+    p.add_argument("--seed", type=seed_argument, default=0, help="seed of the lengths and tokens (default 0)")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
     p.add_argument("--cut-documents", action="store_true",
                    help="also run THD packing on Megatron's windows (the documents back to back, cut every "

@@ -11,7 +11,7 @@ from megatron_dynapipe.planning.documents import DOCUMENTS
 from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["ListAction", "argument_type", "positive_int_argument", "positive_number_argument", "recompute_argument", "fast_mode_argument",
+__all__ = ["ListAction", "argument_type", "positive_int_argument", "positive_number_argument", "seed_argument", "recompute_argument", "fast_mode_argument",
            "add_planner_arguments", "planner_settings"]
 
 
@@ -39,6 +39,20 @@ def _positive_int(text: str) -> int:
 
 #: argparse ``type`` of a count that must be at least 1
 positive_int_argument = argument_type(_positive_int)
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"{value} is not a seed: give an integer >= 0")
+    return value
+
+
+#: argparse ``type`` of a random seed: an integer >= 0, as numpy's generators take
+seed_argument = argument_type(_seed)
 
 
 def _positive_number(text: str) -> float:
@@ -107,7 +121,7 @@ def add_planner_arguments(group, prefix: str = "") -> None:
         help="micro-batching: dynamic programming (dp, default), token_based or uniform")
     add("recompute", action=ListAction, type=recompute_argument, default=list(d.recompute_types),
         metavar="{none,selective,full}", help="recompute choices the planner may give a micro-batch (default: all)")
-    add("seed", type=int, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
+    add("seed", type=seed_argument, default=d.seed, help=f"seed of the micro-batch order search (default {d.seed})")
     add("seqlen-round", type=positive_int_argument, default=None, metavar="N",
         help=f"pad each micro-batch's sequence length to a multiple of N (default {d.seqlen_round}, made a multiple "
              "of 2 x the context-parallel size, as each row splits into that many chunks)")

@@ -96,6 +96,9 @@ def generate_execution_plan(
 
     fast_mode: True/False/"auto"; None takes `spec.fast_mode`, then `DYNAPIPE_FAST_MODE`.
     """
+    if not isinstance(spec, TrainingSpec):
+        raise PlanningError(f"spec is a {type(spec).__name__}, not a TrainingSpec: pass TrainingSpec(...) (from a dict: "
+                            "TrainingSpec(**settings))")
     with cyclic_gc_paused():  # planning makes tens of thousands of objects in no cycle
         return _plan(lengths, spec, cost_model, fast_mode)
 

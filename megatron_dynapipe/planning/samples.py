@@ -72,6 +72,8 @@ LENGTHS_FIX = "give each sample's length as a whole number of tokens >= 1"
 #: the most samples a global batch may hold: planning 65,536 takes seconds, a million minutes; more
 #: is a typo or a whole dataset, not a batch
 MAX_SAMPLES = 2**20
+#: the longest sample taken: Megatron-LM's positions and the plans' token counts are 32-bit
+MAX_SAMPLE_TOKENS = 2**31 - 1
 #: the largest lengths file read (a million lengths of seven digits take 8 MB)
 MAX_LENGTHS_FILE_BYTES = 64 * 2**20
 
@@ -97,6 +99,10 @@ def check_lengths(values: Sequence, where: str = "the global batch") -> list[int
         raise ValueError(f"{where} is not a list of integer lengths (found {bad[0]!r}): {LENGTHS_FIX}")
     if not values:
         raise ValueError(f"{where} holds no sample lengths: the global batch needs at least one sample")
+    longest = max(values)
+    if longest > MAX_SAMPLE_TOKENS:
+        raise ValueError(f"{where} has a sample of {longest:,} tokens, over the {MAX_SAMPLE_TOKENS:,} a sample may "
+                         "hold (32-bit positions): cut it into documents of at most that")
     check_sample_count(len(values), where + " holds")
     return [int(v) for v in values]
 

@@ -74,8 +74,11 @@ class TrainingSpec:
                      "tokens_per_microbatch", "microbatch_size"):
             if not _whole(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not _whole(self.seed):
-            raise ValueError(f"TrainingSpec.seed must be an integer, got {self.seed!r}")
+        if not _whole(self.seed) or self.seed < 0:
+            raise ValueError(f"TrainingSpec.seed must be an integer >= 0 (numpy's generators take no other), got "
+                             f"{self.seed!r}")
+        if isinstance(self.schedules, str):  # one schedule named alone, not its characters
+            object.__setattr__(self, "schedules", (self.schedules,))
         if not (self.fast_mode is None or isinstance(self.fast_mode, bool) or self.fast_mode == "auto"):
             raise ValueError(f"TrainingSpec.fast_mode must be True, False, \"auto\" or None (DYNAPIPE_FAST_MODE), got "
                              f"{self.fast_mode!r}")

@@ -244,6 +244,7 @@ def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
     (dict(fast_mode=1), 'fast_mode must be True, False, "auto" or None'),
     (dict(memory_limit_mb="36000"), "memory_limit_mb must be a positive number of MB"),
     (dict(zero_stage=True), "zero_stage must be 0, 1, 2 or 3"),
+    (dict(seed=-1), "seed must be an integer >= 0"),  # numpy's generators refuse it mid-search
 ])
 def test_the_api_refuses_what_the_command_line_refuses(fields, message):
     """TrainingSpec takes integers where Megatron-LM's flags are integers (not bools, floats or
@@ -251,6 +252,7 @@ def test_the_api_refuses_what_the_command_line_refuses(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainingSpec(**fields)
     assert TrainingSpec(num_layers=np.int64(32), pp=np.int64(4)).pp == 4  # numpy integers are integers
+    assert TrainingSpec(schedules="gpipe").schedules == ("gpipe",)  # one schedule named alone, not its letters
 
 
 def test_clear_errors(costs_pp4):
@@ -265,6 +267,11 @@ def test_clear_errors(costs_pp4):
     for bad in (b"\x64\x00", "100", {100: 1}, 100):
         with pytest.raises(PlanningError, match=f"is of type {type(bad).__name__}, not a list of lengths"):
             generate_execution_plan(bad, TrainingSpec(), costs_pp4)
+    with pytest.raises(PlanningError, match="has a sample of 1,000,000,000,000,000,000,000,000,000,000 tokens, over "
+                                            "the 2,147,483,647 a sample may hold"):
+        generate_execution_plan([100, 10**30], TrainingSpec(), costs_pp4)  # once an OverflowError
+    with pytest.raises(PlanningError, match=r"spec is a dict, not a TrainingSpec: pass TrainingSpec\(...\)"):
+        generate_execution_plan([100], {"pp": 4}, costs_pp4)
     with pytest.raises(PlanningError, match="holds 1,048,577 samples: a global batch holds at most 1,048,576"):
         generate_execution_plan([100] * (2**20 + 1), TrainingSpec(), costs_pp4)  # refused before planning
     numpy_ints = generate_execution_plan(np.array([100, 300], dtype=np.int64), TrainingSpec(pp=4), costs_pp4)
