@@ -1,15 +1,19 @@
 """Fast mode: a trimmed search for planning at scale (README "Fast mode"), and how a job
 switches it on.  A *setting* is True, False, ``"auto"`` (fast above 16 samples) or None (the
-``DYNAPIPE_FAST_MODE`` environment variable, else off); :func:`resolve_fast_mode` turns one into
-the decision for a batch."""
+``DYNAPIPE_FAST_MODE`` environment variable, else off); :meth:`SearchBudget.of` turns one into
+the decision for a batch, and the budget names every cut fast mode makes in the search."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Mapping, Union
 
-__all__ = ["FastMode", "FAST_MODE_ENV", "parse_fast_mode", "fast_mode_from_env", "resolve_fast_mode_setting",
-           "resolve_fast_mode"]
+from megatron_dynapipe.planning.microbatching import DP_THRESHOLDS
+from megatron_dynapipe.planning.types import RecomputeType
+
+__all__ = ["FastMode", "FAST_MODE_ENV", "SearchBudget", "NORMAL", "FAST", "parse_fast_mode", "fast_mode_from_env",
+           "resolve_fast_mode_setting", "resolve_fast_mode"]
 
 FAST_MODE_ENV = "DYNAPIPE_FAST_MODE"
 AUTO_FAST_MODE_MIN_SAMPLES = 17  # "auto": fast when the global batch has more than 16 samples
@@ -19,6 +23,12 @@ _TRUE = {"true"}
 _FALSE = {"false", ""}
 
 FastMode = Union[bool, str, None]  # True / False / "auto" / None (= environment, else off)
+
+# What fast mode trims, by how much (read when used: tests lower them)
+FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries (normal: DP_THRESHOLDS)
+FAST_MODE_GAP = 0.02  # fast mode skips candidates that could beat the best found by at most 2%
+BOUND_SLACK = 1e-9  # relative: a bound summed in another order may exceed an equal makespan by rounding
+FAST_MODE_ROUNDS = 3  # rounds of recompute adjustment fast mode runs at most
 
 
 def parse_fast_mode(text: str) -> "bool | str":
@@ -55,8 +65,87 @@ def resolve_fast_mode_setting(fast_mode: FastMode) -> "bool | str":
 
 
 def resolve_fast_mode(fast_mode: FastMode, num_samples: int) -> bool:
-    """The one place that turns a fast-mode setting into a decision for one global batch:
-    the setting as :func:`resolve_fast_mode_setting` reads it, "auto" fast when the batch has
-    more than 16 samples (planning time grows with it)."""
-    setting = resolve_fast_mode_setting(fast_mode)
-    return num_samples >= AUTO_FAST_MODE_MIN_SAMPLES if setting == "auto" else setting
+    """Whether a batch of ``num_samples`` is planned in fast mode under this setting (None: the
+    environment's): :meth:`SearchBudget.of`'s decision."""
+    return SearchBudget.of(fast_mode, None, num_samples).fast
+
+
+@dataclass(frozen=True)
+class SearchBudget:
+    """How far the plan of one global batch searches, decided once (:meth:`of`) and read wherever
+    the search can be cut: normal mode explores all of it, fast mode makes each cut below.
+
+    ``setting`` is what was asked (True, False or "auto") and ``source`` where it came from:
+    ``"call"`` (generate_execution_plan's argument), ``"TrainingSpec"``, ``DYNAPIPE_FAST_MODE`` or
+    ``"default"`` (off)."""
+
+    fast: bool = False
+    setting: "bool | str" = False
+    source: str = "default"
+
+    @classmethod
+    def of(cls, call: FastMode, spec: FastMode, num_samples: int) -> "SearchBudget":
+        """The budget of a batch of ``num_samples``: the first setting given of ``call``, ``spec``
+        and the environment; "auto" fast above 16 samples (planning time grows with them)."""
+        if call is not None:
+            value, source = call, "call"
+        elif spec is not None:
+            value, source = spec, "TrainingSpec"
+        else:
+            value, source = fast_mode_from_env(), FAST_MODE_ENV
+            if value is None:
+                value, source = False, "default"
+        setting = parse_fast_mode(value) if isinstance(value, str) else bool(value)
+        return cls(num_samples >= AUTO_FAST_MODE_MIN_SAMPLES if setting == "auto" else setting, setting, source)
+
+    # -- micro-batching
+    @property
+    def dp_thresholds(self) -> int:
+        """Candidate caps on the largest micro-batch time partition_dp tries."""
+        return FAST_MODE_DP_THRESHOLDS if self.fast else DP_THRESHOLDS
+
+    @property
+    def trims_cost_tables(self) -> bool:
+        """partition_dp costs only micro-batches that can occur, long runs at fewer sizes, each under
+        the lightest recompute that fits (normal: every size, the cheapest recompute)."""
+        return self.fast
+
+    @property
+    def every_microbatching(self) -> bool:
+        """Each uniform recompute's partition, both fills of an interleaved pipeline and, besides a
+        light start, the partition as sized (fast: the mixed and the heaviest uniform one, 1F1B's
+        fill, the light start alone)."""
+        return not self.fast
+
+    @property
+    def first_tries(self) -> bool:
+        """Every rank's mixed micro-batching is scheduled alone first, slowest rank first."""
+        return self.fast
+
+    # -- scheduling
+    @property
+    def enough_at_the_slowest_rank(self) -> bool:
+        """A rank's search stops at the first plan no longer than a rank planned before it."""
+        return self.fast
+
+    @property
+    def narrows_schedules(self) -> bool:
+        """One schedule a micro-batching (:func:`~.schedules.fast_mode_schedules`), not every one allowed."""
+        return self.fast
+
+    @property
+    def candidate_gap(self) -> float:
+        """Relative: candidates whose bound is within this of the best found are skipped."""
+        return FAST_MODE_GAP if self.fast else -BOUND_SLACK
+
+    def recompute_rounds(self, stages: int, microbatches: int) -> int:
+        """Rounds of recompute adjustment (normal: enough to raise every op to full)."""
+        return FAST_MODE_ROUNDS if self.fast else stages * microbatches * len(RecomputeType)
+
+    @property
+    def cuts_hopeless_simulations(self) -> bool:
+        """Recompute adjustment stops simulating a candidate once it cannot end in time."""
+        return self.fast
+
+
+NORMAL, FAST = SearchBudget(False, False, "call"), SearchBudget(True, True, "call")

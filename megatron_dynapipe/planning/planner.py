@@ -21,9 +21,8 @@ from megatron_dynapipe.planning.baselines import ThdRows, default_pack_length, d
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.documents import Pieces, cut_documents
-from megatron_dynapipe.planning.fast_mode import FastMode, resolve_fast_mode
+from megatron_dynapipe.planning.fast_mode import NORMAL, FastMode, SearchBudget
 from megatron_dynapipe.planning.microbatching import (
-    DP_THRESHOLDS,
     MicroBatchingError,
     PaddedRows,
     cheapest_recompute,
@@ -57,16 +56,13 @@ from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 __all__ = ["PlanResult", "PlanningError", "generate_execution_plan", "megatron_packings", "megatron_row_length",
            "rank_costs", "stage_costs", "adjust_rc_plan", "build_candidates", "optimize_schedule"]
 
-FAST_MODE_DP_THRESHOLDS = 8  # caps on the largest micro-batch time the fast partition tries
-
-
 @dataclass
 class PlanResult:
     """Execution plans of one global batch: plans[dp_rank][stage]."""
 
     plans: list[list[ExecutionPlan]]
     choices: list[ScheduleChoice]
-    fast_mode: bool
+    budget: SearchBudget  # fast mode or not, and where that was decided
     planning_seconds: float
     costs: StageCosts = field(repr=False)
     # where planning_seconds went: "micro-batching" (DP split and partitions), "scheduling"
@@ -75,6 +71,10 @@ class PlanResult:
     #: under ``TrainingSpec.documents == "cut"``, what the plans' samples are: the plans index
     #: these pieces of the batch's samples; None where samples are planned whole
     pieces: Pieces | None = None
+
+    @property
+    def fast_mode(self) -> bool:
+        return self.budget.fast
 
     @property
     def makespan_ms(self) -> float:
@@ -109,7 +109,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
     pieces = _cut(lengths, spec)
     if pieces is not None:
         lengths = pieces.length
-    fast = resolve_fast_mode(spec.fast_mode if fast_mode is None else fast_mode, len(lengths))
+    budget = SearchBudget.of(fast_mode, spec.fast_mode, len(lengths))
     costs = stage_costs(cost_model, spec)
     if spec.packed:
         costs = costs.packed()
@@ -122,9 +122,9 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         per_rank = split_across_dp(lengths, spec.dp, sizing, spec.seqlen_round)
         if not spec.packed:  # packed partitions cost their own runs
             for samples in per_rank:
-                rows.foresee(lengths[samples], spec.seqlen_round, fast)
+                rows.foresee(lengths[samples], spec.seqlen_round, budget.trims_cost_tables)
     try:
-        choices, failed = _schedule_ranks(lengths, per_rank, costs, sizing, rows, spec, fast, clock), None
+        choices, failed = _schedule_ranks(lengths, per_rank, costs, sizing, rows, spec, budget, clock), None
     except PlanningError as error:
         choices, failed = None, error
     if spec.packed:
@@ -134,7 +134,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
         raise failed
     with clock("lowering"):
         plans = [execution_plans(choice) for choice in choices]
-    return PlanResult(plans, choices, fast, time.perf_counter() - started, costs, clock.seconds, pieces)
+    return PlanResult(plans, choices, budget, time.perf_counter() - started, costs, clock.seconds, pieces)
 
 
 def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
@@ -146,15 +146,16 @@ def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
 
 
 def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                    fast: bool, clock) -> "list[ScheduleChoice]":
+                    budget: SearchBudget, clock) -> "list[ScheduleChoice]":
     """Every data-parallel rank's best schedule of its samples, slowest first."""
-    firsts = _first_tries(lengths, per_rank, sizing, rows, spec, fast, clock)
+    firsts = _first_tries(lengths, per_rank, sizing, rows, spec, budget, clock)
     choices: list["ScheduleChoice | None"] = [None] * len(per_rank)
     for r in _slowest_first(firsts, sizing, spec.chunks):
         # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
         # planned before it, fast mode looks no further for that rank (the step stays the same).
-        slowest = max((c.makespan_ms for c in choices if c), default=None) if fast else None
-        choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, fast, clock, slowest, firsts[r])
+        slowest = (max((c.makespan_ms for c in choices if c), default=None) if budget.enough_at_the_slowest_rank
+                   else None)
+        choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, budget, clock, slowest, firsts[r])
     return choices
 
 
@@ -207,20 +208,20 @@ def _uniform_choice(rows: Sequence[MicroBatch], recompute: RecomputeType, costs:
     return ScheduleChoice(candidate, table, orders, simulate(orders, stage_work(costs, rows, table, chunks)), 1)
 
 
-def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec, fast: bool,
-                 clock) -> "list[list[Microbatching] | None]":
+def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
+                 budget: SearchBudget, clock) -> "list[list[Microbatching] | None]":
     """Per rank, fast mode's first try where it has one: its mixed micro-batching alone (a packed
     plan's full rows too: :func:`megatron_rows`), which often
     has a plan that ends by the slowest rank's, and the others are then never made (partitioning a
     rank's samples costs about what scheduling them does). Made for every rank before any is
     scheduled; None where there is none or it fails (the rank's whole search then says why)."""
-    if not (fast and spec.partition == "dp" and len(spec.recompute_types) > 1):
+    if not (budget.first_tries and spec.partition == "dp" and len(spec.recompute_types) > 1):
         return [None] * len(per_rank)
     firsts = []
     with clock("micro-batching"):
         for samples in per_rank:
             try:
-                firsts.append(_microbatchings(lengths, samples, sizing, spec, fast, True, rows))
+                firsts.append(_microbatchings(lengths, samples, sizing, spec, budget, True, rows))
             except PlanningError:
                 firsts.append(None)
     return firsts
@@ -235,7 +236,7 @@ def _slowest_first(firsts, sizing: StageCosts, chunks: int) -> list[int]:
 
 
 def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                   fast: bool, clock, enough_ms: "float | None" = None,
+                   budget: SearchBudget, clock, enough_ms: "float | None" = None,
                    first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
     ``enough_ms``, trying ``first`` first where given). Where fast mode's trimmed search finds
@@ -244,32 +245,33 @@ def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows
     sized again for the interleaved warm-up, which holds more of them (smaller ones: slower where
     the first fits, so tried only then)."""
     try:
-        return _search(lengths, samples, costs, sizing, rows, spec, fast, clock, enough_ms, first)
+        return _search(lengths, samples, costs, sizing, rows, spec, budget, clock, enough_ms, first)
     except PlanningError as error:
         failed = error  # what the usual sizing runs into says most
-    if fast:
+    if budget.fast:
         try:
-            return _search(lengths, samples, costs, sizing, rows, spec, False, clock)
+            return _search(lengths, samples, costs, sizing, rows, spec, NORMAL, clock)
         except PlanningError as error:
             failed = error
     if spec.chunks > 1:
         warmup = dataclasses.replace(sizing, warmup_chunks=spec.chunks)
         try:
-            return _search(lengths, samples, costs, warmup, PaddedRows(warmup, spec.memory_limit_mb), spec, False, clock)
+            return _search(lengths, samples, costs, warmup, PaddedRows(warmup, spec.memory_limit_mb), spec, NORMAL,
+                           clock)
         except PlanningError:
             pass
     raise failed
 
 
 def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-            fast: bool, clock, enough_ms: "float | None" = None,
+            budget: SearchBudget, clock, enough_ms: "float | None" = None,
             first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
     are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``,
     ``first`` the micro-batchings to try alone before the rest (:func:`_first_tries`)."""
     def search(microbatchings: list[Microbatching]) -> ScheduleChoice:
         with clock("scheduling"):
-            return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, fast_mode=fast,
+            return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, budget=budget,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
                                      recompute_types=spec.recompute_types, enough_ms=enough_ms, chunks=spec.chunks)
 
@@ -281,7 +283,7 @@ def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: Padde
         except PlanningError:
             pass  # the whole search below says why, if it fails too
     with clock("micro-batching"):
-        microbatchings = _microbatchings(lengths, samples, sizing, spec, fast, rows=rows)
+        microbatchings = _microbatchings(lengths, samples, sizing, spec, budget, rows=rows)
     return search(microbatchings)
 
 
@@ -347,7 +349,7 @@ def _check_memory(costs: StageCosts, memory_limit_mb: float) -> None:
         )
 
 
-def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: bool = False,
+def _microbatchings(lengths, samples, costs, spec, budget: SearchBudget, first_try: bool = False,
                     rows: "PaddedRows | None" = None) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
     and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
@@ -372,19 +374,21 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: b
     options = [(rc.label, (rc,)) for rc in spec.recompute_types]
     if len(spec.recompute_types) > 1:
         # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
-        options = [("mixed", spec.recompute_types)] + ([] if first_try else options[-1:] if fast_mode else options)
+        options = [("mixed", spec.recompute_types)] + ([] if first_try else options if budget.every_microbatching
+                                                        else options[-1:])
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     # An interleaved pipeline's smaller fill favours larger micro-batches, but its warm-up holds
     # more of them than the 1F1B steady state they are sized to fit: normal mode also offers them
     # sized as for 1F1B, whichever then fits or runs faster; fast mode sizes them as for 1F1B
     # alone (those of the smaller fill can cost rounds of recompute adjustment that end in
     # nothing). fills: (the V the objective divides the fill by, the label's suffix)
-    fills = ([(spec.chunks, ""), (1, ", 1F1B's fill")] if spec.chunks > 1 and not fast_mode else [(1, "")])
+    fills = ([(spec.chunks, ""), (1, ", 1F1B's fill")] if spec.chunks > 1 and budget.every_microbatching
+             else [(1, "")])
     for (label, types), (fill, named) in itertools.product(options, fills):
         try:
             mbs, recompute = partition_dp(
                 lengths, samples, costs, limit, types, spec.seqlen_round,
-                FAST_MODE_DP_THRESHOLDS if fast_mode else DP_THRESHOLDS, fast=fast_mode,
+                budget.dp_thresholds, fast=budget.trims_cost_tables,
                 packed=spec.packed, chunks=fill, rows=rows)
         except MicroBatchingError as error:
             errors.append(error)
@@ -397,7 +401,7 @@ def _microbatchings(lengths, samples, costs, spec, fast_mode: bool, first_try: b
         light = tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit))
         if light != partition.recompute:
             found.append((rank, 0, Microbatching(f"{partition.label}, light start", partition.microbatches, light)))
-        if light == partition.recompute or not fast_mode:
+        if light == partition.recompute or budget.every_microbatching:
             found.append((rank, 1, partition))
     if spec.packed:
         full = megatron_rows(lengths, samples, spec)

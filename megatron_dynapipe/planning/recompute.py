@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.fast_mode import NORMAL, SearchBudget
 from megatron_dynapipe.planning.schedules import FixedSchedule, Schedule, get_schedule
 from megatron_dynapipe.planning.simulator import (
     MEMORY_TOLERANCE_MB,
@@ -23,7 +24,6 @@ from megatron_dynapipe.planning.simulator import (
 )
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
-FAST_MODE_ROUNDS = 3
 #: ops a recompute round lightens on a rank before it first asks whether the plan can still beat
 #: the search's best (a lower bound: 0.4 ms at 4096 samples on 4 x 4 virtual stages, where an op
 #: lightens in about 10 us)
@@ -46,7 +46,7 @@ def adjust_rc_plan(
     costs: StageCosts,
     schedule: "str | Schedule",
     memory_limit_mb: float,
-    fast_mode: bool = False,
+    budget: SearchBudget = NORMAL,
     work_table: WorkTable | None = None,
     give_up_above_ms: float = math.inf,
     types: Sequence[RecomputeType] = tuple(RecomputeType),
@@ -59,7 +59,7 @@ def adjust_rc_plan(
     Where what a stage holds can be lightened no further, a schedule that follows the timeline
     (wait-free-cyclic) stops filling stages past the limit instead (``strict_memory``); fixed
     orders (:class:`~.schedules.FixedSchedule`: 1F1B, GPipe) cannot, and such a plan cannot fit.
-    Fast mode stops after FAST_MODE_ROUNDS rounds. Returns None when the plan cannot be made to
+    ``budget`` bounds the rounds (:meth:`~.fast_mode.SearchBudget.recompute_rounds`). Returns None when the plan cannot be made to
     fit, or as soon as its makespan cannot stay at or below ``give_up_above_ms`` (a search's best
     so far): when its lower bound under any raised recompute passes it, or the simulation of the
     current recompute does -- for fixed orders, whose ops only lengthen as recompute rises, and in
@@ -70,7 +70,7 @@ def adjust_rc_plan(
     """
     table = work_table or WorkTable(costs, microbatches, chunks)
     recompute = np.array(recompute, dtype=np.int64).reshape(costs.pp, len(microbatches))
-    max_rounds = FAST_MODE_ROUNDS if fast_mode else costs.pp * len(microbatches) * len(RecomputeType)
+    max_rounds = budget.recompute_rounds(costs.pp, len(microbatches))
     heavier = _next_types(types)
     schedule = get_schedule(schedule)
     fixed = isinstance(schedule, FixedSchedule)
@@ -81,7 +81,7 @@ def adjust_rc_plan(
         work = table.work(recompute)
         if not np.all(np.isfinite(work.forward + work.backward)):
             return None
-        result, excess = _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict)
+        result, excess = _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, budget, strict)
         if result is not None:
             return RecomputePlan(recompute, result.orders, result, rounds)
         if excess is None:
@@ -100,7 +100,7 @@ def adjust_rc_plan(
         rounds += 1
 
 
-def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, fast_mode, strict):
+def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, budget: SearchBudget, strict):
     """(the simulation, None) when the schedule fits, (None, (the orders, their ops above the
     limit)) when it does not, (None, None) when it is sure to end after ``give_up_above_ms``."""
     if isinstance(schedule, FixedSchedule):
@@ -111,7 +111,7 @@ def _simulate_or_find_excess(schedule, work, memory_limit_mb, give_up_above_ms, 
         return (None, (orders, over)) if over else (schedule.simulate(work, memory_limit_mb, give_up_above_ms), None)
     # A schedule that follows the timeline may end sooner with more recompute (it then holds less
     # and runs ahead more): only fast mode stops it at the cutoff.
-    cut = give_up_above_ms if fast_mode else math.inf
+    cut = give_up_above_ms if budget.cuts_hopeless_simulations else math.inf
     result = schedule.simulate(work, memory_limit_mb, cut, strict_memory=strict)
     if result is None:
         return None, None

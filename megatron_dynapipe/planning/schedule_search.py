@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
+from megatron_dynapipe.planning.fast_mode import NORMAL, SearchBudget
 from megatron_dynapipe.planning.microbatching import fill_weight
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
@@ -26,8 +27,6 @@ PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar c
 # (an order matters less the more micro-batches there are), nor fewer than FEWEST_ORDERS.
 ORDERS_BUDGET = 1024
 FEWEST_ORDERS = 3
-BOUND_SLACK = 1e-9  # relative: a bound summed in another order may exceed an equal makespan by rounding
-FAST_MODE_GAP = 0.02  # fast mode skips candidates that could beat the best found by at most 2%
 
 
 class PlanningError(ValueError):
@@ -97,7 +96,7 @@ def _times(costs, microbatches, recompute) -> np.ndarray:
 def build_candidates(
     microbatchings: Sequence[Microbatching],
     costs: StageCosts,
-    fast_mode: bool = False,
+    budget: SearchBudget = NORMAL,
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
     seed: int = 0,
     max_permutations: int = 8,
@@ -111,8 +110,8 @@ def build_candidates(
         check_chunks(get_schedule(name), chunks)
     out = []
     for option in microbatchings:
-        names = (fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp // chunks) if fast_mode
-                 else schedules)
+        names = (fast_mode_schedules(tuple(schedules), len(option.microbatches), costs.pp // chunks)
+                 if budget.narrows_schedules else schedules)
         count = orders_to_try(len(option.microbatches), max_permutations)
         for order in microbatch_orders(option, costs, seed, count, spread=chunks > 1):
             out += [Candidate(name, option.label, order, tuple(option.microbatches[i] for i in order),
@@ -177,7 +176,7 @@ def optimize_schedule(
     microbatchings: Sequence[Microbatching],
     costs: StageCosts,
     memory_limit_mb: float,
-    fast_mode: bool = False,
+    budget: SearchBudget = NORMAL,
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
     seed: int = 0,
     max_permutations: int = 8,
@@ -192,13 +191,13 @@ def optimize_schedule(
     bound exceeds the best makespan found is never simulated (nor are those after it), nor
     is a recompute adjustment carried on once its bound does. The bound holds for any
     recompute the adjustment may raise to, so the choice equals that of simulating them all.
-    Fast mode also skips candidates that could improve on the best by at most FAST_MODE_GAP,
-    so its choice is within that fraction of its exhaustive search's. With ``enough_ms`` (what
+    Fast mode also skips candidates that could improve on the best by at most its
+    ``candidate_gap``, so its choice is within that fraction of its exhaustive search's. With ``enough_ms`` (what
     another DP rank's plan takes: the step lasts as long as the slowest), the search stops at the
     first plan that ends by then, which no other could shorten the step below. With ``chunks``
     model chunks a rank, ``costs`` are per virtual stage and the interleaved schedules searched.
     """
-    candidates = build_candidates(microbatchings, costs, fast_mode, schedules, seed, max_permutations, chunks)
+    candidates = build_candidates(microbatchings, costs, budget, schedules, seed, max_permutations, chunks)
     tables = {m.label: WorkTable(costs, m.microbatches, chunks) for m in microbatchings
               if any(c.microbatching == m.label for c in candidates)}
     bounds = np.empty(len(candidates))
@@ -208,7 +207,7 @@ def optimize_schedule(
             recompute = np.tile(np.array(m.recompute, dtype=np.int64), (costs.pp, 1))
             bounds[mine] = tables[m.label].order_bounds(recompute, [candidates[i].order for i in mine])
     bounds = bounds.tolist()
-    gap = FAST_MODE_GAP if fast_mode else -BOUND_SLACK
+    gap = budget.candidate_gap
     best: tuple[float, int, RecomputePlan] | None = None  # (makespan, candidate index, plan)
     for i in sorted(range(len(candidates)), key=bounds.__getitem__):
         if best is not None and enough_ms is not None and best[0] <= enough_ms:
@@ -220,7 +219,7 @@ def optimize_schedule(
         table = tables[candidate.microbatching].reordered(candidate.order)
         recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
         fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, memory_limit_mb,
-                                fast_mode, table, give_up_above_ms=cutoff, types=recompute_types)
+                                budget, table, give_up_above_ms=cutoff, types=recompute_types)
         if fitted and (best is None or (fitted.simulation.makespan, i) < best[:2]):
             best = (fitted.simulation.makespan, i, fitted)
     if best is None:

@@ -32,6 +32,8 @@ def summarize(result: PlanResult, lengths: Sequence[int], spec: TrainingSpec,
         "p2p_link": costs.p2p_link.to_json(),  # the profile's measured link, else the default
         "memory_limit_mb": spec.memory_limit_mb,
         "fast_mode": result.fast_mode,
+        "fast_mode_setting": result.budget.setting,  # True, False or "auto", as asked
+        "fast_mode_source": result.budget.source,  # where it was asked: call, TrainingSpec, DYNAPIPE_FAST_MODE, default
         "packing": spec.packing,
         "documents": spec.documents,
         "pieces": None if result.pieces is None else len(result.pieces),
@@ -92,7 +94,7 @@ def format_summary(summary: dict) -> str:
         f"{summary['tokens']} tokens; "
         f"PP={summary['pp']}{_times(summary.get('chunks', 1), 'chunks')} DP={summary['dp']} TP={summary['tp']}"
         f"{'' if summary.get('cp', 1) == 1 else ' CP=' + str(summary['cp'])}, limit {summary['memory_limit_mb']:.0f} MB",
-        f"fast mode: {'on' if summary['fast_mode'] else 'off'}; planning took {summary['planning_seconds']:.3f} s",
+        f"fast mode: {'on' if summary['fast_mode'] else 'off'}{_fast_mode_why(summary)}; planning took {summary['planning_seconds']:.3f} s",
         f"model: {summary['num_layers']} layers priced by {summary['cost_model']}",
     ]
     for r, rank in enumerate(summary["dp_ranks"]):
@@ -150,3 +152,11 @@ def _runs(shapes) -> str:
 
 def _times(count: int, what: str) -> str:
     return "" if count == 1 else f" x {count} {what}"
+
+
+def _fast_mode_why(summary: dict) -> str:
+    """" (auto: 4096 samples)" or " (DYNAPIPE_FAST_MODE)" where the setting was not given outright."""
+    setting, source = summary.get("fast_mode_setting"), summary.get("fast_mode_source")
+    if setting == "auto":
+        return f" (auto: {summary['num_samples']} samples)"
+    return f" ({source})" if source in ("DYNAPIPE_FAST_MODE", "default") else ""

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from megatron_dynapipe.planning.baselines import lower_bound_ms
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, StageCosts
+from megatron_dynapipe.planning.fast_mode import FAST, NORMAL
 from megatron_dynapipe.planning.plan import ExecutionPlan, check_deadlock_free
 from megatron_dynapipe.planning.planner import (
     PlanningError,
@@ -154,7 +155,7 @@ def test_micro_batches_sized_for_1f1b_are_offered_where_they_plan_faster_than_th
     lengths = synthetic_lengths(4096, 1, "multitask")
     spec = TrainingSpec(num_layers=32, pp=4, chunks=2)
     costs = StageCosts(profiled_model, num_layers=32, pp=8)
-    offered = _microbatchings(lengths, range(len(lengths)), rank_costs(costs, spec), spec, fast_mode=False)
+    offered = _microbatchings(lengths, range(len(lengths)), rank_costs(costs, spec), spec, NORMAL)
     interleaved_fill = [m for m in offered if "1F1B's fill" not in m.label]
     alone = optimize_schedule(interleaved_fill, costs, 36_000, schedules=spec.schedules, chunks=2)
     plan = generate_execution_plan(lengths, spec, profiled_model)
@@ -196,9 +197,9 @@ def test_fast_mode_searches_wait_free_cyclic_over_two_microbatchings(costs_pp4):
 
     lengths = synthetic_lengths(64, 0, "lognormal")
     spec = TrainingSpec()
-    normal = build_candidates(_microbatchings(lengths, range(64), costs_pp4, spec, False), costs_pp4, False)
-    fast_options = _microbatchings(lengths, range(64), costs_pp4, spec, True)
-    fast = build_candidates(fast_options, costs_pp4, True)
+    normal = build_candidates(_microbatchings(lengths, range(64), costs_pp4, spec, NORMAL), costs_pp4, NORMAL)
+    fast_options = _microbatchings(lengths, range(64), costs_pp4, spec, FAST)
+    fast = build_candidates(fast_options, costs_pp4, FAST)
     assert {c.schedule for c in fast} == {"wait-free-cyclic"}
     assert {c.schedule for c in normal} == {"1f1b", "wait-free-cyclic"}
     # the mixed partition and the full-recompute one, each from the lightest recompute that fits alone
@@ -228,6 +229,13 @@ def test_fast_mode_from_the_environment(monkeypatch, costs_pp4):
     assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=True).fast_mode is True
     assert generate_execution_plan(lengths, TrainingSpec(fast_mode="auto"), costs_pp4).fast_mode is True
     assert generate_execution_plan(lengths[:16], TrainingSpec(fast_mode="auto"), costs_pp4).fast_mode is False
+    # and the plan says what was asked, where: the call, then the spec, then the environment
+    budgets = [generate_execution_plan(lengths, spec, costs_pp4, fast_mode=call).budget for spec, call in (
+        (TrainingSpec(fast_mode=True), False), (TrainingSpec(fast_mode="auto"), None), (TrainingSpec(), None))]
+    assert [(b.fast, b.setting, b.source) for b in budgets] == [
+        (False, False, "call"), (True, "auto", "TrainingSpec"), (False, False, "DYNAPIPE_FAST_MODE")]
+    monkeypatch.delenv("DYNAPIPE_FAST_MODE")
+    assert generate_execution_plan(lengths, TrainingSpec(), costs_pp4).budget.source == "default"
     monkeypatch.setenv("DYNAPIPE_FAST_MODE", "maybe")
     with pytest.raises(ValueError, match="DYNAPIPE_FAST_MODE='maybe'.*true, false or auto"):
         generate_execution_plan(lengths, TrainingSpec(), costs_pp4)
@@ -319,10 +327,10 @@ def test_uniform_and_token_based_partitions_plan(costs_pp4):
 def _exhaustive(microbatchings, costs, limit, fast, schedules=DEFAULT_SCHEDULES, chunks=1):
     """The search without pruning: adjust and simulate every candidate in candidate order and
     keep the first of the lowest makespan."""
-    best = None
-    for candidate in build_candidates(microbatchings, costs, fast, schedules, chunks=chunks):
+    best, budget = None, FAST if fast else NORMAL
+    for candidate in build_candidates(microbatchings, costs, budget, schedules, chunks=chunks):
         recompute = np.tile(np.array(candidate.recompute, dtype=np.int64), (costs.pp, 1))
-        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, limit, fast,
+        fitted = adjust_rc_plan(candidate.microbatches, recompute, costs, candidate.schedule, limit, budget,
                                 chunks=chunks)
         if fitted and (best is None or fitted.simulation.makespan < best[1].simulation.makespan):
             best = (candidate, fitted)
@@ -339,7 +347,7 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses(seed, siz
     lengths = [min(n, 2048) for n in synthetic_lengths(size, seed, mix)]
     spec = TrainingSpec(num_layers=8, pp=pp, memory_limit_mb=limit)
     costs = StageCosts(SMALL, num_layers=8, pp=pp)
-    microbatchings = _microbatchings(lengths, range(size), costs, spec, False)
+    microbatchings = _microbatchings(lengths, range(size), costs, spec, NORMAL)
     reference = _exhaustive(microbatchings, costs, limit, fast=False)
     choice = optimize_schedule(microbatchings, costs, limit)
     candidate, fitted = reference
@@ -351,12 +359,12 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses(seed, siz
 @pytest.mark.parametrize("mix,size", [("lognormal", 64), ("long", 64), ("long", 256)])
 def test_fast_mode_is_within_its_gap_of_its_own_exhaustive_search(mix, size, costs_pp4):
     from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
-    from megatron_dynapipe.planning.schedule_search import FAST_MODE_GAP
+    from megatron_dynapipe.planning.fast_mode import FAST_MODE_GAP
 
     lengths = synthetic_lengths(size, 0, mix)
-    microbatchings = _microbatchings(lengths, range(size), costs_pp4, TrainingSpec(), True)
+    microbatchings = _microbatchings(lengths, range(size), costs_pp4, TrainingSpec(), FAST)
     _, fitted = _exhaustive(microbatchings, costs_pp4, 36_000, fast=True)
-    choice = optimize_schedule(microbatchings, costs_pp4, 36_000, fast_mode=True)
+    choice = optimize_schedule(microbatchings, costs_pp4, 36_000, budget=FAST)
     # A candidate is skipped only when its lower bound exceeds (1 - gap) x the best found.
     assert fitted.simulation.makespan <= choice.makespan_ms <= fitted.simulation.makespan / (1 - FAST_MODE_GAP)
 
@@ -374,7 +382,7 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses_on_chosen
     costs = costs_pp4 if profiled else StageCosts(SMALL, num_layers=8, pp=4)
     lengths = synthetic_lengths(size, seed, mix)
     spec = TrainingSpec(num_layers=costs.num_layers, memory_limit_mb=limit)
-    microbatchings = _microbatchings(lengths, range(size), costs, spec, False)
+    microbatchings = _microbatchings(lengths, range(size), costs, spec, NORMAL)
     candidate, fitted = _exhaustive(microbatchings, costs, limit, fast=False)
     choice = optimize_schedule(microbatchings, costs, limit)
     assert (choice.candidate, choice.makespan_ms) == (candidate, fitted.simulation.makespan)
@@ -411,16 +419,16 @@ def test_planning_says_where_its_time_went_and_leaves_the_collector_as_it_found_
 
 
 def test_fast_mode_runs_normal_modes_search_where_its_own_finds_nothing(costs_pp4, monkeypatch):
-    from megatron_dynapipe.planning import recompute
+    from megatron_dynapipe.planning import fast_mode
     from megatron_dynapipe.planning.microbatching import PaddedRows
     from megatron_dynapipe.planning.planner import PhaseClock, _search
 
     lengths = synthetic_lengths(64, 0, "lognormal")
     normal = generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=False)
-    monkeypatch.setattr(recompute, "FAST_MODE_ROUNDS", 0)  # fast mode may raise no recompute at all
+    monkeypatch.setattr(fast_mode, "FAST_MODE_ROUNDS", 0)  # fast mode may raise no recompute at all
     with pytest.raises(PlanningError, match="even with full recompute"):
         _search(lengths, range(64), costs_pp4, costs_pp4, PaddedRows(costs_pp4, TrainingSpec().memory_limit_mb),
-                TrainingSpec(), True, PhaseClock())
+                TrainingSpec(), FAST, PhaseClock())
     fast = plan_and_check(lengths, TrainingSpec(fast_mode=True), costs_pp4)
     assert fast.fast_mode and fast.makespan_ms == normal.makespan_ms
 
@@ -433,8 +441,8 @@ def test_fast_mode_stops_a_dp_rank_at_a_plan_that_ends_by_an_earlier_ranks(costs
     spec = TrainingSpec(dp=8, fast_mode=True)
     result = plan_and_check(lengths, spec, costs_pp4)
     ranks = split_across_dp(lengths, spec.dp, costs_pp4, spec.seqlen_round)
-    searched = [optimize_schedule(_microbatchings(lengths, samples, costs_pp4, spec, True), costs_pp4,
-                                  spec.memory_limit_mb, fast_mode=True).makespan_ms for samples in ranks]
+    searched = [optimize_schedule(_microbatchings(lengths, samples, costs_pp4, spec, FAST), costs_pp4,
+                                  spec.memory_limit_mb, budget=FAST).makespan_ms for samples in ranks]
     # The step lasts as long as its slowest rank: stopping early never lengthens it.
     assert result.makespan_ms <= max(searched)
     chosen = [choice.makespan_ms for choice in result.choices]
@@ -565,9 +573,10 @@ def test_interleaved_micro_batches_are_sized_for_the_warm_up_where_those_sized_f
     spec = TrainingSpec(num_layers=6, pp=2, chunks=2, stage_layers=(1, 2, 1, 2), memory_limit_mb=3.75)
     costs = stage_costs(tiny, spec)
     for fast in (True, False):
-        as_for_1f1b = _microbatchings(np.array(lengths), list(range(16)), rank_costs(costs, spec), spec, fast)
+        budget = FAST if fast else NORMAL
+        as_for_1f1b = _microbatchings(np.array(lengths), list(range(16)), rank_costs(costs, spec), spec, budget)
         with pytest.raises(PlanningError, match="hold fewer than 2 model chunks a rank"):
-            optimize_schedule(as_for_1f1b, costs, spec.memory_limit_mb, fast, spec.schedules, chunks=2)
+            optimize_schedule(as_for_1f1b, costs, spec.memory_limit_mb, budget, spec.schedules, chunks=2)
         result = plan_and_check(lengths, dataclasses.replace(spec, fast_mode=fast), tiny)
         assert len(result.choices[0].microbatches) > len(as_for_1f1b[0].microbatches)  # smaller ones
 
@@ -579,7 +588,7 @@ def test_the_search_plans_an_interleaved_pipeline_within_the_limit(profiled_mode
     costs = StageCosts(profiled_model, num_layers=32, pp=8)
     lengths = synthetic_lengths(64, 0, "multitask")
     spec = TrainingSpec(num_layers=32, pp=8)
-    microbatchings = _microbatchings(lengths, range(64), costs, spec, False)
+    microbatchings = _microbatchings(lengths, range(64), costs, spec, NORMAL)
     with pytest.raises(ValueError, match="schedule '1f1b' runs one model chunk a rank, not 2"):
         optimize_schedule(microbatchings, costs, 36_000, chunks=2)
     choice = optimize_schedule(microbatchings, costs, 36_000, schedules=("interleaved-1f1b",), chunks=2)

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from megatron_dynapipe.planning import fast_mode
 from megatron_dynapipe.planning import recompute as recompute_module
+from megatron_dynapipe.planning.fast_mode import FAST, NORMAL
 from megatron_dynapipe.planning.recompute import adjust_rc_plan
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES
 from megatron_dynapipe.planning.simulator import simulate, stage_work
@@ -46,10 +48,10 @@ def test_one_round_covers_every_op_over_the_limit(schedule, costs_pp4):
 
 def test_fast_mode_stops_after_its_rounds(costs_pp4, monkeypatch):
     mbs = microbatches(12, 2, 1024)
-    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=True) is not None
-    monkeypatch.setattr(recompute_module, "FAST_MODE_ROUNDS", 0)
-    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=True) is None
-    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, fast_mode=False) is not None
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, budget=FAST) is not None
+    monkeypatch.setattr(fast_mode, "FAST_MODE_ROUNDS", 0)
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, budget=FAST) is None
+    assert adjust_rc_plan(mbs, none(12), costs_pp4, "1f1b", LIMIT, budget=NORMAL) is not None
 
 
 def test_recompute_is_raised_only_to_the_allowed_types(costs_pp4):
