@@ -415,6 +415,10 @@ def test_megatron_flag_names_and_either_list_spelling_are_taken_everywhere():
         assert parsed("bench", bench, "--pipeline-model-parallel-size", "3").pp == 3
     step = parsed("bench", "step", "--pipeline-model-parallel-size", "2", "--seq-length", "512")
     assert (step.pp, step.max_seq_length) == (2, 512)
+    # one fast-mode flag everywhere it is a flag: true, false or auto; bare, true; absent, the environment's
+    for command in (["plan"], search, ["simulate", "traces"], ["trace"]):
+        assert [parsed(*command, *flag).fast_mode for flag in ([], ["--fast-mode"], ["--fast-mode", "false"],
+                                                                ["--fast-mode", "auto"])] == [None, True, False, "auto"]
 
 
 def _options(parser, name="megatron-dynapipe"):

@@ -9,7 +9,7 @@ from typing import Optional
 
 from megatron_dynapipe.data.blend import blend_lengths
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
-from megatron_dynapipe.planning.flags import ListAction, positive_int_argument, seed_argument
+from megatron_dynapipe.planning.flags import ListAction, add_fast_mode_argument, positive_int_argument, seed_argument
 from megatron_dynapipe.planning.samples import MIXES, LengthSource
 
 __all__ = ["add_sizing_data_arguments", "has_sizing_data", "length_source_from_args"]
@@ -32,8 +32,7 @@ def add_sizing_data_arguments(p: argparse.ArgumentParser, title: str, methods_he
     data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
                       help="global batches drawn, each of global batch x seq-length tokens (default 8)")
     data.add_argument("--seed", type=seed_argument, default=0, metavar="N", help="seed of the drawn batches (default 0)")
-    data.add_argument("--fast-mode", action="store_true",
-                      help="DynaPipe plans in fast mode (else as DYNAPIPE_FAST_MODE says; default normal mode)")
+    add_fast_mode_argument(data)
     return data
 
 

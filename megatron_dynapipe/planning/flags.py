@@ -11,8 +11,8 @@ from megatron_dynapipe.planning.documents import DOCUMENTS
 from megatron_dynapipe.planning.spec import PACKINGS, PARTITION_METHODS, SCHEDULES, TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["ListAction", "argument_type", "positive_int_argument", "positive_number_argument", "seed_argument", "recompute_argument", "fast_mode_argument",
-           "add_planner_arguments", "planner_settings"]
+__all__ = ["ListAction", "add_fast_mode_argument", "argument_type", "positive_int_argument", "positive_number_argument",
+           "seed_argument", "recompute_argument", "fast_mode_argument", "add_planner_arguments", "planner_settings"]
 
 
 def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
@@ -99,6 +99,16 @@ recompute_argument = argument_type(RecomputeType.parse)
 fast_mode_argument = argument_type(parse_fast_mode)
 
 
+def add_fast_mode_argument(group, flag: str = "--fast-mode") -> None:
+    """The one fast-mode flag (``plan``, ``search``, ``simulate``, ``trace``, a job's
+    ``--dynapipe-fast-mode``): true, false or auto; bare, true; absent (None), the environment's."""
+    group.add_argument(flag, nargs="?", const=True, default=None, type=fast_mode_argument,
+                       metavar="{true,false,auto}",
+                       help=f"trim the planner's search (bare flag: true; auto: fast above "
+                            f"{AUTO_FAST_MODE_MIN_SAMPLES - 1} samples); without the flag {FAST_MODE_ENV} applies, "
+                            "else off")
+
+
 def add_planner_arguments(group, prefix: str = "") -> None:
     """Add the planner's search settings to an argparse parser or group: ``--{prefix}fast-mode``,
     ``cost-model``, ``schedule``, ``partition``, ``recompute``, ``seed``, ``seqlen-round``,
@@ -109,9 +119,7 @@ def add_planner_arguments(group, prefix: str = "") -> None:
     def add(name: str, **kwargs) -> None:
         group.add_argument(f"--{prefix}{name}", **kwargs)
 
-    add("fast-mode", nargs="?", const=True, default=None, type=fast_mode_argument, metavar="{true,false,auto}",
-        help=f"trim the planner's search (bare flag: true; auto: fast above {AUTO_FAST_MODE_MIN_SAMPLES - 1} "
-             f"samples); without the flag {FAST_MODE_ENV} applies, else off")
+    add_fast_mode_argument(group, f"--{prefix}fast-mode")
     add("cost-model", default=None, metavar="NAME|FILE",
         help="profiled cost model: a JSON file (docs/cost_model.md) or a shipped profile's name, e.g. "
              "gpt-6.7b-a100 (default: the analytical GPT cost model)")

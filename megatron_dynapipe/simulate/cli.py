@@ -83,7 +83,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             outcome = dataclasses.replace(traced, report=result)
             priced = price_methods(space, [outcome], source, methods,
                                    traced_too=[outcome], batches=args.batches, seed=args.seed,
-                                   fast_mode=resolve_fast_mode_setting(args.fast_mode or None), progress=False)
+                                   fast_mode=resolve_fast_mode_setting(args.fast_mode), progress=False)
             out["on_data"] = priced.to_json()
             text += "\n" + format_methods(priced)
         print(json.dumps(out) if args.json else text)
@@ -213,7 +213,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
         on_data = source and price_methods(space, representatives(result, args.method_layouts), source, methods,
                                            traced_too=result.ranked()[:1], batches=args.batches, seed=args.seed,
                                            jobs=args.jobs,
-                                           fast_mode=resolve_fast_mode_setting(args.fast_mode or None),
+                                           fast_mode=resolve_fast_mode_setting(args.fast_mode),
                                            progress=not args.no_progress)
     except KeyboardInterrupt:
         result = None

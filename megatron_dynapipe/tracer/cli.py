@@ -225,7 +225,7 @@ def _plan_requests(args, model: ModelSpec) -> list[Optional[PlanRequest]]:
                          "--data-path too")
     source = length_source_from_args(args, args.seq_length or model.max_sequence_length) if planned else None
     hardware = load_hardware(args.hardware)
-    fast_mode = resolve_fast_mode_setting(args.fast_mode or None)
+    fast_mode = resolve_fast_mode_setting(args.fast_mode)
     return [None if name == "megatron" else PlanRequest(name, source, hardware, args.batches, args.seed, fast_mode)
             for name in names]
 
