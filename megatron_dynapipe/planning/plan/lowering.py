@@ -108,8 +108,9 @@ def _parse_order(order: ComputeOrder, stage: int, check: bool = True, chunks: in
 
 
 def _well_formed(forward: np.ndarray, backward: np.ndarray, microbatch: np.ndarray, chunk: np.ndarray) -> bool:
-    """Every item F or B of a micro-batch >= 0, each once per chunk, and each B after its F."""
-    if not np.all(forward | backward) or (microbatch.size and microbatch.min() < 0):
+    """Every item (each F or B: _parse_order checked) of a micro-batch >= 0, each once per chunk,
+    and each B after its F."""
+    if microbatch.size and microbatch.min() < 0:
         return False
     key = chunk * (int(microbatch.max()) + 1 if microbatch.size else 1) + microbatch
     positions = np.arange(len(key))
@@ -389,11 +390,11 @@ class _Lowering:
                  chunks: int = 1):
         self.stages, self.num_stages, self.ref = stages, num_stages, ref
         self.ops = ops = _Ops.of(stages, num_stages)
-        self.all = np.arange(len(ops.stage))  # every compute op
+        self.every_op = np.arange(len(ops.stage))
         self.first, self.last = ops.virtual == 0, ops.virtual == chunks * num_stages - 1  # virtual stages
         self.longest = 1 + max((len(o.microbatch) for _, o, _ in stages), default=0)
 
-    def rows(self, where, op, peer=-1, rc=0, block=None, place=_Place.SEND_FINISHES, tie=0) -> "_Rows":
+    def rows(self, where, op, peer=-1, rc=0, *, place: _Place, block=None, tie=0) -> "_Rows":
         """Instructions ``op`` for the compute ops ``where`` (rows), in ``block`` (default: the
         op's own) at ``place`` within it, ordered there by ``tie``."""
         ops, longest = self.ops, self.longest
@@ -428,13 +429,13 @@ class _Rows(NamedTuple):
 def _computes(lowering: _Lowering) -> list[_Rows]:
     """Every FORWARD and BACKWARD, with its micro-batch's recompute."""
     ops = lowering.ops
-    return [lowering.rows(lowering.all, np.where(ops.forward, _FORWARD, _BACKWARD), rc=ops.recompute,
+    return [lowering.rows(lowering.every_op, np.where(ops.forward, _FORWARD, _BACKWARD), rc=ops.recompute,
                           place=_Place.COMPUTE)]
 
 
 def _loads_and_frees(lowering: _Lowering) -> list[_Rows]:
     """The first stage loads each forward's input; every backward frees its buffers."""
-    every, forward = lowering.all, lowering.ops.forward
+    every, forward = lowering.every_op, lowering.ops.forward
     return [lowering.rows(every[forward & lowering.first], _LOAD_INPUT, place=_Place.LOAD),
             lowering.rows(every[~forward], _FREE_BUFFER, place=_Place.FREE)]
 
@@ -443,7 +444,7 @@ def _receives(lowering: _Lowering) -> list[_Rows]:
     """A forward's activation (not on the first stage) and a backward's gradient (not on the
     last) are received: the START two compute ops ahead, the FINISH right before the op."""
     ops = lowering.ops
-    receives = lowering.all[np.where(ops.forward, ~lowering.first, ~lowering.last)]
+    receives = lowering.every_op[np.where(ops.forward, ~lowering.first, ~lowering.last)]
     forward, position = ops.forward[receives], ops.position[receives]
     start = np.where(forward, _RECV_ACT, _RECV_GRAD)
     peer, _ = _neighbour(ops, receives, np.where(forward, -1, 1))
@@ -457,7 +458,7 @@ def _sends(lowering: _Lowering) -> list[_Rows]:
     first) are sent: the START right after the op, the FINISH as early as provably safe
     (module docstring: placement rule)."""
     ops = lowering.ops
-    sends = lowering.all[np.where(ops.forward, ~lowering.last, ~lowering.first)]
+    sends = lowering.every_op[np.where(ops.forward, ~lowering.last, ~lowering.first)]
     forward, stage = ops.forward[sends], ops.stage[sends]
     start = np.where(forward, _SEND_ACT, _SEND_GRAD)
     peer, _ = _neighbour(ops, sends, np.where(forward, 1, -1))
