@@ -17,6 +17,10 @@ timed runs after warm-up (CUDA events), with the spread:
 
     python benchmarks/bench_kernels.py --hardware h100 --json > kernels.json
     python benchmarks/bench_kernels.py --summarize benchmarks/results/h100-kernels.json
+    megatron-dynapipe calibrate --from-kernels kernels.json --hardware h100 -o mine.json
+
+The summary's fits live in ``megatron_dynapipe/hardware/kernels.py``; ``calibrate --from-kernels``
+writes them into a hardware file.
 
 On a CPU (no CUDA) it runs a token-sized version of every measurement, to check the script.
 """
@@ -29,10 +33,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from megatron_dynapipe.hardware import load_hardware
+from megatron_dynapipe.hardware.kernels import summary
 
 HIDDEN = (4096, 8192, 12288, 16384)
 TP = (1, 2, 4, 8)
@@ -120,39 +124,6 @@ def copy_row(device, nbytes: int, args) -> dict:
     dst = torch.empty_like(src)
     ms, spread = timed_ms(lambda: dst.copy_(src), warmup=args.warmup, repeats=args.repeats)
     return dict(kind="copy", bytes=nbytes, ms=ms, spread_ms=spread, GBps=2 * nbytes / ms / 1e6)
-
-
-def attention_line(rows: list[dict], backend: str, phase: str) -> dict:
-    """The roofline's fused-attention constants for one backend and phase: ``ms = flops / rate +
-    latency`` fitted by least squares on relative error over every measured shape (forward two
-    GEMMs over the causal half, backward five)."""
-    mine = [r for r in rows if r.get("backend") == backend and "error" not in r]
-    gemms = 2 if phase == "forward" else 5
-    flops = np.array([gemms * r["seq"] ** 2 * r["head_dim"] * r["heads"] for r in mine], dtype=float)
-    ms = np.array([r[f"{phase}_ms"] for r in mine])
-    (per_flop, latency_ms), *_ = np.linalg.lstsq(np.stack([flops / ms, 1 / ms], axis=1), np.ones_like(ms), rcond=None)
-    errors = (flops * per_flop + latency_ms) / ms - 1
-    return {"tflops": 1 / per_flop / 1e9, "latency_us": latency_ms * 1e3,
-            "worst_error_pct": float(np.max(np.abs(errors)) * 100), "median_error_pct": float(np.median(np.abs(errors)) * 100)}
-
-
-def summary(rows: list[dict], peak_tflops: float, bandwidth: float) -> dict:
-    """What the roofline's constants are read from: GEMM TFLOP/s over the peak (median of the GEMMs
-    of at least 1 TFLOP) and measured over roofline time (median of all), each attention backend's
-    line (:func:`attention_line`) with its rate over the peak, the fastest copy over the bandwidth."""
-    big = [r["tflops"] for r in rows if r["kind"] == "gemm" and 2 * r["m"] * r["n"] * r["k"] >= 1e12]
-    out = {"gemm_efficiency_large": statistics.median(big) / peak_tflops if big else None,
-           "gemm_measured_over_roofline": statistics.median(
-               [r["measured_over_roofline"] for r in rows if r["kind"] == "gemm"] or [float("nan")])}
-    for backend in sorted({r["backend"] for r in rows if r["kind"] == "attention" and "error" not in r}):
-        lines = {phase: attention_line(rows, backend, phase) for phase in ("forward", "backward")}
-        out[f"attention_{backend.lower()}"] = {
-            **{f"{phase}_efficiency": line["tflops"] / peak_tflops for phase, line in lines.items()},
-            **{f"{phase}_latency_us": line["latency_us"] for phase, line in lines.items()},
-            **{f"{phase}_worst_error_pct": line["worst_error_pct"] for phase, line in lines.items()}}
-    copies = [r["GBps"] for r in rows if r["kind"] == "copy"]
-    out["memory_efficiency"] = max(copies) / bandwidth if copies else None
-    return out
 
 
 def main() -> int:

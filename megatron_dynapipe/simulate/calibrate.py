@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.hardware import Hardware, Link, flat_collective_us
+from megatron_dynapipe.hardware.kernels import DEFAULT_BACKEND, read_kernel_table
 from megatron_dynapipe.local_ranks import run_local_ranks
 from megatron_dynapipe.planning.flags import positive_int_argument
 from megatron_dynapipe.profiling.link import KINDS, device_and_sync, fit_link, time_kinds
@@ -50,12 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give up (and stop every process) after this long (default 600)")
     p.add_argument("-o", "--output", default="hardware.json", metavar="FILE",
                    help="hardware file to write (default hardware.json)")
-    fit = p.add_argument_group("compute rates from a profile (no process started)")
-    fit.add_argument("--from-profile", metavar="NAME|FILE",
-                     help="fit the roofline's GEMM and memory rates and its per-layer overhead to this profile's "
-                          "layer times (a shipped profile's name or a file `megatron-dynapipe profile` wrote)")
+    fit = p.add_argument_group("compute rates from a profile or a kernel table (no process started)")
+    source = fit.add_mutually_exclusive_group()
+    source.add_argument("--from-profile", metavar="NAME|FILE",
+                        help="fit the roofline's GEMM and memory rates and its per-layer overhead to this profile's "
+                             "layer times (a shipped profile's name or a file `megatron-dynapipe profile` wrote)")
+    source.add_argument("--from-kernels", metavar="FILE",
+                        help="take the roofline's GEMM and memory rates and its fused-attention line from a table of "
+                             "kernel times measured on the GPU (benchmarks/bench_kernels.py --json)")
+    fit.add_argument("--attention-backend", default=DEFAULT_BACKEND, metavar="NAME",
+                     help=f"with --from-kernels: the attention backend priced (default {DEFAULT_BACKEND}, what "
+                          "transformer-engine runs; flash_attention is torch's own)")
     fit.add_argument("--hardware", default="h100", metavar="NAME|FILE",
-                     help="with --from-profile: the hardware file whose rates are fitted (default h100)")
+                     help="with --from-profile or --from-kernels: the hardware file whose rates are replaced "
+                          "(default h100)")
 
 
 def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
@@ -88,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     path = check_output_file(args.output, "--output", (".json",))
     if args.from_profile:
         return _fit_profile(args, path)
+    if args.from_kernels:
+        return _from_kernels(args, path)
     nproc, backend, sizes = _settings(args)
     started = time.perf_counter()
     points, device = measure(nproc, backend, sizes, repeats=args.repeats, timeout=args.timeout)
@@ -123,6 +134,28 @@ def _fit_profile(args: argparse.Namespace, path) -> int:
                                  source=f"{hardware.source}; compute: {said}")
     fitted.write(path)
     print(said)
+    print(f"wrote {path}")
+    return 0
+
+
+def _from_kernels(args: argparse.Namespace, path) -> int:
+    """``--from-kernels``: the hardware file with its compute rates read from a kernel table."""
+    import dataclasses
+
+    from megatron_dynapipe.hardware import load_hardware
+
+    table = read_kernel_table(args.from_kernels)
+    hardware = load_hardware(args.hardware)
+    compute = table.compute_section(hardware.compute or {}, hardware.memory_bandwidth_GBps, args.attention_backend)
+    said = table.describe(args.attention_backend)
+    fitted = dataclasses.replace(hardware, name=args.name or f"{hardware.name}-{table.path.stem}", compute=compute,
+                                 source=f"{hardware.source}; {said}")
+    fitted.write(path)
+    attention = compute["fused_attention"]
+    print(f"GEMMs at {compute['gemm_efficiency']:.3f} of peak, copies at {compute['memory_efficiency']:.3f} of the "
+          f"memory bandwidth, {args.attention_backend} at {attention['forward_efficiency']:.3f} / "
+          f"{attention['backward_efficiency']:.3f} of peak plus {attention['forward_latency_us']:.0f} / "
+          f"{attention['backward_latency_us']:.0f} us (forward / backward)")
     print(f"wrote {path}")
     return 0
 
