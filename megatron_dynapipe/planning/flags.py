@@ -27,30 +27,27 @@ def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return parsed
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str, least: int, below: str) -> int:
+    """``text`` as an integer of at least ``least``; else ValueError (``below``: what is wrong)."""
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{value} must be a positive integer")
+    if value < least:
+        raise ValueError(f"{value} {below}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _integer(text, 1, "must be a positive integer")
+
+
+def _seed(text: str) -> int:
+    return _integer(text, 0, "is not a seed: give an integer >= 0")
 
 
 #: argparse ``type`` of a count that must be at least 1
 positive_int_argument = argument_type(_positive_int)
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"{value} is not a seed: give an integer >= 0")
-    return value
-
-
 #: argparse ``type`` of a random seed: an integer >= 0, as numpy's generators take
 seed_argument = argument_type(_seed)
 
