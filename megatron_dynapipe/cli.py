@@ -56,7 +56,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--use-distributed-optimizer", dest="zero_stage", action="store_const", const=1,
                    help="Megatron's distributed optimizer: --zero-stage 1")
     p.add_argument("--memory-limit", type=float, metavar="MB",
-                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else {default_memory_limit_mb(None):.0f})")
+                   help=f"per-GPU memory limit (default: {1 - MEMORY_HEADROOM:g} of --hardware's memory, else "
+                        f"{default_memory_limit_mb(None):.0f})")
     add_planner_arguments(p)
     add_pricing_arguments(p)
     p.add_argument("--pack-length", type=int, help="Megatron's --seq-length: the row its packings fill, the yardstick's and "

@@ -31,7 +31,8 @@ def add_sizing_data_arguments(p: argparse.ArgumentParser, title: str, methods_he
     data.add_argument("--method", action=ListAction, metavar="NAME", help=methods_help)
     data.add_argument("--batches", type=positive_int_argument, default=8, metavar="N",
                       help="global batches drawn, each of global batch x seq-length tokens (default 8)")
-    data.add_argument("--seed", type=seed_argument, default=0, metavar="N", help="seed of the drawn batches (default 0)")
+    data.add_argument("--seed", type=seed_argument, default=0, metavar="N",
+                      help="seed of the drawn batches (default 0)")
     add_fast_mode_argument(data)
     return data
 

@@ -86,6 +86,7 @@ def default_memory_limit_mb(device_memory_mb: "float | None") -> float:
         return TrainingSpec.memory_limit_mb
     return device_memory_mb * (1 - MEMORY_HEADROOM)
 
+
 FORMAT_NAME = "megatron-dynapipe-hardware"
 FORMAT_VERSION = 1
 #: What a hardware file can price (``p2p`` is a send/receive pair).

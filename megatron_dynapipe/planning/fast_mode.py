@@ -57,11 +57,12 @@ def fast_mode_from_env(environ: Mapping[str, str] = os.environ) -> "bool | str |
 def resolve_fast_mode_setting(fast_mode: FastMode) -> "bool | str":
     """A job's setting at the edge where its settings are read: an explicit True/False/"auto"
     as given, None from `DYNAPIPE_FAST_MODE`, else off. Whatever plans later gets this value."""
-    if fast_mode is None:
-        fast_mode = fast_mode_from_env()
-    if isinstance(fast_mode, str):
-        return parse_fast_mode(fast_mode)
-    return bool(fast_mode)
+    return _setting(fast_mode_from_env() if fast_mode is None else fast_mode)
+
+
+def _setting(value: FastMode) -> "bool | str":
+    """True, False or "auto" of a setting given (a word is parsed; None is off)."""
+    return parse_fast_mode(value) if isinstance(value, str) else bool(value)
 
 
 def resolve_fast_mode(fast_mode: FastMode, num_samples: int) -> bool:
@@ -92,10 +93,9 @@ class SearchBudget:
         elif spec is not None:
             value, source = spec, "TrainingSpec"
         else:
-            value, source = fast_mode_from_env(), FAST_MODE_ENV
-            if value is None:
-                value, source = False, "default"
-        setting = parse_fast_mode(value) if isinstance(value, str) else bool(value)
+            value = fast_mode_from_env()
+            source = "default" if value is None else FAST_MODE_ENV
+        setting = _setting(value)
         return cls(num_samples >= AUTO_FAST_MODE_MIN_SAMPLES if setting == "auto" else setting, setting, source)
 
     # -- micro-batching

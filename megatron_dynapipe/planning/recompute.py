@@ -59,9 +59,9 @@ def adjust_rc_plan(
     Where what a stage holds can be lightened no further, a schedule that follows the timeline
     (wait-free-cyclic) stops filling stages past the limit instead (``strict_memory``); fixed
     orders (:class:`~.schedules.FixedSchedule`: 1F1B, GPipe) cannot, and such a plan cannot fit.
-    ``budget`` bounds the rounds (:meth:`~.fast_mode.SearchBudget.recompute_rounds`). Returns None when the plan cannot be made to
-    fit, or as soon as its makespan cannot stay at or below ``give_up_above_ms`` (a search's best
-    so far): when its lower bound under any raised recompute passes it, or the simulation of the
+    ``budget`` bounds the rounds (:meth:`~.fast_mode.SearchBudget.recompute_rounds`). Returns None
+    when the plan cannot be made to fit, or as soon as its makespan cannot stay at or below
+    ``give_up_above_ms`` (a search's best so far): when its lower bound under any raised recompute passes it, or the simulation of the
     current recompute does -- for fixed orders, whose ops only lengthen as recompute rises, and in
     fast mode (a schedule that follows the timeline may end sooner with more recompute).
     ``work_table`` (of these micro-batches, in this order) saves evaluating the cost model.

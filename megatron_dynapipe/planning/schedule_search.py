@@ -192,8 +192,8 @@ def optimize_schedule(
     is a recompute adjustment carried on once its bound does. The bound holds for any
     recompute the adjustment may raise to, so the choice equals that of simulating them all.
     Fast mode also skips candidates that could improve on the best by at most its
-    ``candidate_gap``, so its choice is within that fraction of its exhaustive search's. With ``enough_ms`` (what
-    another DP rank's plan takes: the step lasts as long as the slowest), the search stops at the
+    ``candidate_gap``, so its choice is within that fraction of its exhaustive search's. With
+    ``enough_ms`` (what another DP rank's plan takes: the step lasts as long as the slowest), the search stops at the
     first plan that ends by then, which no other could shorten the step below. With ``chunks``
     model chunks a rank, ``costs`` are per virtual stage and the interleaved schedules searched.
     """

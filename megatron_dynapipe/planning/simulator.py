@@ -213,11 +213,12 @@ def check_orders(orders: Sequence[Order]) -> None:
         check_order(order, s)
 
 
-def check_order(order: Order, stage: int) -> None:
-    """:func:`check_orders` of stage ``stage``'s order."""
+def check_order(order: Order, stage: "int | None" = None) -> None:
+    """:func:`check_orders` of one order (of stage ``stage``, where known)."""
+    where = "order" if stage is None else f"stage {stage} order"
     for i, action in enumerate(order):
         if type(action) is not Action or type(action.op) is not Op or not action.op.is_compute:
-            raise ValueError(f"stage {stage} order item #{i} {action!r} is not an Action of Op.FORWARD or "
+            raise ValueError(f"{where} item #{i} {action!r} is not an Action of Op.FORWARD or "
                              "Op.BACKWARD (Action.forward(m), Action.backward(m)): the planner simulates "
                              "forwards and whole backwards only")
 
@@ -305,7 +306,8 @@ def run_timeline(work: StageWork, *, orders: "Sequence[Order] | None" = None, me
                                           next_forward, state[s] + held_total[s], stored[s], peak_of[s],
                                           memory_limit_mb, strict_memory)
                 v = s
-                due = [] if kind is not None else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward)
+                due = ([] if kind is not None
+                       else _inputs_due(s, n, last, act, last_forward_end, grad, backlog[s], next_forward))
             elif position[s] < len(orders[s]):
                 op = orders[s][position[s]]
                 kind, m = op.op, op.microbatch
@@ -423,7 +425,7 @@ class OrderIndex:
         ops = np.fromiter((action.op for action in order), dtype=np.int64, count=len(order))
         forward = ops == _FORWARD
         if not np.all(forward | (ops == _BACKWARD)):
-            check_order(order, 0)  # names the first op that is neither
+            check_order(order)  # names the first op that is neither
         keys = (a.chunk * n + a.microbatch for a in order) if chunks > 1 else (a.microbatch for a in order)
         key = np.fromiter(keys, dtype=np.int64, count=len(order))
         first, last = np.zeros(n * chunks, dtype=np.int64), np.zeros(n * chunks, dtype=np.int64)

@@ -94,7 +94,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['tokens']} tokens; "
         f"PP={summary['pp']}{_times(summary.get('chunks', 1), 'chunks')} DP={summary['dp']} TP={summary['tp']}"
         f"{'' if summary.get('cp', 1) == 1 else ' CP=' + str(summary['cp'])}, limit {summary['memory_limit_mb']:.0f} MB",
-        f"fast mode: {'on' if summary['fast_mode'] else 'off'}{_fast_mode_why(summary)}; planning took {summary['planning_seconds']:.3f} s",
+        f"fast mode: {'on' if summary['fast_mode'] else 'off'}{_fast_mode_why(summary)}; "
+        f"planning took {summary['planning_seconds']:.3f} s",
         f"model: {summary['num_layers']} layers priced by {summary['cost_model']}",
     ]
     for r, rank in enumerate(summary["dp_ranks"]):

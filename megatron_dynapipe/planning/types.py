@@ -64,10 +64,6 @@ class Op(enum.IntEnum):
         return self == 1 or self == 2
 
     @property
-    def is_forward(self) -> bool:
-        return self == 1
-
-    @property
     def letter(self) -> str:
         """A compute op in orders and plans' text: "F" or "B"."""
         if not self.is_compute:

@@ -42,8 +42,8 @@ def build_training_chunks(spec: ModelSpec, *, dtype, device, pp: int = 1, tp: in
                                 deallocate_pipeline_outputs=True, **virtual,
                                 **(split.transformer_fields() if split else {}))
     vp_stages = range(chunks) if chunks > 1 else [None]
-    models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v,
-                        pre_process=core.is_first_stage(v), post_process=core.is_last_stage(v)).to(device=device, dtype=dtype)
+    models = [build_gpt(spec, config, tp=tp, use_te=use_te, vp_stage=v, pre_process=core.is_first_stage(v),
+                        post_process=core.is_last_stage(v)).to(device=device, dtype=dtype)
               for v in vp_stages]
     ddp = [wrap_in_ddp(model, config) for model in models]
     if chunks > 1:

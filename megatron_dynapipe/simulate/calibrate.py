@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, metavar="N",
                    help="processes (default: the visible GPUs, else 4 CPU processes)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
-    p.add_argument("--min-bytes", type=positive_int_argument, default=1024, metavar="B", help="smallest message (default 1 KiB)")
+    p.add_argument("--min-bytes", type=positive_int_argument, default=1024, metavar="B",
+                   help="smallest message (default 1 KiB)")
     p.add_argument("--max-bytes", type=positive_int_argument, metavar="B",
                    help="largest message (default 256 MiB with NCCL, 16 MiB with gloo)")
     p.add_argument("--repeats", type=int, default=5, help="timed ops per size and kind (default 5)")

@@ -18,7 +18,6 @@ from megatron_dynapipe.planning.flags import ListAction, positive_int_argument
 from megatron_dynapipe.simulate.calibrate import add_arguments, run
 from megatron_dynapipe.simulate.methods import METHODS, parse_methods, price_methods, representatives, traced_layout
 from megatron_dynapipe.simulate.replay import simulate_job
-from megatron_dynapipe.simulate.traced_job import job_folders, load_job
 from megatron_dynapipe.simulate.report import format_report, report, timeline
 from megatron_dynapipe.simulate.search import SearchSpace, run_search
 from megatron_dynapipe.simulate.search_report import (
@@ -28,6 +27,7 @@ from megatron_dynapipe.simulate.search_report import (
     plot_methods,
     plot_search,
 )
+from megatron_dynapipe.simulate.traced_job import job_folders, load_job
 
 #: what a search writes in its output folder, besides its traces
 RESULTS = ("search.json", "search.png", "methods.png")
@@ -39,7 +39,8 @@ def add_hardware_arguments(group, default_note: str) -> None:
     """``--hardware`` and ``--gpus-per-node``, read back by :func:`hardware_from_args`."""
     group.add_argument("--hardware", default="a100", metavar="NAME|FILE",
                        help=f"hardware model: {', '.join(hardware_names())}, or a file (default a100, {default_note})")
-    group.add_argument("--gpus-per-node", type=positive_int_argument, metavar="N", help="override the hardware file's GPUs per node")
+    group.add_argument("--gpus-per-node", type=positive_int_argument, metavar="N",
+                       help="override the hardware file's GPUs per node")
 
 
 def hardware_from_args(args: argparse.Namespace):
@@ -127,8 +128,10 @@ def add_search_parser(sub) -> None:
     add_model_arguments(p)
     job = p.add_argument_group("job")
     job.add_argument("--world-size", type=positive_int_argument, required=True, metavar="W", help="GPUs of the job")
-    job.add_argument("--global-batch-size", type=positive_int_argument, required=True, metavar="G", help="sequences per iteration")
-    job.add_argument("--seq-length", type=positive_int_argument, metavar="S", help="tokens per sequence (default: the model's)")
+    job.add_argument("--global-batch-size", type=positive_int_argument, required=True, metavar="G",
+                     help="sequences per iteration")
+    job.add_argument("--seq-length", type=positive_int_argument, metavar="S",
+                     help="tokens per sequence (default: the model's)")
     add_hardware_arguments(job, "its peak times the traced compute")
     precision = job.add_mutually_exclusive_group()
     precision.add_argument("--bf16", dest="dtype", action="store_const", const="bfloat16", default="bfloat16",
@@ -178,7 +181,8 @@ def add_search_parser(sub) -> None:
                           "from N = 2 (default 16; each takes seconds to a minute)")
     run.add_argument("--output-dir", default="search", metavar="DIR",
                      help="traces, search.json and search.png go here; traces found here are reused (default search)")
-    run.add_argument("--top", type=positive_int_argument, default=10, metavar="N", help="layouts in the table (default 10)")
+    run.add_argument("--top", type=positive_int_argument, default=10, metavar="N",
+                     help="layouts in the table (default 10)")
     run.add_argument("--jobs", "-j", type=positive_int_argument, metavar="N",
                      help="ranks traced, then shapes simulated, then batches priced, at once (default: one per core)")
     run.add_argument("--json", action="store_true", help="print search.json's content instead of the table")
