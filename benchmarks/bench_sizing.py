@@ -12,8 +12,9 @@ varlen's plans, THD packing's rows of Megatron's windows, and Megatron's fixed s
 median measured step. The planned methods run the same micro-batches in both. The packings do
 not: the sizing follows Megatron's data path (documents back to back, cut into windows of
 ``--seq-length``; ``global batch`` windows), while ``bench step`` packs whole samples first-fit
-(a few more rows), so THD packing and Megatron's fixed shapes (against ``bench step``'s leaky
-packing, which attends across documents as Megatron's windows do) are compared per row.
+(a few more rows), so THD packing (against ``bench step``'s THD packing (whole)) and Megatron's
+fixed shapes (against its leaky packing, which attends across documents as Megatron's windows do)
+are compared per row.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_dynapipe.planning.methods import METHODS
+
 MODEL = "--model tiny --attention sdpa --hidden-dropout 0 --attention-dropout 0"
-#: trace's method -> bench step's, and whether the two run the same micro-batches
-PAIRS = {"dynapipe": ("DynaPipe", True), "dynapipe-varlen": ("DynaPipe varlen", True),
-         "thd": ("THD packing", False), "megatron": ("packing", False)}
+#: trace's method -> the label of bench step's row it is set against, and whether the two run the
+#: same micro-batches (the windows' methods against their whole-sample twins, row for row)
+PAIRS = {traced: (METHODS[run].label, same) for traced, run, same in (
+    ("dynapipe", "dynapipe", True), ("dynapipe-varlen", "dynapipe-varlen", True),
+    ("thd", "thd-whole", False), ("megatron", "packing", False))}
 
 
 def cli(*args: str, env: "dict | None" = None) -> str:

@@ -1,5 +1,5 @@
 """Step benchmark (same as `megatron-dynapipe bench step`): real megatron-core steps of one global
-batch as DynaPipe (padded and varlen), pad-to-max, packing and THD packing plans; real tokens/s and
+batch as DynaPipe (padded and varlen), pad-to-max, packing and THD packing (whole) plans; real tokens/s and
 predicted vs measured time."""
 
 import argparse

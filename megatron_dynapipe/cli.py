@@ -168,8 +168,8 @@ def _bench_parser(sub) -> None:
     executor_bench.add_arguments(executor)
     executor.set_defaults(func=executor_bench.run)
     step = which.add_parser("step", help="real training steps of one batch: DynaPipe (normal, fast, varlen) vs "
-                                         "pad-to-max, packing, THD packing and dp_balanced; real tokens/s and "
-                                         "predicted vs measured time",
+                                         "pad-to-max, packing, THD packing (whole) and dp_balanced; real tokens/s "
+                                         "and predicted vs measured time",
                             description=step_bench.__doc__.split("\n\nThe packed ways")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
 

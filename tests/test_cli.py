@@ -229,21 +229,21 @@ def test_a_packed_plan_is_measured_against_packed_sequences_without_leakage(tmp_
     packed, padded = (run_cli(*common, "--packing", packing, "--json") for packing in ("varlen", "pad"))
     assert packed.returncode == 0 and padded.returncode == 0, packed.stderr + padded.stderr
     thd, leaky = json.loads(packed.stdout), json.loads(padded.stdout)
-    assert thd["baseline"]["method"] == "THD packing + 1f1b" and leaky["baseline"]["method"] == "packing + 1f1b"
+    assert thd["baseline"]["method"] == "THD packing (whole) + 1f1b" and leaky["baseline"]["method"] == "packing + 1f1b"
     assert thd["baseline"]["num_sequences"] == leaky["baseline"]["num_sequences"] == 6
     assert thd["baseline"]["makespan_ms"] < leaky["baseline"]["makespan_ms"]
     assert thd["speedup_vs_packing"] == pytest.approx(thd["baseline"]["makespan_ms"] / thd["makespan_ms"])
     assert thd["ideal_gain_vs_packing"] is None and leaky["ideal_gain_vs_packing"] > 1
     text = run_cli(*common, "--packing", "varlen").stdout
-    assert "THD packing to 2048 + 1F1B" in text and "exact lengths alone" not in text and "cannot represent" not in text
+    assert "THD packing (whole) to 2048 + 1F1B" in text and "exact lengths alone" not in text and "cannot represent" not in text
     # two chunks a rank: the yardstick runs Megatron's interleaved 1F1B, faster than its 1F1B here
     interleaved = run_cli(*common, "--packing", "varlen", "--chunks", "2", "--json")
     assert interleaved.returncode == 0, interleaved.stderr
     interleaved = json.loads(interleaved.stdout)
-    assert interleaved["baseline"]["method"] == "THD packing + interleaved-1f1b"
+    assert interleaved["baseline"]["method"] == "THD packing (whole) + interleaved-1f1b"
     assert (interleaved["baseline"]["schedule"], thd["baseline"]["schedule"]) == ("interleaved-1f1b", "1f1b")
     assert interleaved["baseline"]["makespan_ms"] < thd["baseline"]["makespan_ms"]
-    assert "THD packing to 2048 + interleaved 1F1B" in run_cli(*common, "--packing", "varlen", "--chunks", "2").stdout
+    assert "THD packing (whole) to 2048 + interleaved 1F1B" in run_cli(*common, "--packing", "varlen", "--chunks", "2").stdout
 
 
 def test_the_readme_plan_example_runs_as_written(tmp_path):

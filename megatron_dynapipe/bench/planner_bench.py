@@ -6,8 +6,8 @@ to 2048 by default (`--mix multitask` or `long` for the other built-in mixes); f
 batch size, medians over seeds of planning seconds and predicted makespan in both modes, plus
 the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans each batch at the
 tightest limit normal mode can plan it under, found by bisection. ``--packing varlen`` plans packed
-micro-batches and measures them against THD packing (Megatron's packed sequences without
-attention between samples); the compute-only ideal is a padded plan's, and is left out there.
+micro-batches and measures them against THD packing (whole) (Megatron's packed sequences of
+whole samples without attention between them); the compute-only ideal is a padded plan's, and is left out there.
 ``--chunks V`` plans an interleaved pipeline (V model chunks a rank, ``interleaved-1f1b``); its
 baseline is the faster of Megatron's interleaved 1F1B over the same chunks and its 1F1B on the
 same ranks that fits; its lower bound counts a rank's chunks together.
@@ -27,7 +27,8 @@ from dataclasses import replace
 
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.hardware.pricing import add_pricing_arguments, pricing_from_args
-from megatron_dynapipe.planning.baselines import YARDSTICKS, ideal_gain, lower_bound_ms, plan_baseline
+from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, plan_baseline
+from megatron_dynapipe.planning.methods import yardstick
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.planning.cost_model import CostModelError, StageCosts, load_cost_model, split_over_cp
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan, rank_costs
@@ -78,7 +79,7 @@ def add_arguments(p) -> None:
     p.add_argument("--pack-length", type=int, default=4096, help="baseline packing length (default 4096)")
     p.add_argument("--packing", choices=PACKINGS, default="pad",
                    help="micro-batches padded, or packed without attention between samples and measured "
-                        "against THD packing (default pad)")
+                        "against THD packing (whole) (default pad)")
     add_pricing_arguments(p)
     p.add_argument("--all-cores", action="store_true", help="do not pin the process to one core")
     p.add_argument("--phases", action="store_true",
@@ -203,7 +204,7 @@ def _row(size: int, runs: list[dict]) -> dict:
 def format_table(rows: list[dict], args) -> str:
     limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{rows[0]['limit_mb']:.0f} MB"
     head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, {args.layout}, {limit}, "
-            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {YARDSTICKS[args.packing]} to {args.pack_length}"
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {yardstick(args.packing).label} to {args.pack_length}"
             f"{' on interleaved 1F1B or 1F1B, the faster that fits' if args.chunks > 1 else ''}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]

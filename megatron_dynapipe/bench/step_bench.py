@@ -1,6 +1,7 @@
 """Step benchmark: real megatron-core training steps on one global batch of variable-length samples.
 
-The same samples (random tokens of the given lengths) go through the same GPT in up to seven ways:
+The same samples (random tokens of the given lengths) go through the same GPT in up to nine ways
+(each named as the method registry, :mod:`~megatron_dynapipe.planning.methods`, names it):
 
 * **DynaPipe** and **DynaPipe (fast)**: the planner's variable-length micro-batches, schedule and
   recompute choices, from the cost model given, each sample padded to its micro-batch's longest;
@@ -10,17 +11,17 @@ The same samples (random tokens of the given lengths) go through the same GPT in
 * **packing**: samples packed first-fit into sequences of that length, as Megatron's GPT dataset
   does (causal attention over the whole sequence, positions counted through it, each sample's
   own next-token loss): cheap, but samples attend to their neighbours;
-* **THD packing**: the same sequences without that leakage, as Megatron users train packed data
-  today (THD with ``cu_seqlens``; Megatron-LM core_v0.19's ``--dataloader-inter-document-masking``):
+* **THD packing (whole)**: the same sequences without that leakage (THD with ``cu_seqlens``):
   each micro-batch a fixed budget of k sequences in one row, every sample attending to itself
-  alone with its own positions. Where it differs from core_v0.19's: Megatron concatenates the
-  documents and cuts the stream into ``--seq-length`` rows, so its rows carry no padding and a
-  document can straddle two rows (the second part a segment of its own, without the first's
-  context); here whole samples are packed first-fit, so every sample keeps its context and rows
-  carry what padding first-fit leaves.
+  alone with its own positions. Where it differs from core_v0.19's THD packing
+  (``--dataloader-inter-document-masking``): Megatron concatenates the documents and cuts the
+  stream into ``--seq-length`` rows, so its rows carry no padding and a document can straddle two
+  rows (the second part a segment of its own, without the first's context); here whole samples
+  are packed first-fit, so every sample keeps its context and rows carry what padding first-fit
+  leaves.
 * with ``--cut-documents``, two more that train the documents as Megatron-LM's GPT data path cuts
   them (back to back, a new row every ``--max-seq-length`` tokens; :mod:`~megatron_dynapipe.planning.documents`):
-  **THD windows**, THD packing of those windows in order, as core_v0.19 trains them, and
+  **THD packing**, those windows in rows of k as core_v0.19 trains them (``search``'s ``thd``), and
   **DynaPipe varlen (cut)**, the planner on the same pieces (``--documents cut``). They train the
   same pieces as each other, so their losses agree with each other, not with the whole samples';
 * **dp_balanced packing**: Megatron-LM's ``--sequence-packing-scheduler dp_balanced`` (after
@@ -63,7 +64,7 @@ import sys
 
 from megatron_dynapipe.bench import step_timeline
 from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, DYNAPIPE, LEAKY, PACK, PAD, THD,
-                                                 StepJob, VARLEN, WINDOWS, Method, build_methods,
+                                                 THD_WHOLE, StepJob, VARLEN, Method, build_methods,
                                                  stage_costs)
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
@@ -427,11 +428,11 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY + CUT_PIECES and name != PAD and PAD in rows}
-    if CUT in rows and WINDOWS in rows:  # the same pieces
-        gaps[CUT] = abs(rows[CUT]["loss"] - rows[WINDOWS]["loss"]) / abs(rows[WINDOWS]["loss"])
+    if CUT in rows and THD in rows:  # the same pieces
+        gaps[CUT] = abs(rows[CUT]["loss"] - rows[THD]["loss"]) / abs(rows[THD]["loss"])
     speedups = {f"{a} over {b}": rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
-                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD), (VARLEN, DP_BALANCED),
-                             (VARLEN, DYNAPIPE), (THD, PAD), (CUT, WINDOWS), (CUT, DP_BALANCED))
+                for a, b in ((DYNAPIPE, PAD), (DYNAPIPE, PACK), (VARLEN, THD_WHOLE), (VARLEN, DP_BALANCED),
+                             (VARLEN, DYNAPIPE), (THD_WHOLE, PAD), (CUT, THD), (CUT, DP_BALANCED))
                 if a in rows and b in rows}
     return dict(
         settings=dict(model=job.model.name or "custom", device=job.device, dtype=job.dtype, **job.layout,
@@ -513,8 +514,8 @@ def _loss_lines(row: dict) -> list[str]:
     gaps = ", ".join(f"{name} {gap:.1e}" for name, gap in row["loss_gaps"].items())
     leaky = (f"; packing {methods[PACK]['loss']:.5f} (samples attend to their neighbours)" if PACK in methods
              else "")
-    cut = (f"; {WINDOWS} {methods[WINDOWS]['loss']:.5f} (the documents cut: {CUT}'s gap is to it)"
-           if WINDOWS in methods else "")
+    cut = (f"; {THD} {methods[THD]['loss']:.5f} (the documents cut: {CUT}'s gap is to it)"
+           if THD in methods else "")
     return [f"losses: pad-to-max {methods[PAD]['loss']:.5f}; the others without leakage {agree} with it "
             f"(relative gaps: {gaps}){leaky}{cut}"]
 

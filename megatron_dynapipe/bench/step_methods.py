@@ -17,17 +17,19 @@ from megatron_dynapipe.planning.baselines import (fixed_length_baseline, megatro
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.documents import cut_documents
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, round_up
-from megatron_dynapipe.planning.methods import METHODS as REGISTRY
+from megatron_dynapipe.planning.methods import METHODS as REGISTRY, fast_label
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.spec import TrainingSpec, packed_sample_multiple
 
-
-# the registry's labels for the methods it names; this benchmark's own baselines besides
-DYNAPIPE, VARLEN, THD, DP_BALANCED, CUT = (REGISTRY[name].label for name in ("dynapipe", "dynapipe-varlen", "thd",
-                                                                             "dp_balanced", "dynapipe-cut"))
-FAST, PAD, PACK, WINDOWS = "DynaPipe (fast)", "pad-to-max", "packing", "THD windows"
-LEAKY = (PACK,)  # methods whose samples attend to each other: their losses differ by design
-CUT_PIECES = (CUT, WINDOWS)  # methods that train the documents cut: their losses agree with each other
+#: the methods this benchmark runs, by the registry's names (the cut ones with --cut-documents)
+RUNS = ("dynapipe", "dynapipe-varlen", "pad-to-max", "packing", "thd-whole", "dp_balanced", "thd", "dynapipe-cut")
+# their labels, the rows of its report; DynaPipe also runs in fast mode
+DYNAPIPE, VARLEN, PAD, PACK, THD_WHOLE, DP_BALANCED, THD, CUT = (REGISTRY[name].label for name in RUNS)
+FAST = fast_label("dynapipe")
+#: methods whose samples attend to each other: their losses differ by design
+LEAKY = tuple(REGISTRY[name].label for name in RUNS if REGISTRY[name].leaky)
+#: methods that train the documents cut: their losses agree with each other's
+CUT_PIECES = tuple(REGISTRY[name].label for name in RUNS if REGISTRY[name].documents == "cut")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def build_methods(lengths: list[int], job: StepJob, args) -> dict[str, Method]:
     methods[PAD] = _fixed_length_method([[i] for i in range(len(lengths))], tokens, seq, costs, spec)
     methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
     if job.packs:
-        methods[THD] = _rows_method(thd_packing_rows(sequences, lengths, seq, costs, spec.memory_limit_mb,
+        methods[THD_WHOLE] = _rows_method(thd_packing_rows(sequences, lengths, seq, costs, spec.memory_limit_mb,
                                                      spec.chunks), tokens, seq, costs, spec)
         try:
             balanced = megatron_dp_balanced_rows(lengths, seq, costs, spec.memory_limit_mb, spec.chunks, spec.cp)
@@ -108,7 +110,7 @@ def build_methods(lengths: list[int], job: StepJob, args) -> dict[str, Method]:
 
 
 def _cut_methods(lengths: list[int], tokens: list[np.ndarray], spec: TrainingSpec, costs: StageCosts) -> dict:
-    """THD packing of Megatron's windows and DynaPipe varlen on their pieces: the documents cut as
+    """THD packing (of Megatron's windows) and DynaPipe varlen on their pieces: the documents cut as
     Megatron-LM's GPT data path cuts them, each piece a slice of its sample's tokens."""
     seq = spec.seq_length
     pieces = cut_documents(lengths, seq, packed_sample_multiple(spec.cp))
@@ -120,7 +122,7 @@ def _cut_methods(lengths: list[int], tokens: list[np.ndarray], spec: TrainingSpe
                                     for plans in result.plans],
                      result.makespan_ms, _activations_mb(result.peak_memory_mb, costs), result.planning_seconds)
     windows = megatron_thd_rows(lengths, seq, costs, spec.memory_limit_mb, spec.chunks, spec.cp)
-    return {WINDOWS: _rows_method(windows, piece_tokens, seq, costs, spec), CUT: planned}
+    return {THD: _rows_method(windows, piece_tokens, seq, costs, spec), CUT: planned}
 
 
 def stage_costs(job: StepJob) -> StageCosts:

@@ -11,6 +11,7 @@ import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.documents import cut_documents
+from megatron_dynapipe.planning.methods import yardstick
 from megatron_dynapipe.planning.microbatching import pack_fixed_length, packed_microbatch, round_up
 from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
@@ -19,9 +20,6 @@ from megatron_dynapipe.planning.spec import packed_sample_multiple, seqlen_round
 from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
 
 PACKING_MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
-
-#: the name of what a plan of each packing (``TrainingSpec.packing``) is measured against
-YARDSTICKS = {"pad": "packing", "varlen": "THD packing"}
 
 
 @dataclass(frozen=True)
@@ -42,8 +40,8 @@ class PackingBaseline:
 
     @property
     def method(self) -> str:
-        """The yardstick and Megatron's schedule it ran: "THD packing + interleaved-1f1b"."""
-        return f"{YARDSTICKS[self.packing]} + {self.schedule}"
+        """The yardstick and Megatron's schedule it ran: "THD packing (whole) + interleaved-1f1b"."""
+        return f"{yardstick(self.packing).label} + {self.schedule}"
 
 
 class ThdRows(NamedTuple):

@@ -22,6 +22,7 @@ from megatron_dynapipe.planning.collector import cyclic_gc_paused
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, as_stage_costs, split_over_cp
 from megatron_dynapipe.planning.documents import Pieces, cut_documents
 from megatron_dynapipe.planning.fast_mode import NORMAL, FastMode, SearchBudget
+from megatron_dynapipe.planning.methods import METHODS
 from megatron_dynapipe.planning.microbatching import (
     MicroBatchingError,
     PaddedRows,
@@ -161,7 +162,7 @@ def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, ro
 
 def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec,
                       pieces: "Pieces | None" = None) -> dict[str, ThdRows]:
-    """Megatron-LM's own packings of these (packed, so already padded) samples that fit, by name,
+    """Megatron-LM's own packings of these (packed, so already padded) samples that fit, by label,
     each on Megatron's schedule with one recompute: THD rows of whole samples (first-fit
     decreasing into rows of ``spec.seq_length``, k a micro-batch), ``dp_balanced``'s packs
     (:func:`~.baselines.dp_balanced_rows`) and, where the samples are the ``pieces`` of Megatron's
@@ -170,16 +171,17 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     seq_length = megatron_row_length(lengths, spec)
     found = {}
     try:
-        found["dp_balanced"] = dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks,
+        found[METHODS["dp_balanced"].label] = dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks,
                                                 spec.seqlen_round, spec.recompute_types)
     except ValueError:
         pass  # too few samples to deal out: no such plan to hold as a candidate
     if lengths.max() <= seq_length:
-        found["THD rows"] = thd_packing_rows(pack_fixed_length(lengths.tolist(), seq_length), lengths, seq_length,
-                                             costs, spec.memory_limit_mb, spec.chunks, spec.recompute_types)
+        found[METHODS["thd-whole"].label] = thd_packing_rows(
+            pack_fixed_length(lengths.tolist(), seq_length), lengths, seq_length, costs, spec.memory_limit_mb,
+            spec.chunks, spec.recompute_types)
     if pieces is not None:
-        found["THD windows"] = thd_packing_rows(pieces.windows(), lengths, seq_length, costs, spec.memory_limit_mb,
-                                                spec.chunks, spec.recompute_types)
+        found[METHODS["thd"].label] = thd_packing_rows(pieces.windows(), lengths, seq_length, costs,
+                                                       spec.memory_limit_mb, spec.chunks, spec.recompute_types)
     return {name: rows for name, rows in found.items() if rows is not None}
 
 

@@ -7,13 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.planning.baselines import (
-    YARDSTICKS,
-    ideal_gain,
-    lower_bound_ms,
-    plan_baseline,
-)
+from megatron_dynapipe.planning.baselines import ideal_gain, lower_bound_ms, plan_baseline
 from megatron_dynapipe.planning.breakdown import PipelineRun, explain
+from megatron_dynapipe.planning.methods import yardstick
 from megatron_dynapipe.planning.planner import PlanResult, megatron_row_length, rank_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
 from megatron_dynapipe.planning.types import RecomputeType
@@ -69,7 +65,7 @@ def _rank_summary(choice) -> dict:
     return {
         "schedule": choice.candidate.schedule,
         # which of the search's micro-batchings won: its own cuts ("mixed", "full, light start", ...),
-        # a rank's Megatron rows ("rows of seq-length") or Megatron's own packing ("dp_balanced", "THD rows")
+        # a rank's Megatron rows ("rows of seq-length") or Megatron's own packing ("dp_balanced packing", ...)
         "microbatching": choice.candidate.microbatching,
         "makespan_ms": choice.makespan_ms,
         "candidates_tried": choice.candidates_tried,
@@ -113,11 +109,11 @@ def format_summary(summary: dict) -> str:
                  f"(lower bound {summary['lower_bound_ms']:.1f} ms, ratio {summary['makespan_over_lower_bound']:.3f})")
     lines.append("peak memory per stage (MB): " + ", ".join(f"{m:.0f}" for m in summary["peak_memory_mb"]))
     lines += _why_lines(summary["why"], len(summary["dp_ranks"]))
-    base, yardstick = summary.get("baseline"), YARDSTICKS[summary["packing"]]
+    base, against = summary.get("baseline"), yardstick(summary["packing"]).label
     if base:
         ideal, speedup = summary["ideal_gain_vs_packing"], summary["speedup_vs_packing"]
         schedule = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}[base["schedule"]]
-        lines.append(f"{yardstick} to {base['seq_len']} + {schedule} (micro-batch "
+        lines.append(f"{against} to {base['seq_len']} + {schedule} (micro-batch "
                      f"{base['microbatch_size']}, recompute {base['recompute']}): {base['makespan_ms']:.1f} ms "
                      f"-> speed-up {speedup:.2f}x" + ("" if ideal is None else _padding_share(speedup, ideal))
                      + f"; {base['of_ideal']:.2f} of the ideal")
@@ -126,7 +122,7 @@ def format_summary(summary: dict) -> str:
                          "sequence, which a plan (one sample per sequence row, padded) cannot represent, so the "
                          "search cannot fall back on it; train with packing for this batch if it matters")
     elif "baseline" in summary:
-        lines.append(f"{yardstick} + 1F1B: no micro-batch size fits the memory limit")
+        lines.append(f"{against} + 1F1B: no micro-batch size fits the memory limit")
     for key, what in (("chrome_trace", "Chrome trace"), ("gantt", "Gantt chart")):
         if key in summary:
             lines.append(f"wrote {what} to {summary[key]}")

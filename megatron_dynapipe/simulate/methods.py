@@ -57,7 +57,7 @@ from megatron_dynapipe.planning.baselines import (
 )
 from megatron_dynapipe.planning.breakdown import Breakdown, PipelineRun, explain
 from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
-from megatron_dynapipe.planning.methods import METHODS as REGISTERED
+from megatron_dynapipe.planning.methods import METHODS as REGISTERED, SEARCHED
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
@@ -75,8 +75,8 @@ if TYPE_CHECKING:
 
 __all__ = ["METHODS", "MethodStep", "MethodsResult", "parse_methods", "price_methods", "traced_layout"]
 
-#: what each method is called in reports (the registry's labels)
-METHODS = {name: m.label for name, m in REGISTERED.items()}
+#: the methods a search prices, and what each is called in reports (the registry's labels)
+METHODS = {name: REGISTERED[name].label for name in SEARCHED}
 
 
 def parse_methods(values: Sequence[str]) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.baselines import ThdRows, megatron_dp_balanced_rows, megatron_plans, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts, as_stage_costs, split_over_cp
-from megatron_dynapipe.planning.methods import METHODS
+from megatron_dynapipe.planning.methods import METHODS, SEARCHED
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.simulator import stage_work
@@ -47,9 +47,9 @@ from megatron_dynapipe.tracer.shapes_only_costs import ring_blocks
 __all__ = ["PLANNED_METHODS", "DrawnBatch", "PlanRequest", "PlannedBatches", "PlannedCosts", "plan_batches",
            "real_model_flops"]
 
-#: the methods a fake rank traces through DynaPipe's executor (every registered one but Megatron's
-#: fixed shapes, which Megatron-LM's own schedule runs), and the packing of their micro-batches
-PLANNED_METHODS = {name: m.packing for name, m in METHODS.items() if name != "megatron"}
+#: the methods a fake rank traces through DynaPipe's executor (every one a search prices but
+#: Megatron's fixed shapes, which Megatron-LM's own schedule runs), and the packing of their micro-batches
+PLANNED_METHODS = {name: METHODS[name].packing for name in SEARCHED if name != "megatron"}
 
 
 @dataclass(frozen=True)

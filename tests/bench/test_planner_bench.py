@@ -32,7 +32,7 @@ def test_packed_plans_are_measured_against_thd_packing_without_a_padded_ideal():
     (row,) = [json.loads(line) for line in rows.stdout.splitlines()]
     assert row["speedup_vs_packing"] > 0 and row["makespan_over_lower_bound"] >= 1.0
     assert math.isnan(row["ideal_gain"]) and math.isnan(row["share_of_ideal"])
-    assert "varlen micro-batches" in table.stdout and "THD packing to 4096" in table.stdout
+    assert "varlen micro-batches" in table.stdout and "THD packing (whole) to 4096" in table.stdout
     (line,) = [line for line in table.stdout.splitlines() if line.startswith("| 16 |")]
     assert line.split("|")[9:11] == [" - ", " - "]  # ideal, share
 

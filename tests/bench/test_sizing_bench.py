@@ -30,7 +30,7 @@ def test_the_drawn_batches_are_written_out_whole_from_the_scaled_mix(tmp_path):
 def test_planned_methods_compare_steps_and_packings_compare_rows():
     bench = _bench()
     args = argparse.Namespace(global_batch_size=16, seq_length=256)
-    measured = {"DynaPipe": (400.0, 4200), "DynaPipe varlen": (300.0, 4096), "THD packing": (340.0, 17 * 256),
+    measured = {"DynaPipe": (400.0, 4200), "DynaPipe varlen": (300.0, 4096), "THD packing (whole)": (340.0, 17 * 256),
                 "packing": (306.0, 17 * 256)}
     run = {"settings": {"real_tokens": 4000},
            "methods": {name: {"median_ms": ms, "spread_ms": 10.0, "tokens_per_s": 4000 / ms * 1e3, "padded_tokens": t}

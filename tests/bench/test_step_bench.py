@@ -51,15 +51,15 @@ def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, l
     if cut:
         check_the_cut_methods(row)
     methods = {name: m for name, m in row["methods"].items() if name not in CUT_METHODS}
-    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing",
-                            "dp_balanced packing"}
+    assert set(methods) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing",
+                            "THD packing (whole)", "dp_balanced packing"}
     assert row["settings"]["real_tokens"] == sum(LENGTHS) and row["settings"]["pp"] == pp
     assert row["settings"]["chunks"] == chunks
     if chunks > 1:
         assert {m["schedule"] for m in methods.values()} == {"interleaved-1f1b"}
     assert row["settings"]["attention"] == "sdpa"
     assert methods["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ
-    assert methods["packing"]["padded_tokens"] == methods["THD packing"]["padded_tokens"] == 3 * SEQ
+    assert methods["packing"]["padded_tokens"] == methods["THD packing (whole)"]["padded_tokens"] == 3 * SEQ
     # each pack a row of its samples rounded up to whole 8s: 104 + 112 + 64 + 104
     assert methods["dp_balanced packing"]["padded_tokens"] == 384 and methods["dp_balanced packing"][
         "microbatches"] == 4
@@ -70,13 +70,13 @@ def test_seven_methods_run_real_steps_and_agree_on_the_loss(tiny_sdpa_profile, l
         assert m["loss"] == pytest.approx(math.log(VOCAB), abs=0.2)
     # padding at the right changes nothing a causal model computes for the real tokens, and a
     # packed sample that attends to itself alone computes what it does padded
-    assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing",
+    assert set(row["loss_gaps"]) == {"DynaPipe", "DynaPipe (fast)", "DynaPipe varlen", "THD packing (whole)",
                                      "dp_balanced packing", *(["DynaPipe varlen (cut)"] if cut else [])}
     assert row["losses_agree"] and max(row["loss_gaps"].values()) < 1e-4
-    assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing"]["planning_s"] is None
+    assert methods["DynaPipe varlen"]["planning_s"] is not None and methods["THD packing (whole)"]["planning_s"] is None
 
 
-CUT_METHODS = ("THD windows", "DynaPipe varlen (cut)")
+CUT_METHODS = ("THD packing", "DynaPipe varlen (cut)")
 
 
 def check_the_cut_methods(row):
@@ -86,10 +86,10 @@ def check_the_cut_methods(row):
     tokens, each piece predicting all but its last, so their losses agree with each other."""
     windows, cut = (row["methods"][name] for name in CUT_METHODS)
     assert windows["padded_tokens"] == 3 * SEQ and windows["loss_tokens"] == cut["loss_tokens"] == sum(LENGTHS) - 10
-    assert row["methods"]["THD packing"]["loss_tokens"] == sum(LENGTHS) - len(LENGTHS)  # whole samples
-    assert row["loss_gaps"]["DynaPipe varlen (cut)"] < 1e-4  # against THD windows
+    assert row["methods"]["THD packing (whole)"]["loss_tokens"] == sum(LENGTHS) - len(LENGTHS)
+    assert row["loss_gaps"]["DynaPipe varlen (cut)"] < 1e-4  # against THD packing's windows
     assert cut["predicted_ms"] <= windows["predicted_ms"] * (1 + 1e-9)  # THD's windows are among its candidates
-    assert "DynaPipe varlen (cut) over THD windows" in row["speedups"]
+    assert "DynaPipe varlen (cut) over THD packing" in row["speedups"]
 
 
 def test_uneven_stages_run_as_megatron_builds_them_and_agree_on_the_loss(tiny_sdpa_profile, lengths_file, tmp_path):
@@ -161,7 +161,7 @@ def test_ranks_sharing_the_global_batch_keep_its_loss(tiny_sdpa_profile, lengths
         assert rows[2]["methods"][name]["loss_tokens"] == sum(LENGTHS) - len(LENGTHS), name
     assert rows[2]["methods"]["pad-to-max"]["padded_tokens"] == len(LENGTHS) * SEQ  # the same 8 rows, split
     # under CP 2 packed samples take whole chunks (multiples of 4): 100+20+8, 92+32, 60+52+12 still fill 3 rows
-    packed = {rows[2]["methods"][name]["padded_tokens"] for name in ("packing", "THD packing")}
+    packed = {rows[2]["methods"][name]["padded_tokens"] for name in ("packing", "THD packing (whole)")}
     assert packed == {3 * SEQ}
 
 
@@ -171,7 +171,7 @@ def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, len
                 "--max-seq-length", str(SEQ), "--steps", "3", "--warmup", "0")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| method | micro-batches | padded tokens | median ms | real tokens/s | predicted ms | error |" in run.stdout
-    assert "DynaPipe varlen over THD packing " in run.stdout and "DynaPipe over pad-to-max " in run.stdout
+    assert "DynaPipe varlen over THD packing (whole) " in run.stdout and "DynaPipe over pad-to-max " in run.stdout
     assert "DynaPipe varlen over dp_balanced packing " in run.stdout
     assert "losses:" in run.stdout and " agree with it" in run.stdout
 
@@ -323,6 +323,6 @@ def test_help_names_every_method_it_runs():
     out = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "bench", "step", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
-    for method in ("DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing", "dp_balanced",
+    for method in ("DynaPipe (fast)", "DynaPipe varlen", "pad-to-max", "packing", "THD packing (whole)", "dp_balanced",
                    "--dataloader-inter-document-masking"):
         assert method in out.stdout, method

@@ -307,3 +307,20 @@ def test_the_planner_and_the_replay_price_a_slow_context_parallel_ring_alike(tmp
     (fast_rest, fast_step), (slow_rest, slow_step) = priced["fast"], priced["slow"]
     assert slow_step > 5 * fast_step  # the ring dominates the slow step
     assert abs(slow_rest - fast_rest) <= 0.03 * slow_step, priced
+
+
+def test_one_registry_names_every_method_for_every_command():
+    """search/simulate price the windows' and whole-sample methods Megatron-LM runs and DynaPipe's;
+    plan's yardsticks and bench step's rows are the registry's too, each label naming one method."""
+    from megatron_dynapipe.bench import step_methods
+    from megatron_dynapipe.planning.methods import METHODS as REGISTRY, yardstick
+
+    labels = [m.label for m in REGISTRY.values()]
+    assert len(set(labels)) == len(labels) and step_methods.FAST not in labels
+    assert set(METHODS) == {"megatron", "thd", "dp_balanced", "dynapipe", "dynapipe-varlen", "dynapipe-cut"}
+    assert (yardstick("pad").name, yardstick("varlen").name) == ("packing", "thd-whole")
+    assert yardstick("varlen").documents == "whole" and REGISTRY["thd"].documents == "cut"
+    assert set(step_methods.RUNS) <= set(REGISTRY) and "megatron" not in step_methods.RUNS
+    # losses: leaky packing differs by design; the two cut methods train the same pieces
+    assert step_methods.LEAKY == ("packing",)
+    assert step_methods.CUT_PIECES == ("THD packing", "DynaPipe varlen (cut)")
