@@ -5,7 +5,9 @@ before the first point, not from a bar that barely moves. The estimate counts th
 point runs (one encoder layer's forward and backward per recompute type, recomputation included,
 and the output layer's, each for the warm-up and timed runs), divides them by this device's measured
 matrix-multiply rate, and takes at least the minimum timing per part (``min_time_ms``). It ignores
-refinement, memory measurement and the whole-step overhead: a floor, good to a small factor.
+refinement, memory measurement, packed rows and the whole-step overhead: a floor. It holds to a
+small factor where FLOPs dominate (a large model, a GPU); on a CPU a small model's layer costs
+several times its FLOPs (the tiny GPT with ``--attention sdpa``: "at least 15 s", then 2-3 min).
 """
 
 from __future__ import annotations

@@ -56,10 +56,14 @@ class Overhead:
     points: int
 
 
-def overhead_shapes(measured: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def overhead_shapes(measured: Sequence[tuple[int, int]], lengths: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Shapes to time, among the (seq, mbs) the layers were measured at: one micro-batch of each
     length, and the largest micro-batch of the shortest and of the longest length, so that the
-    fit spans the tokens a plan uses."""
+    fit spans the tokens a plan uses. Given the grid's own ``lengths``, only at those: lengths
+    refinement added between them (the more, the noisier the machine) would cost a shape each,
+    seconds on a CPU, and say nothing more about a line in tokens."""
+    if lengths is not None and any(seq in lengths for seq, _ in measured):
+        measured = [(seq, mbs) for seq, mbs in measured if seq in lengths]
     if not measured:
         return []
     by_seq: dict[int, list[int]] = {}

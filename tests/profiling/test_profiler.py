@@ -202,3 +202,24 @@ def test_a_point_measured_far_slower_than_a_larger_one_is_measured_again(tmp_pat
     [new] = [r["ms"] for r in again["layer_time"]
              if (r["layer"], r["phase"], r["seqlen"], r["mbs"]) == ("encoder", "backward", 32, 2)]
     assert new != doctored
+
+
+@pytest.mark.parametrize("probes, refined", [
+    ((1.2, 1.2), True),    # both probes 20% above the line (1.0 ms at 48 tokens): the layer bends there
+    ((1.2, 1.02), False),  # the second on the line: the first was a slow moment
+    ((1.2, 0.8), False),   # off both ways: noise, not a bend
+    ((1.05,), False),      # within the tolerance: no second probe
+])
+def test_a_length_is_added_where_two_probes_miss_the_line_the_same_way(monkeypatch, probes, refined):
+    from megatron_dynapipe.profiling import profiler
+    from megatron_dynapipe.profiling.measure import Timing
+    from megatron_dynapipe.profiling.profiler import ProfileRun
+
+    run = ProfileRun(TINY, SETTINGS, torch.device("cpu"))
+    run.records.times[(1, "none", "encoder", "forward", 32, 1)] = 0.5
+    run.records.times[(1, "none", "encoder", "forward", 64, 1)] = 1.5  # the line gives 1.0 ms at 48
+    timed = iter(probes)
+    monkeypatch.setattr(profiler, "time_step", lambda *args, **kwargs: Timing(next(timed), 2.0, 0.0, 0.0))
+    parts = type("Parts", (), {"encoders": {RecomputeType.NONE: lambda x: x}})()
+    assert profiler._bends(run, parts, 1, 32, 48, 64) is refined
+    assert next(timed, None) is None  # every scripted probe was taken, and no more

@@ -350,6 +350,10 @@ def test_overhead_is_timed_at_each_length_and_at_the_corners():
     measured = [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (128, 1), (128, 2)]
     assert overhead_shapes(measured) == [(32, 1), (32, 4), (64, 1), (128, 1), (128, 2)]
     assert overhead_shapes([]) == []
+    # a length refinement added (48, between the grid's 32 and 64) costs no shape of its own
+    refined = measured + [(48, 1), (48, 2)]
+    assert overhead_shapes(refined, lengths=[32, 64, 128]) == overhead_shapes(measured)
+    assert overhead_shapes(refined) == [(32, 1), (32, 4), (48, 1), (64, 1), (128, 1), (128, 2)]
 
 
 # --------------------------------------------------------------------------------------------
