@@ -87,6 +87,28 @@ class PlanResult:
         return np.max([c.simulation.peak_memory for c in self.choices], axis=0)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """What every data-parallel rank's search of one global batch shares: the batch's (padded or
+    rounded) lengths, ``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what
+    micro-batches are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of
+    ``sizing`` (:class:`PaddedRows`), the spec, the search budget and the phase clock."""
+
+    lengths: np.ndarray
+    costs: StageCosts
+    sizing: StageCosts
+    rows: "PaddedRows"
+    spec: TrainingSpec
+    budget: SearchBudget
+    clock: "PhaseClock"
+
+    def sized_for_the_warmup(self) -> "_Batch":
+        """Micro-batches sized for an interleaved pipeline's warm-up, in normal mode."""
+        warmup = dataclasses.replace(self.sizing, warmup_chunks=self.spec.chunks)
+        return dataclasses.replace(self, sizing=warmup, rows=PaddedRows(warmup, self.spec.memory_limit_mb),
+                                   budget=NORMAL)
+
+
 def generate_execution_plan(
     lengths: Sequence[int],
     spec: TrainingSpec,
@@ -125,7 +147,7 @@ def _plan(lengths, spec: TrainingSpec, cost_model, fast_mode: FastMode) -> PlanR
             for samples in per_rank:
                 rows.foresee(lengths[samples], spec.seqlen_round, budget.trims_cost_tables)
     try:
-        choices, failed = _schedule_ranks(lengths, per_rank, costs, sizing, rows, spec, budget, clock), None
+        choices, failed = _schedule_ranks(_Batch(lengths, costs, sizing, rows, spec, budget, clock), per_rank), None
     except PlanningError as error:
         choices, failed = None, error
     if spec.packed:
@@ -146,17 +168,16 @@ def _cut(lengths: np.ndarray, spec: TrainingSpec) -> "Pieces | None":
     return cut_documents(lengths, spec.seq_length, packed_sample_multiple(spec.cp) if spec.packed else 1)
 
 
-def _schedule_ranks(lengths, per_rank, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                    budget: SearchBudget, clock) -> "list[ScheduleChoice]":
+def _schedule_ranks(batch: _Batch, per_rank) -> "list[ScheduleChoice]":
     """Every data-parallel rank's best schedule of its samples, slowest first."""
-    firsts = _first_tries(lengths, per_rank, sizing, rows, spec, budget, clock)
+    firsts = _first_tries(batch, per_rank)
     choices: list["ScheduleChoice | None"] = [None] * len(per_rank)
-    for r in _slowest_first(firsts, sizing, spec.chunks):
+    for r in _slowest_first(firsts, batch.sizing, batch.spec.chunks):
         # A step lasts as long as its slowest DP rank: once a rank has a plan no longer than one
         # planned before it, fast mode looks no further for that rank (the step stays the same).
-        slowest = (max((c.makespan_ms for c in choices if c), default=None) if budget.enough_at_the_slowest_rank
-                   else None)
-        choices[r] = _schedule_rank(lengths, per_rank[r], costs, sizing, rows, spec, budget, clock, slowest, firsts[r])
+        slowest = (max((c.makespan_ms for c in choices if c), default=None)
+                   if batch.budget.enough_at_the_slowest_rank else None)
+        choices[r] = _schedule_rank(batch, per_rank[r], slowest, firsts[r])
     return choices
 
 
@@ -210,20 +231,21 @@ def _uniform_choice(rows: Sequence[MicroBatch], recompute: RecomputeType, costs:
     return ScheduleChoice(candidate, table, orders, simulate(orders, stage_work(costs, rows, table, chunks)), 1)
 
 
-def _first_tries(lengths, per_rank, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                 budget: SearchBudget, clock) -> "list[list[Microbatching] | None]":
+def _first_tries(batch: _Batch, per_rank) -> "list[list[Microbatching] | None]":
     """Per rank, fast mode's first try where it has one: its mixed micro-batching alone (a packed
     plan's full rows too: :func:`megatron_rows`), which often
     has a plan that ends by the slowest rank's, and the others are then never made (partitioning a
     rank's samples costs about what scheduling them does). Made for every rank before any is
     scheduled; None where there is none or it fails (the rank's whole search then says why)."""
-    if not (budget.first_tries and spec.partition == "dp" and len(spec.recompute_types) > 1):
+    spec = batch.spec
+    if not (batch.budget.first_tries and spec.partition == "dp" and len(spec.recompute_types) > 1):
         return [None] * len(per_rank)
     firsts = []
-    with clock("micro-batching"):
+    with batch.clock("micro-batching"):
         for samples in per_rank:
             try:
-                firsts.append(_microbatchings(lengths, samples, sizing, spec, budget, True, rows))
+                firsts.append(_microbatchings(batch.lengths, samples, batch.sizing, spec, batch.budget, True,
+                                              batch.rows))
             except PlanningError:
                 firsts.append(None)
     return firsts
@@ -237,8 +259,7 @@ def _slowest_first(firsts, sizing: StageCosts, chunks: int) -> list[int]:
     return sorted(range(len(firsts)), key=lambda r: -predicted[r])
 
 
-def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-                   budget: SearchBudget, clock, enough_ms: "float | None" = None,
+def _schedule_rank(batch: _Batch, samples, enough_ms: "float | None" = None,
                    first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
     """One data-parallel rank's best schedule (in fast mode, the first found no longer than
     ``enough_ms``, trying ``first`` first where given). Where fast mode's trimmed search finds
@@ -247,33 +268,31 @@ def _schedule_rank(lengths, samples, costs: StageCosts, sizing: StageCosts, rows
     sized again for the interleaved warm-up, which holds more of them (smaller ones: slower where
     the first fits, so tried only then)."""
     try:
-        return _search(lengths, samples, costs, sizing, rows, spec, budget, clock, enough_ms, first)
+        return _search(batch, samples, enough_ms, first)
     except PlanningError as error:
         failed = error  # what the usual sizing runs into says most
-    if budget.fast:
+    if batch.budget.fast:
         try:
-            return _search(lengths, samples, costs, sizing, rows, spec, NORMAL, clock)
+            return _search(dataclasses.replace(batch, budget=NORMAL), samples)
         except PlanningError as error:
             failed = error
-    if spec.chunks > 1:
-        warmup = dataclasses.replace(sizing, warmup_chunks=spec.chunks)
+    if batch.spec.chunks > 1:
         try:
-            return _search(lengths, samples, costs, warmup, PaddedRows(warmup, spec.memory_limit_mb), spec, NORMAL,
-                           clock)
+            return _search(batch.sized_for_the_warmup(), samples)
         except PlanningError:
             pass
     raise failed
 
 
-def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: PaddedRows, spec: TrainingSpec,
-            budget: SearchBudget, clock, enough_ms: "float | None" = None,
+def _search(batch: _Batch, samples, enough_ms: "float | None" = None,
             first: "list[Microbatching] | None" = None) -> "ScheduleChoice":
-    """``costs`` per virtual stage (what is scheduled), ``sizing`` per rank (what micro-batches
-    are sized for: :func:`rank_costs`), ``rows`` the padded cost-table rows of ``sizing``,
-    ``first`` the micro-batchings to try alone before the rest (:func:`_first_tries`)."""
+    """One rank's search of its ``samples``; ``first`` the micro-batchings to try alone before
+    the rest (:func:`_first_tries`)."""
+    spec = batch.spec
+
     def search(microbatchings: list[Microbatching]) -> ScheduleChoice:
-        with clock("scheduling"):
-            return optimize_schedule(microbatchings, costs, spec.memory_limit_mb, budget=budget,
+        with batch.clock("scheduling"):
+            return optimize_schedule(microbatchings, batch.costs, spec.memory_limit_mb, budget=batch.budget,
                                      schedules=spec.schedules, seed=spec.seed, max_permutations=spec.max_permutations,
                                      recompute_types=spec.recompute_types, enough_ms=enough_ms, chunks=spec.chunks)
 
@@ -284,8 +303,8 @@ def _search(lengths, samples, costs: StageCosts, sizing: StageCosts, rows: Padde
                 return choice
         except PlanningError:
             pass  # the whole search below says why, if it fails too
-    with clock("micro-batching"):
-        microbatchings = _microbatchings(lengths, samples, sizing, spec, budget, rows=rows)
+    with batch.clock("micro-batching"):
+        microbatchings = _microbatchings(batch.lengths, samples, batch.sizing, spec, batch.budget, rows=batch.rows)
     return search(microbatchings)
 
 
