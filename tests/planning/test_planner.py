@@ -421,14 +421,14 @@ def test_planning_says_where_its_time_went_and_leaves_the_collector_as_it_found_
 def test_fast_mode_runs_normal_modes_search_where_its_own_finds_nothing(costs_pp4, monkeypatch):
     from megatron_dynapipe.planning import fast_mode
     from megatron_dynapipe.planning.microbatching import PaddedRows
-    from megatron_dynapipe.planning.planner import PhaseClock, _search
+    from megatron_dynapipe.planning.planner import PhaseClock, _Batch, _search
 
     lengths = synthetic_lengths(64, 0, "lognormal")
     normal = generate_execution_plan(lengths, TrainingSpec(), costs_pp4, fast_mode=False)
     monkeypatch.setattr(fast_mode, "FAST_MODE_ROUNDS", 0)  # fast mode may raise no recompute at all
     with pytest.raises(PlanningError, match="even with full recompute"):
-        _search(lengths, range(64), costs_pp4, costs_pp4, PaddedRows(costs_pp4, TrainingSpec().memory_limit_mb),
-                TrainingSpec(), FAST, PhaseClock())
+        rows = PaddedRows(costs_pp4, TrainingSpec().memory_limit_mb)
+        _search(_Batch(np.asarray(lengths), costs_pp4, costs_pp4, rows, TrainingSpec(), FAST, PhaseClock()), range(64))
     fast = plan_and_check(lengths, TrainingSpec(fast_mode=True), costs_pp4)
     assert fast.fast_mode and fast.makespan_ms == normal.makespan_ms
 
