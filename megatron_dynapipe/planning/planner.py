@@ -192,8 +192,8 @@ def megatron_packings(lengths: np.ndarray, costs: StageCosts, spec: TrainingSpec
     seq_length = megatron_row_length(lengths, spec)
     found = {}
     try:
-        found[METHODS["dp_balanced"].label] = dp_balanced_rows(lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks,
-                                                spec.seqlen_round, spec.recompute_types)
+        found[METHODS["dp_balanced"].label] = dp_balanced_rows(
+            lengths, seq_length, costs, spec.memory_limit_mb, spec.chunks, spec.seqlen_round, spec.recompute_types)
     except ValueError:
         pass  # too few samples to deal out: no such plan to hold as a candidate
     if lengths.max() <= seq_length:
