@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes, packed_cost_shape
+from megatron_dynapipe.planning.types import (MicroBatch, RecomputeType, cost_shapes, extra_segments,
+                                              packed_cost_shape, packed_extra_segments)
 
 DP_THRESHOLDS = 32  # candidate caps on the largest micro-batch time tried by partition_dp
 
@@ -46,13 +47,13 @@ def microbatch_fits(costs: StageCosts, mbs, seqlen, recompute: RecomputeType, me
     return _times_where_fit(costs, mbs, seqlen, (recompute,), memory_limit_mb)[0] < np.inf
 
 
-def _times_where_fit(costs: StageCosts, mbs, seqlen, types, memory_limit_mb: float) -> np.ndarray:
+def _times_where_fit(costs: StageCosts, mbs, seqlen, types, memory_limit_mb: float, segments=None) -> np.ndarray:
     """[len(types), *shape]: the bottleneck time under each recompute type where every stage
     fits its 1F1B steady state (or interleaved warm-up: :meth:`StageCosts.in_flight`), inf
     elsewhere (asked of one stage of each kind,
     :meth:`StageCosts.worst_stages`: a middle stage of a deep pipeline is asked once)."""
     worst = costs.worst_stages()
-    stages = costs.by_recompute(mbs, seqlen, types, worst)
+    stages = costs.by_recompute(mbs, seqlen, types, worst, segments)
     column = (1, len(worst)) + (1,) * (stages["stored"].ndim - 2)
     in_flight = costs.in_flight(worst).reshape(column)
     state = np.array([costs.model_state_mb(s) for s in worst]).reshape(column)
@@ -114,17 +115,17 @@ def _cost_table(costs, seqs, width, recompute, memory_limit_mb, lightest: bool):
     return table, chosen
 
 
-def _cheapest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
+def _cheapest_times(costs, mbs, seqlen, types, memory_limit_mb, segments=None) -> tuple[np.ndarray, np.ndarray]:
     """Per micro-batch, the time under the fastest of ``types`` that fits (inf where none
     does), and that type's index."""
-    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb)
+    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb, segments)
     return np.min(times, axis=0), np.argmin(times, axis=0)
 
 
-def _lightest_times(costs, mbs, seqlen, types, memory_limit_mb) -> tuple[np.ndarray, np.ndarray]:
+def _lightest_times(costs, mbs, seqlen, types, memory_limit_mb, segments=None) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_cheapest_times` taking the first of ``types`` that fits instead of comparing all:
     a heavier recompute runs more, so it is slower wherever a lighter one fits."""
-    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb)
+    times = _times_where_fit(costs, mbs, seqlen, types, memory_limit_mb, segments)
     which = np.argmax(times < np.inf, axis=0)  # 0, at inf, where none fits
     return times[which, np.arange(len(mbs))], which
 
@@ -145,7 +146,7 @@ def cheapest_recompute(costs: StageCosts, microbatches: Sequence[MicroBatch], al
     (the most memory-saving allowed one when none fits)."""
     mbs, seq = cost_shapes(microbatches)
     types = _types(allowed)
-    times = _times_where_fit(costs, mbs, seq, types, memory_limit_mb)
+    times = _times_where_fit(costs, mbs, seq, types, memory_limit_mb, extra_segments(microbatches))
     best = np.argmin(times, axis=0)
     fallback = types.index(max(types))
     return [types[b] if np.isfinite(times[b, i]) else types[fallback] for i, b in enumerate(best)]
@@ -364,22 +365,25 @@ def _packed_cost_table(costs, sorted_lengths, recompute, memory_limit_mb, round_
     tokens = np.concatenate([[0], np.cumsum(lengths)])
     squares = np.concatenate([[0.0], np.cumsum(lengths.astype(float) ** 2)])
 
-    def shape(ends, sizes):
+    def priced(ends, sizes, choose, types):  # the runs' (mbs, seqlen) cost shapes and extra segments, priced
         used = tokens[ends] - tokens[ends - sizes]
-        return packed_cost_shape(round_up(used, round_to), used, squares[ends] - squares[ends - sizes])
+        row = round_up(used, round_to)
+        mbs, seq = packed_cost_shape(row, used, squares[ends] - squares[ends - sizes])
+        return choose(costs, mbs, seq, types, memory_limit_mb, packed_extra_segments(row, used, sizes, mbs))
 
-    if not np.isfinite(_evaluate(costs, *shape(np.array([n]), np.array([1])), recompute, memory_limit_mb)[0]):
+    def evaluate(ends, sizes):
+        return priced(ends, sizes, _cheapest_times, _types(recompute))[0]
+
+    if not np.isfinite(evaluate(np.array([n]), np.array([1]))[0]):
         raise _unfit(costs, int(lengths[-1]), int(round_up(lengths[-1], round_to)), _types(recompute), memory_limit_mb)
     ends_all = np.arange(1, n + 1)
-    sizes_at = _packed_widths(lambda ends, sizes: _evaluate(costs, *shape(ends, sizes), recompute, memory_limit_mb),
-                              ends_all, np.minimum(ends_all, max(1, PACKED_TABLE_ENTRIES // n)))
+    sizes_at = _packed_widths(evaluate, ends_all, np.minimum(ends_all, max(1, PACKED_TABLE_ENTRIES // n)))
     width = int(sizes_at.max())
     ends, sizes = _costed_runs(sizes_at, _fast_run_sizes(width) if fast else np.arange(1, width + 1))
     table = np.full((n, width), np.inf)
     chosen = np.zeros(table.shape, dtype=np.int64)
     choose = _lightest_times if fast else _cheapest_times
-    table[ends - 1, sizes - 1], chosen[ends - 1, sizes - 1] = choose(costs, *shape(ends, sizes), _types(recompute),
-                                                                     memory_limit_mb)
+    table[ends - 1, sizes - 1], chosen[ends - 1, sizes - 1] = priced(ends, sizes, choose, _types(recompute))
     return table, chosen
 
 

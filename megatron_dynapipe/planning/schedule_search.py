@@ -20,7 +20,7 @@ from megatron_dynapipe.planning.plan import ExecutionPlan, build_execution_plans
 from megatron_dynapipe.planning.recompute import RecomputePlan, adjust_rc_plan
 from megatron_dynapipe.planning.schedules import DEFAULT_SCHEDULES, check_chunks, fast_mode_schedules, get_schedule
 from megatron_dynapipe.planning.simulator import SimulationResult, WorkTable, simulate, stage_work
-from megatron_dynapipe.planning.types import MicroBatch, RecomputeType, cost_shapes
+from megatron_dynapipe.planning.types import MicroBatch, RecomputeType
 
 PERMUTATION_GROUPS = 3  # micro-batches are ordered as whole groups of similar cost
 # Entry orders tried per micro-batching: no more than fit a budget of simulated micro-batches
@@ -87,8 +87,7 @@ def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching, chun
 def _times(costs, microbatches, recompute) -> np.ndarray:
     """Bottleneck-stage time of each micro-batch under its own recompute type. Every type is
     evaluated: the same query as the work table's (simulator.WorkTable), answered once."""
-    mbs, seq = cost_shapes(microbatches)
-    stages = costs.by_recompute(mbs, seq, tuple(RecomputeType), costs.worst_stages())
+    stages = costs.of_microbatches(microbatches, tuple(RecomputeType), costs.worst_stages())
     per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
     return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
 

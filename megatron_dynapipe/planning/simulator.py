@@ -80,7 +80,7 @@ class WorkTable:
         """``costs`` per stage: per virtual stage where each rank runs ``chunks`` model chunks."""
         self.chunks = chunks
         mbs, seq = cost_shapes(microbatches)
-        every = costs.by_recompute(mbs, seq, tuple(RecomputeType))
+        every = costs.of_microbatches(microbatches, tuple(RecomputeType))
         self.tables = {name: np.array(every[name], dtype=float) for name in self.FIELDS}  # [recompute, pp, n]
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])
         self.comm = np.broadcast_to(np.asarray(costs.p2p_ms(mbs, seq), dtype=float), mbs.shape).copy()

@@ -156,6 +156,8 @@ class MicroBatch:
     #: the shape of T^2 / Q rows of Q / T tokens does both (its tokens m s = T, its attention
     #: m s^2 = Q). Made once: the planner prices the same micro-batches for every candidate order.
     cost_shape: tuple[float, float] = field(init=False, repr=False, compare=False)
+    #: the segments a packed one runs beyond the cost shape's rows (:func:`extra_segments`); 0 padded
+    extra_segments: float = field(init=False, repr=False, compare=False, default=0.0)
 
     def __post_init__(self) -> None:
         if not self.packed_lengths:
@@ -167,6 +169,8 @@ class MicroBatch:
                              f"lengths summing to {tokens} tokens, over its {self.seq_len}")
         squares = sum(n * n for n in self.packed_lengths)
         object.__setattr__(self, "cost_shape", packed_cost_shape(self.seq_len, tokens, squares))
+        object.__setattr__(self, "extra_segments",
+                           float(packed_extra_segments(self.seq_len, tokens, len(self.samples), self.cost_shape[0])))
 
     @property
     def packed(self) -> bool:
@@ -197,6 +201,19 @@ def cost_shapes(microbatches: "Sequence[MicroBatch]") -> tuple[np.ndarray, np.nd
     (:attr:`MicroBatch.cost_shape`), as two arrays."""
     shapes = np.array([mb.cost_shape for mb in microbatches], dtype=float).reshape(-1, 2)
     return shapes[:, 0], shapes[:, 1]
+
+
+def extra_segments(microbatches: "Sequence[MicroBatch]") -> np.ndarray:
+    """Per micro-batch, :attr:`MicroBatch.extra_segments`, as an array."""
+    return np.array([mb.extra_segments for mb in microbatches], dtype=float)
+
+
+def packed_extra_segments(row_tokens, sample_tokens, samples, cost_rows):
+    """The segments a packed row runs (its ``samples``, and the padding after them where there is
+    some) beyond the ``cost_rows`` of its cost shape (scalars or arrays): the equal-segment shape
+    does the row's linear and attention work exactly, but an attention core that runs the segments
+    one by one (the SDPA core on the CPU) pays for each (``CostModel.segment_ms``)."""
+    return samples + (row_tokens > sample_tokens) - cost_rows
 
 
 def packed_cost_shape(row_tokens, sample_tokens, sample_squares):

@@ -343,3 +343,45 @@ def test_dp_balanced_deals_pack_i_dp_plus_r_to_rank_r_on_megatrons_schedule(cost
         [tuple(p) for p in packs[0::2]], [tuple(p) for p in packs[1::2]]]
     row = found.per_rank[1][0]  # [700, 300]: one row of 1000 tokens, padded to 1000 (a multiple of 8)
     assert (row.seq_len, row.packed_lengths) == (1000, (700, 300))
+
+
+def test_a_packed_row_runs_a_segment_a_sample_and_one_of_padding_beyond_its_cost_rows():
+    # 3 + 5 tokens and 8 of padding in a row of 16: 3 segments, priced as 16^2 / (9 + 25 + 64) rows
+    assert MicroBatch((0, 1), 16, (3, 5)).extra_segments == pytest.approx(3 - 256 / 98)
+    assert MicroBatch((0, 1), 16, (8, 8)).extra_segments == pytest.approx(0.0)  # two rows of 8, no padding
+    assert MicroBatch((0, 1), 16).extra_segments == 0.0  # padded rows run no segments
+
+
+class _PerSegment(_UniformLayers):
+    """_UniformLayers whose packed rows pay 0.5 ms forward and 0.25 ms backward a layer for every
+    segment beyond their cost shape's rows."""
+
+    def segment_ms(self, phase, recompute):
+        return 0.5 if phase == "forward" else 0.25
+
+
+def test_each_stage_pays_its_layers_cost_a_segment_and_the_simulator_counts_it():
+    from megatron_dynapipe.planning.cost_model import StageCosts
+    from megatron_dynapipe.planning.simulator import stage_work
+
+    costs = StageCosts(_PerSegment(), num_layers=5, pp=2)  # 3 layers, then 2
+    row = MicroBatch((0, 1, 2), 64, (30, 10, 10))  # 3 segments and 14 tokens of padding: 4 segments
+    rows = 64 * 64 / (900 + 100 + 100 + 196)
+    work = stage_work(costs, [row], np.zeros((2, 1), dtype=int))
+    for stage, layers in enumerate((3, 2)):  # a layer: 1 ms forward, 2 backward, a row; the segments beyond
+        assert work.forward[stage, 0] == pytest.approx(layers * (rows + 0.5 * (4 - rows)))
+        assert work.backward[stage, 0] == pytest.approx(layers * (2 * rows + 0.25 * (4 - rows)))
+    padded = stage_work(costs, [MicroBatch((0, 1), 32)], np.zeros((2, 1), dtype=int))
+    assert padded.forward[:, 0].tolist() == [3 * 2, 2 * 2]  # no segments to pay
+
+
+def test_a_profile_reads_a_segments_cost_from_its_packed_and_padded_rows():
+    from megatron_dynapipe.planning.cost_model.profiled import packed_segment_costs
+
+    key = ("encoder", "forward", RecomputeType.NONE)
+    padded = {(32, 1): 1.0, (32, 2): 1.8, (32, 4): 3.4, (64, 2): 3.0}
+    packed = {(32, 1): 1.0, (32, 2): 2.1, (32, 4): 4.3, (64, 2): 3.3}  # 0.3 ms a segment past the first
+    assert packed_segment_costs({key: padded}, {key: packed}) == {("forward", RecomputeType.NONE): pytest.approx(0.3)}
+    faster = {point: ms - 0.1 * (point[1] - 1) for point, ms in padded.items()}
+    assert packed_segment_costs({key: padded}, {key: faster}) == {("forward", RecomputeType.NONE): 0.0}  # never < 0
+    assert packed_segment_costs({key: padded}, {}) == {}

@@ -88,6 +88,13 @@ class CostModel(abc.ABC):
         this model itself unless it measured packed rows apart."""
         return self
 
+    def segment_ms(self, phase: str, recompute: RecomputeType) -> float:
+        """Milliseconds one encoder layer adds in ``phase`` under ``recompute`` per segment a packed
+        row runs beyond the rows of its cost shape
+        (:func:`~megatron_dynapipe.planning.types.packed_extra_segments`): what an attention core
+        that runs a row's samples one by one pays each; 0 unless packed rows were measured."""
+        return 0.0
+
     def context_parallel_encoder(self, cp: int) -> Mapping[tuple[str, RecomputeType], Mapping[tuple[int, int], float]]:
         """The encoder layer's milliseconds measured on one rank of a real context-parallel group of
         ``cp`` ranks, rows of whole ``seqlen`` tokens split over it: (phase, recompute) ->

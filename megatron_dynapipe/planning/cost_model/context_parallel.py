@@ -186,6 +186,9 @@ class ContextParallelCostModel(CostModel):
     def microbatch_overhead_ms(self, phase, mbs, seqlen, layers):
         return self.model.microbatch_overhead_ms(phase, mbs, self.local(seqlen), layers)
 
+    def segment_ms(self, phase, recompute):
+        return self.model.segment_ms(phase, recompute)  # every rank of the ring runs every segment
+
     # -- memory -------------------------------------------------------------------------------
     def activation_mb(self, kind, recompute, mbs, seqlen):
         return self.model.activation_mb(kind, recompute, mbs, self.local(seqlen))

@@ -63,6 +63,7 @@ class ProfiledCostModel(CostModel):
         core_times: Mapping[str, Grid] | None = None,
         cp_times: Mapping[tuple, Mapping[tuple[int, int], float]] | None = None,
         cp_layout: str = "padded",
+        packed_segment_ms: Mapping[tuple[str, RecomputeType], float] | None = None,
     ):
         self.tp = int(tp)
         self.hidden_size = int(hidden_size)
@@ -81,6 +82,9 @@ class ProfiledCostModel(CostModel):
         self.prices_attention_core = bool(self._core_times)
         self._cp_times = dict(cp_times or {})
         self._cp_layout = cp_layout
+        # (phase, recompute) -> ms a layer adds per segment of a packed row (packed_segment_costs);
+        # what this model charges once it prices packed rows (cp_layout "thd")
+        self._packed_segment_ms = dict(packed_segment_ms or {})
 
     def describe(self) -> str:
         model = self.metadata.get("model") or {}
@@ -116,7 +120,13 @@ class ProfiledCostModel(CostModel):
             tp=self.tp, hidden_size=self.hidden_size, times={**self._times, **self._packed_times},
             memory={**self._memory, **self._packed_memory}, params_mb=self._params, name=self.name,
             metadata=self.metadata, microbatch_overhead=self.microbatch_overhead, document=self._document,
-            core_times=self._core_times, cp_times=self._cp_times, cp_layout="thd")
+            core_times=self._core_times, cp_times=self._cp_times, cp_layout="thd",
+            packed_segment_ms=self._packed_segment_ms)
+
+    def segment_ms(self, phase, recompute):
+        if self._cp_layout != "thd":
+            return 0.0  # padded rows: one row a sample, no segments
+        return self._packed_segment_ms.get((phase, as_recompute(recompute)), 0.0)
 
     def context_parallel_encoder(self, cp):
         return {(phase, rc): points for (c, layout, phase, rc), points in self._cp_times.items()
@@ -212,12 +222,30 @@ class ProfiledCostModel(CostModel):
             packed_memory={k: Grid(v) for k, v in packed_memory.items()},
             core_times={phase: Grid(v) for phase, v in records.core_tables(tp).items()},
             cp_times=records.cp_tables(tp),
+            packed_segment_ms=packed_segment_costs(times, packed_times),
         )
 
     def to_document(self) -> dict:
         if self._document is None:
             return super().to_document()  # built from grids in code: no file to give
         return self._document
+
+
+def packed_segment_costs(times: Mapping, packed_times: Mapping) -> dict[tuple[str, RecomputeType], float]:
+    """(phase, recompute) -> what a layer adds per segment of a packed row, from points measured
+    both ways: a packed row of ``mbs`` samples of ``seqlen`` tokens does the work of ``mbs`` padded
+    rows of them, so the packed time less the padded one, over the ``mbs - 1`` segments beyond the
+    first, is the core's cost per segment (the median over the points, at least 0; the SDPA core
+    on the CPU runs a row's samples one by one, at about 0.1 ms each a layer and phase for the tiny
+    GPT). Nothing where packed rows were not measured."""
+    found = {}
+    for (layer, phase, rc), packed in packed_times.items():
+        padded = times.get((layer, phase, rc), {})
+        per_segment = [(ms - padded[point]) / (point[1] - 1) for point, ms in packed.items()
+                       if point[1] > 1 and point in padded]
+        if layer == "encoder" and per_segment:
+            found[phase, rc] = max(0.0, float(np.median(per_segment)))
+    return found
 
 
 def _estimate_hidden_size(encoder_param_mb: float, tp: int) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 
 from megatron_dynapipe.planning.cost_model.base import PHASES, CostModel, as_recompute
 from megatron_dynapipe.planning.cost_model.link import DEFAULT_LINK, Link
-from megatron_dynapipe.planning.types import RecomputeType
+from megatron_dynapipe.planning.types import RecomputeType, cost_shapes, extra_segments
 
 __all__ = ["StageCosts"]
 
@@ -112,9 +112,13 @@ class StageCosts:
         (the planner's hot path); a shape asked before is answered from memory."""
         return {name: array[0] for name, array in self.by_recompute(mbs, seqlen, (recompute,)).items()}
 
-    def by_recompute(self, mbs, seqlen, types, stages: "np.ndarray | None" = None) -> dict[str, np.ndarray]:
+    def by_recompute(self, mbs, seqlen, types, stages: "np.ndarray | None" = None,
+                     segments=None) -> dict[str, np.ndarray]:
         """:meth:`all_stages` under each recompute type of ``types`` in one evaluation, as
-        [len(types), pp, *shape] arrays; only those of ``stages`` (indices) where given."""
+        [len(types), pp, *shape] arrays; only those of ``stages`` (indices) where given.
+        ``segments``: the segments packed micro-batches run beyond their cost shapes' rows
+        (:func:`~megatron_dynapipe.planning.types.packed_extra_segments`), each charged
+        :meth:`CostModel.segment_ms` a layer."""
         mbs, seqlen = np.asarray(mbs, dtype=float), np.asarray(seqlen, dtype=float)
         types = tuple(as_recompute(rc) for rc in types)
         shape = np.broadcast_shapes(mbs.shape, seqlen.shape)
@@ -122,8 +126,26 @@ class StageCosts:
         keys = (np.broadcast_to(mbs, shape) + 1j * np.broadcast_to(seqlen, shape)).ravel()
         answers = self._answers.answers(keys, lambda new: self._by_recompute(new.real, new.imag, EVERY_TYPE), stages)
         wanted = [EVERY_TYPE.index(rc) for rc in types]
-        return {name: values[wanted].reshape((len(types),) + values.shape[1:2] + shape)
-                for name, values in answers.items()}
+        out = {name: values[wanted].reshape((len(types),) + values.shape[1:2] + shape)
+               for name, values in answers.items()}
+        if segments is not None:
+            self._charge_segments(out, types, stages, np.broadcast_to(np.asarray(segments, dtype=float), shape))
+        return out
+
+    def of_microbatches(self, microbatches, types, stages: "np.ndarray | None" = None) -> dict[str, np.ndarray]:
+        """:meth:`by_recompute` of these micro-batches at their cost shapes, the segments packed
+        ones run beyond them charged."""
+        mbs, seqlen = cost_shapes(microbatches)
+        return self.by_recompute(mbs, seqlen, types, stages, extra_segments(microbatches))
+
+    def _charge_segments(self, out: dict, types, stages, segments: np.ndarray) -> None:
+        """Add each stage's layers' cost per segment beyond the cost shapes' rows to ``out``'s times."""
+        layers = np.array([self.layers_on(s) for s in (range(self.pp) if stages is None else stages)], dtype=float)
+        for phase in PHASES:
+            per_layer = np.array([self.model.segment_ms(phase, rc) for rc in types])
+            if per_layer.any() and segments.any():
+                charge = np.multiply.outer(np.multiply.outer(per_layer, layers), segments)
+                out[phase] = out[phase] + charge
 
     def in_flight(self, stages: np.ndarray) -> np.ndarray:
         """How many micro-batches' stored activations each of ``stages`` holds at most, as whole
