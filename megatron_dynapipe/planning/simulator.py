@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from megatron_dynapipe.planning.cost_model import StageCosts
-from megatron_dynapipe.planning.types import Action, MicroBatch, Op, RecomputeType, cost_shapes
+from megatron_dynapipe.planning.types import Action, MicroBatch, Op, RecomputeType, cost_shapes, extra_segments
 
 Order = list[Action]  # one stage's compute ops in execution order
 # An op that ran above the memory limit: (stage, MB in use, its position in the stage's order).
@@ -80,7 +80,7 @@ class WorkTable:
         """``costs`` per stage: per virtual stage where each rank runs ``chunks`` model chunks."""
         self.chunks = chunks
         mbs, seq = cost_shapes(microbatches)
-        every = costs.of_microbatches(microbatches, tuple(RecomputeType))
+        every = costs.by_recompute(mbs, seq, tuple(RecomputeType), segments=extra_segments(microbatches))
         self.tables = {name: np.array(every[name], dtype=float) for name in self.FIELDS}  # [recompute, pp, n]
         self.state = np.array([costs.model_state_mb(s) for s in range(costs.pp)])
         self.comm = np.broadcast_to(np.asarray(costs.p2p_ms(mbs, seq), dtype=float), mbs.shape).copy()

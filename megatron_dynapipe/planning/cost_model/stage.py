@@ -128,7 +128,7 @@ class StageCosts:
         wanted = [EVERY_TYPE.index(rc) for rc in types]
         out = {name: values[wanted].reshape((len(types),) + values.shape[1:2] + shape)
                for name, values in answers.items()}
-        if segments is not None:
+        if segments is not None and np.any(segments):  # padded micro-batches run none
             self._charge_segments(out, types, stages, np.broadcast_to(np.asarray(segments, dtype=float), shape))
         return out
 
@@ -143,7 +143,7 @@ class StageCosts:
         layers = np.array([self.layers_on(s) for s in (range(self.pp) if stages is None else stages)], dtype=float)
         for phase in PHASES:
             per_layer = np.array([self.model.segment_ms(phase, rc) for rc in types])
-            if per_layer.any() and segments.any():
+            if per_layer.any():
                 charge = np.multiply.outer(np.multiply.outer(per_layer, layers), segments)
                 out[phase] = out[phase] + charge
 
