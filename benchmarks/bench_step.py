@@ -1,6 +1,6 @@
 """Step benchmark (same as `megatron-dynapipe bench step`): real megatron-core steps of one global
-batch as DynaPipe (padded and varlen), pad-to-max, packing and THD packing (whole) plans; real tokens/s and
-predicted vs measured time."""
+batch as DynaPipe (padded and varlen), pad-to-max, packing and THD packing (whole) plans; real
+tokens/s and predicted vs measured time."""
 
 import argparse
 import sys

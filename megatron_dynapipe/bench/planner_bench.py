@@ -7,7 +7,8 @@ batch size, medians over seeds of planning seconds and predicted makespan in bot
 the packing + 1F1B baseline and the lower bound. ``--memory-limit tight`` plans each batch at the
 tightest limit normal mode can plan it under, found by bisection. ``--packing varlen`` plans packed
 micro-batches and measures them against THD packing (whole) (Megatron's packed sequences of
-whole samples without attention between them); the compute-only ideal is a padded plan's, and is left out there.
+whole samples without attention between them); the compute-only ideal is a padded plan's, and is
+left out there.
 ``--chunks V`` plans an interleaved pipeline (V model chunks a rank, ``interleaved-1f1b``); its
 baseline is the faster of Megatron's interleaved 1F1B over the same chunks and its 1F1B on the
 same ranks that fits; its lower bound counts a rank's chunks together.
@@ -204,7 +205,8 @@ def _row(size: int, runs: list[dict]) -> dict:
 def format_table(rows: list[dict], args) -> str:
     limit = "the tightest limit per batch" if args.memory_limit == TIGHT else f"{rows[0]['limit_mb']:.0f} MB"
     head = (f"planner benchmark: {args.mix} lengths, {args.packing} micro-batches, {args.layout}, {limit}, "
-            f"medians of {rows[0]['seeds'] if rows else 0} seeds, {yardstick(args.packing).label} to {args.pack_length}"
+            f"medians of {rows[0]['seeds'] if rows else 0} seeds, "
+            f"{yardstick(args.packing).label} to {args.pack_length}"
             f"{' on interleaved 1F1B or 1F1B, the faster that fits' if args.chunks > 1 else ''}\n")
     cols = ["samples", "limit MB", "normal s", "fast s", "fast speed-up", "normal ms", "fast/normal", "vs packing",
             "ideal", "share", "/bound"]

@@ -97,7 +97,7 @@ def build_methods(lengths: list[int], job: StepJob, args) -> dict[str, Method]:
     methods[PACK] = _fixed_length_method(sequences, tokens, seq, costs, spec)
     if job.packs:
         methods[THD_WHOLE] = _rows_method(thd_packing_rows(sequences, lengths, seq, costs, spec.memory_limit_mb,
-                                                     spec.chunks), tokens, seq, costs, spec)
+                                                           spec.chunks), tokens, seq, costs, spec)
         try:
             balanced = megatron_dp_balanced_rows(lengths, seq, costs, spec.memory_limit_mb, spec.chunks, spec.cp)
         except ValueError as error:  # a batch Megatron-LM refuses to deal out too

@@ -83,7 +83,7 @@ class ProfiledCostModel(CostModel):
         self._cp_times = dict(cp_times or {})
         self._cp_layout = cp_layout
         # (phase, recompute) -> ms a layer adds per segment of a packed row (packed_segment_costs);
-        # what this model charges once it prices packed rows (cp_layout "thd")
+        # padded micro-batches run no segments beyond their rows, so only packed ones pay it
         self._packed_segment_ms = dict(packed_segment_ms or {})
 
     def describe(self) -> str:
@@ -124,8 +124,6 @@ class ProfiledCostModel(CostModel):
             packed_segment_ms=self._packed_segment_ms)
 
     def segment_ms(self, phase, recompute):
-        if self._cp_layout != "thd":
-            return 0.0  # padded rows: one row a sample, no segments
         return self._packed_segment_ms.get((phase, as_recompute(recompute)), 0.0)
 
     def context_parallel_encoder(self, cp):
