@@ -157,12 +157,13 @@ def test_a_resumed_profile_does_not_probe_its_refinement_again(tmp_path, monkeyp
     from megatron_dynapipe.profiling import profiler
 
     probes: list = []
-    bends = profiler._bends
-    monkeypatch.setattr(profiler, "_bends", lambda *args: probes.append(args[3:]) or bends(*args))
-    settings = dataclasses.replace(SETTINGS, recompute=(RecomputeType.NONE,), max_refinements=1, refine_tolerance=0.0)
+    # every probe bends, whatever the timing: two real probes with zero tolerance still land on
+    # opposite sides of the line now and then, and the test is about the resume, not the probe
+    monkeypatch.setattr(profiler, "_bends", lambda *args: probes.append(args[3:]) or True)
+    settings = dataclasses.replace(SETTINGS, recompute=(RecomputeType.NONE,), max_refinements=1)
     out = tmp_path / "tiny.json"
     doc = profile_model(TINY, out, settings, device=torch.device("cpu"), allow_noisy=True)
-    assert probes == [(32, 48, 64)] and {r["seqlen"] for r in doc["layer_time"]} == {32, 48, 64}  # every probe bends
+    assert probes == [(32, 48, 64)] and {r["seqlen"] for r in doc["layer_time"]} == {32, 48, 64}
     probes.clear()
     again = profile_model(TINY, out, settings, device=torch.device("cpu"), allow_noisy=True, resume=True)
     assert probes == [] and again["layer_time"] == doc["layer_time"]
