@@ -230,30 +230,6 @@ def _lengths(args, max_seq_length: int) -> list[int]:
     return scaled_lengths(args.samples, args.seed, args.mix, max_seq_length)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # --------------------------------------------------------------------------------------------
 # Ranks
 # --------------------------------------------------------------------------------------------
@@ -443,7 +419,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         loss_gaps=gaps, losses_agree=all(gap <= LOSS_TOLERANCE[job.dtype] for gap in gaps.values()),
         threads_per_rank=per_rank[0]["threads"] if job.device == "cpu" else None,
         cores=os.cpu_count() if job.device == "cpu" else None,
-        profile_threads=getattr(job.cost_model, "metadata", {}).get("cpu_threads"))
+        profile_threads=getattr(job.cost_model, "metadata", {}).get("cpu_threads"),
+        cp_group_timed=bool(getattr(job.cost_model, "measured", None)) if job.cp > 1 else None)
 
 
 def _layout(settings: dict) -> str:
@@ -500,6 +477,17 @@ def _sharing_lines(settings: dict, cores: "int | None", methods: dict) -> list[s
             f"{ranks / cores:.1f}x them here (their ratios still compare); a machine with {ranks} cores checks them"]
 
 
+def _cp_group_lines(row: dict) -> list[str]:
+    """A note where a CP run is predicted from a profile that timed no group of its size: the ring
+    is then priced from the layer at CP 1, which sees neither its per-sample steps on packed rows
+    nor the ranks' waits on each other (docs/benchmarks.md: 35-51% low on this package's CPU runs)."""
+    cp = row["settings"]["cp"]
+    if row.get("cp_group_timed") is not False or not any(m["predicted_ms"] is not None for m in row["methods"].values()):
+        return []
+    return [f"note: the profile timed no CP {cp} group, so the ring is priced from the layer alone and packed rows' "
+            f"predictions run low: profile with --cp {cp} to time it on a real group"]
+
+
 def _largest(values: list) -> "float | None":
     """The largest, or None where any is unknown."""
     return None if None in values else max(values)
@@ -547,6 +535,7 @@ def format_table(row: dict) -> str:
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "
                      "--cost-model FILE to compare predicted with measured")
     lines += _sharing_lines(row["settings"], row["cores"], row["methods"])
+    lines += _cp_group_lines(row)
     mine, profiled = row["threads_per_rank"], row["profile_threads"]
     if mine and profiled and mine != profiled:
         lines.append(f"note: the profile was measured with {profiled} CPU threads, each rank here ran with {mine}: "

@@ -163,6 +163,11 @@ def test_ranks_sharing_the_global_batch_keep_its_loss(tiny_sdpa_profile, lengths
     # under CP 2 packed samples take whole chunks (multiples of 4): 100+20+8, 92+32, 60+52+12 still fill 3 rows
     packed = {rows[2]["methods"][name]["padded_tokens"] for name in ("packing", "THD packing (whole)")}
     assert packed == {3 * SEQ}
+    if flag == "--cp":  # a profile without `--cp 2` prices the ring from the layer alone, and says so
+        from megatron_dynapipe.bench.step_bench import format_table
+        assert rows[2]["cp_group_timed"] is False and rows[1]["cp_group_timed"] is None
+        assert "note: the profile timed no CP 2 group" in format_table(rows[2])
+        assert "timed no CP" not in format_table(rows[1])
 
 
 def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, lengths_file):
