@@ -8,35 +8,85 @@ matrix-multiply rate, and takes at least the minimum timing per part (``min_time
 refinement, memory measurement, packed rows and the whole-step overhead: a floor. It holds to a
 small factor where FLOPs dominate (a large model, a GPU); on a CPU a small model's layer costs
 several times its FLOPs (the tiny GPT with ``--attention sdpa``: "at least 15 s", then 2-3 min).
+
+So the estimate is kept honest as the profile runs (:class:`TimeLeft`): each point's seconds are
+fitted to the points measured so far and summed over the grid's points still to measure, and the
+progress line says "the grid about N more".
 """
 
 from __future__ import annotations
 
 import time
+from typing import Hashable, Iterable
+
+import numpy as np
 
 from megatron_dynapipe.config.accounting import layer_flops_per_token, output_flops_per_token
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["estimated_seconds", "matmul_flops_per_second", "describe_duration"]
+__all__ = ["estimated_seconds", "point_flops", "TimeLeft", "matmul_flops_per_second", "describe_duration"]
 
 
 def estimated_seconds(spec: ModelSpec, settings, flops_per_second: float) -> float:
     """Seconds the grid of ``settings`` (a ProfileSettings) takes at ``flops_per_second``."""
-    runs = settings.warmup + settings.repeats
     floor_s = settings.min_time_ms / 1e3
-    total = 0.0
-    for tp in settings.tp_sizes:
-        head_per_token = 3 * output_flops_per_token(spec.hidden_size, spec.padded_vocab_size(tp)) / tp
-        for seq in settings.seq_lengths():
-            layer = layer_flops_per_token(spec, seq)
-            for mbs in settings.micro_batch_sizes(seq):
-                tokens = mbs * seq
-                forward = tokens * (layer.linear + layer.attention) / tp
-                parts = [tokens * head_per_token, 0.0]  # the output layer, the embedding (a lookup)
-                parts += [3 * forward + (forward if rc == RecomputeType.FULL else 0.0) for rc in settings.recompute]
-                total += sum(max(flops * runs / flops_per_second, floor_s) for flops in parts)
-    return total
+    return sum(max(flops / flops_per_second, floor_s)
+               for tp in settings.tp_sizes for seq in settings.seq_lengths() for mbs in settings.micro_batch_sizes(seq)
+               for flops in point_flops(spec, settings, tp, seq, mbs, settings.recompute))
+
+
+def point_flops(spec: ModelSpec, settings, tp: int, seq: int, mbs: int,
+                recompute: Iterable[RecomputeType]) -> list[float]:
+    """FLOPs each timed part of one grid point runs, its warm-up and timed runs together: the
+    output layer, the embedding (a lookup: 0) and the encoder layer once per recompute type."""
+    runs = settings.warmup + settings.repeats
+    tokens = mbs * seq
+    layer = layer_flops_per_token(spec, seq)
+    forward = tokens * (layer.linear + layer.attention) / tp
+    head = tokens * 3 * output_flops_per_token(spec.hidden_size, spec.padded_vocab_size(tp)) / tp
+    encoders = [3 * forward + (forward if rc == RecomputeType.FULL else 0.0) for rc in recompute]
+    return [runs * flops for flops in [head, 0.0, *encoders]]
+
+
+class TimeLeft:
+    """The seconds a profile's points still to measure will take, read off the points measured so
+    far: a point's seconds fitted as ``a`` a part timed plus ``b`` a FLOP (least squares, neither
+    below zero), so a CPU's fixed cost a part and its rate both come from this run. Unknown (None)
+    until two points of different size are measured. What a point measures beside its parts (its
+    memory, its packed rows) rides on the fit; a refinement's added lengths and the whole-step
+    overhead at the end are not counted."""
+
+    def __init__(self, todo: "dict[Hashable, list[float]]"):
+        self.todo = dict(todo)  # point -> FLOPs of each part (point_flops)
+        self.done: list[tuple[int, float, float]] = []  # (parts, FLOPs, seconds) of the points measured
+
+    def measured(self, point: Hashable, seconds: float) -> None:
+        parts = self.todo.pop(point, None)
+        if parts is not None:
+            self.done.append((len(parts), sum(parts), seconds))
+
+    def seconds(self) -> "float | None":
+        per_part, per_flop = self._fit()
+        if per_part is None:
+            return None
+        return sum(per_part * len(parts) + per_flop * sum(parts) for parts in self.todo.values())
+
+    def _fit(self) -> "tuple[float | None, float]":
+        if len({(parts, flops) for parts, flops, _ in self.done}) < 2:
+            return None, 0.0
+        x = np.array([(parts, flops) for parts, flops, _ in self.done], dtype=float)
+        y = np.array([seconds for _, _, seconds in self.done])
+        both = np.linalg.lstsq(x, y, rcond=None)[0]
+        if (both >= 0).all():
+            return float(both[0]), float(both[1])
+        # one term alone, whichever leaves the smaller residual: a negative cost is no cost
+        fits = []
+        for k, column in enumerate(x.T):
+            c = max(float(column @ y) / float(column @ column), 0.0) if column.any() else 0.0
+            fits.append((float(np.sum((y - c * column) ** 2)), k, c))
+        _, k, c = min(fits)
+        return (c, 0.0) if k == 0 else (0.0, c)
 
 
 def matmul_flops_per_second(device, dtype, size: int = 1024, repeats: int = 3) -> float:

@@ -29,6 +29,7 @@ import datetime
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -45,13 +46,13 @@ from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, P
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.consistency import noisy_points
 from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
+from megatron_dynapipe.profiling.duration import TimeLeft, describe_duration, point_flops
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model"]
-
 
 
 class ProfileError(ValueError):
@@ -103,6 +104,16 @@ class ProfileRun:
     device: torch.device
     records: ProfileRecords = field(default_factory=ProfileRecords)
     link: "dict | None" = None  # metadata.link: measured between two local ranks (None: not yet, or not here)
+    time_left: TimeLeft = field(default_factory=lambda: TimeLeft({}))  # the grid's points still to measure
+
+    def start_clock(self) -> None:
+        """Count the grid's points this run still measures (not those a resumed file has)."""
+        s = self.settings
+        self.time_left = TimeLeft({
+            (tp, seq, mbs): point_flops(self.spec, s, tp, seq, mbs, todo)
+            for tp in s.tp_sizes for seq in s.seq_lengths() for mbs in s.micro_batch_sizes(seq)
+            if (todo := [rc for rc in s.recompute
+                         if (tp, rc.label, "encoder", "forward", seq, mbs) not in self.records.times])})
 
     def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int, packed: bool) -> bool:
         key = (tp, rc.label, "encoder", "forward", seq, mbs)
@@ -198,6 +209,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     profile = ProfileRun(spec, settings, device)
     if resume and output.exists():
         profile = ProfileRun.resumed(output, spec, settings, device)
+    profile.start_clock()
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             _profile_tp(profile, tp, output, progress, allow_noisy)
@@ -336,8 +348,12 @@ def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: P
         open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.records.infeasible]
         todo = [rc for rc in open_rows if rc not in done]
         if todo:
-            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}", len(todo))
+            left = profile.time_left.seconds()
+            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}"
+                     + ("" if left is None else f", the grid about {describe_duration(left)} more"), len(todo))
+            started = time.perf_counter()
             fits = measure_point(profile, parts, tp, todo, seq, mbs)
+            profile.time_left.measured((tp, seq, mbs), time.perf_counter() - started)
             open_rows = [rc for rc in open_rows if rc not in todo or rc in fits]
         if not open_rows:
             break

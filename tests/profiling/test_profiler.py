@@ -26,8 +26,11 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
     seen: list[tuple[str, int]] = []
     doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), allow_noisy=True,
                         progress=lambda what, points: seen.append((what, points)))
-    assert seen == [(f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [
+    assert [(what.split(", the grid about ")[0], points) for what, points in seen] == [
+        (f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [
         ("tp 1 whole-step overhead", 1), ("link between two local ranks (gloo)", 1)]
+    # the time left, once two points of different size have been timed
+    assert [what.endswith(" more") for what, _ in seen[:len(GRID)]] == [False, False] + [True] * (len(GRID) - 2)
     # the progress bar counts grid points: a full grid ends exactly at the total it announced
     assert sum(points for _, points in seen) == SETTINGS.grid_points() == len(GRID) * 2 + 1 + 1
     link = doc["metadata"]["link"]

@@ -489,6 +489,33 @@ def test_a_profile_says_up_front_how_long_it_will_take_at_least():
     assert floor_only == pytest.approx(points * (2 + len(small.recompute)) * 1.0)
 
 
+def test_the_time_left_is_read_off_the_points_measured_so_far():
+    """A point's seconds fitted as a cost a part timed plus a cost a FLOP over the points measured,
+    summed over those left: exact where the times lie on such a line, unknown before two sizes,
+    and never a negative cost."""
+    from megatron_dynapipe.profiling.duration import TimeLeft
+
+    parts = {"a": [1e9, 0.0, 3e9], "b": [2e9, 0.0, 6e9, 8e9], "c": [4e9, 0.0, 12e9], "d": [8e9, 0.0, 24e9, 32e9]}
+
+    def seconds(point):  # 0.05 s a part and 10 GFLOP/s
+        return 0.05 * len(parts[point]) + sum(parts[point]) / 1e10
+
+    left = TimeLeft(parts)
+    assert left.seconds() is None
+    left.measured("a", seconds("a"))
+    assert left.seconds() is None  # one size: a cost a part, or a rate?
+    left.measured("b", seconds("b"))
+    assert left.seconds() == pytest.approx(seconds("c") + seconds("d"))
+    left.measured("c", seconds("c"))
+    assert left.seconds() == pytest.approx(seconds("d"))
+    # the larger point measured faster (a busy moment at the first): no negative rate, the cost a
+    # part alone, (3 x 2 + 4 x 1) / (3^2 + 4^2) = 0.4 s, over the 3 + 4 parts left
+    falling = TimeLeft(parts)
+    falling.measured("a", 2.0)
+    falling.measured("b", 1.0)
+    assert falling.seconds() == pytest.approx(0.4 * 7)
+
+
 HEAD_MEMORY = """
 import json, sys, torch
 from megatron_dynapipe.config.model import ModelSpec
