@@ -66,6 +66,11 @@ class TimeLeft:
         if parts is not None:
             self.done.append((len(parts), sum(parts), seconds))
 
+    def forget(self, points: Iterable[Hashable]) -> None:
+        """Points that will not be measured (a row that ran out of memory before them)."""
+        for point in points:
+            self.todo.pop(point, None)
+
     def seconds(self) -> "float | None":
         per_part, per_flop = self._fit()
         if per_part is None:
@@ -77,7 +82,8 @@ class TimeLeft:
             return None, 0.0
         x = np.array([(parts, flops) for parts, flops, _ in self.done], dtype=float)
         y = np.array([seconds for _, _, seconds in self.done])
-        both = np.linalg.lstsq(x, y, rcond=None)[0]
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # parts count units, FLOPs billions: fit them alike
+        both = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
         if (both >= 0).all():
             return float(both[0]), float(both[1])
         # one term alone, whichever leaves the smaller residual: a negative cost is no cost

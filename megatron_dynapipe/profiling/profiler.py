@@ -356,6 +356,7 @@ def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: P
             profile.time_left.measured((tp, seq, mbs), time.perf_counter() - started)
             open_rows = [rc for rc in open_rows if rc not in todo or rc in fits]
         if not open_rows:
+            profile.time_left.forget((tp, seq, m) for m in profile.settings.micro_batch_sizes(seq) if m > mbs)
             break
     write_atomically(output, to_text(profile.document(complete=False)))
 

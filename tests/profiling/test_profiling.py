@@ -508,6 +508,8 @@ def test_the_time_left_is_read_off_the_points_measured_so_far():
     assert left.seconds() == pytest.approx(seconds("c") + seconds("d"))
     left.measured("c", seconds("c"))
     assert left.seconds() == pytest.approx(seconds("d"))
+    left.forget(["d"])  # its row ran out of memory before it
+    assert left.seconds() == 0.0
     # the larger point measured faster (a busy moment at the first): no negative rate, the cost a
     # part alone, (3 x 2 + 4 x 1) / (3^2 + 4^2) = 0.4 s, over the 3 + 4 parts left
     falling = TimeLeft(parts)
