@@ -176,7 +176,8 @@ def test_an_architecture_given_by_megatron_flags(tmp_path):
     run = profile("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
                   "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--vocab-size", "256",
                   "--max-position-embeddings", "64", "--tp", "1", "2", "--recompute", "none",
-                  "--max-tokens", "64", "--repeats", "1", "--warmup", "0", "--allow-noisy", "-o", str(out))
+                  "--max-tokens", "64", "--repeats", "1", "--warmup", "0", "--min-time-ms", "0", "--allow-noisy",
+                  "-o", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["metadata"]["model"]["swiglu"] and "--swiglu" in doc["metadata"]["megatron_args"]
@@ -197,8 +198,8 @@ def test_an_interrupted_profile_resumes_where_it_stopped(tiny_profile, tmp_path)
     again = tmp_path / "again.json"
     again.write_text(json.dumps(partial))
     run = profile("--model", "tiny", "--tp", "1", "2", "--max-seq-length", "128", "--max-tokens", "256",
-                  "--repeats", "1", "--warmup", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-                  "--allow-noisy", "-o", str(again), "--resume")  # nothing measured twice, however busy the machine
+                  "--repeats", "1", "--warmup", "0", "--min-time-ms", "0", "--hidden-dropout", "0",
+                  "--attention-dropout", "0", "--allow-noisy", "-o", str(again), "--resume")  # nothing measured twice, however busy the machine
     assert run.returncode == 0, run.stderr[-2000:]
     resumed = json.loads(again.read_text())
     assert resumed["metadata"]["complete"]
@@ -384,7 +385,7 @@ def test_a_calibrated_model_plans_and_pays_its_measured_overhead(tmp_path):
 
     out = tmp_path / "calibrated.json"
     run = profile("--model", "tiny", "--calibrate", "--max-seq-length", "128", "--max-tokens", "256", "--repeats", "1",
-                  "--hidden-dropout", "0", "--attention-dropout", "0", "-o", str(out))
+                  "--min-time-ms", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "-o", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "TFLOP/s" in run.stdout and "plan with --cost-model" in run.stdout
     doc = json.loads(out.read_text())
