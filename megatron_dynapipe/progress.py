@@ -31,7 +31,7 @@ class _NoProgress:
 class _ProgressLines:
     """rich's Progress calls, answered with one line a task at most every ``every`` seconds, and
     one when the task completes: "profile: 12/87 (2 min 10 s, about 13 min left)", what is left
-    at the pace so far (as rich's bar shows it)."""
+    at the pace so far (as rich's bar shows it), or the caller's own estimate (``left=`` seconds)."""
 
     def __init__(self, stream, every: float = LINE_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.stream, self.every, self.clock = stream, every, clock
@@ -44,10 +44,12 @@ class _ProgressLines:
                                 said=now, ended=False)
         return task
 
-    def update(self, task: int, *, description=None, total=None, completed=None, advance=None, **_) -> None:
+    def update(self, task: int, *, description=None, total=None, completed=None, advance=None, left=None,
+               **_) -> None:
         state = self.tasks.get(task)
         if state is None:
             return
+        state["left"] = left
         for key, value in (("description", description), ("total", total), ("completed", completed)):
             if value is not None:
                 state[key] = value
@@ -69,7 +71,9 @@ class _ProgressLines:
         state["said"], state["ended"] = now, complete
         total = "" if state["total"] is None else f"/{state['total']:g}"
         elapsed, left = now - state["started"], ""
-        if state["total"] is not None and 0 < state["completed"] < state["total"]:
+        if state.get("left") is not None and not complete:
+            left = f", about {_elapsed(state['left'])} left"
+        elif state["total"] is not None and 0 < state["completed"] < state["total"]:
             left = f", about {_elapsed(elapsed * (state['total'] / state['completed'] - 1))} left"
         print(f"{state['description']}: {state['completed']:g}{total} ({_elapsed(elapsed)}{left})",
               file=self.stream, flush=True)
@@ -88,20 +92,36 @@ def progress_bar(enabled: bool, stream) -> Any:
         yield _NoProgress()
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import Progress
 
     console = Console(file=stream)
     if not console.is_terminal:
         yield _ProgressLines(stream)
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn())
     # What else writes to stderr meanwhile (megatron-core's warnings, log records) is printed above
     # the bar instead of through it.
-    with Progress(*columns, console=console, redirect_stdout=False, redirect_stderr=True,
+    with Progress(*_columns(), console=console, redirect_stdout=False, redirect_stderr=True,
                   transient=True) as bar:
         yield bar
+
+
+def _columns() -> tuple:
+    """The bar's columns: what it does, the bar, done of total, time taken, and time left, at the
+    pace so far or the caller's own estimate (``left=`` seconds: a profile's points vary a
+    thousandfold in cost, so the pace of points misleads)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class TimeLeftColumn(TimeRemainingColumn):
+        def render(self, task):
+            left = task.fields.get("left")
+            if left is None or task.finished:
+                return super().render(task)
+            minutes, seconds = divmod(int(left), 60)
+            hours, minutes = divmod(minutes, 60)
+            return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+    return TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeLeftColumn()
 
 
 @contextmanager

@@ -45,6 +45,33 @@ def test_the_profile_progress_prints_lines_when_stderr_is_a_file():
                                            "tp 1, recompute none, seqlen 1024: 15/15 (3 min 51 s)"]
 
 
+def test_the_profiles_own_estimate_is_the_time_left_where_it_gives_one():
+    """The profile's points vary a thousandfold in cost, so its own estimate of the grid's time
+    (duration.TimeLeft) is shown, not the pace of points so far; without one, the pace is."""
+    out, clock = io.StringIO(), Clock()
+    lines = progress._ProgressLines(out, every=30.0, clock=clock)
+    grid = GridProgress(lines, lines.add_task("profile", total=87), expected=87)
+    clock.now += 31
+    grid("tp 1 none seq 64 mbs 2", 12, left=400.0)
+    clock.now += 31
+    grid("tp 1 whole-step overhead", 1)
+    assert out.getvalue().splitlines() == ["tp 1 none seq 64 mbs 2: 12/87 (31 s, about 6 min 40 s left)",
+                                           # at the pace: 62 s x (87 - 13) / 13 = 353 s
+                                           "tp 1 whole-step overhead: 13/87 (1 min 2 s, about 5 min 52 s left)"]
+
+
+def test_the_terminal_bar_shows_the_profiles_own_estimate():
+    import rich.progress
+
+    *_, left_column = columns = progress._columns()
+    bar = rich.progress.Progress(*columns, auto_refresh=False)
+    task = bar.add_task("profile", total=87)
+    bar.update(task, completed=12, left=400.0)
+    assert left_column.render(bar.tasks[task]).plain == "0:06:40"
+    bar.update(task, completed=13, left=None)
+    assert left_column.render(bar.tasks[task]).plain != "0:06:40"  # rich's own, at the pace so far
+
+
 def test_no_progress_asked_for_prints_nothing():
     out = io.StringIO()
     with progress.progress_bar(False, out) as bar:

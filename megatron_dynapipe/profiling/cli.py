@@ -184,9 +184,12 @@ class GridProgress:
     def __init__(self, bar, task, expected: int):
         self.bar, self.task, self.expected, self.done = bar, task, expected, 0
 
-    def __call__(self, what: str, points: int) -> None:
+    def __call__(self, what: str, points: int, left: "float | None" = None) -> None:
+        """``left``: the seconds this run's own points say the grid still takes (duration.TimeLeft),
+        shown as the time left where given; elsewhere the bar's pace is."""
         self.done += points
-        self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done + 1))
+        self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done + 1),
+                        left=left)
 
     def finish(self) -> None:
         self.bar.update(self.task, completed=self.done, total=self.done)

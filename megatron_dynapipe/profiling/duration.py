@@ -10,8 +10,8 @@ small factor where FLOPs dominate (a large model, a GPU); on a CPU a small model
 several times its FLOPs (the tiny GPT with ``--attention sdpa``: "at least 15 s", then 2-3 min).
 
 So the estimate is kept honest as the profile runs (:class:`TimeLeft`): each point's seconds are
-fitted to the points measured so far and summed over the grid's points still to measure, and the
-progress line says "the grid about N more".
+fitted to the points measured so far and summed over the grid's points still to measure (the
+lengths a refinement adds among them), and that is the time left the progress bar shows.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class TimeLeft:
     far: a point's seconds fitted as ``a`` a part timed plus ``b`` a FLOP (least squares, neither
     below zero), so a CPU's fixed cost a part and its rate both come from this run. Unknown (None)
     until two points of different size are measured. What a point measures beside its parts (its
-    memory, its packed rows) rides on the fit; a refinement's added lengths and the whole-step
-    overhead at the end are not counted."""
+    memory, its packed rows) rides on the fit; a refinement's lengths count from when it adds
+    them (:meth:`add`); the whole-step overhead at the end is not counted."""
 
     def __init__(self, todo: "dict[Hashable, list[float]]"):
         self.todo = dict(todo)  # point -> FLOPs of each part (point_flops)
@@ -65,6 +65,9 @@ class TimeLeft:
         parts = self.todo.pop(point, None)
         if parts is not None:
             self.done.append((len(parts), sum(parts), seconds))
+
+    def add(self, point: Hashable, parts: list[float]) -> None:
+        self.todo[point] = parts
 
     def forget(self, points: Iterable[Hashable]) -> None:
         """Points that will not be measured (a row that ran out of memory before them)."""

@@ -46,7 +46,7 @@ from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, P
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.consistency import noisy_points
 from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
-from megatron_dynapipe.profiling.duration import TimeLeft, describe_duration, point_flops
+from megatron_dynapipe.profiling.duration import TimeLeft, point_flops
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
@@ -108,12 +108,18 @@ class ProfileRun:
 
     def start_clock(self) -> None:
         """Count the grid's points this run still measures (not those a resumed file has)."""
+        self.time_left = TimeLeft({})
+        for tp in self.settings.tp_sizes:
+            for seq in self.settings.seq_lengths():
+                self.count_row(tp, seq)
+
+    def count_row(self, tp: int, seq: int) -> None:
+        """Add one length's points still to measure to the time left (a refinement adds lengths)."""
         s = self.settings
-        self.time_left = TimeLeft({
-            (tp, seq, mbs): point_flops(self.spec, s, tp, seq, mbs, todo)
-            for tp in s.tp_sizes for seq in s.seq_lengths() for mbs in s.micro_batch_sizes(seq)
-            if (todo := [rc for rc in s.recompute
-                         if (tp, rc.label, "encoder", "forward", seq, mbs) not in self.records.times])})
+        for mbs in s.micro_batch_sizes(seq):
+            todo = [rc for rc in s.recompute if (tp, rc.label, "encoder", "forward", seq, mbs) not in self.records.times]
+            if todo:
+                self.time_left.add((tp, seq, mbs), point_flops(self.spec, s, tp, seq, mbs, todo))
 
     def has(self, tp: int, rc: RecomputeType, seq: int, mbs: int, packed: bool) -> bool:
         key = (tp, rc.label, "encoder", "forward", seq, mbs)
@@ -191,7 +197,9 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-Progress = Callable[[str, int], None]  # before each measurement: what it measures, how many grid points
+# before each measurement: what it measures, how many grid points, and (keyword ``left``, where this
+# run's points so far tell) the seconds the grid's points after it take (duration.TimeLeft)
+Progress = Callable[..., None]
 
 
 def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileSettings, *,
@@ -205,7 +213,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     output = Path(output)
     if device.type == "cpu":
         steady_cpu_allocator()
-    progress = progress or (lambda what, points: None)
+    progress = progress or (lambda what, points, left=None: None)
     profile = ProfileRun(spec, settings, device)
     if resume and output.exists():
         profile = ProfileRun.resumed(output, spec, settings, device)
@@ -348,9 +356,8 @@ def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: P
         open_rows = [rc for rc in open_rows if (tp, rc.label, seq, mbs) not in profile.records.infeasible]
         todo = [rc for rc in open_rows if rc not in done]
         if todo:
-            left = profile.time_left.seconds()
-            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}"
-                     + ("" if left is None else f", the grid about {describe_duration(left)} more"), len(todo))
+            progress(f"tp {tp} {'/'.join(rc.label for rc in todo)} seq {seq} mbs {mbs}", len(todo),
+                     left=profile.time_left.seconds())
             started = time.perf_counter()
             fits = measure_point(profile, parts, tp, todo, seq, mbs)
             profile.time_left.measured((tp, seq, mbs), time.perf_counter() - started)
@@ -470,6 +477,8 @@ def _refine(profile: ProfileRun, parts: Parts, tp: int, seqs: Sequence[int], out
         between = [m for a, b in zip(seqs, seqs[1:]) if (m := _midpoint(a, b)) and _bends(profile, parts, tp, a, m, b)]
         if not between:
             return
+        for seq in between:
+            profile.count_row(tp, seq)
         for seq in between:
             _profile_row(profile, parts, tp, seq, output, progress)
         seqs = sorted(seqs + between)
