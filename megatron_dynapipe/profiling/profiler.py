@@ -117,7 +117,7 @@ class ProfileRun:
         """Add one length's points still to measure to the time left (a refinement adds lengths)."""
         s = self.settings
         for mbs in s.micro_batch_sizes(seq):
-            todo = [rc for rc in s.recompute if (tp, rc.label, "encoder", "forward", seq, mbs) not in self.records.times]
+            todo = [rc for rc in s.recompute if not self.has(tp, rc, seq, mbs, packed=False)]
             if todo:
                 self.time_left.add((tp, seq, mbs), point_flops(self.spec, s, tp, seq, mbs, todo))
 
