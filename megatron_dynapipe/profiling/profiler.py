@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -469,6 +470,10 @@ def _timing(s: ProfileSettings) -> dict:
     return dict(warmup=s.warmup, repeats=s.repeats, min_time_ms=s.min_time_ms)
 
 
+#: rounds of timing a length and the two around it in turn, to tell a bend from a slow moment
+BEND_ROUNDS = 3
+
+
 def _refine(profile: ProfileRun, parts: Parts, tp: int, seqs: Sequence[int], output: Path, progress: Progress) -> None:
     """Profile a length between two profiled ones wherever the linear interpolation the cost
     model does between them misses a probe there by more than the tolerance."""
@@ -491,24 +496,23 @@ def _midpoint(short: int, long: int) -> int | None:
 
 
 def _bends(profile: ProfileRun, parts: Parts, tp: int, short: int, middle: int, long: int) -> bool:
-    """Whether one layer's forward at ``middle`` tokens (``mbs=1``, the first recompute type)
-    is off the straight line between ``short`` and ``long`` by more than the tolerance, in two
-    probes the same way: a layer of a few milliseconds on a CPU misses the line by 10-25% run to
-    run, and a length added for a slow moment is a row of points measured for nothing."""
+    """Whether one layer's forward at ``middle`` tokens (``mbs=1``, the first recompute type) is
+    off the straight line between ``short`` and ``long`` by more than the tolerance, all three
+    timed in the same moment: :data:`BEND_ROUNDS` rounds of the three in turn, each length's
+    median.  A layer of a few milliseconds on a CPU is timed 10-25% apart run to run, so a probe
+    set against the grid's ends, measured a minute before, saw a bend wherever one of those ends
+    had been measured in a slow moment, and a row of points was measured for nothing."""
     rc = profile.settings.recompute[0]
-    a = profile.records.times.get((tp, rc.label, "encoder", "forward", short, 1))
-    b = profile.records.times.get((tp, rc.label, "encoder", "forward", long, 1))
-    if a is None or b is None:
+    if any((tp, rc.label, "encoder", "forward", seq, 1) not in profile.records.times for seq in (short, long)):
         return False  # a row that does not reach mbs=1 there is not interpolated either
-    x = torch.randn(middle, 1, profile.spec.hidden_size, device=profile.device,
-                    dtype=torch_dtype(profile.settings.dtype),
-                    requires_grad=True)
+    inputs = {seq: torch.randn(seq, 1, profile.spec.hidden_size, device=profile.device,
+                               dtype=torch_dtype(profile.settings.dtype), requires_grad=True)
+              for seq in (short, middle, long)}
+    runs: dict[int, list[float]] = {seq: [] for seq in inputs}
+    for _ in range(BEND_ROUNDS):
+        for seq, x in inputs.items():
+            probe = time_step(lambda: parts.encoders[rc](x), profile.device, **dict(_timing(profile.settings), warmup=1))
+            runs[seq].append(probe.forward_ms)
+    a, m, b = (statistics.median(runs[seq]) for seq in (short, middle, long))
     line = a + (b - a) * (middle - short) / (long - short)
-
-    def miss() -> float:  # the probe's distance from the line, as a share of the probe, signed
-        probe = time_step(lambda: parts.encoders[rc](x), profile.device, **dict(_timing(profile.settings), warmup=1))
-        return (probe.forward_ms - line) / probe.forward_ms
-
-    tolerance = profile.settings.refine_tolerance
-    first = miss()
-    return abs(first) > tolerance and (second := miss()) * first > 0 and abs(second) > tolerance
+    return abs(m - line) > profile.settings.refine_tolerance * m

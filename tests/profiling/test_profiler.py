@@ -208,22 +208,34 @@ def test_a_point_measured_far_slower_than_a_larger_one_is_measured_again(tmp_pat
     assert new != doctored
 
 
-@pytest.mark.parametrize("probes, refined", [
-    ((1.2, 1.2), True),    # both probes 20% above the line (1.0 ms at 48 tokens): the layer bends there
-    ((1.2, 1.02), False),  # the second on the line: the first was a slow moment
-    ((1.2, 0.8), False),   # off both ways: noise, not a bend
-    ((1.05,), False),      # within the tolerance: no second probe
+@pytest.mark.parametrize("rounds, refined", [
+    # ms at 32, 48 and 64 tokens in each of three rounds; the line's value at 48 is the mean of the ends
+    ([(0.5, 1.2, 1.5)] * 3, True),  # 20% above the line every round: the layer bends there
+    ([(0.5, 1.0, 1.5), (0.5, 2.5, 1.5), (0.5, 1.0, 1.5)], False),  # one slow probe is outvoted
+    ([(0.5, 1.0, 1.5), (1.0, 2.0, 3.0), (0.5, 1.0, 1.5)], False),  # a round slowed as a whole
+    ([(0.5, 1.05, 1.5)] * 3, False),  # within the tolerance
+    ([(2.0, 2.5, 3.0)] * 3, False),  # on the probes' own line, whatever the grid measured at the ends
+    ([(0.2, 1.0, 1.2)] * 3, True),  # the grid's ends (0.5, 1.5) would put 1.0 on the line
 ])
-def test_a_length_is_added_where_two_probes_miss_the_line_the_same_way(monkeypatch, probes, refined):
+def test_a_length_is_added_where_it_bends_against_its_ends_timed_in_the_same_moment(monkeypatch, rounds, refined):
     from megatron_dynapipe.profiling import profiler
     from megatron_dynapipe.profiling.measure import Timing
     from megatron_dynapipe.profiling.profiler import ProfileRun
 
     run = ProfileRun(TINY, SETTINGS, torch.device("cpu"))
     run.records.times[(1, "none", "encoder", "forward", 32, 1)] = 0.5
-    run.records.times[(1, "none", "encoder", "forward", 64, 1)] = 1.5  # the line gives 1.0 ms at 48
-    timed = iter(probes)
-    monkeypatch.setattr(profiler, "time_step", lambda *args, **kwargs: Timing(next(timed), 2.0, 0.0, 0.0))
+    run.records.times[(1, "none", "encoder", "forward", 64, 1)] = 1.5
+    scripted = {seq: [r[k] for r in rounds] for k, seq in enumerate((32, 48, 64))}
+    taken = []
+
+    def time_step(step, device, **kwargs):
+        seq = step().shape[0]  # the scripted layer returns its input
+        taken.append(seq)
+        return Timing(scripted[seq].pop(0), 2.0, 0.0, 0.0)
+
+    monkeypatch.setattr(profiler, "time_step", time_step)
     parts = type("Parts", (), {"encoders": {RecomputeType.NONE: lambda x: x}})()
     assert profiler._bends(run, parts, 1, 32, 48, 64) is refined
-    assert next(timed, None) is None  # every scripted probe was taken, and no more
+    assert taken == [32, 48, 64] * 3  # the three in turn, round after round
+    del run.records.times[(1, "none", "encoder", "forward", 64, 1)]  # a row that does not reach mbs 1 at 64
+    assert profiler._bends(run, parts, 1, 32, 48, 64) is False and len(taken) == 9
