@@ -55,7 +55,8 @@ class TimeLeft:
     below zero), so a CPU's fixed cost a part and its rate both come from this run. Unknown (None)
     until two points of different size are measured. What a point measures beside its parts (its
     memory, its packed rows) rides on the fit; a refinement's lengths count from when it adds
-    them (:meth:`add`); the whole-step overhead at the end is not counted."""
+    them (:meth:`add`). The whole-step overhead at the end is not counted here: its time is said when
+    it starts, from the parts' profiled times (:func:`~.overhead.overhead_seconds`)."""
 
     def __init__(self, todo: "dict[Hashable, list[float]]"):
         self.todo = dict(todo)  # point -> FLOPs of each part (point_flops)

@@ -21,6 +21,7 @@ shapes, robustly (:func:`fit_overhead`), both terms >= 0.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.measure import unless_out_of_memory
 from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
-__all__ = ["Overhead", "measure_overhead", "overhead_shapes", "fit_overhead", "added_ms"]
+__all__ = ["Overhead", "measure_overhead", "overhead_shapes", "overhead_seconds", "fit_overhead", "added_ms"]
 
 MICROBATCHES = 3  # micro-batches of the longer plan; the shorter has one
 MOST_LAYERS = 3  # layers of the larger stage timed (the smaller has one)
@@ -74,6 +75,28 @@ def overhead_shapes(measured: Sequence[tuple[int, int]], lengths: Sequence[int] 
     return sorted(shapes)
 
 
+def overhead_seconds(parts_ms: Callable[[str, int, int], tuple[float, float]], shapes: Sequence[tuple[int, int]],
+                     num_layers: int, repeats: int = 3, min_time_ms: float = 100.0) -> list[float]:
+    """Seconds :func:`measure_overhead` takes at each of ``shapes``, from the parts' profiled times
+    (``parts_ms`` as there): its eight runs priced as their layers, embedding and head alone (the
+    overhead it measures beside them is a few percent of a run), the warm-up round and as many
+    rounds as :func:`_more_rounds` asks of the shortest run."""
+    out = []
+    for seq, mbs in shapes:
+        (layer_f, ends_f), (layer_b, ends_b) = (parts_ms(phase, seq, mbs) for phase in PHASES)
+        runs = [count * (layers * layer_f + ends_f + (0.0 if forward_only else layers * layer_b + ends_b))
+                for count in (1, MICROBATCHES) for layers in _layer_counts(num_layers)
+                for forward_only in (True, False)]
+        needed = math.ceil(min_time_ms / min(runs)) if min(runs) > 0 else MAX_ROUNDS
+        out.append((min(MAX_ROUNDS, max(repeats, needed)) + 1) * sum(runs) / 1e3)
+    return out
+
+
+def _layer_counts(num_layers: int) -> list[int]:
+    """Layers of the stages timed: one and ``MOST_LAYERS`` (or all the model has)."""
+    return sorted({1, min(MOST_LAYERS, num_layers)})
+
+
 def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
     """``(a, b)`` >= 0 of the line ``a + b * tokens`` through ``ms``, fitted robustly (Theil-Sen:
     ``b`` the median of the slopes between every two shapes, ``a`` the median of what is left).
@@ -98,15 +121,18 @@ def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, f
 
 def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, recompute: RecomputeType,
                      parts_ms: Callable[[str, int, int], tuple[float, float]], shapes: Sequence[tuple[int, int]],
-                     repeats: int = 3, min_time_ms: float = 100.0) -> Overhead | None:
+                     repeats: int = 3, min_time_ms: float = 100.0,
+                     before_shape: Callable[[int], None] = lambda k: None) -> Overhead | None:
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
     :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
-    layer and of the embedding and head together there. None when no shape fits on the device."""
-    counts = sorted({1, min(MOST_LAYERS, spec.num_layers)})
+    layer and of the embedding and head together there; ``before_shape(k)`` is called before
+    shape ``k`` is timed. None when no shape fits on the device."""
+    counts = _layer_counts(spec.num_layers)
     stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
     tokens: list[int] = []
     lines: dict[tuple[str, str], list[float]] = {(per, phase): [] for per in ("stage", "layer") for phase in PHASES}
-    for seq, mbs in shapes:
+    for k, (seq, mbs) in enumerate(shapes):
+        before_shape(k)
         per_microbatch = unless_out_of_memory(device, lambda: _per_microbatch_ms(
             stages, spec, recompute, seq, mbs, device, repeats, min_time_ms))
         if per_microbatch is None:

@@ -51,7 +51,7 @@ from megatron_dynapipe.profiling.duration import TimeLeft, point_flops
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
 from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
-from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_shapes
+from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_seconds, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model"]
 
@@ -326,10 +326,19 @@ def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> N
         return ms("encoder", phase, seq, mbs), ms("preprocess", phase, seq, mbs) + ms("postprocess", phase, seq, mbs)
 
     measured = [(k[4], k[5]) for k in profile.records.times if k[:4] == (tp, rc.label, "encoder", "forward")]
-    progress(f"tp {tp} whole-step overhead", 1)
+    shapes = overhead_shapes(measured, s.seq_lengths())
+    seconds = overhead_seconds(parts_ms, shapes, profile.spec.num_layers, s.repeats, s.min_time_ms)
+
+    def before_shape(k: int) -> None:  # one grid point in all, the time left from the parts' own times
+        seq, mbs = shapes[k]
+        progress(f"tp {tp} whole-step overhead ({mbs} x {seq} tokens, {k + 1} of {len(shapes)})", int(k == 0),
+                 left=sum(seconds[k:]))
+
+    if not shapes:
+        progress(f"tp {tp} whole-step overhead", 1)
     found = measure_overhead(profile.spec, tp=tp, dtype=torch_dtype(s.dtype), device=profile.device, recompute=rc,
-                             parts_ms=parts_ms, shapes=overhead_shapes(measured, s.seq_lengths()), repeats=s.repeats,
-                             min_time_ms=s.min_time_ms)
+                             parts_ms=parts_ms, shapes=shapes, repeats=s.repeats, min_time_ms=s.min_time_ms,
+                             before_shape=before_shape)
     if found is not None:
         profile.set_overhead(tp, found)
 

@@ -357,6 +357,22 @@ def test_overhead_is_timed_at_each_length_and_at_the_corners():
     assert overhead_shapes(refined) == [(32, 1), (32, 4), (48, 1), (64, 1), (128, 1), (128, 2)]
 
 
+def test_the_overheads_time_is_said_from_the_parts_profiled_times():
+    from megatron_dynapipe.profiling.overhead import overhead_seconds
+
+    # a layer 1 ms forward and 2 backward, the embedding and head 0.5 and 1, at every shape
+    parts = {"forward": (1.0, 0.5), "backward": (2.0, 1.0)}
+    seconds = lambda *args, **kw: overhead_seconds(lambda phase, seq, mbs: parts[phase], *args, **kw)  # noqa: E731
+    # stages of 1 and 3 layers, forward alone (1.5 and 3.5 ms) and with the backward (4.5 and 10.5),
+    # one micro-batch and three: 20 ms + 60 ms a round
+    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.080])
+    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=30.0) == pytest.approx([(20 + 1) * 0.080])  # 30 / 1.5
+    assert seconds([(32, 1), (64, 1)], 4, repeats=3, min_time_ms=100.0) == pytest.approx([(50 + 1) * 0.080] * 2)
+    # a one-layer model times one stage: 1.5 + 4.5 ms a round, and three times that
+    assert seconds([(32, 1)], 1, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.024])
+    assert seconds([], 4) == []
+
+
 # --------------------------------------------------------------------------------------------
 # --calibrate: the analytical model fitted to a handful of points
 
