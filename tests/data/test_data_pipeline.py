@@ -498,6 +498,7 @@ def test_settings_are_versioned_json_every_rank_checks():
         with pytest.raises(ValueError, match="differs from the pipeline host's"):
             DynaPipeDataLoader(dp_rank=0, stage=1, spec=_spec(pp=4, dp=1), port=host.port, secret=SECRET,
                                connect_timeout_s=WAIT_S)
+        host.close(wait_for_ranks=False)  # every rank was refused: none will close its loader
     with pytest.raises(ValueError, match=r"port=0 \(any free port\) needs process_group="):
         DynaPipeDataLoader(dp_rank=0, stage=1, port=0, secret=SECRET)
     with pytest.raises(ValueError, match="needs the job's secret on every rank: set DYNAPIPE_KV_SECRET"):
