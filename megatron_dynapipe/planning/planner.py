@@ -426,8 +426,8 @@ def _microbatchings(lengths, samples, costs, spec, budget: SearchBudget, first_t
             found.append((rank, 1, partition))
     if spec.packed:
         full = megatron_rows(lengths, samples, spec)
-        rows = [("rows of seq-length", full)] if full is not None else []
-        for label, mbs in rows + balanced_rows(lengths, samples, costs, spec):
+        megatrons = [("rows of seq-length", full)] if full is not None else []
+        for label, mbs in megatrons + balanced_rows(lengths, samples, costs, spec):
             light = Microbatching(label, mbs, tuple(lightest_fitting_alone(costs, mbs, spec.recompute_types, limit)))
             found.append((predicted_iteration_ms(costs, light, spec.chunks), 0, light))
     if not found:
@@ -449,24 +449,28 @@ def megatron_rows(lengths, samples, spec: TrainingSpec) -> "tuple[MicroBatch, ..
                  for row in pack_fixed_length(mine.tolist(), seq_length))
 
 
-#: cost-balanced packings offered a rank: the best by the micro-batching objective
+#: cost-balanced packings offered a rank: the best by the micro-batching objective, of up to
+#: MOST_BALANCED_PER_STAGE rows a virtual stage
 BALANCED_OFFERED = 2
+MOST_BALANCED_PER_STAGE = 4
 
 
 def balanced_rows(lengths, samples, costs: StageCosts, spec: TrainingSpec) -> "list[tuple[str, tuple[MicroBatch, ...]]]":
     """A rank's samples dealt into ``k`` packed rows, longest first in snake order (rows 0 to
     k - 1, then k - 1 to 0, ...), so that each row takes its share of the long samples and of the
-    short: the :data:`BALANCED_OFFERED` values of ``k`` up to four micro-batches a virtual stage
-    that the micro-batching objective prices best. A packed row holds any mix of samples, but the
-    dynamic programme cuts runs of the length-sorted samples, so its rows put the longest samples
-    together, and one row of them sets the largest micro-batch and with it the pipeline's fill."""
-    order = np.asarray(samples)[np.argsort(-np.asarray(lengths)[samples], kind="stable")]
+    short: the :data:`BALANCED_OFFERED` values of ``k`` (up to :data:`MOST_BALANCED_PER_STAGE`
+    rows a virtual stage) that the micro-batching objective prices best. A packed row holds any
+    mix of samples, but the dynamic programme cuts runs of the length-sorted samples, so its rows
+    put the longest samples together, and one row of them sets the largest micro-batch and with it
+    the pipeline's fill."""
+    lengths = np.asarray(lengths)
+    order = np.asarray(samples)[np.argsort(-lengths[samples], kind="stable")]
     found = []
-    for k in range(1, min(len(order), 4 * spec.pp * spec.chunks) + 1):
+    for k in range(1, min(len(order), MOST_BALANCED_PER_STAGE * spec.pp * spec.chunks) + 1):
         place = np.arange(len(order)) % (2 * k)
         row = np.where(place < k, place, 2 * k - 1 - place)
-        mbs = tuple(packed_microbatch(order[row == r], np.asarray(lengths)[order[row == r]], spec.seqlen_round)
-                    for r in range(k))
+        dealt = np.split(order[np.argsort(row, kind="stable")], np.cumsum(np.bincount(row, minlength=k))[:-1])
+        mbs = tuple(packed_microbatch(row, lengths[row], spec.seqlen_round) for row in dealt)
         uniform = Microbatching("", mbs, (spec.recompute_types[0],) * k)
         found.append((predicted_iteration_ms(costs, uniform, spec.chunks), k, mbs))
     return [(f"{k} rows balanced by cost", mbs) for _, k, mbs in sorted(found)[:BALANCED_OFFERED]]

@@ -670,27 +670,26 @@ def test_a_packed_plan_is_never_predicted_slower_than_megatrons_own_packings(mix
     assert all(result.makespan_ms <= ms * (1 + 1e-9) for ms in fitting), (result.makespan_ms, fitting)
 
 
-def test_packed_rows_balanced_by_cost_share_out_the_long_samples():
+def test_packed_rows_balanced_by_cost_share_out_the_long_samples(monkeypatch):
     """Two long samples among many short ones: runs of the length-sorted samples (the dynamic
     programme's rows) put the two long ones in one row or leave one row with neither; dealt longest
-    first in snake order, each of two rows takes one long sample and half the short ones."""
+    first in snake order, each of two rows takes one long sample and half the short ones, and no
+    row of k holds more than one long sample's tokens beyond another's."""
     from megatron_dynapipe.planning import planner
 
     lengths = [1024, 1024] + [32] * 62
     spec = TrainingSpec(num_layers=8, pp=2, chunks=2, memory_limit_mb=60000, packing="varlen", seq_length=2048)
     costs = StageCosts(SMALL, num_layers=8, pp=4).packed()
+    assert len(planner.balanced_rows(lengths, np.arange(64), costs, spec)) == planner.BALANCED_OFFERED
+    monkeypatch.setattr(planner, "BALANCED_OFFERED", 99)  # every k, up to four rows a virtual stage
     offered = dict(planner.balanced_rows(lengths, np.arange(64), costs, spec))
-    assert len(offered) == planner.BALANCED_OFFERED
+    assert sorted(int(label.split()[0]) for label in offered) == list(range(1, 17))
     for label, rows in offered.items():
-        k = int(label.split()[0])
-        assert len(rows) == k and sorted(s for row in rows for s in row.samples) == list(range(64))
+        assert len(rows) == int(label.split()[0]) and sorted(s for row in rows for s in row.samples) == list(range(64))
         tokens = [sum(row.packed_lengths) for row in rows]
-        assert max(tokens) - min(tokens) <= 1024  # no row holds more than one long sample beyond another's
-    two = planner.balanced_rows(lengths, np.arange(64), costs, dataclasses.replace(spec, pp=1, chunks=1))
-    rows = dict(two).get("2 rows balanced by cost")
-    if rows is not None:  # where two rows are among the best offered
-        assert sorted(row.packed_lengths.count(1024) for row in rows) == [1, 1]
-        assert sorted(len(row.samples) for row in rows) == [32, 32]
+        assert max(tokens) - min(tokens) <= 1024
+    two = offered["2 rows balanced by cost"]
+    assert [row.packed_lengths.count(1024) for row in two] == [1, 1] and [len(row.samples) for row in two] == [32, 32]
 
 
 def test_rows_balanced_by_cost_make_a_packed_plan_no_slower_and_here_faster(monkeypatch):
