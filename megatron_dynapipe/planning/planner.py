@@ -382,7 +382,8 @@ def _microbatchings(lengths, samples, costs, spec, budget: SearchBudget, first_t
     ("<label>, light start"; fast mode offers only that), which recompute adjustment raises only
     where the simulated schedule runs over the limit. Both are ranked by the partition's predicted
     iteration time, the light start first: its own prediction ignores what will be raised.
-    A packed plan's search also holds the rank's samples in Megatron's full rows (:func:`megatron_rows`).
+    A packed plan's search also holds the rank's samples in Megatron's full rows (:func:`megatron_rows`)
+    and in rows balanced by cost (:func:`balanced_rows`).
     ``first_try``: the mixed one (and those rows) alone. ``rows``: padded cost-table rows shared with
     other ranks."""
     limit = spec.memory_limit_mb
@@ -455,7 +456,8 @@ BALANCED_OFFERED = 2
 MOST_BALANCED_PER_STAGE = 4
 
 
-def balanced_rows(lengths, samples, costs: StageCosts, spec: TrainingSpec) -> "list[tuple[str, tuple[MicroBatch, ...]]]":
+def balanced_rows(lengths, samples, costs: StageCosts,
+                  spec: TrainingSpec) -> "list[tuple[str, tuple[MicroBatch, ...]]]":
     """A rank's samples dealt into ``k`` packed rows, longest first in snake order (rows 0 to
     k - 1, then k - 1 to 0, ...), so that each row takes its share of the long samples and of the
     short: the :data:`BALANCED_OFFERED` values of ``k`` (up to :data:`MOST_BALANCED_PER_STAGE`
@@ -468,8 +470,8 @@ def balanced_rows(lengths, samples, costs: StageCosts, spec: TrainingSpec) -> "l
     found = []
     for k in range(1, min(len(order), MOST_BALANCED_PER_STAGE * spec.pp * spec.chunks) + 1):
         place = np.arange(len(order)) % (2 * k)
-        row = np.where(place < k, place, 2 * k - 1 - place)
-        dealt = np.split(order[np.argsort(row, kind="stable")], np.cumsum(np.bincount(row, minlength=k))[:-1])
+        slot = np.where(place < k, place, 2 * k - 1 - place)  # the row each sample is dealt to
+        dealt = np.split(order[np.argsort(slot, kind="stable")], np.cumsum(np.bincount(slot, minlength=k))[:-1])
         mbs = tuple(packed_microbatch(row, lengths[row], spec.seqlen_round) for row in dealt)
         uniform = Microbatching("", mbs, (spec.recompute_types[0],) * k)
         found.append((predicted_iteration_ms(costs, uniform, spec.chunks), k, mbs))

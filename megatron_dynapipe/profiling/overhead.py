@@ -21,7 +21,6 @@ shapes, robustly (:func:`fit_overhead`), both terms >= 0.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -79,16 +78,19 @@ def overhead_seconds(parts_ms: Callable[[str, int, int], tuple[float, float]], s
                      num_layers: int, repeats: int = 3, min_time_ms: float = 100.0) -> list[float]:
     """Seconds :func:`measure_overhead` takes at each of ``shapes``, from the parts' profiled times
     (``parts_ms`` as there): its eight runs priced as their layers, embedding and head alone (the
-    overhead it measures beside them is a few percent of a run), the warm-up round and as many
-    rounds as :func:`_more_rounds` asks of the shortest run."""
+    overhead it measures beside them is a few percent of a run), the warm-up round and the rounds
+    :func:`_more_rounds` asks for those times."""
     out = []
     for seq, mbs in shapes:
         (layer_f, ends_f), (layer_b, ends_b) = (parts_ms(phase, seq, mbs) for phase in PHASES)
         runs = [count * (layers * layer_f + ends_f + (0.0 if forward_only else layers * layer_b + ends_b))
                 for count in (1, MICROBATCHES) for layers in _layer_counts(num_layers)
                 for forward_only in (True, False)]
-        needed = math.ceil(min_time_ms / min(runs)) if min(runs) > 0 else MAX_ROUNDS
-        out.append((min(MAX_ROUNDS, max(repeats, needed)) + 1) * sum(runs) / 1e3)
+        times: dict = {k: [] for k in range(len(runs))}
+        while _more_rounds(times, repeats, min_time_ms):
+            for k, ms in enumerate(runs):
+                times[k].append(ms)
+        out.append((len(times[0]) + 1) * sum(runs) / 1e3)
     return out
 
 
