@@ -50,7 +50,7 @@ def add_profile_parser(sub) -> None:
     again.add_argument("--force", action="store_true", help="overwrite an existing --output")
     again.add_argument("--resume", action="store_true", help="go on with an interrupted --output")
     p.add_argument("--allow-noisy", action="store_true",
-                   help="keep points measured slower than larger shapes beside them (a busy machine) as they are and "
+                   help="keep points out of line with shapes beside them (a busy machine) as they are and "
                         "write the profile as complete; default: measure them again, and where they stay so, leave "
                         "the profile for --resume and say which")
     p.add_argument("--calibrate", action="store_true",

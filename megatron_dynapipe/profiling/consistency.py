@@ -3,9 +3,10 @@
 A layer (or the head, or the embedding) run on more sequences, or on longer ones, does at least
 the work it did on fewer: its time cannot drop. Where a measured time is well above the time of a
 larger shape beside it (the next micro-batch size at the same length, or the next length at the
-same micro-batch size), that point was measured while something else ran -- another job on the
-machine, the allocator growing -- and the cost model would price it, and every shape interpolated
-from it, as slow. Such points are measured again; a profile where they stay so is not written as
+same micro-batch size), one of the two was mis-measured: the smaller slowed while something else
+ran -- another job on the machine, the allocator growing -- or the larger timed too fast. Which one
+the pair cannot tell, and the cost model would price either, and every shape interpolated from it,
+wrongly; so both are measured again, and a profile where the pair stays so is not written as
 complete unless asked (``profile --allow-noisy``).
 """
 
@@ -28,8 +29,8 @@ SLACK_MS = 2.0
 def inconsistent_points(times: Mapping[tuple, float]) -> list[tuple[tuple, str]]:
     """The suspect points of a profile's ``times`` ((tp, recompute, part, phase, seq, mbs) -> ms,
     :class:`~megatron_dynapipe.planning.cost_model.profile_file.ProfileRecords`' keys): each as
-    ((tp, recompute, seq, mbs), why, in one line), the point measured slower than a larger shape
-    beside it (module docstring), sorted."""
+    ((tp, recompute, seq, mbs), why, in one line), both points of every pair where the smaller shape
+    was measured well above the larger beside it (module docstring), sorted."""
     grids: dict[tuple, dict[tuple[int, int], float]] = defaultdict(dict)
     for (tp, rc, part, phase, seq, mbs), ms in times.items():
         grids[(tp, rc, part, phase)][(seq, mbs)] = ms
@@ -37,10 +38,11 @@ def inconsistent_points(times: Mapping[tuple, float]) -> list[tuple[tuple, str]]
     for (tp, rc, part, phase), grid in grids.items():
         for (seq, mbs), ms in sorted(grid.items()):
             for larger in _larger_neighbours(grid, seq, mbs):
-                if ms > grid[larger] * (1 + TOLERANCE) + SLACK_MS and (tp, rc, seq, mbs) not in found:
-                    found[(tp, rc, seq, mbs)] = (
-                        f"{part} {phase} at tp {tp}, recompute {rc}: {ms:.3g} ms at {mbs} x {seq} tokens, above the "
-                        f"{grid[larger]:.3g} ms at {larger[1]} x {larger[0]}")
+                if ms > grid[larger] * (1 + TOLERANCE) + SLACK_MS:
+                    why = (f"{part} {phase} at tp {tp}, recompute {rc}: {ms:.3g} ms at {mbs} x {seq} tokens, above "
+                           f"the {grid[larger]:.3g} ms at {larger[1]} x {larger[0]} (one slowed, or the other too fast)")
+                    for point in ((seq, mbs), larger):
+                        found.setdefault((tp, rc) + point, why)
     return sorted(found.items())
 
 

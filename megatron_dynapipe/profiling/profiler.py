@@ -207,7 +207,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
                   device: torch.device, resume: bool = False, progress: Progress | None = None,
                   allow_noisy: bool = False) -> dict:
     """Profile ``spec`` on ``device`` into ``output`` (module docstring); returns the document.
-    Points measured slower than a larger shape beside them are measured again
+    Both points of a pair where the smaller shape measured well above the larger are measured again
     (:mod:`.consistency`); where some stay so, the file is left incomplete (a --resume measures
     them again) and ProfileError names them. ``allow_noisy``: keep what was measured as it is,
     and write it complete."""
@@ -232,10 +232,10 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     noisy = noisy_points(profile.records)
     doc = profile.document(complete=allow_noisy or not noisy)
     if noisy:
-        doc["metadata"]["inconsistent"] = [why for _, why in noisy]
+        doc["metadata"]["inconsistent"] = list(dict.fromkeys(why for _, why in noisy))  # a pair's two points, once
     write_atomically(output, to_text(doc))
     if noisy and not allow_noisy:
-        raise ProfileError(f"{len(noisy)} point(s) of {output} stay slower than larger shapes beside them after "
+        raise ProfileError(f"{len(noisy)} point(s) of {output} stay out of line with shapes beside them after "
                            f"measuring them again ({noisy[0][1]}): was the machine busy? run the same command with "
                            "--resume on an idle machine to measure them again, or pass --allow-noisy to keep them")
     return doc
@@ -304,11 +304,12 @@ REMEASURE_ROUNDS = 2
 
 def _measure_noisy_again(profile: ProfileRun, parts: Parts, tp: int, progress: Progress) -> None:
     """Measure again, up to :data:`REMEASURE_ROUNDS` times, each point of this TP size measured
-    slower than a larger shape beside it: what a busy moment slowed once is seldom slowed again."""
+    out of line with a shape beside it (one of a pair, :mod:`.consistency`): what a busy moment slowed once is
+    seldom slowed again, and a time too fast is seldom repeated."""
     for _ in range(REMEASURE_ROUNDS):
         noisy = {key for key, _ in noisy_points(profile.records) if key[0] == tp}
         for _, rc, seq, mbs in sorted(noisy):
-            progress(f"tp {tp} {rc} seq {seq} mbs {mbs} again (slower than a larger shape)", 1)
+            progress(f"tp {tp} {rc} seq {seq} mbs {mbs} again (out of line with a shape beside it)", 1)
             measure_point(profile, parts, tp, [RecomputeType.parse(rc)], seq, mbs)
         if not noisy:
             return
