@@ -46,7 +46,7 @@ from megatron_dynapipe.planning.cost_model import MB
 from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, ProfileRecords, read_document, to_text
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.consistency import noisy_points
-from megatron_dynapipe.profiling.context_parallel import cp_points, measure_cp_layers
+from megatron_dynapipe.profiling.context_parallel import cp_points, cp_seconds, measure_cp_layers
 from megatron_dynapipe.profiling.duration import TimeLeft, point_flops
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
@@ -248,7 +248,8 @@ def _profile_cp(profile: ProfileRun, cp: int, output: Path, progress: Progress) 
 
     points = cp_points(profile.records.times, 1, cp)
     backend = link_backend(profile.device, cp)
-    progress(f"tp 1 cp {cp}: the layer on {cp} local ranks ({backend}), {len(points)} points", 1)
+    progress(f"tp 1 cp {cp}: the layer on {cp} local ranks ({backend}), {len(points)} points", 1,
+             left=cp_seconds(profile.records, points, profile.settings))
     try:
         timings = measure_cp_layers(profile.spec, profile.settings, cp, points, backend)
     except LocalRanksError as error:

@@ -156,6 +156,23 @@ def test_every_rank_of_a_group_times_the_slowest_ranks_runs():
     assert fast == slow and fast.forward_ms >= 50.0
 
 
+def test_a_cp_groups_time_is_said_from_its_points_cp1_times_and_runs():
+    """Before a CP group runs, its time is said: each point's layouts at their CP 1 forward +
+    backward, as many runs as the group makes (one warm-up, at least 3 timed, enough for 100 ms)."""
+    from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords
+    from megatron_dynapipe.profiling.context_parallel import cp_seconds
+
+    r = ProfileRecords()
+    for phase, ms in (("forward", 10.0), ("backward", 20.0)):
+        r.times[(1, "none", "encoder", phase, 64, 1)] = ms  # 30 ms a run: 1 + 4 runs
+        r.times[(1, "none", "encoder", phase, 128, 2)] = 4 * ms  # 120 ms: 1 + 3
+        r.packed_times[(1, "none", "encoder", phase, 128, 2)] = 2 * ms  # 60 ms: 1 + 3
+    settings = dataclasses.replace(SETTINGS, warmup=1, repeats=3, min_time_ms=100.0)
+    assert cp_seconds(r, [("none", 64, 1), ("none", 128, 2)], settings) == pytest.approx(
+        (5 * 30 + 4 * 120 + 4 * 60) / 1e3)
+    assert cp_seconds(r, [("full", 64, 1)], settings) == 0.0  # nothing measured at CP 1: nothing to say
+
+
 @pytest.mark.slow
 def test_a_resumed_profile_does_not_probe_its_refinement_again(tmp_path, monkeypatch):
     """The refinement probes a length between two profiled ones and keeps it where the time bends:
