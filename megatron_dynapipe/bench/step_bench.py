@@ -129,7 +129,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--chrome-trace", metavar="FILE.json",
                    help="after the timed steps, one more step of each method with every instruction timed on every "
-                        "rank: written as Chrome-trace JSON, and each rank's compute and waiting reported")
+                        "rank: written as Chrome-trace JSON (each compute op with its price), and each rank's compute "
+                        "and waiting reported")
     p.set_defaults(model="tiny")
 
 
@@ -146,8 +147,11 @@ def run(args) -> int:
     if args.chrome_trace:
         timelines = {name: [(_rank_name(rank, job), rank["timelines"][name]) for rank in per_rank]
                      for name in row["methods"]}
-        row["chrome_trace"] = str(step_timeline.chrome_trace(timelines, name="bench step", layout=_layout(row["settings"]))
-                                  .write(args.chrome_trace))
+        costs = stage_costs(job) if job.predicts else None
+        prices = costs and {name: [step_timeline.op_prices(methods[name].plans[rank["dp_rank"]][rank["stage"]], costs,
+                                                           rank["stage"]) for rank in per_rank] for name in timelines}
+        trace = step_timeline.chrome_trace(timelines, prices, name="bench step", layout=_layout(row["settings"]))
+        row["chrome_trace"] = str(trace.write(args.chrome_trace))
     print(json.dumps(row) if args.json else format_table(row))
     if failed:
         print(f"bench step: {', '.join(failed)} failed (its row says why); the other methods' results stand",

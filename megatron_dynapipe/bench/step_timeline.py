@@ -8,7 +8,7 @@ instructions). The report gives each rank's split (:func:`breakdown`) beside wha
 prices that rank's compute ops at (:func:`priced_compute_ms`): a step measured above its
 prediction with its compute near that price was held up by waits; one whose compute ran over was
 priced low. The Chrome trace (:func:`chrome_trace`) shows every rank's instructions on one time
-axis, a process per method and rank.
+axis, a process per method and rank, each compute op with its price (:func:`op_prices`) beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megatron_dynapipe.planning.plan import Op
 from megatron_dynapipe.planning.simulator import WorkTable
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["record", "breakdown", "priced_compute_ms", "chrome_trace"]
+__all__ = ["record", "breakdown", "op_prices", "priced_compute_ms", "chrome_trace"]
 
 
 def record(run: Callable[[], object], before: Callable[[], None]) -> list:
@@ -47,27 +47,35 @@ def breakdown(timeline: list) -> dict[str, float]:
             "other_ms": step_ms - compute_ms - waiting_ms}
 
 
-def priced_compute_ms(plan, costs, stage: int) -> float:
-    """What the planner prices the compute ops of ``stage``'s ``plan`` at, in ms: each op's price
-    in the cost model's table of the plan's micro-batches (``costs`` per virtual stage, chunk c of
-    stage s being c * pp + s; packed micro-batches at the packed rows' prices)."""
+def op_prices(plan, costs, stage: int) -> dict[tuple, float]:
+    """What the planner prices each compute op of ``stage``'s ``plan`` at, in ms, by (op, micro-batch,
+    chunk): its price in the cost model's table of the plan's micro-batches (``costs`` per virtual
+    stage, chunk c of stage s being c * pp + s; packed micro-batches at the packed rows' prices)."""
     if any(mb.packed_lengths for mb in plan.microbatches):
         costs = costs.packed()
     tables = WorkTable(costs, plan.microbatches, plan.chunks).tables
     pp, kinds = costs.pp // plan.chunks, list(RecomputeType)
-    return float(sum(tables["forward" if ins.op == Op.FORWARD else "backward"][
-        kinds.index(ins.recompute), ins.chunk * pp + stage, ins.microbatch]
-        for ins in plan.instructions if ins.op.is_compute))
+    return {(ins.op, ins.microbatch, ins.chunk): float(tables["forward" if ins.op == Op.FORWARD else "backward"][
+        kinds.index(ins.recompute), ins.chunk * pp + stage, ins.microbatch])
+        for ins in plan.instructions if ins.op.is_compute}
 
 
-def chrome_trace(timelines: dict[str, list[tuple[str, list]]], **other_data) -> ChromeTrace:
+def priced_compute_ms(plan, costs, stage: int) -> float:
+    """The sum of :func:`op_prices`: what the planner prices ``stage``'s compute at, in ms."""
+    return sum(op_prices(plan, costs, stage).values())
+
+
+def chrome_trace(timelines: dict[str, list[tuple[str, list]]], prices: "dict[str, list[dict]] | None" = None,
+                 **other_data) -> ChromeTrace:
     """``timelines``: per method, (rank's name, its :func:`record`) for every rank. Each method's
-    ranks share a time axis that starts at its earliest instruction (local ranks read one clock)."""
+    ranks share a time axis that starts at its earliest instruction (local ranks read one clock).
+    ``prices``: per method, each rank's :func:`op_prices`, shown as each compute op's ``priced_ms``."""
     trace = ChromeTrace(**other_data)
     pid = 0
     for method, ranks in timelines.items():
         origin = min((timeline[0].start for _, timeline in ranks if timeline), default=0.0)
-        for rank_name, timeline in ranks:
+        for k, (rank_name, timeline) in enumerate(ranks):
+            priced = prices[method][k] if prices else {}
             trace.process(pid, f"{method}: {rank_name}")
             for row in ("compute", "waiting"):
                 trace.row(pid, row)
@@ -79,6 +87,11 @@ def chrome_trace(timelines: dict[str, list[tuple[str, list]]], **other_data) -> 
                         + (f" chunk {ins.chunk}" if ins.chunk else ""))
                 trace.span(pid, "compute" if ins.op.is_compute else "waiting", name, cat=ins.op.name,
                            start_us=(t.start - origin) * 1e6, dur_us=(t.end - t.start) * 1e6,
-                           args={"microbatch": ins.microbatch, "chunk": ins.chunk, "recompute": ins.recompute.label})
+                           args={"microbatch": ins.microbatch, "chunk": ins.chunk, "recompute": ins.recompute.label}
+                           | _priced(priced.get((ins.op, ins.microbatch, ins.chunk))))
             pid += 1
     return trace
+
+
+def _priced(ms: "float | None") -> dict:
+    return {} if ms is None else {"priced_ms": round(ms, 3)}

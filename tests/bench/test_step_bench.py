@@ -218,6 +218,18 @@ def test_the_chrome_trace_shows_every_ranks_instructions_on_one_clock(tiny_sdpa_
             assert r["compute_ms"] > 0 and r["waiting_ms"] >= 0 and r["other_ms"] >= 0
             assert r["compute_ms"] + r["waiting_ms"] <= r["step_ms"]
     assert_pad_to_max_compute_priced(row["methods"]["pad-to-max"], profile, (1, 1, 1, 1))
+    # each of pad-to-max's ops carries its price: its one shape's forward or backward on its virtual stage
+    from megatron_dynapipe.planning.cost_model import StageCosts, load_cost_model
+
+    pad = row["methods"]["pad-to-max"]
+    rows, (rc,) = pad["padded_tokens"] // (SEQ * pad["microbatches"]), pad["recompute"]
+    costs = StageCosts(load_cost_model(profile, tp=1), num_layers=4, pp=4)
+    for s in (0, 1):
+        pid = next(pid for pid, name in names.items() if name == f"pad-to-max: stage {s}")
+        for e in (e for e in spans if e["pid"] == pid and e["cat"] in ("FORWARD", "BACKWARD")):
+            priced = (costs.forward_ms if e["cat"] == "FORWARD" else costs.backward_ms)(
+                e["args"]["chunk"] * 2 + s, rows, SEQ, rc)
+            assert e["args"]["priced_ms"] == pytest.approx(float(priced), abs=1e-3), (s, e["name"])
 
 
 def assert_pad_to_max_compute_priced(pad: dict, profile, chunk_layers: tuple[int, ...]):
