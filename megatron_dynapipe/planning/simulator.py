@@ -156,10 +156,16 @@ def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
     head = np.concatenate([zero, np.cumsum(f[:-1, :, 0] + c[:, 0], axis=0)])  # [s, k]: micro-batch 0 reaches s
     tail = np.concatenate([zero, np.cumsum(b[:-1, :, -1] + c[:, -1], axis=0)])  # [s, k]: the last gradient leaves s
     trip = np.cumsum((f + b)[::-1], axis=0)[::-1] + hops * c  # [s, k, j]: j from s to the end and back
-    ahead = np.cumsum(f, axis=2) - f  # forwards of those ahead of j
-    behind = np.cumsum(b[:, :, ::-1], axis=2)[:, :, ::-1] - b  # backwards of those behind j
+    ahead = _sums_before(f)  # forwards of those ahead of j
+    behind = _sums_before(b[:, :, ::-1])[:, :, ::-1]  # backwards of those behind j
     path = (ahead + trip + behind).max(axis=2)  # [s, k]
     return np.max(head + tail + np.maximum(busy, path), axis=0)
+
+
+def _sums_before(x: np.ndarray) -> np.ndarray:
+    """Along the last axis, the sum of the entries before each one (0 for the first): a running sum
+    less the entry itself would turn an op priced inf (one that does not fit) into nan."""
+    return np.concatenate([np.zeros_like(x[..., :1]), np.cumsum(x[..., :-1], axis=-1)], axis=-1)
 
 
 def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray,

@@ -277,6 +277,21 @@ def test_a_big_microbatch_beside_a_tiny_one_is_bounded_by_its_round_trip(pp):
             assert SCHEDULES[name].simulate(work, 1e9).makespan == pytest.approx(bound)
 
 
+def test_an_op_that_does_not_fit_bounds_every_order_at_inf_without_a_warning():
+    """An op priced inf (a micro-batch that does not fit) makes every order's bound inf, in
+    every position: a running sum less the op itself made it nan (and numpy warned), and a nan
+    bound prunes nothing."""
+    import warnings
+
+    for where in range(3):
+        forward = np.ones((2, 3))
+        forward[1, where] = np.inf
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            bounds = makespan_bounds(forward, 2 * np.ones((2, 3)), np.zeros(3), [[0, 1, 2], [2, 1, 0], [1, 0, 2]])
+        assert np.all(bounds == np.inf), where
+
+
 @settings(max_examples=60, deadline=None)
 @given(pp=st.integers(1, 6), n=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_no_schedule_beats_the_bound_of_its_entry_order(pp, n, seed, data):
