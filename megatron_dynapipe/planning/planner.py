@@ -48,6 +48,7 @@ from megatron_dynapipe.planning.schedule_search import (
     execution_plans,
     optimize_schedule,
     predicted_iteration_ms,
+    predicted_iterations_ms,
 )
 from megatron_dynapipe.planning.schedules import megatron_orders, megatron_schedule
 from megatron_dynapipe.planning.simulator import simulate, stage_work
@@ -467,15 +468,16 @@ def balanced_rows(lengths, samples, costs: StageCosts,
     the pipeline's fill."""
     lengths = np.asarray(lengths)
     order = np.asarray(samples)[np.argsort(-lengths[samples], kind="stable")]
-    found = []
+    dealings = []
     for k in range(1, min(len(order), MOST_BALANCED_PER_STAGE * spec.pp * spec.chunks) + 1):
         place = np.arange(len(order)) % (2 * k)
         slot = np.where(place < k, place, 2 * k - 1 - place)  # the row each sample is dealt to
         dealt = np.split(order[np.argsort(slot, kind="stable")], np.cumsum(np.bincount(slot, minlength=k))[:-1])
         mbs = tuple(packed_microbatch(row, lengths[row], spec.seqlen_round) for row in dealt)
-        uniform = Microbatching("", mbs, (spec.recompute_types[0],) * k)
-        found.append((predicted_iteration_ms(costs, uniform, spec.chunks), k, mbs))
-    return [(f"{k} rows balanced by cost", mbs) for _, k, mbs in sorted(found)[:BALANCED_OFFERED]]
+        dealings.append(Microbatching(f"{k} rows balanced by cost", mbs, (spec.recompute_types[0],) * k))
+    priced = predicted_iterations_ms(costs, dealings, spec.chunks)
+    best = sorted(range(len(dealings)), key=lambda i: (priced[i], i))[:BALANCED_OFFERED]
+    return [(dealings[i].label, dealings[i].microbatches) for i in best]
 
 
 def megatron_row_length(lengths, spec: TrainingSpec) -> int:

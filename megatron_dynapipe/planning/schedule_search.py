@@ -80,8 +80,18 @@ class ScheduleChoice:
 def predicted_iteration_ms(costs: StageCosts, microbatching: Microbatching, chunks: int = 1) -> float:
     """The micro-batching objective: sum of bottleneck times plus (pp - 1) / chunks times the
     largest (:func:`~.microbatching.partition_dp`)."""
-    times = _times(costs, microbatching.microbatches, microbatching.recompute)
-    return float(times.sum() + fill_weight(costs.pp, chunks) * times.max())
+    return predicted_iterations_ms(costs, [microbatching], chunks)[0]
+
+
+def predicted_iterations_ms(costs: StageCosts, microbatchings: Sequence[Microbatching], chunks: int = 1) -> list[float]:
+    """:func:`predicted_iteration_ms` of each of ``microbatchings``, their micro-batches priced in one
+    query of the cost model (a query's fixed cost was half of a 4K batch's packed planning when
+    32 rows-dealings of each rank were priced one by one)."""
+    times = _times(costs, [mb for m in microbatchings for mb in m.microbatches],
+                   [rc for m in microbatchings for rc in m.recompute])
+    weight = fill_weight(costs.pp, chunks)
+    ends = np.cumsum([len(m.microbatches) for m in microbatchings])[:-1]
+    return [float(t.sum() + weight * t.max()) for t in np.split(times, ends)]
 
 
 def _times(costs, microbatches, recompute) -> np.ndarray:

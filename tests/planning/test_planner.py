@@ -706,3 +706,27 @@ def test_rows_balanced_by_cost_make_a_packed_plan_no_slower_and_here_faster(monk
     monkeypatch.setattr(planner, "balanced_rows", lambda *args: [])
     without = generate_execution_plan(lengths, spec, costs).makespan_ms
     assert with_them < without
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_micro_batchings_priced_in_one_query_each_cost_their_own_objective(chunks):
+    """``predicted_iterations_ms`` prices several micro-batchings at once (the balanced rows' many
+    dealings); each still gets its own objective: its micro-batches' bottleneck-stage forward +
+    backward under each one's recompute, summed, plus (virtual stages - 1) / chunks times the
+    largest, from the cost model's answers one by one."""
+    from megatron_dynapipe.planning.schedule_search import Microbatching, predicted_iterations_ms
+    from megatron_dynapipe.planning.types import MicroBatch
+
+    costs = StageCosts(SMALL, num_layers=16, pp=4)
+    none, full = RecomputeType.NONE, RecomputeType.FULL
+    options = [Microbatching("a", (MicroBatch((0, 1), 512), MicroBatch((2,), 1024)), (none, full)),
+               Microbatching("b", (MicroBatch((3,), 64),), (none,)),
+               Microbatching("c", (MicroBatch((4, 5, 6), 256), MicroBatch((7,), 2048), MicroBatch((8,), 96)),
+                             (full, none, none))]
+
+    def alone(m):
+        times = [max(float(costs.forward_ms(s, mb.size, mb.seq_len, rc) + costs.backward_ms(s, mb.size, mb.seq_len, rc))
+                     for s in range(costs.pp)) for mb, rc in zip(m.microbatches, m.recompute)]
+        return sum(times) + (costs.pp - 1) / chunks * max(times)
+
+    assert predicted_iterations_ms(costs, options, chunks) == pytest.approx([alone(m) for m in options], rel=1e-9)
