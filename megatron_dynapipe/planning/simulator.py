@@ -165,7 +165,9 @@ def makespan_bounds(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray,
 def _sums_before(x: np.ndarray) -> np.ndarray:
     """Along the last axis, the sum of the entries before each one (0 for the first): a running sum
     less the entry itself would turn an op priced inf (one that does not fit) into nan."""
-    return np.concatenate([np.zeros_like(x[..., :1]), np.cumsum(x[..., :-1], axis=-1)], axis=-1)
+    out = np.zeros_like(x)
+    np.cumsum(x[..., :-1], axis=-1, out=out[..., 1:])  # in place: a copy of 65,536 ops a bound costs 1 ms
+    return out
 
 
 def stage_work(costs: StageCosts, microbatches: Sequence[MicroBatch], recompute: np.ndarray,
