@@ -375,7 +375,8 @@ def _microbatchings(lengths, samples, costs, spec, budget: SearchBudget, first_t
                     rows: "PaddedRows | None" = None) -> list[Microbatching]:
     """Micro-batchings to schedule, best predicted first: a partition per uniform recompute type
     and a "mixed" one where each micro-batch takes the cheapest recompute that fits (fast mode:
-    the mixed one and the heaviest uniform one, from fewer partition thresholds).
+    from fewer partition thresholds; packed, the mixed one and the heaviest uniform one alone:
+    :meth:`~.fast_mode.SearchBudget.every_partition`).
 
     A partition sizes each micro-batch to fit with PP copies of itself in flight, as 1F1B's first
     stage holds them; later stages, and wait-free-cyclic, mostly hold fewer. So each partition is
@@ -396,16 +397,16 @@ def _microbatchings(lengths, samples, costs, spec, budget: SearchBudget, first_t
                               tuple(cheapest_recompute(costs, mbs, spec.recompute_types, limit)))]
     options = [(rc.label, (rc,)) for rc in spec.recompute_types]
     if len(spec.recompute_types) > 1:
-        # fast mode: the mixed one and the heaviest uniform one (the largest micro-batches)
-        options = [("mixed", spec.recompute_types)] + ([] if first_try else options if budget.every_microbatching
-                                                        else options[-1:])
+        # fast mode (packed): the mixed one and the heaviest uniform one (the largest micro-batches)
+        options = [("mixed", spec.recompute_types)] + ([] if first_try else options
+                                                        if budget.every_partition(spec.packed) else options[-1:])
     found, errors = [], []  # (prediction of the partition, light start first, micro-batching)
     # An interleaved pipeline's smaller fill favours larger micro-batches, but its warm-up holds
-    # more of them than the 1F1B steady state they are sized to fit: normal mode also offers them
-    # sized as for 1F1B, whichever then fits or runs faster; fast mode sizes them as for 1F1B
-    # alone (those of the smaller fill can cost rounds of recompute adjustment that end in
+    # more of them than the 1F1B steady state they are sized to fit: they are also offered sized
+    # as for 1F1B, whichever then fits or runs faster; fast mode's packed plans are sized as for
+    # 1F1B alone (those of the smaller fill can cost rounds of recompute adjustment that end in
     # nothing). fills: (the V the objective divides the fill by, the label's suffix)
-    fills = ([(spec.chunks, ""), (1, ", 1F1B's fill")] if spec.chunks > 1 and budget.every_microbatching
+    fills = ([(spec.chunks, ""), (1, ", 1F1B's fill")] if spec.chunks > 1 and budget.every_partition(spec.packed)
              else [(1, "")])
     for (label, types), (fill, named) in itertools.product(options, fills):
         try:

@@ -149,7 +149,7 @@ def test_micro_batches_sized_for_1f1b_are_offered_where_they_plan_faster_than_th
         profiled_model):
     # 4096 multitask samples on GPT-6.7B, 4 ranks x 2 chunks, 36,000 MB: sized for the interleaved
     # pipeline's smaller fill, the micro-batches are larger, and the warm-up holds more of them:
-    # they fit, but with more recompute than those sized as for 1F1B (as fast mode sizes them)
+    # they fit, but with more recompute than those sized as for 1F1B (as fast mode sizes packed plans)
     from megatron_dynapipe.planning.planner import _microbatchings, optimize_schedule
 
     lengths = synthetic_lengths(4096, 1, "multitask")
@@ -161,8 +161,9 @@ def test_micro_batches_sized_for_1f1b_are_offered_where_they_plan_faster_than_th
     plan = generate_execution_plan(lengths, spec, profiled_model)
     assert {c.candidate.microbatching.split(", light start")[0] for c in plan.choices} == {"mixed, 1F1B's fill"}
     assert plan.makespan_ms < alone.makespan_ms and np.all(plan.peak_memory_mb <= 36_000 + 1)
+    # fast mode offers padded plans both sizings too (SearchBudget.every_partition), and takes the same
     fast = generate_execution_plan(lengths, dataclasses.replace(spec, fast_mode=True), profiled_model)
-    assert {c.candidate.microbatching.split(", light start")[0] for c in fast.choices} <= {"mixed", "full"}
+    assert {c.candidate.microbatching.split(", light start")[0] for c in fast.choices} == {"mixed, 1F1B's fill"}
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -191,7 +192,7 @@ def test_profiled_plan_beats_packing_and_respects_the_limit(costs_pp4):
     assert result.makespan_ms < baseline.makespan_ms
 
 
-def test_fast_mode_searches_wait_free_cyclic_over_two_microbatchings(costs_pp4):
+def test_fast_mode_searches_wait_free_cyclic_over_each_partitions_light_start(costs_pp4):
     from megatron_dynapipe.planning.planner import _microbatchings
     from megatron_dynapipe.planning.schedule_search import microbatch_orders
 
@@ -202,8 +203,10 @@ def test_fast_mode_searches_wait_free_cyclic_over_two_microbatchings(costs_pp4):
     fast = build_candidates(fast_options, costs_pp4, FAST)
     assert {c.schedule for c in fast} == {"wait-free-cyclic"}
     assert {c.schedule for c in normal} == {"1f1b", "wait-free-cyclic"}
-    # the mixed partition and the full-recompute one, each from the lightest recompute that fits alone
-    assert {c.microbatching for c in fast} == {"mixed, light start", "full, light start"}
+    # every partition (the mixed one and each uniform recompute's that fits: SearchBudget.every_partition),
+    # each from the lightest recompute that fits alone, not also as sized
+    assert {c.microbatching for c in fast} == {"mixed, light start", "selective, light start", "full, light start"}
+    assert {c.microbatching for c in normal} >= {"mixed", "selective", "full"} | {c.microbatching for c in fast}
     for option in fast_options:
         # the orders normal mode would try
         tried = [c.order for c in fast if c.microbatching == option.label]
