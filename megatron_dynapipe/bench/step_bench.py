@@ -147,9 +147,10 @@ def run(args) -> int:
     if args.chrome_trace:
         timelines = {name: [(_rank_name(rank, job), rank["timelines"][name]) for rank in per_rank]
                      for name in row["methods"]}
-        costs = stage_costs(job) if job.predicts else None
-        prices = costs and {name: [step_timeline.op_prices(methods[name].plans[rank["dp_rank"]][rank["stage"]], costs,
-                                                           rank["stage"]) for rank in per_rank] for name in timelines}
+        costs = stage_costs(job) if job.predicts else None  # as summarize prices each rank's compute
+        prices = None if costs is None else {
+            name: [step_timeline.op_prices(methods[name].plans[rank["dp_rank"]][rank["stage"]], costs, rank["stage"])
+                   for rank in per_rank] for name in timelines}
         trace = step_timeline.chrome_trace(timelines, prices, name="bench step", layout=_layout(row["settings"]))
         row["chrome_trace"] = str(trace.write(args.chrome_trace))
     print(json.dumps(row) if args.json else format_table(row))
