@@ -75,7 +75,7 @@ from megatron_dynapipe.gpt.build import runs_packed
 from megatron_dynapipe.gpt.device import add_device_arguments, resolve_device, torch_dtype
 from megatron_dynapipe.hardware import MEMORY_HEADROOM, default_memory_limit_mb
 from megatron_dynapipe.local_ranks import LocalRanksError, run_local_ranks
-from megatron_dynapipe.planning.cost_model import StageCosts, load_job_cost_model, split_over_cp
+from megatron_dynapipe.planning.cost_model import load_job_cost_model, split_over_cp
 from megatron_dynapipe.planning.flags import positive_int_argument, positive_number_argument, seed_argument
 from megatron_dynapipe.planning.samples import MIXES, read_lengths, scaled_lengths
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -143,14 +143,12 @@ def run(args) -> int:
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job.device} "
           f"({_layout(job.layout)}) ...", file=sys.stderr, flush=True)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
-    row = summarize(per_rank, {name: m for name, m in methods.items() if name not in failed}, lengths, job, failed)
+    ran = {name: m for name, m in methods.items() if name not in failed}
+    prices = _op_prices(ran, per_rank, job) if job.timeline else None
+    row = summarize(per_rank, ran, lengths, job, failed, prices)
     if args.chrome_trace:
         timelines = {name: [(_rank_name(rank, job), rank["timelines"][name]) for rank in per_rank]
                      for name in row["methods"]}
-        costs = stage_costs(job) if job.predicts else None  # as summarize prices each rank's compute
-        prices = None if costs is None else {
-            name: [step_timeline.op_prices(methods[name].plans[rank["dp_rank"]][rank["stage"]], costs, rank["stage"])
-                   for rank in per_rank] for name in timelines}
         trace = step_timeline.chrome_trace(timelines, prices, name="bench step", layout=_layout(row["settings"]))
         row["chrome_trace"] = str(trace.write(args.chrome_trace))
     print(json.dumps(row) if args.json else format_table(row))
@@ -381,12 +379,12 @@ def _memory_mb(run, zero_grads, device) -> tuple[float, "float | None"]:
 
 
 def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: StepJob,
-              failed: "dict[str, str] | None" = None) -> dict:
+              failed: "dict[str, str] | None" = None, prices: "dict[str, list[dict]] | None" = None) -> dict:
     """Per method: median step time (slowest rank each step), real tokens per second, predicted
     time and its error, peak memory (largest rank); speed-ups and whether the losses agree; and
-    why each method in ``failed`` did not run."""
+    why each method in ``failed`` did not run. ``prices``: :func:`_op_prices`, each rank's timed
+    step's compute priced beside it."""
     real_tokens = sum(lengths)
-    costs = stage_costs(job) if job.predicts else None  # the default model prices an A100, not this device
     rows = {}
     for name, method in methods.items():
         loss, loss_tokens = _global_loss(per_rank, name)
@@ -406,7 +404,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             planning_s=method.planning_s,
             loss=loss, loss_tokens=loss_tokens)
         if job.timeline:
-            rows[name]["timeline"] = [_rank_timeline(rank, name, method, job, costs) for rank in per_rank]
+            rows[name]["timeline"] = [_rank_timeline(rank, name, job, None if prices is None else prices[name][k])
+                                      for k, rank in enumerate(per_rank)]
     gaps = {name: abs(row["loss"] - rows[PAD]["loss"]) / abs(rows[PAD]["loss"])
             for name, row in rows.items() if name not in LEAKY + CUT_PIECES and name != PAD and PAD in rows}
     if CUT in rows and THD in rows:  # the same pieces
@@ -449,13 +448,22 @@ def _rank_name(rank: dict, job: StepJob) -> str:
     return name
 
 
-def _rank_timeline(rank: dict, name: str, method: Method, job: StepJob, costs: "StageCosts | None") -> dict:
+def _op_prices(methods: dict[str, Method], per_rank: list[dict], job: StepJob) -> "dict[str, list[dict]] | None":
+    """Per method, each rank's compute ops' prices (:func:`~.step_timeline.op_prices`), for the
+    report and the Chrome trace alike; None without a cost model of this device (the default
+    analytical model prices an A100)."""
+    if not job.predicts:
+        return None
+    costs = stage_costs(job)
+    return {name: [step_timeline.op_prices(m.plans[rank["dp_rank"]][rank["stage"]], costs, rank["stage"])
+                   for rank in per_rank] for name, m in methods.items()}
+
+
+def _rank_timeline(rank: dict, name: str, job: StepJob, prices: "dict | None") -> dict:
     """A rank's extra timed step of method ``name`` split up, and what its compute ops were priced
-    at (None without a cost model of this device)."""
-    plan = method.plans[rank["dp_rank"]][rank["stage"]]
-    priced = None if costs is None else step_timeline.priced_compute_ms(plan, costs, rank["stage"])
+    at in all (None without prices)."""
     return {"rank": _rank_name(rank, job), **step_timeline.breakdown(rank["timelines"][name]),
-            "priced_compute_ms": priced}
+            "priced_compute_ms": None if prices is None else sum(prices.values())}
 
 
 def _timeline_lines(row: dict) -> list[str]:

@@ -5,7 +5,7 @@ After its timed steps each method runs one more step with every instruction time
 (FORWARD and BACKWARD), waiting (the FINISHes of transfers: a bubble, or a peer that ran late) and
 the rest (starting transfers, loading inputs, freeing buffers, the executor between
 instructions). The report gives each rank's split (:func:`breakdown`) beside what the cost model
-prices that rank's compute ops at (:func:`priced_compute_ms`): a step measured above its
+prices that rank's compute ops at (:func:`op_prices`, summed): a step measured above its
 prediction with its compute near that price was held up by waits; one whose compute ran over was
 priced low. The Chrome trace (:func:`chrome_trace`) shows every rank's instructions on one time
 axis, a process per method and rank, each compute op with its price (:func:`op_prices`) beside it.
@@ -20,7 +20,7 @@ from megatron_dynapipe.planning.plan import Op
 from megatron_dynapipe.planning.simulator import WorkTable
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["record", "breakdown", "op_prices", "priced_compute_ms", "chrome_trace"]
+__all__ = ["record", "breakdown", "op_prices", "chrome_trace"]
 
 
 def record(run: Callable[[], object], before: Callable[[], None]) -> list:
@@ -58,11 +58,6 @@ def op_prices(plan, costs, stage: int) -> dict[tuple, float]:
     return {(ins.op, ins.microbatch, ins.chunk): float(tables["forward" if ins.op == Op.FORWARD else "backward"][
         kinds.index(ins.recompute), ins.chunk * pp + stage, ins.microbatch])
         for ins in plan.instructions if ins.op.is_compute}
-
-
-def priced_compute_ms(plan, costs, stage: int) -> float:
-    """The sum of :func:`op_prices`: what the planner prices ``stage``'s compute at, in ms."""
-    return sum(op_prices(plan, costs, stage).values())
 
 
 def chrome_trace(timelines: dict[str, list[tuple[str, list]]], prices: "dict[str, list[dict]] | None" = None,
