@@ -29,9 +29,11 @@ class _NoProgress:
 
 
 class _ProgressLines:
-    """rich's Progress calls, answered with one line a task at most every ``every`` seconds, and
-    one when the task completes: "profile: 12/87 (2 min 10 s, about 13 min left)", what is left
-    at the pace so far (as rich's bar shows it), or the caller's own estimate (``left=`` seconds)."""
+    """rich's Progress calls, answered with one line a task at most every ``every`` seconds, one
+    when the task completes, and one for each update marked ``milestone`` (a phase of its own,
+    which may take minutes, starts: it is said at once, not up to ``every`` seconds late or never):
+    "profile: 12/87 (2 min 10 s, about 13 min left)", what is left at the pace so far (as rich's
+    bar shows it), or the caller's own estimate (``left=`` seconds)."""
 
     def __init__(self, stream, every: float = LINE_EVERY_SECONDS, clock: Callable[[], float] = time.monotonic):
         self.stream, self.every, self.clock = stream, every, clock
@@ -45,7 +47,7 @@ class _ProgressLines:
         return task
 
     def update(self, task: int, *, description=None, total=None, completed=None, advance=None, left=None,
-               **_) -> None:
+               milestone=False, **_) -> None:
         state = self.tasks.get(task)
         if state is None:
             return
@@ -55,7 +57,7 @@ class _ProgressLines:
                 state[key] = value
         if advance is not None:
             state["completed"] += advance
-        self._say(state)
+        self._say(state, milestone)
 
     def advance(self, task: int, advance: float = 1) -> None:
         self.update(task, advance=advance)
@@ -63,10 +65,10 @@ class _ProgressLines:
     def remove_task(self, task: int) -> None:
         self.tasks.pop(task, None)
 
-    def _say(self, state: dict) -> None:
+    def _say(self, state: dict, milestone: bool = False) -> None:
         now = self.clock()
         complete = state["total"] is not None and state["completed"] >= state["total"]
-        if state["ended"] or not (complete or now - state["said"] >= self.every):
+        if state["ended"] or not (complete or milestone or now - state["said"] >= self.every):
             return
         state["said"], state["ended"] = now, complete
         total = "" if state["total"] is None else f"/{state['total']:g}"

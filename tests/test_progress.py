@@ -110,3 +110,19 @@ def test_plan_says_up_front_when_it_may_take_minutes(capsys):
     _say_when_planning_is_long(1_000_000, fast=False)
     assert capsys.readouterr().err == ("plan: 1,000,000 samples in normal mode take up to 8 min on a core like "
                                        "the development machine's; --fast-mode takes up to 4 min; Ctrl-C stops it\n")
+
+
+def test_a_milestone_is_said_at_once_though_the_last_line_was_just_said():
+    """A phase of its own (a context-parallel group of the profile) that starts within the interval
+    of the last line gets a line then, not up to 30 s later or, where it ends first, never."""
+    out, clock = io.StringIO(), Clock()
+    lines = progress._ProgressLines(out, every=30.0, clock=clock)
+    grid = GridProgress(lines, lines.add_task("profile", total=87), expected=87)
+    clock.now += 31
+    grid("tp 1 none seq 64 mbs 2", 12, left=60.0)
+    clock.now += 5
+    grid("tp 1 none seq 64 mbs 4", 1, left=55.0)  # within 30 s of the last line: not said
+    grid("tp 1 cp 2: the layer on 2 local ranks (gloo), 9 points", 1, left=41.0, milestone=True)
+    assert out.getvalue().splitlines() == ["tp 1 none seq 64 mbs 2: 12/87 (31 s, about 1 min 0 s left)",
+                                           "tp 1 cp 2: the layer on 2 local ranks (gloo), 9 points: 14/87 "
+                                           "(36 s, about 41 s left)"]

@@ -184,12 +184,13 @@ class GridProgress:
     def __init__(self, bar, task, expected: int):
         self.bar, self.task, self.expected, self.done = bar, task, expected, 0
 
-    def __call__(self, what: str, points: int, left: "float | None" = None) -> None:
+    def __call__(self, what: str, points: int, left: "float | None" = None, milestone: bool = False) -> None:
         """``left``: the seconds this run's own points say the grid still takes (duration.TimeLeft),
-        shown as the time left where given; elsewhere the bar's pace is."""
+        shown as the time left where given; elsewhere the bar's pace is. ``milestone``: a phase
+        of its own starts (a context-parallel group), said at once where progress is plain lines."""
         self.done += points
         self.bar.update(self.task, description=what, completed=self.done, total=max(self.expected, self.done + 1),
-                        left=left)
+                        left=left, milestone=milestone)
 
     def finish(self) -> None:
         self.bar.update(self.task, completed=self.done, total=self.done)

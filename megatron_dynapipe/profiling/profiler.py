@@ -214,7 +214,7 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     output = Path(output)
     if device.type == "cpu":
         steady_cpu_allocator()
-    progress = progress or (lambda what, points, left=None: None)
+    progress = progress or (lambda what, points, **_: None)
     profile = ProfileRun(spec, settings, device)
     if resume and output.exists():
         profile = ProfileRun.resumed(output, spec, settings, device)
@@ -249,7 +249,7 @@ def _profile_cp(profile: ProfileRun, cp: int, output: Path, progress: Progress) 
     points = cp_points(profile.records.times, 1, cp)
     backend = link_backend(profile.device, cp)
     progress(f"tp 1 cp {cp}: the layer on {cp} local ranks ({backend}), {len(points)} points", 1,
-             left=cp_seconds(profile.records, points, profile.settings))
+             left=cp_seconds(profile.records, points, profile.settings), milestone=True)
     try:
         timings = measure_cp_layers(profile.spec, profile.settings, cp, points, backend)
     except LocalRanksError as error:
@@ -334,7 +334,7 @@ def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> N
     def before_shape(k: int) -> None:  # one grid point in all, the time left from the parts' own times
         seq, mbs = shapes[k]
         progress(f"tp {tp} whole-step overhead ({mbs} x {seq} tokens, {k + 1} of {len(shapes)})", int(k == 0),
-                 left=sum(seconds[k:]))
+                 left=sum(seconds[k:]), milestone=k == 0)
 
     if not shapes:
         progress(f"tp {tp} whole-step overhead", 1)

@@ -25,14 +25,22 @@ def test_a_profile_measures_its_grid_loads_and_resumes_without_measuring_again(t
     out = tmp_path / "tiny.json"
     seen: list[tuple[str, int]] = []
     lefts: list = []
-    doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), allow_noisy=True,
-                        progress=lambda what, points, left=None: seen.append((what, points)) or lefts.append(left))
+    milestones: list = []
+
+    def progress(what, points, left=None, milestone=False):
+        seen.append((what, points))
+        lefts.append(left)
+        milestones.append(milestone)
+
+    doc = profile_model(TINY, out, SETTINGS, device=torch.device("cpu"), allow_noisy=True, progress=progress)
     overhead = [(32, 1), (32, 4), (64, 1), (64, 2)]  # each length's first point, the longest's and shortest's last
     assert seen == [(f"tp 1 none/full seq {s} mbs {m}", 2) for s, m in GRID] + [
         (f"tp 1 whole-step overhead ({m} x {s} tokens, {k} of 4)", int(k == 1))
         for k, (s, m) in enumerate(overhead, 1)] + [("link between two local ranks (gloo)", 1)]
     # the grid's time left, once two points of different size have been timed; the overhead's from the parts' times
     assert [left is not None for left in lefts] == [False, False] + [True] * (len(GRID) - 2) + [True] * 4 + [False]
+    # the overhead's start is a phase of its own, said at once off a terminal too
+    assert milestones == [False] * len(GRID) + [True, False, False, False] + [False]
     assert lefts[len(GRID):len(GRID) + 4] == sorted(lefts[len(GRID):len(GRID) + 4], reverse=True)
     # the progress bar counts grid points: a full grid ends exactly at the total it announced
     assert sum(points for _, points in seen) == SETTINGS.grid_points() == len(GRID) * 2 + 1 + 1
