@@ -11,7 +11,9 @@ whole tokens (padded rows, and packed rows of ``mbs`` samples where the core run
 Every rank runs the same points the same number of times: after a warm-up, one timed run sets the
 count for the point (enough runs to add up to the profile's ``min_time_ms``), from the slowest rank's
 time, which every rank agrees on; each run starts after a barrier and counts the slowest rank's
-forward and backward, so the time is what a step of the group waits for.
+forward and backward, so the time is what a step of the group waits for. One more run measures what
+a rank stores and peaks at (rank 0's; the ranks hold equal shares): the ring may keep more than the
+rank's share of tokens, which a profile at CP 1 cannot see.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import statistics
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from megatron_dynapipe.profiling.link import device_and_sync
-from megatron_dynapipe.profiling.measure import MAX_REPEATS, Timing, backward_of_ones
+from megatron_dynapipe.profiling.measure import MAX_REPEATS, Memory, Timing, backward_of_ones
 
 if TYPE_CHECKING:
     from megatron_dynapipe.config.model import ModelSpec
@@ -41,8 +43,9 @@ def cp_points(times: Iterable[tuple], tp: int, cp: int) -> list[Point]:
 
 def cp_seconds(records, points: list[Point], settings: "ProfileSettings") -> float:
     """About how long :func:`measure_cp_layers` takes at ``points``, said before it starts: each
-    layout's runs (:func:`lockstep_runs`) priced at the CP 1 layer's time at that point in
-    ``records`` (a profile's :class:`~megatron_dynapipe.planning.cost_model.profile_file.ProfileRecords`).
+    layout's runs (:func:`lockstep_runs`, and one that measures memory) priced at the CP 1 layer's
+    time at that point in ``records`` (a profile's
+    :class:`~megatron_dynapipe.planning.cost_model.profile_file.ProfileRecords`).
     A rank's share of the tokens plus the ring's steps costs about what the whole layer does alone:
     on the tiny GPT at 1024 positions, 45 points said 46 s of runs and took 34 s."""
     total_ms = 0.0
@@ -50,14 +53,14 @@ def cp_seconds(records, points: list[Point], settings: "ProfileSettings") -> flo
         for grid in (records.times, records.packed_times):  # padded rows, and THD rows where measured
             run = [grid.get((1, rc, "encoder", phase, seq, mbs)) for phase in ("forward", "backward")]
             if None not in run:
-                total_ms += lockstep_runs(sum(run), settings) * sum(run)
+                total_ms += (lockstep_runs(sum(run), settings) + 1) * sum(run)
     return total_ms / 1e3
 
 
 def measure_cp_layers(spec: "ModelSpec", settings: "ProfileSettings", cp: int, points: list[Point],
-                      backend: str) -> dict[tuple, Timing]:
-    """{(recompute label, layout, seqlen, mbs): Timing} of the encoder on ``cp`` local ranks of
-    ``backend`` at ``points`` (module docstring)."""
+                      backend: str) -> dict[tuple, tuple[Timing, Memory]]:
+    """{(recompute label, layout, seqlen, mbs): (Timing, Memory)} of the encoder on ``cp`` local
+    ranks of ``backend`` at ``points`` (module docstring)."""
     from megatron_dynapipe.local_ranks import run_local_ranks
 
     # a rank that stops answering is caught by the group's own timeout, well before this one
@@ -73,7 +76,7 @@ def _time_on_group(rank: int, cp: int, spec: "ModelSpec", settings: "ProfileSett
     from megatron_dynapipe.gpt.device import torch_dtype
     from megatron_dynapipe.planning.types import RecomputeType
     from megatron_dynapipe.profiling.layers import build_parts
-    from megatron_dynapipe.profiling.measure import steady_cpu_allocator
+    from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator
 
     device, sync = device_and_sync()
     on_cpu = device.type == "cpu"
@@ -92,12 +95,14 @@ def _time_on_group(rank: int, cp: int, spec: "ModelSpec", settings: "ProfileSett
             def hidden(rows: int, tokens: int):
                 return torch.randn(tokens // cp, rows, spec.hidden_size, device=device, dtype=dtype, requires_grad=True)
 
+            def measured(step):  # every rank runs both in step: the ring's transfers pair up
+                return time_in_lockstep(step, sync, settings), measure_memory(step, device)
+
             x = hidden(mbs, seq)
-            times[label, "padded", seq, mbs] = time_in_lockstep(lambda: parts.encoders[rc](x), sync, settings)
+            times[label, "padded", seq, mbs] = measured(lambda: parts.encoders[rc](x))
             if rc in parts.packed_encoders:
                 row = hidden(1, seq * mbs)
-                times[label, "thd", seq, mbs] = time_in_lockstep(lambda: parts.packed_encoders[rc](row, seq), sync,
-                                                                 settings)
+                times[label, "thd", seq, mbs] = measured(lambda: parts.packed_encoders[rc](row, seq))
         return times if rank == 0 else None
     finally:
         parallel_state.destroy_model_parallel()

@@ -222,8 +222,9 @@ def profile_model(spec: ModelSpec, output: str | os.PathLike, settings: ProfileS
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
             _profile_tp(profile, tp, output, progress, allow_noisy)
-    for cp in settings.cp_sizes:
-        if not any(key[1] == cp for key in profile.records.cp_times):
+    for cp in settings.cp_sizes:  # again where a profile of format 3 measured the group's times alone
+        if not all(any(key[1] == cp for key in group) for group in (profile.records.cp_times,
+                                                                   profile.records.cp_memory)):
             _profile_cp(profile, cp, output, progress)
     backend = link_backend(device)
     if profile.link is None and backend:
@@ -257,8 +258,9 @@ def _profile_cp(profile: ProfileRun, cp: int, output: Path, progress: Progress) 
               f"prices CP {cp} from its CP 1 times: run profile --resume to measure it again", file=sys.stderr)
         return
     r = profile.records
-    for (rc, layout, seq, mbs), timing in timings.items():
+    for (rc, layout, seq, mbs), (timing, memory) in timings.items():
         _record_timing(r.cp_times, r.cp_spread, (1, cp, rc, layout), seq, mbs, timing)
+        _record_memory(r.cp_memory, (1, cp, rc, layout), seq, mbs, memory)
     write_atomically(output, to_text(profile.document(complete=False)))
 
 

@@ -224,6 +224,42 @@ def test_a_profile_that_timed_a_real_cp_group_corrects_the_rings_price_by_it(tmp
             split_over_cp(load_cost_model(plain_path, 1), 2, tiny, **other), "forward", 1, 128)
 
 
+def test_a_profile_that_measured_a_cp_groups_memory_corrects_the_activations_by_it(tmp_path):
+    """A CP 2 group stored 1.3 and 1.5 times what the CP 1 layer stores at half the tokens (rows
+    of 128 tokens, one and two rows) and peaked at 2 times: the split model's activations are those
+    at the measured points, the ratios interpolated between them and held past them, whatever link
+    prices the ring; the stage costs the planner reads carry them."""
+    records = _records()
+    plain_path, path = tmp_path / "plain.json", tmp_path / "measured.json"
+    plain_path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    for mbs, stored in ((1, 1.3), (2, 1.5)):
+        for kind, ratio in (("stored", stored), ("peak", 2.0)):
+            records.cp_memory[(1, 2, "none", "padded", kind, 128, mbs)] = ratio * records.memory[(1, "none", kind, 64,
+                                                                                                 mbs)]
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    tiny = get_model("tiny")
+    plain, split = (split_over_cp(load_cost_model(p, 1), 2, tiny) for p in (plain_path, path))
+    inner = load_cost_model(plain_path, 1)
+    none = RecomputeType.NONE
+
+    # _records: stored 3 MB and peak 1 MB a row of 64 tokens, in proportion to the tokens
+    assert split.activation_mb("stored", none, 1, 128) == pytest.approx(1.3 * 3.0)
+    assert split.activation_mb("stored", none, 2, 128) == pytest.approx(1.5 * 6.0)
+    assert split.activation_mb("stored", none, 1.5, 128) == pytest.approx(1.4 * 4.5)  # between the rows
+    assert split.activation_mb("stored", none, 2, 256) == pytest.approx(1.5 * 12.0)  # past the longest
+    # before the shortest: 32 tokens a rank, which the profile prices as its shortest row, 64
+    assert split.activation_mb("peak", none, 1, 64) == pytest.approx(2.0 * 1.0)
+    assert plain.activation_mb("stored", none, 1, 128) == inner.activation_mb("stored", none, 1, 64) == 3.0
+    assert split.activation_mb("stored", RecomputeType.FULL, 1, 128) == plain.activation_mb(
+        "stored", RecomputeType.FULL, 1, 128)  # not measured
+    assert "corrected by a CP 2 group's memory" in split.describe()
+    linked = split_over_cp(load_cost_model(path, 1), 2, tiny, ring_gbps=100.0)
+    assert linked.activation_mb("stored", none, 1, 128) == pytest.approx(1.3 * 3.0)
+    costs = StageCosts(split, num_layers=4, pp=1)
+    assert costs.stored_mb(0, 2, 128, "none") - StageCosts(plain, num_layers=4, pp=1).stored_mb(0, 2, 128, "none") \
+        == pytest.approx(4 * 0.5 * 6.0)  # four layers, each half again
+
+
 def test_bad_context_parallel_settings_are_refused_in_one_line():
     model = AnalyticalCostModel(hidden_size=H, num_heads=HEADS)
     for make, says in [(lambda: ContextParallelCostModel(model, 1), "cp >= 2"),

@@ -41,6 +41,8 @@ def _with_context_parallel_rows(records: ProfileRecords) -> ProfileRecords:
         for phase, ms in (("forward", 0.75), ("backward", 1.5)):
             records.cp_times[(1, 2, "none", layout, phase, 128, 1)] = ms
             records.cp_spread[(1, 2, "none", layout, phase, 128, 1)] = 0.125
+        for kind, mb in (("stored", 2.5), ("peak", 0.5)):
+            records.cp_memory[(1, 2, "none", layout, kind, 128, 1)] = mb
     return records
 
 
@@ -58,22 +60,26 @@ def test_records_survive_the_file(tmp_path):
 def test_context_parallel_records_come_back_by_group_layout_and_phase(tmp_path):
     records = _with_context_parallel_rows(_records())
     records.cp_times[(1, 2, "full", "padded", "forward", 128, 1)] = 9.0  # its backward was not measured
+    records.cp_memory[(1, 2, "full", "padded", "stored", 128, 1)] = 1.0  # nor its peak
     path = tmp_path / "p.json"
     path.write_text(to_text({"name": "test", **records.records()}))
     back = ProfileRecords.from_document(read_document(path), str(path))
-    assert back.cp_tables(1) == {(2, layout, phase, RecomputeType.NONE): {(128, 1): ms} for layout in ("padded", "thd")
-                                 for phase, ms in (("forward", 0.75), ("backward", 1.5))}
+    assert back.cp_tables(1) == {(2, layout, what, RecomputeType.NONE): {(128, 1): value}
+                                 for layout in ("padded", "thd")
+                                 for what, value in (("forward", 0.75), ("backward", 1.5), ("stored", 2.5), ("peak", 0.5))}
     assert back.cp_tables(2) == {} and back.times == records.times  # CP 1's records are not disturbed
 
 
-@pytest.mark.parametrize("change", [dict(cp=0), dict(cp=2, layer="postprocess"), dict(cp="2")])
-def test_a_bad_context_parallel_size_is_refused_in_one_line(tmp_path, change):
+@pytest.mark.parametrize("table, change", [("layer_time", dict(cp=0)), ("layer_time", dict(cp=2, layer="postprocess")),
+                                           ("layer_time", dict(cp="2")), ("activation_memory", dict(cp=1.5)),
+                                           ("model_state_memory", dict(cp=2))])
+def test_a_bad_context_parallel_size_is_refused_in_one_line(tmp_path, table, change):
     doc = {"name": "test", **_records().records()}
-    doc["layer_time"][0].update(change)  # a padded CP 1 record of the encoder
+    doc[table][0].update(change)  # a padded CP 1 record (the encoder's, where the table has layers)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(CostModelError, match=r"bad\.json has a layer_time record with cp .*: use a positive integer, "
-                                             r"above 1 for encoder layer_time only"):
+    with pytest.raises(CostModelError, match=rf"bad\.json has a {table} record with cp .*: use a positive integer, "
+                                             r"above 1 for the encoder's layer_time and activation_memory only"):
         load_cost_model(path, tp=1)
 
 
@@ -104,16 +110,16 @@ def test_a_calibrated_file_round_trips_to_the_analytical_model(tmp_path):
         load_cost_model(path, tp=1)
 
 
-@pytest.mark.parametrize("version", [999, 4, "1", None])
+@pytest.mark.parametrize("version", [999, 5, "1", None])
 def test_a_file_of_another_format_version_is_refused_in_one_line(tmp_path, version):
     """What a later (or broken) megatron-dynapipe wrote is not read as this version's format."""
     doc = {"name": "test", "metadata": {"format_version": version}, **_records().records()}
     path = tmp_path / "future.json"
     path.write_text(to_text(doc))
     with pytest.raises(CostModelError, match=rf"future\.json has format_version {version!r}; this megatron-dynapipe "
-                                             r"reads versions 1, 2 and 3: re-profile"):
+                                             r"reads versions 1, 2, 3 and 4: re-profile"):
         load_cost_model(path, tp=1)
-    for readable in (1, 2, 3):
+    for readable in (1, 2, 3, 4):
         doc["metadata"]["format_version"] = readable
         path.write_text(to_text(doc))
         assert load_cost_model(path, tp=1).layer_ms("encoder", "forward", RecomputeType.NONE, 1, 64) == pytest.approx(1.0)

@@ -134,6 +134,20 @@ def test_a_profile_times_the_layer_on_a_real_cp_group_and_cp_is_priced_by_it(tmp
     for (layout, phase, s, m), ms in measured.items():
         model = split.packed() if layout == "thd" else split
         assert model.layer_ms("encoder", phase, RecomputeType.NONE, m, s) == pytest.approx(ms, rel=1e-3)
+    # and what a rank stores: at least the CP 1 layer's at its half of the tokens and the other
+    # half's keys and values, which the ring keeps for its backward (fp32, 4 B a value)
+    memory = {(r.get("layout", "padded"), r["kind"], r["seqlen"], r["mbs"]): r["mb"]
+              for r in doc["activation_memory"] if r.get("cp") == 2}
+    assert memory.keys() == {(layout, kind, s, m) for layout in ("padded", "thd") for kind in ("stored", "peak")
+                             for s, m in GRID}
+    cp1 = {(r["kind"], r["seqlen"], r["mbs"]): r["mb"] for r in doc["activation_memory"]
+           if r.get("cp", 1) == 1 and r.get("layout", "padded") == "padded"}
+    for s, m in ((64, 1), (64, 2)):
+        keys_and_values = m * (s // 2) * 2 * TINY.hidden_size * 4 / 2**20
+        assert memory["padded", "stored", s, m] >= cp1["stored", s // 2, m] + keys_and_values
+        assert split.activation_mb("stored", RecomputeType.NONE, m, s) == pytest.approx(memory["padded", "stored", s, m],
+                                                                                      rel=1e-3)
+    assert "corrected by a CP 2 group's times and memory" in split.describe()
 
     again: list = []
     profile_model(sdpa, out, settings, device=torch.device("cpu"), allow_noisy=True, resume=True,
@@ -166,18 +180,19 @@ def test_every_rank_of_a_group_times_the_slowest_ranks_runs():
 
 def test_a_cp_groups_time_is_said_from_its_points_cp1_times_and_runs():
     """Before a CP group runs, its time is said: each point's layouts at their CP 1 forward +
-    backward, as many runs as the group makes (one warm-up, at least 3 timed, enough for 100 ms)."""
+    backward, as many runs as the group makes (one warm-up, at least 3 timed, enough for 100 ms, and
+    one that measures memory)."""
     from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords
     from megatron_dynapipe.profiling.context_parallel import cp_seconds
 
     r = ProfileRecords()
     for phase, ms in (("forward", 10.0), ("backward", 20.0)):
-        r.times[(1, "none", "encoder", phase, 64, 1)] = ms  # 30 ms a run: 1 + 4 runs
-        r.times[(1, "none", "encoder", phase, 128, 2)] = 4 * ms  # 120 ms: 1 + 3
-        r.packed_times[(1, "none", "encoder", phase, 128, 2)] = 2 * ms  # 60 ms: 1 + 3
+        r.times[(1, "none", "encoder", phase, 64, 1)] = ms  # 30 ms a run: 1 + 4 + 1 runs
+        r.times[(1, "none", "encoder", phase, 128, 2)] = 4 * ms  # 120 ms: 1 + 3 + 1
+        r.packed_times[(1, "none", "encoder", phase, 128, 2)] = 2 * ms  # 60 ms: 1 + 3 + 1
     settings = dataclasses.replace(SETTINGS, warmup=1, repeats=3, min_time_ms=100.0)
     assert cp_seconds(r, [("none", 64, 1), ("none", 128, 2)], settings) == pytest.approx(
-        (5 * 30 + 4 * 120 + 4 * 60) / 1e3)
+        (6 * 30 + 5 * 120 + 5 * 60) / 1e3)
     assert cp_seconds(r, [("full", 64, 1)], settings) == 0.0  # nothing measured at CP 1: nothing to say
 
 

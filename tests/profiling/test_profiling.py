@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_dynapipe.planning.cost_model import StageCosts, cost_model_from_document, load_cost_model
+from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION
 from megatron_dynapipe.profiling.measure import time_step
 
 MB = 2**20
@@ -596,7 +597,7 @@ def test_the_sdpa_layer_is_measured_on_packed_rows_at_every_point_and_the_local_
 
     assert points("layer_time", "thd").keys() == points("layer_time", "padded").keys()
     padded, packed = points("activation_memory", "padded"), points("activation_memory", "thd")
-    assert packed.keys() == padded.keys() and doc["metadata"]["format_version"] == 3
+    assert packed.keys() == padded.keys() and doc["metadata"]["format_version"] == FORMAT_VERSION == 4
     for (rc, kind, s, m), mb in packed.items():
         if kind == "stored":
             assert mb == pytest.approx(padded[rc, kind, s, m], rel=0.01, abs=1e-3)

@@ -96,10 +96,10 @@ class CostModel(abc.ABC):
         return 0.0
 
     def context_parallel_encoder(self, cp: int) -> Mapping[tuple[str, RecomputeType], Mapping[tuple[int, int], float]]:
-        """The encoder layer's milliseconds measured on one rank of a real context-parallel group of
-        ``cp`` ranks, rows of whole ``seqlen`` tokens split over it: (phase, recompute) ->
-        {(seqlen, mbs): ms}, of the rows this model prices (padded, or packed in :meth:`packed`'s
-        copy); none unless a profile measured them."""
+        """The encoder layer measured on one rank of a real context-parallel group of ``cp`` ranks,
+        rows of whole ``seqlen`` tokens split over it: (phase, recompute) -> {(seqlen, mbs): ms}
+        and (activation kind, recompute) -> {(seqlen, mbs): MB}, of the rows this model prices
+        (padded, or packed in :meth:`packed`'s copy); none unless a profile measured them."""
         return {}
 
     def no_time_fix(self) -> str:

@@ -30,7 +30,11 @@ micro-batches), so the ring's work a profile at CP 1 cannot see -- its per-sampl
 rows, its ranks' waits on each other -- is priced where it was measured and in proportion beyond.
 Only a model that prices the ring's transfers over the profile's own link is corrected (the
 measured times include them, over that link): not a trace's, which records them itself, nor one
-given another link (``ring_gbps``: ``search`` pricing a cluster's).
+given another link (``ring_gbps``: ``search`` pricing a cluster's). The group also measured what a
+rank stores and peaks at, and the activations are corrected the same way, whatever the link: the
+ring a rank runs may keep more than its share of tokens (this package's keeps the whole sequence's
+keys and values for its backward, about 1.3 times the CP 1 layer's stored at ``s / cp`` on the
+tiny GPT at CP 2), which the CP 1 profile cannot see.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ import numpy as np
 
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
-from megatron_dynapipe.planning.cost_model.base import TIMED, CostModel, CostModelError, as_float, as_recompute
+from megatron_dynapipe.planning.cost_model.base import (KINDS, PHASES, TIMED, CostModel, CostModelError, as_float,
+                                                      as_recompute)
 from megatron_dynapipe.planning.cost_model.grid import Grid
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.types import RecomputeType
@@ -89,10 +94,15 @@ class ContextParallelCostModel(CostModel):
         self.tp, self.hidden_size = model.tp, model.hidden_size
         self.name, self.metadata = model.name, model.metadata
         self.microbatch_overhead = model.microbatch_overhead
-        self.measured = self._measured_ratios() if ring_transfers and ring_gbps is None else {}
+        # the group's times include the ring's transfers over the profile's own link; its memory
+        # is the same whatever the link
+        self.measured = {key: ratio for key, ratio in self._measured_ratios().items()
+                         if key[0] in KINDS or (ring_transfers and ring_gbps is None)}
 
     def describe(self) -> str:
-        measured = f" (its layer corrected by a CP {self.cp} group's times)" if self.measured else ""
+        what = [name for name, kinds in (("times", PHASES), ("memory", KINDS))
+                if any(key[0] in kinds for key in self.measured)]
+        measured = f" (its layer corrected by a CP {self.cp} group's {' and '.join(what)})" if what else ""
         return f"{self.model.describe()}, split over CP {self.cp}{measured}"
 
     def __repr__(self) -> str:
@@ -112,23 +122,31 @@ class ContextParallelCostModel(CostModel):
         return self._corrected(phase, rc, mbs, seqlen, ms + self.ring_ms(phase, rc, mbs, local, ms))
 
     def _measured_ratios(self) -> dict:
-        """(phase, recompute) -> a grid of measured / priced, held beyond its edges (module docstring)."""
+        """(phase or activation kind, recompute) -> a grid of measured / priced, held beyond its
+        edges (module docstring)."""
         ratios = {}
-        for (phase, rc), points in self.model.context_parallel_encoder(self.cp).items():
+        for (what, rc), points in self.model.context_parallel_encoder(self.cp).items():
             ratio = {}
-            for (seq, mbs), ms in points.items():
-                local = self.local(seq)
-                inner = float(self.model.layer_ms("encoder", phase, rc, mbs, local))
-                priced = inner + float(self.ring_ms(phase, rc, mbs, local, inner))
+            for (seq, mbs), measured in points.items():
+                priced = self._uncorrected(what, rc, mbs, self.local(seq))
                 if 0.0 < priced < math.inf:
-                    ratio[seq, mbs] = ms / priced
+                    ratio[seq, mbs] = measured / priced
             if ratio:
-                ratios[phase, rc] = Grid(_held(ratio))
+                ratios[what, rc] = Grid(_held(ratio))
         return ratios
 
-    def _corrected(self, phase, rc, mbs, seqlen, priced):
-        """The ring's ``priced`` encoder times what the group measured over what was priced there."""
-        ratio = self.measured.get((phase, rc))
+    def _uncorrected(self, what, rc, mbs, local) -> float:
+        """The encoder's ms in phase ``what`` (the inner model's layer and the ring), or its MB of
+        activation kind ``what`` (the inner model's at ``local`` tokens), before any correction."""
+        if what in KINDS:
+            return float(self.model.activation_mb(what, rc, mbs, local))
+        inner = float(self.model.layer_ms("encoder", what, rc, mbs, local))
+        return inner + float(self.ring_ms(what, rc, mbs, local, inner))
+
+    def _corrected(self, what, rc, mbs, seqlen, priced):
+        """The encoder's ``priced`` time in phase ``what``, or its MB of activation kind ``what``,
+        times what the group measured over what was priced there."""
+        ratio = self.measured.get((what, rc))
         if ratio is None:
             return priced
         return priced * ratio(np.minimum(as_float(mbs), ratio.M[-1]), np.minimum(as_float(seqlen), ratio.S[-1]))
@@ -191,7 +209,8 @@ class ContextParallelCostModel(CostModel):
 
     # -- memory -------------------------------------------------------------------------------
     def activation_mb(self, kind, recompute, mbs, seqlen):
-        return self.model.activation_mb(kind, recompute, mbs, self.local(seqlen))
+        rc = as_recompute(recompute)
+        return self._corrected(kind, rc, mbs, seqlen, self.model.activation_mb(kind, rc, mbs, self.local(seqlen)))
 
     def logits_mb(self, kind, mbs, seqlen):
         return self.model.logits_mb(kind, mbs, self.local(seqlen))
@@ -215,15 +234,18 @@ class ContextParallelCostModel(CostModel):
 
     def shape_costs(self, types, mbs, seqlen) -> np.ndarray:
         """:meth:`CostModel.shape_costs` of the inner model at the local shape (one call, as it
-        shares work between its answers), the ring added to the encoder's times."""
+        shares work between its answers), the ring added to the encoder's times, and the encoder's
+        times and memory corrected where a group measured them."""
         types = tuple(map(as_recompute, types))
         local = self.local(seqlen)
         costs = np.array(self.model.shape_costs(types, mbs, local), dtype=float)
-        encoder = {phase: TIMED.index(("encoder", phase)) for phase in ("forward", "backward")}
+        encoder = {phase: TIMED.index(("encoder", phase)) for phase in PHASES}
         for row, rc in enumerate(types):
             for phase, k in encoder.items():
                 costs[row, k] = self._corrected(phase, rc, mbs, seqlen,
                                                 costs[row, k] + self.ring_ms(phase, rc, mbs, local, costs[row, k]))
+            for k, kind in enumerate(KINDS, start=len(TIMED)):
+                costs[row, k] = self._corrected(kind, rc, mbs, seqlen, costs[row, k])
         return costs
 
 

@@ -11,7 +11,9 @@ records with ``"layout": "thd"`` (format version 2) measure packed rows: ``mbs``
 ``seqlen`` tokens each, back to back in one row, each attending to itself alone.  An encoder's
 ``layer_time`` records with ``"cp": n`` (format version 3) measure the layer on one rank of a real
 context-parallel group of ``n`` ranks, the row's ``seqlen`` whole tokens split as Megatron splits
-them (the slowest rank's time, the ring's transfers and waits included).  A *calibrated*
+them (the slowest rank's time, the ring's transfers and waits included), and its
+``activation_memory`` records with ``"cp": n`` (format version 4) what one rank of it stores and
+peaks at (the ring's keys and values included).  A *calibrated*
 file holds instead an ``analytical`` object: the GPT's sizes and the rates ``profile --calibrate``
 fitted.  Both may carry ``name``, ``source``, ``hidden_size`` and ``metadata`` (device, dtype,
 versions, model).
@@ -37,8 +39,9 @@ __all__ = ["ProfileRecords", "read_document", "read_complete_document", "to_text
            "calibrated_settings",
            "calibrated_document", "FORMAT_VERSION", "FORMAT_HINT", "CALIBRATED", "CALIBRATED_SHAPE", "OVERHEAD_PER"]
 
-FORMAT_VERSION = 3  # metadata.format_version of the files megatron-dynapipe profile writes
-READABLE_VERSIONS = (1, 2, 3)  # 2 added the packed (``"layout": "thd"``) records, 3 the ``"cp"`` ones
+FORMAT_VERSION = 4  # metadata.format_version of the files megatron-dynapipe profile writes
+#: 2 added the packed (``"layout": "thd"``) records, 3 the ``"cp"`` layer times, 4 the ``"cp"`` memory
+READABLE_VERSIONS = (1, 2, 3, 4)
 LAYOUTS = ("padded", "thd")  # a record's optional ``layout``: padded rows (the default) or packed ones
 FORMAT_HINT = "see docs/cost_model.md for the format"
 OPTIONAL_LAYERS = ("preprocess",)  # a profile without them prices them at nothing
@@ -155,6 +158,8 @@ class ProfileRecords:
     # the encoder on one rank of a context-parallel group: (tp, cp, recompute, layout, phase, seqlen, mbs) -> ms
     cp_times: dict[tuple, float] = field(default_factory=dict)
     cp_spread: dict[tuple, float] = field(default_factory=dict)
+    # what that rank stores and peaks at: (tp, cp, recompute, layout, kind, seqlen, mbs) -> MB
+    cp_memory: dict[tuple, float] = field(default_factory=dict)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -168,13 +173,19 @@ class ProfileRecords:
             return [dict(tp=k[0], recompute=k[1], layer="encoder", kind=k[2], seqlen=k[3], mbs=k[4], **layout,
                          mb=round(v, 4)) for k, v in sorted(table.items())]
 
+        def cp(table, what, value):
+            return [dict(tp=k[0], cp=k[1], recompute=k[2], layer="encoder", **{what: k[4]}, seqlen=k[5], mbs=k[6],
+                         **({"layout": k[3]} if k[3] != "padded" else {}), **value(k, v))
+                    for k, v in sorted(table.items())]
+
         thd = {"layout": "thd"}
-        cp = [dict(tp=k[0], cp=k[1], recompute=k[2], layer="encoder", phase=k[4], seqlen=k[5], mbs=k[6],
-                   **({"layout": k[3]} if k[3] != "padded" else {}), ms=round(v, 4),
-                   spread_ms=round(self.cp_spread.get(k, 0.0), 4)) for k, v in sorted(self.cp_times.items())]
+        cp_times = cp(self.cp_times, "phase",
+                      lambda k, v: dict(ms=round(v, 4), spread_ms=round(self.cp_spread.get(k, 0.0), 4)))
+        cp_memory = cp(self.cp_memory, "kind", lambda k, v: dict(mb=round(v, 4)))
         return {
-            "layer_time": times(self.times, self.spread, {}) + times(self.packed_times, self.packed_spread, thd) + cp,
-            "activation_memory": memory(self.memory, {}) + memory(self.packed_memory, thd),
+            "layer_time": times(self.times, self.spread, {}) + times(self.packed_times, self.packed_spread, thd)
+            + cp_times,
+            "activation_memory": memory(self.memory, {}) + memory(self.packed_memory, thd) + cp_memory,
             "model_state_memory": [dict(tp=k[0], recompute=k[1], layer=k[2], mb=round(v, 4))
                                    for k, v in sorted(self.params.items())],
             "infeasible": [dict(tp=k[0], recompute=k[1], seqlen=k[2], mbs=k[3]) for k in sorted(self.infeasible)],
@@ -223,10 +234,13 @@ class ProfileRecords:
         layout = _layout(where, table, rec)
         packed = layout == "thd"
         cp = _cp(where, table, rec)
-        if cp > 1:
+        if cp > 1 and table == "layer_time":
             tp, rc, _layer, phase, s, m = key
             _put(where, self.cp_times, (tp, cp, rc, layout, phase, s, m), value, table)
             self.cp_spread[tp, cp, rc, layout, phase, s, m] = float(rec.get("spread_ms", 0.0) or 0.0)
+        elif cp > 1:
+            tp, rc, _layer, kind, s, m = key
+            _put(where, self.cp_memory, (tp, cp, rc, layout, kind, s, m), value, table)
         elif table == "layer_time":
             _put(where, self.packed_times if packed else self.times, key, value, table)
             (self.packed_spread if packed else self.spread)[key] = float(rec.get("spread_ms", 0.0) or 0.0)
@@ -279,14 +293,15 @@ class ProfileRecords:
                 {k: v for k, v in memory.items() if k[1] in complete})
 
     def cp_tables(self, tp: int) -> dict:
-        """The encoder's times of ``tp`` measured on context-parallel groups: (cp, layout, phase,
-        RecomputeType) -> {(seqlen, mbs): ms}, for the groups, layouts and types measured in both phases."""
+        """The encoder of ``tp`` measured on context-parallel groups: (cp, layout, phase or kind,
+        RecomputeType) -> {(seqlen, mbs): ms or MB}, for the groups, layouts and types measured in
+        both phases (times) or both kinds (memory)."""
         tables: dict = {}
-        for (t, cp, rc, layout, phase, s, m), v in self.cp_times.items():
+        for (t, cp, rc, layout, what, s, m), v in (*self.cp_times.items(), *self.cp_memory.items()):
             if t == tp:
-                tables.setdefault((cp, layout, phase, RecomputeType.parse(rc)), {})[s, m] = v
+                tables.setdefault((cp, layout, what, RecomputeType.parse(rc)), {})[s, m] = v
         return {k: v for k, v in tables.items()
-                if all((*k[:2], phase, k[3]) in tables for phase in PHASES)}
+                if all((*k[:2], other, k[3]) in tables for other in (PHASES if k[2] in PHASES else KINDS))}
 
     def core_tables(self, tp: int) -> dict:
         """The attention core's times of ``tp``: phase -> {(seqlen, mbs): ms}, both phases or none."""
@@ -395,8 +410,10 @@ def _layout(where: _Source, table: str, rec: dict) -> str:
 def _cp(where: _Source, table: str, rec: dict) -> int:
     """A record's optional ``cp``: the context-parallel ranks its encoder was measured on (1: none)."""
     cp = rec.get("cp", 1)
-    if not _positive_int(cp) or (cp > 1 and (table != "layer_time" or rec.get("layer") != "encoder")):
-        where.fail(f"has a {table} record with cp {cp!r}: use a positive integer, above 1 for encoder layer_time only")
+    if not _positive_int(cp) or (cp > 1 and (table not in ("layer_time", "activation_memory")
+                                             or rec.get("layer") != "encoder")):
+        where.fail(f"has a {table} record with cp {cp!r}: use a positive integer, above 1 for the encoder's "
+                   "layer_time and activation_memory only")
     return int(cp)
 
 

@@ -41,9 +41,9 @@ class ProfiledCostModel(CostModel):
     longest profiled, and micro-batches larger than a bracketing row profiled, are ``inf``.
     A recompute type absent from the profile is ``inf`` everywhere.  Where the profile measured
     the encoder on packed rows, :meth:`packed` prices packed micro-batches from those.  Where it
-    measured the encoder on context-parallel groups (``cp_times``: (cp, layout, phase, recompute)
-    -> {(seqlen, mbs): ms}), :meth:`context_parallel_encoder` hands those of the rows it prices
-    (``cp_layout``) to the :class:`~.context_parallel.ContextParallelCostModel` around it.
+    measured the encoder on context-parallel groups (``cp_measured``: (cp, layout, phase or kind,
+    recompute) -> {(seqlen, mbs): ms or MB}), :meth:`context_parallel_encoder` hands those of the rows
+    it prices (``cp_layout``) to the :class:`~.context_parallel.ContextParallelCostModel` around it.
     """
 
     def __init__(
@@ -61,7 +61,7 @@ class ProfiledCostModel(CostModel):
         packed_times: dict[tuple[str, str, RecomputeType], Grid] | None = None,
         packed_memory: dict[tuple[str, RecomputeType], Grid] | None = None,
         core_times: Mapping[str, Grid] | None = None,
-        cp_times: Mapping[tuple, Mapping[tuple[int, int], float]] | None = None,
+        cp_measured: Mapping[tuple, Mapping[tuple[int, int], float]] | None = None,
         cp_layout: str = "padded",
         packed_segment_ms: Mapping[tuple[str, RecomputeType], float] | None = None,
     ):
@@ -80,7 +80,7 @@ class ProfiledCostModel(CostModel):
         self._packed_memory = dict(packed_memory or {})
         self._core_times = dict(core_times or {})  # phase -> the attention core alone, where measured
         self.prices_attention_core = bool(self._core_times)
-        self._cp_times = dict(cp_times or {})
+        self._cp_measured = dict(cp_measured or {})
         self._cp_layout = cp_layout
         # (phase, recompute) -> ms a layer adds per segment of a packed row (packed_segment_costs);
         # padded micro-batches run no segments beyond their rows, so only packed ones pay it
@@ -120,14 +120,14 @@ class ProfiledCostModel(CostModel):
             tp=self.tp, hidden_size=self.hidden_size, times={**self._times, **self._packed_times},
             memory={**self._memory, **self._packed_memory}, params_mb=self._params, name=self.name,
             metadata=self.metadata, microbatch_overhead=self.microbatch_overhead, document=self._document,
-            core_times=self._core_times, cp_times=self._cp_times, cp_layout="thd",
+            core_times=self._core_times, cp_measured=self._cp_measured, cp_layout="thd",
             packed_segment_ms=self._packed_segment_ms)
 
     def segment_ms(self, phase, recompute):
         return self._packed_segment_ms.get((phase, as_recompute(recompute)), 0.0)
 
     def context_parallel_encoder(self, cp):
-        return {(phase, rc): points for (c, layout, phase, rc), points in self._cp_times.items()
+        return {(what, rc): points for (c, layout, what, rc), points in self._cp_measured.items()
                 if c == cp and layout == self._cp_layout}
 
     def layer_ms(self, layer, phase, recompute, mbs, seqlen):
@@ -219,7 +219,7 @@ class ProfiledCostModel(CostModel):
             packed_times={k: Grid(v) for k, v in packed_times.items()},
             packed_memory={k: Grid(v) for k, v in packed_memory.items()},
             core_times={phase: Grid(v) for phase, v in records.core_tables(tp).items()},
-            cp_times=records.cp_tables(tp),
+            cp_measured=records.cp_tables(tp),
             packed_segment_ms=packed_segment_costs(times, packed_times),
         )
 
