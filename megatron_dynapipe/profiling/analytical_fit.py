@@ -63,7 +63,7 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
         steady_cpu_allocator()
     settings = dataclasses.replace(settings, recompute=(RecomputeType.NONE,))
     profile = ProfileRun(spec, settings, device)
-    progress = progress or (lambda what, points: None)
+    progress = progress or (lambda what, points, **_: None)
     output = Path(output)
     for tp in settings.tp_sizes:
         with fake_tp_rank(tp, device):
@@ -74,7 +74,7 @@ def calibrate_model(spec: ModelSpec, output: str | os.PathLike, settings: Profil
             if not profile.records.times:
                 raise ProfileError(f"not even one micro-batch of {settings.min_seq_length} tokens fits on this "
                                    "device: lower --min-seq-length or use a larger device")
-            measure_step_overhead(profile, tp, progress)
+            measure_step_overhead(profile, parts, tp, progress)
     doc = _document(profile)
     write_atomically(output, to_text(doc))
     return doc

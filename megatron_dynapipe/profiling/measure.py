@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Timing", "Memory", "time_step", "backward_of_ones", "measure_memory", "LiveBytes", "is_out_of_memory",
-           "unless_out_of_memory", "steady_cpu_allocator"]
+__all__ = ["Timing", "Memory", "time_step", "time_once", "backward_of_ones", "measure_memory", "LiveBytes",
+           "is_out_of_memory", "unless_out_of_memory", "steady_cpu_allocator"]
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,16 @@ def time_step(forward: Step, device: torch.device, *, warmup: int = 1, repeats: 
     for _ in range(warmup):
         backward_of_ones(forward())
     fwd, bwd = [], []
-    timed = _time_cuda if device.type == "cuda" else _time_wall
     while len(fwd) < repeats or (sum(fwd) + sum(bwd) < min_time_ms and len(fwd) < max_repeats):
-        f, b = timed(forward)
+        f, b = time_once(forward, device)
         fwd.append(f)
         bwd.append(b)
     return Timing(statistics.median(fwd), statistics.median(bwd), max(fwd) - min(fwd), max(bwd) - min(bwd))
+
+
+def time_once(forward: Step, device: torch.device) -> tuple[float, float]:
+    """One run of ``forward()`` and the backward of its result: their ms."""
+    return _time_cuda(forward) if device.type == "cuda" else _time_wall(forward)
 
 
 def _time_wall(forward: Step) -> tuple[float, float]:

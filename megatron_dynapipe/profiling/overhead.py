@@ -11,12 +11,18 @@ the parts alone came out 6-23% short.  Some of it comes once per stage, some onc
 So the profiler times the real thing: stages of 1 and of ``min(3, layers)`` layers, built as
 ``bench step`` builds them (:mod:`megatron_dynapipe.runtime.stage`), each running plans of 1 and of
 ``MICROBATCHES`` identical micro-batches, forward only and forward-backward, all in turn, round
-after round, so that the machine's drift hits all alike.  The difference of the two plans' times
+after round, so that the machine's drift hits all alike; in the same rounds the parts run alone
+too (one layer; the embedding and the head).  The difference of the two plans' times
 in a round per added micro-batch (its median over the rounds: :func:`added_ms`) leaves out what a
 step pays once (finalising the gradients); the two stages' difference per added layer, less the
-layer's profiled time, is the per-layer overhead; the rest of the 1-layer stage's time, less its
+layer's own time, is the per-layer overhead; the rest of the 1-layer stage's time, less its
 parts', the per-stage one.  Each is fitted as ``ms + ms_per_token * tokens`` per phase over the
-shapes, robustly (:func:`fit_overhead`), both terms >= 0.
+shapes, robustly (:func:`fit_overhead`), both terms >= 0.  The parts' times come from those
+rounds, not from the profile's grid, measured minutes before: the overhead is the small difference
+of large times, and the machine's pace moves in between.  On the 2-core CPU, the tiny GPT at 1024
+positions, one sequence of 1024 tokens: a layer added 16.4 ms forward inside a stage and took 16.1
+alone in the same rounds, 14.0 in the grid ten minutes before, so the grid's time made a
+per-layer overhead of 2.4 ms of what was 0.2.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from megatron_dynapipe.planning.cost_model import PHASES
 from megatron_dynapipe.planning.plan import build_execution_plans
 from megatron_dynapipe.planning.schedules import one_f_one_b_orders
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.profiling.measure import unless_out_of_memory
+from megatron_dynapipe.profiling.measure import Step, time_once, unless_out_of_memory
 from megatron_dynapipe.runtime.stage import build_training_stage, planned_step
 
 __all__ = ["Overhead", "measure_overhead", "overhead_shapes", "overhead_seconds", "fit_overhead", "added_ms"]
@@ -45,6 +51,8 @@ MICROBATCHES = 3  # micro-batches of the longer plan; the shorter has one
 MOST_LAYERS = 3  # layers of the larger stage timed (the smaller has one)
 MAX_ROUNDS = 50  # of each run per shape, however short
 Line = tuple[float, float]  # (ms, ms per token)
+#: (seq, mbs) -> one layer's step and the embedding's and head's, each run alone (None: they do not fit)
+PartSteps = Callable[[int, int], "tuple[Step, list[Step]] | None"]
 
 
 @dataclass(frozen=True)
@@ -77,15 +85,16 @@ def overhead_shapes(measured: Sequence[tuple[int, int]], lengths: Sequence[int] 
 def overhead_seconds(parts_ms: Callable[[str, int, int], tuple[float, float]], shapes: Sequence[tuple[int, int]],
                      num_layers: int, repeats: int = 3, min_time_ms: float = 100.0) -> list[float]:
     """Seconds :func:`measure_overhead` takes at each of ``shapes``, from the parts' profiled times
-    (``parts_ms`` as there): its eight runs priced as their layers, embedding and head alone (the
-    overhead it measures beside them is a few percent of a run), the warm-up round and the rounds
+    (``parts_ms(phase, seq, mbs)``: one layer's, and the embedding's and head's together): its eight
+    runs priced as their layers, embedding and head alone (the overhead it measures beside them is a
+    few percent of a run) and its two runs of the parts alone, the warm-up round and the rounds
     :func:`_more_rounds` asks for those times."""
     out = []
     for seq, mbs in shapes:
         (layer_f, ends_f), (layer_b, ends_b) = (parts_ms(phase, seq, mbs) for phase in PHASES)
         runs = [count * (layers * layer_f + ends_f + (0.0 if forward_only else layers * layer_b + ends_b))
                 for count in (1, MICROBATCHES) for layers in _layer_counts(num_layers)
-                for forward_only in (True, False)]
+                for forward_only in (True, False)] + [layer_f + layer_b, ends_f + ends_b]
         times: dict = {k: [] for k in range(len(runs))}
         while _more_rounds(times, repeats, min_time_ms):
             for k, ms in enumerate(runs):
@@ -122,12 +131,11 @@ def fit_overhead(tokens: Sequence[float], ms: Sequence[float]) -> tuple[float, f
 
 
 def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, recompute: RecomputeType,
-                     parts_ms: Callable[[str, int, int], tuple[float, float]], shapes: Sequence[tuple[int, int]],
-                     repeats: int = 3, min_time_ms: float = 100.0,
+                     parts: PartSteps, shapes: Sequence[tuple[int, int]], repeats: int = 3, min_time_ms: float = 100.0,
                      before_shape: Callable[[int], None] = lambda k: None) -> Overhead | None:
     """The per-micro-batch overhead of ``spec`` at these ``shapes`` (module docstring), inside
-    :func:`~.layers.fake_tp_rank`; ``parts_ms(phase, seq, mbs)`` is the profiled time of one
-    layer and of the embedding and head together there; ``before_shape(k)`` is called before
+    :func:`~.layers.fake_tp_rank`; ``parts(seq, mbs)`` gives the steps of one layer and of the
+    embedding and head there, timed alone in the same rounds; ``before_shape(k)`` is called before
     shape ``k`` is timed. None when no shape fits on the device."""
     counts = _layer_counts(spec.num_layers)
     stages = {n: build_training_stage(spec, dtype=dtype, device=device, tp=tp, num_layers=n) for n in counts}
@@ -136,12 +144,13 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
     for k, (seq, mbs) in enumerate(shapes):
         before_shape(k)
         per_microbatch = unless_out_of_memory(device, lambda: _per_microbatch_ms(
-            stages, spec, recompute, seq, mbs, device, repeats, min_time_ms))
+            stages, spec, recompute, parts, seq, mbs, device, repeats, min_time_ms))
         if per_microbatch is None:
             continue
+        per_microbatch, parts_ms = per_microbatch
         tokens.append(seq * mbs)
         for phase in PHASES:
-            layer_ms, ends_ms = parts_ms(phase, seq, mbs)
+            layer_ms, ends_ms = parts_ms[phase]
             one = per_microbatch[1][phase]
             added = (per_microbatch[counts[-1]][phase] - one) / (counts[-1] - 1) if len(counts) > 1 else layer_ms
             lines["layer", phase].append(added - layer_ms)
@@ -153,12 +162,17 @@ def measure_overhead(spec: ModelSpec, *, tp: int, dtype, device: torch.device, r
                     layer={phase: fitted["layer", phase] for phase in PHASES}, points=len(tokens))
 
 
-def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, seq: int, mbs: int,
-                       device: torch.device, repeats: int, min_time_ms: float) -> dict[int, dict[str, float]]:
+def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, parts: PartSteps, seq: int,
+                       mbs: int, device: torch.device, repeats: int, min_time_ms: float) -> "tuple[dict, dict] | None":
     """Per stage (by its layer count), the forward and backward ms one more micro-batch of
     (seq, mbs) adds to a step: plans of 1 and of MICROBATCHES micro-batches, forward only and
     forward-backward, run in turn until each has ``repeats`` runs and all add up to
-    ``min_time_ms``; the medians' differences."""
+    ``min_time_ms``; the medians' differences.  And per phase, the medians of one layer alone and
+    of the embedding and head together, run in the same rounds.  None where the parts do not fit."""
+    steps = parts(seq, mbs)
+    if steps is None:
+        return None
+    layer, ends = steps
     rng = np.random.default_rng(seq * 1000 + mbs)
     runs = {}
     for count in (1, MICROBATCHES):
@@ -170,10 +184,13 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
                 runs[layers, count, forward_only] = ddp, planned_step(ddp, plan, tensors, device,
                                                                       forward_only=forward_only)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict = {key: [] for key in runs}
+    alone = {"layer": [layer], "ends": ends}
+    times: dict = {key: [] for key in (*runs, *alone)}
     for ddp, run in runs.values():  # warm-up
         ddp.zero_grad_buffer()
         run()
+    for step in (layer, *ends):
+        time_once(step, device)
     while _more_rounds(times, repeats, min_time_ms):
         for key, (ddp, run) in runs.items():
             ddp.zero_grad_buffer()
@@ -182,12 +199,16 @@ def _per_microbatch_ms(stages: dict, spec: ModelSpec, recompute: RecomputeType, 
             run()
             sync()
             times[key].append((time.perf_counter() - start) * 1e3)
+        for key, part in alone.items():  # (forward, backward) ms, summed over the part's steps
+            times[key].append(tuple(map(sum, zip(*(time_once(step, device) for step in part)))))
     out = {}
     for layers in stages:
         forward, step = (added_ms(times[layers, MICROBATCHES, only], times[layers, 1, only], MICROBATCHES - 1)
                          for only in (True, False))
         out[layers] = {"forward": forward, "backward": step - forward}
-    return out
+    parts_ms = {phase: tuple(statistics.median(run[k] for run in times[key]) for key in alone)
+                for k, phase in enumerate(PHASES)}
+    return out, parts_ms
 
 
 def _more_rounds(times: dict, repeats: int, min_time_ms: float) -> bool:
@@ -195,7 +216,12 @@ def _more_rounds(times: dict, repeats: int, min_time_ms: float) -> bool:
     ``min_time_ms``, at most MAX_ROUNDS.  (Runs of 5 ms get 20 rounds at 100 ms: the small shapes,
     which one-layer chunks pay most for, are the noisiest.)"""
     rounds = min(map(len, times.values()))
-    return rounds < MAX_ROUNDS and (rounds < repeats or min(map(sum, times.values())) < min_time_ms)
+    return rounds < MAX_ROUNDS and (rounds < repeats or min(map(_total_ms, times.values())) < min_time_ms)
+
+
+def _total_ms(runs: Sequence) -> float:
+    """A run's times so far: each a time in ms, or a (forward, backward) pair of them."""
+    return sum(sum(run) if isinstance(run, tuple) else run for run in runs)
 
 
 def added_ms(more: Sequence[float], one: Sequence[float], added: int) -> float:

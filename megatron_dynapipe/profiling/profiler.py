@@ -297,7 +297,7 @@ def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress, 
     if not allow_noisy:
         _measure_noisy_again(profile, parts, tp, progress)
     if tp not in profile.records.overhead:
-        measure_step_overhead(profile, tp, progress)
+        measure_step_overhead(profile, parts, tp, progress)
     write_atomically(output, to_text(profile.document(complete=False)))
 
 
@@ -318,10 +318,18 @@ def _measure_noisy_again(profile: ProfileRun, parts: Parts, tp: int, progress: P
             return
 
 
-def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> None:
+def measure_step_overhead(profile: ProfileRun, parts: Parts, tp: int, progress: Progress) -> None:
     """What a whole training step adds per micro-batch (:mod:`.overhead`), measured with the
-    first recompute type profiled at the points its layers were measured."""
+    first recompute type profiled at the points its layers were measured, beside ``parts`` alone."""
     s, rc = profile.settings, profile.settings.recompute[0]
+
+    def part_steps(seq: int, mbs: int):
+        inputs = _inputs(profile, seq, mbs)
+        if inputs is None:
+            return None
+        x, labels = inputs
+        encoder = parts.encoders[rc]
+        return (lambda: encoder(x)), [lambda: parts.preprocess(labels), lambda: parts.postprocess(x, labels)]
 
     def ms(layer: str, phase: str, seq: int, mbs: int) -> float:
         return profile.records.times[(tp, rc.label, layer, phase, seq, mbs)]
@@ -341,7 +349,7 @@ def measure_step_overhead(profile: ProfileRun, tp: int, progress: Progress) -> N
     if not shapes:
         progress(f"tp {tp} whole-step overhead", 1)
     found = measure_overhead(profile.spec, tp=tp, dtype=torch_dtype(s.dtype), device=profile.device, recompute=rc,
-                             parts_ms=parts_ms, shapes=shapes, repeats=s.repeats, min_time_ms=s.min_time_ms,
+                             parts=part_steps, shapes=shapes, repeats=s.repeats, min_time_ms=s.min_time_ms,
                              before_shape=before_shape)
     if found is not None:
         profile.set_overhead(tp, found)

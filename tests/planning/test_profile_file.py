@@ -66,7 +66,8 @@ def test_context_parallel_records_come_back_by_group_layout_and_phase(tmp_path):
     back = ProfileRecords.from_document(read_document(path), str(path))
     assert back.cp_tables(1) == {(2, layout, what, RecomputeType.NONE): {(128, 1): value}
                                  for layout in ("padded", "thd")
-                                 for what, value in (("forward", 0.75), ("backward", 1.5), ("stored", 2.5), ("peak", 0.5))}
+                                 for what, value in (("forward", 0.75), ("backward", 1.5), ("stored", 2.5),
+                                                     ("peak", 0.5))}
     assert back.cp_tables(2) == {} and back.times == records.times  # CP 1's records are not disturbed
 
 

@@ -330,6 +330,44 @@ def test_what_a_micro_batch_adds_is_read_round_by_round():
     assert (np.median(more) - np.median(one)) / 2 == pytest.approx(8.0)
 
 
+def test_the_overhead_takes_the_parts_times_from_its_own_rounds():
+    """The overhead is the whole step less its parts, so the parts are timed alone in the same
+    rounds as the stages (the grid's times, taken minutes before, carry the machine's pace then):
+    each part runs once a round and once to warm up, and the times handed on are its own medians
+    (here a layer that sleeps 30 ms forward and an embedding and head that sleep 5 ms each: a
+    lower bound a slow machine cannot break)."""
+    from megatron_dynapipe.config.model import get_model
+    from megatron_dynapipe.profiling.layers import fake_tp_rank
+    from megatron_dynapipe.planning.types import RecomputeType
+    from megatron_dynapipe.profiling.overhead import _layer_counts, _per_microbatch_ms
+    from megatron_dynapipe.runtime.stage import build_training_stage
+
+    calls = {"layer": 0, "ends": 0}
+
+    def sleeping(name: str, ms: float):
+        weight = torch.ones(4, requires_grad=True)
+
+        def step():
+            calls[name] += 1
+            time.sleep(ms / 1e3)
+            return weight * 2
+        return step
+
+    def parts(seq, mbs):
+        return sleeping("layer", 30.0), [sleeping("ends", 5.0), sleeping("ends", 5.0)]
+
+    spec, cpu = get_model("tiny"), torch.device("cpu")
+    with fake_tp_rank(1, cpu):
+        stages = {n: build_training_stage(spec, dtype=torch.float32, device=cpu, tp=1, num_layers=n)
+                  for n in _layer_counts(spec.num_layers)}
+        per_stage, parts_ms = _per_microbatch_ms(stages, spec, RecomputeType.NONE, parts, 32, 1, cpu, repeats=3,
+                                                 min_time_ms=0.0)
+    assert calls == {"layer": 1 + 3, "ends": 2 * (1 + 3)}
+    assert parts_ms["forward"][0] >= 30.0 and parts_ms["forward"][1] >= 10.0
+    assert sorted(per_stage) == [1, 3] and all(set(v) == {"forward", "backward"} for v in per_stage.values())
+    assert _per_microbatch_ms(stages, spec, RecomputeType.NONE, lambda seq, mbs: None, 32, 1, cpu, 3, 0.0) is None
+
+
 def test_every_run_is_timed_until_its_own_times_add_up():
     from megatron_dynapipe.profiling import overhead
 
@@ -365,12 +403,13 @@ def test_the_overheads_time_is_said_from_the_parts_profiled_times():
     parts = {"forward": (1.0, 0.5), "backward": (2.0, 1.0)}
     seconds = lambda *args, **kw: overhead_seconds(lambda phase, seq, mbs: parts[phase], *args, **kw)  # noqa: E731
     # stages of 1 and 3 layers, forward alone (1.5 and 3.5 ms) and with the backward (4.5 and 10.5),
-    # one micro-batch and three: 20 ms + 60 ms a round
-    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.080])
-    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=30.0) == pytest.approx([(20 + 1) * 0.080])  # 30 / 1.5
-    assert seconds([(32, 1), (64, 1)], 4, repeats=3, min_time_ms=100.0) == pytest.approx([(50 + 1) * 0.080] * 2)
-    # a one-layer model times one stage: 1.5 + 4.5 ms a round, and three times that
-    assert seconds([(32, 1)], 1, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.024])
+    # one micro-batch and three: 20 ms + 60 ms a round; and the parts alone, the layer's 3 ms and
+    # the embedding's and head's 1.5: 84.5 ms a round
+    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.0845])
+    assert seconds([(32, 1)], 4, repeats=3, min_time_ms=30.0) == pytest.approx([(20 + 1) * 0.0845])  # 30 / 1.5
+    assert seconds([(32, 1), (64, 1)], 4, repeats=3, min_time_ms=100.0) == pytest.approx([(50 + 1) * 0.0845] * 2)
+    # a one-layer model times one stage: 1.5 + 4.5 ms a round, three times that, and the parts
+    assert seconds([(32, 1)], 1, repeats=3, min_time_ms=0.0) == pytest.approx([(3 + 1) * 0.0285])
     assert seconds([], 4) == []
 
 
