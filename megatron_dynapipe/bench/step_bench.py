@@ -63,6 +63,7 @@ import statistics
 import sys
 
 from megatron_dynapipe.bench import step_timeline
+from megatron_dynapipe.bench.pace import Pace, measure_pace, pace_line, paced_error_pct, reference_point
 from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, DYNAPIPE, LEAKY, PACK, PAD, THD,
                                                  THD_WHOLE, StepJob, VARLEN, Method, build_methods,
                                                  stage_costs)
@@ -142,10 +143,13 @@ def run(args) -> int:
     methods = build_methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job.device} "
           f"({_layout(job.layout)}) ...", file=sys.stderr, flush=True)
+    point = reference_point(job.profile, job.max_seq_length) if job.device == "cpu" and job.predicts else None
+    before = point and _pace(job, point)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
+    pace = point and Pace(point[0], point[1], before, _pace(job, point))
     ran = {name: m for name, m in methods.items() if name not in failed}
     prices = _op_prices(ran, per_rank, job) if job.timeline else None
-    row = summarize(per_rank, ran, lengths, job, failed, prices)
+    row = summarize(per_rank, ran, lengths, job, failed, prices, pace)
     if args.chrome_trace:
         timelines = {name: [(_rank_name(rank, job), rank["timelines"][name]) for rank in per_rank]
                      for name in row["methods"]}
@@ -156,6 +160,17 @@ def run(args) -> int:
         print(f"bench step: {', '.join(failed)} failed (its row says why); the other methods' results stand",
               file=sys.stderr)
     return 1 if failed else 0
+
+
+def _pace(job: StepJob, point) -> float:
+    """The profile's reference layer timed again now, over its profiled time (:mod:`.pace`)."""
+    import torch
+
+    settings = job.profile.metadata.get("settings") or {}
+    timing = {key: settings.get(key, default) for key, default in (("warmup", 1), ("repeats", 3),
+                                                                     ("min_time_ms", 100.0))}
+    return measure_pace(job.model, job.profile, point, torch_dtype(job.dtype), torch.device(job.device), timing,
+                        job.profile.metadata.get("cpu_threads"))
 
 
 def _checked(args) -> StepJob:
@@ -211,13 +226,13 @@ def _checked(args) -> StepJob:
         check_output_file(args.chrome_trace, "--chrome-trace", (".json",))
     memory_limit = args.memory_limit or default_memory_limit_mb(
         torch.cuda.get_device_properties(0).total_memory / 2**20 if device == "cuda" else None)
-    cost_model = split_over_cp(load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype), args.cp)
+    profile = load_job_cost_model(args.cost_model, spec.to_json(), tp=1, dtype=args.dtype)
     packs = runs_packed(spec, device)
     return StepJob(model=spec, device=device, packs=packs, dtype=args.dtype, max_seq_length=max_seq_length,
-                   memory_limit_mb=memory_limit, cost_model=cost_model, pp=args.pp, chunks=args.chunks, dp=args.dp,
-                   cp=args.cp, split=split, seed=args.seed, cost_model_name=args.cost_model or "analytical",
-                   predicts=args.cost_model is not None, timeline=bool(args.chrome_trace),
-                   cut=bool(args.cut_documents))
+                   memory_limit_mb=memory_limit, cost_model=split_over_cp(profile, args.cp), pp=args.pp,
+                   chunks=args.chunks, dp=args.dp, cp=args.cp, split=split, seed=args.seed,
+                   cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None,
+                   timeline=bool(args.chrome_trace), cut=bool(args.cut_documents), profile=profile)
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -379,11 +394,12 @@ def _memory_mb(run, zero_grads, device) -> tuple[float, "float | None"]:
 
 
 def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[int], job: StepJob,
-              failed: "dict[str, str] | None" = None, prices: "dict[str, list[dict]] | None" = None) -> dict:
+              failed: "dict[str, str] | None" = None, prices: "dict[str, list[dict]] | None" = None,
+              pace: "Pace | None" = None) -> dict:
     """Per method: median step time (slowest rank each step), real tokens per second, predicted
-    time and its error, peak memory (largest rank); speed-ups and whether the losses agree; and
-    why each method in ``failed`` did not run. ``prices``: :func:`_op_prices`, each rank's timed
-    step's compute priced beside it."""
+    time and its error (and at the machine's ``pace``, where measured), peak memory (largest rank);
+    speed-ups and whether the losses agree; and why each method in ``failed`` did not run.
+    ``prices``: :func:`_op_prices`, each rank's timed step's compute priced beside it."""
     real_tokens = sum(lengths)
     rows = {}
     for name, method in methods.items():
@@ -395,6 +411,7 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
             # the default analytical model prices an A100, not this device: its times are no prediction
             predicted_ms=method.predicted_ms if job.predicts else None,
             prediction_error_pct=(method.predicted_ms / (median * 1e3) - 1) * 100 if job.predicts else None,
+            paced_error_pct=paced_error_pct(method.predicted_ms, median * 1e3, pace) if pace else None,
             schedule=method.plans[0][0].schedule, microbatches=sum(map(len, method.microbatches)),
             recompute=sorted({rc.label for plans in method.plans for plan in plans for rc in plan.recompute}),
             padded_tokens=int(sum(mb["tokens"].size for mine in method.microbatches for mb in mine)),
@@ -424,7 +441,8 @@ def summarize(per_rank: list[dict], methods: dict[str, Method], lengths: list[in
         threads_per_rank=per_rank[0]["threads"] if job.device == "cpu" else None,
         cores=os.cpu_count() if job.device == "cpu" else None,
         profile_threads=getattr(job.cost_model, "metadata", {}).get("cpu_threads"),
-        cp_group_timed=bool(getattr(job.cost_model, "measured", None)) if job.cp > 1 else None)
+        cp_group_timed=bool(getattr(job.cost_model, "measured", None)) if job.cp > 1 else None,
+        pace=dataclasses.asdict(pace) if pace else None)
 
 
 def _layout(settings: dict) -> str:
@@ -547,6 +565,8 @@ def format_table(row: dict) -> str:
         lines.append("no predictions: the default analytical model prices an A100, not this device; profile the "
                      "model here (megatron-dynapipe profile, or profile --calibrate for a quick fit) and pass "
                      "--cost-model FILE to compare predicted with measured")
+    lines += pace_line(row["pace"], [m["paced_error_pct"] for m in row["methods"].values()
+                                     if m["paced_error_pct"] is not None])
     lines += _sharing_lines(row["settings"], row["cores"], row["methods"])
     lines += _cp_group_lines(row)
     mine, profiled = row["threads_per_rank"], row["profile_threads"]

@@ -54,6 +54,7 @@ class StepJob:
     predicts: bool  # a cost model was given: its times are predictions for this device
     timeline: bool  # --chrome-trace: one more step of each method, every instruction timed
     cut: bool  # --cut-documents
+    profile: Any = None  # the CP 1 cost model ``cost_model`` is split from (bench.pace times its point again)
 
     @property
     def layout(self) -> dict:

@@ -179,6 +179,8 @@ def test_the_table_reports_speed_ups_and_prediction_error(tiny_sdpa_profile, len
     assert "DynaPipe varlen over THD packing (whole) " in run.stdout and "DynaPipe over pad-to-max " in run.stdout
     assert "DynaPipe varlen over dp_balanced packing " in run.stdout
     assert "losses:" in run.stdout and " agree with it" in run.stdout
+    # the profile's layer at one row of its longest length the steps reach, timed before and after them
+    assert f"pace: the profile's layer at 1 x {SEQ} tokens took " in run.stdout
 
 
 def test_the_chrome_trace_shows_every_ranks_instructions_on_one_clock(tiny_sdpa_profile, lengths_file, tmp_path):

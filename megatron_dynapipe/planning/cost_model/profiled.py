@@ -126,6 +126,14 @@ class ProfiledCostModel(CostModel):
     def segment_ms(self, phase, recompute):
         return self._packed_segment_ms.get((phase, as_recompute(recompute)), 0.0)
 
+    def measured_points(self, recompute) -> list[tuple[int, int]]:
+        """The (seqlen, mbs) the encoder's padded rows were measured at under ``recompute``: each
+        row's micro-batch sizes of the grid up to its largest."""
+        grid = self._times.get(("encoder", "forward", as_recompute(recompute)))
+        if grid is None:
+            return []
+        return [(int(s), int(m)) for s, top in zip(grid.S, grid.max_mbs) for m in grid.M if m <= top]
+
     def context_parallel_encoder(self, cp):
         return {(what, rc): points for (c, layout, what, rc), points in self._cp_measured.items()
                 if c == cp and layout == self._cp_layout}

@@ -1,0 +1,57 @@
+"""bench step's pace: the profile's reference layer timed again, against its profiled time."""
+
+import pytest
+
+from megatron_dynapipe.bench.pace import Pace, measure_pace, pace_line, paced_error_pct, reference_point
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, load_cost_model
+from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords, to_text
+from megatron_dynapipe.planning.types import RecomputeType
+
+
+@pytest.fixture
+def profile(tmp_path):
+    """A profile of rows of 64 and 128 tokens, one and two rows, whose encoder layer takes 1 ms
+    forward and 2 backward a row of 64 tokens (in proportion to the tokens), recompute none first."""
+    records = ProfileRecords()
+    for s in (64, 128):
+        for m in (1, 2):
+            for layer in ("encoder", "postprocess", "preprocess"):
+                for phase, ms in (("forward", 1.0), ("backward", 2.0)):
+                    records.times[(1, "none", layer, phase, s, m)] = ms * s * m / 64
+            for kind in ("stored", "peak"):
+                records.memory[(1, "none", kind, s, m)] = 1.0
+    records.params.update({(1, "none", "encoder"): 2.0, (1, "none", "embedding"): 8.0})
+    path = tmp_path / "p.json"
+    path.write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    return load_cost_model(path, tp=1)
+
+
+def test_the_reference_point_is_one_row_of_the_longest_length_the_steps_reach(profile):
+    assert reference_point(profile, 128) == (128, 1, RecomputeType.NONE)
+    assert reference_point(profile, 100) == (64, 1, RecomputeType.NONE)  # 128 is longer than the steps' rows
+    assert reference_point(profile, 32) is None  # shorter than any measured row
+    assert reference_point(AnalyticalCostModel(), 128) is None  # nothing measured to time again
+
+
+def test_the_pace_is_the_layer_timed_now_over_its_profiled_time(profile):
+    seen = []
+
+    def time_layer(spec, point, dtype, device, timing, threads):
+        seen.append((point, timing, threads))
+        return 9.0  # ms, forward and backward
+
+    point = reference_point(profile, 128)
+    # profiled: 2 ms forward + 4 backward for a row of 128 tokens
+    assert measure_pace(None, profile, point, None, None, {"repeats": 3}, 1, time_layer) == pytest.approx(1.5)
+    assert seen == [(point, {"repeats": 3}, 1)]
+
+
+def test_an_error_at_the_machines_pace_scales_the_prediction_by_it():
+    pace = Pace(seqlen=128, mbs=1, before=1.1, after=1.3)
+    assert pace.ratio == pytest.approx(1.2)
+    assert paced_error_pct(500.0, 600.0, pace) == pytest.approx(0.0)  # 500 ms at 1.2x the profile's pace
+    assert paced_error_pct(500.0, 500.0, pace) == pytest.approx(20.0)
+    line = pace_line({"seqlen": 128, "mbs": 1, "before": 1.1, "after": 1.3}, [-4.0, 6.0])
+    assert line == ["pace: the profile's layer at 1 x 128 tokens took 1.10x its profiled time before the steps and "
+                    "1.30x after (a CPU's pace moves with its load); at that pace the predictions are -4% to +6% off"]
+    assert pace_line(None, []) == []
