@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dynapipe.data.datasets import fingerprint, open_dataset, open_descriptor, register_kind
+from megatron_dynapipe.data.datasets import (check_dataset_files, fingerprint, open_dataset, open_descriptor,
+                                             register_kind)
 
 __all__ = ["BlendedDataset", "SplitDataset", "split_dataset", "blend_lengths"]
 
@@ -149,6 +150,9 @@ def blend_lengths(data_path: Sequence[str], max_seq_len: int, long_samples: str 
     ``W1 P1 W2 P2 ...`` as megatron-core reads it), samples longer than ``max_seq_len`` handled
     as ``long_samples`` says, and each dataset's weight: the blend's, else its size (Megatron
     then takes every sample once)."""
+    for word in data_path:  # before megatron-core's import (seconds): a path missing is said at once
+        if not _is_number(word):
+            check_dataset_files(word)
     from megatron.core.datasets.utils import get_blend_from_list  # megatron-core's reading of the flag
 
     paths, weights = get_blend_from_list(list(data_path))
@@ -157,3 +161,11 @@ def blend_lengths(data_path: Sequence[str], max_seq_len: int, long_samples: str 
     if empty:
         raise ValueError(f"--data-path {empty[0]} holds no samples: give a dataset with documents in it")
     return [np.asarray(d.lengths) for d in datasets], list(weights) if weights else [float(len(d)) for d in datasets]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True

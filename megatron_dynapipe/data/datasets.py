@@ -189,6 +189,17 @@ class _TokenDataset:
                     num_samples=len(self), fingerprint=fingerprint(self.lengths), **options)
 
 
+
+def check_dataset_files(path_prefix: "str | os.PathLike") -> str:
+    """The absolute prefix of a Megatron indexed dataset; FileNotFoundError naming the file that is missing."""
+    prefix = os.path.abspath(os.fspath(path_prefix))
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
+            raise FileNotFoundError(f"no Megatron indexed dataset at {prefix!r}: {prefix + suffix} is missing (give "
+                                    "the path prefix, without .bin/.idx)")
+    return prefix
+
+
 class IndexedTokenDataset(_TokenDataset):
     """A Megatron indexed dataset (``path_prefix`` + ``.bin``/``.idx``) through megatron-core.
 
@@ -200,13 +211,8 @@ class IndexedTokenDataset(_TokenDataset):
                  unit: str = "document", mmap: bool = True, quiet: bool = False):
         if unit not in ("document", "sequence"):
             raise ValueError(f"unit must be 'document' or 'sequence', got {unit!r}")
-        self.path_prefix = os.path.abspath(os.fspath(path_prefix))
+        self.path_prefix = check_dataset_files(path_prefix)
         self.unit, self.mmap = unit, bool(mmap)
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(self.path_prefix + suffix):
-                raise FileNotFoundError(
-                    f"no Megatron indexed dataset at {self.path_prefix!r}: {self.path_prefix + suffix} is "
-                    "missing (give the path prefix, without .bin/.idx)")
         from megatron.core.datasets.indexed_dataset import IndexedDataset  # heavy: imported when one is opened
 
         self._dataset = IndexedDataset(self.path_prefix, mmap=self.mmap)

@@ -141,6 +141,8 @@ def run_profile(args: argparse.Namespace) -> int:
           f"{''.join(f', cp {cp}' for cp in settings.cp_sizes)}: "
           f"about {expected} points{'' if args.calibrate else _duration(spec, settings, device)}", file=sys.stderr)
     stream = sys.stderr
+    if args.resume and not output.exists():  # a retried job may pass --resume every time: go on, but say so
+        print(f"note: --resume: {output} does not exist yet, so this profile starts from the beginning", file=stream)
     _warn_if_busy(device, "before profiling")
     with progress_bar(args.progress, stream) as bar:
         task = bar.add_task("profile", total=expected)

@@ -36,6 +36,7 @@ from megatron_dynapipe.profiling.link import KINDS, device_and_sync, fit_link, t
 __all__ = ["add_arguments", "run", "measure"]
 
 _DTYPES = ("float32", "bfloat16")
+DEFAULT_HARDWARE = "h100"  # whose rates --from-profile and --from-kernels replace unless told
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,10 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--from-kernels", metavar="FILE",
                         help="take the roofline's GEMM and memory rates and its fused-attention line from a table of "
                              "kernel times measured on the GPU (benchmarks/bench_kernels.py --json)")
-    fit.add_argument("--attention-backend", default=DEFAULT_BACKEND, metavar="NAME",
+    fit.add_argument("--attention-backend", default=None, metavar="NAME",
                      help=f"with --from-kernels: the attention backend priced (default {DEFAULT_BACKEND}, what "
                           "transformer-engine runs; flash_attention is torch's own)")
-    fit.add_argument("--hardware", default="h100", metavar="NAME|FILE",
+    fit.add_argument("--hardware", default=None, metavar="NAME|FILE",
                      help="with --from-profile or --from-kernels: the hardware file whose rates are replaced "
                           "(default h100)")
 
@@ -96,10 +97,15 @@ def _settings(args: argparse.Namespace) -> tuple[int, str, list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     path = check_output_file(args.output, "--output", (".json",))
+    if args.attention_backend is not None and not args.from_kernels:
+        raise ValueError("--attention-backend prices a kernel table's attention: give --from-kernels FILE, or drop it")
     if args.from_profile:
         return _fit_profile(args, path)
     if args.from_kernels:
         return _from_kernels(args, path)
+    if args.hardware is not None:
+        raise ValueError("--hardware names the file whose rates --from-profile or --from-kernels replace; measuring "
+                         "this machine's collectives writes a file of its own: drop --hardware, or add one of those")
     nproc, backend, sizes = _settings(args)
     started = time.perf_counter()
     points, device = measure(nproc, backend, sizes, repeats=args.repeats, timeout=args.timeout)
@@ -126,7 +132,7 @@ def _fit_profile(args: argparse.Namespace, path) -> int:
     from megatron_dynapipe.planning.cost_model.loading import resolve_cost_model_path
     from megatron_dynapipe.planning.cost_model.profile_file import read_complete_document
 
-    hardware = load_hardware(args.hardware)
+    hardware = load_hardware(args.hardware or DEFAULT_HARDWARE)
     profile = resolve_cost_model_path(args.from_profile, "--from-profile")
     fit = fit_roofline(hardware, read_complete_document(profile))
     said = fit.describe(profile.stem)
@@ -146,15 +152,16 @@ def _from_kernels(args: argparse.Namespace, path) -> int:
     from megatron_dynapipe.hardware import load_hardware
 
     table = read_kernel_table(args.from_kernels)
-    hardware = load_hardware(args.hardware)
-    compute = table.compute_section(hardware.compute or {}, hardware.memory_bandwidth_GBps, args.attention_backend)
-    said = table.describe(args.attention_backend)
+    hardware = load_hardware(args.hardware or DEFAULT_HARDWARE)
+    backend = args.attention_backend or DEFAULT_BACKEND
+    compute = table.compute_section(hardware.compute or {}, hardware.memory_bandwidth_GBps, backend)
+    said = table.describe(backend)
     fitted = dataclasses.replace(hardware, name=args.name or f"{hardware.name}-{table.path.stem}", compute=compute,
                                  source=f"{hardware.source}; {said}")
     fitted.write(path)
     attention = compute["fused_attention"]
     print(f"GEMMs at {compute['gemm_efficiency']:.3f} of peak, copies at {compute['memory_efficiency']:.3f} of the "
-          f"memory bandwidth, {args.attention_backend} at {attention['forward_efficiency']:.3f} / "
+          f"memory bandwidth, {backend} at {attention['forward_efficiency']:.3f} / "
           f"{attention['backward_efficiency']:.3f} of peak plus {attention['forward_latency_us']:.0f} / "
           f"{attention['backward_latency_us']:.0f} us (forward / backward)")
     print(f"wrote {path}")

@@ -178,8 +178,10 @@ def test_an_architecture_given_by_megatron_flags(tmp_path):
                   "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--vocab-size", "256",
                   "--max-position-embeddings", "64", "--tp", "1", "2", "--recompute", "none",
                   "--max-tokens", "64", "--repeats", "1", "--warmup", "0", "--min-time-ms", "0", "--allow-noisy",
-                  "-o", str(out))
+                  "--resume", "-o", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
+    # a retried job may pass --resume every time: nothing to resume starts a profile, and says so
+    assert f"note: --resume: {out} does not exist yet, so this profile starts from the beginning" in run.stderr
     doc = json.loads(out.read_text())
     assert doc["metadata"]["model"]["swiglu"] and "--swiglu" in doc["metadata"]["megatron_args"]
     for tp in (1, 2):

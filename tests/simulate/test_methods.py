@@ -189,6 +189,23 @@ def test_a_search_draws_from_megatrons_data_path_and_refuses_a_missing_one_befor
     assert len(err) == 1 and "nothing_text_document" in err[0] and not (tmp_path / "missing" / "traces").exists()
 
 
+def test_a_blend_with_a_dataset_missing_is_refused_before_megatron_core_is_imported(tmp_path):
+    """megatron-core reads the blend (seconds to import, and its warnings on a machine without
+    transformer-engine); a path missing is refused before it, naming the file."""
+    import subprocess
+    import sys
+
+    prefix = _indexed(tmp_path / "corpus_text_document", [180, 256])
+    code = ("import sys\nfrom megatron_dynapipe.data.blend import blend_lengths\n"
+            f"try:\n    blend_lengths(['0.5', {prefix!r}, '0.5', {str(tmp_path / 'gone')!r}], 256)\n"
+            "except FileNotFoundError as error:\n    print(error)\n"
+            "print('megatron.core imported:', 'megatron.core' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines() == [f"no Megatron indexed dataset at {str(tmp_path / 'gone')!r}: "
+                                       f"{tmp_path / 'gone'}.bin is missing (give the path prefix, without .bin/.idx)",
+                                       "megatron.core imported: False"], run.stderr[-2000:]
+
+
 def test_simulate_prices_the_methods_on_a_traced_layout_as_the_search_did(tmp_path, capsys):
     # the search's on-data prices at its traced layout, and `simulate` of that layout's folder on
     # the same draws: the same layout read back from the trace, so the same steps

@@ -358,7 +358,10 @@ def test_calibrate_writes_a_hardware_file_simulate_reads(tmp_path):
 @pytest.mark.parametrize("flags,says", [(["--nproc", "1"], "--nproc must be at least 2"),
                                         (["--backend", "nccl", "--nproc", "2"], "needs a GPU per process"),
                                         (["--min-bytes", "4096", "--max-bytes", "1024"], "--min-bytes <= --max-bytes"),
-                                        (["--timeout", "0"], "--timeout 0: give the seconds to wait")])
+                                        (["--timeout", "0"], "--timeout 0: give the seconds to wait"),
+                                        # flags of the fits, which measuring collectives would leave unread
+                                        (["--hardware", "a100"], "--hardware names the file whose rates"),
+                                        (["--attention-backend", "flash_attention"], "give --from-kernels FILE")])
 def test_calibrate_refuses_settings_that_cannot_work_before_starting(tmp_path, flags, says):
     run = subprocess.run([sys.executable, "-m", "megatron_dynapipe.cli", "calibrate", *flags, "-o",
                           str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
