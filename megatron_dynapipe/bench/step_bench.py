@@ -166,9 +166,10 @@ def _pace(job: StepJob, point) -> float:
     """The profile's reference layer timed again now, over its profiled time (:mod:`.pace`)."""
     import torch
 
-    settings = job.profile.metadata.get("settings") or {}
-    timing = {key: settings.get(key, default) for key, default in (("warmup", 1), ("repeats", 3),
-                                                                     ("min_time_ms", 100.0))}
+    from megatron_dynapipe.profiling.profiler import ProfileSettings
+
+    settings, default = job.profile.metadata.get("settings") or {}, ProfileSettings()  # as the profile timed it
+    timing = {key: settings.get(key, getattr(default, key)) for key in ("warmup", "repeats", "min_time_ms")}
     return measure_pace(job.model, job.profile, point, torch_dtype(job.dtype), torch.device(job.device), timing,
                         job.profile.metadata.get("cpu_threads"))
 
