@@ -242,6 +242,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    upstream.silence_upstream_notices()
     try:
         if getattr(args, "megatron_core", False):
             upstream.check_supported()  # before any work

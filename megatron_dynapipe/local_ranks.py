@@ -21,7 +21,9 @@ killed and it says which.  Nothing ever waits on a dead peer.
 Children start with ``spawn`` (forking after torch's threads exist is unsafe, and a forked child
 cannot use CUDA once its parent has) and share the cores: each takes the parent's thread count
 (``OMP_NUM_THREADS``, ``torch.set_num_threads``), at most ``cores // world_size``, so that ranks run
-with the threads a profile made in the parent's settings was measured with.
+with the threads a profile made in the parent's settings was measured with.  Each also takes the
+parent's warning filters (a spawned interpreter starts from the defaults), so what the parent
+silenced stays silent on its ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pickle
 import queue
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -61,6 +64,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     payload = pickle.dumps((fn, args, kwargs))
+    filters = _warning_filters()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     deadline = time.monotonic() + timeout
@@ -68,7 +72,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     pg_timeout_s = max(5.0, min(60.0, timeout / 2))
     threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
     procs = [ctx.Process(target=_child, args=(rank, world_size, store.port, backend, payload, results, pg_timeout_s,
-                                              threads),
+                                              threads, filters),
                          name=f"local-rank{rank}", daemon=True) for rank in range(world_size)]
     name = getattr(fn, "__qualname__", repr(fn))
     try:
@@ -93,10 +97,33 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         del store
 
 
-def _child(rank, world_size, port, backend, payload, results, pg_timeout_s, threads) -> None:
+def _warning_filters() -> list[tuple]:
+    """This process's warning filters as ``warnings.filterwarnings`` takes them, those that pickle
+    (a category the children cannot import is left behind)."""
+    kept = []
+    for action, message, category, module, lineno in warnings.filters:
+        entry = (action, _pattern(message), category, _pattern(module), lineno)
+        try:
+            pickle.dumps(entry)
+        except Exception:
+            continue
+        kept.append(entry)
+    return kept
+
+
+def _pattern(field) -> str:
+    """A filter's message or module as text: compiled by ``filterwarnings``, a string or None where
+    set otherwise."""
+    return getattr(field, "pattern", field) or ""
+
+
+def _child(rank, world_size, port, backend, payload, results, pg_timeout_s, threads, filters) -> None:
     import torch
     import torch.distributed as dist
 
+    warnings.resetwarnings()
+    for action, message, category, module, lineno in filters:
+        warnings.filterwarnings(action, message, category, module, lineno, append=True)
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":

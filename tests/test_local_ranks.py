@@ -38,6 +38,26 @@ def test_ranks_run_with_the_callers_thread_count_within_their_share_of_the_cores
     assert run_local_ranks(_threads, 2, timeout=600) == [min(before, share)] * 2
 
 
+def _warned(rank, world_size):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("a notice the parent silenced", UserWarning)
+        warnings.warn("another notice", UserWarning)
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.slow
+def test_ranks_keep_the_callers_warning_filters():
+    # a spawned interpreter starts from the default filters: what the parent silenced must stay silent
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="a notice the parent", category=UserWarning)
+        assert run_local_ranks(_warned, 1, timeout=600) == [["another notice"]]
+    assert run_local_ranks(_warned, 1, timeout=600) == [["a notice the parent silenced", "another notice"]]
+
+
 def test_a_world_of_no_ranks_is_refused():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         run_local_ranks(_rank_and_sum, 0, 1)

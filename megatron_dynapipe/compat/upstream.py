@@ -25,6 +25,15 @@ script and the CPU redirection included):
   :data:`LOCAL_CORE_ATTENTION`.
 * ``build_tokenizer`` moved from ``tokenizers.text.utils`` to ``tokenizers.utils`` (0.17):
   :func:`build_tokenizer`.
+
+megatron-core also says at import, once per module and per process, that transformer-engine or
+Apex is missing and which local code it falls back to; each ``TransformerConfig`` of 0.16 warns of
+its own default CUDA-graph scope; and a tensor-parallel linear layer recommends
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` for overlapping a gradient all-reduce that the profiler's fake
+group never runs. Some 20 lines on stderr for every command and local rank, none of them about the
+user's job (which layers a profile timed is in its ``layer_spec``). This package's commands
+silence those, and only those (:func:`silence_upstream_notices`); a Megatron-LM job this package
+launches keeps them.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ __all__ = [
     "describe",
     "find_megatron_core",
     "is_supported",
+    "silence_upstream_notices",
     "process_groups",
     "supported_range",
 ]
@@ -71,6 +81,25 @@ class UnsupportedUpstream(RuntimeError):
 def supported_range() -> str:
     low, high = SUPPORTED
     return f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+
+
+#: the start of each of megatron-core's notices that :func:`silence_upstream_notices` silences
+UPSTREAM_NOTICES = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",  # 0.16's TransformerConfig, of its own default cuda_graph_scope
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+def silence_upstream_notices() -> None:
+    """Ignore megatron-core's :data:`UPSTREAM_NOTICES` in this process (and so on its local ranks,
+    which take its warning filters)."""
+    import re
+    import warnings
+
+    for notice in UPSTREAM_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(notice), category=UserWarning)
 
 
 def _release(version: str) -> Optional[tuple[int, ...]]:

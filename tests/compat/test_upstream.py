@@ -35,6 +35,35 @@ def test_the_installed_megatron_core_is_found_without_importing_it_and_is_suppor
     assert version == _release(package_info) and imported == "False"
 
 
+_IMPORTS_THAT_NOTIFY = textwrap.dedent("""
+    import sys, warnings
+    from megatron_dynapipe.compat import upstream
+    if sys.argv[1] == "silenced":
+        upstream.silence_upstream_notices()
+    warnings.warn("a notice of the job's own", UserWarning)
+    import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs
+    from megatron.core.transformer import TransformerConfig
+    TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+""")
+
+
+@pytest.mark.slow
+def test_megatron_cores_notices_are_silenced_and_nothing_else():
+    import importlib.util
+
+    def stderr(mode: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _IMPORTS_THAT_NOTIFY, mode], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, PYTHONPATH=_before_pythonpath(ROOT)))
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+
+    silenced = stderr("silenced")
+    assert "a notice of the job's own" in silenced
+    assert not any(notice in silenced for notice in upstream.UPSTREAM_NOTICES), silenced
+    if importlib.util.find_spec("transformer_engine") is None:  # where megatron-core says it falls back
+        assert "not installed" in stderr("as imported")
+
+
 def _release(package_info) -> str:
     """The release megatron-core's package_info names: its ``__version__`` without the ``+commit`` that
     megatron-core 0.19 appends from whatever git repository holds the install (CI's venv sits in this one)."""

@@ -182,6 +182,7 @@ def test_an_architecture_given_by_megatron_flags(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     # a retried job may pass --resume every time: nothing to resume starts a profile, and says so
     assert f"note: --resume: {out} does not exist yet, so this profile starts from the beginning" in run.stderr
+    assert "UserWarning" not in run.stderr  # megatron-core's notices (local layers, TP's env): silenced
     doc = json.loads(out.read_text())
     assert doc["metadata"]["model"]["swiglu"] and "--swiglu" in doc["metadata"]["megatron_args"]
     for tp in (1, 2):
