@@ -105,9 +105,6 @@ def format_table(row: dict) -> str:
 
 
 def _bench_rank(rank: int, world_size: int, s: dict) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore")
     from megatron_dynapipe.compat import cpu_compat
     from megatron_dynapipe.gpt.tiny import destroy_model_parallel, init_model_parallel, random_micro_batches
 

@@ -297,9 +297,6 @@ def _failing_as(name: str, run):
 
 
 def _rank(rank: int, world_size: int, job: StepJob, methods: dict[str, Method], warmup: int, steps: int) -> dict:
-    import warnings
-
-    warnings.filterwarnings("ignore")
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
