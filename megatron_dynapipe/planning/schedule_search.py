@@ -91,7 +91,8 @@ def predicted_iterations_ms(costs: StageCosts, microbatchings: Sequence[Microbat
                    [rc for m in microbatchings for rc in m.recompute])
     weight = fill_weight(costs.pp, chunks)
     ends = np.cumsum([len(m.microbatches) for m in microbatchings])[:-1]
-    return [float(t.sum() + weight * t.max()) for t in np.split(times, ends)]
+    # no pipeline to fill (PP 1) weighs nothing, a micro-batch the cost model cannot run included (not 0 x inf)
+    return [float(t.sum() + (weight * t.max() if weight else 0.0)) for t in np.split(times, ends)]
 
 
 def _times(costs, microbatches, recompute) -> np.ndarray:

@@ -711,6 +711,32 @@ def test_rows_balanced_by_cost_make_a_packed_plan_no_slower_and_here_faster(monk
     assert with_them < without
 
 
+def test_a_micro_batching_the_cost_model_cannot_run_is_priced_inf_without_a_pipeline_to_fill(tmp_path):
+    """At PP 1 the fill term weighs nothing, also where a micro-batch is longer than the profile
+    measured: 0 x inf was nan, which sorts anywhere (bench step at DP 2 then said no schedule fits)."""
+    from megatron_dynapipe.planning.cost_model import load_cost_model
+    from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords, to_text
+    from megatron_dynapipe.planning.schedule_search import Microbatching, predicted_iterations_ms
+    from megatron_dynapipe.planning.types import MicroBatch
+
+    records = ProfileRecords()  # rows of up to 128 tokens; 1 ms forward and 2 backward a row of 64
+    for s in (64, 128):
+        for layer in ("encoder", "postprocess", "preprocess"):
+            for phase, ms in (("forward", 1.0), ("backward", 2.0)):
+                records.times[(1, "none", layer, phase, s, 1)] = ms * s / 64
+        for kind in ("stored", "peak"):
+            records.memory[(1, "none", kind, s, 1)] = 1.0
+    records.params.update({(1, "none", "encoder"): 2.0, (1, "none", "embedding"): 8.0})
+    (tmp_path / "p.json").write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
+    costs = StageCosts(load_cost_model(tmp_path / "p.json", tp=1), num_layers=2, pp=1)
+    none = RecomputeType.NONE
+    fits, too_long = (Microbatching("fits", (MicroBatch((0,), 128),), (none,)),
+                      Microbatching("too long", (MicroBatch((0,), 128), MicroBatch((1,), 512)), (none, none)))
+    priced = predicted_iterations_ms(costs, [fits, too_long])
+    # two layers of 2 + 4 ms, the embedding's and the head's 2 + 4 each, no fill at PP 1
+    assert priced[0] == pytest.approx(4 * 6.0) and priced[1] == float("inf")
+
+
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_micro_batchings_priced_in_one_query_each_cost_their_own_objective(chunks):
     """``predicted_iterations_ms`` prices several micro-batchings at once (the balanced rows' many
