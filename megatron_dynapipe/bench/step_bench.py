@@ -63,7 +63,7 @@ import statistics
 import sys
 
 from megatron_dynapipe.bench import step_timeline
-from megatron_dynapipe.bench.pace import Pace, measure_pace, pace_line, paced_error_pct, reference_point
+from megatron_dynapipe.bench.pace import Pace, pace_line, paced_error_pct, profiled_ms, reference_layer, reference_point
 from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, DYNAPIPE, LEAKY, PACK, PAD, THD,
                                                  THD_WHOLE, StepJob, VARLEN, Method, build_methods,
                                                  stage_costs)
@@ -143,10 +143,8 @@ def run(args) -> int:
     methods = build_methods(lengths, job, args)
     print(f"running {len(methods)} methods x {args.warmup + args.steps} steps on {job.device} "
           f"({_layout(job.layout)}) ...", file=sys.stderr, flush=True)
-    point = reference_point(job.profile, job.max_seq_length) if job.device == "cpu" and job.predicts else None
-    before = point and _pace(job, point)
     per_rank, failed = run_methods(methods, job, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
-    pace = point and Pace(point[0], point[1], before, _pace(job, point))
+    pace = _pace(job, per_rank)
     ran = {name: m for name, m in methods.items() if name not in failed}
     prices = _op_prices(ran, per_rank, job) if job.timeline else None
     row = summarize(per_rank, ran, lengths, job, failed, prices, pace)
@@ -162,16 +160,25 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def _pace(job: StepJob, point) -> float:
-    """The profile's reference layer timed again now, over its profiled time (:mod:`.pace`)."""
-    import torch
+def _pace(job: StepJob, per_rank: list[dict]) -> "Pace | None":
+    """The machine's pace beside the steps: the ranks' times of the profile's layer over its profiled time."""
+    if job.pace is None:
+        return None
+    point, _ = job.pace
+    profiled = profiled_ms(job.profile, point)
+    return Pace(point[0], point[1], tuple(ms / profiled for rank in per_rank for ms in rank["pace_ms"]))
 
+
+def _pace_reference(profile, device: str, max_seq_length: int) -> "tuple | None":
+    """(point, timing) of the profile's layer to time beside the steps, as the profile timed it; None
+    off the CPU (a GPU's pace does not drift so) or without a measured profile (:mod:`.pace`)."""
     from megatron_dynapipe.profiling.profiler import ProfileSettings
 
-    settings, default = job.profile.metadata.get("settings") or {}, ProfileSettings()  # as the profile timed it
-    timing = {key: settings.get(key, getattr(default, key)) for key in ("warmup", "repeats", "min_time_ms")}
-    return measure_pace(job.model, job.profile, point, torch_dtype(job.dtype), torch.device(job.device), timing,
-                        job.profile.metadata.get("cpu_threads"))
+    point = reference_point(profile, max_seq_length) if device == "cpu" else None
+    if point is None:
+        return None
+    settings, default = profile.metadata.get("settings") or {}, ProfileSettings()
+    return point, {key: settings.get(key, getattr(default, key)) for key in ("warmup", "repeats", "min_time_ms")}
 
 
 def _checked(args) -> StepJob:
@@ -233,7 +240,8 @@ def _checked(args) -> StepJob:
                    memory_limit_mb=memory_limit, cost_model=split_over_cp(profile, args.cp), pp=args.pp,
                    chunks=args.chunks, dp=args.dp, cp=args.cp, split=split, seed=args.seed,
                    cost_model_name=args.cost_model or "analytical", predicts=args.cost_model is not None,
-                   timeline=bool(args.chrome_trace), cut=bool(args.cut_documents), profile=profile)
+                   timeline=bool(args.chrome_trace), cut=bool(args.cut_documents), profile=profile,
+                   pace=_pace_reference(profile, device, max_seq_length))
 
 
 def _lengths(args, max_seq_length: int) -> list[int]:
@@ -327,13 +335,16 @@ def _rank(rank: int, world_size: int, job: StepJob, methods: dict[str, Method], 
             for chunk in chunks:
                 chunk.zero_grad_buffer()
 
+        paced: list[float] = []  # the profile's layer, ms, after each timed round (bench.pace)
+        layer_ms = job.pace and reference_layer(job.model, job.pace[0], torch_dtype(job.dtype), device, job.pace[1])
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=zero_grads,
-                                          synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize)
+                                          synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize,
+                                          after_round=layer_ms and (lambda: paced.append(layer_ms())))
         timelines = ({name: step_timeline.record(run, zero_grads) for name, run in runs.items()}
                      if job.timeline else {})
         return {"times": times, "losses": _loss_sums(results), "threads": torch.get_num_threads(),
                 "memory_mb": {name: _memory_mb(run, zero_grads, device) for name, run in runs.items()},
-                "timelines": timelines, "stage": stage, "dp_rank": dp_rank,
+                "timelines": timelines, "stage": stage, "dp_rank": dp_rank, "pace_ms": paced,
                 "cp_rank": parallel_state.get_context_parallel_rank()}
     finally:
         destroy_model_parallel()

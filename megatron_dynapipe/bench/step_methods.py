@@ -54,7 +54,8 @@ class StepJob:
     predicts: bool  # a cost model was given: its times are predictions for this device
     timeline: bool  # --chrome-trace: one more step of each method, every instruction timed
     cut: bool  # --cut-documents
-    profile: Any = None  # the CP 1 cost model ``cost_model`` is split from (bench.pace times its point again)
+    profile: Any = None  # the CP 1 cost model ``cost_model`` is split from
+    pace: Any = None  # (point, timing) of the profile's layer the ranks time beside the steps (bench.pace), or None
 
     @property
     def layout(self) -> dict:

@@ -1,8 +1,8 @@
-"""bench step's pace: the profile's reference layer timed again, against its profiled time."""
+"""bench step's pace: the profile's reference layer timed again beside the steps, against its profiled time."""
 
 import pytest
 
-from megatron_dynapipe.bench.pace import Pace, measure_pace, pace_line, paced_error_pct, reference_point
+from megatron_dynapipe.bench.pace import Pace, pace_line, paced_error_pct, profiled_ms, reference_point
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, load_cost_model
 from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords, to_text
 from megatron_dynapipe.planning.types import RecomputeType
@@ -33,25 +33,19 @@ def test_the_reference_point_is_one_row_of_the_longest_length_the_steps_reach(pr
     assert reference_point(AnalyticalCostModel(), 128) is None  # nothing measured to time again
 
 
-def test_the_pace_is_the_layer_timed_now_over_its_profiled_time(profile):
-    seen = []
-
-    def time_layer(spec, point, dtype, device, timing, threads):
-        seen.append((point, timing, threads))
-        return 9.0  # ms, forward and backward
-
-    point = reference_point(profile, 128)
-    # profiled: 2 ms forward + 4 backward for a row of 128 tokens
-    assert measure_pace(None, profile, point, None, None, {"repeats": 3}, 1, time_layer) == pytest.approx(1.5)
-    assert seen == [(point, {"repeats": 3}, 1)]
+def test_the_profiled_time_is_the_layers_forward_and_backward_at_the_point(profile):
+    # 2 ms forward + 4 backward for a row of 128 tokens; 2 + 4 for two rows of 64
+    assert profiled_ms(profile, (128, 1, RecomputeType.NONE)) == pytest.approx(6.0)
+    assert profiled_ms(profile, (64, 2, RecomputeType.NONE)) == pytest.approx(6.0)
 
 
 def test_an_error_at_the_machines_pace_scales_the_prediction_by_it():
-    pace = Pace(seqlen=128, mbs=1, before=1.1, after=1.3)
-    assert pace.ratio == pytest.approx(1.2)
+    pace = Pace(seqlen=128, mbs=1, ratios=(1.3, 1.1, 1.2, 1.25, 1.15))
+    assert pace.ratio == pytest.approx(1.2)  # the median of every rank's rounds
     assert paced_error_pct(500.0, 600.0, pace) == pytest.approx(0.0)  # 500 ms at 1.2x the profile's pace
     assert paced_error_pct(500.0, 500.0, pace) == pytest.approx(20.0)
-    line = pace_line({"seqlen": 128, "mbs": 1, "before": 1.1, "after": 1.3}, [-4.0, 6.0])
-    assert line == ["pace: the profile's layer at 1 x 128 tokens took 1.10x its profiled time before the steps and "
-                    "1.30x after (a CPU's pace moves with its load); at that pace the predictions are -4% to +6% off"]
+    line = pace_line({"seqlen": 128, "mbs": 1, "ratios": [1.3, 1.1, 1.2, 1.25, 1.15]}, [-4.0, 6.0])
+    assert line == ["pace: the profile's layer at 1 x 128 tokens took 1.20x its profiled time beside the steps "
+                    "(1.10-1.30x, 5 times on the ranks; a CPU's pace moves with its load); at that pace the "
+                    "predictions are -4% to +6% off"]
     assert pace_line(None, []) == []
