@@ -10,7 +10,7 @@ repeats; the rank's threads, which the steps run with) -- and reports the median
 profiled time, and each method's error at that pace: the prediction times the ratio against what
 was measured. Nothing is fitted to the steps; the ratio is one more measurement of the profile's,
 made beside them: timed before and after the steps instead, the layer ran at 1.02-1.08x while the
-steps between ran 1.2-1.3x their price.
+steps between ran 1.1-1.3x their price.
 
 The layer is built on the rank, in its own parallel state (torch and megatron-core are imported
 there); the rest of this module needs neither.
