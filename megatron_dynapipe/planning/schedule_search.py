@@ -103,6 +103,19 @@ def _times(costs, microbatches, recompute) -> np.ndarray:
     return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
 
 
+def _unpriced(microbatchings: Sequence[Microbatching], costs: StageCosts) -> "MicroBatch | None":
+    """A micro-batch the cost model prices under no recompute type, where every micro-batching
+    holds one (then what failed is the pricing, not the memory)."""
+    found = None
+    for m in microbatchings:
+        stages = costs.of_microbatches(m.microbatches, tuple(RecomputeType), costs.worst_stages())
+        unpriced = np.isinf(np.max(stages["forward"] + stages["backward"], axis=1)).all(axis=0)
+        if not unpriced.any():
+            return None
+        found = found or m.microbatches[int(np.argmax(unpriced))]
+    return found
+
+
 def build_candidates(
     microbatchings: Sequence[Microbatching],
     costs: StageCosts,
@@ -233,6 +246,12 @@ def optimize_schedule(
         if fitted and (best is None or (fitted.simulation.makespan, i) < best[:2]):
             best = (fitted.simulation.makespan, i, fitted)
     if best is None:
+        unpriced = _unpriced(microbatchings, costs)
+        if unpriced is not None:
+            shape = (f"a packed row of {unpriced.seq_len} tokens holding {unpriced.size} sample(s)"
+                     if unpriced.packed_lengths else f"{unpriced.size} row(s) of {unpriced.seq_len} tokens")
+            raise PlanningError(f"the cost model has no times for micro-batches such as {shape}, under any recompute: "
+                                "profile larger shapes (megatron-dynapipe profile --max-tokens, --max-seq-length)")
         raise PlanningError(
             f"no schedule of the {len(microbatchings[0].microbatches)} micro-batches fits {memory_limit_mb:.0f} MB "
             f"even with {max(recompute_types).label} recompute: raise the memory limit or add pipeline/tensor "

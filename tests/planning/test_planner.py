@@ -711,15 +711,13 @@ def test_rows_balanced_by_cost_make_a_packed_plan_no_slower_and_here_faster(monk
     assert with_them < without
 
 
-def test_a_micro_batching_the_cost_model_cannot_run_is_priced_inf_without_a_pipeline_to_fill(tmp_path):
-    """At PP 1 the fill term weighs nothing, also where a micro-batch is longer than the profile
-    measured: 0 x inf was nan, which sorts anywhere (bench step at DP 2 then said no schedule fits)."""
+def _one_row_profile(tmp_path):
+    """A profile of one row of 64 or 128 tokens (1 ms forward and 2 backward a row of 64 in every
+    layer): nothing measured beyond one row of 128 tokens."""
     from megatron_dynapipe.planning.cost_model import load_cost_model
     from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords, to_text
-    from megatron_dynapipe.planning.schedule_search import Microbatching, predicted_iterations_ms
-    from megatron_dynapipe.planning.types import MicroBatch
 
-    records = ProfileRecords()  # rows of up to 128 tokens; 1 ms forward and 2 backward a row of 64
+    records = ProfileRecords()
     for s in (64, 128):
         for layer in ("encoder", "postprocess", "preprocess"):
             for phase, ms in (("forward", 1.0), ("backward", 2.0)):
@@ -728,7 +726,30 @@ def test_a_micro_batching_the_cost_model_cannot_run_is_priced_inf_without_a_pipe
             records.memory[(1, "none", kind, s, 1)] = 1.0
     records.params.update({(1, "none", "encoder"): 2.0, (1, "none", "embedding"): 8.0})
     (tmp_path / "p.json").write_text(to_text({"name": "test", "hidden_size": 64, **records.records()}))
-    costs = StageCosts(load_cost_model(tmp_path / "p.json", tp=1), num_layers=2, pp=1)
+    return load_cost_model(tmp_path / "p.json", tp=1)
+
+
+def test_a_batch_the_cost_model_cannot_price_is_refused_for_that_not_for_memory(tmp_path):
+    """A sample of 125 tokens padded to a row of 128 is priced padded, but packed it is a row of
+    1.05 equal segments (125 tokens and 3 of padding), between one row and two, and the profile
+    has no two rows of 128: every micro-batching holds it, and the refusal says what to profile,
+    where it said no schedule fits the memory."""
+    model = _one_row_profile(tmp_path)
+    spec = TrainingSpec(num_layers=2, pp=1, packing="varlen", memory_limit_mb=1000, recompute_types=("none",))
+    with pytest.raises(ValueError, match=r"^the cost model has no times for micro-batches such as a packed row of "
+                                         r"128 tokens holding 1 sample\(s\), under any recompute: profile larger "
+                                         r"shapes \(megatron-dynapipe profile --max-tokens, --max-seq-length\)$"):
+        generate_execution_plan([125], spec, model)
+    assert generate_execution_plan([125], dataclasses.replace(spec, packing="pad"), model).makespan_ms > 0
+
+
+def test_a_micro_batching_the_cost_model_cannot_run_is_priced_inf_without_a_pipeline_to_fill(tmp_path):
+    """At PP 1 the fill term weighs nothing, also where a micro-batch is longer than the profile
+    measured: 0 x inf was nan, which sorts anywhere (bench step at DP 2 then said no schedule fits)."""
+    from megatron_dynapipe.planning.schedule_search import Microbatching, predicted_iterations_ms
+    from megatron_dynapipe.planning.types import MicroBatch
+
+    costs = StageCosts(_one_row_profile(tmp_path), num_layers=2, pp=1)
     none = RecomputeType.NONE
     fits, too_long = (Microbatching("fits", (MicroBatch((0,), 128),), (none,)),
                       Microbatching("too long", (MicroBatch((0,), 128), MicroBatch((1,), 512)), (none, none)))
