@@ -4,13 +4,16 @@ A profile is the machine's pace at the time it was taken. A shared CPU's pace mo
 percent over minutes (other tenants, clocks): on this project's 2-core CPU the same layer took 14.0
 ms in a profile and 16.1 ms ten minutes later, and ``bench step`` runs minutes after its profile.
 Its prediction errors then mix the cost model's with the machine's drift. So ``bench step`` times
-the profile's own reference point again on every rank after every timed round of the steps -- one
-encoder layer, forward and backward, built and timed as the profiler built and timed it (its
-repeats; the rank's threads, which the steps run with) -- and reports the median ratio to the
-profiled time, and each method's error at that pace: the prediction times the ratio against what
-was measured. Nothing is fitted to the steps; the ratio is one more measurement of the profile's,
-made beside them: timed before and after the steps instead, the layer ran at 1.02-1.08x while the
-steps between ran 1.1-1.3x their price.
+the profile's own reference points again on every rank after every timed round of the steps -- one
+encoder layer, forward and backward, on 1, 2 and 4 rows of the longest length the profile measured
+and the steps reach, built and timed as the profiler built and timed it (its repeats; the rank's
+threads, which the steps run with) -- and reports the median ratio to the profiled times, and each
+method's error at that pace: the prediction times the ratio against what was measured. Nothing is
+fitted to the steps; the ratio is more measurements of the profile's points, made beside the steps
+(timed before and after the steps instead, the layer ran at 1.02-1.08x while the steps between ran
+1.1-1.3x their price), and over several points, as a profile's point is itself one sample (one
+row of 256 tokens measured 9.3 ms where two rows took 16.6: its pace alone came out 0.70x while
+the steps ran 0.87-0.96x their price).
 
 The layer is built on the rank, in its own parallel state (torch and megatron-core are imported
 there); the rest of this module needs neither.
@@ -24,16 +27,19 @@ from typing import Callable
 
 from megatron_dynapipe.planning.cost_model import ProfiledCostModel
 
-__all__ = ["Pace", "reference_point", "profiled_ms", "reference_layer", "paced_error_pct", "pace_line"]
+__all__ = ["Pace", "reference_points", "profiled_ms", "reference_layer", "paced_error_pct", "pace_line"]
+
+#: the rows of the longest length timed again, as many of them as the profile measured
+REFERENCE_ROWS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
 class Pace:
-    """The reference layer's time over its profiled time, each time it ran beside the steps."""
+    """The reference points' times over their profiled times, each time they ran beside the steps."""
 
     seqlen: int
-    mbs: int
-    ratios: tuple[float, ...]  # every rank's, every timed round's
+    rows: tuple[int, ...]
+    ratios: tuple[float, ...]  # every rank's, every timed round's, every point's
 
     @property
     def ratio(self) -> float:
@@ -41,15 +47,20 @@ class Pace:
         return statistics.median(self.ratios)
 
 
-def reference_point(profile, max_seq_length: int) -> "tuple[int, int, object] | None":
-    """(seqlen, mbs, recompute) of the ``profile``'s padded encoder point to time again: one row of
-    the longest length it measured up to ``max_seq_length`` (what the steps' micro-batches are
-    nearest), its first recompute type; None for a model that was not measured (nothing to compare)."""
+def reference_points(profile, max_seq_length: int) -> "list[tuple[int, int, object]]":
+    """(seqlen, mbs, recompute) of the ``profile``'s padded encoder points to time again: up to
+    :data:`REFERENCE_ROWS` rows of the longest length it measured up to ``max_seq_length`` (what the
+    steps' micro-batches are nearest), its first recompute type; none for a model that was not
+    measured (nothing to compare)."""
     if not isinstance(profile, ProfiledCostModel):
-        return None
+        return []
     rc = profile.recompute_types[0]
-    fitting = [seq for seq, mbs in profile.measured_points(rc) if mbs == 1 and seq <= max_seq_length]
-    return (max(fitting), 1, rc) if fitting else None
+    measured = profile.measured_points(rc)
+    fitting = [seq for seq, mbs in measured if mbs == 1 and seq <= max_seq_length]
+    if not fitting:
+        return []
+    longest = max(fitting)
+    return [(longest, mbs, rc) for mbs in REFERENCE_ROWS if (longest, mbs) in measured]
 
 
 def profiled_ms(cost_model, point) -> float:
@@ -58,22 +69,23 @@ def profiled_ms(cost_model, point) -> float:
     return sum(float(cost_model.layer_ms("encoder", phase, rc, mbs, seq)) for phase in ("forward", "backward"))
 
 
-def reference_layer(spec, point, dtype, device, timing: dict) -> Callable[[], float]:
-    """A function timing one encoder layer of ``spec`` at ``point``, forward + backward ms, as the
-    profiler times it (``timing``: its warmup, repeats and min_time_ms). Built once, here, in the
-    calling rank's megatron parallel state."""
+def reference_layer(spec, points, dtype, device, timing: dict) -> Callable[[], list[float]]:
+    """A function timing one encoder layer of ``spec`` at each of ``points`` (of one recompute),
+    forward + backward ms, as the profiler times it (``timing``: its warmup, repeats and
+    min_time_ms). Built once, here, in the calling rank's megatron parallel state."""
     import torch
 
     from megatron_dynapipe.profiling.layers import build_parts
     from megatron_dynapipe.profiling.measure import time_step
 
-    seq, mbs, rc = point
+    rc = points[0][2]
     encoder = build_parts(spec, 1, dtype, device, (rc,)).encoders[rc]
-    x = torch.randn(seq, mbs, spec.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    inputs = [torch.randn(seq, mbs, spec.hidden_size, device=device, dtype=dtype, requires_grad=True)
+              for seq, mbs, _ in points]
 
-    def layer_ms() -> float:
-        timed = time_step(lambda: encoder(x), device, **timing)
-        return timed.forward_ms + timed.backward_ms
+    def layer_ms() -> list[float]:
+        timed = [time_step(lambda x=x: encoder(x), device, **timing) for x in inputs]
+        return [t.forward_ms + t.backward_ms for t in timed]
 
     return layer_ms
 
@@ -88,8 +100,9 @@ def pace_line(pace: "dict | None", errors: "list[float]") -> "list[str]":
     range of the methods' ``errors`` at that pace."""
     if not pace:
         return []
-    ratios = pace["ratios"]
+    ratios, rows = pace["ratios"], pace["rows"]
+    counts = ", ".join(map(str, rows[:-1])) + (" and " if len(rows) > 1 else "") + str(rows[-1])
     at = (f"; at that pace the predictions are {min(errors):+.0f}% to {max(errors):+.0f}% off" if errors else "")
-    return [f"pace: the profile's layer at {pace['mbs']} x {pace['seqlen']} tokens took "
-            f"{statistics.median(ratios):.2f}x its profiled time beside the steps ({min(ratios):.2f}-"
-            f"{max(ratios):.2f}x, {len(ratios)} times on the ranks; a CPU's pace moves with its load){at}"]
+    return [f"pace: the profile's layer on {counts} x {pace['seqlen']} tokens took {statistics.median(ratios):.2f}x "
+            f"its profiled time beside the steps ({min(ratios):.2f}-{max(ratios):.2f}x, {len(ratios)} timings on "
+            f"the ranks; a CPU's pace moves with its load){at}"]

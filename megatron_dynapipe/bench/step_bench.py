@@ -63,7 +63,8 @@ import statistics
 import sys
 
 from megatron_dynapipe.bench import step_timeline
-from megatron_dynapipe.bench.pace import Pace, pace_line, paced_error_pct, profiled_ms, reference_layer, reference_point
+from megatron_dynapipe.bench.pace import (Pace, pace_line, paced_error_pct, profiled_ms, reference_layer,
+                                          reference_points)
 from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, DYNAPIPE, LEAKY, PACK, PAD, THD,
                                                  THD_WHOLE, StepJob, VARLEN, Method, build_methods,
                                                  stage_costs)
@@ -161,24 +162,25 @@ def run(args) -> int:
 
 
 def _pace(job: StepJob, per_rank: list[dict]) -> "Pace | None":
-    """The machine's pace beside the steps: the ranks' times of the profile's layer over its profiled time."""
+    """The machine's pace beside the steps: the ranks' times of the profile's points over their profiled times."""
     if job.pace is None:
         return None
-    point, _ = job.pace
-    profiled = profiled_ms(job.profile, point)
-    return Pace(point[0], point[1], tuple(ms / profiled for rank in per_rank for ms in rank["pace_ms"]))
+    points, _ = job.pace
+    profiled = [profiled_ms(job.profile, point) for point in points]
+    return Pace(points[0][0], tuple(mbs for _, mbs, _ in points),
+                tuple(ms / p for rank in per_rank for round_ms in rank["pace_ms"] for ms, p in zip(round_ms, profiled)))
 
 
 def _pace_reference(profile, device: str, max_seq_length: int) -> "tuple | None":
-    """(point, timing) of the profile's layer to time beside the steps, as the profile timed it; None
-    off the CPU (a GPU's pace does not drift so) or without a measured profile (:mod:`.pace`)."""
+    """(points, timing) of the profile's layer to time beside the steps, as the profile timed it;
+    None off the CPU (a GPU's pace does not drift so) or without a measured profile (:mod:`.pace`)."""
     from megatron_dynapipe.profiling.profiler import ProfileSettings
 
-    point = reference_point(profile, max_seq_length) if device == "cpu" else None
-    if point is None:
+    points = reference_points(profile, max_seq_length) if device == "cpu" else []
+    if not points:
         return None
     settings, default = profile.metadata.get("settings") or {}, ProfileSettings()
-    return point, {key: settings.get(key, getattr(default, key)) for key in ("warmup", "repeats", "min_time_ms")}
+    return points, {key: settings.get(key, getattr(default, key)) for key in ("warmup", "repeats", "min_time_ms")}
 
 
 def _checked(args) -> StepJob:
@@ -335,7 +337,7 @@ def _rank(rank: int, world_size: int, job: StepJob, methods: dict[str, Method], 
             for chunk in chunks:
                 chunk.zero_grad_buffer()
 
-        paced: list[float] = []  # the profile's layer, ms, after each timed round (bench.pace)
+        paced: list[list[float]] = []  # the profile's layer at its points, ms, after each timed round (bench.pace)
         layer_ms = job.pace and reference_layer(job.model, job.pace[0], torch_dtype(job.dtype), device, job.pace[1])
         times, results = time_alternating(runs, warmup=warmup, steps=steps, rank=rank, before_each=zero_grads,
                                           synchronize=(lambda: None) if on_cpu else torch.cuda.synchronize,

@@ -55,7 +55,7 @@ class StepJob:
     timeline: bool  # --chrome-trace: one more step of each method, every instruction timed
     cut: bool  # --cut-documents
     profile: Any = None  # the CP 1 cost model ``cost_model`` is split from
-    pace: Any = None  # (point, timing) of the profile's layer the ranks time beside the steps (bench.pace), or None
+    pace: Any = None  # (points, timing) of the profile's layer the ranks time beside the steps (bench.pace), or None
 
     @property
     def layout(self) -> dict:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_dynapipe.bench.pace import Pace, pace_line, paced_error_pct, profiled_ms, reference_point
+from megatron_dynapipe.bench.pace import Pace, pace_line, paced_error_pct, profiled_ms, reference_points
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, load_cost_model
 from megatron_dynapipe.planning.cost_model.profile_file import ProfileRecords, to_text
 from megatron_dynapipe.planning.types import RecomputeType
@@ -26,11 +26,12 @@ def profile(tmp_path):
     return load_cost_model(path, tp=1)
 
 
-def test_the_reference_point_is_one_row_of_the_longest_length_the_steps_reach(profile):
-    assert reference_point(profile, 128) == (128, 1, RecomputeType.NONE)
-    assert reference_point(profile, 100) == (64, 1, RecomputeType.NONE)  # 128 is longer than the steps' rows
-    assert reference_point(profile, 32) is None  # shorter than any measured row
-    assert reference_point(AnalyticalCostModel(), 128) is None  # nothing measured to time again
+def test_the_reference_points_are_rows_of_the_longest_length_the_steps_reach(profile):
+    none = RecomputeType.NONE
+    assert reference_points(profile, 128) == [(128, 1, none), (128, 2, none)]  # 4 rows were not measured
+    assert reference_points(profile, 100) == [(64, 1, none), (64, 2, none)]  # 128 is longer than the steps' rows
+    assert reference_points(profile, 32) == []  # shorter than any measured row
+    assert reference_points(AnalyticalCostModel(), 128) == []  # nothing measured to time again
 
 
 def test_the_profiled_time_is_the_layers_forward_and_backward_at_the_point(profile):
@@ -40,12 +41,14 @@ def test_the_profiled_time_is_the_layers_forward_and_backward_at_the_point(profi
 
 
 def test_an_error_at_the_machines_pace_scales_the_prediction_by_it():
-    pace = Pace(seqlen=128, mbs=1, ratios=(1.3, 1.1, 1.2, 1.25, 1.15))
-    assert pace.ratio == pytest.approx(1.2)  # the median of every rank's rounds
+    pace = Pace(seqlen=128, rows=(1, 2), ratios=(1.3, 1.1, 1.2, 1.25, 1.15))
+    assert pace.ratio == pytest.approx(1.2)  # the median of every rank's rounds and points
     assert paced_error_pct(500.0, 600.0, pace) == pytest.approx(0.0)  # 500 ms at 1.2x the profile's pace
     assert paced_error_pct(500.0, 500.0, pace) == pytest.approx(20.0)
-    line = pace_line({"seqlen": 128, "mbs": 1, "ratios": [1.3, 1.1, 1.2, 1.25, 1.15]}, [-4.0, 6.0])
-    assert line == ["pace: the profile's layer at 1 x 128 tokens took 1.20x its profiled time beside the steps "
-                    "(1.10-1.30x, 5 times on the ranks; a CPU's pace moves with its load); at that pace the "
+    line = pace_line({"seqlen": 128, "rows": [1, 2, 4], "ratios": [1.3, 1.1, 1.2, 1.25, 1.15]}, [-4.0, 6.0])
+    assert line == ["pace: the profile's layer on 1, 2 and 4 x 128 tokens took 1.20x its profiled time beside the "
+                    "steps (1.10-1.30x, 5 timings on the ranks; a CPU's pace moves with its load); at that pace the "
                     "predictions are -4% to +6% off"]
+    assert pace_line({"seqlen": 64, "rows": [1], "ratios": [0.9]}, [])[0].startswith(
+        "pace: the profile's layer on 1 x 64 tokens took 0.90x")
     assert pace_line(None, []) == []
