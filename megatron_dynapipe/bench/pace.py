@@ -11,9 +11,10 @@ threads, which the steps run with) -- and reports the median ratio to the profil
 method's error at that pace: the prediction times the ratio against what was measured. Nothing is
 fitted to the steps; the ratio is more measurements of the profile's points, made beside the steps
 (timed before and after the steps instead, the layer ran at 1.02-1.08x while the steps between ran
-1.1-1.3x their price), and over several points, as a profile's point is itself one sample (one
-row of 256 tokens measured 9.3 ms where two rows took 16.6: its pace alone came out 0.70x while
-the steps ran 0.87-0.96x their price).
+1.1-1.3x their price), and of several points, each of which the profile measured at its own
+moment (one row of 256 tokens alone put the pace at 0.70x in a round whose steps ran 0.85-0.96x
+their price). It says how far the machine moved, not how to correct a step: at 256 positions the
+points ran 0.8-0.95x their profiled times in rounds whose steps ran at their price.
 
 The layer is built on the rank, in its own parallel state (torch and megatron-core are imported
 there); the rest of this module needs neither.
