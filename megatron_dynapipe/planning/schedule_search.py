@@ -158,28 +158,36 @@ def microbatch_orders(option: Microbatching, costs: StageCosts, seed: int, max_p
     split by predicted time into up to three groups of consecutive cost and every order of the
     groups is a candidate (cheapest-first, most-expensive-first, ...); when more orders are
     allowed than that, seeded shuffles fill up. With ``spread``, one more: the costliest and the
-    cheapest in turn (:func:`spread_order`).
+    cheapest in turn (:func:`spread_order`). Orders that put micro-batches of the same shapes and
+    recompute in the same places are one plan to the search, priced once: the first is kept (65,536
+    equal samples made six candidates of one, and six recompute adjustments of 1.5 s).
     """
     by_time = np.argsort(_times(costs, option.microbatches, option.recompute), kind="stable")
     groups = [g for g in np.array_split(by_time, PERMUTATION_GROUPS) if len(g)]
+    kind_ids: dict[tuple, int] = {}
+    kinds = np.array([kind_ids.setdefault((mb.size, mb.seq_len, mb.packed_lengths, rc), len(kind_ids))
+                      for mb, rc in zip(option.microbatches, option.recompute)], dtype=np.int64)
+    orders: list[tuple[int, ...]] = []
+    seen: set[bytes] = set()
+
+    def offer(order, room: float = max_permutations) -> None:
+        order = np.asarray(order, dtype=np.int64)
+        shapes = kinds[order].tobytes()
+        if len(orders) < room and shapes not in seen:
+            seen.add(shapes)
+            orders.append(tuple(order.tolist()))
+
     # Mountain first: cheap micro-batches at both ends shorten the pipeline's fill and drain.
-    orders: list[tuple[int, ...]] = [tuple(int(i) for i in np.concatenate([by_time[::2], by_time[1::2][::-1]]))]
+    offer(np.concatenate([by_time[::2], by_time[1::2][::-1]]))
     for perm in itertools.permutations(range(len(groups))):
-        order = tuple(int(i) for g in perm for i in groups[g])
-        if order not in orders:
-            orders.append(order)
+        offer([i for g in perm for i in groups[g]])
     rng = np.random.default_rng(seed)
     for _ in range(2 * max(0, max_permutations - len(orders))):
         if len(orders) >= max_permutations:
             break
-        order = tuple(int(i) for i in rng.permutation(by_time))
-        if order not in orders:
-            orders.append(order)
-    orders = orders[:max_permutations]
+        offer(rng.permutation(by_time))
     if spread:
-        order = spread_order(by_time)
-        if order not in orders:
-            orders.append(order)
+        offer(spread_order(by_time), room=math.inf)
     return orders
 
 

@@ -214,6 +214,22 @@ def test_fast_mode_searches_wait_free_cyclic_over_each_partitions_light_start(co
     assert len(fast) * 3 <= len(normal)
 
 
+def test_orders_that_put_the_same_shapes_in_the_same_places_are_one_candidate(costs_pp4):
+    """Equal samples have one order however they are permuted, and two kinds of micro-batch as many
+    as there are distinct sequences of them to try: a candidate is priced once, not once a permutation."""
+    from megatron_dynapipe.planning.schedule_search import Microbatching, microbatch_orders
+    from megatron_dynapipe.planning.types import MicroBatch
+
+    none = RecomputeType.NONE
+    equal = Microbatching("equal", tuple(MicroBatch((i,), 512) for i in range(16)), (none,) * 16)
+    assert len(microbatch_orders(equal, costs_pp4, 0, 8)) == 1
+    assert len(build_candidates([equal], costs_pp4, FAST)) == 1
+    two = Microbatching("two kinds", tuple(MicroBatch((i,), 512 * (1 + i % 2)) for i in range(16)), (none,) * 16)
+    orders = microbatch_orders(two, costs_pp4, 0, 8)
+    sequences = {tuple(two.microbatches[i].seq_len for i in order) for order in orders}
+    assert len(orders) == len(sequences) == 8 and all(sorted(order) == list(range(16)) for order in orders)
+
+
 def test_orders_tried_shrink_to_three_as_microbatches_multiply():
     from megatron_dynapipe.planning.schedule_search import orders_to_try
 
