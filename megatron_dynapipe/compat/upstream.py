@@ -30,7 +30,7 @@ megatron-core also says at import, once per module and per process, that transfo
 Apex is missing and which local code it falls back to; each ``TransformerConfig`` of 0.16 warns of
 its own default CUDA-graph scope; and a tensor-parallel linear layer recommends
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for overlapping a gradient all-reduce that the profiler's fake
-group never runs. Some 20 lines on stderr for every command and local rank, none of them about the
+group never runs; 0.19 adds that absl is missing. Some 20 lines on stderr for every command and local rank, none of them about the
 user's job (which layers a profile timed is in its ``layer_spec``). This package's commands
 silence those, and only those (:func:`silence_upstream_notices`); a Megatron-LM job this package
 launches keeps them.
@@ -89,6 +89,7 @@ UPSTREAM_NOTICES = (
     "Apex is not installed",
     "full scope is deprecated",  # 0.16's TransformerConfig, of its own default cuda_graph_scope
     "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    "absl.logging is not installed",  # 0.19's hyper_comm_grid, at import
 )
 
 
