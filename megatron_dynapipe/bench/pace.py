@@ -101,9 +101,10 @@ def pace_line(pace: "dict | None", errors: "list[float]") -> "list[str]":
     range of the methods' ``errors`` at that pace."""
     if not pace:
         return []
-    ratios, rows = pace["ratios"], pace["rows"]
+    pace = Pace(**pace)
+    rows, ratios = pace.rows, pace.ratios
     counts = ", ".join(map(str, rows[:-1])) + (" and " if len(rows) > 1 else "") + str(rows[-1])
     at = (f"; at that pace the predictions are {min(errors):+.0f}% to {max(errors):+.0f}% off" if errors else "")
-    return [f"pace: the profile's layer on {counts} x {pace['seqlen']} tokens took {statistics.median(ratios):.2f}x "
-            f"its profiled time beside the steps ({min(ratios):.2f}-{max(ratios):.2f}x, {len(ratios)} timings on "
-            f"the ranks; a CPU's pace moves with its load){at}"]
+    return [f"pace: the profile's layer on {counts} x {pace.seqlen} tokens took {pace.ratio:.2f}x its profiled "
+            f"time beside the steps ({min(ratios):.2f}-{max(ratios):.2f}x, {len(ratios)} timings on the ranks; a "
+            f"CPU's pace moves with its load){at}"]

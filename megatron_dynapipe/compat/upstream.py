@@ -28,12 +28,12 @@ script and the CPU redirection included):
 
 megatron-core also says at import, once per module and per process, that transformer-engine or
 Apex is missing and which local code it falls back to; each ``TransformerConfig`` of 0.16 warns of
-its own default CUDA-graph scope; and a tensor-parallel linear layer recommends
+its own default CUDA-graph scope; a tensor-parallel linear layer recommends
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for overlapping a gradient all-reduce that the profiler's fake
-group never runs; 0.19 adds that absl is missing. Some 20 lines on stderr for every command and local rank, none of them about the
-user's job (which layers a profile timed is in its ``layer_spec``). This package's commands
-silence those, and only those (:func:`silence_upstream_notices`); a Megatron-LM job this package
-launches keeps them.
+group never runs; and 0.19 adds that absl is missing. Some 20 lines on stderr for every command and
+local rank, none of them about the user's job (which layers a profile timed is in its
+``layer_spec``). This package's commands silence those, and only those
+(:func:`silence_upstream_notices`); a Megatron-LM job this package launches keeps them.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ __all__ = [
     "LOCAL_CORE_ATTENTION",
     "RECOMPUTE_READS",
     "SUPPORTED",
+    "UPSTREAM_NOTICES",
     "UnsupportedUpstream",
     "activation_shape",
     "backward_step",
@@ -63,8 +64,8 @@ __all__ = [
     "describe",
     "find_megatron_core",
     "is_supported",
-    "silence_upstream_notices",
     "process_groups",
+    "silence_upstream_notices",
     "supported_range",
 ]
 

@@ -96,11 +96,15 @@ def predicted_iterations_ms(costs: StageCosts, microbatchings: Sequence[Microbat
 
 
 def _times(costs, microbatches, recompute) -> np.ndarray:
-    """Bottleneck-stage time of each micro-batch under its own recompute type. Every type is
-    evaluated: the same query as the work table's (simulator.WorkTable), answered once."""
+    """Bottleneck-stage time of each micro-batch under its own recompute type."""
+    return _times_by_type(costs, microbatches)[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
+
+
+def _times_by_type(costs, microbatches) -> np.ndarray:
+    """Bottleneck-stage time of each micro-batch under every recompute type, [type, micro-batch]:
+    the same query as the work table's (simulator.WorkTable), answered once."""
     stages = costs.of_microbatches(microbatches, tuple(RecomputeType), costs.worst_stages())
-    per_type = np.max(stages["forward"] + stages["backward"], axis=1)  # [type, micro-batch]
-    return per_type[np.array(recompute, dtype=np.int64), np.arange(len(microbatches))]
+    return np.max(stages["forward"] + stages["backward"], axis=1)
 
 
 def _unpriced(microbatchings: Sequence[Microbatching], costs: StageCosts) -> "MicroBatch | None":
@@ -108,8 +112,7 @@ def _unpriced(microbatchings: Sequence[Microbatching], costs: StageCosts) -> "Mi
     holds one (then what failed is the pricing, not the memory)."""
     found = None
     for m in microbatchings:
-        stages = costs.of_microbatches(m.microbatches, tuple(RecomputeType), costs.worst_stages())
-        unpriced = np.isinf(np.max(stages["forward"] + stages["backward"], axis=1)).all(axis=0)
+        unpriced = np.isinf(_times_by_type(costs, m.microbatches)).all(axis=0)
         if not unpriced.any():
             return None
         found = found or m.microbatches[int(np.argmax(unpriced))]
