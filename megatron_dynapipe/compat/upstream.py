@@ -91,6 +91,9 @@ UPSTREAM_NOTICES = (
     "full scope is deprecated",  # 0.16's TransformerConfig, of its own default cuda_graph_scope
     "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
     "absl.logging is not installed",  # 0.19's hyper_comm_grid, at import
+    # TransformerConfig, whenever selective recompute names core_attn (the profiler's selective
+    # points): advice for transformer-engine's fused core, which these layers do not run
+    "If you are using transformer_engine as the transformer implementation, the core_attn",
 )
 
 

@@ -44,6 +44,8 @@ _IMPORTS_THAT_NOTIFY = textwrap.dedent("""
     import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs
     from megatron.core.transformer import TransformerConfig
     TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, recompute_granularity="selective",
+                      recompute_modules=["core_attn"])  # selective recompute's advice for transformer-engine
 """)
 
 
@@ -60,8 +62,11 @@ def test_megatron_cores_notices_are_silenced_and_nothing_else():
     silenced = stderr("silenced")
     assert "a notice of the job's own" in silenced
     assert not any(notice in silenced for notice in upstream.UPSTREAM_NOTICES), silenced
+    assert "'core_attn' to recompute" not in silenced
+    as_imported = stderr("as imported")
+    assert "'core_attn' to recompute" in as_imported
     if importlib.util.find_spec("transformer_engine") is None:  # where megatron-core says it falls back
-        assert "not installed" in stderr("as imported")
+        assert "not installed" in as_imported
 
 
 def _release(package_info) -> str:
