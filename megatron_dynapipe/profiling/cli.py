@@ -143,6 +143,8 @@ def run_profile(args: argparse.Namespace) -> int:
     stream = sys.stderr
     if args.resume and not output.exists():  # a retried job may pass --resume every time: go on, but say so
         print(f"note: --resume: {output} does not exist yet, so this profile starts from the beginning", file=stream)
+    if not args.calibrate and (note := short_rows_note(settings)) is not None:  # the analytical fit extrapolates
+        print(note, file=stream)
     _warn_if_busy(device, "before profiling")
     with progress_bar(args.progress, stream) as bar:
         task = bar.add_task("profile", total=expected)
@@ -165,6 +167,22 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"wrote {Path(output)}: {points} points, {len(doc['infeasible'])} out of memory; "
           f"plan with --cost-model {output}")
     return 0
+
+
+def short_rows_note(settings) -> "str | None":
+    """A line saying what a grid whose ``max_tokens`` holds fewer than two rows of its longest
+    length leaves unpriced, or None. The cost model interpolates between measured lengths and goes
+    no further than either measured, so a micro-batch of two rows or more (padded, or a packed row
+    past one segment's worth) at a length above the longest whose grid row reaches two has no price,
+    and plan refuses it."""
+    longest = settings.max_seq_length
+    reach = max((s for s in settings.seq_lengths() if 2 in settings.micro_batch_sizes(s)), default=None)
+    if reach == longest:
+        return None
+    where = f"above {reach} tokens" if reach is not None else "at any length"
+    return (f"note: --max-tokens {settings.max_tokens} is below two rows of {longest} tokens: micro-batches of two "
+            f"samples or more {where} (padded, or packed past one sample's worth) will have no price; give "
+            f"--max-tokens {2 * longest} or more to plan them")
 
 
 def _duration(spec, settings, device) -> str:

@@ -183,6 +183,8 @@ def test_an_architecture_given_by_megatron_flags(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     # a retried job may pass --resume every time: nothing to resume starts a profile, and says so
     assert f"note: --resume: {out} does not exist yet, so this profile starts from the beginning" in run.stderr
+    # --max-tokens 64 holds one row of the longest length, 64, and two of 32 (the grid's only other length)
+    assert "micro-batches of two samples or more above 32 tokens" in run.stderr
     # megatron-core's notices (local layers, TP's env, absl): silenced
     assert not any(notice in run.stderr for notice in upstream.UPSTREAM_NOTICES), run.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -256,6 +258,25 @@ def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("max_seq, max_tokens, min_seq, unpriced", [
+    (2048, 4096, 32, None),  # two rows of every length
+    (2048, 3000, 32, "above 1024 tokens"),  # lengths 32, 64, ..., 1024, 2048: 2 x 1024 fits, 2 x 2048 does not
+    (2048, 2048, 32, "above 1024 tokens"),
+    (1500, 2000, 32, "above 512 tokens"),  # 32 ... 512, 1024, 1500: 2 x 1024 > 2000
+    (100, 100, 64, "at any length"),  # lengths 64 and 100: 2 x 64 > 100
+])
+def test_a_token_limit_below_two_of_the_longest_rows_says_what_will_have_no_price(max_seq, max_tokens, min_seq,
+                                                                                 unpriced):
+    from megatron_dynapipe.profiling.cli import short_rows_note
+    from megatron_dynapipe.profiling.profiler import ProfileSettings
+
+    note = short_rows_note(ProfileSettings(min_seq_length=min_seq, max_seq_length=max_seq, max_tokens=max_tokens))
+    if unpriced is None:
+        assert note is None
+    else:
+        assert f"two samples or more {unpriced}" in note and f"--max-tokens {2 * max_seq} or more" in note
+
+
 def test_no_model_and_an_existing_output_are_refused(tmp_path):
     run = profile("-o", str(tmp_path / "p.json"), timeout=60)
     assert run.returncode == 2 and "pass --model NAME" in run.stderr and "--num-layers" in run.stderr
