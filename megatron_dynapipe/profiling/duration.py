@@ -9,6 +9,12 @@ refinement, memory measurement, packed rows and the whole-step overhead: a floor
 small factor where FLOPs dominate (a large model, a GPU); on a CPU a small model's layer costs
 several times its FLOPs (the tiny GPT with ``--attention sdpa``: "at least 15 s", then 2-3 min).
 
+Once the layer is built, a calibration says it better (:class:`RunPace`): the layer is run once at
+the grid's smallest and largest points, which fixes what a run costs beside its FLOPs, and every
+part of every point still to measure is priced as the profiler times it (warm-up, then runs until
+they add up to ``min_time_ms``, and a memory run where one is taken), with the whole-step overhead
+(:func:`~.overhead.overhead_seconds`) at those prices: :func:`calibrated_seconds`.
+
 So the estimate is kept honest as the profile runs (:class:`TimeLeft`): each point's seconds are
 fitted to the points measured so far and summed over the grid's points still to measure (the
 lengths a refinement adds among them), and that is the time left the progress bar shows.
@@ -16,8 +22,10 @@ lengths a refinement adds among them), and that is the time left the progress ba
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 
@@ -25,7 +33,8 @@ from megatron_dynapipe.config.accounting import layer_flops_per_token, output_fl
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["estimated_seconds", "point_flops", "TimeLeft", "matmul_flops_per_second", "describe_duration"]
+__all__ = ["RunPace", "TimeLeft", "calibrated_seconds", "describe_duration", "estimated_seconds",
+           "matmul_flops_per_second", "point_flops", "run_flops"]
 
 
 def estimated_seconds(spec: ModelSpec, settings, flops_per_second: float) -> float:
@@ -41,12 +50,64 @@ def point_flops(spec: ModelSpec, settings, tp: int, seq: int, mbs: int,
     """FLOPs each timed part of one grid point runs, its warm-up and timed runs together: the
     output layer, the embedding (a lookup: 0) and the encoder layer once per recompute type."""
     runs = settings.warmup + settings.repeats
+    return [runs * flops for flops in run_flops(spec, tp, seq, mbs, recompute)]
+
+
+def run_flops(spec: ModelSpec, tp: int, seq: int, mbs: int, recompute: Iterable[RecomputeType]) -> list[float]:
+    """FLOPs of one run (forward and backward) of each part :func:`point_flops` counts."""
     tokens = mbs * seq
     layer = layer_flops_per_token(spec, seq)
     forward = tokens * (layer.linear + layer.attention) / tp
     head = tokens * 3 * output_flops_per_token(spec.hidden_size, spec.padded_vocab_size(tp)) / tp
-    encoders = [3 * forward + (forward if rc == RecomputeType.FULL else 0.0) for rc in recompute]
-    return [runs * flops for flops in [head, 0.0, *encoders]]
+    return [head, 0.0, *(3 * forward + (forward if rc == RecomputeType.FULL else 0.0) for rc in recompute)]
+
+
+@dataclass(frozen=True)
+class RunPace:
+    """A part's run (forward and backward) takes ``per_run_s + per_flop_s * FLOPs`` on this
+    device: a small layer on a CPU costs many times its FLOPs, a large one on a GPU about them."""
+
+    per_run_s: float
+    per_flop_s: float
+
+    @classmethod
+    def through(cls, small: tuple[float, float], large: tuple[float, float]) -> "RunPace":
+        """The line through two runs' (FLOPs, seconds), neither term below zero."""
+        (f1, s1), (f2, s2) = sorted([small, large])
+        slope = max(0.0, (s2 - s1) / (f2 - f1)) if f2 > f1 else 0.0
+        if s1 < slope * f1:  # a negative cost a run: the FLOPs alone, through the larger run
+            return cls(0.0, s2 / f2)
+        return cls(s1 - slope * f1, slope)
+
+    def run_s(self, flops: float) -> float:
+        return self.per_run_s + self.per_flop_s * flops
+
+    def timed_s(self, flops: float, settings) -> float:
+        """Seconds :func:`~.measure.time_step` takes on a part of ``flops`` a run: ``warmup`` runs,
+        then ``repeats`` and more until the timed ones add up to ``min_time_ms`` (at most
+        :data:`~.measure.MAX_REPEATS`)."""
+        from megatron_dynapipe.profiling.measure import MAX_REPEATS
+
+        run = self.run_s(flops)
+        wanted = math.ceil(round(settings.min_time_ms / 1e3 / run, 9)) if run > 0 else 0  # 0.1 / 0.01: 10, not 11
+        return (settings.warmup + min(MAX_REPEATS, max(settings.repeats, wanted))) * run
+
+
+def calibrated_seconds(pace: RunPace, spec: ModelSpec, settings, todo: Mapping[tuple[int, int, int], list[float]],
+                       packed: bool, core: bool) -> float:
+    """Seconds the grid's points ``todo`` ((tp, seq, mbs) -> :func:`point_flops`) take at ``pace``:
+    the head and the embedding timed, each recompute type's layer timed and run once for its memory
+    (and so again on a packed row where ``packed``), and where ``core``, the attention core timed."""
+    runs = settings.warmup + settings.repeats
+    total = 0.0
+    for (tp, seq, mbs), parts in todo.items():
+        head, embedding, *encoders = (flops / runs for flops in parts)
+        layer = sum(pace.timed_s(f, settings) + pace.run_s(f) for f in encoders)
+        total += pace.timed_s(head, settings) + pace.timed_s(embedding, settings) + layer * (2 if packed else 1)
+        if core:
+            attention = 3 * mbs * seq * layer_flops_per_token(spec, seq).attention / tp
+            total += pace.timed_s(attention, settings)
+    return total
 
 
 class TimeLeft:

@@ -47,10 +47,23 @@ from megatron_dynapipe.planning.cost_model.profile_file import FORMAT_VERSION, P
 from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.profiling.consistency import noisy_points
 from megatron_dynapipe.profiling.context_parallel import cp_points, cp_seconds, measure_cp_layers
-from megatron_dynapipe.profiling.duration import TimeLeft, point_flops
+from megatron_dynapipe.profiling.duration import (
+    RunPace,
+    TimeLeft,
+    calibrated_seconds,
+    describe_duration,
+    point_flops,
+    run_flops,
+)
 from megatron_dynapipe.profiling.layers import Parts, build_parts, fake_tp_rank
 from megatron_dynapipe.profiling.link import link_backend, measure_link
-from megatron_dynapipe.profiling.measure import measure_memory, steady_cpu_allocator, time_step, unless_out_of_memory
+from megatron_dynapipe.profiling.measure import (
+    measure_memory,
+    steady_cpu_allocator,
+    time_once,
+    time_step,
+    unless_out_of_memory,
+)
 from megatron_dynapipe.profiling.overhead import Overhead, measure_overhead, overhead_seconds, overhead_shapes
 
 __all__ = ["ProfileSettings", "ProfileError", "profile_model"]
@@ -289,6 +302,7 @@ def _profile_tp(profile: ProfileRun, tp: int, output: Path, progress: Progress, 
         profile.records.params[(tp, rc.label, "encoder")] = parts.encoder_params * 2 / MB  # 16-bit, as the format says
         profile.records.params[(tp, rc.label, "embedding")] = parts.embedding_params * 2 / MB
     _warm_up(profile, parts)
+    _say_how_long(profile, parts, tp)
     seqs = s.seq_lengths()
     for seq in seqs:
         _profile_row(profile, parts, tp, seq, output, progress)
@@ -368,6 +382,40 @@ def _warm_up(profile: ProfileRun, parts: Parts) -> None:
     for step in [lambda: parts.postprocess(x, labels), lambda: parts.preprocess(labels),
                  *(lambda e=e: e(x) for e in parts.encoders.values())]:
         unless_out_of_memory(profile.device, lambda: time_step(step, profile.device, warmup=0, repeats=1))
+
+
+def _say_how_long(profile: ProfileRun, parts: Parts, tp: int) -> None:
+    """Say how long this TP size's points still to measure and its whole-step overhead take at the
+    pace of its layer, run once (after the warm-up) at the grid's smallest and largest points
+    (duration.calibrated_seconds); nothing where neither is left or those points do not fit."""
+    s, rc = profile.settings, profile.settings.recompute[0]
+    todo = {point: flops for point, flops in profile.time_left.todo.items() if point[0] == tp}
+    if not todo and tp in profile.records.overhead:
+        return
+    ends = [(s.min_seq_length, 1), (s.max_seq_length, max(s.micro_batch_sizes(s.max_seq_length)))]
+    runs = []
+    for seq, mbs in ends:
+        inputs = _inputs(profile, seq, mbs)
+        ms = inputs and unless_out_of_memory(profile.device, lambda: min(
+            sum(time_once(lambda: parts.encoders[rc](inputs[0]), profile.device)) for _ in range(2)))
+        if not ms:
+            return
+        runs.append((run_flops(profile.spec, tp, seq, mbs, [rc])[2], ms / 1e3))
+    pace = RunPace.through(*runs)
+    grid = calibrated_seconds(pace, profile.spec, s, todo, bool(parts.packed_encoders), parts.attention_core is not None)
+
+    def parts_ms(phase: str, seq: int, mbs: int) -> tuple[float, float]:  # a third of a run forward
+        head, embedding, layer = (pace.run_s(f) * 1e3 for f in run_flops(profile.spec, tp, seq, mbs, [rc]))
+        share = 1 / 3 if phase == "forward" else 2 / 3
+        return share * layer, share * (head + embedding)
+
+    shapes = overhead_shapes([(seq, mbs) for seq in s.seq_lengths() for mbs in s.micro_batch_sizes(seq)],
+                             s.seq_lengths())
+    overhead = 0.0 if tp in profile.records.overhead else sum(
+        overhead_seconds(parts_ms, shapes, profile.spec.num_layers, s.repeats, s.min_time_ms))
+    print(f"tp {tp}: about {describe_duration(grid + overhead)} to measure (the grid {describe_duration(grid)}, the "
+          f"whole-step overhead {describe_duration(overhead)}; lengths a refinement adds and the link come on top), at the "
+          f"pace of its layer run once at {ends[0][1]} x {ends[0][0]} and {ends[1][1]} x {ends[1][0]} tokens", file=sys.stderr)
 
 
 def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:

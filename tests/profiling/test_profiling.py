@@ -185,6 +185,8 @@ def test_an_architecture_given_by_megatron_flags(tmp_path):
     assert f"note: --resume: {out} does not exist yet, so this profile starts from the beginning" in run.stderr
     # --max-tokens 64 holds one row of the longest length, 64, and two of 32 (the grid's only other length)
     assert "micro-batches of two samples or more above 32 tokens" in run.stderr
+    # each TP size's time, said once its layer has run at the grid's ends
+    assert all(f"tp {tp}: about " in run.stderr for tp in (1, 2))
     # megatron-core's notices (local layers, TP's env, absl): silenced
     assert not any(notice in run.stderr for notice in upstream.UPSTREAM_NOTICES), run.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -570,6 +572,43 @@ def test_a_profile_says_up_front_how_long_it_will_take_at_least():
     floor_only = estimated_seconds(get_model("tiny"), dataclasses.replace(small, min_time_ms=1000.0), 1e30)
     points = sum(len(list(small.micro_batch_sizes(s))) for s in small.seq_lengths())
     assert floor_only == pytest.approx(points * (2 + len(small.recompute)) * 1.0)
+
+
+def test_a_run_pace_is_the_line_through_two_runs_and_never_a_negative_cost():
+    from megatron_dynapipe.profiling.duration import RunPace
+
+    pace = RunPace.through((1e9, 0.003), (5e9, 0.011))  # 1 ms a run and 2 ms a GFLOP
+    assert (pace.per_run_s, pace.per_flop_s) == (pytest.approx(0.001), pytest.approx(2e-12))
+    assert RunPace.through((5e9, 0.011), (1e9, 0.003)) == pace  # in either order
+    assert RunPace.through((1e9, 0.010), (5e9, 0.004)) == RunPace(0.010, 0.0)  # the larger ran faster: a run's cost
+    steep = RunPace.through((1e9, 0.001), (2e9, 0.006))  # through both: -4 ms a run; the larger run's FLOPs alone
+    assert (steep.per_run_s, steep.per_flop_s) == (0.0, pytest.approx(3e-12))
+
+
+def test_a_calibrated_estimate_prices_every_part_as_the_profiler_times_it():
+    """Hand sums for two points at a pace of 10 ms a run and nothing a FLOP: a part timed is the
+    warm-up run and enough runs to add up to min_time_ms (but at least repeats, at most 50); each
+    recompute type's layer adds a memory run, all of it twice where rows are also packed."""
+    from megatron_dynapipe.config.model import get_model
+    from megatron_dynapipe.planning.types import RecomputeType
+    from megatron_dynapipe.profiling.duration import RunPace, calibrated_seconds, point_flops
+    from megatron_dynapipe.profiling.profiler import ProfileSettings
+
+    spec, pace = get_model("tiny"), RunPace(0.010, 0.0)
+    settings = ProfileSettings(warmup=1, repeats=3, min_time_ms=100.0)  # 1 + 10 runs a part: 0.11 s
+    rcs = list(RecomputeType)
+    todo = {(1, 32, 1): point_flops(spec, settings, 1, 32, 1, rcs), (1, 64, 2): point_flops(spec, settings, 1, 64, 2,
+                                                                                           rcs[:1])}
+    timed, memory = 0.11, 0.01
+    assert calibrated_seconds(pace, spec, settings, todo, packed=False, core=False) == pytest.approx(
+        2 * 2 * timed + 4 * (timed + memory))  # head and embedding at both points; 3 + 1 layers
+    assert calibrated_seconds(pace, spec, settings, todo, packed=True, core=True) == pytest.approx(
+        2 * 2 * timed + 2 * 4 * (timed + memory) + 2 * timed)
+    slow = RunPace(0.200, 0.0)  # runs above min_time_ms: warm-up and repeats alone
+    assert calibrated_seconds(slow, spec, settings, {(1, 32, 1): todo[1, 32, 1]}, packed=False, core=False) == \
+        pytest.approx(2 * 4 * 0.2 + 3 * (4 * 0.2 + 0.2))
+    fast = RunPace(1e-4, 0.0)  # 1000 runs would add up to 100 ms: at most 50
+    assert fast.timed_s(0.0, settings) == pytest.approx(51 * 1e-4)
 
 
 def test_the_time_left_is_read_off_the_points_measured_so_far():
