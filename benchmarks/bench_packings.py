@@ -24,7 +24,7 @@ import time
 from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.hardware import load_hardware
 from megatron_dynapipe.planning.baselines import dp_balanced_rows, megatron_thd_rows
-from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
+from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.microbatching import round_up
 from megatron_dynapipe.planning.planner import PlanningError, generate_execution_plan
 from megatron_dynapipe.planning.samples import MIXES, LengthSource
@@ -44,7 +44,7 @@ def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int,
     spec_model = dataclasses.replace(get_model(model), max_sequence_length=max(seq, 2048))
     space = SearchSpace(spec_model, world, TOKENS // seq, seq, hw)
     dp = world // (tp * pp * cp)
-    priced = split_over_cp(space.cost_model_for(tp, tp > 1), cp, spec_model, ring_gbps=hw.cp_ring_gbps(tp, cp))
+    priced = hw.planner_model(space.cost_model_for(tp, tp > 1), spec_model, tp=tp, cp=cp, sequence_parallel=tp > 1)
     costs = StageCosts(priced, num_layers=spec_model.num_layers, pp=pp * chunks, dp=dp, zero_stage=1,
                        link=hw.link("p2p", hw.node_of(0) != hw.node_of(tp * cp * dp)))
     limit = hw.memory_gib * 1024

@@ -50,8 +50,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
 from megatron_dynapipe.files import write_atomically
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape
+from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape, split_over_cp, tp_collectives
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -65,6 +67,7 @@ __all__ = [
     "HardwareFileError",
     "Link",
     "Hardware",
+    "TensorParallelGroup",
     "hardware_names",
     "load_hardware",
     "ring_terms",
@@ -129,7 +132,7 @@ def flat_collective_us(kind: str, n: int, nbytes: float, link: Link) -> float:
     if kind != "all_reduce":
         return ring
     tree = tree_steps * link.latency_us + link.transfer_us(2 * nbytes)
-    return {"ring": ring, "tree": tree}.get(link.algorithm, min(ring, tree))
+    return {"ring": ring, "tree": tree}.get(link.algorithm, np.minimum(ring, tree))  # nbytes may be an array
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,21 @@ class Hardware:
             return flat_collective_us(kind, n, nbytes, self.link(kind, False))
         return self._across_nodes_us(kind, nbytes, n, nodes, most)
 
+    def planner_model(self, model: CostModel, spec, *, tp: int, cp: int = 1, sequence_parallel: bool = False,
+                      tp_comm_overlap: bool = False) -> CostModel:
+        """``model`` (one TP rank's compute, ``spec``'s GPT) as the planner prices a layout on this
+        hardware: split over ``cp`` ranks with the ring's transfers at the link between them, and
+        the TP group's collectives added. A shapes-only trace records both as ops of their own, so
+        its compute is priced by ``model`` split over CP without them."""
+        split = split_over_cp(model, cp, spec, ring_gbps=self.cp_ring_gbps(tp, cp))
+        return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel and tp > 1,
+                              overlap=tp_comm_overlap)
+
+    def tp_collective_ms(self, tp: int) -> "TensorParallelGroup":
+        """Prices of collectives on the first tensor-parallel group of ``tp`` ranks (TP's ranks
+        are consecutive, so every TP group is placed alike), for the planner's cost model."""
+        return TensorParallelGroup(self, tp)
+
     def rails(self, members_per_node: int) -> int:
         """NICs a group with ``members_per_node`` ranks on each node drives (at least one)."""
         return max(1, min(self.nics_per_node, members_per_node * self.nics_per_node // self.gpus_per_node))
@@ -203,7 +221,7 @@ class Hardware:
         if kind != "all_reduce":
             return ring
         tree = tree_latency + slowest.transfer_us(2 * nbytes)
-        return {"ring": ring, "tree": tree}.get(net.algorithm, min(ring, tree))
+        return {"ring": ring, "tree": tree}.get(net.algorithm, np.minimum(ring, tree))
 
     def p2p_us(self, nbytes: float, sender: int, receiver: int) -> float:
         return flat_collective_us("p2p", 2, nbytes, self.link("p2p", self.node_of(sender) != self.node_of(receiver)))
@@ -303,6 +321,19 @@ class Hardware:
             collectives=collectives,
             source=str(data.get("source", "")),
         )
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """``collective_ms(kind, nbytes)`` of a TP group of ``tp`` ranks on ``hardware`` (``nbytes`` an
+    array of them, elementwise): what :class:`~megatron_dynapipe.planning.cost_model.tensor_parallel.
+    TensorParallelCollectives` asks; a value, so that a cost model holding it travels to workers."""
+
+    hardware: Hardware
+    tp: int
+
+    def __call__(self, kind: str, nbytes):
+        return self.hardware.collective_us(kind, nbytes, range(self.tp)) / 1e3
 
 
 class _Fields:

@@ -56,7 +56,7 @@ from megatron_dynapipe.planning.baselines import (
     uniform_microbatches,
 )
 from megatron_dynapipe.planning.breakdown import Breakdown, PipelineRun, explain
-from megatron_dynapipe.planning.cost_model import StageCosts, split_over_cp
+from megatron_dynapipe.planning.cost_model import StageCosts
 from megatron_dynapipe.planning.methods import METHODS as REGISTERED, SEARCHED
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
@@ -309,8 +309,8 @@ class _Layout:
         c = outcome.candidate
         self.space, self.candidate, self.chunks, self.outcome = space, c, c.virtual_stages, outcome
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
-        model = split_over_cp(space.cost_model_for(c.tp, c.sequence_parallel), c.cp, space.model,
-                              ring_gbps=space.hardware.cp_ring_gbps(c.tp, c.cp))
+        model = space.hardware.planner_model(space.cost_model_for(c.tp, c.sequence_parallel), space.model, tp=c.tp,
+                                             cp=c.cp, sequence_parallel=c.sequence_parallel)
         # neighbouring stages are tp x cp x dp ranks apart: the hardware's link between them, as the
         # trace's replay prices it (not a profile's link, measured between two ranks of one box)
         hw, apart = space.hardware, c.tp * c.cp * c.dp

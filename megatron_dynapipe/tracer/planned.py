@@ -162,8 +162,9 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         stage_layers=None if len(set(split)) == 1 else tuple(split),
         recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))
     priced = _stage_costs(cost_model, model, layout, spec)
-    ring_gbps = request.hardware.cp_ring_gbps(layout.tp, layout.cp)
-    planning = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model, ring_gbps=ring_gbps))
+    planning = dataclasses.replace(priced, model=request.hardware.planner_model(
+        priced.model, model, tp=layout.tp, cp=layout.cp, sequence_parallel=training.sequence_parallel,
+        tp_comm_overlap=training.tp_comm_overlap))
     traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
                                                              ring_transfers=False))  # the ring: traced ops
     if spec.packed:

@@ -10,7 +10,8 @@ Two sources answer the same questions (see docs/cost_model.md):
 Both answer per *layer* and per *micro-batch* (:mod:`.base`); :class:`StageCosts` (:mod:`.stage`)
 turns that into what one pipeline stage costs, which is what the planner asks;
 :class:`ContextParallelCostModel` (:mod:`.context_parallel`) is a model's cost on one rank of a
-context-parallel group; :class:`Link` (:mod:`.link`) what a transfer between two ranks takes.  The
+context-parallel group; :class:`TensorParallelCollectives` (:mod:`.tensor_parallel`) adds the
+collectives of a TP group to a rank's times; :class:`Link` (:mod:`.link`) what a transfer between two ranks takes.  The
 file format is
 read and written in :mod:`.profile_file` only; :mod:`.loading` picks the model a job plans with.
 """
@@ -39,10 +40,12 @@ from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.profile_file import CALIBRATED
 from megatron_dynapipe.planning.cost_model.profiled import ProfiledCostModel
 from megatron_dynapipe.planning.cost_model.stage import StageCosts
+from megatron_dynapipe.planning.cost_model.tensor_parallel import TensorParallelCollectives, tp_collectives
 
 __all__ = [
-    "AnalyticalCostModel", "gpt_shape", "CostModel", "ContextParallelCostModel", "split_over_cp", "CostModelError", "Link", "ProfiledCostModel", "StageCosts", "as_stage_costs",
+    "AnalyticalCostModel", "gpt_shape", "CostModel", "ContextParallelCostModel", "split_over_cp", "CostModelError", "Link", "ProfiledCostModel", "StageCosts", "TensorParallelCollectives", "as_stage_costs",
     "cost_model_from_document",
     "load_cost_model", "load_job_cost_model", "profile_mismatch", "resolve_cost_model_path", "shipped_profiles",
+    "tp_collectives",
     "CALIBRATED", "KINDS", "LAYERS", "MB", "PARAM_LAYERS", "PHASES",
 ]
