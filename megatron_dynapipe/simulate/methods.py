@@ -29,8 +29,9 @@ the ring's transfers at the link between its ranks):
   ``thd`` either.
 
 Where a method differs from the traced step is the pipeline, so a method's step is the
-pipeline's makespan, simulated by the planner on the cost model the trace was priced with,
-plus what the trace holds besides it: the traced iteration less the planner's simulation of
+pipeline's makespan, simulated by the planner on the cost model the trace was priced with and
+the TP group's collectives the trace records beside it (``Hardware.planner_model``), plus what the
+trace holds besides it: the traced iteration less the planner's simulation of
 the traced layout's own fixed-shape schedule, 1F1B or its interleaved 1F1B (the gradient
 reduction, the optimizer step, and whatever else the replay prices that the planner's stage costs
 do not).
