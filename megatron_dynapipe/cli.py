@@ -139,7 +139,7 @@ def _run_plan(args) -> int:
 def _pricing(args) -> tuple:
     """(cost model, layers, memory limit MB) of the plan command's flags: ``--cost-model`` (or the
     analytical GPT-6.7B), or ``--model`` on ``--hardware``'s roofline."""
-    priced = pricing_from_args(args, args.tp)
+    priced = pricing_from_args(args, args.tp, args.cp)
     num_layers = args.num_layers or (priced.num_layers if priced else TrainingSpec.num_layers)
     split = layers_problem(num_layers, args.pp * args.chunks, pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
     if split:

@@ -99,7 +99,7 @@ def run(args) -> int:
     for size in args.sizes:
         check_sample_count(size, "--sizes")
     tight = args.memory_limit == TIGHT
-    priced = pricing_from_args(args, args.tp)
+    priced = pricing_from_args(args, args.tp, args.cp)
     model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
     default_limit = priced.memory_limit_mb if priced else default_memory_limit_mb(None)
     spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
