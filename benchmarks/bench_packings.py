@@ -46,7 +46,7 @@ def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int,
     dp = world // (tp * pp * cp)
     priced = hw.planner_model(space.cost_model_for(tp, tp > 1), spec_model, tp=tp, cp=cp, sequence_parallel=tp > 1)
     costs = StageCosts(priced, num_layers=spec_model.num_layers, pp=pp * chunks, dp=dp, zero_stage=1,
-                       link=hw.link("p2p", hw.node_of(0) != hw.node_of(tp * cp * dp)))
+                       link=hw.pipeline_link(tp, cp, dp))
     limit = hw.memory_gib * 1024
     lengths = LengthSource.from_mix(mix).batches(TOKENS, seq, batch + 1, 0)[batch]
     row = {"seq_length": seq, "layout": layout, "mix": mix, "batch": batch, "samples": len(lengths)}

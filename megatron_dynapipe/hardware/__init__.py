@@ -195,6 +195,11 @@ class Hardware:
         return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel and tp > 1,
                               overlap=tp_comm_overlap)
 
+    def pipeline_link(self, tp: int, cp: int, dp: int) -> Link:
+        """The link between neighbouring pipeline stages, whose ranks are ``tp x cp x dp`` apart
+        (as a trace's replay prices their transfers)."""
+        return self.link("p2p", self.node_of(0) != self.node_of(tp * cp * dp))
+
     def tp_collective_ms(self, tp: int) -> "TensorParallelGroup":
         """Prices of collectives on the first tensor-parallel group of ``tp`` ranks (TP's ranks
         are consecutive, so every TP group is placed alike), for the planner's cost model."""

@@ -312,12 +312,11 @@ class _Layout:
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
         model = space.hardware.planner_model(space.cost_model_for(c.tp, c.sequence_parallel), space.model, tp=c.tp,
                                              cp=c.cp, sequence_parallel=c.sequence_parallel)
-        # neighbouring stages are tp x cp x dp ranks apart: the hardware's link between them, as the
-        # trace's replay prices it (not a profile's link, measured between two ranks of one box)
-        hw, apart = space.hardware, c.tp * c.cp * c.dp
+        # the hardware's link between stages, as the trace's replay prices it (not a profile's link,
+        # measured between two ranks of one box)
         self.costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp * self.chunks, dp=c.dp,
                                 zero_stage=1 if c.distributed_optimizer else 0,
-                                link=hw.link("p2p", hw.node_of(0) != hw.node_of(apart)))
+                                link=space.hardware.pipeline_link(c.tp, c.cp, c.dp))
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         self.fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                      space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)

@@ -162,9 +162,11 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
         stage_layers=None if len(set(split)) == 1 else tuple(split),
         recompute_types=recompute_at_least(tuple(RecomputeType), training.recompute_granularity))
     priced = _stage_costs(cost_model, model, layout, spec)
+    # the planner prices the ring's transfers, the TP group's collectives and the stages' transfers
+    # at the hardware's links; the trace records all three as ops, which the replay prices so
     planning = dataclasses.replace(priced, model=request.hardware.planner_model(
         priced.model, model, tp=layout.tp, cp=layout.cp, sequence_parallel=training.sequence_parallel,
-        tp_comm_overlap=training.tp_comm_overlap))
+        tp_comm_overlap=training.tp_comm_overlap), link=request.hardware.pipeline_link(layout.tp, layout.cp, layout.dp))
     traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
                                                              ring_transfers=False))  # the ring: traced ops
     if spec.packed:
