@@ -53,7 +53,13 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from megatron_dynapipe.files import write_atomically
-from megatron_dynapipe.planning.cost_model import AnalyticalCostModel, CostModel, gpt_shape, split_over_cp, tp_collectives
+from megatron_dynapipe.planning.cost_model import (
+    AnalyticalCostModel,
+    CostModel,
+    gpt_shape,
+    split_over_cp,
+    tp_collectives,
+)
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -192,7 +198,7 @@ class Hardware:
         the TP group's collectives added. A shapes-only trace records both as ops of their own, so
         its compute is priced by ``model`` split over CP without them."""
         split = split_over_cp(model, cp, spec, ring_gbps=self.cp_ring_gbps(tp, cp))
-        return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel and tp > 1,
+        return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel,
                               overlap=tp_comm_overlap)
 
     def pipeline_link(self, tp: int, cp: int, dp: int) -> Link:

@@ -34,8 +34,8 @@ def add_pricing_arguments(parser) -> None:
 def pricing_from_args(args, tp: int, cp: int = 1) -> "Pricing | None":
     """The pricing ``--model``/``--hardware`` (and the attention core's flags) ask for at ``tp``
     and ``cp``, as a search plans a layout on that device (the CP ring and the TP group's
-    collectives at its links: ``Hardware.planner_model``); None when none is given. Giving them with ``--cost-model`` is refused: both say how to price
-    the layers."""
+    collectives at its links: ``Hardware.planner_model``); None when none is given. Giving them
+    with ``--cost-model`` is refused: both say how to price the layers."""
     attention = attention_from_args(args)
     if not (args.model or args.hardware or attention):
         return None
@@ -47,5 +47,5 @@ def pricing_from_args(args, tp: int, cp: int = 1) -> "Pricing | None":
     model, hardware = get_model(args.model or DEFAULT_MODEL), load_hardware(args.hardware or DEFAULT_HARDWARE)
     if attention:
         model = dataclasses.replace(model, attention=attention)
-    return Pricing(hardware.planner_model(hardware.cost_model(model, tp, DTYPE), model, tp=tp, cp=cp), model.num_layers,
-                   default_memory_limit_mb(hardware.memory_gib * 1024))
+    priced = hardware.planner_model(hardware.cost_model(model, tp, DTYPE), model, tp=tp, cp=cp)
+    return Pricing(priced, model.num_layers, default_memory_limit_mb(hardware.memory_gib * 1024))

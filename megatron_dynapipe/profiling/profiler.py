@@ -400,9 +400,11 @@ def _say_how_long(profile: ProfileRun, parts: Parts, tp: int) -> None:
             sum(time_once(lambda: parts.encoders[rc](inputs[0]), profile.device)) for _ in range(2)))
         if not ms:
             return
-        runs.append((run_flops(profile.spec, tp, seq, mbs, [rc])[2], ms / 1e3))
+        _, _, layer_flops = run_flops(profile.spec, tp, seq, mbs, [rc])
+        runs.append((layer_flops, ms / 1e3))
     pace = RunPace.through(*runs)
-    grid = calibrated_seconds(pace, profile.spec, s, todo, bool(parts.packed_encoders), parts.attention_core is not None)
+    grid = calibrated_seconds(pace, profile.spec, s, todo, packed=bool(parts.packed_encoders),
+                              core=parts.attention_core is not None)
 
     def parts_ms(phase: str, seq: int, mbs: int) -> tuple[float, float]:  # a third of a run forward
         head, embedding, layer = (pace.run_s(f) * 1e3 for f in run_flops(profile.spec, tp, seq, mbs, [rc]))
@@ -413,9 +415,10 @@ def _say_how_long(profile: ProfileRun, parts: Parts, tp: int) -> None:
                              s.seq_lengths())
     overhead = 0.0 if tp in profile.records.overhead else sum(
         overhead_seconds(parts_ms, shapes, profile.spec.num_layers, s.repeats, s.min_time_ms))
+    (seq_a, mbs_a), (seq_b, mbs_b) = ends
     print(f"tp {tp}: about {describe_duration(grid + overhead)} to measure (the grid {describe_duration(grid)}, the "
-          f"whole-step overhead {describe_duration(overhead)}; lengths a refinement adds and the link come on top), at the "
-          f"pace of its layer run once at {ends[0][1]} x {ends[0][0]} and {ends[1][1]} x {ends[1][0]} tokens", file=sys.stderr)
+          f"whole-step overhead {describe_duration(overhead)}; lengths a refinement adds and the link come on top), "
+          f"at the pace of its layer run once at {mbs_a} x {seq_a} and {mbs_b} x {seq_b} tokens", file=sys.stderr)
 
 
 def _profile_row(profile: ProfileRun, parts: Parts, tp: int, seq: int, output: Path, progress: Progress) -> None:

@@ -11,9 +11,9 @@ Both answer per *layer* and per *micro-batch* (:mod:`.base`); :class:`StageCosts
 turns that into what one pipeline stage costs, which is what the planner asks;
 :class:`ContextParallelCostModel` (:mod:`.context_parallel`) is a model's cost on one rank of a
 context-parallel group; :class:`TensorParallelCollectives` (:mod:`.tensor_parallel`) adds the
-collectives of a TP group to a rank's times; :class:`Link` (:mod:`.link`) what a transfer between two ranks takes.  The
-file format is
-read and written in :mod:`.profile_file` only; :mod:`.loading` picks the model a job plans with.
+collectives of a TP group to a rank's times; :class:`Link` (:mod:`.link`) what a transfer between
+two ranks takes.  The file format is read and written in :mod:`.profile_file` only; :mod:`.loading`
+picks the model a job plans with.
 """
 
 from megatron_dynapipe.planning.cost_model.analytical import AnalyticalCostModel, gpt_shape
@@ -43,9 +43,9 @@ from megatron_dynapipe.planning.cost_model.stage import StageCosts
 from megatron_dynapipe.planning.cost_model.tensor_parallel import TensorParallelCollectives, tp_collectives
 
 __all__ = [
-    "AnalyticalCostModel", "gpt_shape", "CostModel", "ContextParallelCostModel", "split_over_cp", "CostModelError", "Link", "ProfiledCostModel", "StageCosts", "TensorParallelCollectives", "as_stage_costs",
+    "AnalyticalCostModel", "gpt_shape", "CostModel", "ContextParallelCostModel", "split_over_cp", "CostModelError", "Link", "ProfiledCostModel", "StageCosts", "as_stage_costs",
+    "TensorParallelCollectives", "tp_collectives",
     "cost_model_from_document",
     "load_cost_model", "load_job_cost_model", "profile_mismatch", "resolve_cost_model_path", "shipped_profiles",
-    "tp_collectives",
     "CALIBRATED", "KINDS", "LAYERS", "MB", "PARAM_LAYERS", "PHASES",
 ]
