@@ -18,7 +18,9 @@ ring or tree over NVLink and one 200 Gb/s rail per GPU (docs/simulate.md).  The 
 neither micro-batch sizes nor which runs interleave, so the search tries 1, 2 and 4 model chunks
 a rank where they apply (printed as V); sequence parallelism postdates the paper and stays off, and
 so does overlapped pipeline communication: the paper's Megatron-LM blocked on each transfer
-(``--no-overlap-p2p-communication``, with which megatron-core interleaves only at PP > 2).
+(``--no-overlap-p2p-communication``, with which megatron-core interleaves only at PP > 2), and
+for each TP all-reduce of a column-parallel linear's backward, which megatron-core now runs beside
+the weight-gradient GEMM (``SearchSpace.async_tp_backward=False``).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
                       max_sequence_length=SEQ)
     space = SearchSpace(model, gpus, batch, SEQ, load_hardware("a100"), tp=(tp,), pp=(pp,),
                         micro_batch_sizes=tuple(micro_batch_sizes), recompute=("full",), distributed_optimizer=(False,),
-                        sequence_parallel=(False,), cost_model=cost_model, overlap_p2p_comm=False)
+                        sequence_parallel=(False,), cost_model=cost_model, overlap_p2p_comm=False,
+                        async_tp_backward=False)
     result = run_search(space, out, progress=sys.stderr.isatty())
     best = result.ranked()[0]
     return {"iteration_s": best.iteration_s, "micro_batch_size": best.candidate.micro_batch_size,

@@ -15,10 +15,10 @@ which ops a rank issues without changing the model.
 * ``--sequence-parallel``: activations outside the TP regions are split along the sequence, so
   each TP all-reduce becomes an all-gather before and a reduce-scatter after, and pipeline
   activations shrink by TP.
-* ``--tp-comm-overlap`` (with ``--sequence-parallel``): transformer-engine overlaps each TP
-  all-gather and reduce-scatter with the GEMM next to it.  The tracer records the same ops (the
-  local layer has no such overlap) and the option; ``simulate`` runs those collectives beside
-  their pass's compute.
+* ``--tp-comm-overlap`` (with ``--sequence-parallel``): transformer-engine's userbuffers overlap
+  the layer's other TP all-gathers and reduce-scatters with the GEMM next to them (megatron-core's
+  column-parallel backward runs its own beside its GEMMs anyway).  The tracer records the same ops
+  and the option; ``simulate`` prices what each leaves exposed beside its GEMM.
 * ``--num-layers-per-virtual-pipeline-stage N`` / ``--num-virtual-stages-per-pipeline-rank V``:
   interleaved 1F1B.  Each pipeline rank holds V model chunks of N layers (the model's layers
   go round the ranks V times), every micro-batch crosses the pipeline V times, and with
@@ -74,6 +74,10 @@ class MegatronOptions:
     last_stage_layers: Optional[int] = None
     account_for_embedding: bool = False
     account_for_loss: bool = False
+    #: whether a column-parallel linear's backward runs its TP collectives beside its GEMMs, as
+    #: megatron-core always does; False prices the Megatron-LM of 2021 (SC'21), which waited for
+    #: them. No Megatron-LM flag asks for it (its --no-async-tensor-model-parallel-allreduce is gone)
+    async_tp_backward: bool = True
 
     @property
     def split(self) -> PipelineSplit:

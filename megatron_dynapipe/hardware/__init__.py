@@ -62,6 +62,7 @@ from megatron_dynapipe.planning.cost_model import (
 )
 from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.roofline import DeviceRoofline, RooflineCostModel
+from megatron_dynapipe.planning.cost_model.tensor_parallel import LinearGemms
 from megatron_dynapipe.planning.spec import TrainingSpec
 
 __all__ = [
@@ -102,6 +103,8 @@ FORMAT_VERSION = 1
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                     "barrier", "p2p")
 ALGORITHMS = ("auto", "ring", "tree")
+#: a cost model's activation dtype -> the peak_tflops key its GEMMs run at
+_PEAK_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _FIX = "see docs/simulate.md for the fields, or write one for this machine with `megatron-dynapipe calibrate`"
 
 
@@ -192,14 +195,17 @@ class Hardware:
         return self._across_nodes_us(kind, nbytes, n, nodes, most)
 
     def planner_model(self, model: CostModel, spec, *, tp: int, cp: int = 1, sequence_parallel: bool = False,
-                      tp_comm_overlap: bool = False) -> CostModel:
+                      tp_comm_overlap: bool = False, async_backward: bool = True) -> CostModel:
         """``model`` (one TP rank's compute, ``spec``'s GPT) as the planner prices a layout on this
         hardware: split over ``cp`` ranks with the ring's transfers at the link between them, and
-        the TP group's collectives added. A shapes-only trace records both as ops of their own, so
-        its compute is priced by ``model`` split over CP without them."""
+        the TP group's collectives added, each beside its GEMM as this device's roofline prices it
+        (waited for without one). A shapes-only trace records both as ops of their own, so its
+        compute is priced by ``model`` split over CP without them."""
         split = split_over_cp(model, cp, spec, ring_gbps=self.cp_ring_gbps(tp, cp))
+        roofline = self.roofline(_PEAK_DTYPES.get(model.activation_dtype, "bfloat16"))
+        gemms = LinearGemms.of(spec, tp, roofline.gemm_ms) if roofline is not None and tp > 1 else None
         return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel,
-                              overlap=tp_comm_overlap)
+                              overlap=tp_comm_overlap, gemms=gemms, async_backward=async_backward)
 
     def pipeline_link(self, tp: int, cp: int, dp: int) -> Link:
         """The link between neighbouring pipeline stages, whose ranks are ``tp x cp x dp`` apart

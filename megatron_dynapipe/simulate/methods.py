@@ -311,7 +311,8 @@ class _Layout:
         self.space, self.candidate, self.chunks, self.outcome = space, c, c.virtual_stages, outcome
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
         model = space.hardware.planner_model(space.cost_model_for(c.tp, c.sequence_parallel), space.model, tp=c.tp,
-                                             cp=c.cp, sequence_parallel=c.sequence_parallel)
+                                             cp=c.cp, sequence_parallel=c.sequence_parallel,
+                                             async_backward=space.async_tp_backward)
         # the hardware's link between stages, as the trace's replay prices it (not a profile's link,
         # measured between two ranks of one box)
         self.costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp * self.chunks, dp=c.dp,

@@ -29,9 +29,11 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
   gives the pass's block of ring attention (``ring_block_us``, shapes-only traces), each step
   runs beside that one block only and the pass waits for what it takes beyond it, as in
   transformer-engine, whose ring steps run inside the attention core;
-* with ``tp_comm_overlap`` the tensor-parallel all-gathers and reduce-scatters inside a forward
-  or backward run on their own stream beside the pass's compute (transformer-engine overlaps
-  each with the GEMM next to it), and the pass ends when both are done;
+* a dense layer's tensor-parallel collective that runs beside a GEMM (a column-parallel linear's
+  backward ones always, the rest of sequence parallelism's under ``tp_comm_overlap``) costs the
+  pass what outlasts that GEMM, priced by the hardware's roofline (:func:`~megatron_dynapipe.
+  planning.cost_model.tensor_parallel.exposed_ms`, which the planner prices by too); without a
+  roofline, and for other layers, a rank waits for it;
 * with ``overlap_param_gather`` the distributed optimizer's parameter all-gathers inside a
   forward (one a bucket, in the first micro-batch's) run on their own stream beside its compute,
   but the first, which the forward waits for before any layer can run; the pass ends when both
@@ -55,6 +57,13 @@ from typing import Any, Optional
 
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
+from megatron_dynapipe.planning.cost_model.tensor_parallel import (
+    WAITED,
+    LinearGemms,
+    exposed_ms,
+    label_pass,
+    overlap_of,
+)
 from megatron_dynapipe.simulate.reprice import reprice
 from megatron_dynapipe.simulate.traced_job import RETRACE, TracedJob, TraceMismatch
 from megatron_dynapipe.tracer.trace_format import (
@@ -67,8 +76,10 @@ from megatron_dynapipe.tracer.trace_format import (
 
 __all__ = ["Step", "Span", "RankReplay", "Replay", "simulate_job"]
 
-GRAD_STREAM, TP_STREAM, CP_STREAM = "gradient reduction", "tensor parallel", "context parallel"  # overlap streams
+GRAD_STREAM, CP_STREAM = "gradient reduction", "context parallel"  # overlap streams
 PARAM_STREAM = "parameter gather"
+TP_GROUP = "TENSOR_MODEL_PARALLEL_GROUP"
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 POSTED = "posted"  # the key of a p2p step that waits for transfers posted earlier
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 
@@ -131,6 +142,12 @@ class _StepBuilder:
         #: request handles waited on between passes, and the transfers posted under each
         self.waited = {op.handle for op in top if op.kind == "wait"}
         self.requests: dict[int, Step] = {}
+        #: the GEMMs a dense layer's TP collectives run beside (None: every one waits), and the
+        #: label of each such collective of the pass being built, by op
+        roofline = hardware.roofline(job.dtype)
+        dense = job.layout.tp > 1 and not job.model.num_experts and roofline is not None
+        self.tp_gemms = LinearGemms.of(job.model, job.layout.tp, roofline.gemm_ms) if dense else None
+        self.tp_labels: dict[int, tuple] = {}
 
     def build(self) -> list[Step]:
         trees = subtrees(self.trace.ops)
@@ -174,6 +191,7 @@ class _StepBuilder:
     def _compute(self, op: TraceOp, nested: list[TraceOp]) -> None:
         total = self._compute_us(op, nested)
         segments = self._segments(op, nested, total)
+        self._label_tp(nested)
         gathers = [c for c in nested if self._param_gather(c)]
         for index, segment in enumerate(segments):
             self.steps.append(Step("compute", op.kind, segment, op.phase, op.microbatch))
@@ -185,9 +203,6 @@ class _StepBuilder:
         if len(gathers) > 1:
             self.steps.append(Step("drain", "exposed overlapped parameter gather", phase=op.phase,
                                    microbatch=op.microbatch, key="all_gather", stream=PARAM_STREAM))
-        if any(self._overlapped_tp(c) for c in nested):
-            self.steps.append(Step("drain", "exposed overlapped TP communication", phase=op.phase,
-                                   microbatch=op.microbatch, key="tp_overlap", stream=TP_STREAM))
         if any(self._within_my_stage(c) for c in nested):
             self.steps.append(Step("drain", "exposed context-parallel ring", phase=op.phase,
                                    microbatch=op.microbatch, key="cp_ring", stream=CP_STREAM))
@@ -205,10 +220,23 @@ class _StepBuilder:
         """A bucket's parameter all-gather the distributed optimizer overlaps with the forward."""
         return self.job.overlap_param_gather and op.kind == "all_gather" and op.name.endswith("start_param_sync")
 
-    def _overlapped_tp(self, op: TraceOp) -> bool:
-        """A sequence-parallel TP collective transformer-engine overlaps with a GEMM."""
-        return (self.job.tp_comm_overlap and op.group_name == "TENSOR_MODEL_PARALLEL_GROUP"
-                and op.kind in ("all_gather", "reduce_scatter"))
+    def _label_tp(self, nested: list[TraceOp]) -> None:
+        """Which linear's each of a pass's TP collectives is (:func:`label_pass`), kept by op."""
+        if self.tp_gemms is None:
+            return
+        tp = [c for c in nested if c.group_name == TP_GROUP and c.kind in _COLLECTIVES]
+        labels = label_pass([(c.kind, c.name) for c in tp], self.job.sequence_parallel)
+        self.tp_labels.update((c.seq, label) for c, label in zip(tp, labels) if label is not None)
+
+    def _tp_exposed_us(self, op: TraceOp, comm_us: float) -> float:
+        """What TP collective ``op`` (of :meth:`_label_tp`) adds to its pass beside its GEMM."""
+        kind, linear, gemm = self.tp_labels.pop(op.seq)
+        how = overlap_of(linear, gemm, tp_comm_overlap=self.job.tp_comm_overlap,
+                         async_backward=self.job.async_tp_backward)
+        if how == WAITED:
+            return comm_us
+        tokens = op.bytes / (self.job.model.hidden_size * _ELEMENT_BYTES.get(op.dtype, 2))
+        return float(exposed_ms(how, comm_us, 1e3 * self.tp_gemms.ms(linear, gemm, tokens), self.job.layout.tp))
 
     def _segments(self, op: TraceOp, nested: list[TraceOp], total: float) -> list[float]:
         if not nested:
@@ -234,10 +262,12 @@ class _StepBuilder:
             index = self.group_count[group]
             self.group_count[group] += 1
             members = self.job.representatives_of(group)
-            stream = (GRAD_STREAM if self._launches_overlapped_reduction(op)
-                      else TP_STREAM if self._overlapped_tp(op) else PARAM_STREAM if overlapped else "")
-            return Step("async" if stream else "collective", op.kind, self._collective_us(op.kind, op.bytes, group),
-                        op.phase, op.microbatch, key=(group, index), members=members, bytes=op.bytes, stream=stream)
+            stream = (GRAD_STREAM if self._launches_overlapped_reduction(op) else PARAM_STREAM if overlapped else "")
+            cost = self._collective_us(op.kind, op.bytes, group)
+            if op.seq in self.tp_labels:
+                cost = self._tp_exposed_us(op, cost)
+            return Step("async" if stream else "collective", op.kind, cost, op.phase, op.microbatch,
+                        key=(group, index), members=members, bytes=op.bytes, stream=stream)
         parts = _parts(op)
         if self._within_my_stage(op):
             # peers this rank stands for run the same ring step at once: each part moves at the

@@ -81,7 +81,9 @@ class SearchSpace:
     the values given (``None``: all that make sense).  ``cost_model`` is a profile's path or
     name for compute times (``None``: the hardware's own model, :meth:`Hardware.cost_model`).
     ``overlap_p2p_comm``: interleaved layouts post their pipeline transfers and wait for them
-    later, as Megatron-LM does by default (False: they block, and need PP > 2)."""
+    later, as Megatron-LM does by default (False: they block, and need PP > 2).
+    ``async_tp_backward``: a column-parallel linear's backward runs its TP collectives beside its
+    GEMMs, as megatron-core does (False: the Megatron-LM of 2021, which waited for them)."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -99,6 +101,7 @@ class SearchSpace:
     max_tp: Optional[int] = None
     cost_model: Optional[str] = None
     overlap_p2p_comm: bool = True
+    async_tp_backward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("world_size", "global_batch_size", "seq_length"):
@@ -189,7 +192,7 @@ class SearchSpace:
         """The Megatron-LM options a layout is traced with: its sequence parallelism and model
         chunks a rank (a ``trace_key``'s last two), and this space's pipeline overlap."""
         return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None,
-                               overlap_p2p_comm=self.overlap_p2p_comm)
+                               overlap_p2p_comm=self.overlap_p2p_comm, async_tp_backward=self.async_tp_backward)
 
     def cost_model_for(self, tp: int, sequence_parallel: bool = False) -> CostModel:
         """The layers' costs at ``tp``: the hardware's roofline, its activations with or without
@@ -439,7 +442,8 @@ class SearchResult:
         return {
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
             "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
-            "overlap_p2p_comm": s.overlap_p2p_comm, "counts": self.counts(), "traced_layouts": self.traced,
+            "overlap_p2p_comm": s.overlap_p2p_comm,
+            "async_tp_backward": s.async_tp_backward, "counts": self.counts(), "traced_layouts": self.traced,
             "reused_traces": self.reused,
             "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
             "best": best.to_json() if best else None,

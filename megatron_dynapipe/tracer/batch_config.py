@@ -163,6 +163,8 @@ class TraceConfig:
             f"_GLOBAL_BATCH{self.global_batch}"
         )
         flags = training.megatron_args() if training is not None else []
+        if training is not None and not training.async_tp_backward:  # priced as an older Megatron-LM: no flag
+            flags.append("async_tp_backward=false")
         if flags:
             name += "_FLAGS" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
         if method:

@@ -251,7 +251,8 @@ def test_training_flags_reach_the_trace(tmp_path):
         distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False, bucket_size=None,
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=True,
         tp_comm_overlap=False, layers_per_virtual_stage=None, virtual_stages=None, overlap_p2p_comm=True,
-        first_stage_layers=None, last_stage_layers=None, account_for_embedding=False, account_for_loss=False)
+        first_stage_layers=None, last_stage_layers=None, account_for_embedding=False, account_for_loss=False,
+        async_tp_backward=True)
     ops = [json.loads(line) for line in Path(result.path).read_text().splitlines()[1:]]
     kinds = {(op["kind"], op.get("group_name")) for op in ops if op["cat"] == "comm"}
     assert ("reduce_scatter", "DATA_PARALLEL_GROUP_WITH_CP") in kinds and ("all_gather", "TENSOR_MODEL_PARALLEL_GROUP") in kinds

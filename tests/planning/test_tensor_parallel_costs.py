@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_dynapipe.hardware import load_hardware
+from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.planning.cost_model import (
     AnalyticalCostModel,
     StageCosts,
@@ -13,6 +14,7 @@ from megatron_dynapipe.planning.cost_model import (
     split_over_cp,
     tp_collectives,
 )
+from megatron_dynapipe.planning.cost_model.tensor_parallel import LinearGemms, exposed_ms, label_pass
 from megatron_dynapipe.planning.types import RecomputeType
 
 H, TP = 1024, 4
@@ -80,25 +82,141 @@ def test_with_sequence_parallelism_the_layers_gather_and_scatter_instead():
             inner.layer_ms(layer, phase, rc, 2, 2048) + comm, rel=1e-12), (layer, phase, rc)
 
 
-def test_overlapped_gathers_and_scatters_show_only_beyond_the_compute():
-    """--tp-comm-overlap: a part takes the longer of its compute and its all-gathers and
-    reduce-scatters; its all-reduces still wait."""
-    inner = compute_model()
-    def scaled(ms_per_mb):  # ms a MB, no latency: 0.0001 hides under the layer's 0.22 ms, 1 does not
-        return lambda kind, nbytes: ms_per_mb * np.asarray(nbytes, dtype=float) / 2**20
+RATE = 2e10  # FLOP a ms of the made-up GEMMs: 2 m n k / RATE, no waves, no tiles
+VOCAB = 32768
 
-    act = 4096 * H * 2
-    for price, hidden in ((scaled(1e-4), True), (scaled(1.0), False)):
-        model = TensorParallelCollectives(inner, price, sequence_parallel=True, overlap=True)
-        compute = inner.layer_ms("encoder", "forward", "none", 1, 4096)
-        beside = 2 * price("all_gather", act) + 2 * price("reduce_scatter", act)
-        assert (beside < compute) == hidden
-        assert model.layer_ms("encoder", "forward", "none", 1, 4096) == pytest.approx(max(compute, beside))
-        embedding = inner.layer_ms("preprocess", "forward", "none", 1, 4096)
-        assert model.layer_ms("preprocess", "forward", "none", 1, 4096) == pytest.approx(
-            embedding + price("all_reduce", act))  # an all-reduce is not overlapped
+
+def gemm(m, n, k):
+    return 2.0 * m * n * k / RATE
+
+
+def gemms():
+    spec = ModelSpec(num_layers=2, hidden_size=H, num_attention_heads=16, vocab_size=VOCAB,
+                     make_vocab_size_divisible_by=128)
+    return LinearGemms.of(spec, TP, gemm)
+
+
+def gemm_flops_ms(width_in, width_out, tokens):
+    """Any of a linear's three GEMMs: 2 x tokens x its two widths FLOPs."""
+    return 2.0 * tokens * width_in * width_out / RATE
+
+
+def timeline_exposed(how, comm, compute, tp):
+    """What a collective adds beyond its GEMM, by walking chunk by chunk (an independent check of
+    exposed_ms's closed forms): one link carries the chunks in order, one GEMM stream takes them."""
+    if how == "beside":
+        return max(comm, compute) - compute
+    if how == "ring exchange":  # chunk 0 is the rank's own; chunk k arrives after k exchanges
+        gemm_end, arrived = 0.0, 0.0
+        for k in range(tp):
+            if k:
+                arrived += comm / (tp - 1)
+            gemm_end = max(gemm_end, arrived) + compute / tp
+        return gemm_end - compute
+    n = 4  # pipelined: chunk k is reduce-scattered after its GEMM chunk
+    link_end = 0.0
+    for k in range(n):
+        link_end = max(link_end, (k + 1) * compute / n) + comm / n
+    return link_end - compute
+
+
+@pytest.mark.parametrize("how", ["beside", "ring exchange", "pipelined"])
+@pytest.mark.parametrize("comm, compute", [(0.1, 1.0), (1.0, 1.0), (3.0, 1.0), (0.7, 0.75), (2.0, 0.0)])
+def test_what_a_collective_exposes_beside_its_gemm_matches_a_chunk_by_chunk_timeline(how, comm, compute):
+    assert exposed_ms(how, comm, compute, TP) == pytest.approx(timeline_exposed(how, comm, compute, TP), abs=1e-12)
+    assert exposed_ms("waited", comm, compute, TP) == comm
+
+
+def test_the_linears_gemms_are_the_layers_shapes_on_one_rank():
+    g, tokens = gemms(), 3000.0
+    padded_vocab = VOCAB  # already a multiple of 128 x TP
+    for linear, (k_in, n_out) in {"qkv": (H, 3 * H / TP), "fc1": (H, 4 * H / TP), "head": (H, padded_vocab / TP),
+                                   "proj": (H / TP, H), "fc2": (4 * H / TP, H)}.items():
+        for which in ("fprop", "dgrad", "wgrad"):
+            assert g.ms(linear, which, tokens) == pytest.approx(gemm_flops_ms(k_in, n_out, tokens)), (linear, which)
+
+
+def test_a_column_parallel_backward_waits_only_for_what_outlasts_its_gemms():
+    """megatron-core's column-parallel linears (QKV, FC1, the head) launch the input's re-gather
+    beside the input-gradient GEMM and the gradient's reduction beside the weight-gradient GEMM;
+    the rest wait. At 4096 tokens QKV's and FC1's GEMMs (0.32 and 0.43 ms) hide the made-up line's
+    8 MB collectives at a hundredth of its price, and only in part at its price (3.2-3.3 ms)."""
+    inner, tokens = compute_model(), 4096
+    act = tokens * H * 2
+    qkv, fc1, head = (gemm_flops_ms(H, w, tokens) for w in (3 * H / TP, 4 * H / TP, VOCAB / TP))
+    for scale in (0.01, 1.0):  # collectives shorter than the GEMMs, and longer
+        def price(kind, nbytes, scale=scale):
+            return scale * line(kind, nbytes)
+        plain = TensorParallelCollectives(inner, price, gemms=gemms())
+        sp = TensorParallelCollectives(inner, price, sequence_parallel=True, gemms=gemms())
+        out = lambda c, g: max(c - g, 0.0)  # noqa: E731
+        expected = {
+            (plain, "encoder", "backward"): out(price("all_reduce", act), fc1) + out(price("all_reduce", act), qkv),
+            (plain, "encoder", "forward"): 2 * price("all_reduce", act),
+            (plain, "postprocess", "backward"): out(price("all_reduce", act), head),
+            (sp, "encoder", "backward"): 2 * price("all_gather", act)  # the gradients into FC2 and the projection
+            + out(price("all_gather", act), fc1) + out(price("reduce_scatter", act), fc1)
+            + out(price("all_gather", act), qkv) + out(price("reduce_scatter", act), qkv),
+            (sp, "encoder", "forward"): 2 * price("all_gather", act) + 2 * price("reduce_scatter", act),
+            (sp, "postprocess", "backward"): out(price("all_gather", act), head)
+            + out(price("reduce_scatter", act), head),
+            (sp, "postprocess", "forward"): price("all_gather", act) + 3 * price("all_reduce", tokens * 4),
+        }
+        for (model, layer, phase), comm in expected.items():
+            assert model.layer_ms(layer, phase, "none", 1, tokens) == pytest.approx(
+                inner.layer_ms(layer, phase, "none", 1, tokens) + comm, rel=1e-12), (scale, layer, phase)
+    assert line("all_reduce", act) / 100 < qkv < fc1 < line("all_reduce", act)
+
+
+def test_tp_comm_overlap_rings_and_pipelines_the_other_gathers_and_scatters_under_their_gemms():
+    inner, tokens = compute_model(), 2048
+    act = tokens * H * 2
+    ring = lambda c, g: max(c - g * (TP - 1) / TP, 0.0)  # noqa: E731
+    pipelined = lambda c, g: c / 4 + 0.75 * max(c - g, 0.0)  # noqa: E731
+    qkv, proj, fc1, fc2 = (gemm_flops_ms(a, b, tokens) for a, b in (
+        (H, 3 * H / TP), (H / TP, H), (H, 4 * H / TP), (4 * H / TP, H)))
+    model = TensorParallelCollectives(inner, line, sequence_parallel=True, overlap=True, gemms=gemms())
+    ag, rs = line("all_gather", act), line("reduce_scatter", act)
+    forward = ring(ag, qkv) + pipelined(rs, proj) + ring(ag, fc1) + pipelined(rs, fc2)
+    backward = (ring(ag, fc2) + max(ag - fc1, 0) + max(rs - fc1, 0)
+                + ring(ag, proj) + max(ag - qkv, 0) + max(rs - qkv, 0))
+    for phase, rc, comm in (("forward", "none", forward), ("backward", "none", backward),
+                            ("backward", "full", forward + backward)):
+        assert model.layer_ms("encoder", phase, rc, 1, tokens) == pytest.approx(
+            inner.layer_ms("encoder", phase, rc, 1, tokens) + comm, rel=1e-12), (phase, rc)
+    # the head is megatron-core's own linear: its forward gather waits
+    assert model.layer_ms("postprocess", "forward", "none", 1, tokens) == pytest.approx(
+        inner.layer_ms("postprocess", "forward", "none", 1, tokens) + ag + 3 * line("all_reduce", tokens * 4))
     with pytest.raises(ValueError, match="sequence_parallel"):
         TensorParallelCollectives(inner, line, overlap=True)
+    waited = TensorParallelCollectives(inner, line, sequence_parallel=True, gemms=gemms(), async_backward=False)
+    assert waited.layer_ms("encoder", "backward", "none", 1, tokens) == pytest.approx(
+        inner.layer_ms("encoder", "backward", "none", 1, tokens) + 4 * ag + 2 * rs)
+
+
+def test_a_traced_pass_is_labelled_layer_by_layer_per_call_site():
+    """The call sites of a megatron-core trace: a backward with full recompute holds each layer's
+    forward again; the head's come first in a backward, the embedding's last."""
+    col_f, col_b = "layers.forward", "layers.backward"
+    gather, scatter, reduce = ("mappings._gather_along_first_dim", "mappings._reduce_scatter_along_first_dim",
+                               "mappings._reduce")
+    layer_fwd = [("all_gather", col_f), ("reduce_scatter", scatter), ("all_gather", col_f), ("reduce_scatter", scatter)]
+    layer_bwd = [("all_gather", gather), ("all_gather", col_b), ("reduce_scatter", col_b),
+                 ("all_gather", gather), ("all_gather", col_b), ("reduce_scatter", col_b)]
+    calls = [("all_gather", col_b), ("reduce_scatter", col_b)] + (layer_fwd + layer_bwd) * 2 + [("all_gather", gather)]
+    labels = [(linear, which) if label else None for label in label_pass(calls, True)
+              for linear, which in [label[1:] if label else (None, None)]]
+    fwd = [("qkv", "fprop"), ("proj", "fprop"), ("fc1", "fprop"), ("fc2", "fprop")]
+    bwd = [("fc2", "dgrad"), ("fc1", "dgrad"), ("fc1", "wgrad"), ("proj", "dgrad"), ("qkv", "dgrad"), ("qkv", "wgrad")]
+    assert labels == [("head", "dgrad"), ("head", "wgrad")] + (fwd + bwd) * 2 + [("embedding", None)]
+    # a forward without sequence parallelism: the embedding's all-reduce, then the projections'; the
+    # loss's are no layer's
+    forward = [("all_reduce", reduce)] * 5 + [("all_reduce", "cross_entropy.forward")]
+    assert [label and label[1] for label in label_pass(forward, False)] == [
+        "embedding", "proj", "fc2", "proj", "fc2", None]
+    # a count no dense layer gives is left unlabelled (waited for)
+    assert label_pass([("all_reduce", col_b)] * 2 + [("all_gather", col_b)], False) == [
+        ("all_reduce", "fc1", "wgrad"), ("all_reduce", "qkv", "wgrad"), None]
 
 
 def test_under_context_parallelism_the_collectives_carry_a_ranks_share_of_the_tokens():
