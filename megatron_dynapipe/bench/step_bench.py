@@ -70,7 +70,7 @@ from megatron_dynapipe.bench.step_methods import (CUT, CUT_PIECES, DP_BALANCED, 
                                                  stage_costs)
 from megatron_dynapipe.bench.timing import time_alternating
 from megatron_dynapipe.config.layout import layers_problem
-from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
+from megatron_dynapipe.config.model_flags import add_model_arguments, attention_from_args, model_from_args
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.files import check_output_file
 from megatron_dynapipe.gpt.build import runs_packed
@@ -191,7 +191,7 @@ def _checked(args) -> StepJob:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
                          "drop --hidden-dropout / --attention-dropout")
     spec = dataclasses.replace(model_from_args(args), hidden_dropout=0.0, attention_dropout=0.0,
-                               attention=args.attention or ATTENTION)
+                               attention=attention_from_args(args) or ATTENTION)
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
     if args.warmup < 0:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS",
-           "POSITION_EMBEDDINGS", "ATTENTIONS", "padded_vocab_size"]
+           "POSITION_EMBEDDINGS", "ATTENTIONS", "CORES", "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
@@ -40,7 +40,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ATTENTIONS = ("local", "sdpa")
+#: attention cores: megatron-core's unfused one, torch's SDPA (what --attention sdpa builds) and
+#: transformer-engine's fused one (--transformer-impl transformer_engine; built as SDPA where
+#: transformer-engine is not installed); CORES are the ones a local layer spec builds (--attention)
+ATTENTIONS = ("local", "sdpa", "transformer_engine")
+CORES = ("local", "sdpa")
+#: the label suffix of a fused core's model (its traces time another attention)
+_CORE_LABELS = {"sdpa": "-sdpa", "transformer_engine": "-te"}
 
 
 def _is_pos_int(value: object) -> bool:
@@ -85,10 +91,10 @@ class ModelSpec:
     #: the vocabulary is padded to a multiple of this times TP, as Megatron-LM pads it
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
-    #: the attention core of megatron-core's local layer spec: "local", its own unfused one (an
-    #: s x s score matrix per head), or "sdpa", torch's scaled_dot_product_attention (flash and
-    #: memory-efficient kernels on CUDA; also runs packed micro-batches). Transformer-engine's spec
-    #: brings its own fused attention and ignores this.
+    #: the attention core: "local", megatron-core's own unfused one (an s x s score matrix per
+    #: head), "sdpa", torch's scaled_dot_product_attention (flash and memory-efficient kernels on
+    #: CUDA; also runs packed micro-batches), or "transformer_engine", the fused core of
+    #: transformer-engine's layers (cuDNN's on Hopper), priced at its own kernel's rate
     attention: str = "local"
     name: str = ""
 
@@ -175,9 +181,9 @@ class ModelSpec:
     @property
     def label(self) -> str:
         """The name used in folder names: the registry name, or ``h<hidden>l<layers>``; ``-sdpa``
-        after it for the fused attention core (its traces time another attention)."""
+        or ``-te`` after it for a fused attention core (its traces time another attention)."""
         name = self.name or f"h{self.hidden_size}l{self.num_layers}"
-        return name + "-sdpa" if self.attention == "sdpa" else name
+        return name + _CORE_LABELS.get(self.attention, "")
 
     def with_experts(self, num_experts: int) -> "ModelSpec":
         return dataclasses.replace(self, num_experts=num_experts)

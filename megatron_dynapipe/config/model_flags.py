@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from megatron_dynapipe.config.model import (
-    ATTENTIONS,
+    CORES,
     MODELS,
     MOE_FIELDS,
     NORMALIZATIONS,
@@ -98,23 +98,24 @@ def add_attention_arguments(group, attention: str = "local") -> None:
     """The flags that choose the attention core: ``--attention`` and Megatron-LM's
     ``--transformer-impl`` and ``--use-flash-attn`` (:func:`attention_from_args` reads them);
     ``attention``: the core without them (what the help says)."""
-    group.add_argument("--attention", choices=ATTENTIONS,
+    group.add_argument("--attention", choices=CORES,
                        help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
                             "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
                             f"(default {attention})")
     group.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
-                       help="Megatron-LM's layer implementation: transformer_engine brings a fused attention core, "
-                            "priced as one (where transformer-engine is not installed torch's SDPA core stands in for "
-                            "it, as --attention sdpa); local: megatron-core's own layers (default: local, unlike "
-                            "Megatron-LM, whose default is transformer_engine)")
+                       help="Megatron-LM's layer implementation: transformer_engine brings its fused attention core, "
+                            "priced at that kernel's rate (where transformer-engine is not installed torch's SDPA core "
+                            "stands in for it); local: megatron-core's own layers (default: local, unlike Megatron-LM, "
+                            "whose default is transformer_engine)")
     group.add_argument("--use-flash-attn", action="store_true", default=None,
                        help="Megatron-LM's flash attention in the local layers: a fused core, as --attention sdpa")
 
 
 def attention_from_args(args: Any) -> "str | None":
     """The attention core :func:`add_attention_arguments`' flags ask for; None where they ask for
-    none. ``--transformer-impl transformer_engine`` and ``--use-flash-attn`` run a fused core:
-    ``sdpa``, what prices (and, without transformer-engine, builds) one."""
+    none. ``--transformer-impl transformer_engine`` runs transformer-engine's fused core (its
+    layers bring their own, whatever ``--attention`` says), ``--use-flash-attn`` a flash kernel in
+    the local layers: ``sdpa``, torch's, which runs one."""
     attention = getattr(args, "attention", None)
     fused_by = [flag for flag, given in (("--transformer-impl transformer_engine",
                                           getattr(args, "transformer_impl", None) == "transformer_engine"),
@@ -124,7 +125,7 @@ def attention_from_args(args: Any) -> "str | None":
     if attention == "local":
         raise ValueError(f"--attention local is megatron-core's unfused core, which {fused_by[0]} replaces by a "
                          "fused one: drop one of them")
-    return "sdpa"
+    return "transformer_engine" if fused_by[0].startswith("--transformer-impl") else "sdpa"
 
 
 def model_from_args(args, default: "str | None" = None) -> ModelSpec:

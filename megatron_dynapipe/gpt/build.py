@@ -31,9 +31,10 @@ def uses_transformer_engine(device_type: str) -> bool:
 
 
 def runs_packed(spec: ModelSpec, device_type: str) -> bool:
-    """Whether the model's attention core runs packed (THD) micro-batches here: the SDPA core, or
-    transformer-engine's; megatron-core's local core refuses them."""
-    return spec.attention == "sdpa" or uses_transformer_engine(device_type)
+    """Whether the model's attention core runs packed (THD) micro-batches here: a fused core (SDPA,
+    which also stands in for transformer-engine's), or transformer-engine's; megatron-core's local
+    core refuses them."""
+    return spec.fused_attention or uses_transformer_engine(device_type)
 
 
 def transformer_config(spec: ModelSpec, *, dtype, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -97,11 +98,11 @@ def layer_spec(spec: ModelSpec, use_te: bool, context_parallel: bool = False):
 
 def with_local_attention(local_layer_spec, attention: str, context_parallel: bool):
     """megatron-core's local layer spec with the core ``attention`` names ("local": its own
-    unfused core, "sdpa": :class:`~megatron_dynapipe.gpt.attention.SDPAttention`), which under
-    context parallelism passes keys and values round the CP group's ring
-    (:mod:`megatron_dynapipe.gpt.context_parallel`)."""
+    unfused core, "sdpa": :class:`~megatron_dynapipe.gpt.attention.SDPAttention`, which stands
+    in for "transformer_engine"'s fused core too), which under context parallelism passes keys and
+    values round the CP group's ring (:mod:`megatron_dynapipe.gpt.context_parallel`)."""
     core = local_layer_spec.submodules.self_attention.submodules.core_attention
-    if attention == "sdpa":
+    if attention != "local":
         from megatron_dynapipe.gpt.attention import SDPAttention
 
         core = SDPAttention

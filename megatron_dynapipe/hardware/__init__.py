@@ -255,11 +255,12 @@ class Hardware:
             raise HardwareFileError(f"hardware {self.name!r} has no peak_tflops for {dtype!r}: add it to the "
                                     f"file's peak_tflops ({_FIX})") from None
 
-    def roofline(self, dtype: str) -> "DeviceRoofline | None":
-        """The device's roofline for ``dtype`` (None without a ``compute`` section)."""
+    def roofline(self, dtype: str, core: str = "transformer_engine") -> "DeviceRoofline | None":
+        """The device's roofline for ``dtype``, attention by the kernel of ``core`` (a ModelSpec's
+        ``attention``); None without a ``compute`` section."""
         if not self.compute:
             return None
-        return DeviceRoofline.from_section(self.compute, self.peak(dtype), self.memory_bandwidth_GBps)
+        return DeviceRoofline.from_section(self.compute, self.peak(dtype), self.memory_bandwidth_GBps, core)
 
     def cost_model(self, model, tp: int, dtype: str, *, memory_limited: bool = True,
                    sequence_parallel: bool = False) -> CostModel:
@@ -270,7 +271,7 @@ class Hardware:
         the memory apart)."""
         gpt = dict(gpt_shape(model, tp), device_memory_mb=self.memory_gib * 1024 if memory_limited else math.inf,
                    sequence_parallel=sequence_parallel)
-        roofline = self.roofline(dtype)
+        roofline = self.roofline(dtype, model.attention)
         built = (RooflineCostModel(roofline, **gpt) if roofline is not None
                  else AnalyticalCostModel(peak_tflops=self.peak(dtype), **gpt))
         built.hardware = self.name  # traces priced by it say which device they are for
@@ -387,18 +388,19 @@ class _Fields:
         if not section:
             return {}
         unknown = set(section) - {"sms", "gemm_tile", "gemm_efficiency", "memory_efficiency", "fused_attention",
-                                  "layer_overhead_us"}
+                                  "sdpa_attention", "layer_overhead_us"}
         if unknown or "sms" not in section:
             raise HardwareFileError(f"{self.source}: compute needs 'sms' and may have gemm_tile, gemm_efficiency, "
-                                    f"memory_efficiency, fused_attention, layer_overhead_us (got {sorted(section)}); "
-                                    f"{_FIX}")
+                                    f"memory_efficiency, fused_attention, sdpa_attention, layer_overhead_us (got "
+                                    f"{sorted(section)}); {_FIX}")
         try:
-            DeviceRoofline.from_section(section, peak_tflops=1.0, memory_bandwidth_GBps=1.0)
+            for core in ("transformer_engine", "sdpa"):
+                DeviceRoofline.from_section(section, peak_tflops=1.0, memory_bandwidth_GBps=1.0, core=core)
         except (TypeError, ValueError, KeyError):
             raise HardwareFileError(f"{self.source}: compute.sms and gemm_tile must be positive integers, the "
-                                    "efficiencies in (0, 1], layer_overhead_us >= 0, and fused_attention "
-                                    "forward_efficiency, "
-                                    "backward_efficiency, forward_latency_us and backward_latency_us, got "
+                                    "efficiencies in (0, 1], layer_overhead_us >= 0, and fused_attention (and "
+                                    "sdpa_attention) forward_efficiency, backward_efficiency, forward_latency_us "
+                                    "and backward_latency_us, got "
                                     f"{section}; {_FIX}") from None
         return dict(section)
 

@@ -76,7 +76,7 @@ def fit_roofline(hardware, profile: Mapping[str, Any], *, min_tokens: int = MIN_
                          "`megatron-dynapipe profile` wrote (not a --calibrate'd one)")
     model = ModelSpec(**fields)
     dtype = _DTYPES.get(metadata.get("dtype"), metadata.get("dtype") or "bfloat16")
-    base = hardware.roofline(dtype)
+    base = hardware.roofline(dtype, model.attention)
     if base is None:
         raise ValueError(f"hardware {hardware.name!r} has no compute section to fit: add its SMs "
                          "(docs/simulate.md, \"Hardware files\")")

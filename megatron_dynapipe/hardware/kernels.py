@@ -23,8 +23,9 @@ import numpy as np
 
 __all__ = ["KernelTable", "KernelTableError", "attention_line", "read_kernel_table", "summary"]
 
-#: the attention backend transformer-engine runs on Hopper (and what the H100 file prices)
-DEFAULT_BACKEND = "cudnn_attention"
+#: the attention backend transformer-engine runs on Hopper (a file's ``fused_attention``), and the
+#: one torch's scaled_dot_product_attention picks there for a causal bf16 core (``sdpa_attention``)
+DEFAULT_BACKEND, SDPA_BACKEND = "cudnn_attention", "flash_attention"
 LARGE_GEMM_FLOPS = 1e12  # a GEMM this large runs at the library's sustained rate
 
 
@@ -77,7 +78,8 @@ class KernelTable:
     def compute_section(self, section: Mapping[str, Any], bandwidth_GBps: float,
                         backend: str = DEFAULT_BACKEND) -> dict[str, Any]:
         """A hardware file's ``compute`` section with the table's rates in place of its own: GEMM
-        and memory efficiency, and ``backend``'s attention line (its tile and SM count kept)."""
+        and memory efficiency, ``backend``'s attention line and, where the table has its rows,
+        torch's SDPA kernel's (its tile and SM count kept)."""
         found = summary(self.rows, self.peak_tflops, bandwidth_GBps)
         line = found.get(f"attention_{backend}")
         if found["gemm_efficiency_large"] is None or found["memory_efficiency"] is None or line is None:
@@ -89,14 +91,23 @@ class KernelTable:
             raise KernelTableError(f"{self.path}: its kernels ran above this hardware file's peaks ({bandwidth_GBps:g} "
                                    f"GB/s, {self.peak_tflops:g} TFLOP/s): give --hardware the file of the device "
                                    "measured (an H200's bandwidth is 1.4x an H100's)")
-        attention = {f"{phase}_{what}": round(line[f"{phase}_{what}"], 4 if what == "efficiency" else 1)
-                     for phase in ("forward", "backward") for what in ("efficiency", "latency_us")}
-        return dict(section, gemm_efficiency=round(found["gemm_efficiency_large"], 4),
-                    memory_efficiency=round(found["memory_efficiency"], 4), fused_attention=attention)
+        out = dict(section, gemm_efficiency=round(found["gemm_efficiency_large"], 4),
+                   memory_efficiency=round(found["memory_efficiency"], 4), fused_attention=_rounded(line))
+        out.pop("sdpa_attention", None)  # another device's, or another measurement's
+        if f"attention_{SDPA_BACKEND}" in found:
+            out["sdpa_attention"] = _rounded(found[f"attention_{SDPA_BACKEND}"])
+        return out
 
     def describe(self, backend: str = DEFAULT_BACKEND) -> str:
         return (f"compute measured with benchmarks/bench_kernels.py ({len(self.rows)} kernels on {self.measured_on}; "
-                f"{self.path.name}): large GEMMs' median rate, the fastest copy and {backend}'s causal attention line")
+                f"{self.path.name}): large GEMMs' median rate, the fastest copy and {backend}'s causal attention line"
+                f" ({SDPA_BACKEND}'s for torch's SDPA core where measured)")
+
+
+def _rounded(line: Mapping[str, float]) -> dict[str, float]:
+    """A hardware file's attention line (efficiencies to 4 places, latencies to 0.1 us)."""
+    return {f"{phase}_{what}": round(line[f"{phase}_{what}"], 4 if what == "efficiency" else 1)
+            for phase in ("forward", "backward") for what in ("efficiency", "latency_us")}
 
 
 def read_kernel_table(path: "str | Path") -> KernelTable:

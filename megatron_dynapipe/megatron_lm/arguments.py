@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS, megatron_options_from_args
-from megatron_dynapipe.config.model import ATTENTIONS
+from megatron_dynapipe.config.model import CORES
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
@@ -80,7 +80,7 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynapipe-memory-limit", type=float, metavar="MB", default=None,
                    help="memory per GPU the planned schedule may use, in MB (required with --dynapipe)")
     add_planner_arguments(g, prefix="dynapipe-")
-    g.add_argument("--dynapipe-attention", choices=ATTENTIONS, default="local",
+    g.add_argument("--dynapipe-attention", choices=CORES, default="local",
                    help="attention core of megatron-core's local layers (--transformer-impl local): local (its "
                         "unfused one) or sdpa (torch's scaled_dot_product_attention: fused kernels on CUDA, and it "
                         "runs --dynapipe-packing varlen); default local")

@@ -312,6 +312,9 @@ def test_packed_rows_keep_each_samples_own_labels():
     (["--chrome-trace", "trace.txt"], "--chrome-trace trace.txt has no known suffix: end the name with one of .json"),
     (["--cost-model", "PROFILE"], "was profiled with another model or dtype: attention local (job: sdpa); profile "
      "this job's model (megatron-dynapipe profile with --attention sdpa and this job's other model flags)"),
+    (["--cost-model", "PROFILE", "--transformer-impl", "transformer_engine"], "attention local (job: "
+     "transformer_engine); profile this job's model (megatron-dynapipe profile with --transformer-impl "
+     "transformer_engine and this job's other model flags)"),
     (["--cost-model", "DROPOUT_PROFILE"], "hidden_dropout 0.1 (job: 0.0); attention_dropout 0.1 (job: 0.0); "
      "attention local (job: sdpa); profile this job's model (megatron-dynapipe profile with --hidden-dropout 0 "
      "--attention-dropout 0 --attention sdpa and this job's other model flags)"),

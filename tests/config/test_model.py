@@ -59,16 +59,20 @@ def test_the_attention_core_is_checked_and_named_in_folders():
 
     tiny = get_model("tiny")
     assert tiny.attention == "local" and dataclasses.replace(tiny, attention="sdpa").label == tiny.label + "-sdpa"
-    with pytest.raises(ValueError, match="attention 'flash': use one of local, sdpa"):
+    assert dataclasses.replace(tiny, attention="transformer_engine").label == tiny.label + "-te"
+    with pytest.raises(ValueError, match="attention 'flash': use one of local, sdpa, transformer_engine"):
         dataclasses.replace(tiny, attention="flash")
 
 
 @pytest.mark.parametrize("flags,attention", [
-    ([], "local"), (["--transformer-impl", "local"], "local"), (["--transformer-impl", "transformer_engine"], "sdpa"),
+    ([], "local"), (["--transformer-impl", "local"], "local"),
+    (["--transformer-impl", "transformer_engine"], "transformer_engine"),
+    (["--attention", "sdpa", "--transformer-impl", "transformer_engine"], "transformer_engine"),
     (["--use-flash-attn"], "sdpa"), (["--attention", "sdpa", "--transformer-impl", "local"], "sdpa")])
 def test_megatrons_flags_say_whether_the_attention_core_is_fused(flags, attention):
-    """transformer-engine's layers and --use-flash-attn run a fused core, priced as the SDPA one
-    (no scores kept, the causal half computed); megatron-core's local layers the unfused one."""
+    """transformer-engine's layers run their own fused core, --use-flash-attn a flash kernel in the
+    local layers, priced as torch's SDPA (no scores kept, the causal half computed); megatron-core's
+    local layers the unfused one."""
     import argparse
 
     from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
@@ -78,7 +82,7 @@ def test_megatrons_flags_say_whether_the_attention_core_is_fused(flags, attentio
     add_model_arguments(parser)
     spec = model_from_args(parser.parse_args(["--model", "6.7", *flags]))
     assert spec.attention == attention
-    assert load_hardware("h100").cost_model(spec, 1, "bfloat16").fused_attention == (attention == "sdpa")
+    assert load_hardware("h100").cost_model(spec, 1, "bfloat16").fused_attention == (attention != "local")
 
 
 def test_a_fused_implementation_with_the_unfused_core_is_refused_in_one_line():

@@ -137,35 +137,48 @@ def test_a_fused_attention_core_computes_the_causal_half_at_its_measured_line():
 
 
 def test_the_h100_file_carries_its_measured_attention_and_the_job_says_which_core_runs():
-    """A job whose attention is SDPA (fused) is priced by the H100's measured attention line; the
-    local (unfused) one by its GEMMs and softmax passes; the constants are those the kernel
-    benchmark fitted (benchmarks/results/h100-kernels.json)."""
+    """A job whose attention is fused is priced by the H100's measured line of the kernel it runs:
+    transformer-engine's layers by cuDNN's, torch's SDPA core by its flash kernel's (about half
+    the rate); the local (unfused) one by its GEMMs and softmax passes; the constants are those
+    the kernel benchmark fitted (benchmarks/results/h100-kernels.json)."""
     import dataclasses
     import subprocess
     import sys
 
     h100 = load_hardware("h100")
     assert h100.roofline("bfloat16").attention_efficiency == (0.621, 0.518)
+    assert h100.roofline("bfloat16", "transformer_engine").attention_efficiency == (0.621, 0.518)
+    assert h100.roofline("bfloat16", "sdpa").attention_efficiency == (0.3144, 0.2964)
     spec = get_model("6.7")
-    fused = h100.cost_model(dataclasses.replace(spec, attention="sdpa"), tp=1, dtype="bfloat16")
+    te, sdpa = (h100.cost_model(dataclasses.replace(spec, attention=core), tp=1, dtype="bfloat16")
+                for core in ("transformer_engine", "sdpa"))
     local = h100.cost_model(spec, tp=1, dtype="bfloat16")
-    assert fused.fused_attention and not local.fused_attention
-    assert fused.layer_ms("encoder", "forward", "none", 1, 8192) < 0.85 * local.layer_ms("encoder", "forward", "none", 1, 8192)
+    assert te.fused_attention and sdpa.fused_attention and not local.fused_attention
+    forward = {name: model.layer_ms("encoder", "forward", "none", 1, 8192) for name, model in
+               (("te", te), ("sdpa", sdpa), ("local", local))}
+    assert forward["te"] < forward["sdpa"] < 0.85 * forward["local"]
+    assert te.attention_core_ms("forward", "none", 1, 8192) == pytest.approx(
+        2 * 32 * 8192**2 * 128 / (989.4e9 * 0.621) + 0.0586)  # the causal half at cuDNN's line
+    assert sdpa.attention_core_ms("forward", "none", 1, 8192) == pytest.approx(
+        2 * 32 * 8192**2 * 128 / (989.4e9 * 0.3144) + 0.0852)  # at torch's flash kernel's
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     fitted = subprocess.run([sys.executable, str(root / "benchmarks/bench_kernels.py"), "--summarize",
                              str(root / "benchmarks/results/h100-kernels.json")], capture_output=True, text=True,
                             timeout=120)
-    line = json.loads(fitted.stdout)["attention_cudnn_attention"]
+    lines = json.loads(fitted.stdout)
+    line = lines["attention_cudnn_attention"]
     assert (round(line["forward_efficiency"], 3), round(line["backward_efficiency"], 3)) == (0.621, 0.518)
+    flash = lines["attention_flash_attention"]
+    assert (round(flash["forward_efficiency"], 4), round(flash["backward_efficiency"], 4)) == (0.3144, 0.2964)
     assert h100.roofline("bfloat16").attention_latency_us == pytest.approx(
         (line["forward_latency_us"], line["backward_latency_us"]), abs=0.1)
 
 
 @pytest.mark.parametrize("compute,says", [({"gemm_tile": [256, 128]}, "needs 'sms'"),
                                           ({"sms": 108, "fused_attention": {"forward_efficiency": 0.5}},
-                                           "fused_attention forward_efficiency, backward_efficiency"),
+                                           "forward_efficiency, backward_efficiency"),
                                           ({"sms": 108, "gemm_efficiency": 1.5}, "efficiencies in (0, 1]"),
                                           ({"sms": 108, "tiles": 4}, "may have gemm_tile")])
 def test_a_bad_compute_section_is_refused_in_one_line(tmp_path, compute, says):

@@ -77,10 +77,16 @@ def _profile_fix(metadata: Mapping, model: Mapping) -> str:
     one flag and a value (dropout, sizes, the attention core), else the job's flags in general."""
     differences = _differences(metadata, model)
     if differences and set(differences) <= _VALUED_FLAGS and all(mine is not None for _, mine in differences.values()):
-        flags = " ".join(f"--{k.replace('_', '-')} {mine:g}" if isinstance(mine, float) else
-                         f"--{k.replace('_', '-')} {mine}" for k, (_, mine) in differences.items())
+        flags = " ".join(_flag(k, mine) for k, (_, mine) in differences.items())
         return f"megatron-dynapipe profile with {flags} and this job's other model flags"
     return "megatron-dynapipe profile with its flags"
+
+
+def _flag(field: str, value) -> str:
+    """The profile flag that sets ``field`` to ``value`` (transformer-engine's core: its layers)."""
+    if field == "attention" and value == "transformer_engine":
+        return "--transformer-impl transformer_engine"
+    return f"--{field.replace('_', '-')} " + (f"{value:g}" if isinstance(value, float) else f"{value}")
 
 
 def _architecture(fields: Mapping) -> dict:

@@ -84,14 +84,17 @@ class DeviceRoofline:
                              f"in (0, 1] and latencies >= 0, got {self}")
 
     @classmethod
-    def from_section(cls, section, peak_tflops: float, memory_bandwidth_GBps: float) -> "DeviceRoofline":
+    def from_section(cls, section, peak_tflops: float, memory_bandwidth_GBps: float,
+                     core: str = "transformer_engine") -> "DeviceRoofline":
         """The roofline of a hardware file's ``compute`` section (``sms`` and, optionally, the
-        other fields; the defaults above for those it leaves out) at that device's peak."""
+        other fields; the defaults above for those it leaves out) at that device's peak, its
+        attention line the one of ``core``: ``sdpa_attention`` (torch's kernel) for ``sdpa`` where
+        the section measured it, else ``fused_attention`` (transformer-engine's)."""
         optional = {key: float(section[key]) for key in ("gemm_efficiency", "memory_efficiency", "layer_overhead_us")
                     if key in section}
         if "gemm_tile" in section:
             optional["gemm_tile"] = tuple(section["gemm_tile"])
-        attention = section.get("fused_attention")
+        attention = (core == "sdpa" and section.get("sdpa_attention")) or section.get("fused_attention")
         if attention is not None:
             optional["attention_efficiency"] = (float(attention["forward_efficiency"]),
                                                 float(attention["backward_efficiency"]))
