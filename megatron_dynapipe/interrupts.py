@@ -15,7 +15,7 @@ import sys
 from typing import Callable, Iterator, Optional
 
 __all__ = ["INTERRUPTS", "noted_interrupts", "interrupted", "exit_code", "exit_status", "default_signals",
-           "held_while_forking"]
+           "held_while_forking", "worker_pool"]
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 _noted: list[int] = []
@@ -64,6 +64,15 @@ def held_while_forking() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def worker_pool(context, workers: int, initializer: Callable = default_signals, initargs: tuple = ()):
+    """``context.Pool(workers, initializer, initargs)`` with its workers started under
+    :func:`held_while_forking` (``initializer`` must call :func:`default_signals`). The pool's exit
+    sends SIGTERM to a worker that may still be starting; landing in a fork hook, it was dropped,
+    and the pool then waited on that worker forever. Held, it ends the worker once it starts."""
+    with held_while_forking():
+        return context.Pool(workers, initializer=initializer, initargs=initargs)
 
 
 def interrupted() -> Optional[int]:

@@ -63,7 +63,7 @@ from megatron_dynapipe.planning.planner import generate_execution_plan
 from megatron_dynapipe.planning.samples import LengthSource
 from megatron_dynapipe.planning.spec import TrainingSpec, seqlen_round_for
 from megatron_dynapipe.planning.types import RecomputeType
-from megatron_dynapipe.interrupts import default_signals
+from megatron_dynapipe.interrupts import default_signals, worker_pool
 from megatron_dynapipe.progress import progress_bar
 from megatron_dynapipe.simulate.reprice import priced_for
 from megatron_dynapipe.simulate.search import Candidate, Outcome, SearchResult, SearchSpace, estimate
@@ -217,8 +217,8 @@ def price_methods(space: SearchSpace, chosen: Sequence[Outcome], source: LengthS
         return out
     workers = max(1, min(jobs or available_cores(), len(todo)))
     context = multiprocessing.get_context(rank_start_method())
-    with progress_bar(progress, sys.stderr) as bar, context.Pool(
-            workers, initializer=_start_worker, initargs=(space, chosen, drawn, fast_mode)) as pool:
+    with progress_bar(progress, sys.stderr) as bar, worker_pool(
+            context, workers, _start_worker, (space, chosen, drawn, fast_mode)) as pool:
         task = bar.add_task("pricing methods on your data", total=len(todo))
         for (i, method, _), answer in zip(todo, pool.imap(_price, todo)):  # in order: batch by batch
             steps[chosen[i].candidate, method].add(answer)

@@ -39,7 +39,7 @@ from megatron_dynapipe.config.layout import MAX_GLOBAL_BATCH, MAX_WORLD_SIZE, mo
 from megatron_dynapipe.config.megatron_options import MegatronOptions, warmup_passes
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import Hardware
-from megatron_dynapipe.interrupts import default_signals
+from megatron_dynapipe.interrupts import worker_pool
 from megatron_dynapipe.planning.cost_model import (
     MB,
     CostModel,
@@ -555,7 +555,7 @@ def _simulate(space: SearchSpace, result: SearchResult, folders: dict, rule: Opt
               space.hardware) for i, (key, outcomes) in enumerate(shapes.items())]
     # a Pool, not a ProcessPoolExecutor: leaving it on an interrupt terminates the workers at once
     # instead of waiting for the shapes they are on
-    with progress_bar(progress, sys.stderr) as bar, context.Pool(workers, initializer=default_signals) as pool:
+    with progress_bar(progress, sys.stderr) as bar, worker_pool(context, workers) as pool:
         task = bar.add_task("simulating layouts", total=len(todo))
         for i, simulated_variants in pool.imap_unordered(_simulate_numbered, calls):
             for o, (simulated, error) in zip(groups[i], simulated_variants):
