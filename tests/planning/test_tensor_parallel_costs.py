@@ -14,6 +14,7 @@ from megatron_dynapipe.planning.cost_model import (
     split_over_cp,
     tp_collectives,
 )
+from megatron_dynapipe.planning.cost_model.link import Link
 from megatron_dynapipe.planning.cost_model.tensor_parallel import LinearGemms, exposed_ms, label_pass
 from megatron_dynapipe.planning.types import RecomputeType
 
@@ -254,3 +255,17 @@ def test_tp_1_has_no_collectives_and_the_hardware_prices_the_group_it_names():
     link = h100.link("all_reduce", False)
     ring = 2 * (TP - 1) * link.latency_us + 2 * (TP - 1) / TP * 4e7 / (link.bandwidth_GBps * 1e3)
     assert group("all_reduce", 4e7) <= ring / 1e3 + 1e-12
+
+
+def test_under_sequence_parallelism_a_stage_sends_its_tp_ranks_sequence_shard():
+    """Megatron's pipeline sends each TP rank's [tokens / TP, hidden] shard under sequence
+    parallelism, the whole [tokens, hidden] without it (each TP rank its own copy)."""
+    link = Link(bandwidth_GBps=40.0, latency_us=8.0)
+    act = 4096 * H * 2
+    for sequence_parallel, nbytes in ((False, act), (True, act / TP)):
+        model = TensorParallelCollectives(compute_model(), line, sequence_parallel=sequence_parallel)
+        costs = StageCosts(model, num_layers=8, pp=2, link=link)
+        assert costs.p2p_ms(1, 4096) == pytest.approx((8.0 + nbytes / 40e3) / 1e3)
+    under_cp = StageCosts(TensorParallelCollectives(compute_model(cp=2), line, sequence_parallel=True), num_layers=8,
+                          pp=2, link=link)
+    assert under_cp.p2p_ms(1, 4096) == pytest.approx((8.0 + act / 2 / TP / 40e3) / 1e3)

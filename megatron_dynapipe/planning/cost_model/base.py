@@ -119,6 +119,8 @@ class CostModel(abc.ABC):
 
     #: the context-parallel ranks a micro-batch's rows are split over, of which the model prices one
     cp: int = 1
+    #: whether activations outside the TP regions are split over TP (Megatron's sequence parallelism)
+    sequence_parallel: bool = False
     #: whether :meth:`attention_core_ms` (phase, recompute, mbs, seqlen) prices the attention core
     #: apart, the unit of context parallelism's extra blocks
     prices_attention_core: bool = False
@@ -126,6 +128,12 @@ class CostModel(abc.ABC):
     def tokens_per_rank(self, mbs, seqlen):
         """Tokens one rank holds of a micro-batch of ``mbs`` rows of ``seqlen``."""
         return as_float(mbs) * as_float(seqlen) / self.cp
+
+    def pipeline_tokens(self, mbs, seqlen):
+        """Tokens of a micro-batch's activation one rank sends the next stage: its share, and under
+        sequence parallelism its TP rank's share of that (Megatron sends the sequence shard)."""
+        tokens = self.tokens_per_rank(mbs, seqlen)
+        return tokens / self.tp if self.sequence_parallel else tokens
 
     def microbatch_overhead_ms(self, phase: str, mbs, seqlen, layers):
         """Milliseconds a training step adds per micro-batch, in ``phase``, to the own times of

@@ -91,7 +91,7 @@ class ContextParallelCostModel(CostModel):
         self.model, self.cp, self.shape, self.attention, self.ring_gbps = model, int(cp), shape, attention, ring_gbps
         self.ring, self.ring_transfers = ring, ring_transfers
         self.ring_hides_transfers = model.metadata.get("layer_spec") != "local"
-        self.tp, self.hidden_size = model.tp, model.hidden_size
+        self.tp, self.hidden_size, self.sequence_parallel = model.tp, model.hidden_size, model.sequence_parallel
         self.name, self.metadata = model.name, model.metadata
         self.microbatch_overhead = model.microbatch_overhead
         # the group's times include the ring's transfers over the profile's own link; its memory

@@ -213,8 +213,8 @@ class StageCosts:
 
     def p2p_ms(self, mbs, seqlen):
         """Time to send one micro-batch's activation (or its gradient) to the next stage, in the
-        dtype activations run in (its share of the tokens, under context parallelism)."""
-        values = self.model.tokens_per_rank(mbs, seqlen) * self.model.hidden_size
+        dtype activations run in (its share of the tokens, under context and sequence parallelism)."""
+        values = self.model.pipeline_tokens(mbs, seqlen) * self.model.hidden_size
         return self.p2p_link.p2p_ms(self.model.activation_bytes * values)
 
 
