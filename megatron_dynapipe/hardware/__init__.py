@@ -71,6 +71,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "COLLECTIVE_KINDS",
+    "PEAK_DTYPES",
     "HardwareFileError",
     "Link",
     "Hardware",
@@ -103,8 +104,8 @@ FORMAT_VERSION = 1
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                     "barrier", "p2p")
 ALGORITHMS = ("auto", "ring", "tree")
-#: a cost model's activation dtype -> the peak_tflops key its GEMMs run at
-_PEAK_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: a cost model's (a profile's) activation dtype -> the peak_tflops key its GEMMs run at
+PEAK_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _FIX = "see docs/simulate.md for the fields, or write one for this machine with `megatron-dynapipe calibrate`"
 
 
@@ -202,7 +203,7 @@ class Hardware:
         (waited for without one). A shapes-only trace records both as ops of their own, so its
         compute is priced by ``model`` split over CP without them."""
         split = split_over_cp(model, cp, spec, ring_gbps=self.cp_ring_gbps(tp, cp))
-        roofline = self.roofline(_PEAK_DTYPES.get(model.activation_dtype, "bfloat16"))
+        roofline = self.roofline(PEAK_DTYPES.get(model.activation_dtype, "bfloat16"))
         gemms = LinearGemms.of(spec, tp, roofline.gemm_ms) if roofline is not None and tp > 1 else None
         return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel,
                               overlap=tp_comm_overlap, gemms=gemms, async_backward=async_backward)

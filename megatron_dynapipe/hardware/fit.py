@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.hardware import PEAK_DTYPES
 from megatron_dynapipe.planning.cost_model.analytical import gpt_shape
 from megatron_dynapipe.planning.cost_model.roofline import RooflineCostModel
 from megatron_dynapipe.planning.types import RecomputeType
@@ -33,7 +34,6 @@ from megatron_dynapipe.planning.types import RecomputeType
 __all__ = ["RooflineFit", "fit_roofline", "MIN_TOKENS"]
 
 MIN_TOKENS = 2048  # per micro-batch: below it kernel launches the roofline does not price dominate
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _COARSE = np.arange(0.05, 1.0001, 0.05)
 
 
@@ -75,7 +75,7 @@ def fit_roofline(hardware, profile: Mapping[str, Any], *, min_tokens: int = MIN_
         raise ValueError("the profile has no model metadata or no measured layer times: give a profile "
                          "`megatron-dynapipe profile` wrote (not a --calibrate'd one)")
     model = ModelSpec(**fields)
-    dtype = _DTYPES.get(metadata.get("dtype"), metadata.get("dtype") or "bfloat16")
+    dtype = PEAK_DTYPES.get(metadata.get("dtype"), metadata.get("dtype") or "bfloat16")
     base = hardware.roofline(dtype, model.attention)
     if base is None:
         raise ValueError(f"hardware {hardware.name!r} has no compute section to fit: add its SMs "

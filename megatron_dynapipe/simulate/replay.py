@@ -32,8 +32,8 @@ Each representative rank's trace becomes a list of :class:`Step` s in issue orde
 * a dense layer's tensor-parallel collective that runs beside a GEMM (a column-parallel linear's
   backward ones always, the rest of sequence parallelism's under ``tp_comm_overlap``) costs the
   pass what outlasts that GEMM, priced by the hardware's roofline (:func:`~megatron_dynapipe.
-  planning.cost_model.tensor_parallel.exposed_ms`, which the planner prices by too); without a
-  roofline, and for other layers, a rank waits for it;
+  planning.cost_model.tensor_parallel.collective_exposed_ms`, which the planner prices by too);
+  without a roofline, and for other layers, a rank waits for it;
 * with ``overlap_param_gather`` the distributed optimizer's parameter all-gathers inside a
   forward (one a bucket, in the first micro-batch's) run on their own stream beside its compute,
   but the first, which the forward waits for before any layer can run; the pass ends when both
@@ -57,16 +57,11 @@ from typing import Any, Optional
 
 from megatron_dynapipe.hardware import Hardware
 from megatron_dynapipe.planning.collector import cyclic_gc_paused
-from megatron_dynapipe.planning.cost_model.tensor_parallel import (
-    WAITED,
-    LinearGemms,
-    exposed_ms,
-    label_pass,
-    overlap_of,
-)
+from megatron_dynapipe.planning.cost_model.tensor_parallel import LinearGemms, collective_exposed_ms, label_pass
 from megatron_dynapipe.simulate.reprice import reprice
 from megatron_dynapipe.simulate.traced_job import RETRACE, TracedJob, TraceMismatch
 from megatron_dynapipe.tracer.trace_format import (
+    DTYPE_BYTES,
     P2P_RECV_KINDS,
     P2P_SEND_KINDS,
     RankTrace,
@@ -79,7 +74,6 @@ __all__ = ["Step", "Span", "RankReplay", "Replay", "simulate_job"]
 GRAD_STREAM, CP_STREAM = "gradient reduction", "context parallel"  # overlap streams
 PARAM_STREAM = "parameter gather"
 TP_GROUP = "TENSOR_MODEL_PARALLEL_GROUP"
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 POSTED = "posted"  # the key of a p2p step that waits for transfers posted earlier
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "barrier")
 
@@ -230,13 +224,10 @@ class _StepBuilder:
 
     def _tp_exposed_us(self, op: TraceOp, comm_us: float) -> float:
         """What TP collective ``op`` (of :meth:`_label_tp`) adds to its pass beside its GEMM."""
-        kind, linear, gemm = self.tp_labels.pop(op.seq)
-        how = overlap_of(linear, gemm, tp_comm_overlap=self.job.tp_comm_overlap,
-                         async_backward=self.job.async_tp_backward)
-        if how == WAITED:
-            return comm_us
-        tokens = op.bytes / (self.job.model.hidden_size * _ELEMENT_BYTES.get(op.dtype, 2))
-        return float(exposed_ms(how, comm_us, 1e3 * self.tp_gemms.ms(linear, gemm, tokens), self.job.layout.tp))
+        tokens = op.bytes / (self.job.model.hidden_size * DTYPE_BYTES.get(op.dtype, 2))
+        return 1e3 * float(collective_exposed_ms(comm_us / 1e3, self.tp_labels.pop(op.seq), tokens, self.tp_gemms,
+                                                 self.job.layout.tp, tp_comm_overlap=self.job.tp_comm_overlap,
+                                                 async_backward=self.job.async_tp_backward))
 
     def _segments(self, op: TraceOp, nested: list[TraceOp], total: float) -> list[float]:
         if not nested:

@@ -32,12 +32,11 @@ import dataclasses
 from megatron_dynapipe.config.megatron_options import MegatronOptions
 from megatron_dynapipe.planning.cost_model import MB, AnalyticalCostModel, StageCosts, gpt_shape
 from megatron_dynapipe.simulate.traced_job import TracedJob
-from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp, subtrees
+from megatron_dynapipe.tracer.trace_format import DTYPE_BYTES, RankTrace, TraceOp, subtrees
 
 __all__ = ["RECOMPUTE_CHOICES", "derive"]
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def derive(job: TracedJob, *, recompute: str = "none", distributed_optimizer: bool = False) -> TracedJob:
@@ -116,11 +115,11 @@ def _with_distributed_optimizer(ops: list[TraceOp], dtype: str) -> list[TraceOp]
     for op in ops:
         if _is_grad_sync(op):
             out.append(dataclasses.replace(op, kind="reduce_scatter"))
-            grad_bytes = _DTYPE_BYTES.get(op.dtype or "float32", 4)
+            grad_bytes = DTYPE_BYTES.get(op.dtype or "float32", 4)
             gathers.append(dataclasses.replace(
                 op, kind="all_gather", name="distributed_optimizer.start_param_sync", phase="optimizer_step",
                 parent=None, microbatch=None, dtype=dtype, dur_us=0.0,
-                bytes=op.bytes * _DTYPE_BYTES.get(dtype, 2) // grad_bytes))
+                bytes=op.bytes * DTYPE_BYTES.get(dtype, 2) // grad_bytes))
         else:
             out.append(op)
     # the parameters are gathered once the optimizer step (and what it issued) is done
@@ -168,7 +167,7 @@ def _recomputed_activation(job: TracedJob, costs: StageCosts, trace: RankTrace, 
     the LM head keep what they traced)."""
     layer, layer_input, core, core_input = _layer_activation_bytes(job, costs, trace)
     freed = layer - layer_input if recompute == "full" else core - core_input
-    training = MegatronOptions(**(job.iteration.get("training") or {}))
+    training = MegatronOptions(**job.training)
     chunks = training.rank_chunk_layers(job.model.num_layers, job.layout.pp, trace.stage)
     # the meter counts passes through a chunk, each holding a chunk's layers
     passes = int(trace.memory.get("peak_in_flight_microbatches") or 1)

@@ -37,6 +37,7 @@ __all__ = [
     "COMM_KINDS",
     "P2P_SEND_KINDS",
     "P2P_RECV_KINDS",
+    "DTYPE_BYTES",
     "TraceFormatError",
     "TraceOp",
     "RankTrace",
@@ -73,6 +74,8 @@ COMM_KINDS = (
     "wait",
 )
 P2P_SEND_KINDS = ("send", "isend")
+#: bytes of one element of an op's ``dtype``
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 P2P_RECV_KINDS = ("recv", "irecv")
 
 

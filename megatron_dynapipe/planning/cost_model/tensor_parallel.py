@@ -16,8 +16,8 @@ context-parallel group), as a trace of megatron-core records them (:data:`ACTIVA
 * full recompute runs a layer's forward collectives again in its backward; selective recompute
   runs only the attention core again, which has none.
 
-Some of them run beside a GEMM of the same layer (:func:`exposed_ms`; docs/cost_model.md, "What
-the TP group's collectives add"), and a part waits only for what outlasts it:
+Some of them run beside a GEMM of the same layer (:func:`exposed_ms`; docs/cost_model.md, "Beside
+which GEMM"), and a part waits only for what outlasts it:
 
 * a column-parallel linear's backward (QKV, FC1, the head) launches the input's re-gather beside
   the input-gradient GEMM and the input gradient's all-reduce or reduce-scatter beside the
@@ -32,8 +32,8 @@ the TP group's collectives add"), and a part waits only for what outlasts it:
 
 Pricing a GEMM needs the device's kernels (:class:`LinearGemms`, from a hardware file's roofline);
 without them every collective waits. The planner plans with these in; a shapes-only trace records
-the collectives as ops of their own, and the replay prices each by the same rules
-(:func:`label_pass` tells which linear's it is). Nothing here imports torch.
+the collectives as ops of their own, and the replay prices each by the same function,
+:func:`collective_exposed_ms` (:func:`label_pass` tells which linear's it is). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ import numpy as np
 from megatron_dynapipe.planning.cost_model.base import TIMED, CostModel, as_recompute
 from megatron_dynapipe.planning.types import RecomputeType
 
-__all__ = ["TensorParallelCollectives", "LinearGemms", "tp_collectives", "exposed_ms", "label_pass"]
+__all__ = ["TensorParallelCollectives", "LinearGemms", "tp_collectives", "exposed_ms", "collective_exposed_ms",
+           "label_pass"]
 
 #: how a collective runs beside its GEMM (:func:`exposed_ms`)
 WAITED, BESIDE, RING_EXCHANGE, PIPELINED = "waited", "beside", "ring exchange", "pipelined"
@@ -118,6 +119,18 @@ def overlap_of(linear: str, gemm: Optional[str], *, tp_comm_overlap: bool, async
     if tp_comm_overlap and linear in TE_LINEARS:
         return PIPELINED if linear in ROW_LINEARS and gemm == "fprop" else RING_EXCHANGE
     return WAITED
+
+
+def collective_exposed_ms(comm, entry: tuple, tokens, gemms: "Optional[LinearGemms]", tp: int, *,
+                          tp_comm_overlap: bool, async_backward: bool = True):
+    """What one collective of ``comm`` ms adds to its pass: ``entry`` is its item of
+    :data:`ACTIVATION_COLLECTIVES`, ``tokens`` the rows of its GEMM, which ``gemms`` prices (None:
+    the device's kernels are unknown, and it is waited for). The planner and the replay both ask."""
+    _, linear, gemm = entry
+    how = overlap_of(linear, gemm, tp_comm_overlap=tp_comm_overlap, async_backward=async_backward)
+    if how == WAITED or gemms is None:
+        return comm
+    return exposed_ms(how, comm, gemms.ms(linear, gemm, tokens), tp)
 
 
 @dataclass(frozen=True)
@@ -214,12 +227,11 @@ class TensorParallelCollectives(CostModel):
                 f"overlap={self.overlap}, gemms={self.gemms is not None}, async_backward={self.async_backward})")
 
     # -- time ---------------------------------------------------------------------------------
-    def exposed(self, kind: str, linear: str, gemm: Optional[str], tokens):
+    def exposed(self, entry: tuple, tokens):
         """ms one collective (an item of :data:`ACTIVATION_COLLECTIVES`) of ``tokens`` rows adds to its pass."""
-        comm = self.collective_ms(kind, tokens * (self.hidden_size * self.model.activation_bytes))
-        how = (overlap_of(linear, gemm, tp_comm_overlap=self.overlap, async_backward=self.async_backward)
-               if self.gemms is not None else WAITED)
-        return comm if how == WAITED else exposed_ms(how, comm, self.gemms.ms(linear, gemm, tokens), self.tp)
+        comm = self.collective_ms(entry[0], tokens * (self.hidden_size * self.model.activation_bytes))
+        return collective_exposed_ms(comm, entry, tokens, self.gemms, self.tp, tp_comm_overlap=self.overlap,
+                                     async_backward=self.async_backward)
 
     def collectives_ms(self, layer: str, phase: str, recompute, mbs, seqlen):
         """ms one micro-batch's part waits for its collectives."""
@@ -227,7 +239,7 @@ class TensorParallelCollectives(CostModel):
         entries = ACTIVATION_COLLECTIVES[layer, phase, self.sequence_parallel]
         if layer == "encoder" and phase == "backward" and as_recompute(recompute) == RecomputeType.FULL:
             entries = ACTIVATION_COLLECTIVES["encoder", "forward", self.sequence_parallel] + entries
-        total = sum((self.exposed(*entry, tokens) for entry in entries), 0.0)
+        total = sum((self.exposed(entry, tokens) for entry in entries), 0.0)
         if layer == "postprocess" and phase == "forward":
             total = total + LOSS_ALL_REDUCES * self.collective_ms("all_reduce", tokens * LOSS_BYTES_PER_TOKEN)
         return total
