@@ -248,7 +248,7 @@ def traced_layout(job: "TracedJob", hardware: Hardware,
         what = f"the profile {by_profile!r}" if by_profile else "a measured run"
         raise ValueError(f"{job.folder.name}'s compute comes from {what}: give the profile it was priced or measured "
                          "with as --cost-model, so that the methods are priced alike")
-    options = MegatronOptions(**(job.iteration.get("training") or {}))
+    options = MegatronOptions(**job.training)
     recompute, distributed_optimizer = traced_choices(job)
     layout, it = job.layout, job.iteration
     space = SearchSpace(job.model, layout.world_size, job.global_batch_size, int(it["seq_length"]), hardware,

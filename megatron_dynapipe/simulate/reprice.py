@@ -43,7 +43,7 @@ def reprice(job: "TracedJob", hardware: Hardware) -> "TracedJob":
     if traced_for is None:
         return job
     it = job.iteration
-    traced = MegatronOptions(**(it.get("training") or {}))
+    traced = MegatronOptions(**job.training)
     derived = _with_recompute(traced, it.get("recompute_granularity"))
     mbs, seq = int(it["micro_batch_size"]), int(it["seq_length"])
     model = hardware.cost_model(job.model, job.layout.tp, job.dtype, memory_limited=False)

@@ -53,18 +53,23 @@ class TracedJob:
         return bool((self.iteration.get("ddp") or {}).get("overlap_grad_reduce"))
 
     @property
+    def training(self) -> dict:
+        """The traced ``MegatronOptions`` (``MegatronOptions.to_json``; empty in older traces)."""
+        return self.iteration.get("training") or {}
+
+    @property
     def tp_comm_overlap(self) -> bool:
-        return bool((self.iteration.get("training") or {}).get("tp_comm_overlap"))
+        return bool(self.training.get("tp_comm_overlap"))
 
     @property
     def sequence_parallel(self) -> bool:
-        return bool((self.iteration.get("training") or {}).get("sequence_parallel"))
+        return bool(self.training.get("sequence_parallel"))
 
     @property
     def async_tp_backward(self) -> bool:
         """Whether a column-parallel linear's backward collectives run beside its GEMMs (megatron-core's
         way; a trace of an older Megatron-LM's layout may say not: MegatronOptions.async_tp_backward)."""
-        return bool((self.iteration.get("training") or {}).get("async_tp_backward", True))
+        return bool(self.training.get("async_tp_backward", True))
 
     @property
     def overlap_param_gather(self) -> bool:
