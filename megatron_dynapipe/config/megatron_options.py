@@ -261,6 +261,11 @@ class MegatronOptions:
             out.append("--no-overlap-p2p-communication")
         return out + self.split.megatron_args()
 
+    def trace_key(self) -> list[str]:
+        """What tells a layout's traces under these options apart from others': its Megatron-LM
+        flags, and the pricing no flag asks for (an older Megatron-LM's waited TP backward)."""
+        return self.megatron_args() + ([] if self.async_tp_backward else ["async_tp_backward=false"])
+
 
 #: Megatron-LM's fully sharded data parallelism: torch's FSDP2 and Megatron's own
 FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")

@@ -148,8 +148,9 @@ class TraceConfig:
 
     def folder_name(self, training=None, method: Optional[str] = None) -> str:
         """``SIM_GPT_<MODEL>_Config<i>_WS<W>_PP<P>_TP<T>[_CP<c>][_EP<e>]_DP<D>_nMICROB<n>_MICROB_SIZE<m>_GLOBAL_BATCH<g>``,
-        then ``_FLAGS<digest>`` when ``training`` (:class:`MegatronOptions`) asks for any Megatron flag: a
-        layout traced with other training flags is another trace, in another folder; and
+        then ``_FLAGS<digest>`` of ``training``'s :meth:`~MegatronOptions.trace_key` where it has one (a
+        Megatron flag, or pricing no flag asks for): a layout traced with other training options is
+        another trace, in another folder; and
         ``_METHOD<name>`` for a planned method (``trace --method``)."""
         name = f"SIM_GPT_{self.model.label}_Config{self.index}_WS{self.world_size}_PP{self.pp}_TP{self.tp}"
         if self.cp != 1:
@@ -162,9 +163,7 @@ class TraceConfig:
             f"_DP{self.dp}_nMICROB{self.microbatches}_MICROB_SIZE{self.micro_batch_size}"
             f"_GLOBAL_BATCH{self.global_batch}"
         )
-        flags = training.megatron_args() if training is not None else []
-        if training is not None and not training.async_tp_backward:  # priced as an older Megatron-LM: no flag
-            flags.append("async_tp_backward=false")
+        flags = training.trace_key() if training is not None else []
         if flags:
             name += "_FLAGS" + hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
         if method:

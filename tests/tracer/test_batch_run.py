@@ -68,6 +68,9 @@ def test_a_layout_traced_with_other_training_flags_keeps_its_own_folder(tmp_path
     assert flagged.folder.name.startswith(plain.folder.name + "_FLAGS")
     assert configs[0].folder_name(MegatronOptions(sequence_parallel=True, distributed_optimizer=True)) \
         not in (plain.folder.name, flagged.folder.name)
+    # priced as the Megatron-LM of 2021 (no flag asks for it): another folder, whose traces say so
+    waited = configs[0].folder_name(MegatronOptions(async_tp_backward=False))
+    assert waited.startswith(plain.folder.name + "_FLAGS") and waited != flagged.folder.name
 
 
 def test_a_failed_config_names_its_first_failed_rank_whichever_finished_first():
