@@ -89,23 +89,23 @@ def plans_from(instruction_lists, n: int, rc=NONE) -> list[ExecutionPlan]:
             for s, instrs in enumerate(instruction_lists)]
 
 
-def finish_sends_before_next_compute(instrs: list[Instruction]) -> list[Instruction]:
-    """Move every send FINISH to the first compute op after its START (ahead of that op's
-    input: its LOAD_INPUT / RECV_*_FINISH)."""
+def finish_sends_before_the_compute_op_after_next(instrs: list[Instruction]) -> list[Instruction]:
+    """Move every send FINISH to the second compute op after its START (ahead of that op's
+    input: its LOAD_INPUT / RECV_*_FINISH), or to the end where fewer follow."""
     out: list[Instruction] = []
-    pending: list[Instruction] = []
+    pending: list[list] = []  # [finish, compute ops passed since its START]
     moved = [i for i in instrs if i.op not in (Op.SEND_ACT_FINISH, Op.SEND_GRAD_FINISH)]
     for ins in moved:
         if ins.op.is_compute:
             k = len(out)
             while k and out[k - 1].op in (Op.LOAD_INPUT, Op.RECV_ACT_FINISH, Op.RECV_GRAD_FINISH):
                 k -= 1
-            out[k:k] = pending
-            pending = []
+            out[k:k] = [finish for finish, passed in pending if passed]
+            pending = [[finish, passed + 1] for finish, passed in pending if not passed]
         out.append(ins)
         if ins.op in (Op.SEND_ACT_START, Op.SEND_GRAD_START):
-            pending.append(Instruction(ins.op.finish, ins.microbatch, ins.peer))
-    return out + pending
+            pending.append([Instruction(ins.op.finish, ins.microbatch, ins.peer), 0])
+    return out + [finish for finish, _ in pending]
 
 
 def names(instrs) -> list[str]:
@@ -143,20 +143,20 @@ def test_lowering_two_stage_1f1b_by_hand():
     assert names(plans[0].instructions) == [
         "Load0", "F0[full]",
         "SendActStart(0->s1)", "RecvGradStart(0<-s1)",  # receive for B0 posted one op ahead, before F1
-        "SendActFinish(0->s1)",  # the send finishes just before the next compute op
-        "Load1", "F1",
+        "Load1", "F1",  # the send runs beside the next compute op ...
         "SendActStart(1->s1)", "RecvGradStart(1<-s1)",
-        "SendActFinish(1->s1)", "RecvGradFinish(0<-s1)", "B0[full]",
+        "SendActFinish(0->s1)",  # ... and finishes before the one after
+        "RecvGradFinish(0<-s1)", "B0[full]",
         "Free0",
-        "RecvGradFinish(1<-s1)", "B1",
+        "SendActFinish(1->s1)", "RecvGradFinish(1<-s1)", "B1",
         "Free1",
     ]
     assert names(plans[1].instructions) == [
         "RecvActStart(0<-s0)", "RecvActFinish(0<-s0)", "F0[full]",
         "RecvActStart(1<-s0)",  # one op ahead of F1, i.e. before B0
         "B0[full]", "SendGradStart(0->s0)", "Free0",
-        "SendGradFinish(0->s0)", "RecvActFinish(1<-s0)", "F1",
-        "B1", "SendGradStart(1->s0)", "Free1",
+        "RecvActFinish(1<-s0)", "F1",
+        "SendGradFinish(0->s0)", "B1", "SendGradStart(1->s0)", "Free1",
         "SendGradFinish(1->s0)",  # nothing follows: finished at the end
     ]
     for s in range(2):
@@ -204,14 +204,14 @@ def test_the_receives_pass_posts_each_receive_two_ops_ahead_and_waits_right_befo
         "RecvActStart(2<-s0) B1 RecvActFinish(2<-s0) F2 B2"]
 
 
-def test_the_sends_pass_starts_each_send_after_its_op_and_finishes_it_before_the_next_in_1f1b():
+def test_the_sends_pass_starts_each_send_after_its_op_and_finishes_it_after_the_next_in_1f1b():
     from megatron_dynapipe.planning.plan.lowering import _computes, _sends
 
     assert lowered_by([_computes, _sends], ORDERS_2X3) == [
-        "F0 SendActStart(0->s1) SendActFinish(0->s1) F1 SendActStart(1->s1) SendActFinish(1->s1) B0 "
-        "F2 SendActStart(2->s1) SendActFinish(2->s1) B1 B2",
-        "F0 B0 SendGradStart(0->s0) SendGradFinish(0->s0) F1 B1 SendGradStart(1->s0) SendGradFinish(1->s0) "
-        "F2 B2 SendGradStart(2->s0) SendGradFinish(2->s0)"]
+        "F0 SendActStart(0->s1) F1 SendActStart(1->s1) SendActFinish(0->s1) B0 SendActFinish(1->s1) "
+        "F2 SendActStart(2->s1) B1 SendActFinish(2->s1) B2",
+        "F0 B0 SendGradStart(0->s0) F1 SendGradFinish(0->s0) B1 SendGradStart(1->s0) F2 SendGradFinish(1->s0) "
+        "B2 SendGradStart(2->s0) SendGradFinish(2->s0)"]
 
 
 def test_lowering_single_stage_has_no_communication():
@@ -223,13 +223,13 @@ def test_lowering_single_stage_has_no_communication():
 
 
 @pytest.mark.parametrize("make", [one_f_one_b, gpipe])
-def test_send_finishes_sit_before_the_next_compute_op_in_1f1b_and_gpipe(make):
+def test_send_finishes_sit_before_the_compute_op_after_next_in_1f1b_and_gpipe(make):
     for pp in (2, 3, 4, 8):
         for n in (1, 2, 5, 13):
             orders = make(pp, n)
             for s in range(pp):
                 lowered = lower_to_instructions(orders[s], s, pp, NONE, orders=orders)
-                assert lowered == finish_sends_before_next_compute(lowered), (pp, n, s)
+                assert lowered == finish_sends_before_the_compute_op_after_next(lowered), (pp, n, s)
 
 
 def test_every_start_has_one_finish_and_receives_are_posted_one_op_ahead():
@@ -306,20 +306,22 @@ def test_any_executable_fifo_orders_lower_to_deadlock_free_plans(pp, n, seed):
     check_deadlock_free(plans_from(local, n))
 
 
-def test_finishing_every_send_before_the_next_op_can_deadlock_and_the_lowering_avoids_it():
+def test_finishing_every_send_after_the_next_op_can_deadlock_and_the_lowering_avoids_it():
     # Stage 0 forwards everything first, stage 1 runs each backward right after its forward.
-    n = 5
+    n = 7
     orders = [gpipe(1, n)[0], [op for m in range(n) for op in (F(m), B(m))]]
     plans = build_execution_plans(orders, microbatches(n), NONE, "mixed")
-    eager = [finish_sends_before_next_compute(p.instructions) for p in plans]
+    eager = [finish_sends_before_the_compute_op_after_next(p.instructions) for p in plans]
     with pytest.raises(DeadlockError) as err:
         check_deadlock_free(plans_from(eager, n))
+    # stage 0 waits before F5 for stage 1 to post F3's receive (after its F2); stage 1 waits
+    # before B1 for stage 0 to post B0's (after its F5)
     assert set(err.value.blocked) == {0, 1}
-    assert err.value.blocked[0][1] == Instruction(Op.SEND_ACT_FINISH, 2, 1)
+    assert err.value.blocked[0][1] == Instruction(Op.SEND_ACT_FINISH, 3, 1)
     assert err.value.blocked[1][1] == Instruction(Op.SEND_GRAD_FINISH, 0, 0)
-    # the lowering keeps SendActFinish(2) until stage 1 has surely posted that receive
+    # the lowering keeps SendActFinish(3) until stage 1 has surely posted that receive
     s0 = names(plans[0].instructions)
-    assert s0.index("SendActFinish(2->s1)") > s0.index("F4")
+    assert s0.index("SendActFinish(3->s1)") > s0.index("F6")
 
 
 def test_cyclic_wait_raises_deadlock_error_naming_stages_and_instructions():
@@ -388,14 +390,14 @@ def test_an_interleaved_pipeline_is_lowered_by_hand():
     orders = [[F(0), F(0, 1), B(0, 1), B(0)]] * 2
     plans = build_execution_plans(orders, microbatches(1), NONE, "interleaved-1f1b", chunks=2)
     assert [str(i) for i in plans[0].instructions] == (
-        "RecvActStart(0.1<-s1) Load0 F0 SendActStart(0->s1) RecvGradStart(0.1<-s1) SendActFinish(0->s1) "
-        "RecvActFinish(0.1<-s1) F0.1 SendActStart(0.1->s1) RecvGradStart(0<-s1) SendActFinish(0.1->s1) "
-        "RecvGradFinish(0.1<-s1) B0.1 SendGradStart(0.1->s1) Free0.1 SendGradFinish(0.1->s1) "
-        "RecvGradFinish(0<-s1) B0 Free0").split()
+        "RecvActStart(0.1<-s1) Load0 F0 SendActStart(0->s1) RecvGradStart(0.1<-s1) "
+        "RecvActFinish(0.1<-s1) F0.1 SendActStart(0.1->s1) RecvGradStart(0<-s1) SendActFinish(0->s1) "
+        "RecvGradFinish(0.1<-s1) B0.1 SendGradStart(0.1->s1) Free0.1 SendActFinish(0.1->s1) "
+        "RecvGradFinish(0<-s1) B0 Free0 SendGradFinish(0.1->s1)").split()
     assert [str(i) for i in plans[1].instructions] == (
-        "RecvActStart(0<-s0) RecvActStart(0.1<-s0) RecvActFinish(0<-s0) F0 SendActStart(0->s0) SendActFinish(0->s0) "
-        "RecvActFinish(0.1<-s0) F0.1 RecvGradStart(0<-s0) B0.1 SendGradStart(0.1->s0) Free0.1 "
-        "SendGradFinish(0.1->s0) RecvGradFinish(0<-s0) B0 SendGradStart(0->s0) Free0 SendGradFinish(0->s0)").split()
+        "RecvActStart(0<-s0) RecvActStart(0.1<-s0) RecvActFinish(0<-s0) F0 SendActStart(0->s0) "
+        "RecvActFinish(0.1<-s0) F0.1 RecvGradStart(0<-s0) SendActFinish(0->s0) B0.1 SendGradStart(0.1->s0) Free0.1 "
+        "RecvGradFinish(0<-s0) B0 SendGradStart(0->s0) Free0 SendGradFinish(0.1->s0) SendGradFinish(0->s0)").split()
     assert [p.chunks for p in plans] == [2, 2]
     back = ExecutionPlan.from_bytes(plans[0].to_bytes())
     assert back == plans[0] and back.recompute_of(0, 1) == NONE

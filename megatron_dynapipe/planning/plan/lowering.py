@@ -18,8 +18,11 @@ Lowering (stage ``s`` of ``P``; compute ops ``F(m)``/``B(m)`` in the stage's ord
   stage never waits while holding back a post its peers need.
 * Each receive is posted one compute op ahead: the START for the stage's compute op ``i`` sits
   just before compute op ``i - 1`` (ops 0 and 1 receive from the very start).
-* Each send's FINISH goes as early as it provably cannot close a wait cycle: just before the
-  next compute op in 1F1B and GPipe, later where the neighbour's order needs it (see below).
+* Each send's FINISH goes before the compute op after next, so the transfer runs beside the
+  next compute op (as the planner's simulator prices it, and as Megatron's 1F1B cannot: it waits
+  for a send with the receive it posts beside it), and later where it could otherwise close a
+  wait cycle (see below). A FINISH moved later never adds one: every START of the stage is then
+  reached under fewer waits than before. The sent buffer lives one compute op longer.
 
 Interleaved pipelines (``chunks`` model chunks a stage): the same, read over virtual stages.
 Chunk c of stage s is virtual stage ``v = c * P + s``; its op's input comes from virtual stage
@@ -27,17 +30,19 @@ Chunk c of stage s is virtual stage ``v = c * P + s``; its op's input comes from
 to ``v + 1``; only virtual stage 0 loads inputs and only the last, ``chunks * P - 1``, runs a
 backward without a gradient received. Every instruction names its chunk (``F3.1``).
 
-Why a send's FINISH cannot always sit before the next compute op: take stage 0 running
-``F0 F1 F2 F3 F4 B0 ...`` and stage 1 running ``F0 B0 F1 B1 F2 ...`` (both keep forwards and
+Why a send's FINISH cannot always sit that early: take stage 0 running
+``F0 F1 ... F6 B0 ...`` and stage 1 running ``F0 B0 F1 B1 F2 ...`` (both keep forwards and
 backwards in the same micro-batch order, and the pair is executable). With every send finished
-before the next op, stage 1 waits after ``B0`` for stage 0 to post its gradient receive (just
-before ``F4``) while stage 0 waits after ``F2`` for stage 1 to post the activation receive for
-``F2`` (just before ``F1`` on stage 1) -- a deadlock the compute order itself does not have.
+before the compute op after next, stage 1 waits before ``B1`` for stage 0 to post its gradient
+receive for ``B0`` (after ``F5``) while stage 0 waits before ``F5`` for stage 1 to post the
+activation receive for ``F3`` (after ``F2`` on stage 1) -- a deadlock the compute order itself
+does not have.
 
 Placement rule. A FINISH of a send whose receiver posts its START after the receiver's compute
 op ``y`` may sit before the sender's compute op ``x`` only when ``end(y) <= start(x)`` in one
 fixed valid timeline of the compute ops: the planner's simulated one, where the FINISH then
-sits where the receive is predicted to be posted, or else as-soon-as-possible with forward 1 and
+sits where the receive is predicted to be posted (or before the compute op after next, whichever
+is later), or else as-soon-as-possible with forward 1 and
 backward 2 time units (every op must take positive time). Then every wait edge of the lowered
 plans (a RECV_FINISH waits for the producing op, a SEND_FINISH for such a ``y``, program order)
 points forward in that timeline, so the stage whose
@@ -47,8 +52,9 @@ received in the order they are sent, and so are gradients -- needed anyway becau
 sends and receives pair up in posting order; with one chunk a stage: every stage forwards the
 micro-batches in the same order and runs the backwards in the same order). Without the other stages' orders, the rule falls back
 to what this stage's order proves alone: an activation send finishes before the first backward
-of a micro-batch forwarded no earlier (at latest its own ``B(m)``; right away for the first two
-forwards, whose receives are posted at the start), a gradient send before the end.
+of a micro-batch forwarded no earlier (at latest its own ``B(m)``; before the compute op after
+next for the first two forwards, whose receives are posted at the start), a gradient send before
+the end.
 """
 
 
@@ -261,7 +267,7 @@ def _send_finish_slots(ops: "_Ops", sends: np.ndarray, ref: _Reference) -> np.nd
                          + (f".{peer_chunk[bad]}" if peer_chunk[bad] else "") + f" to receive stage {stage[bad]}'s send")
     # the receive is posted after the peer's compute op c - 2 (ops 0 and 1: from the start)
     posted = np.where(c <= 1, -np.inf, ref.end_flat[ref.offset[peer] + np.maximum(c - 2, 0)])
-    slots = ops.position[sends] + 1
+    slots = _beside_next_op(ops.position[sends], ref.offset[stage + 1] - ref.offset[stage])
     for s in np.unique(stage).tolist():  # start times rise along a stage's order: a search finds the op
         mine = stage == s
         slots[mine] = np.maximum(slots[mine], np.searchsorted(ref.start[s], posted[mine], side="left"))
@@ -286,7 +292,13 @@ def _send_finish_slots_alone(order: _Order, sends: np.ndarray) -> np.ndarray:
         else:
             later = (backwards > p) & (b_rank >= rank)
             slots[j] = backwards[np.argmax(later)]  # B(m) itself is one
-    return slots
+    return np.maximum(slots, _beside_next_op(sends, count))
+
+
+def _beside_next_op(positions: np.ndarray, count: "int | np.ndarray") -> np.ndarray:
+    """The earliest a send's FINISH sits: before the compute op after next (the end of a plan of
+    ``count`` ops at the latest), so the transfer runs beside the next one."""
+    return np.minimum(positions + 2, count)
 
 
 def lower_to_instructions(
@@ -302,8 +314,8 @@ def lower_to_instructions(
 
     ``recompute``: one choice for every micro-batch, or a sequence indexed by micro-batch id.
     ``orders``: every stage's order (``orders[stage]`` must be ``order``). With it, each send's
-    FINISH sits as early as the neighbour's order allows (before the very next compute op in
-    1F1B and GPipe); without it, where this stage's order alone proves it safe, which can keep
+    FINISH sits as early as the neighbour's order allows, but not before the compute op after next
+    (which is where it sits in 1F1B and GPipe); without it, where this stage's order alone proves it safe, which can keep
     send buffers longer. Both are deadlock-free for executable FIFO-consistent orders.
     ``chunks``: model chunks a stage holds (interleaved orders); more than one needs ``orders``.
     """
