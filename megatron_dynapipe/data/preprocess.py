@@ -46,6 +46,7 @@ from megatron_dynapipe.data.kv_store import SECRET_ENV, KVStoreClient, KVStoreMe
 from megatron_dynapipe.data.liveness import BEAT_S, STOPPED_S, RankWatch, process_state
 from megatron_dynapipe.data.microbatches import encode_sample_ids
 from megatron_dynapipe.data.sampling import BatchSchedule
+from megatron_dynapipe.hardware.pricing import JobPricing
 from megatron_dynapipe.planning.cost_model import StageCosts, cost_model_from_document
 from megatron_dynapipe.planning.planner import PlanResult, generate_execution_plan, stage_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -215,11 +216,19 @@ def worker_state(client: KVStoreClient) -> _WorkerState:
     settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
     planner = client.get_json(KVStoreMetaKeys.PLANNER)
     spec = TrainingSpec.from_json(planner["spec"])
-    shipped = planner["cost_model"]
-    model = None if shipped is None else cost_model_from_document(shipped["document"], shipped["tp"],
-                                                                 source="the job's cost model")
+    model = _shipped_cost_model(planner["cost_model"])
     lengths = np.asarray(open_descriptor(settings.dataset).lengths)
     return _WorkerState(settings, lengths, spec, stage_costs(model, spec))
+
+
+def _shipped_cost_model(shipped: "dict | None"):
+    """The cost model the hosting rank shipped (loader._cost_model_document); None: the spec's
+    analytical model."""
+    if shipped is None:
+        return None
+    if "pricing" in shipped:
+        return JobPricing.from_json(shipped["pricing"]).cost_model()
+    return cost_model_from_document(shipped["document"], shipped["tp"], source="the job's cost model")
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:

@@ -1,15 +1,16 @@
 """``--model`` on ``--hardware``: pricing a named GPT's layers on a device's roofline, for the
-commands that plan (``plan``, ``bench planner``) at a scale no profile covers."""
+commands that plan (``plan``, ``bench planner``) at a scale no profile covers; and a Megatron-LM
+job's layout on ``--dynapipe-hardware`` (:class:`JobPricing`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_dynapipe.config.model import get_model, model_names
+from megatron_dynapipe.config.model import ModelSpec, get_model, model_names
 from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_from_args
-from megatron_dynapipe.hardware import default_memory_limit_mb, hardware_names, load_hardware
-from megatron_dynapipe.planning.cost_model import CostModel
+from megatron_dynapipe.hardware import Hardware, default_memory_limit_mb, hardware_names, load_hardware
+from megatron_dynapipe.planning.cost_model import CostModel, cost_model_from_document
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DTYPE = "6.7B", "a100", "bfloat16"
 
@@ -49,3 +50,40 @@ def pricing_from_args(args, tp: int, cp: int = 1) -> "Pricing | None":
         model = dataclasses.replace(model, attention=attention)
     priced = hardware.planner_model(hardware.cost_model(model, tp, DTYPE), model, tp=tp, cp=cp)
     return Pricing(priced, model.num_layers, default_memory_limit_mb(hardware.memory_gib * 1024))
+
+
+@dataclass(frozen=True)
+class JobPricing:
+    """How a Megatron-LM job run with ``--dynapipe-hardware`` plans, as ``search`` prices its
+    layout: the layers by ``profile`` (a cost model), else by the device's roofline; the TP
+    group's collectives beside their GEMMs and the CP ring at the device's links
+    (``Hardware.planner_model``). It travels to the data pipeline's workers as JSON."""
+
+    hardware: Hardware
+    model: ModelSpec
+    dtype: str  # a peak key: bfloat16, float16, float32
+    tp: int
+    cp: int = 1
+    sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
+    profile: "CostModel | None" = None
+
+    def cost_model(self) -> CostModel:
+        layers = self.profile if self.profile is not None else self.hardware.cost_model(
+            self.model, self.tp, self.dtype, sequence_parallel=self.sequence_parallel)
+        return self.hardware.planner_model(layers, self.model, tp=self.tp, cp=self.cp,
+                                           sequence_parallel=self.sequence_parallel,
+                                           tp_comm_overlap=self.tp_comm_overlap)
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dict(fields, hardware=self.hardware.to_json(), model=self.model.to_json(),
+                    profile=None if self.profile is None else self.profile.to_document())
+
+    @classmethod
+    def from_json(cls, data: dict) -> "JobPricing":
+        profile = data["profile"]
+        if profile is not None:
+            profile = cost_model_from_document(profile, data["tp"], source="the job's profile")
+        return cls(**dict(data, hardware=Hardware.from_json(data["hardware"], source="the job's hardware"),
+                          model=ModelSpec(**data["model"]), profile=profile))

@@ -80,6 +80,11 @@ def add_dynapipe_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dynapipe-memory-limit", type=float, metavar="MB", default=None,
                    help="memory per GPU the planned schedule may use, in MB (required with --dynapipe)")
     add_planner_arguments(g, prefix="dynapipe-")
+    g.add_argument("--dynapipe-hardware", default=None, metavar="NAME|FILE",
+                   help="the GPUs and links the job runs on (a shipped model such as h100, or a file `megatron-dynapipe "
+                        "calibrate` wrote): plans then price the TP group's collectives, each beside its GEMM, and the "
+                        "context-parallel ring and pipeline transfers at its links, as `search` does (default: none; "
+                        "a job at TP > 1 then plans without its TP collectives)")
     g.add_argument("--dynapipe-attention", choices=CORES, default="local",
                    help="attention core of megatron-core's local layers (--transformer-impl local): local (its "
                         "unfused one) or sdpa (torch's scaled_dot_product_attention: fused kernels on CUDA, and it "
@@ -223,6 +228,14 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
             resolve_cost_model_path(cost_model, flag="--dynapipe-cost-model")
         except CostModelError as error:
             raise DynapipeArgumentError(f"{error}, or drop the flag for the analytical model") from None
+    hardware = getattr(args, "dynapipe_hardware", None)
+    if hardware is not None:
+        from megatron_dynapipe.hardware import load_hardware
+
+        try:
+            load_hardware(hardware)
+        except ValueError as error:
+            raise DynapipeArgumentError(f"--dynapipe-hardware: {error}, or drop the flag") from None
     workers = _get(args, "dynapipe_preprocess_workers", 2)
     if workers < 1:
         raise DynapipeArgumentError(

@@ -84,6 +84,8 @@ from megatron_dynapipe.megatron_lm.attention import (
 )
 from megatron_dynapipe.megatron_lm.datasets import open_splits
 from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
+from megatron_dynapipe.hardware import PEAK_DTYPES, load_hardware
+from megatron_dynapipe.hardware.pricing import JobPricing
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
 __all__ = [
@@ -193,10 +195,16 @@ def setup(args: Optional[argparse.Namespace] = None):
                 print(f"> megatron-dynapipe: {stages} of {' + '.join(map(str, layers))} transformer layers "
                       "(Megatron-LM's pipeline split), as the plans price them", flush=True)
             if report.enabled and _priced_by(args):
-                print("> megatron-dynapipe: no --dynapipe-cost-model: plans are priced by the analytical model of a GPT "
-                      "on an A100, so predicted times (and what fits --dynapipe-memory-limit) are that device's; "
-                      "profile this model here (megatron-dynapipe profile <model flags>) and pass "
-                      "--dynapipe-cost-model", flush=True)
+                hardware = getattr(args, "dynapipe_hardware", None)
+                device = (f"the roofline of {load_hardware(hardware).name}" if hardware
+                          else "the analytical model of a GPT on an A100")
+                print(f"> megatron-dynapipe: no --dynapipe-cost-model: plans are priced by {device}, so predicted "
+                      "times (and what fits --dynapipe-memory-limit) are that device's; profile this model here "
+                      "(megatron-dynapipe profile <model flags>) and pass --dynapipe-cost-model", flush=True)
+            if report.enabled and args.tensor_model_parallel_size > 1 and not getattr(args, "dynapipe_hardware", None):
+                print(f"> megatron-dynapipe: no --dynapipe-hardware: plans leave out the TP group's collectives (TP "
+                      f"{args.tensor_model_parallel_size}), so they under-price every micro-batch's layers; pass "
+                      "--dynapipe-hardware h100 (or a file megatron-dynapipe calibrate wrote)", flush=True)
         _setup_done[id(args)] = report
         return report
 
@@ -374,14 +382,32 @@ def make_get_batch(original: Callable, batch_keys: "Optional[Sequence[str]]" = N
 
 def _priced_by(args) -> "str | None":
     """What the logged predictions are priced with, where it is not this machine: without
-    ``--dynapipe-cost-model`` the analytical model of an A100."""
-    return None if getattr(args, "dynapipe_cost_model", None) else "the analytical A100 model, not this machine"
+    ``--dynapipe-cost-model`` the roofline of ``--dynapipe-hardware``, else the analytical model of
+    an A100."""
+    if getattr(args, "dynapipe_cost_model", None):
+        return None
+    hardware = getattr(args, "dynapipe_hardware", None)
+    return f"{load_hardware(hardware).name}'s roofline, not a profile" if hardware else \
+        "the analytical A100 model, not this machine"
 
 
 def _cost_model(args):
+    """What the job plans with: its profile, else the analytical model of an A100; with
+    ``--dynapipe-hardware``, its layout as ``search`` prices it (:class:`JobPricing`)."""
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-    return load_job_cost_model(getattr(args, "dynapipe_cost_model", None), model_from_megatron_args(args).to_json(),
-                               tp=args.tensor_model_parallel_size, dtype=dtype, flag="--dynapipe-cost-model")
+    spec, tp = model_from_megatron_args(args), args.tensor_model_parallel_size
+    profile, hardware = getattr(args, "dynapipe_cost_model", None), getattr(args, "dynapipe_hardware", None)
+    model = None
+    if hardware is None or profile is not None:
+        model = load_job_cost_model(profile, spec.to_json(), tp=tp, dtype=dtype, flag="--dynapipe-cost-model")
+    if hardware is None:
+        return model
+    pricing = JobPricing(load_hardware(hardware), spec, PEAK_DTYPES[dtype], tp,
+                         cp=int(getattr(args, "context_parallel_size", 1) or 1),
+                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
+                         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)), profile=model)
+    pricing.cost_model()  # what cannot price this layout fails here, in one line, not in a worker
+    return pricing
 
 
 def _writers():

@@ -38,8 +38,12 @@ from megatron_dynapipe.data import (
 from megatron_dynapipe.data.liveness import process_state
 from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatch
 from megatron_dynapipe.data.preprocess import _exit_note, worker_state
+from megatron_dynapipe.config.model import ModelSpec
+from megatron_dynapipe.hardware import load_hardware
+from megatron_dynapipe.hardware.pricing import JobPricing
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
+from megatron_dynapipe.planning.types import RecomputeType
 from megatron_dynapipe.planning.planner import generate_execution_plan
 from project import free_ports
 
@@ -339,6 +343,25 @@ def test_the_store_carries_nothing_that_runs_when_read(tmp_path):
     for error in (info.value, rank_info.value):
         assert "was not written by this job" in str(error) and "\n" not in str(error)
     assert not marker.exists()
+
+
+def test_the_workers_plan_with_the_layout_pricing_of_the_jobs_hardware():
+    """A job run with --dynapipe-hardware ships its layout's pricing (JobPricing), not a model
+    file: every worker plans with what the hosting rank built, the TP group's collectives in each
+    layer and, under sequence parallelism, a stage sending its TP rank's shard of the sequence."""
+    h100 = load_hardware("h100")
+    model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=128)
+    pricing = JobPricing(h100, model, "bfloat16", tp=2, sequence_parallel=True)
+    spec = _spec(pp=2, dp=1, tp=2)
+    with DataPipelineHost(TokenListDataset(_samples(16), MAX_SEQ_LEN), spec, pricing, 4, secret=_key(), port=0,
+                          num_workers=1, num_iterations=1) as host:
+        shipped = worker_state(KVStoreClient.connect("127.0.0.1", host.port, _key(), timeout_s=WAIT_S)).costs.model
+    built, layers_alone = pricing.cost_model(), h100.cost_model(model, 2, "bfloat16", sequence_parallel=True)
+    assert shipped.pipeline_tokens(2, 64) == 2 * 64 / 2  # two rows of 64 tokens, split over the TP pair
+    for phase in ("forward", "backward"):
+        priced = shipped.layer_ms("encoder", phase, RecomputeType.NONE, 2, 64)
+        assert priced == pytest.approx(built.layer_ms("encoder", phase, RecomputeType.NONE, 2, 64), rel=1e-12)
+        assert priced > layers_alone.layer_ms("encoder", phase, RecomputeType.NONE, 2, 64)
 
 
 # ---------------------------------------------------------------------------------------------

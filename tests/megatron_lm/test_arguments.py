@@ -123,6 +123,7 @@ def test_bad_fast_mode_values(monkeypatch, capsys):
     (("--dynapipe",), {}, "--dynapipe needs --dynapipe-memory-limit MB"),
     (("--dynapipe", "--dynapipe-memory-limit", "-5"), {}, "must be positive"),
     (ON + ("--dynapipe-cost-model", "/nonexistent.json"), {}, "or drop the flag for the analytical model"),
+    (ON + ("--dynapipe-hardware", "no-such-gpu"), {}, "give one of those names or a hardware file's path, or drop"),
     (ON + ("--dynapipe-preprocess-workers", "0"), {}, "pass e.g. --dynapipe-preprocess-workers 2"),
     (ON + ("--dynapipe-kv-port", "70000"), {}, "pass one in 1..65535"),
     (ON + ("--dynapipe-comm-timeout", "0"), {}, "drop it to use the process group's timeout"),
@@ -337,3 +338,24 @@ def test_a_missing_cost_model_names_the_megatron_flag():
     with pytest.raises(DynapipeArgumentError, match=r"pass --dynapipe-cost-model PATH .*\(gpt-0\.94b-h100-sdpa, gpt-6\.7b-a100, "
                                                    r"gpt-6\.7b-h100\)"):
         validated(*ON, "--dynapipe-cost-model", "no-such-profile")
+
+
+def test_a_job_on_dynapipe_hardware_plans_its_layout_as_search_prices_it():
+    from megatron_dynapipe.hardware.pricing import JobPricing
+    from megatron_dynapipe.megatron_lm.pretrain_hooks import _cost_model
+
+    job = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, padded_vocab_size=128,
+               seq_length=128, max_position_embeddings=128, bf16=True, tensor_model_parallel_size=2,
+               sequence_parallel=True, context_parallel_size=1)
+    pricing = _cost_model(validated(*ON, "--dynapipe-hardware", "h100", **job))
+    assert isinstance(pricing, JobPricing) and pricing.profile is None  # the device's roofline prices the layers
+    assert (pricing.hardware.name, pricing.dtype, pricing.tp, pricing.sequence_parallel) == (
+        "H100-80GB-SXM", "bfloat16", 2, True)
+    assert "all-gathers" in pricing.cost_model().describe()
+    # with a profile, the profile prices the layers; without the flag the job plans with it alone
+    profiled = _cost_model(validated(*ON, "--dynapipe-hardware", "h100", "--dynapipe-cost-model", "gpt-6.7b-a100",
+                                     **dict(job, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384)))
+    assert profiled.profile is not None and profiled.profile.hidden_size == 4096
+    alone = _cost_model(validated(*ON, "--dynapipe-cost-model", "gpt-6.7b-a100",
+                                  **dict(job, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384)))
+    assert type(alone) is type(profiled.profile)

@@ -571,7 +571,8 @@ def _smoke(script: Path, data_args: list[str], *, pythonpath=(), fast=True, time
     return stdout, losses, plans
 
 
-def _check_training(stdout, losses, plans):
+def _check_training(stdout, losses, plans, *, priced_by=("the analytical model of a GPT on an A100",
+                                                            "the analytical A100 model, not this machine")):
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), stdout[-4000:]
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
     # Planned micro-batches: several per batch, of different padded lengths, and not Megatron's
@@ -587,9 +588,9 @@ def _check_training(stdout, losses, plans):
     assert "runs the planned schedule in train_step and evaluate" in stdout
     assert "> megatron-dynapipe: attention: megatron-core's unfused local core" in stdout
     # no profile of this machine: the log says its predictions are another device's
-    assert "no --dynapipe-cost-model: plans are priced by the analytical model of a GPT on an A100" in stdout
-    assert all("ms (the analytical A100 model, not this machine), planned in" in line
-               for line in stdout.splitlines() if "global batch of" in line)
+    device, per_batch = priced_by
+    assert f"no --dynapipe-cost-model: plans are priced by {device}, so" in stdout
+    assert all(f"ms ({per_batch}), planned in" in line for line in stdout.splitlines() if "global batch of" in line)
 
 
 @pytest.fixture(scope="module")
@@ -685,11 +686,14 @@ def test_an_interleaved_pipeline_of_uneven_stages_trains_with_plans_of_two_model
 def test_context_parallel_training_matches_the_whole_sequences_run(training_ready, launcher_run):
     """--context-parallel-size 2 on four ranks (PP 2 x CP 2): each stage's two ranks hold two of
     every micro-batch's four chunks and pass keys and values round their ring (megatron-core's
-    local core has none); the planner prices a rank's half. Same samples and weights as the PP 2
-    run, so each iteration's per-token loss is its loss to float error."""
-    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py", ["--mock-data", "--context-parallel-size", "2"],
+    local core has none); the planner prices a rank's half, on --dynapipe-hardware's links and
+    roofline. Same samples and weights as the PP 2 run, so each iteration's per-token loss is its
+    loss to float error."""
+    stdout, losses, plans = _smoke(training_ready / "pretrain_gpt.py", ["--mock-data", "--context-parallel-size", "2",
+                                                                        "--dynapipe-hardware", "h100"],
                                    ranks_per_stage=2, timeout=420)
-    _check_training(stdout, losses, plans)
+    _check_training(stdout, losses, plans, priced_by=("the roofline of H100-80GB-SXM",
+                                                      "H100-80GB-SXM's roofline, not a profile"))
     assert "keys and values passed round the context-parallel ring (--context-parallel-size 2)" in stdout
     np.testing.assert_allclose(losses, launcher_run[1], rtol=1e-5)
     assert plans != launcher_run[2]  # half the activations a rank: fewer, longer micro-batches fit 2 MB
