@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
 import signal
@@ -216,19 +217,20 @@ def worker_state(client: KVStoreClient) -> _WorkerState:
     settings = PipelineSettings.from_json(client.get_json(KVStoreMetaKeys.SETTINGS))
     planner = client.get_json(KVStoreMetaKeys.PLANNER)
     spec = TrainingSpec.from_json(planner["spec"])
-    model = _shipped_cost_model(planner["cost_model"])
     lengths = np.asarray(open_descriptor(settings.dataset).lengths)
-    return _WorkerState(settings, lengths, spec, stage_costs(model, spec))
+    return _WorkerState(settings, lengths, spec, _shipped_stage_costs(planner["cost_model"], spec))
 
 
-def _shipped_cost_model(shipped: "dict | None"):
-    """The cost model the hosting rank shipped (loader._cost_model_document); None: the spec's
-    analytical model."""
-    if shipped is None:
-        return None
-    if "pricing" in shipped:
-        return JobPricing.from_json(shipped["pricing"]).cost_model()
-    return cost_model_from_document(shipped["document"], shipped["tp"], source="the job's cost model")
+def _shipped_stage_costs(shipped: "dict | None", spec: TrainingSpec) -> StageCosts:
+    """The stage costs of the cost model the hosting rank shipped (loader._cost_model_document;
+    None: the spec's analytical model), or of its job's pricing, whose stages send at the
+    device's link as ``search`` prices them."""
+    if shipped is None or "pricing" not in shipped:
+        return stage_costs(None if shipped is None else cost_model_from_document(
+            shipped["document"], shipped["tp"], source="the job's cost model"), spec)
+    pricing = JobPricing.from_json(shipped["pricing"])
+    return dataclasses.replace(stage_costs(pricing.cost_model(), spec),
+                               link=pricing.hardware.pipeline_link(spec.tp, spec.cp, spec.dp))
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:

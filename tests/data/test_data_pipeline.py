@@ -355,7 +355,9 @@ def test_the_workers_plan_with_the_layout_pricing_of_the_jobs_hardware():
     spec = _spec(pp=2, dp=1, tp=2)
     with DataPipelineHost(TokenListDataset(_samples(16), MAX_SEQ_LEN), spec, pricing, 4, secret=_key(), port=0,
                           num_workers=1, num_iterations=1) as host:
-        shipped = worker_state(KVStoreClient.connect("127.0.0.1", host.port, _key(), timeout_s=WAIT_S)).costs.model
+        costs = worker_state(KVStoreClient.connect("127.0.0.1", host.port, _key(), timeout_s=WAIT_S)).costs
+    shipped = costs.model
+    assert costs.p2p_link == h100.pipeline_link(2, 1, 1)  # stages 2 GPUs apart: NVLink, as search prices it
     built, layers_alone = pricing.cost_model(), h100.cost_model(model, 2, "bfloat16", sequence_parallel=True)
     assert shipped.pipeline_tokens(2, 64) == 2 * 64 / 2  # two rows of 64 tokens, split over the TP pair
     for phase in ("forward", "backward"):
