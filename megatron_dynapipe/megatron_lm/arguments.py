@@ -292,9 +292,7 @@ def _check_megatron_flags(args: argparse.Namespace) -> None:
         refuse(
             "CUDA graphs replay fixed shapes and --dynapipe varies them: drop --enable-cuda-graph / --cuda-graph-impl"
         )
-    transformer_impl = _get(args, "transformer_impl", "transformer_engine")
-    if _get(args, "dynapipe_packing", "pad") == "varlen" and transformer_impl == "local" \
-            and _get(args, "dynapipe_attention", "local") != "sdpa":
+    if _get(args, "dynapipe_packing", "pad") == "varlen" and not core_takes_packed_rows(args):
         refuse(
             "--dynapipe-packing varlen runs packed (THD) micro-batches, which megatron-core's local attention "
             "refuses: add --dynapipe-attention sdpa, use --transformer-impl transformer_engine, or "
@@ -411,6 +409,13 @@ def _validate_tracer(args: argparse.Namespace) -> None:
             f"--fake-current-rank-id {rank} is outside the job: pass a rank in 0..{world - 1}"
         )
     args.fake_dp = world // (tp * pp * cp)  # a valid layout's DP
+
+
+def core_takes_packed_rows(args: argparse.Namespace) -> bool:
+    """Whether the job's attention core takes packed (THD) rows: transformer-engine's, or the SDPA
+    core on megatron-core's local layers (their unfused core refuses them)."""
+    return _get(args, "transformer_impl", "transformer_engine") != "local" or \
+        _get(args, "dynapipe_attention", "local") == "sdpa"
 
 
 def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:

@@ -70,6 +70,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     add_arguments,
     chain_providers,
     check_data_pipeline_args,
+    core_takes_packed_rows,
     model_chunks,
     stage_layers,
     training_spec_from_args,
@@ -201,6 +202,10 @@ def setup(args: Optional[argparse.Namespace] = None):
                 print(f"> megatron-dynapipe: no --dynapipe-cost-model: plans are priced by {device}, so predicted "
                       "times (and what fits --dynapipe-memory-limit) are that device's; profile this model here "
                       "(megatron-dynapipe profile <model flags>) and pass --dynapipe-cost-model", flush=True)
+            if report.enabled and core_takes_packed_rows(args) and getattr(args, "dynapipe_packing", "pad") == "pad":
+                print("> megatron-dynapipe: micro-batches are padded (--dynapipe-packing pad), though this job's "
+                      "attention core takes packed rows: --dynapipe-packing varlen packs them (with --dynapipe-documents "
+                      "cut among THD packing's own plans, never predicted slower than it)", flush=True)
             if report.enabled and args.tensor_model_parallel_size > 1 and not getattr(args, "dynapipe_hardware", None):
                 print(f"> megatron-dynapipe: no --dynapipe-hardware: plans leave out the TP group's collectives (TP "
                       f"{args.tensor_model_parallel_size}), so they under-price every micro-batch's layers; pass "

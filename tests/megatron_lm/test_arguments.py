@@ -359,3 +359,20 @@ def test_a_job_on_dynapipe_hardware_plans_its_layout_as_search_prices_it():
     alone = _cost_model(validated(*ON, "--dynapipe-cost-model", "gpt-6.7b-a100",
                                   **dict(job, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384)))
     assert type(alone) is type(profiled.profile)
+
+
+@pytest.mark.parametrize("megatron, packs", [
+    ({"transformer_impl": "transformer_engine"}, True),
+    ({"transformer_impl": "local"}, False),  # megatron-core's unfused core refuses THD rows
+    ({"transformer_impl": "local", "dynapipe_attention": "sdpa"}, True),
+])
+def test_which_attention_cores_take_packed_rows(megatron, packs):
+    from megatron_dynapipe.megatron_lm.arguments import core_takes_packed_rows
+
+    args = parse(*ON, **megatron)
+    assert core_takes_packed_rows(args) is packs
+    if not packs:
+        with pytest.raises(DynapipeArgumentError, match="--dynapipe-packing varlen runs packed"):
+            validated(*ON, "--dynapipe-packing", "varlen", **megatron)
+    else:
+        assert training_spec_from_args(validated(*ON, "--dynapipe-packing", "varlen", **megatron)).packed
