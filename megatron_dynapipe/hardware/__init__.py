@@ -204,7 +204,7 @@ class Hardware:
         compute is priced by ``model`` split over CP without them."""
         split = split_over_cp(model, cp, spec, ring_gbps=self.cp_ring_gbps(tp, cp))
         roofline = self.roofline(PEAK_DTYPES.get(model.activation_dtype, "bfloat16"))
-        gemms = LinearGemms.of(spec, tp, roofline.gemm_ms) if roofline is not None and tp > 1 else None
+        gemms = LinearGemms.on(spec, tp, roofline) if roofline is not None and tp > 1 else None
         return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel,
                               overlap=tp_comm_overlap, gemms=gemms, async_backward=async_backward)
 

@@ -140,7 +140,7 @@ class _StepBuilder:
         #: label of each such collective of the pass being built, by op
         roofline = hardware.roofline(job.dtype)
         dense = job.layout.tp > 1 and not job.model.num_experts and roofline is not None
-        self.tp_gemms = LinearGemms.of(job.model, job.layout.tp, roofline.gemm_ms) if dense else None
+        self.tp_gemms = LinearGemms.on(job.model, job.layout.tp, roofline) if dense else None
         self.tp_labels: dict[int, tuple] = {}
 
     def build(self) -> list[Step]:

@@ -27,6 +27,15 @@ def test_a_large_gemm_runs_at_the_efficiency_times_its_last_waves_fill():
     assert achieved == pytest.approx(0.8 * 2048 / (19 * 108))
 
 
+def test_a_gemm_beside_a_kernel_that_holds_sms_runs_in_the_waves_the_rest_make():
+    # 8192^3's 2048 tiles: 19 waves on 108 SMs, 23 on the 92 that a 16-SM kernel leaves; each SM
+    # computes at its own rate still
+    beside = A100.without_sms(16)
+    assert beside.sms == 92 and beside.gemm_ms(8192, 8192, 8192) == pytest.approx(23 * sm_ms(2 * 256 * 128 * 8192))
+    # 216 tiles (two full waves on 108) take three waves on 92
+    assert beside.gemm_ms(12 * 256, 18 * 128, 4096) / A100.gemm_ms(12 * 256, 18 * 128, 4096) == pytest.approx(1.5)
+
+
 def test_an_edge_tile_computes_its_padding():
     k = 128  # too short to split
     assert A100.gemm_ms(256, 128, k) == pytest.approx(sm_ms(2 * 256 * 128 * k))

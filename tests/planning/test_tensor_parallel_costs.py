@@ -85,6 +85,7 @@ def test_with_sequence_parallelism_the_layers_gather_and_scatter_instead():
 
 RATE = 2e10  # FLOP a ms of the made-up GEMMs: 2 m n k / RATE, no waves, no tiles
 VOCAB = 32768
+SLOWER = 1.25  # the made-up GEMMs beside an overlap that takes SMs
 
 
 def gemm(m, n, k):
@@ -94,7 +95,7 @@ def gemm(m, n, k):
 def gemms():
     spec = ModelSpec(num_layers=2, hidden_size=H, num_attention_heads=16, vocab_size=VOCAB,
                      make_vocab_size_divisible_by=128)
-    return LinearGemms.of(spec, TP, gemm)
+    return LinearGemms.of(spec, TP, gemm, lambda m, n, k: SLOWER * gemm(m, n, k))
 
 
 def gemm_flops_ms(width_in, width_out, tokens):
@@ -170,17 +171,23 @@ def test_a_column_parallel_backward_waits_only_for_what_outlasts_its_gemms():
 
 
 def test_tp_comm_overlap_rings_and_pipelines_the_other_gathers_and_scatters_under_their_gemms():
+    """Transformer-engine's userbuffers: ring exchanges under the GEMMs the gathers feed, the
+    forward's reduce-scatters pipelined after theirs, the column-parallel backward's as bulk
+    overlaps. A bulk or pipelined overlap holds SMs, so its GEMM runs SLOWER on the rest: the
+    collective hides under that longer GEMM, and the difference adds too."""
     inner, tokens = compute_model(), 2048
     act = tokens * H * 2
     ring = lambda c, g: max(c - g * (TP - 1) / TP, 0.0)  # noqa: E731
-    pipelined = lambda c, g: c / 4 + 0.75 * max(c - g, 0.0)  # noqa: E731
+    pipelined = lambda c, g: c / 4 + 0.75 * max(c - g, 0.0) + (SLOWER - 1) * g / SLOWER  # noqa: E731
+    bulk = lambda c, g: max(c - g, 0.0) + (SLOWER - 1) * g / SLOWER  # noqa: E731
     qkv, proj, fc1, fc2 = (gemm_flops_ms(a, b, tokens) for a, b in (
         (H, 3 * H / TP), (H / TP, H), (H, 4 * H / TP), (4 * H / TP, H)))
     model = TensorParallelCollectives(inner, line, sequence_parallel=True, overlap=True, gemms=gemms())
     ag, rs = line("all_gather", act), line("reduce_scatter", act)
-    forward = ring(ag, qkv) + pipelined(rs, proj) + ring(ag, fc1) + pipelined(rs, fc2)
-    backward = (ring(ag, fc2) + max(ag - fc1, 0) + max(rs - fc1, 0)
-                + ring(ag, proj) + max(ag - qkv, 0) + max(rs - qkv, 0))
+    # each pipelined or bulk one beside its GEMM as slowed (its time alone x SLOWER)
+    forward = ring(ag, qkv) + pipelined(rs, SLOWER * proj) + ring(ag, fc1) + pipelined(rs, SLOWER * fc2)
+    backward = (ring(ag, fc2) + bulk(ag, SLOWER * fc1) + bulk(rs, SLOWER * fc1)
+                + ring(ag, proj) + bulk(ag, SLOWER * qkv) + bulk(rs, SLOWER * qkv))
     for phase, rc, comm in (("forward", "none", forward), ("backward", "none", backward),
                             ("backward", "full", forward + backward)):
         assert model.layer_ms("encoder", phase, rc, 1, tokens) == pytest.approx(

@@ -32,6 +32,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,12 @@ class DeviceRoofline:
         per_sm_flop_per_ms = self.peak_tflops * 1e9 * self.gemm_efficiency / self.sms
         compute = waves * 2.0 * tm * tn * (k / split) / per_sm_flop_per_ms
         return np.maximum(compute, self.memory_ms(BYTES * (m * k + k * n + m * n) * batch))
+
+    def without_sms(self, taken: int) -> "DeviceRoofline":
+        """This device less ``taken`` of its SMs (each SM's rate and the memory's as before): where
+        a kernel runs beside one that holds them."""
+        left = self.sms - taken
+        return dataclasses.replace(self, sms=left, peak_tflops=self.peak_tflops * left / self.sms)
 
     def memory_ms(self, nbytes):
         """Milliseconds to move ``nbytes`` through device memory."""

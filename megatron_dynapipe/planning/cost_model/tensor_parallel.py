@@ -26,8 +26,10 @@ which GEMM"), and a part waits only for what outlasts it:
 * with ``--tp-comm-overlap`` transformer-engine's userbuffers also split the layer's other
   all-gathers into a ring exchange under the GEMM they feed (the forward's QKV and FC1 inputs, the
   backward's gradients into the attention projection and FC2) and pipeline the forward's
-  reduce-scatters in :data:`PIPELINE_SPLITS` chunks after the GEMM that makes them; the head is
-  megatron-core's own linear, and its forward gather waits;
+  reduce-scatters in :data:`PIPELINE_SPLITS` chunks after the GEMM that makes them; the QKV's and
+  FC1's backward collectives become its bulk overlaps. A bulk or pipelined overlap takes
+  :data:`UB_SMS` SMs, and the GEMM beside it runs on the others (the ring exchange moves its chunks
+  with the copy engines); the head is megatron-core's own linear, and its forward gather waits;
 * everything else waits: the all-reduces of the row-parallel outputs, the embedding's, the loss's.
 
 Pricing a GEMM needs the device's kernels (:class:`LinearGemms`, from a hardware file's roofline);
@@ -51,9 +53,14 @@ __all__ = ["TensorParallelCollectives", "LinearGemms", "tp_collectives", "expose
            "label_pass"]
 
 #: how a collective runs beside its GEMM (:func:`exposed_ms`)
-WAITED, BESIDE, RING_EXCHANGE, PIPELINED = "waited", "beside", "ring exchange", "pipelined"
+WAITED, BESIDE, BULK, RING_EXCHANGE, PIPELINED = "waited", "beside", "bulk", "ring exchange", "pipelined"
 #: chunks of transformer-engine's pipelined reduce-scatter (its default for the row-parallel forward)
 PIPELINE_SPLITS = 4
+#: SMs transformer-engine's default userbuffers configuration gives a bulk or pipelined overlap
+#: (``num_sm``), which the GEMM beside it leaves free (``set_sm_margin``: it runs on the device's
+#: SMs less these); a ring exchange takes one and leaves the GEMM all of them
+UB_SMS = 16
+TAKE_SMS = (BULK, PIPELINED)
 #: linears split by their output's columns (a backward re-gathers the input and reduces its gradient),
 #: by their input's rows, and the ones transformer-engine builds with --tp-comm-overlap
 COLUMN_LINEARS, ROW_LINEARS, TE_LINEARS = ("qkv", "fc1", "head"), ("proj", "fc2"), ("qkv", "proj", "fc1", "fc2")
@@ -89,10 +96,12 @@ CollectiveMs = Callable[[str, object], object]
 
 def exposed_ms(how: str, comm, gemm, tp: int):
     """What a collective of ``comm`` ms adds to its pass when it runs ``how`` beside a GEMM of
-    ``gemm`` ms (arrays broadcast; the SMs a collective takes from the GEMM are not counted):
+    ``gemm`` ms, the GEMM's time beside it (arrays broadcast; what the SMs a collective takes from
+    the GEMM add, :func:`collective_exposed_ms` adds):
 
     * ``waited``: all of it;
-    * ``beside`` (launched asynchronously with the GEMM): what outlasts the GEMM;
+    * ``beside`` (launched asynchronously with the GEMM) and ``bulk`` (userbuffers' overlap of one
+      whole collective with the GEMM): what outlasts the GEMM;
     * ``ring exchange`` (an all-gather in ``tp`` chunks, each GEMM chunk on the one received before,
       the first on the rank's own): ``tp - 1`` steps of ``comm / (tp - 1)`` under GEMM chunks of
       ``gemm / tp``, so what outlasts ``(tp - 1) / tp`` of the GEMM;
@@ -100,7 +109,7 @@ def exposed_ms(how: str, comm, gemm, tp: int):
       the last chunk's, and each other's excess over the next GEMM chunk."""
     if how == WAITED:
         return comm
-    if how == BESIDE:
+    if how in (BESIDE, BULK):
         return np.maximum(comm - gemm, 0.0)
     if how == RING_EXCHANGE:
         return np.maximum(comm - gemm * (tp - 1) / tp, 0.0)
@@ -115,6 +124,8 @@ def overlap_of(linear: str, gemm: Optional[str], *, tp_comm_overlap: bool, async
     if gemm is None:
         return WAITED
     if linear in COLUMN_LINEARS and gemm in ("dgrad", "wgrad"):
+        if tp_comm_overlap and linear in TE_LINEARS:
+            return BULK
         return BESIDE if async_backward else WAITED
     if tp_comm_overlap and linear in TE_LINEARS:
         return PIPELINED if linear in ROW_LINEARS and gemm == "fprop" else RING_EXCHANGE
@@ -125,39 +136,53 @@ def collective_exposed_ms(comm, entry: tuple, tokens, gemms: "Optional[LinearGem
                           tp_comm_overlap: bool, async_backward: bool = True):
     """What one collective of ``comm`` ms adds to its pass: ``entry`` is its item of
     :data:`ACTIVATION_COLLECTIVES`, ``tokens`` the rows of its GEMM, which ``gemms`` prices (None:
-    the device's kernels are unknown, and it is waited for). The planner and the replay both ask."""
+    the device's kernels are unknown, and it is waited for); where the overlap takes SMs, the GEMM
+    runs longer on the rest, and that adds too. The planner and the replay both ask."""
     _, linear, gemm = entry
     how = overlap_of(linear, gemm, tp_comm_overlap=tp_comm_overlap, async_backward=async_backward)
     if how == WAITED or gemms is None:
         return comm
-    return exposed_ms(how, comm, gemms.ms(linear, gemm, tokens), tp)
+    alone = gemms.ms(linear, gemm, tokens)
+    if how not in TAKE_SMS:
+        return exposed_ms(how, comm, alone, tp)
+    beside = gemms.ms(linear, gemm, tokens, sms_taken=True)
+    return exposed_ms(how, comm, beside, tp) + (beside - alone)
 
 
 @dataclass(frozen=True)
 class LinearGemms:
     """The GEMMs of a GPT layer's TP-split linears on one rank: ``gemm_ms(m, n, k)`` is a device's
-    (``DeviceRoofline.gemm_ms``, arrays broadcast), ``widths`` each linear's share of its split
-    dimension on this rank (a column-parallel linear's output, a row-parallel one's input)."""
+    (``DeviceRoofline.gemm_ms``, arrays broadcast), ``beside_ub_ms`` the same on the SMs a bulk
+    or pipelined userbuffers overlap leaves (:data:`UB_SMS`), ``widths`` each linear's share of its
+    split dimension on this rank (a column-parallel linear's output, a row-parallel one's input)."""
 
     gemm_ms: Callable
+    beside_ub_ms: Callable
     hidden: int
     widths: Mapping[str, float]
 
     @classmethod
-    def of(cls, spec, tp: int, gemm_ms: Callable) -> "LinearGemms":
+    def of(cls, spec, tp: int, gemm_ms: Callable, beside_ub_ms: Callable) -> "LinearGemms":
         """Those of GPT ``spec`` (a ModelSpec) at ``tp``."""
         q, kv = spec.num_attention_heads * spec.head_dim, spec.query_groups * spec.head_dim
         up = 2 * spec.ffn_hidden_size if spec.swiglu else spec.ffn_hidden_size
         widths = {"qkv": (q + 2 * kv) / tp, "proj": q / tp, "fc1": up / tp, "fc2": spec.ffn_hidden_size / tp,
                   "head": spec.padded_vocab_size(tp) / tp}
-        return cls(gemm_ms, spec.hidden_size, widths)
+        return cls(gemm_ms, beside_ub_ms, spec.hidden_size, widths)
 
-    def ms(self, linear: str, gemm: str, tokens):
-        """ms of ``linear``'s ``gemm`` over ``tokens`` rows: the forward ``(m x k) @ (k x n)``, the
-        input's gradient ``(m x n) @ (n x k)``, the weight's ``(k x m) @ (m x n)``."""
+    @classmethod
+    def on(cls, spec, tp: int, roofline) -> "LinearGemms":
+        """Those of GPT ``spec`` at ``tp`` on a device's roofline (a ``DeviceRoofline``)."""
+        return cls.of(spec, tp, roofline.gemm_ms, roofline.without_sms(UB_SMS).gemm_ms)
+
+    def ms(self, linear: str, gemm: str, tokens, sms_taken: bool = False):
+        """ms of ``linear``'s ``gemm`` over ``tokens`` rows (beside an overlap that takes
+        :data:`UB_SMS` SMs where ``sms_taken``): the forward ``(m x k) @ (k x n)``, the input's
+        gradient ``(m x n) @ (n x k)``, the weight's ``(k x m) @ (m x n)``."""
         width = self.widths[linear]
         m, n, k = (tokens, width, self.hidden) if linear in COLUMN_LINEARS else (tokens, self.hidden, width)
-        return self.gemm_ms(*{"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (k, n, m)}[gemm])
+        gemm_ms = self.beside_ub_ms if sms_taken else self.gemm_ms
+        return gemm_ms(*{"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (k, n, m)}[gemm])
 
 
 #: megatron-core's call sites of the TP collectives as a trace names them: (the direction of the pass
