@@ -154,14 +154,16 @@ def model_from_args(args, default: "str | None" = None) -> ModelSpec:
 def model_from_megatron_args(args: Any) -> ModelSpec:
     """The model Megatron-LM's parsed arguments build (``--num-layers``, ``--hidden-size``, ...):
     sequences up to the longer of ``--seq-length`` and ``--max-position-embeddings``, the
-    vocabulary as given or as Megatron padded it, ``--num-experts`` experts, the attention core of
-    ``--dynapipe-attention``."""
+    vocabulary as given or as Megatron padded it, ``--num-experts`` experts, the attention core:
+    transformer-engine's under ``--transformer-impl transformer_engine`` (its layers bring their
+    own), else the one ``--dynapipe-attention`` builds into megatron-core's local layers."""
     fields = _flag_fields(args)
     seq = getattr(args, "seq_length", None) or 0
     fields["max_sequence_length"] = max(seq, getattr(args, "max_position_embeddings", None) or seq)
     fields.setdefault("vocab_size", getattr(args, "padded_vocab_size", None))
     fields["num_experts"] = getattr(args, "num_experts", None) or 0
-    fields["attention"] = getattr(args, "dynapipe_attention", None)  # the core --transformer-impl local builds
+    fields["attention"] = ("transformer_engine" if getattr(args, "transformer_impl", None) == "transformer_engine"
+                           else getattr(args, "dynapipe_attention", None))
     return ModelSpec(**{k: v for k, v in fields.items() if v is not None})
 
 

@@ -139,3 +139,8 @@ def test_the_job_model_carries_the_attention_core():
     model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=128)
     assert model_from_megatron_args(_args("--dynapipe-attention", "sdpa", **model)).attention == "sdpa"
     assert model_from_megatron_args(_args(**model)).attention == "local"
+    # Megatron-LM's default layers are transformer-engine's, whose core is its own: a profile made
+    # with --transformer-impl transformer_engine is the one such a job's plans are priced by
+    for attention in ("local", "sdpa"):
+        job = _args("--dynapipe-attention", attention, transformer_impl="transformer_engine", **model)
+        assert model_from_megatron_args(job).attention == "transformer_engine"
