@@ -65,6 +65,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from megatron_dynapipe.compat.upstream import UnsupportedUpstream, check_supported
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
+from megatron_dynapipe.hardware import PEAK_DTYPES, load_hardware
+from megatron_dynapipe.hardware.pricing import JobPricing
 from megatron_dynapipe.megatron_lm.arguments import (
     DynapipeArgumentError,
     add_arguments,
@@ -85,8 +87,6 @@ from megatron_dynapipe.megatron_lm.attention import (
 )
 from megatron_dynapipe.megatron_lm.datasets import open_splits
 from megatron_dynapipe.megatron_lm.iteration_log import LoggedLoader
-from megatron_dynapipe.hardware import PEAK_DTYPES, load_hardware
-from megatron_dynapipe.hardware.pricing import JobPricing
 from megatron_dynapipe.planning.cost_model import load_job_cost_model
 
 __all__ = [
