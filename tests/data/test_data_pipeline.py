@@ -353,9 +353,12 @@ def test_the_workers_plan_with_the_layout_pricing_of_the_jobs_hardware():
     model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=128)
     pricing = JobPricing(h100, model, "bfloat16", tp=2, sequence_parallel=True)
     spec = _spec(pp=2, dp=1, tp=2)
-    with DataPipelineHost(TokenListDataset(_samples(16), MAX_SEQ_LEN), spec, pricing, 4, secret=_key(), port=0,
-                          num_workers=1, num_iterations=1) as host:
+    host = DataPipelineHost(TokenListDataset(_samples(16), MAX_SEQ_LEN), spec, pricing, 4, secret=_key(), port=0,
+                            num_workers=1, num_iterations=1)
+    try:
         costs = worker_state(KVStoreClient.connect("127.0.0.1", host.port, _key(), timeout_s=WAIT_S)).costs
+    finally:
+        host.close(wait_for_ranks=False)  # no training rank joins this pipeline
     shipped = costs.model
     assert costs.p2p_link == h100.pipeline_link(2, 1, 1)  # stages 2 GPUs apart: NVLink, as search prices it
     built, layers_alone = pricing.cost_model(), h100.cost_model(model, 2, "bfloat16", sequence_parallel=True)
