@@ -44,9 +44,9 @@ def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int,
     spec_model = dataclasses.replace(get_model(model), max_sequence_length=max(seq, 2048))
     space = SearchSpace(spec_model, world, TOKENS // seq, seq, hw)
     dp = world // (tp * pp * cp)
-    priced = hw.planner_model(space.cost_model_for(tp, tp > 1), spec_model, tp=tp, cp=cp, sequence_parallel=tp > 1)
-    costs = StageCosts(priced, num_layers=spec_model.num_layers, pp=pp * chunks, dp=dp, zero_stage=1,
-                       link=hw.pipeline_link(tp, cp, dp))
+    layers = StageCosts(space.cost_model_for(tp, tp > 1), num_layers=spec_model.num_layers, pp=pp * chunks, dp=dp,
+                        zero_stage=1)
+    costs = hw.planner_stages(layers, spec_model, cp=cp, sequence_parallel=tp > 1)
     limit = hw.memory_gib * 1024
     lengths = LengthSource.from_mix(mix).batches(TOKENS, seq, batch + 1, 0)[batch]
     row = {"seq_length": seq, "layout": layout, "mix": mix, "batch": batch, "samples": len(lengths)}

@@ -113,7 +113,8 @@ def _about(seconds: float) -> str:
 
 def _run_plan(args) -> int:
     _check_plan_args(args)
-    cost_model, num_layers, memory_limit = _pricing(args)
+    priced = pricing_from_args(args, args.tp)
+    num_layers, memory_limit = _plan_size(args, priced)
     lengths = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.num_samples, args.seed, args.mix)
     if args.documents == "whole" and args.pack_length is not None and args.pack_length < max(lengths):
         raise ValueError(f"--pack-length {args.pack_length} is shorter than the longest sample ({max(lengths)} tokens): "
@@ -121,6 +122,7 @@ def _run_plan(args) -> int:
     spec = TrainingSpec(num_layers=num_layers, pp=args.pp, tp=args.tp, dp=args.dp, zero_stage=args.zero_stage,
                         memory_limit_mb=memory_limit, chunks=args.chunks, cp=args.cp, seq_length=args.pack_length,
                         **planner_settings(args, cp=args.cp))
+    cost_model = priced.stage_costs(spec) if priced else args.cost_model
     _say_when_planning_is_long(len(lengths), resolve_fast_mode(spec.fast_mode, len(lengths)))
     with heartbeat("plan", sys.stderr):
         result = generate_execution_plan(lengths, spec, cost_model)
@@ -136,17 +138,14 @@ def _run_plan(args) -> int:
     return 0
 
 
-def _pricing(args) -> tuple:
-    """(cost model, layers, memory limit MB) of the plan command's flags: ``--cost-model`` (or the
-    analytical GPT-6.7B), or ``--model`` on ``--hardware``'s roofline."""
-    priced = pricing_from_args(args, args.tp, args.cp)
-    num_layers = args.num_layers or (priced.num_layers if priced else TrainingSpec.num_layers)
+def _plan_size(args, priced) -> tuple[int, float]:
+    """(layers, memory limit MB) of the plan command: the flags', else ``--model``'s layers and
+    ``--hardware``'s default limit (``priced``: :func:`pricing_from_args`), else the defaults."""
+    num_layers = args.num_layers or (priced.model.num_layers if priced else TrainingSpec.num_layers)
     split = layers_problem(num_layers, args.pp * args.chunks, pp_name="--pp x --chunks" if args.chunks > 1 else "--pp")
     if split:
         raise ValueError(split)
-    if priced is None:
-        return args.cost_model, num_layers, args.memory_limit or default_memory_limit_mb(None)
-    return priced.cost_model, num_layers, args.memory_limit or priced.memory_limit_mb
+    return num_layers, args.memory_limit or (priced.memory_limit_mb if priced else default_memory_limit_mb(None))
 
 
 def _gantt_titles(result) -> list[str]:

@@ -90,6 +90,19 @@ def add_arguments(p) -> None:
                    help="progress on stderr: a bar on a terminal, else a line every 30 s (default on)")
 
 
+def _profiled_costs(args, spec: TrainingSpec) -> StageCosts:
+    """The stages of ``--cost-model``'s profile (default: the shipped one) for ``spec``, one row a
+    virtual stage, on one rank of its context-parallel group."""
+    model = load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
+    try:  # the shipped profile's GPT prices the attention core context parallelism repeats
+        model = split_over_cp(model, spec.cp, None if args.cost_model else get_model(DEFAULT_MODEL))
+    except CostModelError:
+        raise ValueError(f"--cp {spec.cp}: {args.cost_model} does not record the GPT it measured, whose attention "
+                         "context parallelism repeats: use a profile made by `megatron-dynapipe profile`, or --model "
+                         "NAME --hardware NAME") from None
+    return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
+
+
 def run(args) -> int:
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the targets are for one core
@@ -99,26 +112,19 @@ def run(args) -> int:
     for size in args.sizes:
         check_sample_count(size, "--sizes")
     tight = args.memory_limit == TIGHT
-    priced = pricing_from_args(args, args.tp, args.cp)
-    model = priced.cost_model if priced else load_cost_model(args.cost_model or DEFAULT_COST_MODEL, tp=args.tp)
+    priced = pricing_from_args(args, args.tp)
     default_limit = priced.memory_limit_mb if priced else default_memory_limit_mb(None)
-    spec = TrainingSpec(num_layers=priced.num_layers if priced else TrainingSpec.num_layers, pp=args.pp, tp=args.tp,
-                        dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in (None, TIGHT)
-                        else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp,
+    spec = TrainingSpec(num_layers=priced.model.num_layers if priced else TrainingSpec.num_layers, pp=args.pp,
+                        tp=args.tp, dp=args.dp, memory_limit_mb=args.memory_limit if args.memory_limit not in
+                        (None, TIGHT) else default_limit, packing=args.packing, chunks=args.chunks, cp=args.cp,
                         seq_length=args.pack_length)
-    try:  # the shipped profile's GPT prices the attention core context parallelism repeats
-        model = split_over_cp(model, spec.cp, None if priced or args.cost_model else get_model(DEFAULT_MODEL))
-    except CostModelError:
-        raise ValueError(f"--cp {spec.cp}: {args.cost_model} does not record the GPT it measured, whose attention "
-                         "context parallelism repeats: use a profile made by `megatron-dynapipe profile`, or --model "
-                         "NAME --hardware NAME") from None
+    costs = priced.stage_costs(spec) if priced else _profiled_costs(args, spec)
     chunks = f" x {spec.chunks} chunks" if spec.chunks > 1 else ""
-    args.layout = f"{model.describe()}, PP={spec.pp}{chunks} DP={spec.dp}"
+    args.layout = f"{costs.model.describe()}, PP={spec.pp}{chunks} DP={spec.dp}"
 
-    def fresh_costs():  # each timed plan starts with no remembered cost-model answers; one row a virtual stage
-        return StageCosts(model, num_layers=spec.num_layers, pp=spec.pp * spec.chunks, dp=spec.dp)
+    def fresh_costs():  # each timed plan starts with no remembered cost-model answers
+        return replace(costs)
 
-    costs = fresh_costs()
     ranks = rank_costs(costs, spec)  # the same ranks as whole stages, for Megatron's plain 1F1B
     generate_execution_plan([64] * max(8, spec.dp), spec, costs)  # imports and first-call costs outside the timings
     rows = []

@@ -68,7 +68,7 @@ from megatron_dynapipe.data.liveness import STALL_S, PulseWatch, RankBeacon, Ran
 from megatron_dynapipe.data.microbatches import SampleIds, decode_sample_ids, gpt_microbatch, packed_microbatch
 from megatron_dynapipe.data.preprocess import PipelineSettings
 from megatron_dynapipe.data.sampling import BatchSchedule
-from megatron_dynapipe.hardware.pricing import JobPricing
+from megatron_dynapipe.hardware.pricing import Pricing
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, load_cost_model
 from megatron_dynapipe.planning.fast_mode import resolve_fast_mode_setting
 from megatron_dynapipe.planning.plan import ExecutionPlan
@@ -162,7 +162,7 @@ def _cost_model_document(cost_model, tp: int) -> "dict | None":
     the workers), a job's pricing as its recipe, or None (the spec's analytical model)."""
     if cost_model is None:
         return None
-    if isinstance(cost_model, JobPricing):
+    if isinstance(cost_model, Pricing):
         return {"pricing": cost_model.to_json()}
     if isinstance(cost_model, StageCosts):
         cost_model = cost_model.model

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import dataclasses
 import json
 import os
 import signal
@@ -47,7 +46,7 @@ from megatron_dynapipe.data.kv_store import SECRET_ENV, KVStoreClient, KVStoreMe
 from megatron_dynapipe.data.liveness import BEAT_S, STOPPED_S, RankWatch, process_state
 from megatron_dynapipe.data.microbatches import encode_sample_ids
 from megatron_dynapipe.data.sampling import BatchSchedule
-from megatron_dynapipe.hardware.pricing import JobPricing
+from megatron_dynapipe.hardware.pricing import Pricing
 from megatron_dynapipe.planning.cost_model import StageCosts, cost_model_from_document
 from megatron_dynapipe.planning.planner import PlanResult, generate_execution_plan, stage_costs
 from megatron_dynapipe.planning.spec import TrainingSpec
@@ -228,9 +227,7 @@ def _shipped_stage_costs(shipped: "dict | None", spec: TrainingSpec) -> StageCos
     if shipped is None or "pricing" not in shipped:
         return stage_costs(None if shipped is None else cost_model_from_document(
             shipped["document"], shipped["tp"], source="the job's cost model"), spec)
-    pricing = JobPricing.from_json(shipped["pricing"])
-    return dataclasses.replace(stage_costs(pricing.cost_model(), spec),
-                               link=pricing.hardware.pipeline_link(spec.tp, spec.cp, spec.dp))
+    return Pricing.from_json(shipped["pricing"]).stage_costs(spec)
 
 
 def _watch_parent(parent: int, every_s: float = 1.0) -> None:

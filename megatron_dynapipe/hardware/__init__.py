@@ -45,7 +45,7 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -56,6 +56,7 @@ from megatron_dynapipe.files import write_atomically
 from megatron_dynapipe.planning.cost_model import (
     AnalyticalCostModel,
     CostModel,
+    StageCosts,
     gpt_shape,
     split_over_cp,
     tp_collectives,
@@ -207,6 +208,18 @@ class Hardware:
         gemms = LinearGemms.on(spec, tp, roofline) if roofline is not None and tp > 1 else None
         return tp_collectives(split, self.tp_collective_ms(tp), sequence_parallel=sequence_parallel,
                               overlap=tp_comm_overlap, gemms=gemms, async_backward=async_backward)
+
+    def planner_stages(self, costs: StageCosts, spec, *, cp: int = 1, sequence_parallel: bool = False,
+                       tp_comm_overlap: bool = False, async_backward: bool = True) -> StageCosts:
+        """``costs`` (a pipeline's stages of one TP rank's compute, CP 1) as the planner prices the
+        layout on this hardware: their model by :meth:`planner_model`, the transfers between
+        stages at :meth:`pipeline_link` (as a trace's replay prices them; not a profile's link,
+        measured between two ranks of one box). What ``search``, ``trace``, ``plan`` and a
+        Megatron-LM job's data pipeline all plan with."""
+        tp = costs.model.tp
+        model = self.planner_model(costs.model, spec, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                                   tp_comm_overlap=tp_comm_overlap, async_backward=async_backward)
+        return replace(costs, model=model, link=self.pipeline_link(tp, cp, costs.dp))
 
     def pipeline_link(self, tp: int, cp: int, dp: int) -> Link:
         """The link between neighbouring pipeline stages, whose ranks are ``tp x cp x dp`` apart

@@ -1,6 +1,6 @@
-"""``--model`` on ``--hardware``: pricing a named GPT's layers on a device's roofline, for the
-commands that plan (``plan``, ``bench planner``) at a scale no profile covers; and a Megatron-LM
-job's layout on ``--dynapipe-hardware`` (:class:`JobPricing`)."""
+"""How a layout is priced on a device (:class:`Pricing`): a named GPT's layers on its roofline for
+the commands that plan (``plan``, ``bench planner``) at a scale no profile covers, and a
+Megatron-LM job's layout on ``--dynapipe-hardware``."""
 
 from __future__ import annotations
 
@@ -10,16 +10,60 @@ from dataclasses import dataclass
 from megatron_dynapipe.config.model import ModelSpec, get_model, model_names
 from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_from_args
 from megatron_dynapipe.hardware import Hardware, default_memory_limit_mb, hardware_names, load_hardware
-from megatron_dynapipe.planning.cost_model import CostModel, cost_model_from_document
+from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, cost_model_from_document
+from megatron_dynapipe.planning.planner import pipeline_costs
+from megatron_dynapipe.planning.spec import TrainingSpec
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DTYPE = "6.7B", "a100", "bfloat16"
 
 
 @dataclass(frozen=True)
 class Pricing:
-    cost_model: CostModel
-    num_layers: int
-    memory_limit_mb: float  # default_memory_limit_mb of the device
+    """How a layout on ``hardware`` plans, as ``search`` prices it: the layers of one TP rank by
+    ``profile`` (a cost model), else by the device's roofline; the TP group's collectives beside
+    their GEMMs, the CP ring and the stages' transfers at the device's links
+    (``Hardware.planner_stages``). A Megatron-LM job's travels to its data pipeline's workers as
+    JSON."""
+
+    hardware: Hardware
+    model: ModelSpec
+    dtype: str  # a peak key: bfloat16, float16, float32
+    tp: int
+    sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
+    profile: "CostModel | None" = None
+
+    @property
+    def memory_limit_mb(self) -> float:
+        """The planner's default limit on this device (:func:`~megatron_dynapipe.hardware.default_memory_limit_mb`)."""
+        return default_memory_limit_mb(self.hardware.memory_gib * 1024)
+
+    def layers(self) -> CostModel:
+        """One TP rank's compute, CP 1: the profile, else the device's roofline."""
+        if self.profile is not None:
+            return self.profile
+        return self.hardware.cost_model(self.model, self.tp, self.dtype, sequence_parallel=self.sequence_parallel)
+
+    def stage_costs(self, spec: TrainingSpec) -> StageCosts:
+        """The stages of ``spec``'s layout as the planner prices them."""
+        if spec.tp != self.tp:
+            raise ValueError(f"the pricing is of TP {self.tp}, the layout has TP {spec.tp}")
+        return self.hardware.planner_stages(pipeline_costs(self.layers(), spec), self.model, cp=spec.cp,
+                                            sequence_parallel=self.sequence_parallel,
+                                            tp_comm_overlap=self.tp_comm_overlap)
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dict(fields, hardware=self.hardware.to_json(), model=self.model.to_json(),
+                    profile=None if self.profile is None else self.profile.to_document())
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Pricing":
+        profile = data["profile"]
+        if profile is not None:
+            profile = cost_model_from_document(profile, data["tp"], source="the job's profile")
+        return cls(**dict(data, hardware=Hardware.from_json(data["hardware"], source="the job's hardware"),
+                          model=ModelSpec(**data["model"]), profile=profile))
 
 
 def add_pricing_arguments(parser) -> None:
@@ -32,11 +76,10 @@ def add_pricing_arguments(parser) -> None:
     add_attention_arguments(group, "the model's: local")
 
 
-def pricing_from_args(args, tp: int, cp: int = 1) -> "Pricing | None":
-    """The pricing ``--model``/``--hardware`` (and the attention core's flags) ask for at ``tp``
-    and ``cp``, as a search plans a layout on that device (the CP ring and the TP group's
-    collectives at its links: ``Hardware.planner_model``); None when none is given. Giving them
-    with ``--cost-model`` is refused: both say how to price the layers."""
+def pricing_from_args(args, tp: int) -> "Pricing | None":
+    """The pricing ``--model``/``--hardware`` (and the attention core's flags) ask for at ``tp``, in
+    bf16; None when none is given. Giving them with ``--cost-model`` is refused: both say how to
+    price the layers."""
     attention = attention_from_args(args)
     if not (args.model or args.hardware or attention):
         return None
@@ -48,42 +91,4 @@ def pricing_from_args(args, tp: int, cp: int = 1) -> "Pricing | None":
     model, hardware = get_model(args.model or DEFAULT_MODEL), load_hardware(args.hardware or DEFAULT_HARDWARE)
     if attention:
         model = dataclasses.replace(model, attention=attention)
-    priced = hardware.planner_model(hardware.cost_model(model, tp, DTYPE), model, tp=tp, cp=cp)
-    return Pricing(priced, model.num_layers, default_memory_limit_mb(hardware.memory_gib * 1024))
-
-
-@dataclass(frozen=True)
-class JobPricing:
-    """How a Megatron-LM job run with ``--dynapipe-hardware`` plans, as ``search`` prices its
-    layout: the layers by ``profile`` (a cost model), else by the device's roofline; the TP
-    group's collectives beside their GEMMs and the CP ring at the device's links
-    (``Hardware.planner_model``). It travels to the data pipeline's workers as JSON."""
-
-    hardware: Hardware
-    model: ModelSpec
-    dtype: str  # a peak key: bfloat16, float16, float32
-    tp: int
-    cp: int = 1
-    sequence_parallel: bool = False
-    tp_comm_overlap: bool = False
-    profile: "CostModel | None" = None
-
-    def cost_model(self) -> CostModel:
-        layers = self.profile if self.profile is not None else self.hardware.cost_model(
-            self.model, self.tp, self.dtype, sequence_parallel=self.sequence_parallel)
-        return self.hardware.planner_model(layers, self.model, tp=self.tp, cp=self.cp,
-                                           sequence_parallel=self.sequence_parallel,
-                                           tp_comm_overlap=self.tp_comm_overlap)
-
-    def to_json(self) -> dict:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return dict(fields, hardware=self.hardware.to_json(), model=self.model.to_json(),
-                    profile=None if self.profile is None else self.profile.to_document())
-
-    @classmethod
-    def from_json(cls, data: dict) -> "JobPricing":
-        profile = data["profile"]
-        if profile is not None:
-            profile = cost_model_from_document(profile, data["tp"], source="the job's profile")
-        return cls(**dict(data, hardware=Hardware.from_json(data["hardware"], source="the job's hardware"),
-                          model=ModelSpec(**data["model"]), profile=profile))
+    return Pricing(hardware, model, DTYPE, tp)

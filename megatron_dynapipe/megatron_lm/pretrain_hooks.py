@@ -66,7 +66,7 @@ from megatron_dynapipe.compat.upstream import UnsupportedUpstream, check_support
 from megatron_dynapipe.config.model_flags import model_from_megatron_args
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.hardware import PEAK_DTYPES, load_hardware
-from megatron_dynapipe.hardware.pricing import JobPricing
+from megatron_dynapipe.hardware.pricing import Pricing
 from megatron_dynapipe.megatron_lm.arguments import (
     DynapipeArgumentError,
     add_arguments,
@@ -398,7 +398,7 @@ def _priced_by(args) -> "str | None":
 
 def _cost_model(args):
     """What the job plans with: its profile, else the analytical model of an A100; with
-    ``--dynapipe-hardware``, its layout as ``search`` prices it (:class:`JobPricing`)."""
+    ``--dynapipe-hardware``, its layout as ``search`` prices it (:class:`Pricing`)."""
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     spec, tp = model_from_megatron_args(args), args.tensor_model_parallel_size
     profile, hardware = getattr(args, "dynapipe_cost_model", None), getattr(args, "dynapipe_hardware", None)
@@ -407,11 +407,10 @@ def _cost_model(args):
         model = load_job_cost_model(profile, spec.to_json(), tp=tp, dtype=dtype, flag="--dynapipe-cost-model")
     if hardware is None:
         return model
-    pricing = JobPricing(load_hardware(hardware), spec, PEAK_DTYPES[dtype], tp,
-                         cp=int(getattr(args, "context_parallel_size", 1) or 1),
-                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
-                         tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)), profile=model)
-    pricing.cost_model()  # what cannot price this layout fails here, in one line, not in a worker
+    pricing = Pricing(load_hardware(hardware), spec, PEAK_DTYPES[dtype], tp,
+                      sequence_parallel=bool(getattr(args, "sequence_parallel", False)) and tp > 1,
+                      tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)), profile=model)
+    pricing.stage_costs(training_spec_from_args(args))  # what cannot price the layout fails here, not in a worker
     return pricing
 
 

@@ -332,16 +332,22 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
         raise PlanningError(str(error)) from None
 
 
-def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
-    """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s layout,
-    one stage per virtual stage (``spec.pp * spec.chunks``), on one rank of its context-parallel
-    group."""
+def pipeline_costs(cost_model, spec: TrainingSpec) -> StageCosts:
+    """``cost_model`` (anything :func:`~.cost_model.as_stage_costs` takes) for ``spec``'s
+    pipeline, one stage per virtual stage (``spec.pp * spec.chunks``), its model as given (a model
+    of one rank of CP 1 stays one)."""
     stages = spec.pp * spec.chunks
     costs = as_stage_costs(cost_model, tp=spec.tp, num_layers=spec.num_layers, pp=stages, dp=spec.dp,
                            zero_stage=spec.zero_stage, layers=spec.stage_layers)
     if costs.pp != stages:
         raise PlanningError(f"the stage costs given price {costs.pp} pipeline stages, the spec has {spec.pp} x "
                             f"{spec.chunks} virtual stages: give a cost model, or StageCosts of pp={stages}")
+    return costs
+
+
+def stage_costs(cost_model, spec: TrainingSpec) -> StageCosts:
+    """:func:`pipeline_costs` on one rank of ``spec``'s context-parallel group."""
+    costs = pipeline_costs(cost_model, spec)
     if costs.model.cp != spec.cp:
         try:
             costs = dataclasses.replace(costs, model=split_over_cp(costs.model, spec.cp))

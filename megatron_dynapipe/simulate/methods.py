@@ -30,7 +30,7 @@ the ring's transfers at the link between its ranks):
 
 Where a method differs from the traced step is the pipeline, so a method's step is the
 pipeline's makespan, simulated by the planner on the cost model the trace was priced with and
-the TP group's collectives the trace records beside it (``Hardware.planner_model``), plus what the
+the TP group's collectives the trace records beside it (``Hardware.planner_stages``), plus what the
 trace holds besides it: the traced iteration less the planner's simulation of
 the traced layout's own fixed-shape schedule, 1F1B or its interleaved 1F1B (the gradient
 reduction, the optimizer step, and whatever else the replay prices that the planner's stage costs
@@ -310,14 +310,10 @@ class _Layout:
         c = outcome.candidate
         self.space, self.candidate, self.chunks, self.outcome = space, c, c.virtual_stages, outcome
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
-        model = space.hardware.planner_model(space.cost_model_for(c.tp, c.sequence_parallel), space.model, tp=c.tp,
-                                             cp=c.cp, sequence_parallel=c.sequence_parallel,
-                                             async_backward=space.async_tp_backward)
-        # the hardware's link between stages, as the trace's replay prices it (not a profile's link,
-        # measured between two ranks of one box)
-        self.costs = StageCosts(model, num_layers=space.model.num_layers, pp=c.pp * self.chunks, dp=c.dp,
-                                zero_stage=1 if c.distributed_optimizer else 0,
-                                link=space.hardware.pipeline_link(c.tp, c.cp, c.dp))
+        layers = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
+                            pp=c.pp * self.chunks, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
+        self.costs = space.hardware.planner_stages(layers, space.model, cp=c.cp, sequence_parallel=c.sequence_parallel,
+                                                   async_backward=space.async_tp_backward)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         self.fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                      space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)

@@ -165,10 +165,9 @@ def plan_batches(request: PlanRequest, layout: ParallelLayout, model: ModelSpec,
     # the planner prices the ring's transfers, the TP group's collectives and the stages' transfers
     # at the hardware's links; the trace records all three as ops, which the replay prices so
     hardware = request.hardware
-    planning = dataclasses.replace(priced, model=hardware.planner_model(
-        priced.model, model, tp=layout.tp, cp=layout.cp, sequence_parallel=training.sequence_parallel,
-        tp_comm_overlap=training.tp_comm_overlap, async_backward=training.async_tp_backward),
-        link=hardware.pipeline_link(layout.tp, layout.cp, layout.dp))
+    planning = hardware.planner_stages(priced, model, cp=layout.cp, sequence_parallel=training.sequence_parallel,
+                                       tp_comm_overlap=training.tp_comm_overlap,
+                                       async_backward=training.async_tp_backward)
     traced = dataclasses.replace(priced, model=split_over_cp(priced.model, layout.cp, model,
                                                              ring_transfers=False))  # the ring: traced ops
     if spec.packed:

@@ -40,7 +40,7 @@ from megatron_dynapipe.data.microbatches import gpt_microbatch, packed_microbatc
 from megatron_dynapipe.data.preprocess import _exit_note, worker_state
 from megatron_dynapipe.config.model import ModelSpec
 from megatron_dynapipe.hardware import load_hardware
-from megatron_dynapipe.hardware.pricing import JobPricing
+from megatron_dynapipe.hardware.pricing import Pricing
 from megatron_dynapipe.planning.cost_model import AnalyticalCostModel
 from megatron_dynapipe.planning.plan import ExecutionPlan
 from megatron_dynapipe.planning.types import RecomputeType
@@ -346,12 +346,12 @@ def test_the_store_carries_nothing_that_runs_when_read(tmp_path):
 
 
 def test_the_workers_plan_with_the_layout_pricing_of_the_jobs_hardware():
-    """A job run with --dynapipe-hardware ships its layout's pricing (JobPricing), not a model
+    """A job run with --dynapipe-hardware ships its layout's pricing (Pricing), not a model
     file: every worker plans with what the hosting rank built, the TP group's collectives in each
     layer and, under sequence parallelism, a stage sending its TP rank's shard of the sequence."""
     h100 = load_hardware("h100")
     model = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, max_sequence_length=128)
-    pricing = JobPricing(h100, model, "bfloat16", tp=2, sequence_parallel=True)
+    pricing = Pricing(h100, model, "bfloat16", tp=2, sequence_parallel=True)
     spec = _spec(pp=2, dp=1, tp=2)
     host = DataPipelineHost(TokenListDataset(_samples(16), MAX_SEQ_LEN), spec, pricing, 4, secret=_key(), port=0,
                             num_workers=1, num_iterations=1)
@@ -361,7 +361,7 @@ def test_the_workers_plan_with_the_layout_pricing_of_the_jobs_hardware():
         host.close(wait_for_ranks=False)  # no training rank joins this pipeline
     shipped = costs.model
     assert costs.p2p_link == h100.pipeline_link(2, 1, 1)  # stages 2 GPUs apart: NVLink, as search prices it
-    built, layers_alone = pricing.cost_model(), h100.cost_model(model, 2, "bfloat16", sequence_parallel=True)
+    built, layers_alone = pricing.stage_costs(spec).model, h100.cost_model(model, 2, "bfloat16", sequence_parallel=True)
     assert shipped.pipeline_tokens(2, 64) == 2 * 64 / 2  # two rows of 64 tokens, split over the TP pair
     for phase in ("forward", "backward"):
         priced = shipped.layer_ms("encoder", phase, RecomputeType.NONE, 2, 64)

@@ -341,17 +341,18 @@ def test_a_missing_cost_model_names_the_megatron_flag():
 
 
 def test_a_job_on_dynapipe_hardware_plans_its_layout_as_search_prices_it():
-    from megatron_dynapipe.hardware.pricing import JobPricing
+    from megatron_dynapipe.hardware.pricing import Pricing
     from megatron_dynapipe.megatron_lm.pretrain_hooks import _cost_model
 
     job = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, padded_vocab_size=128,
                seq_length=128, max_position_embeddings=128, bf16=True, tensor_model_parallel_size=2,
                sequence_parallel=True, context_parallel_size=1)
-    pricing = _cost_model(validated(*ON, "--dynapipe-hardware", "h100", **job))
-    assert isinstance(pricing, JobPricing) and pricing.profile is None  # the device's roofline prices the layers
+    args = validated(*ON, "--dynapipe-hardware", "h100", **job)
+    pricing = _cost_model(args)
+    assert isinstance(pricing, Pricing) and pricing.profile is None  # the device's roofline prices the layers
     assert (pricing.hardware.name, pricing.dtype, pricing.tp, pricing.sequence_parallel) == (
         "H100-80GB-SXM", "bfloat16", 2, True)
-    assert "all-gathers" in pricing.cost_model().describe()
+    assert "all-gathers" in pricing.stage_costs(training_spec_from_args(args)).model.describe()
     # with a profile, the profile prices the layers; without the flag the job plans with it alone
     profiled = _cost_model(validated(*ON, "--dynapipe-hardware", "h100", "--dynapipe-cost-model", "gpt-6.7b-a100",
                                      **dict(job, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384)))
