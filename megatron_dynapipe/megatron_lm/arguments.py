@@ -34,6 +34,7 @@ from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS, megatron_options_from_args
 from megatron_dynapipe.config.model import CORES
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
+from megatron_dynapipe.hardware import load_hardware
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
 from megatron_dynapipe.planning.fast_mode import fast_mode_from_env
 from megatron_dynapipe.planning.flags import add_planner_arguments, planner_settings, positive_int_argument
@@ -230,8 +231,6 @@ def _check_dynapipe_flags(args: argparse.Namespace) -> None:
             raise DynapipeArgumentError(f"{error}, or drop the flag for the analytical model") from None
     hardware = getattr(args, "dynapipe_hardware", None)
     if hardware is not None:
-        from megatron_dynapipe.hardware import load_hardware
-
         try:
             load_hardware(hardware)
         except ValueError as error:
@@ -411,11 +410,16 @@ def _validate_tracer(args: argparse.Namespace) -> None:
     args.fake_dp = world // (tp * pp * cp)  # a valid layout's DP
 
 
+def transformer_engine_layers(args: argparse.Namespace) -> bool:
+    """Whether the job builds transformer-engine's layers: ``--transformer-impl``, whose default in
+    Megatron-LM is transformer_engine."""
+    return _get(args, "transformer_impl", "transformer_engine") != "local"
+
+
 def core_takes_packed_rows(args: argparse.Namespace) -> bool:
     """Whether the job's attention core takes packed (THD) rows: transformer-engine's, or the SDPA
     core on megatron-core's local layers (their unfused core refuses them)."""
-    return _get(args, "transformer_impl", "transformer_engine") != "local" or \
-        _get(args, "dynapipe_attention", "local") == "sdpa"
+    return transformer_engine_layers(args) or _get(args, "dynapipe_attention", "local") == "sdpa"
 
 
 def training_spec_from_args(args: argparse.Namespace) -> TrainingSpec:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional
 
 from megatron_dynapipe.compat.patching import Patches, check_spots
 from megatron_dynapipe.compat.upstream import LOCAL_CORE_ATTENTION
-from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, transformer_engine_layers
 
 __all__ = ["check_attention_args", "layer_attention", "local_attention_layer_spec", "local_context_parallel",
            "replaces_local_core"]
@@ -61,7 +61,7 @@ def replaces_local_core(args: argparse.Namespace) -> bool:
 def local_context_parallel(args: argparse.Namespace) -> bool:
     """Context parallelism on megatron-core's local layers, whose core refuses it: the ring's core runs it."""
     return (getattr(args, "context_parallel_size", 1) or 1) > 1 \
-        and getattr(args, "transformer_impl", "transformer_engine") == "local"
+        and not transformer_engine_layers(args)
 
 
 def check_attention_args(args: argparse.Namespace) -> None:
@@ -76,7 +76,7 @@ def check_attention_args(args: argparse.Namespace) -> None:
             "default 0.1): pass --attention-dropout 0, or use --transformer-impl transformer_engine")
     if not _sdpa(args):
         return
-    if getattr(args, "transformer_impl", "transformer_engine") != "local":
+    if transformer_engine_layers(args):
         raise DynapipeArgumentError(
             "--dynapipe-attention sdpa replaces the attention core of megatron-core's local layers; "
             "transformer-engine's layers bring their own (which run packed micro-batches): pass "

@@ -76,6 +76,7 @@ from megatron_dynapipe.megatron_lm.arguments import (
     model_chunks,
     stage_layers,
     training_spec_from_args,
+    transformer_engine_layers,
     validate_dynapipe_args,
 )
 from megatron_dynapipe.megatron_lm.attention import (
@@ -216,7 +217,7 @@ def setup(args: Optional[argparse.Namespace] = None):
 
 def _attention_core(args) -> str:
     """Which attention core the job's layers compute with."""
-    if getattr(args, "transformer_impl", "transformer_engine") != "local":
+    if transformer_engine_layers(args):
         return "attention: transformer-engine's core (--transformer-impl transformer_engine)"
     ring = (", keys and values passed round the context-parallel ring (--context-parallel-size "
             f"{args.context_parallel_size})") if local_context_parallel(args) else ""
