@@ -25,7 +25,7 @@ from megatron_dynapipe.config.model import (
 )
 
 __all__ = ["add_attention_arguments", "add_model_arguments", "attention_from_args", "model_from_args",
-           "model_from_megatron_args", "megatron_model_args"]
+           "model_from_megatron_args", "megatron_model_args", "transformer_engine_layers"]
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
 
@@ -151,24 +151,31 @@ def model_from_args(args, default: "str | None" = None) -> ModelSpec:
     return ModelSpec(**fields)
 
 
+def transformer_engine_layers(args: Any) -> bool:
+    """Whether a Megatron-LM job's parsed arguments build transformer-engine's layers:
+    ``--transformer-impl`` given or not, as Megatron-LM's default is transformer_engine."""
+    return (getattr(args, "transformer_impl", None) or "transformer_engine") != "local"
+
+
 def model_from_megatron_args(args: Any) -> ModelSpec:
     """The model Megatron-LM's parsed arguments build (``--num-layers``, ``--hidden-size``, ...):
     sequences up to the longer of ``--seq-length`` and ``--max-position-embeddings``, the
     vocabulary as given or as Megatron padded it, ``--num-experts`` experts, the attention core:
-    transformer-engine's under ``--transformer-impl transformer_engine`` (its layers bring their
-    own), else the one ``--dynapipe-attention`` builds into megatron-core's local layers."""
+    transformer-engine's with its layers (:func:`transformer_engine_layers`: they bring their own),
+    else the one ``--dynapipe-attention`` builds into megatron-core's local layers."""
     fields = _flag_fields(args)
     seq = getattr(args, "seq_length", None) or 0
     fields["max_sequence_length"] = max(seq, getattr(args, "max_position_embeddings", None) or seq)
     fields.setdefault("vocab_size", getattr(args, "padded_vocab_size", None))
     fields["num_experts"] = getattr(args, "num_experts", None) or 0
-    fields["attention"] = ("transformer_engine" if getattr(args, "transformer_impl", None) == "transformer_engine"
+    fields["attention"] = ("transformer_engine" if transformer_engine_layers(args)
                            else getattr(args, "dynapipe_attention", None))
     return ModelSpec(**{k: v for k, v in fields.items() if v is not None})
 
 
 def megatron_model_args(spec: ModelSpec, seq_length: int | None = None) -> list[str]:
-    """The Megatron-LM flags that build ``spec`` (``pretrain_gpt.py``)."""
+    """The Megatron-LM flags that build ``spec`` (``pretrain_gpt.py``; its SDPA core with this
+    package's ``--dynapipe-attention``)."""
     seq = seq_length or spec.max_sequence_length
     args = [
         "--num-layers", str(spec.num_layers),
@@ -204,4 +211,8 @@ def megatron_model_args(spec: ModelSpec, seq_length: int | None = None) -> list[
     args += ["--hidden-dropout", f"{spec.hidden_dropout:g}", "--attention-dropout", f"{spec.attention_dropout:g}"]
     if spec.make_vocab_size_divisible_by != 128:
         args += ["--make-vocab-size-divisible-by", str(spec.make_vocab_size_divisible_by)]
-    return args
+    # said either way: Megatron-LM builds transformer-engine's layers unless told otherwise
+    if spec.attention == "transformer_engine":
+        return args + ["--transformer-impl", "transformer_engine"]
+    sdpa = ["--dynapipe-attention", "sdpa"] if spec.attention == "sdpa" else []
+    return args + ["--transformer-impl", "local", *sdpa]

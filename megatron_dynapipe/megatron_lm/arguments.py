@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 from megatron_dynapipe.config.layout import experts_problem, layout_problems
 from megatron_dynapipe.config.megatron_options import INTERLEAVING_DESTS, megatron_options_from_args
 from megatron_dynapipe.config.model import CORES
+from megatron_dynapipe.config.model_flags import transformer_engine_layers
 from megatron_dynapipe.config.pipeline_split import PipelineSplit
 from megatron_dynapipe.hardware import load_hardware
 from megatron_dynapipe.planning.cost_model import CostModelError, resolve_cost_model_path
@@ -408,12 +409,6 @@ def _validate_tracer(args: argparse.Namespace) -> None:
             f"--fake-current-rank-id {rank} is outside the job: pass a rank in 0..{world - 1}"
         )
     args.fake_dp = world // (tp * pp * cp)  # a valid layout's DP
-
-
-def transformer_engine_layers(args: argparse.Namespace) -> bool:
-    """Whether the job builds transformer-engine's layers: ``--transformer-impl``, whose default in
-    Megatron-LM is transformer_engine."""
-    return _get(args, "transformer_impl", "transformer_engine") != "local"
 
 
 def core_takes_packed_rows(args: argparse.Namespace) -> bool:

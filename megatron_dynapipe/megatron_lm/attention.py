@@ -26,7 +26,8 @@ from typing import Callable, Iterator, Optional
 
 from megatron_dynapipe.compat.patching import Patches, check_spots
 from megatron_dynapipe.compat.upstream import LOCAL_CORE_ATTENTION
-from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, transformer_engine_layers
+from megatron_dynapipe.config.model_flags import transformer_engine_layers
+from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError
 
 __all__ = ["check_attention_args", "layer_attention", "local_attention_layer_spec", "local_context_parallel",
            "replaces_local_core"]

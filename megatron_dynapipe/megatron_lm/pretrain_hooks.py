@@ -63,7 +63,7 @@ import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_dynapipe.compat.upstream import UnsupportedUpstream, check_supported
-from megatron_dynapipe.config.model_flags import model_from_megatron_args
+from megatron_dynapipe.config.model_flags import model_from_megatron_args, transformer_engine_layers
 from megatron_dynapipe.data.datasets import LONG_SAMPLES
 from megatron_dynapipe.hardware import PEAK_DTYPES, load_hardware
 from megatron_dynapipe.hardware.pricing import Pricing
@@ -76,7 +76,6 @@ from megatron_dynapipe.megatron_lm.arguments import (
     model_chunks,
     stage_layers,
     training_spec_from_args,
-    transformer_engine_layers,
     validate_dynapipe_args,
 )
 from megatron_dynapipe.megatron_lm.attention import (

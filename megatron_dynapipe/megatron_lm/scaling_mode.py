@@ -28,7 +28,10 @@ other ``pretrain_gpt.py`` flag is ignored)
       (default 4 x hidden) ``--vocab-size`` (the tracer pads it as Megatron does, to a multiple of
       128 x TP) ``--seq-length`` ``--untie-embeddings-and-output-weights``, the experts'
       ``--moe-router-topk --moe-ffn-hidden-size --moe-expert-capacity-factor
-      --moe-pad-expert-input-to-capacity``.
+      --moe-pad-expert-input-to-capacity``; its layers as Megatron-LM builds them:
+      ``--transformer-impl`` (default transformer_engine, Megatron-LM's, whose fused attention
+      core the trace prices; torch's SDPA computes it where transformer-engine is not installed)
+      and ``--dynapipe-attention`` on ``--transformer-impl local``.
     * the batch: ``--micro-batch-size``, ``--global-batch-size`` (default: one micro-batch per
       stage); micro-batches per iteration = global / (micro x fake DP).
     * the iterations: ``--trace-start`` warm-up iterations (default 1), ``--trace-iters``
@@ -58,6 +61,7 @@ from megatron_dynapipe.config.layout import ParallelLayout, shapes_only_problem
 from megatron_dynapipe.config.megatron_options import add_megatron_options, megatron_options_from_args
 from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_megatron_args
 from megatron_dynapipe.megatron_lm.arguments import DynapipeArgumentError, _validate_tracer, add_arguments
+from megatron_dynapipe.megatron_lm.attention import check_attention_args
 from megatron_dynapipe.tracer.batch_config import TraceConfig, validate
 from megatron_dynapipe.tracer.trace_budget import decide_shapes_only
 
@@ -84,6 +88,7 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     (:func:`~megatron_dynapipe.config.megatron_options.add_megatron_options`), the precision, the batch and the
     layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
     add_model_arguments(parser, moe=True)
+    parser.set_defaults(transformer_impl="transformer_engine")  # Megatron-LM's, unlike this package's commands
     add_megatron_options(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)
@@ -177,6 +182,7 @@ def _model(args: argparse.Namespace):
     if not (getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None)):
         raise DynapipeArgumentError("--is-scaling-mode needs --vocab-size N (the tokenizer's vocabulary; "
                                     "the tracer pads it like Megatron)")
+    check_attention_args(args)  # the layers Megatron-LM would build, or its refusal
     try:
         return model_from_megatron_args(args).with_experts(_get(args, "fake_num_experts", 0) or 0)
     except ValueError as exc:

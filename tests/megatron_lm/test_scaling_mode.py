@@ -60,6 +60,20 @@ def test_small_model_runs_real_compute_by_default(tmp_path):
     assert result.shapes_only is False and header(result.path)["mode"] == "real"
 
 
+def test_a_job_that_names_no_layers_traces_megatron_lms_default_ones(tmp_path):
+    """Megatron-LM builds transformer-engine's layers unless ``--transformer-impl local`` says
+    otherwise (its TransformerConfig's default), so a job's own command line is traced with
+    transformer-engine's fused attention core; ``--dynapipe-attention sdpa`` belongs to the local
+    layers and is refused on the others, as the hooks refuse it in a real run."""
+    flags = [*TINY_FLAGS, *FAKE, "--fake-current-rank-id", "0"]
+    for extra, core in (([], "transformer_engine"), (["--transformer-impl", "local"], "local"),
+                        (["--transformer-impl", "local", "--dynapipe-attention", "sdpa"], "sdpa")):
+        args = scaling_mode.parse_args([*flags, *extra, "--trace-dir", str(tmp_path / core)])
+        assert header(scaling_mode.run(args, shapes_only=True, verbose=False).path)["model"]["attention"] == core
+    with pytest.raises(DynapipeArgumentError, match="pass --transformer-impl local, or drop --dynapipe-attention"):
+        scaling_mode.run(scaling_mode.parse_args([*flags, "--dynapipe-attention", "sdpa"]), shapes_only=True)
+
+
 @pytest.mark.parametrize("argv, model, message", [
     (["--fake-world-size", "8190", "--fake-pp", "2", "--fake-tp", "2"], {},
      "--fake-world-size 8190 is not divisible by --fake-tp·--fake-pp·--fake-cp = 2·2·1 = 4: make it a multiple of 4"),

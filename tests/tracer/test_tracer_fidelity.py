@@ -493,6 +493,8 @@ def test_model_descriptions():
     parser.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     parser.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     parser.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    parser.add_argument("--dynapipe-attention", default="local")  # this package's, which the hooks add
     untied = ModelSpec(num_layers=6, hidden_size=96, num_attention_heads=6, ffn_hidden_size=200, vocab_size=1000,
                        max_sequence_length=512, num_experts=4, share_embeddings_and_output_weights=False,
                        moe_router_topk=1, moe_ffn_hidden_size=48, moe_expert_capacity_factor=1.25,
@@ -500,7 +502,8 @@ def test_model_descriptions():
     llama = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
                       swiglu=True, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False,
                       hidden_dropout=0.0, attention_dropout=0.05, make_vocab_size_divisible_by=64)
-    for spec in (untied, llama, get_model("175B")):
+    for spec in (untied, llama, get_model("175B"), *(dataclasses.replace(llama, attention=core)
+                                                     for core in ("sdpa", "transformer_engine"))):
         args = parser.parse_args(megatron_model_args(spec, seq_length=128))
         assert args.seq_length == 128
         assert model_from_megatron_args(args) == dataclasses.replace(spec, name="")
