@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["MODELS", "DEFAULT_MODEL", "ModelSpec", "get_model", "model_names", "MOE_FIELDS", "NORMALIZATIONS",
-           "POSITION_EMBEDDINGS", "ATTENTIONS", "CORES", "padded_vocab_size"]
+           "POSITION_EMBEDDINGS", "ATTENTIONS", "ATTENTION_WORDS", "CORES", "padded_vocab_size"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
@@ -47,6 +47,13 @@ ATTENTIONS = ("local", "sdpa", "transformer_engine")
 CORES = ("local", "sdpa")
 #: the label suffix of a fused core's model (its traces time another attention)
 _CORE_LABELS = {"sdpa": "-sdpa", "transformer_engine": "-te"}
+#: each attention core in words, with the flag that chooses it
+ATTENTION_WORDS = {
+    "local": "megatron-core's unfused local core (this package's default; Megatron-LM's default layers are "
+             "transformer-engine's: --transformer-impl transformer_engine)",
+    "sdpa": "torch's scaled_dot_product_attention on megatron-core's local layers (--attention sdpa)",
+    "transformer_engine": "transformer-engine's fused core (--transformer-impl transformer_engine)",
+}
 
 
 def _is_pos_int(value: object) -> bool:

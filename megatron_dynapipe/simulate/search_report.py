@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_dynapipe.config.model import ATTENTION_WORDS
 from megatron_dynapipe.files import atomic_path
 from megatron_dynapipe.planning.methods import MEGATRON_PACKINGS, PLANNED
 from megatron_dynapipe.simulate.methods import METHODS, MethodsResult
@@ -32,6 +33,7 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     lines = [
         f"{s.model.label} on {s.world_size} x {s.hardware.name} ({s.hardware.memory_gib:g} GiB), global batch "
         f"{s.global_batch_size} x {s.seq_length} tokens, {s.dtype}; compute from {s.compute_label}",
+        f"  attention: {ATTENTION_WORDS[s.model.attention]}",
         f"  {counts['enumerated']} layouts: {counts['pruned']} pruned by estimated memory, {counts['estimated']} ranked "
         f"by estimate only, {counts['simulated']} simulated ({counts['simulated_fit']} fit)"
         + (f", {counts['failed']} failed" if counts["failed"] else ""),
