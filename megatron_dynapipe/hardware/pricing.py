@@ -22,8 +22,8 @@ class Pricing:
     """How a layout on ``hardware`` plans, as ``search`` prices it: the layers of one TP rank by
     ``profile`` (a cost model), else by the device's roofline; the TP group's collectives beside
     their GEMMs, the CP ring and the stages' transfers at the device's links
-    (``Hardware.planner_stages``). A Megatron-LM job's travels to its data pipeline's workers as
-    JSON."""
+    (``Hardware.planner_stages``). A Megatron-LM job's pricing travels to its data pipeline's
+    workers as JSON."""
 
     hardware: Hardware
     model: ModelSpec
