@@ -58,8 +58,9 @@ def predict(row, cost_model, out: str, micro_batch_sizes) -> dict:
     from megatron_dynapipe.simulate.search import SearchSpace, run_search
 
     _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
+    # SC'21's runs predate transformer-engine: megatron-core's local layers, its unfused core
     model = ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=VOCAB,
-                      max_sequence_length=SEQ)
+                      max_sequence_length=SEQ, attention="local")
     space = SearchSpace(model, gpus, batch, SEQ, load_hardware("a100"), tp=(tp,), pp=(pp,),
                         micro_batch_sizes=tuple(micro_batch_sizes), recompute=("full",), distributed_optimizer=(False,),
                         sequence_parallel=(False,), cost_model=cost_model, overlap_p2p_comm=False,

@@ -31,9 +31,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 read -r -d '' BUILT_IN <<'EOF'
 # tiny model: 4 layers, 8 heads, sequence 256
-16  2  2             : ok SIM_GPT_tiny_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8
+16  2  2             : ok SIM_GPT_tiny-te_Config0_WS16_PP2_TP2_DP4_nMICROB2_MICROB_SIZE1_GLOBAL_BATCH8
 12  2  4             : invalid
-8   2  1 mbs=2 nmb=3 : ok SIM_GPT_tiny_Config2_WS8_PP2_TP1_DP4_nMICROB3_MICROB_SIZE2_GLOBAL_BATCH24
+8   2  1 mbs=2 nmb=3 : ok SIM_GPT_tiny-te_Config2_WS8_PP2_TP1_DP4_nMICROB3_MICROB_SIZE2_GLOBAL_BATCH24
 64  1  16            : invalid
 16  2  2 gbs=10      : invalid
 24  3  1             : invalid

@@ -364,21 +364,23 @@ def test_plan_prices_a_named_model_on_a_device_at_a_large_layout():
 
 
 def test_plan_takes_the_attention_core_as_search_does():
-    """The same model flags as search: a fused core (--attention sdpa, or Megatron-LM's
-    transformer-engine layers or flash attention, which run one) prices attention's causal half
-    without the score square, so long samples plan faster than with the default unfused core; at
-    its own kernel's rate: on the H100 transformer-engine's (cuDNN's) runs about twice torch's."""
+    """The same model flags as search: a fused core (Megatron-LM's default transformer-engine
+    layers, --attention sdpa, or flash attention, which run one) prices attention's causal half
+    without the score square, so long samples plan faster than with megatron-core's unfused core;
+    at its own kernel's rate: on the H100 transformer-engine's (cuDNN's) runs about twice torch's."""
     def plan(*flags):
         out = run_cli("plan", "--model", "13B", "--hardware", "h100", "--pp", "4", "--num-samples", "16", "--mix",
                       "long", "--json", *flags)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    unfused, fused = plan(), plan("--attention", "sdpa")
+    unfused, fused = plan("--transformer-impl", "local"), plan("--attention", "sdpa")
     assert "unfused attention core" in unfused["cost_model"] and "fused attention core" in fused["cost_model"]
     assert fused["makespan_ms"] < unfused["makespan_ms"]
     assert plan("--use-flash-attn")["makespan_ms"] == fused["makespan_ms"]
-    assert plan("--transformer-impl", "transformer_engine")["makespan_ms"] < fused["makespan_ms"]
+    assert plan("--attention", "local")["makespan_ms"] == unfused["makespan_ms"]
+    te = plan("--transformer-impl", "transformer_engine")  # Megatron-LM's default, and the command's
+    assert plan()["makespan_ms"] == te["makespan_ms"] < fused["makespan_ms"]
 
 
 @pytest.mark.parametrize("args,message", [

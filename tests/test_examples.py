@@ -64,7 +64,7 @@ def test_update_pretrain_gpt_builds_megatron_commands(tmp_path):
     for flag in ("--is-scaling-mode", "--fake-world-size 8192", "--fake-pp 2", "--fake-tp 2",
                  "--fake-current-rank-id 0", "--hidden-size 12288", "--num-layers 96",
                  "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
-                 "--trace-dir " + str(tmp_path / "out" / "SIM_GPT_175B_Config0_WS8192_PP2_TP2_DP2048_"),
+                 "--trace-dir " + str(tmp_path / "out" / "SIM_GPT_175B-te_Config0_WS8192_PP2_TP2_DP2048_"),
                  "--trace-start 1", "--trace-iters 1",
                  str(tmp_path / "Megatron-LM" / "pretrain_gpt.py")):
         assert flag in first, flag
@@ -94,7 +94,7 @@ def test_update_pretrain_gpt_default_run_on_cpu(tmp_path):
     out = run_script("update_pretrain_gpt.sh", env={"OUTPUT_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
     (folder,) = tmp_path.iterdir()
-    assert folder.name.startswith("SIM_GPT_6.7B_Config0_WS8192_PP2_TP2_DP2048_"), folder.name
+    assert folder.name.startswith("SIM_GPT_6.7B-te_Config0_WS8192_PP2_TP2_DP2048_"), folder.name
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["shapes_only"] is True and summary["timeline"]
     assert {"fake_rank_0.log", "fake_rank_4096.log", "rank_0.trace.jsonl", "rank_4096.trace.jsonl",

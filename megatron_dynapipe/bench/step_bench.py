@@ -191,7 +191,7 @@ def _checked(args) -> StepJob:
         raise ValueError("bench step runs without dropout (DynaPipe's and pad-to-max's losses must agree): "
                          "drop --hidden-dropout / --attention-dropout")
     spec = dataclasses.replace(model_from_args(args), hidden_dropout=0.0, attention_dropout=0.0,
-                               attention=attention_from_args(args) or ATTENTION)
+                               attention=attention_from_args(args))
     if args.steps < 3:
         raise ValueError(f"--steps {args.steps}: a median needs at least 3 timed steps")
     if args.warmup < 0:

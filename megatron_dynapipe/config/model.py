@@ -49,8 +49,7 @@ CORES = ("local", "sdpa")
 _CORE_LABELS = {"sdpa": "-sdpa", "transformer_engine": "-te"}
 #: each attention core in words, with the flag that chooses it
 ATTENTION_WORDS = {
-    "local": "megatron-core's unfused local core (this package's default; Megatron-LM's default layers are "
-             "transformer-engine's: --transformer-impl transformer_engine)",
+    "local": "megatron-core's unfused local core (--transformer-impl local)",
     "sdpa": "torch's scaled_dot_product_attention on megatron-core's local layers (--attention sdpa)",
     "transformer_engine": "transformer-engine's fused core (--transformer-impl transformer_engine)",
 }
@@ -101,7 +100,9 @@ class ModelSpec:
     #: the attention core: "local", megatron-core's own unfused one (an s x s score matrix per
     #: head), "sdpa", torch's scaled_dot_product_attention (flash and memory-efficient kernels on
     #: CUDA; also runs packed micro-batches), or "transformer_engine", the fused core of
-    #: transformer-engine's layers (cuDNN's on Hopper), priced at its own kernel's rate
+    #: transformer-engine's layers (cuDNN's on Hopper), priced at its own kernel's rate. The
+    #: commands that model a Megatron-LM job (trace, search, plan on --hardware) build the last one
+    #: unless told otherwise, as Megatron-LM does; a spec made here runs on any machine, TE or not
     attention: str = "local"
     name: str = ""
 

@@ -24,8 +24,8 @@ from megatron_dynapipe.config.model import (
     get_model,
 )
 
-__all__ = ["add_attention_arguments", "add_model_arguments", "attention_from_args", "model_from_args",
-           "model_from_megatron_args", "megatron_model_args", "transformer_engine_layers"]
+__all__ = ["add_attention_arguments", "add_model_arguments", "attention_flags_given", "attention_from_args",
+           "model_from_args", "model_from_megatron_args", "megatron_model_args", "transformer_engine_layers"]
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
 
@@ -43,7 +43,7 @@ _FLAG_FIELDS = {
 def add_model_arguments(parser, moe: bool = False, attention: str = "local") -> None:
     """``--model NAME`` and the Megatron-LM flags that describe a GPT (same names, same meaning),
     with ``moe`` those of its experts too; :func:`model_from_args` reads them back. ``attention``:
-    the core the command builds without ``--attention`` (what its help says)."""
+    the core the command builds when no flag chooses one (:func:`add_attention_arguments`)."""
     g = parser.add_argument_group("model (a named size, Megatron-LM's flags, or a size with flags that change it)")
     g.add_argument("--model", metavar="NAME", help=f"a named size: {', '.join(MODELS)} (default: the command's)")
     for flag, what in (("--num-layers", "transformer layers"), ("--hidden-size", "model width"),
@@ -97,35 +97,47 @@ def _flag_fields(args: Any) -> dict[str, Any]:
 def add_attention_arguments(group, attention: str = "local") -> None:
     """The flags that choose the attention core: ``--attention`` and Megatron-LM's
     ``--transformer-impl`` and ``--use-flash-attn`` (:func:`attention_from_args` reads them);
-    ``attention``: the core without them (what the help says)."""
+    ``attention``: the core when none of them is given (``transformer_engine`` for the commands
+    that model a Megatron-LM job, as Megatron-LM builds transformer-engine's layers by default)."""
+    group.set_defaults(default_attention=attention)
     group.add_argument("--attention", choices=CORES,
-                       help="attention core without transformer-engine: local (megatron-core's unfused one) or sdpa "
-                            "(torch's scaled_dot_product_attention: fused kernels on CUDA, packed micro-batches) "
-                            f"(default {attention})")
+                       help="the attention core of megatron-core's local layers (implies --transformer-impl local): "
+                            "local (megatron-core's unfused one) or sdpa (torch's scaled_dot_product_attention: "
+                            f"fused kernels on CUDA, packed micro-batches) (default: {attention})")
+    layers = "transformer_engine, as Megatron-LM's" if attention == "transformer_engine" else "local"
     group.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
                        help="Megatron-LM's layer implementation: transformer_engine brings its fused attention core, "
                             "priced at that kernel's rate (where transformer-engine is not installed torch's SDPA core "
-                            "stands in for it); local: megatron-core's own layers (default: local, unlike Megatron-LM, "
-                            "whose default is transformer_engine)")
+                            f"stands in for it); local: megatron-core's own layers (default: {layers})")
     group.add_argument("--use-flash-attn", action="store_true", default=None,
                        help="Megatron-LM's flash attention in the local layers: a fused core, as --attention sdpa")
 
 
+def attention_flags_given(args: Any) -> bool:
+    """Whether any of :func:`add_attention_arguments`' flags was given."""
+    return any(getattr(args, flag, None) for flag in ("attention", "transformer_impl", "use_flash_attn"))
+
+
 def attention_from_args(args: Any) -> "str | None":
-    """The attention core :func:`add_attention_arguments`' flags ask for; None where they ask for
-    none. ``--transformer-impl transformer_engine`` runs transformer-engine's fused core (its
-    layers bring their own, whatever ``--attention`` says), ``--use-flash-attn`` a flash kernel in
-    the local layers: ``sdpa``, torch's, which runs one."""
-    attention = getattr(args, "attention", None)
-    fused_by = [flag for flag, given in (("--transformer-impl transformer_engine",
-                                          getattr(args, "transformer_impl", None) == "transformer_engine"),
-                                         ("--use-flash-attn", getattr(args, "use_flash_attn", None))) if given]
-    if not fused_by:
-        return attention
-    if attention == "local":
-        raise ValueError(f"--attention local is megatron-core's unfused core, which {fused_by[0]} replaces by a "
-                         "fused one: drop one of them")
-    return "transformer_engine" if fused_by[0].startswith("--transformer-impl") else "sdpa"
+    """The attention core :func:`add_attention_arguments`' flags ask for, their default where none
+    is given (None where there is no such default): ``--transformer-impl transformer_engine``
+    transformer-engine's fused core (its layers bring their own); ``--attention`` a core of
+    megatron-core's local layers; ``--use-flash-attn`` a flash kernel in them: ``sdpa``, torch's,
+    which runs one; ``--transformer-impl local`` alone megatron-core's unfused core."""
+    attention, impl = getattr(args, "attention", None), getattr(args, "transformer_impl", None)
+    if impl == "transformer_engine":
+        if attention or getattr(args, "use_flash_attn", None):
+            raise ValueError("--attention and --use-flash-attn choose the core of megatron-core's local layers, and "
+                             "--transformer-impl transformer_engine builds transformer-engine's: drop one of them")
+        return "transformer_engine"
+    if getattr(args, "use_flash_attn", None):
+        if attention == "local":
+            raise ValueError("--attention local is megatron-core's unfused core, which --use-flash-attn replaces by a "
+                             "fused one: drop one of them")
+        return "sdpa"
+    if attention or impl == "local":
+        return attention or "local"
+    return getattr(args, "default_attention", None)
 
 
 def model_from_args(args, default: "str | None" = None) -> ModelSpec:
@@ -143,7 +155,8 @@ def model_from_args(args, default: "str | None" = None) -> ModelSpec:
         base = get_model(name)
         if "hidden_size" in fields:
             fields.setdefault("ffn_hidden_size", None)  # 4 x the new hidden size, as Megatron-LM defaults
-        return dataclasses.replace(base, **fields, name=base.name if not fields else "")
+        # the core alone keeps the name (the label says the core): other fields make another model
+        return dataclasses.replace(base, **fields, name="" if set(fields) - {"attention"} else base.name)
     missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads")
                if n not in fields]
     if missing:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_dynapipe.config.model import ModelSpec, get_model, model_names
-from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_from_args
+from megatron_dynapipe.config.model_flags import add_attention_arguments, attention_flags_given, attention_from_args
 from megatron_dynapipe.hardware import Hardware, default_memory_limit_mb, hardware_names, load_hardware
 from megatron_dynapipe.planning.cost_model import CostModel, StageCosts, cost_model_from_document
 from megatron_dynapipe.planning.planner import pipeline_costs
@@ -73,15 +73,14 @@ def add_pricing_arguments(parser) -> None:
     group.add_argument("--hardware", metavar="NAME|FILE",
                        help=f"price its layers on this device's roofline, bf16: {', '.join(hardware_names())} or a "
                             f"hardware file (default {DEFAULT_HARDWARE} where --model is given)")
-    add_attention_arguments(group, "the model's: local")
+    add_attention_arguments(group, "transformer_engine")
 
 
 def pricing_from_args(args, tp: int) -> "Pricing | None":
     """The pricing ``--model``/``--hardware`` (and the attention core's flags) ask for at ``tp``, in
     bf16; None when none is given. Giving them with ``--cost-model`` is refused: both say how to
     price the layers."""
-    attention = attention_from_args(args)
-    if not (args.model or args.hardware or attention):
+    if not (args.model or args.hardware or attention_flags_given(args)):
         return None
     if getattr(args, "cost_model", None):
         if not (args.model or args.hardware):
@@ -89,6 +88,5 @@ def pricing_from_args(args, tp: int) -> "Pricing | None":
                              "on --hardware; --cost-model's profile prices the core it measured: drop them")
         raise ValueError("--cost-model and --model/--hardware both say how to price the layers: give one")
     model, hardware = get_model(args.model or DEFAULT_MODEL), load_hardware(args.hardware or DEFAULT_HARDWARE)
-    if attention:
-        model = dataclasses.replace(model, attention=attention)
+    model = dataclasses.replace(model, attention=attention_from_args(args) or model.attention)
     return Pricing(hardware, model, DTYPE, tp)

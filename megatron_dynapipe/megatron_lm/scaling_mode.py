@@ -87,8 +87,8 @@ def add_megatron_model_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
     the model's (:func:`~megatron_dynapipe.config.model_flags.add_model_arguments`), the training options
     (:func:`~megatron_dynapipe.config.megatron_options.add_megatron_options`), the precision, the batch and the
     layout, and :data:`UNTRACED_FLAGS`, so that they are refused rather than ignored."""
-    add_model_arguments(parser, moe=True)
-    parser.set_defaults(transformer_impl="transformer_engine")  # Megatron-LM's, unlike this package's commands
+    add_model_arguments(parser, moe=True, attention="transformer_engine")
+    parser.set_defaults(transformer_impl="transformer_engine")  # as Megatron-LM's namespace reads
     add_megatron_options(parser)
     g = parser.add_argument_group(title="megatron training (read by scaling mode)")
     g.add_argument("--seq-length", type=int, default=None)

@@ -125,7 +125,7 @@ def add_search_parser(sub) -> None:
                                    "optimizer) of a model on --world-size GPUs, prune those whose estimated memory "
                                    "does not fit, trace the best-estimated shapes-only with fake ranks, simulate "
                                    "every variant on the hardware model and rank them.")
-    add_model_arguments(p)
+    add_model_arguments(p, attention="transformer_engine")
     job = p.add_argument_group("job")
     job.add_argument("--world-size", type=positive_int_argument, required=True, metavar="W", help="GPUs of the job")
     job.add_argument("--global-batch-size", type=positive_int_argument, required=True, metavar="G",

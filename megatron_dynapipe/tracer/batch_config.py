@@ -19,6 +19,8 @@ compute is :mod:`.trace_budget`; what a batch gives back and writes is :mod:`.ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import re
@@ -268,7 +270,9 @@ def parse_config_line(
             raise ConfigParseError(f"{source}: {key} given twice ({given[key]} and {key}={overrides[key]})")
     values = {**defaults, **given, **overrides}
     try:
-        shape = get_model(values.pop("model", model))
+        shape = get_model(model)
+        if "model" in values:  # another size, built with the command's layers
+            shape = dataclasses.replace(get_model(values.pop("model")), attention=shape.attention)
     except ValueError as error:
         raise ConfigParseError(f"{source}: {error}") from None
     experts = values.pop("num_experts", num_experts)

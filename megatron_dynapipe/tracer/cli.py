@@ -86,7 +86,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="FILE", help="a file of config lines (repeatable)")
     src.add_argument("--strict", action="store_true", help="exit 1 if any config is invalid")
 
-    add_model_arguments(p, moe=True)
+    add_model_arguments(p, moe=True, attention="transformer_engine")
     model = p.add_argument_group("experts, precision and batch (defaults for every config)")
     model.add_argument("--num-experts", type=int, metavar="N", help="make the model mixture-of-experts with N experts")
     model.add_argument("--expert-tensor-parallel-size", dest="expert_tp", type=int, metavar="N",

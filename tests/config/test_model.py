@@ -64,24 +64,26 @@ def test_the_attention_core_is_checked_and_named_in_folders():
         dataclasses.replace(tiny, attention="flash")
 
 
+@pytest.mark.parametrize("default", ["local", "transformer_engine"])
 @pytest.mark.parametrize("flags,attention", [
-    ([], "local"), (["--transformer-impl", "local"], "local"),
+    ([], None), (["--transformer-impl", "local"], "local"), (["--attention", "local"], "local"),
     (["--transformer-impl", "transformer_engine"], "transformer_engine"),
-    (["--attention", "sdpa", "--transformer-impl", "transformer_engine"], "transformer_engine"),
-    (["--use-flash-attn"], "sdpa"), (["--attention", "sdpa", "--transformer-impl", "local"], "sdpa")])
-def test_megatrons_flags_say_whether_the_attention_core_is_fused(flags, attention):
+    (["--use-flash-attn"], "sdpa"), (["--attention", "sdpa"], "sdpa"),
+    (["--attention", "sdpa", "--transformer-impl", "local"], "sdpa")])
+def test_megatrons_flags_say_whether_the_attention_core_is_fused(flags, attention, default):
     """transformer-engine's layers run their own fused core, --use-flash-attn a flash kernel in the
     local layers, priced as torch's SDPA (no scores kept, the causal half computed); megatron-core's
-    local layers the unfused one."""
+    local layers the unfused one; no flag the command's default (None above), whatever the model's."""
     import argparse
 
     from megatron_dynapipe.config.model_flags import add_model_arguments, model_from_args
     from megatron_dynapipe.hardware import load_hardware
 
     parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
+    add_model_arguments(parser, attention=default)
     spec = model_from_args(parser.parse_args(["--model", "6.7", *flags]))
-    assert spec.attention == attention
+    attention = attention or default
+    assert spec.attention == attention and spec.name == "6.7B"  # the core alone keeps the model's name
     assert load_hardware("h100").cost_model(spec, 1, "bfloat16").fused_attention == (attention != "local")
 
 
@@ -95,3 +97,8 @@ def test_a_fused_implementation_with_the_unfused_core_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^--attention local is megatron-core's unfused core, which --use-flash-attn "
                                          r"replaces by a fused one: drop one of them$"):
         model_from_args(parser.parse_args(["--model", "6.7", "--use-flash-attn", "--attention", "local"]))
+    for core in (["--attention", "sdpa"], ["--use-flash-attn"]):
+        with pytest.raises(ValueError, match=r"^--attention and --use-flash-attn choose the core of megatron-core's "
+                                             r"local layers, and --transformer-impl transformer_engine builds "
+                                             r"transformer-engine's: drop one of them$"):
+            model_from_args(parser.parse_args(["--model", "6.7", *core, "--transformer-impl", "transformer_engine"]))

@@ -348,8 +348,10 @@ def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "   #   TP SP   PP VPP  CP    DP" in out and "\n   1 " in out and "rule of thumb" in out
     assert "time against memory: " + str(tmp_path / "search.png") in out
-    # the core priced, and the flag a job on Megatron-LM's default layers needs
-    assert "attention: megatron-core's unfused local core" in out and "--transformer-impl transformer_engine" in out
+    # the core priced, and the flag that chooses it: Megatron-LM's default layers, as a job's command line
+    assert "attention: transformer-engine's fused core (--transformer-impl transformer_engine)" in out
+    assert main([*argv, "--transformer-impl", "local"]) == 0
+    assert "attention: megatron-core's unfused local core (--transformer-impl local)" in capsys.readouterr().out
 
 
 def test_traces_made_with_one_cost_model_are_never_reused_for_another(tmp_path):

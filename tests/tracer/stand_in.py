@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from megatron_dynapipe.tracer.batch_config import (
 from megatron_dynapipe.tracer.trace_format import RankTrace, TraceOp
 
 TINY = get_model("tiny")
+TINY_TE = dataclasses.replace(TINY, attention="transformer_engine")
 
 
 def cfg(line: str, **kw) -> TraceConfig:
@@ -116,4 +118,5 @@ class FakeTTY(io.StringIO):
 
 
 def ok_folder(line, index):
-    return cfg(line, index=index).folder_name()
+    """The folder ``trace --model tiny`` writes a config to: tiny on Megatron-LM's default layers."""
+    return cfg(line, index=index, model=TINY_TE).folder_name()

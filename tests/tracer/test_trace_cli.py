@@ -3,11 +3,13 @@ places, Ctrl-C) and with the real tracer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from megatron_dynapipe.config.model import get_model
 from megatron_dynapipe.tracer import batch_run
 from megatron_dynapipe.tracer import cli as trace_cli
 from megatron_dynapipe.tracer.batch_config import parse_configs
@@ -77,7 +79,7 @@ def test_trace_plain_table_when_not_a_terminal(tmp_path, stand_in, capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["#", "config", "model", "ranks", "traced", "reduction", "status", "time", "folder"]
     assert "ok" in lines[1].split() and "87.50%" in lines[1] and ok_folder("16 2 2", 0) in lines[1]
-    assert "invalid" in lines[2] and "skipped: 4 layers of model tiny do not split evenly into PP = 3" in lines[2]
+    assert "invalid" in lines[2] and "skipped: 4 layers of model tiny-te do not split evenly into PP = 3" in lines[2]
     assert lines[-1] == f"1 traced, 0 failed, 1 invalid; folders in {tmp_path}"
     assert "\x1b[" not in out + err
 
@@ -111,8 +113,9 @@ def test_print_ranks(capsys):
     assert code == 0
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
     assert [int(r[11]) for r in rows] == [512 * s for s in range(16)]
+    te_175 = dataclasses.replace(get_model("175"), attention="transformer_engine")  # Megatron-LM's default layers
     assert {(r[14], r[15], r[16], r[17]) for r in rows} == {
-        ("175B", "0", "8", cfg("8192 16 8", model="175").folder_name())}
+        ("175B-te", "0", "8", cfg("8192 16 8", model=te_175).folder_name())}
     # the rest of the line: the pretrain_gpt.py flags of the model
     flags = {" ".join(r[18:]) for r in rows}
     assert len(flags) == 1 and flags.pop().startswith("--num-layers 96 --hidden-size 12288 --num-attention-heads 96")
@@ -244,7 +247,7 @@ def test_ctrl_c_marks_the_folder_interrupted_and_stops_the_batch(tmp_path, monke
 def test_trace_defaults_to_the_model_of_the_example_script(capsys):
     assert trace_cli.main(["--config", "8192 16 8", "--print-ranks"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert len(rows) == 16 and {r[14] for r in rows} == {"6.7B"}
+    assert len(rows) == 16 and {r[14] for r in rows} == {"6.7B-te"}
 
 def test_trace_takes_megatron_model_and_precision_flags(tmp_path, capsys):
     code = trace_cli.main(["--model", "tiny", "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
