@@ -20,7 +20,6 @@ compute is :mod:`.trace_budget`; what a batch gives back and writes is :mod:`.ba
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import os
 import re

@@ -53,6 +53,14 @@ def test_parse_cp_ep_commas_comments_and_overrides():
     assert c.dp == 64 and c.microbatches == 4  # 512 / (2 * 64)
 
 
+def test_a_lines_model_is_built_with_the_commands_layers():
+    """model=NAME changes the size, not the layers the command builds (trace's: Megatron-LM's)."""
+    te_tiny = dataclasses.replace(get_model("tiny"), attention="transformer_engine")
+    c = cfg("64 2 2 model=6.7", model=te_tiny)
+    assert c.model == dataclasses.replace(MODELS["6.7B"], attention="transformer_engine")
+    assert c.model.label == "6.7B-te" and cfg("64 2 2", model=te_tiny).model is te_tiny
+
+
 def test_line_overrides_win_over_defaults():
     c = cfg("64 2 2 cp=2", micro_batch_size=4, seq_length=512)
     assert c.cp == 2 and c.micro_batch_size == 4 and c.seq == 512
