@@ -266,8 +266,9 @@ class Hardware:
         try:
             return float(self.peak_tflops[dtype])
         except KeyError:
-            raise HardwareFileError(f"hardware {self.name!r} has no peak_tflops for {dtype!r}: add it to the "
-                                    f"file's peak_tflops ({_FIX})") from None
+            raise HardwareFileError(f"hardware {self.name!r} has no peak_tflops for {dtype!r}: name one it has "
+                                    f"({', '.join(self.peak_tflops)}) or add it to the file's peak_tflops "
+                                    f"({_FIX})") from None
 
     def roofline(self, dtype: str, core: str = "transformer_engine") -> "DeviceRoofline | None":
         """The device's roofline for ``dtype``, attention by the kernel of ``core`` (a ModelSpec's

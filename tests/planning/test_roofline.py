@@ -200,6 +200,12 @@ def test_a_bad_compute_section_is_refused_in_one_line(tmp_path, compute, says):
     assert "\n" not in str(error.value)
 
 
+def test_a_dtype_the_file_does_not_price_is_refused_naming_the_ones_it_does():
+    """Megatron-LM's flags say bf16; the file's keys are torch's dtype names."""
+    with pytest.raises(HardwareFileError, match=re.escape("'bf16': name one it has (bfloat16, float16, float32)")):
+        load_hardware("h100").cost_model(get_model("6.7"), 1, "bf16")
+
+
 
 @pytest.mark.parametrize("name,tp,fused", [("175", 8, True), ("6.7", 1, False), ("tiny", 1, True)])
 def test_one_pass_over_a_shapes_kernels_answers_what_asking_each_layer_and_recompute_type_does(name, tp, fused):
