@@ -171,6 +171,10 @@ def add_search_parser(sub) -> None:
     fixed.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
                        help="interleaved layouts block on each pipeline transfer, as Megatron-LM with this flag "
                             "(default: post them and wait just before they are needed); needs PP > 2")
+    fixed.add_argument("--tp-comm-overlap", action="store_true",
+                       help="sequence-parallel layouts hide their TP all-gathers and reduce-scatters under the GEMMs "
+                            "beside them, as Megatron-LM's --tp-comm-overlap does with transformer-engine "
+                            "(default: off, as Megatron-LM's)")
     data = add_data_arguments(p)
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
                       help="price the methods at the N fastest traced layouts, the fastest of each TP, PP, "
@@ -207,7 +211,8 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         tp=args.tp, pp=args.pp, cp=args.cp, micro_batch_sizes=args.micro_batch_size,
                         recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
-                        cost_model=args.cost_model, overlap_p2p_comm=args.overlap_p2p_comm)
+                        cost_model=args.cost_model, overlap_p2p_comm=args.overlap_p2p_comm,
+                        tp_comm_overlap=args.tp_comm_overlap)
     out = check_output_folder(args.output_dir, "--output-dir")
     for previous in RESULTS:  # a run that fails or is stopped must not leave the last run's answer looking current
         (out / previous).unlink(missing_ok=True)

@@ -252,7 +252,8 @@ def traced_layout(job: "TracedJob", hardware: Hardware,
     recompute, distributed_optimizer = traced_choices(job)
     layout, it = job.layout, job.iteration
     space = SearchSpace(job.model, layout.world_size, job.global_batch_size, int(it["seq_length"]), hardware,
-                        dtype=job.dtype, cost_model=cost_model)
+                        dtype=job.dtype, cost_model=cost_model, async_tp_backward=options.async_tp_backward,
+                        tp_comm_overlap=options.tp_comm_overlap)
     if cost_model is not None and by_profile and space.cost_model_for(layout.tp).name != by_profile:
         raise ValueError(f"--cost-model {cost_model}: {job.folder.name} was priced by {by_profile!r}; give that "
                          "profile")
@@ -313,6 +314,7 @@ class _Layout:
         layers = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
                             pp=c.pp * self.chunks, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
         self.costs = space.hardware.planner_stages(layers, space.model, cp=c.cp, sequence_parallel=c.sequence_parallel,
+                                                   tp_comm_overlap=space.tp_comm_overlap and c.sequence_parallel,
                                                    async_backward=space.async_tp_backward)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         self.fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,

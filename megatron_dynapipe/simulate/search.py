@@ -83,7 +83,10 @@ class SearchSpace:
     ``overlap_p2p_comm``: interleaved layouts post their pipeline transfers and wait for them
     later, as Megatron-LM does by default (False: they block, and need PP > 2).
     ``async_tp_backward``: a column-parallel linear's backward runs its TP collectives beside its
-    GEMMs, as megatron-core does (False: the Megatron-LM of 2021, which waited for them)."""
+    GEMMs, as megatron-core does (False: the Megatron-LM of 2021, which waited for them).
+    ``tp_comm_overlap``: sequence-parallel layouts overlap their other TP all-gathers and
+    reduce-scatters with the GEMMs beside them, as transformer-engine's userbuffers do under
+    Megatron-LM's ``--tp-comm-overlap`` (layouts without sequence parallelism cannot)."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -102,6 +105,7 @@ class SearchSpace:
     cost_model: Optional[str] = None
     overlap_p2p_comm: bool = True
     async_tp_backward: bool = True
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "global_batch_size", "seq_length"):
@@ -134,6 +138,9 @@ class SearchSpace:
         for value in self.recompute or ():
             if value not in RECOMPUTE_CHOICES:
                 raise SearchError(f"--recompute {value!r}: use {', '.join(RECOMPUTE_CHOICES)}")
+        if self.tp_comm_overlap and self.sequence_parallel == (False,):
+            raise SearchError("--tp-comm-overlap overlaps sequence parallelism's collectives: drop "
+                              "--no-sequence-parallel or --tp-comm-overlap")
         self.hardware.peak(self.dtype)  # a hardware file without this dtype's peak is refused here
 
     def _check_tp(self, tp: int) -> None:
@@ -190,9 +197,10 @@ class SearchSpace:
 
     def training_options(self, sequence_parallel: bool, chunks: int) -> MegatronOptions:
         """The Megatron-LM options a layout is traced with: its sequence parallelism and model
-        chunks a rank (a ``trace_key``'s last two), and this space's pipeline overlap."""
+        chunks a rank (a ``trace_key``'s last two), and this space's communication overlaps."""
         return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None,
-                               overlap_p2p_comm=self.overlap_p2p_comm, async_tp_backward=self.async_tp_backward)
+                               overlap_p2p_comm=self.overlap_p2p_comm, async_tp_backward=self.async_tp_backward,
+                               tp_comm_overlap=self.tp_comm_overlap and sequence_parallel)
 
     def cost_model_for(self, tp: int, sequence_parallel: bool = False) -> CostModel:
         """The layers' costs at ``tp``: the hardware's roofline, its activations with or without
@@ -443,7 +451,7 @@ class SearchResult:
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
             "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
             "overlap_p2p_comm": s.overlap_p2p_comm,
-            "async_tp_backward": s.async_tp_backward, "counts": self.counts(), "traced_layouts": self.traced,
+            "async_tp_backward": s.async_tp_backward, "tp_comm_overlap": s.tp_comm_overlap, "counts": self.counts(), "traced_layouts": self.traced,
             "reused_traces": self.reused,
             "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
             "best": best.to_json() if best else None,

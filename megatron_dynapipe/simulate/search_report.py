@@ -33,7 +33,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     lines = [
         f"{s.model.label} on {s.world_size} x {s.hardware.name} ({s.hardware.memory_gib:g} GiB), global batch "
         f"{s.global_batch_size} x {s.seq_length} tokens, {s.dtype}; compute from {s.compute_label}",
-        f"  attention: {ATTENTION_WORDS[s.model.attention]}",
+        f"  attention: {ATTENTION_WORDS[s.model.attention]}"
+        + ("; sequence-parallel layouts overlap TP communication (--tp-comm-overlap)" if s.tp_comm_overlap else ""),
         f"  {counts['enumerated']} layouts: {counts['pruned']} pruned by estimated memory, {counts['estimated']} ranked "
         f"by estimate only, {counts['simulated']} simulated ({counts['simulated_fit']} fit)"
         + (f", {counts['failed']} failed" if counts["failed"] else ""),

@@ -326,6 +326,35 @@ def test_the_planner_and_the_replay_price_a_slow_context_parallel_ring_alike(tmp
     assert abs(slow_rest - fast_rest) <= 0.03 * slow_step, priced
 
 
+def test_the_planner_and_the_replay_price_tp_communication_overlap_alike(tmp_path, capsys):
+    """TP 2 with sequence parallelism on a link slow enough for its all-gathers and reduce-scatters
+    to matter: --tp-comm-overlap hides part of them under the GEMMs beside them in the trace's
+    replay, and the planner that prices the methods must hide the same part, so the step's rest
+    (the traced step less the planner's simulation of its pipeline) does not move with the flag."""
+    from megatron_dynapipe.hardware import load_hardware
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("256\n" * 10)
+    hardware = load_hardware("h100").to_json()
+    hardware["intra_node"] = {"bandwidth_GBps": 25.0, "latency_us": 0.0}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(hardware))
+    priced = {}
+    for overlap in (False, True):
+        document = _search(tmp_path / str(overlap), capsys, "--world-size", "2", "--global-batch-size", "2",
+                           "--hidden-size", "4096", "--num-attention-heads", "32", "--tp", "2", "--pp", "1",
+                           "--sequence-parallel", "--hardware", str(path), "--micro-batch-size", "1",
+                           "--recompute", "none", "--no-distributed-optimizer", "--max-traced", "1",
+                           "--lengths", str(lengths), "--batches", "1", "--method", "thd",
+                           *(["--tp-comm-overlap"] if overlap else []))
+        assert document["tp_comm_overlap"] is overlap
+        (step,) = [s for s in document["on_data"]["steps"] if s["method"] == "thd"]
+        priced[overlap] = (document["best"]["iteration_s"], step["why"]["rest_ms"], 1e3 * step["mean_step_s"])
+    (plain_traced, plain_rest, _), (overlap_traced, overlap_rest, overlap_step) = priced[False], priced[True]
+    assert overlap_traced < 0.98 * plain_traced, priced  # the overlap is traced and replayed
+    assert abs(overlap_rest - plain_rest) <= 0.005 * overlap_step, priced
+
+
 def test_one_registry_names_every_method_for_every_command():
     """search/simulate price the windows' and whole-sample methods Megatron-LM runs and DynaPipe's;
     plan's yardsticks and bench step's rows are the registry's too, each label naming one method."""

@@ -265,11 +265,21 @@ def test_a_search_that_cannot_find_a_layout_says_what_to_change(tmp_path, kwargs
     (dict(world=10**9), "--world-size 1,000,000,000 is over the 1,048,576 a job may have"),
     (dict(pp=(7,)), "--pp 7: pipeline stages must divide --world-size 8 and the model's 4 layers; use one of 1, 2, 4"),
     (dict(gbs=10**9), "--global-batch-size 1,000,000,000 is over the 16,777,216 a job may have"),
+    (dict(tp_comm_overlap=True, sequence_parallel=(False,)), "drop --no-sequence-parallel or --tp-comm-overlap"),
 ])
 def test_bad_search_settings_are_refused_in_one_line(kwargs, says):
     with pytest.raises(SearchError, match=says) as error:
         space(**kwargs)
     assert "\n" not in str(error.value)
+
+
+def test_tp_comm_overlap_is_traced_on_the_sequence_parallel_layouts_alone():
+    """Megatron-LM refuses --tp-comm-overlap without --sequence-parallel, and turns sequence
+    parallelism off at TP 1: a search asked for the overlap still weighs the layouts without it."""
+    s = space(tp_comm_overlap=True, virtual_stages=(1,))
+    assert {(o.sequence_parallel, o.tp_comm_overlap) for o in s.training_values(2, 1, 16)} == {(False, False),
+                                                                                               (True, True)}
+    assert {(o.sequence_parallel, o.tp_comm_overlap) for o in s.training_values(1, 1, 16)} == {(False, False)}
 
 
 def test_a_mixture_of_experts_model_is_refused_with_what_to_do_instead():
