@@ -131,6 +131,8 @@ class _StepBuilder:
         self.pair_count: Counter = Counter()
         self.collective_costs: dict[tuple, float] = {}
         self.overlap = job.overlap_grad_reduce
+        #: what the overlapped reductions' wait counts as: all-reduces, or the distributed optimizer's reduce-scatters
+        self.grad_sync_kind = next((op.kind for op in trace.ops if op.name.endswith("start_grad_sync")), "all_reduce")
         self.steps: list[Step] = []
         top = [op for op in trace.ops if op.parent is None]
         #: request handles waited on between passes, and the transfers posted under each
@@ -154,7 +156,7 @@ class _StepBuilder:
                 continue
             if self.overlap and not drained and op.phase in ("finalize_grads", "optimizer_step"):
                 self.steps.append(Step("drain", "exposed overlapped gradient reduction", phase=op.phase,
-                                       key="all_reduce", stream=GRAD_STREAM))
+                                       key=self.grad_sync_kind, stream=GRAD_STREAM))
                 drained = True
             if op.cat == "compute":
                 # a wait inside a pass (the context-parallel ring's) is priced with the pass

@@ -253,20 +253,37 @@ def test_tp_and_dp_collectives_are_priced_by_the_hardware(tiny_traces):
     assert dp and priced.exposed_comm_s["all_reduce"] >= sum(2 * 3 / 4 * op.bytes / 1e9 for op in dp)
 
 
-def test_overlapped_gradient_reduction_hides_behind_the_backward(tiny_traces):
-    job = uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 20000.0)
-    hw = link_hw(bandwidth=0.5, latency=0.0, inter=(0.5, 0.0))
-    serial = simulate_job(job, hw).iteration_us
-    for trace in job.traces.values():  # what overlap_grad_reduce traces: the buckets launched in the last backward
+def _overlapping_grad_reduce(job):
+    """``job`` as overlap_grad_reduce traces it: the buckets launched in the last backward."""
+    for trace in job.traces.values():
         last_backward = [op for op in trace.ops if op.kind == "backward"][-1]
         for op in trace.ops:
             if op.name.endswith("start_grad_sync"):
                 op.parent, op.phase = last_backward.seq, "backward"
         trace.iteration["ddp"] = dict(trace.iteration["ddp"], overlap_grad_reduce=True)
     job.iteration = next(iter(job.traces.values())).iteration
-    overlapped = simulate_job(job, hw)
+    return job
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_backward(tiny_traces):
+    job = uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 20000.0)
+    hw = link_hw(bandwidth=0.5, latency=0.0, inter=(0.5, 0.0))
+    serial = simulate_job(job, hw).iteration_us
+    overlapped = simulate_job(_overlapping_grad_reduce(job), hw)
     hidden = report(overlapped).overlapped_comm_s * 1e6
     assert hidden > 0 and overlapped.iteration_us <= serial - hidden + 1e-6
+
+
+def test_the_distributed_optimizers_overlapped_reduce_scatters_are_exposed_as_reduce_scatters(tiny_traces):
+    """What an overlapped reduction leaves exposed counts as the collective it is: with the
+    distributed optimizer, a reduce-scatter; the all-reduces exposed are the TP group's alone."""
+    hw = link_hw(bandwidth=0.5, latency=0.0, inter=(0.5, 0.0))
+    serial = report(simulate_job(derive(uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 2000.0),
+                                        distributed_optimizer=True), hw))
+    job = _overlapping_grad_reduce(uniform(load_job(tiny_traces["16 2 2"]), 1000.0, 2000.0))
+    overlapped = report(simulate_job(derive(job, distributed_optimizer=True), hw))
+    assert overlapped.exposed_comm_s["all_reduce"] == pytest.approx(serial.exposed_comm_s["all_reduce"])
+    assert 0 < overlapped.exposed_comm_s["reduce_scatter"] < serial.exposed_comm_s["reduce_scatter"]
 
 
 def test_the_timeline_has_a_process_per_stage_and_the_simulated_spans(tiny_traces):
