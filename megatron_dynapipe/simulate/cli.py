@@ -175,6 +175,10 @@ def add_search_parser(sub) -> None:
                        help="sequence-parallel layouts hide their TP all-gathers and reduce-scatters under the GEMMs "
                             "beside them, as Megatron-LM's --tp-comm-overlap does with transformer-engine "
                             "(default: off, as Megatron-LM's)")
+    fixed.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="the data-parallel gradient reduction runs per bucket during the backward pass, as "
+                            "Megatron-LM's flag of that name (default: off, as Megatron-LM's); the distributed "
+                            "optimizer's parameter all-gather still follows the step")
     data = add_data_arguments(p)
     data.add_argument("--method-layouts", type=positive_int_argument, default=4, metavar="N",
                       help="price the methods at the N fastest traced layouts, the fastest of each TP, PP, "
@@ -212,7 +216,7 @@ def run_search_cli(args: argparse.Namespace) -> int:
                         recompute=args.recompute, distributed_optimizer=args.distributed_optimizer,
                         sequence_parallel=args.sequence_parallel, virtual_stages=args.virtual_stages,
                         cost_model=args.cost_model, overlap_p2p_comm=args.overlap_p2p_comm,
-                        tp_comm_overlap=args.tp_comm_overlap)
+                        tp_comm_overlap=args.tp_comm_overlap, overlap_grad_reduce=args.overlap_grad_reduce)
     out = check_output_folder(args.output_dir, "--output-dir")
     for previous in RESULTS:  # a run that fails or is stopped must not leave the last run's answer looking current
         (out / previous).unlink(missing_ok=True)

@@ -86,7 +86,10 @@ class SearchSpace:
     GEMMs, as megatron-core does (False: the Megatron-LM of 2021, which waited for them).
     ``tp_comm_overlap``: sequence-parallel layouts overlap their other TP all-gathers and
     reduce-scatters with the GEMMs beside them, as transformer-engine's userbuffers do under
-    Megatron-LM's ``--tp-comm-overlap`` (layouts without sequence parallelism cannot)."""
+    Megatron-LM's ``--tp-comm-overlap`` (layouts without sequence parallelism cannot).
+    ``overlap_grad_reduce``: the data-parallel gradient reduction runs per bucket during the
+    backward pass (Megatron-LM's ``--overlap-grad-reduce``); the distributed optimizer's parameter
+    all-gather still follows the optimizer step."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
@@ -106,6 +109,7 @@ class SearchSpace:
     overlap_p2p_comm: bool = True
     async_tp_backward: bool = True
     tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "global_batch_size", "seq_length"):
@@ -200,7 +204,8 @@ class SearchSpace:
         chunks a rank (a ``trace_key``'s last two), and this space's communication overlaps."""
         return MegatronOptions(sequence_parallel=sequence_parallel, virtual_stages=chunks if chunks > 1 else None,
                                overlap_p2p_comm=self.overlap_p2p_comm, async_tp_backward=self.async_tp_backward,
-                               tp_comm_overlap=self.tp_comm_overlap and sequence_parallel)
+                               tp_comm_overlap=self.tp_comm_overlap and sequence_parallel,
+                               overlap_grad_reduce=self.overlap_grad_reduce)
 
     def cost_model_for(self, tp: int, sequence_parallel: bool = False) -> CostModel:
         """The layers' costs at ``tp``: the hardware's roofline, its activations with or without
@@ -451,7 +456,8 @@ class SearchResult:
             "model": s.model.label, "world_size": s.world_size, "global_batch_size": s.global_batch_size,
             "seq_length": s.seq_length, "hardware": s.hardware.name, "dtype": s.dtype, "compute": s.compute_label,
             "overlap_p2p_comm": s.overlap_p2p_comm,
-            "async_tp_backward": s.async_tp_backward, "tp_comm_overlap": s.tp_comm_overlap, "counts": self.counts(), "traced_layouts": self.traced,
+            "async_tp_backward": s.async_tp_backward, "tp_comm_overlap": s.tp_comm_overlap,
+            "overlap_grad_reduce": s.overlap_grad_reduce, "counts": self.counts(), "traced_layouts": self.traced,
             "reused_traces": self.reused,
             "trace_seconds": self.trace_seconds, "simulate_seconds": self.simulate_seconds,
             "best": best.to_json() if best else None,

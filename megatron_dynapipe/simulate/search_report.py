@@ -28,13 +28,22 @@ def _row(rank: str, o: Outcome) -> str:
             f"{r.mfu:>6.1%} {r.bubble_fraction:>7.1%} {r.peak_memory_gib:>9.1f}" + ("" if r.fits else "  (too big)"))
 
 
+def _settings(s) -> str:
+    """The search space's attention core and the overlaps it was asked for, in words."""
+    words = [f"attention: {ATTENTION_WORDS[s.model.attention]}"]
+    if s.tp_comm_overlap:
+        words.append("sequence-parallel layouts overlap TP communication (--tp-comm-overlap)")
+    if s.overlap_grad_reduce:
+        words.append("gradients reduced during the backward pass (--overlap-grad-reduce)")
+    return "  " + "; ".join(words)
+
+
 def format_search(result: SearchResult, top: int = 10) -> str:
     s, counts, ranked = result.space, result.counts(), result.ranked()
     lines = [
         f"{s.model.label} on {s.world_size} x {s.hardware.name} ({s.hardware.memory_gib:g} GiB), global batch "
         f"{s.global_batch_size} x {s.seq_length} tokens, {s.dtype}; compute from {s.compute_label}",
-        f"  attention: {ATTENTION_WORDS[s.model.attention]}"
-        + ("; sequence-parallel layouts overlap TP communication (--tp-comm-overlap)" if s.tp_comm_overlap else ""),
+        _settings(s),
         f"  {counts['enumerated']} layouts: {counts['pruned']} pruned by estimated memory, {counts['estimated']} ranked "
         f"by estimate only, {counts['simulated']} simulated ({counts['simulated_fit']} fit)"
         + (f", {counts['failed']} failed" if counts["failed"] else ""),

@@ -364,6 +364,28 @@ def test_search_prints_the_top_layouts_and_the_rule_of_thumb(tmp_path, capsys):
     assert "attention: megatron-core's unfused local core (--transformer-impl local)" in capsys.readouterr().out
 
 
+def test_overlap_grad_reduce_is_traced_and_hides_the_reduction_for_both_optimizers(tmp_path, capsys):
+    """On a slow link the data-parallel reduction is most of the step; traced with Megatron-LM's
+    --overlap-grad-reduce (another trace, not the one without it), the buckets run during the
+    backward pass, for the all-reduce and the distributed optimizer's reduce-scatter alike."""
+    hardware = load_hardware("h100").to_json()
+    hardware["intra_node"] = {"bandwidth_GBps": 5.0, "latency_us": 0.0}
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(hardware))
+    argv = ["search", "--model", "tiny", "--world-size", "4", "--global-batch-size", "4", "--tp", "1", "--pp", "1",
+            "--micro-batch-size", "1", "--recompute", "none", "--hardware", str(path),
+            "--output-dir", str(tmp_path / "out"), "--no-progress", "--json"]
+    steps = {}
+    for overlap in (False, True):
+        assert main([*argv, *(["--overlap-grad-reduce"] if overlap else [])]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["overlap_grad_reduce"] is overlap and document["traced_layouts"] == 1
+        steps[overlap] = {c["distributed_optimizer"]: c["iteration_s"] for c in document["candidates"]
+                          if c["status"] == "simulated"}
+    for optimizer in (False, True):
+        assert steps[True][optimizer] < 0.9 * steps[False][optimizer], steps
+
+
 def test_traces_made_with_one_cost_model_are_never_reused_for_another(tmp_path):
     """The trace cache is keyed by the cost model: its whole name (shipped names have dots) and
     its bytes (another file of that name, or the same file edited, is another model)."""
