@@ -84,12 +84,8 @@ class SearchSpace:
     later, as Megatron-LM does by default (False: they block, and need PP > 2).
     ``async_tp_backward``: a column-parallel linear's backward runs its TP collectives beside its
     GEMMs, as megatron-core does (False: the Megatron-LM of 2021, which waited for them).
-    ``tp_comm_overlap``: sequence-parallel layouts overlap their other TP all-gathers and
-    reduce-scatters with the GEMMs beside them, as transformer-engine's userbuffers do under
-    Megatron-LM's ``--tp-comm-overlap`` (layouts without sequence parallelism cannot).
-    ``overlap_grad_reduce``: the data-parallel gradient reduction runs per bucket during the
-    backward pass (Megatron-LM's ``--overlap-grad-reduce``); the distributed optimizer's parameter
-    all-gather still follows the optimizer step."""
+    ``tp_comm_overlap`` and ``overlap_grad_reduce``: Megatron-LM's flags of those names, the
+    first on the sequence-parallel layouts alone (as Megatron-LM allows it)."""
     model: ModelSpec
     world_size: int
     global_batch_size: int
