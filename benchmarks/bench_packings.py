@@ -1,6 +1,7 @@
 """DynaPipe's plans against Megatron-LM's own packings at one layout, pipeline time only.
 
-A GPT on a world of H100s (the shipped roofline, 2,097,152 tokens a step) at each layout of
+A GPT on a world of H100s (the shipped roofline, 2,097,152 tokens a step; transformer-engine's
+layers, as ``search`` builds them, unless ``--attention`` names another core) at each layout of
 LAYOUTS and each mix: per drawn batch, THD packing as Megatron's GPT data path feeds it (windows
 that cut documents), ``dp_balanced`` (whole samples), and DynaPipe varlen and padded in fast and
 normal mode, and DynaPipe varlen on THD's own pieces (``documents="cut"``), each the pipeline's
@@ -21,7 +22,7 @@ import math
 import sys
 import time
 
-from megatron_dynapipe.config.model import get_model
+from megatron_dynapipe.config.model import ATTENTIONS, get_model
 from megatron_dynapipe.hardware import load_hardware
 from megatron_dynapipe.planning.baselines import dp_balanced_rows, megatron_thd_rows
 from megatron_dynapipe.planning.cost_model import StageCosts
@@ -38,10 +39,11 @@ LAYOUTS = {4096: [(2, 2, 4, 1), (4, 2, 1, 1), (2, 4, 2, 1)], 16384: [(4, 2, 4, 4
            131072: [(8, 2, 2, 16), (8, 4, 1, 8)]}
 
 
-def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int, normal: bool) -> dict:
+def price(model: str, world: int, seq: int, layout: tuple, mix: str, batch: int, normal: bool,
+          attention: str = "transformer_engine") -> dict:
     tp, pp, chunks, cp = layout
     hw = load_hardware("h100")
-    spec_model = dataclasses.replace(get_model(model), max_sequence_length=max(seq, 2048))
+    spec_model = dataclasses.replace(get_model(model), max_sequence_length=max(seq, 2048), attention=attention)
     space = SearchSpace(spec_model, world, TOKENS // seq, seq, hw)
     dp = world // (tp * pp * cp)
     layers = StageCosts(space.cost_model_for(tp, tp > 1), num_layers=spec_model.num_layers, pp=pp * chunks, dp=dp,
@@ -100,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lengths", type=int, nargs="+", default=sorted(LAYOUTS), choices=sorted(LAYOUTS))
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--attention", default="transformer_engine", choices=ATTENTIONS,
+                   help="the attention core priced (default: transformer-engine's, Megatron-LM's default layers)")
     p.add_argument("--fast-only", action="store_true", help="skip normal mode (minutes at 4K on one core)")
     args = p.parse_args(argv)
     rows = []
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
         for layout in LAYOUTS[seq]:
             for mix in args.mixes:
                 for batch in range(args.batches):
-                    rows.append(price(args.model, args.world_size, seq, layout, mix, batch, not args.fast_only))
+                    rows.append(price(args.model, args.world_size, seq, layout, mix, batch, not args.fast_only,
+                                      args.attention))
                     print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     return 0
