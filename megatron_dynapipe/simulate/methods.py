@@ -313,9 +313,10 @@ class _Layout:
         # one row a virtual stage (chunk v of rank r is row v * pp + r), on one rank of a CP group
         layers = StageCosts(space.cost_model_for(c.tp, c.sequence_parallel), num_layers=space.model.num_layers,
                             pp=c.pp * self.chunks, dp=c.dp, zero_stage=1 if c.distributed_optimizer else 0)
+        traced = space.training_options(c.sequence_parallel, self.chunks)  # its TP collectives run as traced
         self.costs = space.hardware.planner_stages(layers, space.model, cp=c.cp, sequence_parallel=c.sequence_parallel,
-                                                   tp_comm_overlap=space.tp_comm_overlap and c.sequence_parallel,
-                                                   async_backward=space.async_tp_backward)
+                                                   tp_comm_overlap=traced.tp_comm_overlap,
+                                                   async_backward=traced.async_tp_backward)
         self.memory_limit_mb = space.hardware.memory_gib * 1024
         self.fixed = fixed_shape_run(self.costs, c.micro_batch_size * c.num_microbatches, c.micro_batch_size,
                                      space.seq_length, RecomputeType.parse(c.recompute), chunks=self.chunks)
